@@ -1,0 +1,8 @@
+#pragma once
+// Umbrella header: everything a program that uses cohort needs.
+
+#include "cohort/communicator.h"
+#include "cohort/error.h"
+#include "cohort/store.h"
+#include "cohort/types.h"
+#include "cohort/version.h"

@@ -1,0 +1,128 @@
+#pragma once
+// cohort::Communicator: a group of ranks that run collectives together.
+//
+// Semantics follow MPI and torch.distributed so results can be checked against them. Buffers are
+// raw pointers plus an element count and a DataType; `send == recv` means in place. All calls on one
+// communicator must be made in the same order on every rank (as in MPI); a different op, size,
+// dtype or order is detected and thrown as MismatchError on the ranks involved.
+//
+// Blocking calls run on the calling thread and return when the local buffers may be reused.
+// *_async calls return a Work handle and run in order with the communicator's other calls.
+// Every wait is bounded by options().timeout (COHORT_TIMEOUT); a rank that waits longer than
+// options().slow_warning logs which ranks it is waiting for.
+//
+// Construction is collective: every rank of the group must construct (or split) together.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/error.h"
+#include "cohort/store.h"
+#include "cohort/types.h"
+
+namespace cohort {
+
+struct CommOptions {
+  // Deadline of one operation, and of construction. COHORT_TIMEOUT (seconds) overrides the default.
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // After this long waiting, log which ranks have not progressed (COHORT_SLOW_WARNING, seconds).
+  std::chrono::milliseconds slow_warning{std::chrono::seconds(5)};
+  // Transport preference: "auto" (shm on the same host, else TCP), "tcp" or "shm".
+  // COHORT_TRANSPORT overrides.
+  std::string transport = "auto";
+  // Prefix for this communicator's keys in the store (job-scoped; chosen by from_env/create).
+  std::string store_prefix = "comm";
+};
+
+// Handle of an asynchronous operation.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Waits until the operation completes; rethrows its error. A timeout of zero means the
+  // communicator's own deadline.
+  virtual void wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) = 0;
+  // True when the operation has finished (successfully or not); never blocks.
+  virtual bool test() = 0;
+  // The error the operation ended with, or nullptr.
+  virtual std::exception_ptr exception() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  // Builds the world communicator from the environment: COHORT_* set by `cohort run`, else
+  // torchrun's (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), else Open MPI's or Slurm's rank
+  // variables with MASTER_ADDR/MASTER_PORT. Without a launcher, rank 0 hosts the store.
+  static std::shared_ptr<Communicator> from_env(CommOptions options = {});
+  // Builds a communicator of `size` ranks that meet at `store`.
+  static std::shared_ptr<Communicator> create(std::shared_ptr<Store> store, int rank, int size,
+                                              CommOptions options = {});
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Ranks on this host, and this rank's index among them.
+  virtual int local_rank() const = 0;
+  virtual int local_size() const = 0;
+  // Host name of `rank` (for messages).
+  virtual std::string host_of(int rank) const = 0;
+  virtual const CommOptions& options() const = 0;
+
+  // ---- collectives (blocking) ----
+  virtual void allreduce(const void* send, void* recv, size_t count, DataType dtype,
+                         ReduceOp op) = 0;
+  virtual void reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                      int root) = 0;
+  virtual void broadcast(void* buf, size_t count, DataType dtype, int root) = 0;
+  // recv holds size() * count elements, rank r's contribution at r * count.
+  virtual void allgather(const void* send, void* recv, size_t count, DataType dtype) = 0;
+  // recv_counts[r] elements from rank r, placed back to back in rank order.
+  virtual void allgatherv(const void* send, size_t send_count, void* recv,
+                          const std::vector<size_t>& recv_counts, DataType dtype) = 0;
+  virtual void gather(const void* send, void* recv, size_t count, DataType dtype, int root) = 0;
+  virtual void scatter(const void* send, void* recv, size_t count, DataType dtype, int root) = 0;
+  // send holds size() * recv_count elements; rank r receives the reduction of block r.
+  virtual void reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype,
+                              ReduceOp op) = 0;
+  // send and recv hold size() * count elements; block r goes to / comes from rank r.
+  virtual void alltoall(const void* send, void* recv, size_t count, DataType dtype) = 0;
+  // Counts and displacements in elements, one per rank.
+  virtual void alltoallv(const void* send, const std::vector<size_t>& send_counts,
+                         const std::vector<size_t>& send_displs, void* recv,
+                         const std::vector<size_t>& recv_counts,
+                         const std::vector<size_t>& recv_displs, DataType dtype) = 0;
+  virtual void barrier() = 0;
+
+  // ---- point to point ----
+  virtual void send(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag = 0) = 0;
+  virtual void recv(void* buf, size_t count, DataType dtype, int peer, uint32_t tag = 0) = 0;
+
+  // ---- asynchronous variants (run in call order on the communicator's progress thread) ----
+  virtual std::shared_ptr<Work> allreduce_async(const void* send, void* recv, size_t count,
+                                                DataType dtype, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> broadcast_async(void* buf, size_t count, DataType dtype,
+                                                int root) = 0;
+  virtual std::shared_ptr<Work> allgather_async(const void* send, void* recv, size_t count,
+                                                DataType dtype) = 0;
+  virtual std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv,
+                                                     size_t recv_count, DataType dtype,
+                                                     ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> barrier_async() = 0;
+
+  // ---- groups ----
+  // Collective over this communicator: ranks with the same color form a new communicator,
+  // ordered by (key, old rank). A negative color returns nullptr for that rank.
+  virtual std::shared_ptr<Communicator> split(int color, int key) = 0;
+  // Collective over the listed ranks only (every listed rank must call it with the same list).
+  virtual std::shared_ptr<Communicator> subgroup(const std::vector<int>& ranks) = 0;
+
+  // Fails every pending and future operation with AbortedError(reason) on this rank.
+  virtual void abort(const std::string& reason) = 0;
+};
+
+}  // namespace cohort

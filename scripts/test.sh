@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Quick start, second command: installs dependencies, builds, and runs the whole test suite.
+#   scripts/test.sh                 everything (unit, multi-process, multi-host when namespaces work)
+#   scripts/test.sh -L store        only tests labelled 'store' (any ctest arguments pass through)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+build_dir=${COHORT_BUILD_DIR:-build}
+cd "$build_dir"
+# Two cores: run two tests at a time; every test has its own timeout.
+ctest --output-on-failure -j 2 "$@"

@@ -1,0 +1,76 @@
+#include "common/log.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <strings.h>
+
+namespace cohort::log {
+namespace {
+
+Level parse_level(const char* s) {
+  if (s == nullptr || *s == '\0') return Level::kWarn;
+  if (strcasecmp(s, "error") == 0) return Level::kError;
+  if (strcasecmp(s, "warn") == 0 || strcasecmp(s, "warning") == 0) return Level::kWarn;
+  if (strcasecmp(s, "info") == 0) return Level::kInfo;
+  if (strcasecmp(s, "debug") == 0 || strcasecmp(s, "trace") == 0) return Level::kDebug;
+  return Level::kWarn;
+}
+
+std::atomic<int>& level_storage() {
+  static std::atomic<int> l{static_cast<int>(parse_level(std::getenv("COHORT_LOG_LEVEL")))};
+  return l;
+}
+
+std::mutex& identity_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::string& identity_storage() {
+  static std::string who = "pid " + std::to_string(::getpid());
+  return who;
+}
+
+const char* level_name(Level l) {
+  switch (l) {
+    case Level::kError: return "error";
+    case Level::kWarn: return "warning";
+    case Level::kInfo: return "info";
+    case Level::kDebug: return "debug";
+  }
+  return "?";
+}
+
+}  // namespace
+
+Level level() { return static_cast<Level>(level_storage().load(std::memory_order_relaxed)); }
+void set_level(Level l) { level_storage().store(static_cast<int>(l)); }
+
+void set_identity(std::string who) {
+  std::lock_guard<std::mutex> g(identity_mutex());
+  identity_storage() = std::move(who);
+}
+
+const std::string& identity() { return identity_storage(); }
+
+void write(Level l, std::string_view text) {
+  std::string line;
+  {
+    std::lock_guard<std::mutex> g(identity_mutex());
+    line = fmt::format("cohort[{}] {}: {}\n", identity_storage(), level_name(l), text);
+  }
+  // One write(2) per line so lines from many threads and processes do not interleave.
+  const char* p = line.data();
+  size_t left = line.size();
+  while (left > 0) {
+    ssize_t n = ::write(STDERR_FILENO, p, left);
+    if (n <= 0) break;
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+}  // namespace cohort::log

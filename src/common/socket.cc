@@ -1,0 +1,231 @@
+#include "common/socket.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+
+namespace cohort::net {
+
+uint16_t Address::port() const {
+  if (family() == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&storage)->sin_port);
+  if (family() == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_port);
+  return 0;
+}
+
+void Address::set_port(uint16_t port) {
+  if (family() == AF_INET) reinterpret_cast<sockaddr_in*>(&storage)->sin_port = htons(port);
+  if (family() == AF_INET6) reinterpret_cast<sockaddr_in6*>(&storage)->sin6_port = htons(port);
+}
+
+std::string Address::host() const {
+  char buf[INET6_ADDRSTRLEN] = {0};
+  if (family() == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&storage)->sin_addr, buf, sizeof buf);
+  } else if (family() == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_addr, buf, sizeof buf);
+  } else {
+    return "?";
+  }
+  return buf;
+}
+
+std::string Address::to_string() const {
+  if (family() == AF_INET6) return fmt::format("[{}]:{}", host(), port());
+  return fmt::format("{}:{}", host(), port());
+}
+
+std::string errno_string(const std::string& what, int err) {
+  return fmt::format("{}: {}", what, std::strerror(err));
+}
+
+Address resolve(const std::string& host, uint16_t port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (passive) hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  std::string service = std::to_string(port);
+  int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    throw ConfigError(fmt::format("cannot resolve host '{}': {}", host, gai_strerror(rc)));
+  }
+  // Prefer IPv4 when both exist: loopback and cluster addresses here are IPv4.
+  addrinfo* pick = res;
+  for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
+    if (p->ai_family == AF_INET) {
+      pick = p;
+      break;
+    }
+  }
+  Address a;
+  std::memcpy(&a.storage, pick->ai_addr, pick->ai_addrlen);
+  a.length = pick->ai_addrlen;
+  freeaddrinfo(res);
+  return a;
+}
+
+std::pair<std::string, uint16_t> split_host_port(const std::string& s) {
+  std::string host;
+  std::string port;
+  if (!s.empty() && s[0] == '[') {
+    auto close = s.find(']');
+    if (close == std::string::npos || close + 1 >= s.size() || s[close + 1] != ':') {
+      throw ConfigError(fmt::format("malformed address '{}': expected [ipv6]:port", s));
+    }
+    host = s.substr(1, close - 1);
+    port = s.substr(close + 2);
+  } else {
+    auto colon = s.rfind(':');
+    if (colon == std::string::npos) {
+      throw ConfigError(fmt::format("malformed address '{}': expected host:port", s));
+    }
+    host = s.substr(0, colon);
+    port = s.substr(colon + 1);
+  }
+  char* end = nullptr;
+  long p = std::strtol(port.c_str(), &end, 10);
+  if (port.empty() || *end != '\0' || p < 0 || p > 65535) {
+    throw ConfigError(fmt::format("malformed address '{}': port must be 0-65535", s));
+  }
+  return {host, static_cast<uint16_t>(p)};
+}
+
+void set_nonblocking(int fd, bool on) {
+  int flags = fcntl(fd, F_GETFL, 0);
+  if (flags < 0) throw Error(errno_string("fcntl(F_GETFL)", errno));
+  flags = on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK);
+  if (fcntl(fd, F_SETFL, flags) < 0) throw Error(errno_string("fcntl(F_SETFL)", errno));
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+void set_keepalive(int fd, int idle_s, int interval_s, int count) {
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof idle_s);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof interval_s);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+}
+
+UniqueFd listen_tcp(const std::string& host, uint16_t port, int backlog, bool nonblocking) {
+  Address a = resolve(host, port, /*passive=*/true);
+  UniqueFd fd(::socket(a.family(), SOCK_STREAM | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0));
+  if (!fd) throw Error(errno_string("socket", errno));
+  int one = 1;
+  setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0) {
+    int err = errno;
+    if (err == EADDRINUSE) {
+      throw ConfigError(fmt::format(
+          "port {} on {} is already in use; choose another or leave the port unset so the OS picks "
+          "a free one",
+          port, host.empty() ? "*" : host));
+    }
+    throw ConfigError(errno_string(fmt::format("bind to {}", a.to_string()), err));
+  }
+  if (::listen(fd.get(), backlog) != 0) throw Error(errno_string("listen", errno));
+  return fd;
+}
+
+Address local_address(int fd) {
+  Address a;
+  a.length = sizeof a.storage;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a.storage), &a.length);
+  return a;
+}
+
+Address peer_address(int fd) {
+  Address a;
+  a.length = sizeof a.storage;
+  getpeername(fd, reinterpret_cast<sockaddr*>(&a.storage), &a.length);
+  return a;
+}
+
+UniqueFd connect_tcp(const Address& addr, Deadline deadline) {
+  UniqueFd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) throw Error(errno_string("socket", errno));
+  int rc = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr.storage), addr.length);
+  if (rc != 0 && errno != EINPROGRESS) {
+    throw PeerLostError(errno_string(fmt::format("connect to {}", addr.to_string()), errno));
+  }
+  if (rc != 0) {
+    pollfd p{fd.get(), POLLOUT, 0};
+    for (;;) {
+      int n = ::poll(&p, 1, deadline.poll_ms());
+      if (n < 0 && errno == EINTR) continue;
+      if (n == 0) {
+        throw TimeoutError(fmt::format("connect to {}: no answer before the deadline", addr.to_string()));
+      }
+      break;
+    }
+    int err = 0;
+    socklen_t len = sizeof err;
+    getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) throw PeerLostError(errno_string(fmt::format("connect to {}", addr.to_string()), err));
+  }
+  set_nonblocking(fd.get(), false);
+  set_nodelay(fd.get());
+  return fd;
+}
+
+void send_all(int fd, const void* data, size_t len, Deadline deadline, const std::string& peer) {
+  const char* p = static_cast<const char*>(data);
+  while (len > 0) {
+    ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pf{fd, POLLOUT, 0};
+      int r = ::poll(&pf, 1, deadline.poll_ms());
+      if (r == 0) throw TimeoutError(fmt::format("send to {}: deadline passed", peer));
+      continue;
+    }
+    throw PeerLostError(errno_string(fmt::format("send to {}", peer), errno));
+  }
+}
+
+void recv_all(int fd, void* data, size_t len, Deadline deadline, const std::string& peer) {
+  char* p = static_cast<char*>(data);
+  while (len > 0) {
+    ssize_t n = ::recv(fd, p, len, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) throw PeerLostError(fmt::format("{} closed the connection", peer));
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      pollfd pf{fd, POLLIN, 0};
+      int r = ::poll(&pf, 1, deadline.poll_ms());
+      if (r == 0) throw TimeoutError(fmt::format("receive from {}: deadline passed", peer));
+      continue;
+    }
+    throw PeerLostError(errno_string(fmt::format("receive from {}", peer), errno));
+  }
+}
+
+std::string hostname() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof buf - 1) != 0) return "localhost";
+  return buf;
+}
+
+}  // namespace cohort::net

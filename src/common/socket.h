@@ -1,0 +1,64 @@
+#pragma once
+// Small, blocking-with-deadline socket helpers shared by the store, the launcher and the TCP
+// transport. Anything that fails throws a cohort::Error whose message names the address and the
+// system call (e.g. "connect to 10.0.0.2:29500: Connection refused").
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/deadline.h"
+#include "common/fd.h"
+
+namespace cohort::net {
+
+// A resolved socket address (IPv4 or IPv6).
+struct Address {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+
+  int family() const { return storage.ss_family; }
+  uint16_t port() const;
+  void set_port(uint16_t port);
+  // "1.2.3.4:80" or "[::1]:80".
+  std::string to_string() const;
+  // Numeric host only ("1.2.3.4", "::1").
+  std::string host() const;
+};
+
+// Resolves host (name or numeric; "" means the wildcard address) and port. Throws ConfigError.
+Address resolve(const std::string& host, uint16_t port, bool passive = false);
+
+// "host:port" or "[v6]:port" -> (host, port). Throws ConfigError on a malformed string.
+std::pair<std::string, uint16_t> split_host_port(const std::string& s);
+
+// strerror(errno) formatted as "what: message".
+std::string errno_string(const std::string& what, int err);
+
+// Listening TCP socket bound to host:port (port 0: chosen by the OS). SO_REUSEADDR, CLOEXEC.
+// A port in use throws ConfigError naming it.
+UniqueFd listen_tcp(const std::string& host, uint16_t port, int backlog, bool nonblocking);
+// The address a bound socket actually has (to learn the port the OS chose).
+Address local_address(int fd);
+Address peer_address(int fd);
+
+// Connects with a deadline (non-blocking connect + poll). Returns a blocking socket with
+// TCP_NODELAY set. Throws PeerLostError (refused/unreachable) or TimeoutError.
+UniqueFd connect_tcp(const Address& addr, Deadline deadline);
+
+void set_nonblocking(int fd, bool on);
+void set_nodelay(int fd);
+// Enables TCP keep-alive probing so a dead host is noticed in about idle+interval*count seconds.
+void set_keepalive(int fd, int idle_s, int interval_s, int count);
+
+// Sends/receives exactly `len` bytes on a blocking or non-blocking socket, polling with the
+// deadline. recv_all throws PeerLostError when the peer closes before `len` bytes came.
+void send_all(int fd, const void* data, size_t len, Deadline deadline, const std::string& peer);
+void recv_all(int fd, void* data, size_t len, Deadline deadline, const std::string& peer);
+
+// This machine's host name.
+std::string hostname();
+
+}  // namespace cohort::net

@@ -1,0 +1,19 @@
+#pragma once
+// String utilities used by parsers across layers.
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cohort::str {
+
+std::vector<std::string> split(std::string_view s, char sep, bool keep_empty = false);
+std::string_view trim(std::string_view s);
+bool starts_with(std::string_view s, std::string_view prefix);
+std::string join(const std::vector<std::string>& parts, std::string_view sep);
+// "0,2-4,7" -> {0,2,3,4,7}; throws ConfigError naming `what` on malformed input.
+std::vector<int> parse_int_list(std::string_view s, std::string_view what);
+// Compresses a sorted list of ints to "0-3,5,7-9" (for "ranks 0-3,5 are missing" messages).
+std::string format_ranges(const std::vector<int>& sorted_values);
+
+}  // namespace cohort::str

@@ -1,0 +1,46 @@
+#pragma once
+// The TCP rendezvous store: an event-driven server (one epoll thread, no thread per connection)
+// and its client. This header is the contract between the store layer and its users (launcher,
+// communicator bootstrap, tools); docs/store.md describes the wire protocol.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cohort/store.h"
+
+namespace cohort {
+
+struct StoreServerOptions {
+  std::string host;        // address to bind; "" = all interfaces
+  uint16_t port = 0;       // 0 = chosen by the OS
+  int backlog = 16384;     // listen backlog (the kernel caps it at net.core.somaxconn)
+  std::string token;       // job token; when set, clients must pass HMAC-SHA256 challenge-response
+};
+
+class StoreServer {
+ public:
+  // Binds, listens and starts serving on a background thread. A port in use throws ConfigError
+  // naming the port.
+  static std::unique_ptr<StoreServer> start(StoreServerOptions options);
+  virtual ~StoreServer() = default;
+  virtual uint16_t port() const = 0;
+  // "host:port" as clients should dial it.
+  virtual std::string address() const = 0;
+  // Stops serving and closes every connection (clients then fail with "store ... unreachable").
+  virtual void stop() = 0;
+};
+
+struct StoreClientOptions {
+  std::string host;
+  uint16_t port = 0;
+  std::string token;                       // empty = no authentication
+  Millis timeout{std::chrono::minutes(5)};  // default deadline of every call, and of connecting
+};
+
+// Connects (retrying with exponential back-off and jitter until the deadline: a server that is not
+// up yet is normal) and authenticates. Throws AuthError when refused, TimeoutError/PeerLostError
+// naming "store at host:port unreachable".
+std::shared_ptr<Store> connect_tcp_store(const StoreClientOptions& options);
+
+}  // namespace cohort

@@ -1,0 +1,122 @@
+// Tests of the common layer: 16-bit float conversion, settings parsers, string helpers, and the
+// in-memory store (the reference every other store is compared with).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "cohort/error.h"
+#include "common/env.h"
+#include "common/half.h"
+#include "common/strings.h"
+#include "store/memory_store.h"
+#include "support/test_support.h"
+
+namespace cohort {
+namespace {
+
+TEST(Half, RoundTripsEveryHalfValue) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    float f = half_to_float(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    EXPECT_EQ(float_to_half(f), h) << "half bits " << h;
+  }
+}
+
+TEST(Half, RoundsToNearestEven) {
+  // 1 + 2^-11 is exactly halfway between 1 and the next half (1 + 2^-10): ties go to even (1.0).
+  EXPECT_EQ(float_to_half(1.0f + std::ldexp(1.0f, -11)), 0x3c00);
+  // 1 + 3 * 2^-11 is halfway between 1+2^-10 (odd) and 1+2^-9 (even): rounds up.
+  EXPECT_EQ(float_to_half(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);
+  EXPECT_EQ(float_to_half(65520.0f), 0x7c00);  // overflows to infinity
+  EXPECT_EQ(float_to_half(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(float_to_half(std::ldexp(1.0f, -25)), 0x0000);  // halfway to zero: even
+}
+
+TEST(BFloat16, RoundsToNearestEven) {
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(bf16_to_float(0x3f80), 1.0f);
+  EXPECT_EQ(float_to_bf16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);      // tie -> even
+  EXPECT_EQ(float_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);  // tie -> even (up)
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(NAN))));
+}
+
+TEST(Env, ParsesDurationsSizesAndBooleans) {
+  EXPECT_DOUBLE_EQ(env::parse_seconds("X", "30"), 30.0);
+  EXPECT_DOUBLE_EQ(env::parse_seconds("X", "500ms"), 0.5);
+  EXPECT_DOUBLE_EQ(env::parse_seconds("X", "2m"), 120.0);
+  EXPECT_EQ(env::parse_bytes("X", "64K"), 65536u);
+  EXPECT_EQ(env::parse_bytes("X", "16M"), 16u << 20);
+  EXPECT_TRUE(env::parse_bool("X", "yes"));
+  EXPECT_FALSE(env::parse_bool("X", "0"));
+  EXPECT_THROW(env::parse_seconds("COHORT_TIMEOUT", "soon"), ConfigError);
+  try {
+    env::parse_int("COHORT_N", "12x");
+    FAIL() << "no exception";
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "COHORT_N=12x: expected an integer");
+  }
+}
+
+TEST(Strings, IntListsAndRanges) {
+  EXPECT_EQ(str::parse_int_list("0,2-4,7", "ranks"), (std::vector<int>{0, 2, 3, 4, 7}));
+  EXPECT_THROW(str::parse_int_list("3-1", "ranks"), ConfigError);
+  EXPECT_EQ(str::format_ranges({0, 1, 2, 3, 5, 7, 8, 9}), "0-3,5,7-9");
+  EXPECT_EQ(str::split("a,,b", ','), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(str::trim("  x y \n"), "x y");
+}
+
+TEST(MemoryStore, OperationsAndWaits) {
+  auto store = make_memory_store();
+  store->set_timeout(std::chrono::milliseconds(200));
+  store->set("a", "1");
+  EXPECT_EQ(store->get("a"), "1");
+  EXPECT_EQ(store->add("n", 5), 5);
+  EXPECT_EQ(store->add("n", -2), 3);
+  EXPECT_EQ(store->compare_set("c", "", "x"), "x");
+  EXPECT_EQ(store->compare_set("c", "y", "z"), "x");
+  EXPECT_EQ(store->compare_set("c", "x", "z"), "z");
+  EXPECT_TRUE(store->remove("c"));
+  EXPECT_FALSE(store->remove("c"));
+  EXPECT_EQ(store->num_keys(), 2);
+  store->multi_set({"k1", "k2"}, {"v1", "v2"});
+  EXPECT_EQ(store->multi_get({"k2", "k1"}), (std::vector<std::string>{"v2", "v1"}));
+  EXPECT_TRUE(store->check({"k1", "k2"}));
+  EXPECT_FALSE(store->check({"k1", "nope"}));
+  try {
+    store->wait({"k1", "missing/rank/3"}, std::chrono::milliseconds(50));
+    FAIL() << "no timeout";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing/rank/3"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("k1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(MemoryStore, BarrierNamesMissingRanks) {
+  auto store = make_memory_store();
+  test::run_ranks(4, [&](int rank) { store->barrier("b1", rank, 4, std::chrono::seconds(5)); });
+  // Only ranks 0 and 2 arrive: both time out naming 1 and 3.
+  test::run_ranks(2, [&](int i) {
+    try {
+      store->barrier("b2", i * 2, 4, std::chrono::milliseconds(100));
+      ADD_FAILURE() << "barrier passed with ranks missing";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("missing rank(s) 1,3"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(PrefixStore, KeepsNamespacesApart) {
+  auto base = make_memory_store();
+  auto a = make_prefix_store(base, "job1");
+  auto b = make_prefix_store(base, "job2");
+  a->set("k", "a");
+  b->set("k", "b");
+  EXPECT_EQ(a->get("k"), "a");
+  EXPECT_EQ(b->get("k"), "b");
+  EXPECT_EQ(base->get("job1/k"), "a");
+}
+
+}  // namespace
+}  // namespace cohort

@@ -1,0 +1,80 @@
+// `cohort`: the single command-line entry point (run, agent, store serve, bench ..., doctor).
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "cohort/version.h"
+#include "command.h"
+
+namespace cohort::tools {
+namespace {
+
+struct Entry {
+  std::string summary;
+  CommandFn fn;
+};
+
+std::map<std::string, Entry>& commands() {
+  static std::map<std::string, Entry> m;
+  return m;
+}
+
+void print_usage(FILE* out) {
+  fmt::print(out, "usage: cohort <command> [options]\n\ncommands:\n");
+  for (const auto& [name, e] : commands()) fmt::print(out, "  {:<20} {}\n", name, e.summary);
+  fmt::print(out, "\n'cohort <command> --help' describes each command; 'cohort --version' prints the version.\n");
+}
+
+}  // namespace
+
+Registration::Registration(std::string name, std::string summary, CommandFn fn) {
+  commands()[std::move(name)] = Entry{std::move(summary), std::move(fn)};
+}
+
+}  // namespace cohort::tools
+
+int main(int argc, char** argv) {
+  using namespace cohort::tools;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
+    print_usage(args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  if (args[0] == "--version" || args[0] == "version") {
+    fmt::print("cohort {}\n", COHORT_VERSION);
+    return 0;
+  }
+  // Longest match: two words first ("bench store"), then one ("run").
+  std::string name;
+  size_t consumed = 0;
+  if (args.size() >= 2 && commands().count(args[0] + " " + args[1])) {
+    name = args[0] + " " + args[1];
+    consumed = 2;
+  } else if (commands().count(args[0])) {
+    name = args[0];
+    consumed = 1;
+  } else {
+    fmt::print(stderr, "cohort: unknown command '{}'\n", args[0]);
+    print_usage(stderr);
+    return 2;
+  }
+  std::vector<std::string> rest;
+  rest.push_back(name);
+  rest.insert(rest.end(), args.begin() + static_cast<long>(consumed), args.end());
+  try {
+    return commands()[name].fn(std::move(rest));
+  } catch (const cohort::ConfigError& e) {
+    fmt::print(stderr, "cohort {}: {}\n", name, e.what());
+    return 2;
+  } catch (const cohort::InvalidArgument& e) {
+    fmt::print(stderr, "cohort {}: {}\n", name, e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "cohort {}: {}\n", name, e.what());
+    return 1;
+  }
+}
