@@ -108,6 +108,26 @@ TEST(TcpStore, GetAndWaitAreAnsweredWhenAnotherClientSets) {
   t.join();
 }
 
+TEST(TcpStore, WaitSeesAKeyDeletedAfterItCameAsMissingAgain) {
+  auto server = start_server();
+  auto waiter = connect(*server);
+  auto setter = connect(*server);
+  std::atomic<bool> released{false};
+  std::thread t([&] {
+    waiter->wait({"a", "b"}, 10s);
+    released = true;
+  });
+  std::this_thread::sleep_for(50ms);
+  setter->set("a", "1");
+  setter->remove("a");
+  setter->set("b", "1");  // "a" is gone again: the wait must not be released yet
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(released.load());
+  setter->set("a", "2");
+  t.join();
+  EXPECT_TRUE(released.load());
+}
+
 TEST(TcpStore, WaitTimesOutNamingTheMissingKeys) {
   auto server = start_server();
   auto s = connect(*server);
