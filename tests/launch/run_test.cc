@@ -368,7 +368,7 @@ TEST(Run, KilledHeadTakesRemoteAgentsAndWorkersWithIt) {
   std::string script = "'" + cohort_tool() + "' run -H hostA:2,hostB:2 --master-addr 127.0.0.1 --ssh-command " +
                        shim + " /bin/sh -c 'echo $$ > " + d + "/pid.$RANK; exec sleep 60' & head=$!; i=0; "
                        "while [ $i -lt 200 ] && ! { [ -s " + d + "/pid.0 ] && [ -s " + d + "/pid.1 ] && [ -s " + d +
-                       "/pid.2 ] && [ -s " + d + "/pid.3 ]; }; do sleep 0.05; i=$((i+1)); done; kill -9 $head; wait";
+                       "/pid.2 ] && [ -s " + d + "/pid.3 ]; }; do sleep 0.05; i=$((i+1)); done; kill -9 $head; wait $head";
   auto r = run_process(sh(script), {}, 60);
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << "the head should have been SIGKILLed: " << r.err;
   for (int rank = 0; rank < 4; ++rank)
