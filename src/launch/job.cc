@@ -868,7 +868,7 @@ EndInfo Job::run_attempt(int attempt) {
               adopt_end(end_from_string(ev.text));
               break;
             case WatchEvent::kLost:
-              adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
+              adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store (its host, node 0, is gone?): {}", ev.text)});
               break;
             case WatchEvent::kJoinTimeout:
               adopt_end(EndInfo{"join", 1, ev.text});
@@ -903,7 +903,7 @@ EndInfo Job::run_attempt(int attempt) {
     if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   }
   // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
-  if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_) {
+  if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
     try {
       if (attempt_store_->add("exited", 1) == plan_.nnodes) attempt_store_->set("all_exited", "1");
       // Nodes that never joined (or a lost store) will not report: do not wait for them.

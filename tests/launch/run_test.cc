@@ -299,6 +299,25 @@ TEST(Run, TwoNodesFailFastAcrossNodes) {
   expect_no_process_left(dir, 4);
 }
 
+TEST(Run, TwoNodesLosingNodeZeroStopsTheOtherNode) {
+  TempDir dir;
+  std::string d = dir.path();
+  int port = free_port();
+  std::string node = "'" + cohort_tool() + "' run --nnodes 2 --master-addr 127.0.0.1 --master-port " +
+                     std::to_string(port) + " --node-rank ";
+  std::string worker = " /bin/sh -c 'echo $$ > " + d + "/pid.$RANK; exec sleep 60'";
+  // Node 0 is SIGKILLed once both workers run; node 1 must notice and stop its worker at once.
+  std::string script = node + "0" + worker + " & head=$!; " + node + "1" + worker + " 2> " + d +
+                       "/node1.err & other=$!; i=0; while [ $i -lt 200 ] && ! { [ -s " + d + "/pid.0 ] && [ -s " + d +
+                       "/pid.1 ]; }; do sleep 0.05; i=$((i+1)); done; kill -9 $head; wait $other";
+  auto r = run_process(sh(script), {}, 60);
+  EXPECT_EQ(r.exit_code, 1) << read_file(dir.file("node1.err"));
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_NE(read_file(dir.file("node1.err")).find("lost the job's store"), std::string::npos)
+      << read_file(dir.file("node1.err"));
+  expect_no_process_left(dir, 2);
+}
+
 TEST(Run, JoiningNodeSaysWhoIsMissingAndGivesUp) {
   int port = free_port();
   auto r = run_process(concat(cohort_run({"--nnodes", "3", "--node-rank", "0", "--master-addr", "127.0.0.1",
