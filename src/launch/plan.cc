@@ -348,7 +348,8 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   set("COHORT_RESTART_COUNT", std::to_string(restart_count));
   if (plan.set_omp_threads) set("OMP_NUM_THREADS", "1");
   if (plan.device_per_rank) {
-    bool ascend = launcher_env.count("ASCEND_RT_VISIBLE_DEVICES") || access("/dev/davinci0", F_OK) == 0;
+    auto ascend_var = launcher_env.find("ASCEND_RT_VISIBLE_DEVICES");
+    bool ascend = (ascend_var != launcher_env.end() && !ascend_var->second.empty()) || access("/dev/davinci0", F_OK) == 0;
     const char* var = ascend ? "ASCEND_RT_VISIBLE_DEVICES" : "CUDA_VISIBLE_DEVICES";
     // When the launcher itself sees a subset of devices, rank i gets the i-th of that subset.
     std::string device = std::to_string(s.local_rank);

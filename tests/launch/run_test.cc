@@ -91,6 +91,21 @@ TEST(Run, WorkerEnvironmentOfEveryWorker) {
   EXPECT_NE(r.err.find("OMP_NUM_THREADS=1"), std::string::npos) << r.err;
 }
 
+TEST(Run, BindToCoreAndDevicePerRank) {
+  auto r = run_process(concat(cohort_run({"-n", "2", "--bind-to", "core", "--device-per-rank", "--no-tag-output"}),
+                              sh("echo \"$RANK $CUDA_VISIBLE_DEVICES $(grep Cpus_allowed_list /proc/self/status | "
+                                 "cut -f2)\"")),
+                       {"CUDA_VISIBLE_DEVICES=", "ASCEND_RT_VISIBLE_DEVICES="}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // This test runs with whatever CPUs it may use; rank i gets the i-th of them (wrapping).
+  auto dry = run_process(concat(cohort_run({"--dry-run", "-n", "2", "--bind-to", "core"}), sh("true")), {}, 30);
+  std::smatch m0, m1;
+  ASSERT_TRUE(std::regex_search(dry.out, m0, std::regex(R"(rank 0 \(local 0\) cpus (\d+):)"))) << dry.out;
+  ASSERT_TRUE(std::regex_search(dry.out, m1, std::regex(R"(rank 1 \(local 1\) cpus (\d+):)"))) << dry.out;
+  EXPECT_NE(r.out.find("0 0 " + m0[1].str() + "\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1 1 " + m1[1].str() + "\n"), std::string::npos) << r.out;
+}
+
 TEST(Run, OutputIsTaggedAndFilteredByRank) {
   auto r = run_process(concat(cohort_run({"-n", "3", "--ranks-to-console", "1-2"}),
                               sh("echo out$RANK; echo err$RANK >&2")),
