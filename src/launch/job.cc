@@ -537,6 +537,15 @@ void Job::spawn_workers(int attempt) {
   const NodePlan* node = plan_.node(plan_.this_node);
   if (!node) return;
   auto bindings = compute_bindings(plan_.bind_to, node->nproc, allowed_cpus(), numa_node_cpus());
+  // Per-rank output folders first: a folder that cannot be made stops the job before any worker runs.
+  if (!plan_.output_dir.empty()) {
+    for (int l = 0; l < node->nproc; ++l) {
+      std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, node->first_rank + l);
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
+    }
+  }
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
   for (int l = 0; l < node->nproc; ++l) {

@@ -227,6 +227,11 @@ TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
   auto missing = run_process(cohort_run({"-n", "2", "/no/such/program"}), {}, 30);
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_NE(missing.err.find("program '/no/such/program' does not exist"), std::string::npos) << missing.err;
+  write_file(dir.file("bad-interp.sh"), "#!/no/such/interpreter\necho hi\n");
+  chmod(dir.file("bad-interp.sh").c_str(), 0755);
+  auto interp = run_process(cohort_run({"-n", "2", dir.file("bad-interp.sh")}), {}, 30);
+  EXPECT_EQ(interp.exit_code, 2);
+  EXPECT_NE(interp.err.find("its interpreter '/no/such/interpreter'"), std::string::npos) << interp.err;
   // A port in use is named, with the advice to leave it unset.
   auto held = net::listen_tcp("127.0.0.1", 0, 1, false);  // a port someone else already uses
   std::string port = std::to_string(net::local_address(held.get()).port());
