@@ -399,6 +399,21 @@ TEST(Run, SshFanOutFailFastAndUnreachableHost) {
   EXPECT_LT(bad.seconds, 5.0);
 }
 
+TEST(Run, SshFanOutRestartsEveryNode) {
+  TempDir dir;
+  std::string shim = write_shim(dir);
+  auto r = run_process(concat(cohort_run({"-H", "hostA:1,hostB:1", "--master-addr", "127.0.0.1", "--ssh-command", shim,
+                                          "--max-restarts", "2"}),
+                              sh("echo $TORCHELASTIC_RESTART_COUNT >> " + dir.path() + "/attempts.$RANK; "
+                                 "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 4; fi; "
+                                 "if [ $RANK = 0 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exec sleep 60; fi")),
+                       {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_file(dir.file("attempts.0")), "0\n1\n");  // rank 0 was stopped and started again
+  EXPECT_EQ(read_file(dir.file("attempts.1")), "0\n1\n");
+  EXPECT_NE(r.err.find("restarting every worker (restart 1 of 2) after: rank 1 on hostB"), std::string::npos) << r.err;
+}
+
 TEST(Run, KilledHeadTakesRemoteAgentsAndWorkersWithIt) {
   TempDir dir;
   std::string shim = write_shim(dir);
