@@ -8,16 +8,16 @@
 #include <nlohmann/json.hpp>
 
 #include "cohort/error.h"
-#include "comm/bridge_algorithms.h"
+#include "collectives/collectives.h"
 #include "common/env.h"
 #include "common/log.h"
 #include "common/strings.h"
 
 namespace cohort::comm {
 
-// The collective algorithms the communicator runs. TEMPORARY: the bridge in src/comm until branch
-// `coll` is merged, then `namespace algo = cohort::coll;`.
-namespace algo = bridge;
+// The collective algorithms (src/collectives/), selected by size and world (coll::select_algorithm,
+// COHORT_ALGO_<OP>).
+namespace algo = cohort::coll;
 
 namespace {
 
