@@ -33,8 +33,9 @@ struct Worker {
 
 class Job {
  public:
-  Job(const std::string& mode, int n, size_t bytes, std::vector<std::string> env = {}) : workers_(size_t(n)) {
-    std::string store = dir_.file("store");
+  Job(const std::string& mode, int n, size_t bytes, std::vector<std::string> env = {}, bool from_env = false)
+      : workers_(size_t(n)) {
+    std::string store = from_env ? "env" : dir_.file("store");
     for (int r = 0; r < n; ++r) {
       Worker& w = workers_[size_t(r)];
       w.out = dir_.file("out" + std::to_string(r));
@@ -51,6 +52,10 @@ class Job {
       std::vector<std::string> envs;
       for (char** e = environ; *e; ++e) envs.emplace_back(*e);
       for (auto& e : env) envs.push_back(e);
+      if (from_env) {
+        envs.push_back("RANK=" + std::to_string(r));
+        envs.push_back("WORLD_SIZE=" + std::to_string(n));
+      }
       std::vector<char*> envp;
       for (auto& e : envs) envp.push_back(e.data());
       envp.push_back(nullptr);
@@ -95,6 +100,7 @@ class Job {
     return false;
   }
   std::string err(int r) { return test::read_file(workers_[size_t(r)].err); }
+  std::string out_path(int r) { return workers_[size_t(r)].out; }
   size_t size() const { return workers_.size(); }
 
  private:
@@ -160,6 +166,18 @@ TEST(Faults, MismatchedCountsAreReportedNotCorrupted) {
     EXPECT_TRUE(WIFEXITED(job[r].status) && WEXITSTATUS(job[r].status) == 3) << e;
     EXPECT_NE(e.find("MismatchError"), std::string::npos) << e;
     EXPECT_NE(e.find("allreduce(count="), std::string::npos) << e;
+  }
+}
+
+TEST(FromEnv, TorchrunVariablesRankZeroHostsTheStore) {
+  const int n = 3;
+  int port = test::free_port();
+  Job job("once", n, 64, {"MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "COHORT_TIMEOUT=30"},
+          /*from_env=*/true);
+  ASSERT_TRUE(job.wait_exit(-1, 40));
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(WIFEXITED(job[r].status) && WEXITSTATUS(job[r].status) == 0) << job.err(r);
+    EXPECT_NE(test::read_file(job.out_path(r)).find("sum 3"), std::string::npos) << job.err(r);
   }
 }
 
