@@ -652,6 +652,9 @@ class TcpTransport final : public Transport {
         n = ::readv(c.fd.get(), iov, iov[1].iov_len ? 2 : 1);
         if (n > 0) {
           size_t got = size_t(n);
+          // A short read means the socket is drained: skip the recv that would only say EAGAIN
+          // (level-triggered epoll reports the connection again when more arrives).
+          bool drained = got < iov[0].iov_len + (iov[1].iov_len ? iov[1].iov_len : 0);
           if (got >= c.dst_left) {
             c.st_end += got - c.dst_left;
             c.dst_left = 0;
@@ -662,6 +665,7 @@ class TcpTransport final : public Transport {
             c.dst += got;
             c.dst_left -= got;
           }
+          if (drained) return;
           continue;
         }
       } else {
@@ -672,10 +676,12 @@ class TcpTransport final : public Transport {
           c.st_end -= c.st_begin;
           c.st_begin = 0;
         }
-        n = ::recv(c.fd.get(), c.staging.get() + c.st_end, kStagingBytes - c.st_end, MSG_DONTWAIT);
+        size_t want = kStagingBytes - c.st_end;
+        n = ::recv(c.fd.get(), c.staging.get() + c.st_end, want, MSG_DONTWAIT);
         if (n > 0) {
           c.st_end += size_t(n);
           parse_staging(c);
+          if (size_t(n) < want) return;  // drained (see above)
           continue;
         }
       }
