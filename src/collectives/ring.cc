@@ -4,12 +4,10 @@
 // reduce-scatter phase runs p-1 steps: at step s rank r sends block (r-s-1) to r+1 and receives
 // block (r-s-2) from r-1, combining it with its own contribution; after the last step rank r
 // holds block r fully reduced. The allgather phase runs p-1 steps passing finished blocks on.
-// All (step, chunk) items of both phases form one sequence: each item's chunk is forwarded to the
-// right as soon as it is reduced (or received), and up to COHORT_COLL_WINDOW receives are posted
-// ahead into a ring of scratch chunks, so sending, receiving and reducing overlap. With two ranks
+// Each chunk is forwarded to the right as soon as it is reduced (or received), and receives are
+// posted ahead of the data (see below), so sending, receiving and reducing overlap. With two ranks
 // this is exactly "exchange halves, reduce, exchange back", pipelined by chunk.
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <memory>
 
@@ -42,18 +40,6 @@ RequestList::~RequestList() {
   --t_request_pool.depth;
 }
 
-namespace {
-
-constexpr int kMaxWindow = 64;
-
-// Position in the flattened (step, chunk) sequence.
-struct Cursor {
-  int step;
-  size_t chunk;
-};
-
-}  // namespace
-
 void ring_engine(Context& ctx, const void* input, void* work, void* own_out, const Layout& layout, size_t esize,
                  DataType dtype, ReduceOp op, bool reduce, bool gather) {
   const int p = ctx.size();
@@ -61,8 +47,12 @@ void ring_engine(Context& ctx, const void* input, void* work, void* own_out, con
   if (p == 1 || (!reduce && !gather)) return;
   const int left = mod(r - 1, p), right = mod(r + 1, p);
   const size_t chunk_elems = std::max<size_t>(1, pipeline_chunk_bytes() / esize);
-  const int window = std::clamp(pipeline_window(), 1, kMaxWindow);
   const uint32_t nslots = static_cast<uint32_t>(std::max(1, pipeline_slots()));
+  // Reduce-scatter chunks travel on slots [0, nslots), allgather chunks on [nslots, 2*nslots), so
+  // the two phases' receives can be posted independently and still match in order.
+  auto slot_of = [&](int s, size_t j) {
+    return static_cast<uint32_t>(j % nslots) + (s < p - 1 ? 0u : nslots);
+  };
 
   const int first_step = reduce ? 0 : p - 1;
   const int end_step = gather ? 2 * p - 2 : p - 1;
@@ -76,72 +66,66 @@ void ring_engine(Context& ctx, const void* input, void* work, void* own_out, con
     return bytes_at(work, layout.offset(b) * esize);
   };
 
-  // Reduce-scatter receives into `window` scratch slots, each as large as the largest chunk.
+  // Receives are posted before the data can arrive, so the transport lands every chunk straight in
+  // its final place instead of buffering it as an unexpected message: all allgather receives
+  // (straight into the output) at once, and the reduce-scatter receives of step s+2 as soon as
+  // step s is done (two scratch regions of one block each, alternating by step parity).
   char* scratch = nullptr;
-  size_t slot_stride = 0;
+  size_t region = 0;
   if (reduce) {
-    for (int b = 0; b < p; ++b) slot_stride = std::max(slot_stride, std::min(layout.count(b), chunk_elems) * esize);
-    if (slot_stride) scratch = static_cast<char*>(ctx.scratch(slot_stride * static_cast<size_t>(window), 0));
+    for (int b = 0; b < p; ++b) region = std::max(region, layout.count(b) * esize);
+    const size_t regions = p - 1 >= 2 ? 2 : 1;
+    if (region) scratch = static_cast<char*>(ctx.scratch(region * regions, 0));
   }
-
-  RequestList sends;
+  RequestList rs_recvs, ag_recvs, sends;
+  auto post_rs_step = [&](int s) {
+    const int b = recv_block(s);
+    char* base = scratch + static_cast<size_t>(s % 2) * region;
+    for (size_t j = 0, n = chunks_of(b); j < n; ++j) {
+      rs_recvs.push(ctx.irecv(left, base + j * chunk_elems * esize, chunk_count(b, j) * esize, slot_of(s, j)));
+    }
+  };
+  if (reduce) {
+    for (int s = 0; s < std::min(2, p - 1); ++s) post_rs_step(s);
+  }
+  if (gather) {
+    for (int s = p - 1; s < end_step; ++s) {
+      const int b = recv_block(s);
+      for (size_t j = 0, n = chunks_of(b); j < n; ++j) {
+        ag_recvs.push(ctx.irecv(left, block_home(b) + j * chunk_elems * esize, chunk_count(b, j) * esize,
+                                slot_of(s, j)));
+      }
+    }
+  }
   // The first step's chunks go out at once: for reduce-scatter they are this rank's own input.
   {
-    int b = send_block(first_step);
+    const int b = send_block(first_step);
     const char* base = reduce ? bytes_at(input, layout.offset(b) * esize) : block_home(b);
     for (size_t j = 0, n = chunks_of(b); j < n; ++j) {
-      sends.push(ctx.isend(right, base + j * chunk_elems * esize, chunk_count(b, j) * esize,
-                           static_cast<uint32_t>(j % nslots)));
+      sends.push(ctx.isend(right, base + j * chunk_elems * esize, chunk_count(b, j) * esize, slot_of(first_step, j)));
     }
   }
 
-  auto advance = [&](Cursor& c) {
-    ++c.chunk;
-    while (c.step < end_step && c.chunk >= chunks_of(recv_block(c.step))) {
-      ++c.step;
-      c.chunk = 0;
+  size_t next_rs = 0, next_ag = 0;
+  for (int s = first_step; s < end_step; ++s) {
+    const int b = recv_block(s);
+    const size_t n = chunks_of(b);
+    for (size_t j = 0; j < n; ++j) {
+      const size_t cnt = chunk_count(b, j);
+      const size_t byte_off = j * chunk_elems * esize;
+      char* home = block_home(b) + byte_off;
+      if (s < p - 1) {
+        ctx.wait(rs_recvs[next_rs++]);
+        // Own contribution is the left operand, the partial from the left neighbour the right one.
+        const char* mine = bytes_at(input, layout.offset(b) * esize + byte_off);
+        kernels::reduce_to(home, mine, scratch + static_cast<size_t>(s % 2) * region + byte_off, cnt, dtype, op);
+      } else {
+        ctx.wait(ag_recvs[next_ag++]);
+      }
+      // Forward at once: the next step sends exactly the block this step received.
+      if (s + 1 < end_step) sends.push(ctx.isend(right, home, cnt * esize, slot_of(s + 1, j)));
     }
-  };
-  auto normalize = [&](Cursor& c) {
-    while (c.step < end_step && c.chunk >= chunks_of(recv_block(c.step))) {
-      ++c.step;
-      c.chunk = 0;
-    }
-  };
-
-  std::array<RequestId, kMaxWindow> pending{};
-  Cursor post{first_step, 0};
-  normalize(post);
-  size_t posted = 0;
-  auto post_recv = [&]() {
-    int b = recv_block(post.step);
-    size_t n = chunk_count(b, post.chunk);
-    void* dst = post.step < p - 1 ? static_cast<void*>(scratch + (posted % window) * slot_stride)
-                                  : static_cast<void*>(block_home(b) + post.chunk * chunk_elems * esize);
-    pending[posted % window] = ctx.irecv(left, dst, n * esize, static_cast<uint32_t>(post.chunk % nslots));
-    ++posted;
-    advance(post);
-  };
-  while (post.step < end_step && posted < static_cast<size_t>(window)) post_recv();
-
-  Cursor cur{first_step, 0};
-  normalize(cur);
-  for (size_t k = 0; cur.step < end_step; ++k) {
-    ctx.wait(pending[k % window]);
-    const int b = recv_block(cur.step);
-    const size_t n = chunk_count(b, cur.chunk);
-    const size_t byte_off = cur.chunk * chunk_elems * esize;
-    char* home = block_home(b) + byte_off;
-    if (cur.step < p - 1) {
-      // Combine own contribution (left operand) with the partial from the left neighbour.
-      const char* mine = bytes_at(input, layout.offset(b) * esize + byte_off);
-      kernels::reduce_to(home, mine, scratch + (k % window) * slot_stride, n, dtype, op);
-    }
-    if (cur.step + 1 < end_step) {
-      sends.push(ctx.isend(right, home, n * esize, static_cast<uint32_t>(cur.chunk % nslots)));
-    }
-    if (post.step < end_step) post_recv();
-    advance(cur);
+    if (s < p - 1 && s + 2 < p - 1) post_rs_step(s + 2);
   }
   sends.wait_all(ctx);
 }

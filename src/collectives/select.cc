@@ -14,9 +14,8 @@ namespace cohort::coll {
 
 namespace {
 
-const env::BytesSetting kChunk("COHORT_COLL_CHUNK", 256 * 1024,
+const env::BytesSetting kChunk("COHORT_COLL_CHUNK", 1024 * 1024,
                                "chunk size (bytes) of the pipelined ring and tree collectives");
-const env::IntSetting kWindow("COHORT_COLL_WINDOW", 8, "chunks received ahead by the pipelined ring (1-64)");
 const env::IntSetting kSlots("COHORT_COLL_SLOTS", 1,
                              "parallel message streams (slots) the ring spreads its chunks over");
 
@@ -178,11 +177,7 @@ Algorithm select_algorithm(CollOp op, int world, size_t bytes, Algorithm request
 }
 
 size_t pipeline_chunk_bytes() {
-  static const size_t v = kChunk.get() == 0 ? 256 * 1024 : static_cast<size_t>(kChunk.get());
-  return v;
-}
-int pipeline_window() {
-  static const int v = static_cast<int>(kWindow.get());
+  static const size_t v = kChunk.get() == 0 ? 1024 * 1024 : static_cast<size_t>(kChunk.get());
   return v;
 }
 int pipeline_slots() {

@@ -39,10 +39,9 @@ Algorithm select_algorithm(CollOp op, int world, size_t bytes, Algorithm request
 // The rules alone, without the environment override (for tests and the docs' table).
 Algorithm default_algorithm(CollOp op, int world, size_t bytes);
 
-// Pipelining parameters of the ring algorithms (COHORT_COLL_CHUNK, COHORT_COLL_WINDOW,
-// COHORT_COLL_SLOTS), read once.
+// Pipelining parameters of the ring and tree algorithms (COHORT_COLL_CHUNK, COHORT_COLL_SLOTS),
+// read once.
 size_t pipeline_chunk_bytes();
-int pipeline_window();
 int pipeline_slots();
 
 // Thresholds (bytes), documented in docs/algorithms.md.

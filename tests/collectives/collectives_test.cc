@@ -22,11 +22,10 @@ namespace {
 
 using coll::Algorithm;
 
-// Small chunks and a short window so that even the small test vectors run through many pipeline
+// Small chunks so that even the small test vectors run through many pipeline
 // stages (settings are read once, so this must happen before any collective runs).
 const bool kPipelineSettings = [] {
   setenv("COHORT_COLL_CHUNK", "64", 1);
-  setenv("COHORT_COLL_WINDOW", "3", 1);
   setenv("COHORT_COLL_SLOTS", "2", 1);
   return true;
 }();
