@@ -1,5 +1,7 @@
 #include "comm/communicator_impl.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstring>
 #include <set>
@@ -409,7 +411,11 @@ void CommunicatorImpl::wait(coll::RequestId id) {
   for (;;) {
     auto now = Deadline::Clock::now();
     if (now < spin_until) {
-      for (auto& t : transports_) t->poll(0);
+      bool progressed = false;
+      for (auto& t : transports_) progressed = t->poll(0) || progressed;
+      // Nothing ready: let another runnable thread (the peer rank, when ranks outnumber cores)
+      // have the core. With a core to itself this returns at once.
+      if (!progressed) sched_yield();
     } else {
       auto until = std::min(op_deadline_.at(), next_warning_);
       long ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();

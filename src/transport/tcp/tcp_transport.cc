@@ -103,9 +103,73 @@ struct Request {
   std::exception_ptr error;
 };
 
+const env::BytesSetting kPoolBytes("COHORT_TCP_POOL_BYTES", 64 << 20,
+                                   "memory kept for reuse by messages that arrive before their receive");
+
+// Buffers for early ("unexpected") messages, reused by size class: a pipelined ring can have many
+// chunks in flight ahead of the receiver's posted window, and a fresh multi-page allocation per
+// chunk costs more in page faults than the copy itself.
+class BufferPool {
+ public:
+  explicit BufferPool(size_t limit) : limit_(limit) {}
+  ~BufferPool() {
+    for (auto& v : free_)
+      for (char* p : v) delete[] p;
+  }
+  char* take(size_t n, size_t& cap) {
+    if (n < 4096) {
+      cap = std::max<size_t>(n, 1);
+      return new char[cap];
+    }
+    int cls = 64 - __builtin_clzll(uint64_t(n - 1));
+    cap = size_t(1) << cls;
+    if (!free_[cls].empty()) {
+      char* p = free_[cls].back();
+      free_[cls].pop_back();
+      pooled_ -= cap;
+      return p;
+    }
+    return new char[cap];
+  }
+  void give(char* p, size_t cap) {
+    if (cap >= 4096 && pooled_ + cap <= limit_) {
+      free_[63 - __builtin_clzll(uint64_t(cap))].push_back(p);
+      pooled_ += cap;
+    } else {
+      delete[] p;
+    }
+  }
+
+ private:
+  std::vector<char*> free_[64];
+  size_t pooled_ = 0;
+  size_t limit_;
+};
+
+struct PooledBuffer {
+  BufferPool* pool = nullptr;
+  char* p = nullptr;
+  size_t cap = 0;
+  PooledBuffer() = default;
+  PooledBuffer(const PooledBuffer&) = delete;
+  PooledBuffer& operator=(const PooledBuffer&) = delete;
+  ~PooledBuffer() { reset(); }
+  void reset() {
+    if (p) pool->give(p, cap);
+    p = nullptr;
+  }
+  void allocate(BufferPool* pl, size_t n) {
+    reset();
+    pool = pl;
+    p = pl->take(n, cap);
+  }
+  char* get() const { return p; }
+  explicit operator bool() const { return p != nullptr; }
+};
+
 // A message that arrived before its receive was posted, buffered whole.
 struct Unexpected {
-  std::unique_ptr<char[]> buf;
+  PooledBuffer buf;
   size_t total = 0;
   size_t received = 0;
   Signature signature;
@@ -187,6 +251,8 @@ class TcpTransport final : public Transport {
   }
 
   ~TcpTransport() override {
+    log::debug("tcp transport rank {}: {} message(s), {} byte(s) arrived before their receive was posted", rank_,
+               stats_unexpected_, stats_unexpected_bytes_);
     // Say goodbye on every idle connection so that peers can tell an orderly exit from a crash.
     WireHeader bye{};
     bye.magic = kByeMagic;
@@ -499,7 +565,7 @@ class TcpTransport final : public Transport {
     u.total = s.bytes;
     u.received = s.bytes;
     u.signature = s.env.signature;
-    u.buf.reset(new char[std::max<size_t>(1, s.bytes)]);
+    u.buf.allocate(&pool_, s.bytes);
     if (s.bytes) std::memcpy(u.buf.get(), s.data, s.bytes);
   }
 
@@ -768,9 +834,11 @@ class TcpTransport final : public Transport {
     }
     Unexpected& u = unexpected_[k];
     if (!u.buf) {
+      ++stats_unexpected_;
+      stats_unexpected_bytes_ += h.total;
       u.total = h.total;
       u.signature = h.signature;
-      u.buf.reset(new char[std::max<size_t>(1, h.total)]);
+      u.buf.allocate(&pool_, h.total);
     } else if (u.total != h.total) {
       conn_error(c, "protocol error: fragments of one message disagree on its size");
       return;
@@ -827,12 +895,14 @@ class TcpTransport final : public Transport {
   std::vector<size_t> rr_;
   std::vector<Request> reqs_;
   std::vector<uint32_t> free_;
+  BufferPool pool_{size_t(kPoolBytes.get())};  // before unexpected_: outlives its buffers
   std::unordered_map<Key, uint32_t, KeyHash> posted_;
   std::unordered_map<Key, Unexpected, KeyHash> unexpected_;
   std::vector<PeerProgress> last_seen_;
   std::vector<PeerInfo> peers_;
   std::exception_ptr failed_;
   bool failed_by_notice_ = false;
+  uint64_t stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;  // messages buffered before their receive
   MismatchFormatter mismatch_formatter_;
 };
 
