@@ -19,8 +19,9 @@ static const env::BytesSetting kSlotBytes("COHORT_SHM_SLOT_BYTES", 1 << 20,
                                           "shared-memory staging slot per local rank (two each); pipeline chunk");
 static const env::BytesSetting kSmallBytes("COHORT_SHM_SMALL_BYTES", 16 << 10,
                                            "intra-host allreduce up to this size reduces everything on every rank");
-static const env::SecondsSetting kSpin("COHORT_SHM_SPIN", 0.0002,
-                                       "how long an intra-host wait busy-polls before sleeping on a futex");
+static const env::SecondsSetting kSpin("COHORT_SHM_SPIN", 0.002,
+                                       "how long an intra-host wait polls (pure spin for 5 us, then spin with "
+                                       "sched_yield) before sleeping on a futex");
 
 constexpr size_t kPage = 4096;
 constexpr size_t kLine = 64;
@@ -52,10 +53,7 @@ GroupOptions GroupOptions::from_env(int local_size) {
   GroupOptions o;
   o.slot_bytes = std::max<size_t>(round_up(kSlotBytes.get(), kPage), kPage);
   o.small_bytes = std::min<size_t>(kSmallBytes.get(), o.slot_bytes);
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  o.spin = static_cast<unsigned>(local_size) > cores
-               ? std::chrono::nanoseconds(0)
-               : std::chrono::nanoseconds(static_cast<int64_t>(kSpin.get() * 1e9));
+  o.spin = std::chrono::nanoseconds(static_cast<int64_t>(kSpin.get() * 1e9));
   return o;
 }
 

@@ -36,8 +36,8 @@ struct GroupOptions {
   size_t slot_bytes;             // staging slot per rank (two of them); chunk size of the pipelines
   size_t small_bytes;            // allreduce up to this size uses the one-round algorithm
   std::chrono::nanoseconds spin;  // busy-poll budget of a wait before it sleeps
-  // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN_US (spin is 0 when the group
-  // has more ranks than this machine has cores: spinning would only delay the rank being waited for).
+  // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
+  // after its first microseconds, so an oversubscribed host still makes progress).
   static GroupOptions from_env(int local_size);
 };
 

@@ -3,11 +3,13 @@
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <climits>
 #include <cstring>
 
@@ -22,6 +24,8 @@ namespace {
 // Sleep slice: the longest a waiter sleeps before it looks at the peers' processes and the deadline
 // again, so a dead peer is noticed well within the 2 s the design promises.
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);
+// Busy-poll without any system call for this long before yielding the core between polls.
+constexpr auto kPureSpin = std::chrono::microseconds(5);
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
   // Not FUTEX_PRIVATE_FLAG: the word lives in memory shared between processes.
@@ -97,11 +101,25 @@ void PeerSync::check_peers(int waiting_for, const char* what) {
 void PeerSync::wait_slow(int q, const char* what) {
   RankControl& peer = controls_[q];
   // Phase 1: spin on the peer's cache line (reads only; the line stays shared until the peer writes).
-  const auto spin_until = std::chrono::steady_clock::now() + spin_;
+  // The first microseconds are a pure spin: no system call when the peer is about to arrive. After
+  // that each round also yields the core: when the machine is oversubscribed (more runnable threads
+  // than cores, e.g. ranks on a busy host) the peer we wait for may be waiting for our core.
+  const auto spin_start = std::chrono::steady_clock::now();
+  const auto pure_until = spin_start + std::min<std::chrono::nanoseconds>(spin_, kPureSpin);
+  const auto spin_until = spin_start + spin_;
+  bool yielding = false;
   for (unsigned i = 1;; ++i) {
     if (reached(q)) return;
-    _mm_pause();
-    if ((i & 63) == 0 && std::chrono::steady_clock::now() >= spin_until) break;
+    if (yielding) {
+      ::sched_yield();
+    } else {
+      _mm_pause();
+    }
+    if ((i & 63) == 0 || yielding) {
+      auto now = std::chrono::steady_clock::now();
+      if (now >= spin_until) break;
+      yielding = now >= pure_until;
+    }
   }
   // Phase 2: futex sleeps in short slices, checking the peers and the deadline between them.
   const Deadline deadline = Deadline::after(timeout_);
