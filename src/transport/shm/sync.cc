@@ -78,12 +78,12 @@ void PeerSync::mark_failed() {
   futex(&me.step, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-void PeerSync::check_peers(int waiting_for, const char* what) {
+std::string PeerSync::check_peers(int waiting_for, const char* what) {
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     if (controls_[q].failed.load(std::memory_order_acquire) != 0)
-      throw PeerLostError(fmt::format("shm: local rank {} (pid {}) failed during {}; local rank {} stops too", q,
-                                      pids_[q], what, rank_));
+      return fmt::format("shm: local rank {} (pid {}) failed during {}; local rank {} stops too", q, pids_[q], what,
+                         rank_);
     bool gone = false;
     if (pidfds_[q]) {
       pollfd p{pidfds_[q].get(), POLLIN, 0};
@@ -92,10 +92,10 @@ void PeerSync::check_peers(int waiting_for, const char* what) {
       gone = ::kill(pids_[q], 0) != 0 && errno == ESRCH;
     }
     if (gone)
-      throw PeerLostError(fmt::format("shm: local rank {} (pid {}) exited during {} (local rank {} was waiting for "
-                                      "local rank {})",
-                                      q, pids_[q], what, rank_, waiting_for));
+      return fmt::format("shm: local rank {} (pid {}) exited during {} (local rank {} was waiting for local rank {})",
+                         q, pids_[q], what, rank_, waiting_for);
   }
+  return {};
 }
 
 void PeerSync::wait_slow(int q, const char* what) {
@@ -132,7 +132,12 @@ void PeerSync::wait_slow(int q, const char* what) {
     }
     peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(q)) return;
-    check_peers(q, what);
+    if (std::string lost = check_peers(q, what); !lost.empty()) {
+      // A peer may exit normally once it has seen everyone's last post; if the one we wait for has
+      // arrived in the meantime, this wait is over and the exit was not a failure of it.
+      if (reached(q)) return;
+      throw PeerLostError(lost);
+    }
     if (deadline.expired())
       throw TimeoutError(fmt::format("shm: local rank {} waited {} ms in {} for local rank {} (pid {}), which did "
                                      "not arrive (it is at step {}, this rank at {})",

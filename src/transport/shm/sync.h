@@ -59,7 +59,8 @@ class PeerSync {
     return static_cast<int32_t>(controls_[q].step.load(std::memory_order_acquire) - my_step_) >= 0;
   }
   void wait_slow(int q, const char* what);
-  void check_peers(int waiting_for, const char* what);
+  // A message naming a dead or failed peer, or empty.
+  std::string check_peers(int waiting_for, const char* what);
 
   RankControl* controls_;
   int rank_;
