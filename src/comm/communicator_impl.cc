@@ -9,6 +9,8 @@
 
 #include "cohort/error.h"
 #include "collectives/collectives.h"
+#include "collectives/shm/group.h"
+#include "comm/shm_path.h"
 #include "common/env.h"
 #include "common/log.h"
 #include "common/strings.h"
@@ -16,8 +18,8 @@
 namespace cohort::comm {
 
 // The collective algorithms (src/collectives/), selected by size and world (coll::select_algorithm,
-// COHORT_ALGO_<OP>).
-namespace algo = cohort::coll;
+// COHORT_ALGO_<OP>), with the intra-host shared-memory fast path in front (comm/shm_path.h).
+namespace algo = cohort::comm::shm_path;
 
 namespace {
 
@@ -223,6 +225,10 @@ void CommunicatorImpl::bootstrap() {
       return fmt::format("mismatched calls: rank {} ({}) called {} {} but rank {} called {}", peer, host_of(peer),
                          describe_signature(theirs), where, rank_, describe_signature(ours));
     });
+  }
+  if (size_ > 1 && topology_.all_local() && options_.transport != "tcp") {
+    shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
+    log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
   }
   log::info("communicator '{}' ready: rank {} of {}, {} host(s), local rank {} of {}, {:.3f} s", prefix_, rank_, size_,
             topology_.hosts.size(), topology_.local_rank, topology_.local_size,
