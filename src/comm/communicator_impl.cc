@@ -26,6 +26,10 @@ namespace {
 const env::IntSetting kSpinUs("COHORT_SPIN_US", 200,
                               "microseconds a waiting rank busy-polls its sockets before sleeping in epoll_wait");
 
+const env::BoolSetting kHierarchical("COHORT_HIERARCHICAL", true,
+                                     "allreduce across hosts: reduce inside each host over shared memory, one "
+                                     "cross-host ring per local rank, finish inside each host");
+
 constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
 
 uint32_t hash32(const std::string& s) {
@@ -229,6 +233,20 @@ void CommunicatorImpl::bootstrap() {
   if (size_ > 1 && topology_.all_local() && options_.transport != "tcp") {
     shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
     log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
+  }
+  if (topology_.hosts.size() > 1 && options_.transport != "tcp" && kHierarchical.get()) {
+    // Hierarchical allreduce needs the same number of ranks on every host (one ring per local rank).
+    bool even = true;
+    for (const auto& h : topology_.hosts) even = even && h.size() == topology_.hosts.front().size();
+    if (even && topology_.local_size > 1) {
+      const int host = topology_.host_of_rank[size_t(rank_)];
+      host_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size,
+                                       fmt::format("shm-group/host{}", host), options_.timeout);
+      cross_host_ = create_child(fmt::format("{}/cross/local{}", prefix_, topology_.local_rank), host,
+                                 int(topology_.hosts.size()));
+      log::debug("communicator '{}': {} hosts x {} ranks, hierarchical allreduce (shm inside hosts, {} rings across)",
+                 prefix_, topology_.hosts.size(), topology_.local_size, topology_.local_size);
+    }
   }
   log::info("communicator '{}' ready: rank {} of {}, {} host(s), local rank {} of {}, {:.3f} s", prefix_, rank_, size_,
             topology_.hosts.size(), topology_.local_rank, topology_.local_size,

@@ -108,6 +108,10 @@ class CommunicatorImpl final : public Communicator,
   // The intra-host shared-memory group (comm/shm_path.h), or null when ranks span hosts or
   // COHORT_TRANSPORT=tcp.
   shm::Group* shm_group() const { return shm_group_.get(); }
+  // Hierarchical allreduce (ranks on several hosts, the same number on each): the group of this
+  // rank's host and the communicator of the ranks with this local rank on every host; null otherwise.
+  shm::Group* host_group() const { return host_group_.get(); }
+  Communicator* cross_host() const { return cross_host_.get(); }
 
  private:
   using Body = std::function<void()>;
@@ -152,6 +156,8 @@ class CommunicatorImpl final : public Communicator,
   std::vector<std::unique_ptr<transport::Transport>> transports_;
   std::vector<transport::Transport*> route_;  // per peer
   std::unique_ptr<shm::Group> shm_group_;     // all ranks on one host: collectives in shared memory
+  std::unique_ptr<shm::Group> host_group_;    // several hosts: this host's ranks (hierarchical allreduce)
+  std::shared_ptr<Communicator> cross_host_;  // several hosts: same local rank on every host
 
   // the drive lock and the current operation (guarded by drive_)
   std::mutex drive_;

@@ -9,6 +9,8 @@
 // diagnosed as MismatchError; sizes must match, as the API requires) and observe Communicator::abort()
 // while waiting (the group's own deadline, dead-peer detection and failure flags still apply).
 
+#include <algorithm>
+
 #include "collectives/collectives.h"
 #include "collectives/shm/group.h"
 #include "comm/communicator_impl.h"
@@ -22,8 +24,29 @@ using coll::gather;
 using coll::reduce;
 using coll::scatter;
 
+// Hierarchical allreduce for L ranks on each of H hosts: (1) allreduce inside the host over shared
+// memory, (2) local rank l allreduces slice l of the buffer with the ranks of local rank l on the other
+// hosts (L independent cross-host rings, so every local rank and link works), (3) inside the host, each
+// local rank broadcasts its slice to the others. avg divides by L in (1) and by H in (2).
+inline void hierarchical_allreduce(CommunicatorImpl& c, shm::Group& host, const void* send, void* recv,
+                                   size_t count, DataType dtype, ReduceOp op) {
+  host.allreduce(send, recv, count, dtype, op);
+  const size_t es = dtype_size(dtype);
+  const size_t L = static_cast<size_t>(host.size());
+  const size_t per = (count + L - 1) / L;
+  auto begin = [&](size_t l) { return std::min(count, l * per); };
+  auto length = [&](size_t l) { return std::min(count, (l + 1) * per) - begin(l); };
+  char* out = static_cast<char*>(recv);
+  const size_t mine = static_cast<size_t>(host.rank());
+  if (length(mine) > 0)
+    c.cross_host()->allreduce(out + begin(mine) * es, out + begin(mine) * es, length(mine), dtype, op);
+  for (size_t l = 0; l < L; ++l)
+    if (length(l) > 0) host.broadcast(out + begin(l) * es, length(l) * es, static_cast<int>(l));
+}
+
 inline void allreduce(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
   if (shm::Group* g = c.shm_group()) return g->allreduce(send, recv, count, dtype, op);
+  if (shm::Group* h = c.host_group()) return hierarchical_allreduce(c, *h, send, recv, count, dtype, op);
   coll::allreduce(c, send, recv, count, dtype, op);
 }
 
