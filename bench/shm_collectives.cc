@@ -3,8 +3,10 @@
 // check per size, warm-up 5 ops + ~0.2 s, iterations per trial = ceil(min_time / t_op) (>= 2, max over
 // ranks), `trials` timed trials after a barrier, time/op = max over ranks, median/min/max printed as
 //   RESULT peer=cohort-shm op=allreduce n=2 bytes=... time_us_median=... busbw_GBps=...
-// The ranks are forked processes (COHORT_BENCH_RANKS, default 2) meeting at a pre-agreed address.
+// The ranks are forked processes (COHORT_BENCH_RANKS, default 2) meeting at a pre-agreed address;
+// COHORT_BENCH_BIND=1 pins rank r to core r (what mpirun does by default for small jobs).
 // Usage: shm_collectives [allreduce|broadcast|allgather] [sizes,comma,separated] [trials=5] [min_time=0.5] [tag]
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/reduce_kernels.h"
@@ -119,11 +122,19 @@ int main(int argc, char** argv) {
   const std::string tag = argc > 5 ? argv[5] : "";
   const char* ranks_env = std::getenv("COHORT_BENCH_RANKS");
   const int world = ranks_env ? std::atoi(ranks_env) : 2;
+  const char* bind_env = std::getenv("COHORT_BENCH_BIND");
+  const bool bind = bind_env != nullptr && std::string(bind_env) == "1";
   const std::string address = cohort::shm::random_address("bench");
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     pid_t pid = ::fork();
     if (pid == 0) {
+      if (bind) {  // like mpirun's default --bind-to core for small jobs: rank r on core r
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(r % static_cast<int>(std::max(1u, std::thread::hardware_concurrency())), &set);
+        ::sched_setaffinity(0, sizeof set, &set);
+      }
       int code = 1;
       try {
         auto g = cohort::shm::Group::create_at(address, r, world, std::chrono::seconds(120),

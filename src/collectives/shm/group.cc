@@ -20,7 +20,7 @@ static const env::BytesSetting kSlotBytes("COHORT_SHM_SLOT_BYTES", 1 << 20,
 static const env::BytesSetting kSmallBytes("COHORT_SHM_SMALL_BYTES", 16 << 10,
                                            "intra-host allreduce up to this size reduces everything on every rank");
 static const env::SecondsSetting kSpin("COHORT_SHM_SPIN", 0.002,
-                                       "how long an intra-host wait polls (pure spin for 5 us, then spin with "
+                                       "how long an intra-host wait polls (pure spin for 1 us, then spin with "
                                        "sched_yield) before sleeping on a futex");
 
 constexpr size_t kPage = 4096;

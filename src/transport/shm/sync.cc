@@ -25,7 +25,7 @@ namespace {
 // again, so a dead peer is noticed well within the 2 s the design promises.
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);
 // Busy-poll without any system call for this long before yielding the core between polls.
-constexpr auto kPureSpin = std::chrono::microseconds(5);
+constexpr auto kPureSpin = std::chrono::microseconds(1);
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
   // Not FUTEX_PRIVATE_FLAG: the word lives in memory shared between processes.
