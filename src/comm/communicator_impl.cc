@@ -282,12 +282,32 @@ void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
   } catch (const std::exception& x) {
     message = x.what();
   }
+  bool first = false;
   {
     std::lock_guard<std::mutex> g(fail_mutex_);
     if (!failed_.load()) {
       root_cause_ = message;
       failed_.store(true, std::memory_order_release);
+      first = true;
     }
+  }
+  // A failure that started here (not one a peer told us about) is passed on to the peers.
+  bool from_peer = false;
+  for (auto& t : transports_) from_peer = from_peer || t->failed_by_notice();
+  if (first && !from_peer) {
+    using EC = transport::Transport::ErrorClass;
+    EC cls = EC::kOther;
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError&) {
+      cls = EC::kTimeout;
+    } catch (const PeerLostError&) {
+      cls = EC::kPeerLost;
+    } catch (const MismatchError&) {
+      cls = EC::kMismatch;
+    } catch (...) {
+    }
+    for (auto& t : transports_) t->notify_peers(cls, message);
   }
   for (auto& t : transports_) t->fail(std::make_exception_ptr(AbortedError("communicator failed: " + root_cause_)));
   std::rethrow_exception(e);

@@ -1,7 +1,8 @@
 // comm_worker: one rank of a test job, started N times by the fault tests (tests/comm/faults_test.cc)
 // and usable as a quick benchmark.
 //
-//   comm_worker <mode> <store file> <rank> <size> [bytes]
+//   comm_worker <mode> <store file | env> <rank> <size> [bytes]   ("env": Communicator::from_env)
+//     once      one allreduce, prints the sum
 //     loop      allreduce `bytes` (default 4096) forever; prints "ready" after the first one
 //     mismatch  rank 1 calls allreduce with a different count than the others
 //     bench     allreduce latency/bandwidth table (rank 0 prints)
@@ -81,13 +82,22 @@ int main(int argc, char** argv) {
   int rank = std::atoi(argv[3]), size = std::atoi(argv[4]);
   size_t bytes = argc > 5 ? std::strtoull(argv[5], nullptr, 10) : 4096;
   try {
-    auto store = make_file_store(argv[2]);
-    auto comm = Communicator::create(store, rank, size);
+    std::shared_ptr<Communicator> comm;
+    if (std::string(argv[2]) == "env") {
+      comm = Communicator::from_env();  // the launcher's / torchrun's / MPI's variables
+    } else {
+      comm = Communicator::create(make_file_store(argv[2]), rank, size);
+    }
     if (mode == "bench") {
       bench(*comm);
       return 0;
     }
     std::vector<float> buf(std::max<size_t>(1, bytes / 4), 1.0f);
+    if (mode == "once") {
+      comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      std::printf("rank %d of %d: sum %g\n", comm->rank(), comm->size(), double(buf[0]));
+      return 0;
+    }
     if (mode == "mismatch") {
       size_t count = rank == 1 ? buf.size() / 2 : buf.size();
       comm->allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);

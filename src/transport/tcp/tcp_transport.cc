@@ -42,6 +42,7 @@ const env::SecondsSetting kKeepAlive("COHORT_TCP_KEEPALIVE", 10.0,
 
 constexpr uint32_t kDataMagic = 0x31544843;   // "CHT1"
 constexpr uint32_t kHelloMagic = 0x31484843;  // "CHH1"
+constexpr uint32_t kAbortMagic = 0x31414843;  // "CHA1": the sender failed; payload = its error message
 constexpr uint32_t kByeMagic = 0x31424843;    // "CHB1": the sender destroys its transport; no more data
 constexpr size_t kStagingBytes = 64 * 1024;
 constexpr size_t kMaxFragment = size_t(1) << 30;
@@ -139,6 +140,11 @@ struct Conn {
   // orderly shutdown: the peer sends a goodbye header before closing
   bool bye_received = false;
   bool closed = false;
+  bool midstream = false;  // a message was cut off by a failure: nothing more may be written
+  // a peer's failure notice being received
+  bool receiving_abort = false;
+  uint8_t abort_class = 0;
+  std::string abort_text;
 };
 
 std::vector<std::string> local_addresses() {
@@ -382,6 +388,7 @@ class TcpTransport final : public Transport {
     failed_ = error;
     for (auto& per_peer : conns_) {
       for (auto& c : per_peer) {
+        c->midstream = c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0);
         c->sendq.clear();
         c->in_payload = false;
       }
@@ -390,6 +397,30 @@ class TcpTransport final : public Transport {
     unexpected_.clear();
   }
   std::exception_ptr error() const override { return failed_; }
+
+  bool failed_by_notice() const override { return failed_by_notice_; }
+
+  void notify_peers(ErrorClass cls, const std::string& message) override {
+    if (failed_by_notice_) return;
+    std::string text = message.substr(0, 4096);
+    WireHeader h{};
+    h.magic = kAbortMagic;
+    h.frag_bytes = uint32_t(text.size());
+    h.signature.op = uint8_t(cls);
+    h.total = text.size();
+    for (auto& per_peer : conns_) {
+      for (auto& c : per_peer) {
+        // Only on a connection that is not in the middle of a message (the stream stays parseable).
+        if (c->closed || c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0)) continue;
+        iovec iov[2] = {{&h, sizeof h}, {text.data(), text.size()}};
+        msghdr msg{};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = 2;
+        (void)::sendmsg(c->fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        break;  // one connection per peer is enough
+      }
+    }
+  }
   void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }
   PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
 
@@ -621,6 +652,9 @@ class TcpTransport final : public Transport {
         n = ::readv(c.fd.get(), iov, iov[1].iov_len ? 2 : 1);
         if (n > 0) {
           size_t got = size_t(n);
+          // A short read means the socket is drained: skip the recv that would only say EAGAIN
+          // (level-triggered epoll reports the connection again when more arrives).
+          bool drained = got < iov[0].iov_len + (iov[1].iov_len ? iov[1].iov_len : 0);
           if (got >= c.dst_left) {
             c.st_end += got - c.dst_left;
             c.dst_left = 0;
@@ -631,6 +665,7 @@ class TcpTransport final : public Transport {
             c.dst += got;
             c.dst_left -= got;
           }
+          if (drained) return;
           continue;
         }
       } else {
@@ -641,10 +676,12 @@ class TcpTransport final : public Transport {
           c.st_end -= c.st_begin;
           c.st_begin = 0;
         }
-        n = ::recv(c.fd.get(), c.staging.get() + c.st_end, kStagingBytes - c.st_end, MSG_DONTWAIT);
+        size_t want = kStagingBytes - c.st_end;
+        n = ::recv(c.fd.get(), c.staging.get() + c.st_end, want, MSG_DONTWAIT);
         if (n > 0) {
           c.st_end += size_t(n);
           parse_staging(c);
+          if (size_t(n) < want) return;  // drained (see above)
           continue;
         }
       }
@@ -652,7 +689,12 @@ class TcpTransport final : public Transport {
         if (c.bye_received && !c.in_payload && c.st_begin == c.st_end) {
           conn_closed_after_bye(c);
         } else {
-          conn_error(c, "the connection was closed without a goodbye (process exited or was killed)");
+          // The peer is gone. It may have said why on another of its connections: read those first.
+          c.closed = true;
+          epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+          for (auto& other : conns_[size_t(c.peer)])
+            if (!other->closed && !failed_) read_conn(*other);
+          if (!failed_) conn_error(c, "the connection was closed without a goodbye (process exited or was killed)");
         }
         return;
       }
@@ -672,11 +714,21 @@ class TcpTransport final : public Transport {
         c.bye_received = true;
         continue;
       }
-      if (h.magic != kDataMagic || h.offset + h.frag_bytes > h.total) {
+      if (h.magic == kAbortMagic && h.frag_bytes <= 64 * 1024) {
+        c.receiving_abort = true;
+        c.abort_class = h.signature.op;
+        c.abort_text.assign(h.frag_bytes, '\0');
+        c.dst = c.abort_text.data();
+        c.dst_left = h.frag_bytes;
+        c.frag_bytes = h.frag_bytes;
+        c.target_req = -1;
+        c.target_unx = nullptr;
+      } else if (h.magic != kDataMagic || h.offset + h.frag_bytes > h.total) {
         conn_error(c, "protocol error: malformed message header");
         return;
+      } else {
+        begin_fragment(c, h);
       }
-      begin_fragment(c, h);
       if (failed_) return;
       size_t avail = std::min(c.dst_left, c.st_end - c.st_begin);
       if (avail) std::memcpy(c.dst, c.staging.get() + c.st_begin, avail);
@@ -729,6 +781,18 @@ class TcpTransport final : public Transport {
   }
 
   void finish_fragment(Conn& c) {
+    if (c.receiving_abort) {
+      c.receiving_abort = false;
+      failed_by_notice_ = !failed_;
+      std::string msg = fmt::format("rank {} ({}) failed: {}", c.peer, peers_[size_t(c.peer)].host, c.abort_text);
+      switch (ErrorClass(c.abort_class)) {
+        case ErrorClass::kTimeout: fail(std::make_exception_ptr(TimeoutError(msg))); break;
+        case ErrorClass::kPeerLost: fail(std::make_exception_ptr(PeerLostError(msg))); break;
+        case ErrorClass::kMismatch: fail(std::make_exception_ptr(MismatchError(msg))); break;
+        default: fail(std::make_exception_ptr(AbortedError(msg))); break;
+      }
+      return;
+    }
     if (c.target_req >= 0) {
       Request& r = reqs_[size_t(c.target_req)];
       r.remaining -= c.frag_bytes;
@@ -768,6 +832,7 @@ class TcpTransport final : public Transport {
   std::vector<PeerProgress> last_seen_;
   std::vector<PeerInfo> peers_;
   std::exception_ptr failed_;
+  bool failed_by_notice_ = false;
   MismatchFormatter mismatch_formatter_;
 };
 
