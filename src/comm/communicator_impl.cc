@@ -26,6 +26,10 @@ namespace {
 const env::IntSetting kSpinUs("COHORT_SPIN_US", 200,
                               "microseconds a waiting rank busy-polls its sockets before sleeping in epoll_wait");
 
+const env::BoolSetting kShmCollectives(
+    "COHORT_SHM_COLLECTIVES", false,
+    "run allreduce/reduce_scatter/allgather/broadcast/barrier on the shared-memory group when ranks share a "
+    "host (opt-in until the shm path compares call signatures and honours abort like the transports do)");
 const env::BoolSetting kHierarchical("COHORT_HIERARCHICAL", true,
                                      "allreduce across hosts: reduce inside each host over shared memory, one "
                                      "cross-host ring per local rank, finish inside each host");
@@ -230,11 +234,12 @@ void CommunicatorImpl::bootstrap() {
                          describe_signature(theirs), where, rank_, describe_signature(ours));
     });
   }
-  if (size_ > 1 && topology_.all_local() && options_.transport != "tcp") {
+  const bool shm_collectives = kShmCollectives.get() && options_.transport != "tcp";
+  if (size_ > 1 && topology_.all_local() && shm_collectives) {
     shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
     log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
   }
-  if (topology_.hosts.size() > 1 && options_.transport != "tcp" && kHierarchical.get()) {
+  if (topology_.hosts.size() > 1 && shm_collectives && kHierarchical.get()) {
     // Hierarchical allreduce needs the same number of ranks on every host (one ring per local rank).
     bool even = true;
     for (const auto& h : topology_.hosts) even = even && h.size() == topology_.hosts.front().size();

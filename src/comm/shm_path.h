@@ -1,13 +1,15 @@
 #pragma once
-// The intra-host fast path: when every rank of a communicator is on one host (equal
-// HostIdentity::shm_key()) and COHORT_TRANSPORT is not "tcp", allreduce, reduce_scatter, allgather,
+// The intra-host fast path (opt-in: COHORT_SHM_COLLECTIVES=1): when every rank of a communicator is on
+// one host (equal HostIdentity::shm_key()) and COHORT_TRANSPORT is not "tcp", allreduce, reduce_scatter, allgather,
 // broadcast and barrier run on a shm::Group (src/collectives/shm/group.h) working in shared memory
 // directly; everything else, and every communicator spanning hosts, uses the coll:: algorithms over
 // the transports. communicator_impl.cc calls the collectives through this namespace (`algo::`).
 //
-// What the shm path does not do (yet): compare the ranks' call signatures (a mismatched call is not
-// diagnosed as MismatchError; sizes must match, as the API requires) and observe Communicator::abort()
-// while waiting (the group's own deadline, dead-peer detection and failure flags still apply).
+// Why it is opt-in: the shm path does not (yet) compare the ranks' call signatures (a mismatched call
+// is not diagnosed as MismatchError), does not observe Communicator::abort() while waiting, names
+// peers by local rank and pid rather than by rank and host, and sends no failure notices or slow
+// warnings; the comm fault tests (tests/comm) expect all of that. The group's own deadline, dead-peer
+// detection (pidfd, < 2 s) and failure flags do apply.
 
 #include <algorithm>
 

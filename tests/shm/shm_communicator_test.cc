@@ -2,6 +2,7 @@
 // transport "tcp" (COHORT_TRANSPORT=tcp) keeps them on the transports. Results are the same either way.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include "cohort/communicator.h"
@@ -11,6 +12,10 @@
 
 namespace cohort {
 namespace {
+
+// The communicator's shm path is opt-in; settings are parsed on first use, so setting the variable
+// before any communicator exists in this process is enough.
+const bool shm_collectives_enabled = [] { return ::setenv("COHORT_SHM_COLLECTIVES", "1", 1) == 0; }();
 
 void run_collectives(const std::string& transport, bool expect_shm) {
   auto store = make_memory_store();
@@ -44,7 +49,10 @@ void run_collectives(const std::string& transport, bool expect_shm) {
   });
 }
 
-TEST(ShmCommunicator, AllLocalRanksUseTheSharedMemoryGroup) { run_collectives("auto", true); }
+TEST(ShmCommunicator, AllLocalRanksUseTheSharedMemoryGroup) {
+  ASSERT_TRUE(shm_collectives_enabled);
+  run_collectives("auto", true);
+}
 TEST(ShmCommunicator, TransportTcpKeepsCollectivesOnTheTransports) { run_collectives("tcp", false); }
 
 }  // namespace

@@ -27,9 +27,11 @@ TEST(ShmHierarchical, TwoSimulatedHostsOfTwoRanks) {
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e)
-      if (std::string(*e).rfind("COHORT_HOST_ID=", 0) != 0 && std::string(*e).rfind("COHORT_TRANSPORT=", 0) != 0)
+      if (std::string(*e).rfind("COHORT_HOST_ID=", 0) != 0 && std::string(*e).rfind("COHORT_TRANSPORT=", 0) != 0 &&
+          std::string(*e).rfind("COHORT_SHM_COLLECTIVES=", 0) != 0)
         env.emplace_back(*e);
     env.push_back(std::string("COHORT_HOST_ID=") + (r < 2 ? "hostA" : "hostB"));
+    env.push_back("COHORT_SHM_COLLECTIVES=1");
     std::vector<std::string> args = {SHM_HIER_WORKER, store, std::to_string(r), std::to_string(world)};
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
