@@ -79,11 +79,10 @@ void PeerSync::mark_failed() {
 }
 
 std::string PeerSync::check_peers(int waiting_for, const char* what) {
+  // Dead processes first: when a rank dies, the peer that noticed it first marks itself failed, and the
+  // others should still name the root cause (the dead rank), not the messenger.
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
-    if (controls_[q].failed.load(std::memory_order_acquire) != 0)
-      return fmt::format("shm: local rank {} (pid {}) failed during {}; local rank {} stops too", q, pids_[q], what,
-                         rank_);
     bool gone = false;
     if (pidfds_[q]) {
       pollfd p{pidfds_[q].get(), POLLIN, 0};
@@ -94,6 +93,11 @@ std::string PeerSync::check_peers(int waiting_for, const char* what) {
     if (gone)
       return fmt::format("shm: local rank {} (pid {}) exited during {} (local rank {} was waiting for local rank {})",
                          q, pids_[q], what, rank_, waiting_for);
+  }
+  for (int q = 0; q < size_; ++q) {
+    if (q != rank_ && controls_[q].failed.load(std::memory_order_acquire) != 0)
+      return fmt::format("shm: local rank {} (pid {}) failed during {}; local rank {} stops too", q, pids_[q], what,
+                         rank_);
   }
   return {};
 }
