@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "collectives/reduce_kernels.h"
+#include "collectives/reduce_kernels_impl.h"
 #include "common/half.h"
 
 namespace cohort::kernels {
@@ -86,10 +87,5 @@ void finish_average(void* data, size_t n, DataType t, int divisor) {
       return;  // avg is rejected for integer types before any data moves
   }
 }
-
-// Until the vectorised kernels land, the dispatching entry points use the reference kernels.
-void reduce_into(void* dst, const void* src, size_t n, DataType t, ReduceOp op) { reduce_to_scalar(dst, dst, src, n, t, op); }
-void reduce_to(void* dst, const void* a, const void* b, size_t n, DataType t, ReduceOp op) { reduce_to_scalar(dst, a, b, n, t, op); }
-const char* kernel_family() { return "scalar"; }
 
 }  // namespace cohort::kernels

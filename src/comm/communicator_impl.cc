@@ -11,6 +11,8 @@
 
 #include "cohort/error.h"
 #include "collectives/collectives.h"
+#include "collectives/shm/group.h"
+#include "comm/shm_path.h"
 #include "common/env.h"
 #include "common/log.h"
 #include "common/strings.h"
@@ -18,13 +20,21 @@
 namespace cohort::comm {
 
 // The collective algorithms (src/collectives/), selected by size and world (coll::select_algorithm,
-// COHORT_ALGO_<OP>).
-namespace algo = cohort::coll;
+// COHORT_ALGO_<OP>), with the intra-host shared-memory fast path in front (comm/shm_path.h).
+namespace algo = cohort::comm::shm_path;
 
 namespace {
 
 const env::IntSetting kSpinUs("COHORT_SPIN_US", 200,
                               "microseconds a waiting rank busy-polls its sockets before sleeping in epoll_wait");
+
+const env::BoolSetting kShmCollectives(
+    "COHORT_SHM_COLLECTIVES", false,
+    "run allreduce/reduce_scatter/allgather/broadcast/barrier on the shared-memory group when ranks share a "
+    "host (opt-in until the shm path compares call signatures and honours abort like the transports do)");
+const env::BoolSetting kHierarchical("COHORT_HIERARCHICAL", true,
+                                     "allreduce across hosts: reduce inside each host over shared memory, one "
+                                     "cross-host ring per local rank, finish inside each host");
 
 constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
 
@@ -225,6 +235,25 @@ void CommunicatorImpl::bootstrap() {
       return fmt::format("mismatched calls: rank {} ({}) called {} {} but rank {} called {}", peer, host_of(peer),
                          describe_signature(theirs), where, rank_, describe_signature(ours));
     });
+  }
+  const bool shm_collectives = kShmCollectives.get() && options_.transport != "tcp";
+  if (size_ > 1 && topology_.all_local() && shm_collectives) {
+    shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
+    log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
+  }
+  if (topology_.hosts.size() > 1 && shm_collectives && kHierarchical.get()) {
+    // Hierarchical allreduce needs the same number of ranks on every host (one ring per local rank).
+    bool even = true;
+    for (const auto& h : topology_.hosts) even = even && h.size() == topology_.hosts.front().size();
+    if (even && topology_.local_size > 1) {
+      const int host = topology_.host_of_rank[size_t(rank_)];
+      host_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size,
+                                       fmt::format("shm-group/host{}", host), options_.timeout);
+      cross_host_ = create_child(fmt::format("{}/cross/local{}", prefix_, topology_.local_rank), host,
+                                 int(topology_.hosts.size()));
+      log::debug("communicator '{}': {} hosts x {} ranks, hierarchical allreduce (shm inside hosts, {} rings across)",
+                 prefix_, topology_.hosts.size(), topology_.local_size, topology_.local_size);
+    }
   }
   log::info("communicator '{}' ready: rank {} of {}, {} host(s), local rank {} of {}, {:.3f} s", prefix_, rank_, size_,
             topology_.hosts.size(), topology_.local_rank, topology_.local_size,

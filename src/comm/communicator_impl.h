@@ -31,6 +31,10 @@
 #include "common/deadline.h"
 #include "transport/transport.h"
 
+namespace cohort::shm {
+class Group;
+}
+
 namespace cohort::comm {
 
 class WorkImpl;
@@ -101,6 +105,13 @@ class CommunicatorImpl final : public Communicator,
   // Keeps `thing` (e.g. the store server rank 0 hosts without a launcher) alive as long as this.
   void keep_alive(std::shared_ptr<void> thing) { kept_alive_.push_back(std::move(thing)); }
   uint32_t id() const { return comm_id_; }
+  // The intra-host shared-memory group (comm/shm_path.h), or null when ranks span hosts or
+  // COHORT_TRANSPORT=tcp.
+  shm::Group* shm_group() const { return shm_group_.get(); }
+  // Hierarchical allreduce (ranks on several hosts, the same number on each): the group of this
+  // rank's host and the communicator of the ranks with this local rank on every host; null otherwise.
+  shm::Group* host_group() const { return host_group_.get(); }
+  Communicator* cross_host() const { return cross_host_.get(); }
 
  private:
   using Body = std::function<void()>;
@@ -144,6 +155,9 @@ class CommunicatorImpl final : public Communicator,
   Topology topology_;
   std::vector<std::unique_ptr<transport::Transport>> transports_;
   std::vector<transport::Transport*> route_;  // per peer
+  std::unique_ptr<shm::Group> shm_group_;     // all ranks on one host: collectives in shared memory
+  std::unique_ptr<shm::Group> host_group_;    // several hosts: this host's ranks (hierarchical allreduce)
+  std::shared_ptr<Communicator> cross_host_;  // several hosts: same local rank on every host
 
   // the drive lock and the current operation (guarded by drive_)
   std::mutex drive_;

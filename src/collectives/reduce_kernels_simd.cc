@@ -1,0 +1,386 @@
+// Vectorised reduction kernels (AVX2, AVX-512) and the run-time dispatcher behind reduce_into/reduce_to.
+//
+// Each family is compiled with GCC's `#pragma GCC target`, which gives every function in its region the
+// same target attribute as `__attribute__((target("...")))`: the rest of the program stays baseline x86-64
+// and the family is only called after __builtin_cpu_supports() said the CPU has it. The vector body
+// handles whole vectors; the remainder (fewer than one vector) goes through the scalar reference, so odd
+// lengths and any alignment (unaligned loads/stores throughout) are exact by construction.
+//
+// Bit-exactness with reduce_kernels_scalar.cc:
+//  * float min/max: std::min(a, b) is `b < a ? b : a`; MINPS(x, y) is `x < y ? x : y`, so we call
+//    min(b, a) (same for max). NaNs and signed zeros then pick the same operand as the reference.
+//  * float16: F16C/AVX-512 conversions are exact one way and round to nearest even the other; the
+//    hardware keeps a NaN's payload where the reference writes the canonical quiet NaN (sign|0x7e00), so
+//    NaN lanes are patched after the conversion. bfloat16 uses the reference's integer rounding.
+//  * integer products keep the low bits (as the reference's static_cast does): 8-bit lanes multiply as
+//    16-bit pairs, 64-bit lanes from 32x32 partial products on AVX2 (VPMULLQ on AVX-512).
+// GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized (their `__m512 __Y = __Y` idiom for
+// "undefined" registers); the warning is about the header, not this file.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "collectives/reduce_kernels.h"
+#include "collectives/reduce_kernels_impl.h"
+#include "cohort/error.h"
+#include "common/env.h"
+
+namespace cohort::kernels {
+namespace {
+
+// The generic vector loop: V supplies load/store and the four operations on its register type.
+// The template is instantiated from inside each target region, so its code is generated for that ISA.
+#define COHORT_DEFINE_VECTOR_LOOPS                                                                      \
+  template <class V, int Op>                                                                            \
+  inline typename V::R combine(typename V::R a, typename V::R b) {                                     \
+    if constexpr (Op == 0) return V::add(a, b);                                                         \
+    else if constexpr (Op == 1) return V::mul(a, b);                                                    \
+    else if constexpr (Op == 2) return V::min(a, b);                                                    \
+    else return V::max(a, b);                                                                           \
+  }                                                                                                     \
+  template <class V, int Op>                                                                            \
+  size_t loop_op(void* dst, const void* a, const void* b, size_t n) {                                   \
+    using T = typename V::T;                                                                            \
+    T* d = static_cast<T*>(dst);                                                                        \
+    const T* x = static_cast<const T*>(a);                                                              \
+    const T* y = static_cast<const T*>(b);                                                              \
+    constexpr size_t L = V::kLanes;                                                                     \
+    size_t i = 0;                                                                                       \
+    for (; i + 2 * L <= n; i += 2 * L) {                                                                \
+      typename V::R r0 = combine<V, Op>(V::load(x + i), V::load(y + i));                               \
+      typename V::R r1 = combine<V, Op>(V::load(x + i + L), V::load(y + i + L));                       \
+      V::store(d + i, r0);                                                                              \
+      V::store(d + i + L, r1);                                                                          \
+    }                                                                                                   \
+    for (; i + L <= n; i += L) V::store(d + i, combine<V, Op>(V::load(x + i), V::load(y + i)));         \
+    return i;                                                                                           \
+  }                                                                                                     \
+  /* Returns how many leading elements were done; the caller finishes the rest with the reference. */  \
+  template <class V>                                                                                    \
+  size_t loop(void* dst, const void* a, const void* b, size_t n, ReduceOp op) {                        \
+    switch (op) {                                                                                       \
+      case ReduceOp::kSum:                                                                              \
+      case ReduceOp::kAvg: return loop_op<V, 0>(dst, a, b, n);                                          \
+      case ReduceOp::kProd: return loop_op<V, 1>(dst, a, b, n);                                         \
+      case ReduceOp::kMin: return loop_op<V, 2>(dst, a, b, n);                                          \
+      case ReduceOp::kMax: return loop_op<V, 3>(dst, a, b, n);                                          \
+    }                                                                                                   \
+    return 0;                                                                                           \
+  }
+
+// ---------------------------------------------------------------------------------------------- AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+namespace avx2 {
+
+struct F32 {
+  using T = float;
+  using R = __m256;
+  static constexpr size_t kLanes = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R min(R a, R b) { return _mm256_min_ps(b, a); }
+  static R max(R a, R b) { return _mm256_max_ps(b, a); }
+};
+
+struct F64 {
+  using T = double;
+  using R = __m256d;
+  static constexpr size_t kLanes = 4;
+  static R load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, R v) { _mm256_storeu_pd(p, v); }
+  static R add(R a, R b) { return _mm256_add_pd(a, b); }
+  static R mul(R a, R b) { return _mm256_mul_pd(a, b); }
+  static R min(R a, R b) { return _mm256_min_pd(b, a); }
+  static R max(R a, R b) { return _mm256_max_pd(b, a); }
+};
+
+template <typename Elem, size_t Lanes>
+struct IntBase {
+  using T = Elem;
+  using R = __m256i;
+  static constexpr size_t kLanes = Lanes;
+  static R load(const T* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(T* p, R v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+};
+
+// Low 8 bits of each byte product, from two 16-bit multiplies (even bytes, odd bytes).
+inline __m256i mul_bytes(__m256i a, __m256i b) {
+  __m256i even = _mm256_mullo_epi16(a, b);
+  __m256i odd = _mm256_mullo_epi16(_mm256_srli_epi16(a, 8), _mm256_srli_epi16(b, 8));
+  return _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi16(0xff)), _mm256_slli_epi16(odd, 8));
+}
+
+struct I8 : IntBase<int8_t, 32> {
+  static R add(R a, R b) { return _mm256_add_epi8(a, b); }
+  static R mul(R a, R b) { return mul_bytes(a, b); }
+  static R min(R a, R b) { return _mm256_min_epi8(a, b); }
+  static R max(R a, R b) { return _mm256_max_epi8(a, b); }
+};
+struct U8 : IntBase<uint8_t, 32> {
+  static R add(R a, R b) { return _mm256_add_epi8(a, b); }
+  static R mul(R a, R b) { return mul_bytes(a, b); }
+  static R min(R a, R b) { return _mm256_min_epu8(a, b); }
+  static R max(R a, R b) { return _mm256_max_epu8(a, b); }
+};
+struct I32 : IntBase<int32_t, 8> {
+  static R add(R a, R b) { return _mm256_add_epi32(a, b); }
+  static R mul(R a, R b) { return _mm256_mullo_epi32(a, b); }
+  static R min(R a, R b) { return _mm256_min_epi32(a, b); }
+  static R max(R a, R b) { return _mm256_max_epi32(a, b); }
+};
+struct I64 : IntBase<int64_t, 4> {
+  static R add(R a, R b) { return _mm256_add_epi64(a, b); }
+  static R mul(R a, R b) {  // (ah*2^32 + al)(bh*2^32 + bl) mod 2^64 = al*bl + (al*bh + ah*bl) << 32
+    __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)),
+                                     _mm256_mul_epu32(_mm256_srli_epi64(a, 32), b));
+    return _mm256_add_epi64(_mm256_mul_epu32(a, b), _mm256_slli_epi64(cross, 32));
+  }
+  static R min(R a, R b) { return _mm256_blendv_epi8(a, b, _mm256_cmpgt_epi64(a, b)); }
+  static R max(R a, R b) { return _mm256_blendv_epi8(a, b, _mm256_cmpgt_epi64(b, a)); }
+};
+
+// 16-bit floats: widened to 8 fp32 lanes, combined with the fp32 operations, rounded once on store.
+struct F16 : F32 {
+  using T = uint16_t;
+  static R load(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(uint16_t* p, R v) {
+    __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan32), _mm256_extracti128_si256(nan32, 1));
+    __m128i canonical = _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0x8000))),
+                                     _mm_set1_epi16(0x7e00));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_blendv_epi8(h, canonical, nan16));
+  }
+};
+
+struct BF16 : F32 {
+  using T = uint16_t;
+  static R load(const uint16_t* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static void store(uint16_t* p, R v) {
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i high = _mm256_srli_epi32(bits, 16);
+    __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    __m256i quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+    __m256i r = _mm256_blendv_epi8(rounded, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // qwords 0 and 2
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+};
+
+COHORT_DEFINE_VECTOR_LOOPS
+
+size_t reduce(void* d, const void* a, const void* b, size_t n, DataType t, ReduceOp op) {
+  switch (t) {
+    case DataType::kInt8: return loop<I8>(d, a, b, n, op);
+    case DataType::kUInt8: return loop<U8>(d, a, b, n, op);
+    case DataType::kInt32: return loop<I32>(d, a, b, n, op);
+    case DataType::kInt64: return loop<I64>(d, a, b, n, op);
+    case DataType::kFloat16: return loop<F16>(d, a, b, n, op);
+    case DataType::kBFloat16: return loop<BF16>(d, a, b, n, op);
+    case DataType::kFloat32: return loop<F32>(d, a, b, n, op);
+    case DataType::kFloat64: return loop<F64>(d, a, b, n, op);
+  }
+  return 0;
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------------------- AVX-512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c")
+namespace avx512 {
+
+struct F32 {
+  using T = float;
+  using R = __m512;
+  static constexpr size_t kLanes = 16;
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R min(R a, R b) { return _mm512_min_ps(b, a); }
+  static R max(R a, R b) { return _mm512_max_ps(b, a); }
+};
+
+struct F64 {
+  using T = double;
+  using R = __m512d;
+  static constexpr size_t kLanes = 8;
+  static R load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, R v) { _mm512_storeu_pd(p, v); }
+  static R add(R a, R b) { return _mm512_add_pd(a, b); }
+  static R mul(R a, R b) { return _mm512_mul_pd(a, b); }
+  static R min(R a, R b) { return _mm512_min_pd(b, a); }
+  static R max(R a, R b) { return _mm512_max_pd(b, a); }
+};
+
+template <typename Elem, size_t Lanes>
+struct IntBase {
+  using T = Elem;
+  using R = __m512i;
+  static constexpr size_t kLanes = Lanes;
+  static R load(const T* p) { return _mm512_loadu_si512(p); }
+  static void store(T* p, R v) { _mm512_storeu_si512(p, v); }
+};
+
+inline __m512i mul_bytes(__m512i a, __m512i b) {
+  __m512i even = _mm512_mullo_epi16(a, b);
+  __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(a, 8), _mm512_srli_epi16(b, 8));
+  return _mm512_or_si512(_mm512_and_si512(even, _mm512_set1_epi16(0xff)), _mm512_slli_epi16(odd, 8));
+}
+
+struct I8 : IntBase<int8_t, 64> {
+  static R add(R a, R b) { return _mm512_add_epi8(a, b); }
+  static R mul(R a, R b) { return mul_bytes(a, b); }
+  static R min(R a, R b) { return _mm512_min_epi8(a, b); }
+  static R max(R a, R b) { return _mm512_max_epi8(a, b); }
+};
+struct U8 : IntBase<uint8_t, 64> {
+  static R add(R a, R b) { return _mm512_add_epi8(a, b); }
+  static R mul(R a, R b) { return mul_bytes(a, b); }
+  static R min(R a, R b) { return _mm512_min_epu8(a, b); }
+  static R max(R a, R b) { return _mm512_max_epu8(a, b); }
+};
+struct I32 : IntBase<int32_t, 16> {
+  static R add(R a, R b) { return _mm512_add_epi32(a, b); }
+  static R mul(R a, R b) { return _mm512_mullo_epi32(a, b); }
+  static R min(R a, R b) { return _mm512_min_epi32(a, b); }
+  static R max(R a, R b) { return _mm512_max_epi32(a, b); }
+};
+struct I64 : IntBase<int64_t, 8> {
+  static R add(R a, R b) { return _mm512_add_epi64(a, b); }
+  static R mul(R a, R b) { return _mm512_mullo_epi64(a, b); }
+  static R min(R a, R b) { return _mm512_min_epi64(a, b); }
+  static R max(R a, R b) { return _mm512_max_epi64(a, b); }
+};
+
+struct F16 : F32 {
+  using T = uint16_t;
+  static R load(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(uint16_t* p, R v) {
+    __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m256i canonical = _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0x8000))),
+                                        _mm256_set1_epi16(0x7e00));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_mask_blend_epi16(nan, h, canonical));
+  }
+};
+
+struct BF16 : F32 {
+  using T = uint16_t;
+  static R load(const uint16_t* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static void store(uint16_t* p, R v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i high = _mm512_srli_epi32(bits, 16);
+    __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    __m512i quiet_nan = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+    __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet_nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+};
+
+COHORT_DEFINE_VECTOR_LOOPS
+
+size_t reduce(void* d, const void* a, const void* b, size_t n, DataType t, ReduceOp op) {
+  switch (t) {
+    case DataType::kInt8: return loop<I8>(d, a, b, n, op);
+    case DataType::kUInt8: return loop<U8>(d, a, b, n, op);
+    case DataType::kInt32: return loop<I32>(d, a, b, n, op);
+    case DataType::kInt64: return loop<I64>(d, a, b, n, op);
+    case DataType::kFloat16: return loop<F16>(d, a, b, n, op);
+    case DataType::kBFloat16: return loop<BF16>(d, a, b, n, op);
+    case DataType::kFloat32: return loop<F32>(d, a, b, n, op);
+    case DataType::kFloat64: return loop<F64>(d, a, b, n, op);
+  }
+  return 0;
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+static const env::StringSetting kReduceKernels(
+    "COHORT_REDUCE_KERNELS", "",
+    "reduction kernel family: scalar, avx2 or avx512 (default: the best this CPU supports)");
+
+KernelFamily choose_family() {
+  if (auto forced = kReduceKernels.get(); !forced.empty()) {
+    for (KernelFamily f : {KernelFamily::kScalar, KernelFamily::kAvx2, KernelFamily::kAvx512}) {
+      if (forced == family_name(f)) {
+        if (!family_supported(f))
+          throw ConfigError("COHORT_REDUCE_KERNELS=" + forced + ": this CPU does not support " + forced);
+        return f;
+      }
+    }
+    throw ConfigError("COHORT_REDUCE_KERNELS=" + forced + ": expected scalar, avx2 or avx512");
+  }
+  if (family_supported(KernelFamily::kAvx512)) return KernelFamily::kAvx512;
+  if (family_supported(KernelFamily::kAvx2)) return KernelFamily::kAvx2;
+  return KernelFamily::kScalar;
+}
+
+}  // namespace
+
+const char* family_name(KernelFamily f) {
+  switch (f) {
+    case KernelFamily::kScalar: return "scalar";
+    case KernelFamily::kAvx2: return "avx2";
+    case KernelFamily::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+bool family_supported(KernelFamily f) {
+  switch (f) {
+    case KernelFamily::kScalar: return true;
+    case KernelFamily::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case KernelFamily::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+KernelFamily active_family() {
+  static const KernelFamily family = choose_family();
+  return family;
+}
+
+void reduce_to_family(KernelFamily f, void* dst, const void* a, const void* b, size_t n, DataType t,
+                      ReduceOp op) {
+  size_t done = 0;
+  if (f == KernelFamily::kAvx512) done = avx512::reduce(dst, a, b, n, t, op);
+  else if (f == KernelFamily::kAvx2) done = avx2::reduce(dst, a, b, n, t, op);
+  if (done == n) return;
+  const size_t offset = done * dtype_size(t);
+  reduce_to_scalar(static_cast<char*>(dst) + offset, static_cast<const char*>(a) + offset,
+                   static_cast<const char*>(b) + offset, n - done, t, op);
+}
+
+void reduce_to(void* dst, const void* a, const void* b, size_t n, DataType t, ReduceOp op) {
+  reduce_to_family(active_family(), dst, a, b, n, t, op);
+}
+
+void reduce_into(void* dst, const void* src, size_t n, DataType t, ReduceOp op) {
+  reduce_to_family(active_family(), dst, dst, src, n, t, op);
+}
+
+const char* kernel_family() { return family_name(active_family()); }
+
+}  // namespace cohort::kernels

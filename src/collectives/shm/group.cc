@@ -1,0 +1,255 @@
+#include "collectives/shm/group.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "cohort/error.h"
+#include "collectives/reduce_kernels.h"
+#include "common/env.h"
+
+namespace cohort::shm {
+namespace {
+
+static const env::BytesSetting kSlotBytes("COHORT_SHM_SLOT_BYTES", 1 << 20,
+                                          "shared-memory staging slot per local rank (two each); pipeline chunk");
+static const env::BytesSetting kSmallBytes("COHORT_SHM_SMALL_BYTES", 16 << 10,
+                                           "intra-host allreduce up to this size reduces everything on every rank");
+static const env::SecondsSetting kSpin("COHORT_SHM_SPIN", 0.002,
+                                       "how long an intra-host wait polls (pure spin for 1 us, then spin with "
+                                       "sched_yield) before sleeping on a futex");
+
+constexpr size_t kPage = 4096;
+constexpr size_t kLine = 64;
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+size_t controls_bytes(int local_size) { return round_up(static_cast<size_t>(local_size) * sizeof(RankControl), kPage); }
+
+// Slice q of a chunk of `count` elements split among `parts` ranks, on cache-line boundaries.
+struct Slices {
+  size_t per;  // elements per slice (the last one may be shorter or empty)
+  size_t count;
+  Slices(size_t count_, int parts, size_t elem) : count(count_) {
+    size_t align = std::max<size_t>(1, kLine / elem);
+    per = round_up((count + static_cast<size_t>(parts) - 1) / static_cast<size_t>(parts), align);
+  }
+  size_t begin(int q) const { return std::min(count, per * static_cast<size_t>(q)); }
+  size_t length(int q) const { return std::min(count, per * static_cast<size_t>(q + 1)) - begin(q); }
+};
+
+bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bn && y < x + an;
+}
+
+}  // namespace
+
+GroupOptions GroupOptions::from_env(int local_size) {
+  GroupOptions o;
+  o.slot_bytes = std::max<size_t>(round_up(kSlotBytes.get(), kPage), kPage);
+  o.small_bytes = std::min<size_t>(kSmallBytes.get(), o.slot_bytes);
+  o.spin = std::chrono::nanoseconds(static_cast<int64_t>(kSpin.get() * 1e9));
+  return o;
+}
+
+std::unique_ptr<Group> Group::create(Store& store, int local_rank, int local_size, const std::string& key_prefix,
+                                     std::chrono::milliseconds timeout) {
+  if (local_size < 1 || local_rank < 0 || local_rank >= local_size)
+    throw InvalidArgument(fmt::format("shm::Group: local rank {} is not in [0, {})", local_rank, local_size));
+  std::string address = local_size == 1 ? std::string("unused") : rendezvous_address(store, key_prefix, local_rank);
+  return create_at(address, local_rank, local_size, timeout, GroupOptions::from_env(local_size));
+}
+
+std::unique_ptr<Group> Group::create_at(const std::string& address, int local_rank, int local_size,
+                                        std::chrono::milliseconds timeout, const GroupOptions& options) {
+  if (local_size < 1 || local_rank < 0 || local_rank >= local_size)
+    throw InvalidArgument(fmt::format("shm::Group: local rank {} is not in [0, {})", local_rank, local_size));
+  const size_t bytes = controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes;
+  Segment segment = Segment::establish(address, local_rank, local_size, bytes, Deadline::after(timeout));
+  auto group = std::make_unique<Group>(std::move(segment), local_rank, local_size, timeout, options);
+  group->sync_.start();
+  return group;
+}
+
+Group::Group(Segment segment, int local_rank, int local_size, std::chrono::milliseconds timeout,
+             const GroupOptions& options)
+    : segment_(std::move(segment)),
+      rank_(local_rank),
+      size_(local_size),
+      options_(options),
+      sync_(static_cast<RankControl*>(segment_.data()), local_rank, local_size, timeout, options.spin) {}
+
+char* Group::slot(int rank, unsigned parity) const {
+  return static_cast<char*>(segment_.data()) + controls_bytes(size_) +
+         (static_cast<size_t>(rank) * 2 + parity) * options_.slot_bytes;
+}
+
+template <typename Body>
+void Group::guarded(const char* what, Body&& body) {
+  if (!failure_.empty()) throw AbortedError("shm group failed earlier: " + failure_);
+  try {
+    body();
+  } catch (const InvalidArgument&) {
+    throw;
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    sync_.mark_failed();
+    throw;
+  }
+}
+
+void Group::barrier() {
+  guarded("barrier", [&] {
+    next_parity();
+    sync_.post();
+    sync_.wait_all("barrier");
+  });
+}
+
+void Group::allreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) {
+  if (!op_supported(dtype, op))
+    throw InvalidArgument(fmt::format("allreduce: op {} is not defined for dtype {}", reduce_op_name(op),
+                                      dtype_name(dtype)));
+  guarded("allreduce", [&] {
+    const size_t bytes = count * dtype_size(dtype);
+    if (size_ == 1) {
+      if (in != out) std::memmove(out, in, bytes);
+      return;
+    }
+    if (bytes <= options_.small_bytes) allreduce_small(in, out, count, dtype, op);
+    else allreduce_large(in, out, count, dtype, op);
+  });
+}
+
+void Group::allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) {
+  const size_t bytes = count * dtype_size(dtype);
+  const unsigned p = next_parity();
+  std::memcpy(slot(rank_, p), in, bytes);
+  sync_.post();
+  sync_.wait_all("allreduce");
+  kernels::reduce_to(out, slot(0, p), slot(1, p), count, dtype, op);
+  for (int q = 2; q < size_; ++q) kernels::reduce_into(out, slot(q, p), count, dtype, op);
+  if (op == ReduceOp::kAvg) kernels::finish_average(out, count, dtype, size_);
+}
+
+void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataType dtype, ReduceOp op) {
+  const size_t es = dtype_size(dtype);
+  const char* in = static_cast<const char*>(in_v);
+  char* out = static_cast<char*>(out_v);
+  const size_t chunk_elems = options_.slot_bytes / es;
+  for (size_t off = 0; off < count; off += chunk_elems) {
+    const size_t c = std::min(chunk_elems, count - off);
+    const Slices sl(c, size_, es);
+    const unsigned p = next_parity();
+    char* mine = slot(rank_, p);
+    // Phase 1: stage the slices the peers own.
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_ && sl.length(q) > 0)
+        std::memcpy(mine + sl.begin(q) * es, in + (off + sl.begin(q)) * es, sl.length(q) * es);
+    sync_.post();
+    sync_.wait_all("allreduce");
+    // Phase 2: reduce my slice into my slot (rank order), reading my input and the peers' slots.
+    const size_t b = sl.begin(rank_), n = sl.length(rank_);
+    if (n > 0) {
+      auto source = [&](int q) -> const char* {
+        return q == rank_ ? in + (off + b) * es : slot(q, p) + b * es;
+      };
+      char* acc = mine + b * es;
+      kernels::reduce_to(acc, source(0), source(1), n, dtype, op);
+      for (int q = 2; q < size_; ++q) kernels::reduce_into(acc, source(q), n, dtype, op);
+      if (op == ReduceOp::kAvg) kernels::finish_average(acc, n, dtype, size_);
+      std::memcpy(out + (off + b) * es, acc, n * es);
+    }
+    sync_.post();
+    sync_.wait_all("allreduce");
+    // Phase 3: collect the other slices' results from their owners' slots.
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_ && sl.length(q) > 0)
+        std::memcpy(out + (off + sl.begin(q)) * es, slot(q, p) + sl.begin(q) * es, sl.length(q) * es);
+  }
+}
+
+void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType dtype, ReduceOp op) {
+  if (!op_supported(dtype, op))
+    throw InvalidArgument(fmt::format("reduce_scatter: op {} is not defined for dtype {}", reduce_op_name(op),
+                                      dtype_name(dtype)));
+  guarded("reduce_scatter", [&] {
+    const size_t es = dtype_size(dtype);
+    const char* in = static_cast<const char*>(in_v);
+    char* out = static_cast<char*>(out_v);
+    const size_t block_bytes = count * es;
+    if (size_ == 1) {
+      if (in != out) std::memmove(out, in, block_bytes);
+      return;
+    }
+    // If the output overlaps the input, our own block is staged too, so that reducing into `out`
+    // never overwrites input still to be read.
+    const bool stage_own = overlaps(in, block_bytes * static_cast<size_t>(size_), out, block_bytes);
+    const size_t chunk_elems = options_.slot_bytes / es / static_cast<size_t>(size_);
+    for (size_t off = 0; off < count; off += chunk_elems) {
+      const size_t c = std::min(chunk_elems, count - off);
+      const unsigned p = next_parity();
+      char* mine = slot(rank_, p);
+      // Slot layout for this round: block q's chunk at q * chunk_elems.
+      for (int q = 0; q < size_; ++q)
+        if (q != rank_ || stage_own)
+          std::memcpy(mine + static_cast<size_t>(q) * chunk_elems * es,
+                      in + (static_cast<size_t>(q) * count + off) * es, c * es);
+      sync_.post();
+      sync_.wait_all("reduce_scatter");
+      auto source = [&](int q) -> const char* {
+        if (q == rank_ && !stage_own) return in + (static_cast<size_t>(rank_) * count + off) * es;
+        return slot(q, p) + static_cast<size_t>(rank_) * chunk_elems * es;
+      };
+      char* acc = out + off * es;
+      kernels::reduce_to(acc, source(0), source(1), c, dtype, op);
+      for (int q = 2; q < size_; ++q) kernels::reduce_into(acc, source(q), c, dtype, op);
+      if (op == ReduceOp::kAvg) kernels::finish_average(acc, c, dtype, size_);
+    }
+  });
+}
+
+void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
+  guarded("allgather", [&] {
+    const char* in = static_cast<const char*>(in_v);
+    char* out = static_cast<char*>(out_v);
+    char* own = out + static_cast<size_t>(rank_) * bytes;
+    if (in != own) std::memmove(own, in, bytes);
+    if (size_ == 1) return;
+    for (size_t off = 0; off < bytes; off += options_.slot_bytes) {
+      const size_t c = std::min(options_.slot_bytes, bytes - off);
+      const unsigned p = next_parity();
+      std::memcpy(slot(rank_, p), own + off, c);
+      sync_.post();
+      sync_.wait_all("allgather");
+      for (int q = 0; q < size_; ++q)
+        if (q != rank_) std::memcpy(out + static_cast<size_t>(q) * bytes + off, slot(q, p), c);
+    }
+  });
+}
+
+void Group::broadcast(void* data_v, size_t bytes, int root) {
+  if (root < 0 || root >= size_)
+    throw InvalidArgument(fmt::format("broadcast: root {} is not a local rank in [0, {})", root, size_));
+  guarded("broadcast", [&] {
+    char* data = static_cast<char*>(data_v);
+    if (size_ == 1) return;
+    for (size_t off = 0; off < bytes; off += options_.slot_bytes) {
+      const size_t c = std::min(options_.slot_bytes, bytes - off);
+      const unsigned p = next_parity();
+      if (rank_ == root) std::memcpy(slot(root, p), data + off, c);
+      sync_.post();
+      // Everyone waits for everyone (not only for the root): a rank that writes its slot in the next
+      // round relies on all peers having posted this one, i.e. having finished reading the round before.
+      sync_.wait_all("broadcast");
+      if (rank_ != root) std::memcpy(data + off, slot(root, p), c);
+    }
+  });
+}
+
+}  // namespace cohort::shm

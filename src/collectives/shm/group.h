@@ -1,0 +1,88 @@
+#pragma once
+// shm::Group: collectives among the ranks of one host, working in shared memory directly.
+//
+// The group owns one segment (transport/shm/segment.h): a control line per rank (step flags, see
+// transport/shm/sync.h) and, per rank, two staging slots of slot_bytes that only their owner writes.
+// Every operation runs in rounds; a round starts with "write my slot, post, wait for all", so the slot
+// a rank writes in round t was last read by its peers in round t-2, whose reads finished before they
+// posted round t-1 (which the writer waited for). Two slots alternate, so no extra flag is needed.
+//
+// Algorithms (docs/algorithms-shm.md has the bytes each one moves):
+//  * allreduce, small (<= small_bytes): each rank copies its input into its slot; after one wait every
+//    rank reduces all P slots itself, in rank order (so every rank gets the same bits).
+//  * allreduce, large: per chunk of slot_bytes, each rank copies the P-1 slices that peers own into
+//    its slot; rank r reduces slice r of the chunk reading its own input and the peers' slots (rank
+//    order), writes the result into its slot, and after a second wait every rank copies the other
+//    slices' results from their owners' slots into its output.
+//  * reduce_scatter: the first half of the large allreduce, with slice r = output block r.
+//  * allgather: each rank copies its chunk into its slot; after one wait everyone copies the peers'.
+//  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
+//  * barrier: post, wait for all.
+// Reductions for kAvg divide once, by the group size, on the reduced slice.
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "cohort/store.h"
+#include "cohort/types.h"
+#include "transport/shm/segment.h"
+#include "transport/shm/sync.h"
+
+namespace cohort::shm {
+
+struct GroupOptions {
+  size_t slot_bytes;             // staging slot per rank (two of them); chunk size of the pipelines
+  size_t small_bytes;            // allreduce up to this size uses the one-round algorithm
+  std::chrono::nanoseconds spin;  // busy-poll budget of a wait before it sleeps
+  // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
+  // after its first microseconds, so an oversubscribed host still makes progress).
+  static GroupOptions from_env(int local_size);
+};
+
+class Group {
+ public:
+  // Collective over the local ranks. Local rank 0 publishes the segment's (abstract socket) address
+  // under "<key_prefix>/shm/address" in the store; key_prefix must be unique to the job/communicator.
+  static std::unique_ptr<Group> create(Store& store, int local_rank, int local_size, const std::string& key_prefix,
+                                       std::chrono::milliseconds timeout);
+  // Same, with an address agreed beforehand (shm::random_address); no store needed.
+  static std::unique_ptr<Group> create_at(const std::string& address, int local_rank, int local_size,
+                                          std::chrono::milliseconds timeout, const GroupOptions& options);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // out[i] = op over ranks of in[i]; `in` may equal `out`.
+  void allreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  // in has size()*count elements; out (count elements) = op over ranks of block rank() of in.
+  void reduce_scatter(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  // out (size()*bytes) = concatenation of every rank's `in` (bytes each), in rank order. `in` may be
+  // out + rank()*bytes.
+  void allgather(const void* in, void* out, size_t bytes);
+  void broadcast(void* data, size_t bytes, int root);
+  void barrier();
+
+  Group(Segment segment, int local_rank, int local_size, std::chrono::milliseconds timeout,
+        const GroupOptions& options);
+
+ private:
+  template <typename Body>
+  void guarded(const char* what, Body&& body);
+  char* slot(int rank, unsigned parity) const;
+  unsigned next_parity() { return round_++ & 1u; }
+
+  void allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  void allreduce_large(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+
+  Segment segment_;
+  int rank_;
+  int size_;
+  GroupOptions options_;
+  PeerSync sync_;
+  uint64_t round_ = 0;
+  std::string failure_;  // first error; later calls repeat it
+};
+
+}  // namespace cohort::shm

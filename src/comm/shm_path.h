@@ -1,0 +1,76 @@
+#pragma once
+// The intra-host fast path (opt-in: COHORT_SHM_COLLECTIVES=1): when every rank of a communicator is on
+// one host (equal HostIdentity::shm_key()) and COHORT_TRANSPORT is not "tcp", allreduce, reduce_scatter, allgather,
+// broadcast and barrier run on a shm::Group (src/collectives/shm/group.h) working in shared memory
+// directly; everything else, and every communicator spanning hosts, uses the coll:: algorithms over
+// the transports. communicator_impl.cc calls the collectives through this namespace (`algo::`).
+//
+// Why it is opt-in: the shm path does not (yet) compare the ranks' call signatures (a mismatched call
+// is not diagnosed as MismatchError), does not observe Communicator::abort() while waiting, names
+// peers by local rank and pid rather than by rank and host, and sends no failure notices or slow
+// warnings; the comm fault tests (tests/comm) expect all of that. The group's own deadline, dead-peer
+// detection (pidfd, < 2 s) and failure flags do apply.
+
+#include <algorithm>
+
+#include "collectives/collectives.h"
+#include "collectives/shm/group.h"
+#include "comm/communicator_impl.h"
+
+namespace cohort::comm::shm_path {
+
+using coll::allgatherv;
+using coll::alltoall;
+using coll::alltoallv;
+using coll::gather;
+using coll::reduce;
+using coll::scatter;
+
+// Hierarchical allreduce for L ranks on each of H hosts: (1) allreduce inside the host over shared
+// memory, (2) local rank l allreduces slice l of the buffer with the ranks of local rank l on the other
+// hosts (L independent cross-host rings, so every local rank and link works), (3) inside the host, each
+// local rank broadcasts its slice to the others. avg divides by L in (1) and by H in (2).
+inline void hierarchical_allreduce(CommunicatorImpl& c, shm::Group& host, const void* send, void* recv,
+                                   size_t count, DataType dtype, ReduceOp op) {
+  host.allreduce(send, recv, count, dtype, op);
+  const size_t es = dtype_size(dtype);
+  const size_t L = static_cast<size_t>(host.size());
+  const size_t per = (count + L - 1) / L;
+  auto begin = [&](size_t l) { return std::min(count, l * per); };
+  auto length = [&](size_t l) { return std::min(count, (l + 1) * per) - begin(l); };
+  char* out = static_cast<char*>(recv);
+  const size_t mine = static_cast<size_t>(host.rank());
+  if (length(mine) > 0)
+    c.cross_host()->allreduce(out + begin(mine) * es, out + begin(mine) * es, length(mine), dtype, op);
+  for (size_t l = 0; l < L; ++l)
+    if (length(l) > 0) host.broadcast(out + begin(l) * es, length(l) * es, static_cast<int>(l));
+}
+
+inline void allreduce(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
+  if (shm::Group* g = c.shm_group()) return g->allreduce(send, recv, count, dtype, op);
+  if (shm::Group* h = c.host_group()) return hierarchical_allreduce(c, *h, send, recv, count, dtype, op);
+  coll::allreduce(c, send, recv, count, dtype, op);
+}
+
+inline void reduce_scatter(CommunicatorImpl& c, const void* send, void* recv, size_t recv_count, DataType dtype,
+                           ReduceOp op) {
+  if (shm::Group* g = c.shm_group()) return g->reduce_scatter(send, recv, recv_count, dtype, op);
+  coll::reduce_scatter(c, send, recv, recv_count, dtype, op);
+}
+
+inline void allgather(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype) {
+  if (shm::Group* g = c.shm_group()) return g->allgather(send, recv, count * dtype_size(dtype));
+  coll::allgather(c, send, recv, count, dtype);
+}
+
+inline void broadcast(CommunicatorImpl& c, void* buf, size_t count, DataType dtype, int root) {
+  if (shm::Group* g = c.shm_group()) return g->broadcast(buf, count * dtype_size(dtype), root);
+  coll::broadcast(c, buf, count, dtype, root);
+}
+
+inline void barrier(CommunicatorImpl& c) {
+  if (shm::Group* g = c.shm_group()) return g->barrier();
+  coll::barrier(c);
+}
+
+}  // namespace cohort::comm::shm_path

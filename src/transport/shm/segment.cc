@@ -1,0 +1,238 @@
+#include "transport/shm/segment.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cohort/error.h"
+#include "cohort/store.h"
+#include "common/fd.h"
+
+namespace cohort::shm {
+namespace {
+
+constexpr uint32_t kHelloMagic = 0x53484d31;  // "SHM1"
+
+struct Hello {
+  uint32_t magic;
+  uint32_t local_rank;
+  uint32_t local_size;
+  uint32_t reserved;
+  uint64_t bytes;
+};
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.size() + 1 > sizeof(addr.sun_path))
+    throw InvalidArgument(fmt::format("shm: socket name '{}' is longer than {} bytes", name, sizeof(addr.sun_path) - 1));
+  addr.sun_path[0] = '\0';  // abstract namespace: no file is created
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+[[noreturn]] void throw_errno(const std::string& what) {
+  throw Error(fmt::format("shm: {}: {}", what, std::strerror(errno)));
+}
+
+void wait_fd(int fd, short events, Deadline deadline, const std::string& what) {
+  pollfd p{fd, events, 0};
+  for (;;) {
+    int r = ::poll(&p, 1, deadline.poll_ms(100));
+    if (r > 0) return;
+    if (r < 0 && errno != EINTR) throw_errno("poll while " + what);
+    if (deadline.expired()) throw TimeoutError(fmt::format("shm: timed out {}", what));
+  }
+}
+
+void send_exact(int fd, const void* data, size_t n, Deadline deadline, const std::string& what) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      p += w;
+      n -= static_cast<size_t>(w);
+    } else if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
+      wait_fd(fd, POLLOUT, deadline, what);
+    } else {
+      throw_errno(what);
+    }
+  }
+}
+
+void recv_exact(int fd, void* data, size_t n, Deadline deadline, const std::string& what) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    wait_fd(fd, POLLIN, deadline, what);
+    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+    } else if (r == 0) {
+      throw PeerLostError(fmt::format("shm: connection closed while {}", what));
+    } else if (errno != EAGAIN && errno != EINTR) {
+      throw_errno(what);
+    }
+  }
+}
+
+void* map_fd(int fd, size_t bytes) {
+  // MAP_POPULATE: fault every page in now rather than inside the first timed collectives.
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (p == MAP_FAILED) throw_errno(fmt::format("mmap of {} bytes", bytes));
+  return p;
+}
+
+}  // namespace
+
+Segment Segment::establish(const std::string& address, int local_rank, int local_size, size_t bytes,
+                           Deadline deadline) {
+  socklen_t addr_len = 0;
+  sockaddr_un addr = abstract_address(address, &addr_len);
+  Segment seg;
+  seg.size_ = bytes;
+  if (local_rank == 0) {
+    UniqueFd mem(::memfd_create("cohort-shm", MFD_CLOEXEC));
+    if (!mem) throw_errno("memfd_create");
+    if (::ftruncate(mem.get(), static_cast<off_t>(bytes)) != 0) throw_errno(fmt::format("ftruncate to {} bytes", bytes));
+    seg.data_ = map_fd(mem.get(), bytes);
+    if (local_size == 1) return seg;
+    UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!listener) throw_errno("socket");
+    if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), addr_len) != 0)
+      throw_errno(fmt::format("bind abstract socket '{}'", address));
+    if (::listen(listener.get(), local_size) != 0) throw_errno("listen");
+    std::vector<bool> seen(static_cast<size_t>(local_size), false);
+    for (int served = 1; served < local_size; ++served) {
+      const std::string what = fmt::format("local rank 0 waiting for {} of {} local ranks to map the segment",
+                                           local_size - served, local_size - 1);
+      wait_fd(listener.get(), POLLIN, deadline, what);
+      UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!conn) {
+        if (errno == EAGAIN || errno == EINTR) {
+          --served;
+          continue;
+        }
+        throw_errno("accept");
+      }
+      Hello hello{};
+      recv_exact(conn.get(), &hello, sizeof hello, deadline, "reading a local rank's hello");
+      if (hello.magic != kHelloMagic || static_cast<int>(hello.local_size) != local_size ||
+          hello.local_rank == 0 || static_cast<int>(hello.local_rank) >= local_size || seen[hello.local_rank] ||
+          hello.bytes != bytes)
+        throw MismatchError(fmt::format(
+            "shm: local rank {} joined with local size {} and {} bytes; local rank 0 has local size {} and {} bytes",
+            hello.local_rank, hello.local_size, hello.bytes, local_size, bytes));
+      seen[hello.local_rank] = true;
+      // Reply: the size again, with the memfd attached.
+      uint64_t reply = bytes;
+      iovec iov{&reply, sizeof reply};
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof control;
+      cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(sizeof(int));
+      int fd = mem.get();
+      std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+      wait_fd(conn.get(), POLLOUT, deadline, "sending the segment");
+      if (::sendmsg(conn.get(), &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof reply))
+        throw_errno("sendmsg of the segment descriptor");
+    }
+    return seg;
+  }
+
+  // Other local ranks: connect (rank 0 may not be listening yet), say hello, receive the descriptor.
+  UniqueFd conn;
+  for (;;) {
+    conn = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!conn) throw_errno("socket");
+    if (::connect(conn.get(), reinterpret_cast<sockaddr*>(&addr), addr_len) == 0) break;
+    if (errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN && errno != EINTR)
+      throw_errno(fmt::format("connect to local rank 0 at '{}'", address));
+    if (deadline.expired())
+      throw TimeoutError(fmt::format("shm: local rank {} timed out waiting for local rank 0 to offer the segment",
+                                     local_rank));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  int flags = ::fcntl(conn.get(), F_GETFL);
+  ::fcntl(conn.get(), F_SETFL, flags | O_NONBLOCK);
+  Hello hello{kHelloMagic, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), 0, bytes};
+  send_exact(conn.get(), &hello, sizeof hello, deadline, "sending hello to local rank 0");
+  uint64_t reply = 0;
+  iovec iov{&reply, sizeof reply};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  wait_fd(conn.get(), POLLIN, deadline, fmt::format("local rank {} waiting for the segment from local rank 0", local_rank));
+  ssize_t r = ::recvmsg(conn.get(), &msg, MSG_CMSG_CLOEXEC);
+  if (r == 0) throw PeerLostError(fmt::format("shm: local rank 0 closed the connection instead of sending the segment "
+                                              "(local rank {} joined with local size {}, {} bytes)",
+                                              local_rank, local_size, bytes));
+  if (r != static_cast<ssize_t>(sizeof reply)) throw_errno("recvmsg of the segment descriptor");
+  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+  if (cm == nullptr || cm->cmsg_type != SCM_RIGHTS) throw Error("shm: local rank 0 sent no descriptor");
+  int fd = -1;
+  std::memcpy(&fd, CMSG_DATA(cm), sizeof fd);
+  UniqueFd mem(fd);
+  seg.data_ = map_fd(mem.get(), bytes);
+  return seg;
+}
+
+Segment::~Segment() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+}
+
+Segment::Segment(Segment&& other) noexcept : data_(other.data_), size_(other.size_) {
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+
+Segment& Segment::operator=(Segment&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) ::munmap(data_, size_);
+    data_ = other.data_;
+    size_ = other.size_;
+    other.data_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+std::string random_address(const std::string& job_key) {
+  std::random_device rd;
+  uint64_t r = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  std::string key = job_key.size() > 60 ? job_key.substr(job_key.size() - 60) : job_key;
+  return fmt::format("cohort-shm/{}/{}-{:016x}", key, ::getpid(), r);
+}
+
+std::string rendezvous_address(Store& store, const std::string& key_prefix, int local_rank) {
+  const std::string key = key_prefix + "/shm/address";
+  if (local_rank == 0) {
+    std::string address = random_address(key_prefix);
+    store.set(key, address);
+    return address;
+  }
+  return store.get(key);
+}
+
+}  // namespace cohort::shm

@@ -1,0 +1,51 @@
+#pragma once
+// One shared-memory segment per intra-host group, that can never leak.
+//
+// Local rank 0 creates an anonymous memfd (nothing ever appears in /dev/shm or any file system),
+// listens on an *abstract* Unix socket (no file either; the name disappears with the socket) and hands
+// the descriptor to every other local rank with SCM_RIGHTS. Each rank maps it once; after the
+// handshake no name exists anywhere, so the memory goes away with the last process that maps it,
+// whether the job ends normally, fails or is killed with SIGKILL.
+
+#include <cstddef>
+#include <string>
+
+#include "common/deadline.h"
+
+namespace cohort {
+class Store;
+}
+
+namespace cohort::shm {
+
+class Segment {
+ public:
+  // Collective over the `local_size` ranks that share `address` (an abstract socket name, e.g. from
+  // rendezvous_address). Local rank 0 creates `bytes` bytes; the others must pass the same size.
+  // Throws TimeoutError when a rank does not show up before `deadline`, MismatchError on a size mismatch.
+  static Segment establish(const std::string& address, int local_rank, int local_size, size_t bytes,
+                           Deadline deadline);
+
+  Segment() = default;
+  ~Segment();
+  Segment(Segment&& other) noexcept;
+  Segment& operator=(Segment&& other) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// A fresh abstract-socket name: "cohort-shm/<job_key>/<pid>-<random>".
+std::string random_address(const std::string& job_key);
+
+// Local rank 0 picks a random address and publishes it under "<key_prefix>/shm/address" in the store;
+// the other local ranks read it (waiting up to the store's timeout).
+std::string rendezvous_address(Store& store, const std::string& key_prefix, int local_rank);
+
+}  // namespace cohort::shm

@@ -1,0 +1,329 @@
+// shm::Group correctness: every collective, world sizes 1..8, every dtype and op, odd sizes, chunked
+// pipelines (tiny slots so that a few KiB already cross many chunks). Ranks run as threads (the segment
+// is shared the same way within one process) and, in the process tests, as forked processes; the
+// fault test SIGKILLs a rank in the middle of allreduces and checks the others fail within 2 s and that
+// nothing is left behind in /dev/shm.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cohort/error.h"
+#include "collectives/reduce_kernels.h"
+#include "collectives/reduce_kernels_impl.h"
+#include "collectives/shm/group.h"
+#include "common/half.h"
+#include "store/memory_store.h"
+#include "support/test_support.h"
+
+namespace cohort::shm {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr DataType kTypes[] = {DataType::kInt8,    DataType::kUInt8,    DataType::kInt32,   DataType::kInt64,
+                               DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32, DataType::kFloat64};
+constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kAvg};
+
+// Small slots: a 4 KiB slot and 256 B "small" limit make every algorithm run many chunks at test sizes.
+GroupOptions tiny_options() { return GroupOptions{4096, 256, std::chrono::microseconds(20)}; }
+
+// Deterministic per-rank data: small values, so products of up to 8 ranks stay exact in every type.
+std::vector<uint8_t> make_input(DataType t, size_t n, int rank, uint64_t salt) {
+  std::vector<uint8_t> buf(n * dtype_size(t));
+  std::mt19937_64 rng(salt * 1000 + static_cast<uint64_t>(rank));
+  std::uniform_int_distribution<int> small(-3, 3);
+  for (size_t i = 0; i < n; ++i) {
+    int v = small(rng);
+    uint8_t* p = buf.data() + i * dtype_size(t);
+    switch (t) {
+      case DataType::kInt8: { int8_t x = static_cast<int8_t>(v); std::memcpy(p, &x, 1); break; }
+      case DataType::kUInt8: { uint8_t x = static_cast<uint8_t>(v + 3); std::memcpy(p, &x, 1); break; }
+      case DataType::kInt32: { int32_t x = v; std::memcpy(p, &x, 4); break; }
+      case DataType::kInt64: { int64_t x = v; std::memcpy(p, &x, 8); break; }
+      case DataType::kFloat16: { uint16_t x = float_to_half(v * 0.375f); std::memcpy(p, &x, 2); break; }
+      case DataType::kBFloat16: { uint16_t x = float_to_bf16(v * 0.375f); std::memcpy(p, &x, 2); break; }
+      case DataType::kFloat32: { float x = v * 0.1f; std::memcpy(p, &x, 4); break; }
+      case DataType::kFloat64: { double x = v * 0.1; std::memcpy(p, &x, 8); break; }
+    }
+  }
+  return buf;
+}
+
+// The reference: the scalar kernel applied in rank order, then the average's division.
+std::vector<uint8_t> expected_reduction(DataType t, ReduceOp op, size_t n, int world, uint64_t salt) {
+  std::vector<uint8_t> acc = make_input(t, n, 0, salt);
+  for (int r = 1; r < world; ++r) {
+    auto x = make_input(t, n, r, salt);
+    kernels::reduce_to_scalar(acc.data(), acc.data(), x.data(), n, t, op);
+  }
+  if (op == ReduceOp::kAvg && world > 1) kernels::finish_average(acc.data(), n, t, world);
+  return acc;
+}
+
+std::string label(DataType t, ReduceOp op, size_t n, int world, int rank) {
+  return std::string(dtype_name(t)) + " " + std::string(reduce_op_name(op)) + " n=" + std::to_string(n) +
+         " world=" + std::to_string(world) + " rank=" + std::to_string(rank);
+}
+
+std::vector<std::unique_ptr<Group>> make_groups(int world, const GroupOptions& opt) {
+  std::vector<std::unique_ptr<Group>> groups(static_cast<size_t>(world));
+  const std::string address = random_address("test");
+  test::run_ranks(world, [&](int r) { groups[r] = Group::create_at(address, r, world, milliseconds(20000), opt); });
+  return groups;
+}
+
+class ShmGroupWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmGroupWorld, AllreduceEveryTypeAndOpMatchesRankOrderReference) {
+  const int world = GetParam();
+  auto groups = make_groups(world, tiny_options());
+  // 0, 1, odd, just above "small", several chunks with a ragged end.
+  const size_t counts[] = {0, 1, 7, 129, 3001};
+  test::run_ranks(world, [&](int r) {
+    uint64_t salt = 0;
+    for (DataType t : kTypes) {
+      for (ReduceOp op : kOps) {
+        if (!op_supported(t, op)) continue;
+        for (size_t n : counts) {
+          ++salt;
+          auto want = expected_reduction(t, op, n, world, salt);
+          auto in = make_input(t, n, r, salt);
+          std::vector<uint8_t> out(in.size() + 1, 0xAB);  // +1: a guard byte that must survive
+          groups[r]->allreduce(in.data(), out.data(), n, t, op);
+          ASSERT_EQ(0, std::memcmp(out.data(), want.data(), want.size())) << label(t, op, n, world, r);
+          ASSERT_EQ(0xAB, out.back()) << "wrote past the end: " << label(t, op, n, world, r);
+          // In place.
+          groups[r]->allreduce(in.data(), in.data(), n, t, op);
+          ASSERT_EQ(0, std::memcmp(in.data(), want.data(), want.size())) << "in place: " << label(t, op, n, world, r);
+        }
+      }
+    }
+  });
+}
+
+TEST_P(ShmGroupWorld, ReduceScatterAllgatherBroadcastBarrier) {
+  const int world = GetParam();
+  auto groups = make_groups(world, tiny_options());
+  test::run_ranks(world, [&](int r) {
+    uint64_t salt = 1000;
+    for (size_t n : {size_t{1}, size_t{5}, size_t{700}, size_t{2500}}) {
+      for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64, DataType::kUInt8}) {
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+          ++salt;
+          // reduce_scatter: input = world blocks of n; expected block r of the full reduction.
+          auto want_all = expected_reduction(t, op, n * static_cast<size_t>(world), world, salt);
+          auto in = make_input(t, n * static_cast<size_t>(world), r, salt);
+          std::vector<uint8_t> out(n * dtype_size(t));
+          groups[r]->reduce_scatter(in.data(), out.data(), n, t, op);
+          ASSERT_EQ(0, std::memcmp(out.data(), want_all.data() + static_cast<size_t>(r) * out.size(), out.size()))
+              << "reduce_scatter " << label(t, op, n, world, r);
+          // In place: output is our own block of the input.
+          groups[r]->reduce_scatter(in.data(), in.data() + static_cast<size_t>(r) * out.size(), n, t, op);
+          ASSERT_EQ(0, std::memcmp(in.data() + static_cast<size_t>(r) * out.size(),
+                                   want_all.data() + static_cast<size_t>(r) * out.size(), out.size()))
+              << "reduce_scatter in place " << label(t, op, n, world, r);
+        }
+      }
+      // allgather of n*3+1 bytes per rank (odd), separate and in place.
+      const size_t bytes = n * 3 + 1;
+      std::vector<uint8_t> mine(bytes), all(bytes * static_cast<size_t>(world)), want(all.size());
+      for (int q = 0; q < world; ++q)
+        for (size_t i = 0; i < bytes; ++i) want[q * bytes + i] = static_cast<uint8_t>(q * 31 + i * 7 + n);
+      std::memcpy(mine.data(), want.data() + static_cast<size_t>(r) * bytes, bytes);
+      groups[r]->allgather(mine.data(), all.data(), bytes);
+      ASSERT_EQ(all, want) << "allgather n=" << n << " rank " << r;
+      std::vector<uint8_t> inplace(all.size(), 0);
+      std::memcpy(inplace.data() + static_cast<size_t>(r) * bytes, mine.data(), bytes);
+      groups[r]->allgather(inplace.data() + static_cast<size_t>(r) * bytes, inplace.data(), bytes);
+      ASSERT_EQ(inplace, want) << "allgather in place n=" << n << " rank " << r;
+      // broadcast from every root.
+      for (int root = 0; root < world; ++root) {
+        std::vector<uint8_t> buf(bytes * 5, static_cast<uint8_t>(r == root ? 0 : 0xEE));
+        if (r == root)
+          for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 13 + root);
+        groups[r]->broadcast(buf.data(), buf.size(), root);
+        for (size_t i = 0; i < buf.size(); ++i)
+          ASSERT_EQ(buf[i], static_cast<uint8_t>(i * 13 + root)) << "broadcast root " << root << " rank " << r;
+      }
+      groups[r]->barrier();
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroupWorld, ::testing::Range(1, 9));
+
+TEST(ShmGroup, CreateThroughStoreWithDefaultOptionsAndLargeBuffers) {
+  // The store path and the default (env) options: 1 MiB slots, multi-chunk allreduce of ~5 MiB.
+  auto store = make_memory_store();
+  const int world = 3;
+  const size_t n = (5u << 20) / 4 + 3;
+  std::vector<std::unique_ptr<Group>> groups(world);
+  test::run_ranks(world, [&](int r) {
+    groups[r] = Group::create(*store, r, world, "job-large", milliseconds(20000));
+    std::vector<float> buf(n);
+    for (size_t i = 0; i < n; ++i) buf[i] = static_cast<float>((i % 1000) * (r + 1));
+    groups[r]->allreduce(buf.data(), buf.data(), n, DataType::kFloat32, ReduceOp::kSum);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(buf[i], static_cast<float>((i % 1000) * 6)) << "element " << i;
+  });
+}
+
+TEST(ShmGroup, InvalidArgumentsAreRejectedBeforeAnythingMoves) {
+  auto groups = make_groups(2, tiny_options());
+  test::run_ranks(2, [&](int r) {
+    int32_t x = 1;
+    EXPECT_THROW(groups[r]->allreduce(&x, &x, 1, DataType::kInt32, ReduceOp::kAvg), InvalidArgument);
+    EXPECT_THROW(groups[r]->broadcast(&x, 4, 2), InvalidArgument);
+    groups[r]->allreduce(&x, &x, 1, DataType::kInt32, ReduceOp::kSum);  // still usable
+    EXPECT_EQ(x, 2);
+  });
+}
+
+TEST(ShmGroup, MissingRankTimesOutNamingIt) {
+  // Rank 1 of 2 never calls allreduce: rank 0 must give up at its deadline with a clear message.
+  const std::string address = random_address("test-timeout");
+  std::vector<std::unique_ptr<Group>> groups(2);
+  test::run_ranks(2, [&](int r) { groups[r] = Group::create_at(address, r, 2, milliseconds(300), tiny_options()); });
+  float x = 1;
+  auto start = std::chrono::steady_clock::now();
+  try {
+    groups[0]->allreduce(&x, &x, 1, DataType::kFloat32, ReduceOp::kSum);
+    FAIL() << "allreduce without the peer returned";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("local rank 1"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // The group is failed for good now.
+  EXPECT_THROW(groups[0]->allreduce(&x, &x, 1, DataType::kFloat32, ReduceOp::kSum), AbortedError);
+}
+
+// ---------------------------------------------------------------------------------------- processes
+
+// Entries of /dev/shm that belong to cohort. The segment is a memfd and never has a name there, so this
+// must stay empty; entries of other programs (Open MPI's vader segments, other tests running side by
+// side) are ignored so that the check cannot flake.
+std::vector<std::string> cohort_dev_shm_entries() {
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d))
+      if (std::string(e->d_name).find("cohort") != std::string::npos) names.push_back(e->d_name);
+    ::closedir(d);
+  }
+  return names;
+}
+
+// Forks `world` children running body(rank); returns their pids. A child exits with body's return code
+// (or 99 on an exception), never returning into the test framework.
+std::vector<pid_t> fork_ranks(int world, const std::function<int(int)>& body) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      int code = 99;
+      try {
+        code = body(r);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+      }
+      std::fflush(stderr);
+      ::_exit(code);
+    }
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+// Waits for pid up to `limit`; returns the raw status, or -1 if it did not end (then kills it).
+int wait_for_exit(pid_t pid, std::chrono::milliseconds limit) {
+  auto end = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) return status;
+    if (std::chrono::steady_clock::now() > end) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    ::usleep(2000);
+  }
+}
+
+TEST(ShmGroupProcesses, AllreduceAndAllgatherAcrossRealProcesses) {
+  const int world = 4;
+  const std::string address = random_address("test-procs");
+  auto pids = fork_ranks(world, [&](int r) {
+    auto group = Group::create_at(address, r, world, milliseconds(20000), GroupOptions::from_env(world));
+    for (size_t n : {size_t{2}, size_t{1000}, size_t{300001}}) {
+      std::vector<double> buf(n, r + 1.0);
+      group->allreduce(buf.data(), buf.data(), n, DataType::kFloat64, ReduceOp::kSum);
+      for (double v : buf)
+        if (v != world * (world + 1) / 2.0) return 1;
+      std::vector<int32_t> all(n * world), mine(n, r);
+      group->allgather(mine.data(), all.data(), n * sizeof(int32_t));
+      for (size_t i = 0; i < all.size(); ++i)
+        if (all[i] != static_cast<int32_t>(i / n)) return 2;
+    }
+    group->barrier();
+    return 0;
+  });
+  for (int r = 0; r < world; ++r) {
+    int status = wait_for_exit(pids[r], milliseconds(60000));
+    ASSERT_TRUE(status != -1 && WIFEXITED(status)) << "rank " << r << " did not exit normally";
+    EXPECT_EQ(0, WEXITSTATUS(status)) << "rank " << r;
+  }
+  EXPECT_TRUE(cohort_dev_shm_entries().empty()) << "a cohort entry appeared in /dev/shm";
+}
+
+TEST(ShmGroupProcesses, SigkillOfOneRankFailsTheOthersWithinTwoSecondsAndLeavesNothing) {
+  const int world = 3;
+  const std::string address = random_address("test-kill");
+  test::TempDir dir;
+  const std::string ready = dir.file("ready");
+  auto pids = fork_ranks(world, [&](int r) {
+    auto group = Group::create_at(address, r, world, milliseconds(30000), GroupOptions::from_env(world));
+    std::vector<float> buf(4 << 20, 1.0f);  // 16 MiB: each allreduce takes a while
+    for (int iter = 0;; ++iter) {
+      if (iter == 2 && r == 0) test::write_file(ready, "1");
+      try {
+        group->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kMax);
+      } catch (const PeerLostError& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+        return 3;
+      }
+    }
+  });
+  // Wait until the ranks are busy allreducing, then kill rank 1.
+  auto start = std::chrono::steady_clock::now();
+  while (::access(ready.c_str(), F_OK) != 0) {
+    ASSERT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "ranks never got going";
+    ::usleep(5000);
+  }
+  ::usleep(50000);
+  ASSERT_EQ(0, ::kill(pids[1], SIGKILL));
+  const auto killed_at = std::chrono::steady_clock::now();
+  int status = 0;
+  ::waitpid(pids[1], &status, 0);
+  for (int r : {0, 2}) {
+    int st = wait_for_exit(pids[r], milliseconds(10000));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+    ASSERT_NE(st, -1) << "rank " << r << " still running 10 s after its peer was killed";
+    ASSERT_TRUE(WIFEXITED(st)) << "rank " << r;
+    EXPECT_EQ(3, WEXITSTATUS(st)) << "rank " << r << " should fail with PeerLostError";
+    EXPECT_LT(seconds, 2.0) << "rank " << r << " noticed the dead peer only after " << seconds << " s";
+  }
+  EXPECT_TRUE(cohort_dev_shm_entries().empty()) << "a cohort entry was left behind in /dev/shm";
+  // The rendezvous socket lives in the abstract namespace and is closed right after the hand-over.
+  EXPECT_EQ(test::read_file("/proc/net/unix").find(address), std::string::npos) << "socket " << address << " remains";
+}
+
+}  // namespace
+}  // namespace cohort::shm
