@@ -26,6 +26,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,22 +49,28 @@ struct DDPOptions {
 
 class DistributedDataParallel {
  public:
-  // `module`: a ModuleHolder (Linear, Sequential, a TORCH_MODULE) or a shared_ptr to a module with
-  // a forward(). Collective over `comm`.
+  // `module`: a ModuleHolder (Linear, Sequential, a TORCH_MODULE) or a shared_ptr to a module whose
+  // forward takes one tensor. Collective over `comm`.
   template <typename ModuleType>
   DistributedDataParallel(ModuleType module, std::shared_ptr<Communicator> comm, DDPOptions options = {})
-      : any_(std::move(module)), comm_(std::move(comm)), options_(options) {
-    module_ = any_.ptr();
+      : comm_(std::move(comm)), options_(options) {
+    auto ptr = holder_ptr(std::move(module));
+    module_ = ptr;
+    forward_ = [ptr](const ::torch::Tensor& x) -> ::torch::Tensor { return ptr->forward(x); };
     init();
   }
   ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  template <typename... Args>
-  ::torch::Tensor forward(Args&&... args) {
+  ::torch::Tensor forward(const ::torch::Tensor& input) {
+    return forward_with([&] { return forward_(input); });
+  }
+  // For modules whose forward takes other arguments: ddp.forward_with([&] { return net->forward(a, b); }).
+  template <typename Fn>
+  ::torch::Tensor forward_with(Fn&& run_forward) {
     before_forward();
-    ::torch::Tensor out = any_.forward(std::forward<Args>(args)...);
+    ::torch::Tensor out = run_forward();
     after_forward(out);
     return out;
   }
@@ -100,7 +107,13 @@ class DistributedDataParallel {
   void on_gradient_ready(size_t index);
   void write_back(size_t index, const float* averaged);
 
-  ::torch::nn::AnyModule any_;
+  template <typename M>
+  static auto holder_ptr(M module) {
+    if constexpr (requires { module.ptr(); }) return module.ptr();
+    else return module;
+  }
+
+  std::function<::torch::Tensor(const ::torch::Tensor&)> forward_;
   std::shared_ptr<::torch::nn::Module> module_;
   std::shared_ptr<Communicator> comm_;
   DDPOptions options_;
