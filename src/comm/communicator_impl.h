@@ -98,6 +98,8 @@ class CommunicatorImpl final : public Communicator,
   void* scratch(size_t bytes, int index) override;
 
   const Topology& topology() const { return topology_; }
+  // Keeps `thing` (e.g. the store server rank 0 hosts without a launcher) alive as long as this.
+  void keep_alive(std::shared_ptr<void> thing) { kept_alive_.push_back(std::move(thing)); }
   uint32_t id() const { return comm_id_; }
 
  private:
@@ -127,6 +129,7 @@ class CommunicatorImpl final : public Communicator,
 
   std::shared_ptr<Communicator> create_child(const std::string& prefix, int rank, int size);
 
+  std::vector<std::shared_ptr<void>> kept_alive_;  // destroyed last (declared first)
   // identity and settings
   std::shared_ptr<Store> root_store_;
   std::shared_ptr<Store> store_;  // prefixed
