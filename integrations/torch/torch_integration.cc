@@ -102,6 +102,15 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 void DistributedDataParallel::before_forward() {
+  // Tensor::set_ (which torch::nn::Module::load uses to restore parameters) gives a parameter a new
+  // gradient accumulator, silently dropping our hook: move the hooks to the current accumulators.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto current = ::torch::autograd::impl::grad_accumulator(params_[i]);
+    if (current == accumulators_[i]) continue;
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+    hook_keys_[i] = current->add_post_hook(std::make_unique<Hook>(this, i));
+    accumulators_[i] = std::move(current);
+  }
   // The previous backward left buckets unreduced: some parameter got no gradient.
   if (sync_->sync_enabled() && sync_->in_iteration()) finish_gradient_sync();
 }

@@ -21,6 +21,10 @@
 // finish_gradient_sync(), unless find_unused_parameters is set: then forward() walks the autograd
 // graph from the output, and unreachable parameters contribute zeros up front.)
 //
+// Parameters replaced in place with Tensor::set_ (torch::nn::Module::load does that) get a new
+// gradient accumulator; forward() notices and moves the hook, so loading a checkpoint after
+// wrapping is fine.
+//
 // Not thread-safe: one backward at a time per wrapper (the CPU autograd engine runs hooks on the
 // thread that called backward()).
 
