@@ -1,5 +1,6 @@
 // libtorch integration: DistributedDataParallel, DistributedSampler, checkpoints (one TU on purpose).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -243,11 +244,24 @@ std::optional<train::TrainingPosition> load_checkpoint(const std::string& dir, :
   if (!bytes) return std::nullopt;
   std::string payload;
   train::TrainingPosition pos = train::decode_checkpoint(*bytes, payload, path);
+  // Module::load replaces tensors with set_ and does not compare shapes: check them ourselves.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (auto& p : module.named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());
+  for (auto& b : module.named_buffers(true)) shapes.emplace_back(b.key(), b.value().sizes().vec());
   try {
     ::torch::serialize::InputArchive archive;
     std::istringstream in(payload);
     archive.load_from(in);
     module.load(archive);
+    size_t i = 0;
+    auto check = [&](const std::string& key, const ::torch::Tensor& t) {
+      const auto& [name, shape] = shapes[i++];
+      if (t.sizes().vec() != shape)
+        throw InvalidArgument(fmt::format("{}: cannot load into this model: {} is [{}] in the checkpoint but [{}] in the model",
+                                          path, name, fmt::join(t.sizes().vec(), ", "), fmt::join(shape, ", ")));
+    };
+    for (auto& p : module.named_parameters(true)) check(p.key(), p.value());
+    for (auto& b : module.named_buffers(true)) check(b.key(), b.value());
     ::torch::serialize::InputArchive opt_archive;
     archive.read("__cohort_optimizer", opt_archive);
     optimizer.load(opt_archive);
