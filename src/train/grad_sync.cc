@@ -167,7 +167,8 @@ void GradientSync::mark_ready(size_t index, const float* grad) {
         "two backward passes without a step)",
         params_[index].name));
   Bucket& b = buckets_[param_bucket_[index]];
-  std::memcpy(b.data.data() + param_offset_[index], grad, params_[index].numel() * sizeof(float));
+  // One rank: the average is the gradient itself, so it is neither copied nor written back.
+  if (comm_->size() > 1) std::memcpy(b.data.data() + param_offset_[index], grad, params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
   ++ready_count_;
@@ -257,7 +258,8 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
   }
   stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (auto& b : buckets_) {
-    if (comm_->size() > 1) {
+    if (comm_->size() == 1) continue;  // gradients are already final in the framework's tensors
+    {
       if (options_.compression == WireCompression::kFloat16)
         for (size_t i = 0; i < b.numel; ++i) b.data[i] = half_to_float(b.wire[i]);
       else if (options_.compression == WireCompression::kBFloat16)

@@ -82,7 +82,8 @@ class GradientSync {
   // True after a mark_ready/mark_unused of this iteration and before finish().
   bool in_iteration() const { return ready_count_ > 0; }
 
-  // Waits for all buckets and calls write_back(index, averaged) for every parameter. Throws
+  // Waits for all buckets and calls write_back(index, averaged) for every parameter (not on a
+  // 1-rank communicator: the framework's gradients are already the average). Throws
   // InvalidArgument naming the first parameter that got no gradient (without find_unused).
   // No-op (returns false) while sync is disabled or when nothing was marked in this iteration.
   bool finish(const std::function<void(size_t index, const float* averaged)>& write_back);
