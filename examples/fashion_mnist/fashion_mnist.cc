@@ -1,0 +1,320 @@
+// fashion_mnist: cohort's main job. Data-parallel Fashion-MNIST training with libtorch and
+// cohort::torch::DistributedDataParallel, the C++ counterpart of the seeds' MNIST example.
+//
+//   cohort run --nproc-per-node 2 build/examples/fashion_mnist/fashion_mnist --model mlp
+//   build/examples/fashion_mnist/fashion_mnist            (no launcher: one process)
+//
+// The conversion from one process to data parallel is the four marked steps below; the training
+// loop itself is the same as a single-process libtorch loop.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <zlib.h>
+
+#include <csignal>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+
+#include "cohort/communicator.h"
+#include "cohort/error.h"
+#include "cohort/torch/ddp.h"
+#include "store/memory_store.h"
+
+namespace nn = torch::nn;
+using cohort::ConfigError;
+
+namespace {
+
+// ---- data: gzip idx files as shipped by Debian's dataset-fashion-mnist ----
+std::string read_gzip(const std::string& path) {
+  if (!std::filesystem::exists(path))
+    throw ConfigError(fmt::format("cannot read {}: no such file (install dataset-fashion-mnist, or pass --data-dir)", path));
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f) throw ConfigError(fmt::format("cannot open {}", path));
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    int n = gzread(f, buf, sizeof buf);
+    if (n < 0) {
+      int err = 0;
+      std::string msg = gzerror(f, &err);
+      gzclose(f);
+      throw ConfigError(fmt::format("cannot read {}: {}", path, msg));
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  gzclose(f);
+  return out;
+}
+
+uint32_t big_endian(const std::string& b, size_t at) {
+  return (uint32_t(uint8_t(b[at])) << 24) | (uint32_t(uint8_t(b[at + 1])) << 16) | (uint32_t(uint8_t(b[at + 2])) << 8) |
+         uint32_t(uint8_t(b[at + 3]));
+}
+
+// Returns the uint8 payload of an idx file with `ndim` dimensions and its dimensions.
+std::pair<std::string, std::vector<int64_t>> read_idx(const std::string& path, int ndim) {
+  std::string raw = read_gzip(path);
+  const size_t header = 4 + 4 * static_cast<size_t>(ndim);
+  if (raw.size() < header || big_endian(raw, 0) != (0x800u | static_cast<uint32_t>(ndim)))
+    throw ConfigError(fmt::format("{} is not an idx file of unsigned bytes with {} dimensions", path, ndim));
+  std::vector<int64_t> dims;
+  size_t expect = 1;
+  for (int i = 0; i < ndim; ++i) {
+    dims.push_back(big_endian(raw, 4 + 4 * static_cast<size_t>(i)));
+    expect *= static_cast<size_t>(dims.back());
+  }
+  if (raw.size() - header != expect)
+    throw ConfigError(fmt::format("{} is truncated: {} bytes of data, header says {}", path, raw.size() - header, expect));
+  return {raw.substr(header), dims};
+}
+
+struct Split {
+  torch::Tensor x;  // N,1,28,28 float in [0,1] (like torchvision's ToTensor)
+  torch::Tensor y;  // N int64
+};
+
+Split load_split(const std::string& dir, const std::string& prefix) {
+  auto [pixels, idims] = read_idx(dir + "/" + prefix + "-images-idx3-ubyte.gz", 3);
+  auto [labels, ldims] = read_idx(dir + "/" + prefix + "-labels-idx1-ubyte.gz", 1);
+  if (idims[0] != ldims[0])
+    throw ConfigError(fmt::format("{}/{}: {} images but {} labels", dir, prefix, idims[0], ldims[0]));
+  auto x = torch::from_blob(pixels.data(), {idims[0], 1, idims[1], idims[2]}, torch::kUInt8).to(torch::kFloat32).div_(255.0);
+  auto y = torch::from_blob(labels.data(), {ldims[0]}, torch::kUInt8).to(torch::kLong);
+  return {x, y};
+}
+
+// ---- models ----
+nn::Sequential make_model(const std::string& name) {
+  if (name == "seed")  // the seeds' model: the ReLU on the logits is theirs (it slows learning)
+    return nn::Sequential(nn::Flatten(), nn::Linear(784, 10), nn::ReLU());
+  if (name == "mlp")
+    return nn::Sequential(nn::Flatten(), nn::Linear(784, 1024), nn::ReLU(), nn::Linear(1024, 1024), nn::ReLU(),
+                          nn::Linear(1024, 10));
+  // cnn
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 32, 3)), nn::ReLU(), nn::MaxPool2d(2),
+                        nn::Conv2d(nn::Conv2dOptions(32, 64, 3)), nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(),
+                        nn::Linear(64 * 5 * 5, 128), nn::ReLU(), nn::Linear(128, 10));
+}
+
+std::string progress_bar(int64_t done, int64_t total, int width = 30) {
+  int filled = total > 0 ? static_cast<int>(width * done / total) : width;
+  return fmt::format("[{}{}] {:3d}%", std::string(static_cast<size_t>(filled), '#'),
+                     std::string(static_cast<size_t>(width - filled), '.'), total > 0 ? 100 * done / total : 100);
+}
+
+uint64_t weights_digest(nn::Module& m) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes of every parameter
+  for (auto& p : m.parameters()) {
+    auto c = p.detach().contiguous();
+    auto* b = static_cast<const unsigned char*>(c.data_ptr());
+    for (size_t i = 0; i < static_cast<size_t>(c.numel()) * c.element_size(); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+bool launched() {
+  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+
+int env_rank() {
+  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  return 0;
+}
+
+struct Args {
+  std::string model = "seed";
+  int64_t batch = 32;
+  double lr = 0.01;
+  int64_t epochs = 1;
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  uint64_t seed = 0;
+  int64_t train_samples = 0;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  bool resume = false;
+  std::string compression = "none";
+  double bucket_mb = 25;
+  int threads = 0;
+  bool verbose = false;
+  int64_t kill_after_steps = 0;
+  bool print_digest = false;
+};
+
+int run(const Args& a) {
+  auto compression = cohort::train::parse_compression(a.compression);
+  if (!compression) throw ConfigError(fmt::format("--compression must be none, fp16 or bf16, not '{}'", a.compression));
+  if (a.resume && a.checkpoint_dir.empty()) throw ConfigError("--resume needs --checkpoint-dir");
+
+  // Data first: a missing data set fails before any rank waits for another.
+  Split train = load_split(a.data_dir, "train");
+  Split test = load_split(a.data_dir, "t10k");
+  if (a.train_samples > 0 && a.train_samples < train.x.size(0)) {
+    train.x = train.x.narrow(0, 0, a.train_samples);
+    train.y = train.y.narrow(0, 0, a.train_samples);
+  }
+
+  // (1) Rank and world from the environment (cohort run, torchrun, mpirun, Slurm); one process otherwise.
+  std::shared_ptr<cohort::Communicator> comm =
+      launched() ? cohort::Communicator::from_env() : cohort::Communicator::create(cohort::make_memory_store(), 0, 1);
+  const int rank = comm->rank(), world = comm->size();
+  const bool lead = rank == 0;
+  // Ranks sharing a node would fight over the cores with several intra-op threads each.
+  int threads = a.threads > 0 ? a.threads : (comm->local_size() > 1 ? 1 : torch::get_num_threads());
+  torch::set_num_threads(threads);
+
+  torch::manual_seed(static_cast<uint64_t>(a.seed));
+  auto model = make_model(a.model);
+  // (3) Wrap the model: parameters broadcast from rank 0, gradients averaged during backward.
+  cohort::torch::DDPOptions ddp_options;
+  ddp_options.compression = *compression;
+  ddp_options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mb * 1024 * 1024);
+  cohort::torch::DistributedDataParallel ddp(model, comm, ddp_options);
+  torch::optim::SGD optimizer(ddp.parameters(), torch::optim::SGDOptions(a.lr));
+
+  cohort::train::TrainingPosition pos{0, 0, 0, world};
+  if (a.resume) {
+    auto loaded = cohort::torch::load_checkpoint(a.checkpoint_dir, *model, optimizer);
+    if (!loaded) throw ConfigError(fmt::format("--resume: no checkpoint in {}", a.checkpoint_dir));
+    if (loaded->world_size != world)
+      throw ConfigError(fmt::format("--resume: {} was written by {} ranks, this job has {} (the data split would differ)",
+                                    cohort::train::checkpoint_path(a.checkpoint_dir), loaded->world_size, world));
+    pos = *loaded;
+    if (lead) fmt::print("resuming from {} at epoch {}, step {}\n", cohort::train::checkpoint_path(a.checkpoint_dir), pos.epoch, pos.step_in_epoch);
+  }
+
+  if (lead && a.verbose) {
+    int64_t nparams = 0;
+    for (auto& p : model->parameters()) nparams += p.numel();
+    fmt::print("world {} ({} on this host), model {} ({} parameters), batch {} per rank, intra-op threads {}\n", world,
+               comm->local_size(), a.model, nparams, a.batch, threads);
+    fmt::print("BLAS in use: {}\n", cohort::torch::blas_in_use().empty() ? "(none mapped)" : cohort::torch::blas_in_use());
+    fmt::print("buckets: {}, compression {}\n", ddp.sync().bucket_layout().size(), cohort::train::compression_name(*compression));
+  }
+
+  // (2) The distributed sampler: torch.utils.data.DistributedSampler's indices.
+  cohort::torch::DistributedSampler sampler(static_cast<size_t>(train.x.size(0)), world, rank, /*shuffle=*/true, a.seed);
+  const int64_t steps_per_epoch = (sampler.num_samples() + a.batch - 1) / a.batch;
+
+  auto save = [&](const cohort::train::TrainingPosition& p) {
+    if (lead && !a.checkpoint_dir.empty()) cohort::torch::save_checkpoint(a.checkpoint_dir, *model, optimizer, p);
+  };
+
+  comm->barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t samples = 0, steps_run = 0;
+  double last_loss = 0;
+  for (int64_t epoch = pos.epoch; epoch < a.epochs; ++epoch) {
+    sampler.set_epoch(epoch);
+    // (4) Shard the data: this rank's indices, cut into batches.
+    const auto indices = sampler.indices();
+    const auto index_tensor = torch::tensor(indices, torch::kLong);
+    for (int64_t step = (epoch == pos.epoch ? pos.step_in_epoch : 0); step < steps_per_epoch; ++step) {
+      const int64_t begin = step * a.batch, len = std::min<int64_t>(a.batch, static_cast<int64_t>(indices.size()) - begin);
+      auto batch = index_tensor.narrow(0, begin, len);
+      auto x = train.x.index_select(0, batch), y = train.y.index_select(0, batch);
+
+      optimizer.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(ddp->forward(x), y);
+      loss.backward();  // gradients are averaged over all ranks when this returns
+      optimizer.step();
+
+      samples += len;
+      ++steps_run;
+      ++pos.global_step;
+      if (lead && step % 10 == 0) {
+        last_loss = loss.item<double>();
+        fmt::print("epoch: {}, step: {}, loss is {}  {} {}/{}\n", epoch, step, loss.item<float>(),
+                   progress_bar(step + 1, steps_per_epoch), step + 1, steps_per_epoch);
+        std::fflush(stdout);
+      }
+      cohort::train::TrainingPosition next{epoch, step + 1, pos.global_step, world};
+      if (next.step_in_epoch == steps_per_epoch) next = {epoch + 1, 0, pos.global_step, world};
+      if (a.checkpoint_every > 0 && pos.global_step % a.checkpoint_every == 0) save(next);
+      if (a.kill_after_steps > 0 && steps_run == a.kill_after_steps) {
+        std::fflush(stdout);
+        std::raise(SIGKILL);  // fault injection for the resume test: no cleanup, no final checkpoint
+      }
+    }
+  }
+  comm->barrier();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  save({a.epochs, 0, pos.global_step, world});
+
+  int64_t total_samples = samples;
+  comm->allreduce(&total_samples, &total_samples, 1, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
+  double wait = ddp.stats().wait_seconds;
+  comm->allreduce(&wait, &wait, 1, cohort::DataType::kFloat64, cohort::ReduceOp::kAvg);
+
+  if (lead) {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    int64_t correct = 0;
+    for (int64_t i = 0; i < test.x.size(0); i += 1000) {  // chunks: the cnn's activations are large
+      const int64_t n = std::min<int64_t>(1000, test.x.size(0) - i);
+      correct += model->forward(test.x.narrow(0, i, n)).argmax(1).eq(test.y.narrow(0, i, n)).sum().item<int64_t>();
+    }
+    double accuracy = static_cast<double>(correct) / static_cast<double>(test.x.size(0));
+    fmt::print("test accuracy: {:.4f}\n", accuracy);
+    fmt::print("samples/s: {:.1f} ({} samples on {} ranks in {:.3f} s, {} steps per rank)\n",
+               seconds > 0 ? static_cast<double>(total_samples) / seconds : 0.0, total_samples, world, seconds, steps_run);
+    fmt::print("communication wait: {:.1f}% of step time ({:.3f} s per rank, averaged over ranks)\n",
+               seconds > 0 ? 100.0 * wait / seconds : 0.0, wait);
+    if (a.print_digest) fmt::print("final weights digest: {:016x}\n", weights_digest(*model));
+    (void)last_loss;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Data-parallel Fashion-MNIST with libtorch and cohort (run under `cohort run`)", "fashion_mnist"};
+  Args a;
+  app.add_option("--model", a.model, "seed (Flatten, Linear 784->10, ReLU), mlp (784-1024-1024-10) or cnn")
+      ->check(CLI::IsMember({"seed", "mlp", "cnn"}));
+  app.add_option("--batch", a.batch, "batch size per rank")->check(CLI::PositiveNumber);
+  app.add_option("--lr", a.lr, "SGD learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--epochs", a.epochs, "epochs")->check(CLI::PositiveNumber);
+  app.add_option("--data-dir", a.data_dir, "folder with the gzip idx files");
+  app.add_option("--seed", a.seed, "seed of the model init and the sampler");
+  app.add_option("--train-samples", a.train_samples, "use only the first N training images (0 = all)")->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "rank 0 writes <dir>/checkpoint.bin (atomically) here");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "checkpoint every N steps (and at the end)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", a.resume, "continue from <checkpoint-dir>/checkpoint.bin");
+  app.add_option("--compression", a.compression, "gradients on the wire: none, fp16 or bf16");
+  app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB")->check(CLI::PositiveNumber);
+  app.add_option("--threads", a.threads, "intra-op threads per rank (0: 1 when ranks share a host)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--verbose", a.verbose, "print the setup (world, BLAS library in use, buckets)");
+  app.add_option("--kill-after-steps", a.kill_after_steps, "testing: SIGKILL every rank after N steps of this run");
+  app.add_flag("--print-digest", a.print_digest, "print a digest of the final weights (resume tests)");
+  // Only rank 0 reports bad arguments, so a launched job prints the problem once.
+  const bool report = env_rank() == 0;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    if (report) std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
+    return 2;
+  }
+  try {
+    return run(a);
+  } catch (const ConfigError& e) {
+    if (report) std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
+    return 2;
+  } catch (const cohort::InvalidArgument& e) {
+    std::fprintf(stderr, "fashion_mnist: rank %d: %s\n", env_rank(), e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fashion_mnist: rank %d: %s\n", env_rank(), e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,175 @@
+#pragma once
+// cohort::torch — data-parallel training for the libtorch C++ frontend.
+//
+// The four steps of a one-card -> data-parallel conversion, in C++:
+//   auto comm = cohort::Communicator::from_env();                            // 1. rank from the env
+//   cohort::torch::DistributedSampler sampler(n, comm->size(), comm->rank()); // 2. sampler
+//   cohort::torch::DistributedDataParallel model(Net(), comm);               // 3. wrap the model
+//   for (auto idx : batches of sampler.indices()) { ... }                     // 4. sharded loading
+// and the loop itself is unchanged:
+//   optimizer.zero_grad(); auto loss = f(model->forward(x), y); loss.backward(); optimizer.step();
+//
+// How gradients are synchronised: at construction the wrapper broadcasts parameters and buffers
+// from rank 0, checks that every rank has the same parameter names and shapes, and adds a post
+// hook to every parameter's gradient accumulator (the node that writes .grad). Each hook hands the
+// accumulated gradient to train::GradientSync, whose buckets start their allreduce as soon as they
+// are full, overlapping the rest of backward. The hook of the LAST parameter waits for every
+// bucket and writes the averaged gradients back into .grad, so all gradients are synchronised
+// when loss.backward() returns — no finish call in the user's loop. (libtorch 1.13's C++ API has
+// no "final autograd callback"; the last-hook rule needs every parameter to get a gradient, which
+// is why a parameter without one is an error, reported at the next forward() or by
+// finish_gradient_sync(), unless find_unused_parameters is set: then forward() walks the autograd
+// graph from the output, and unreachable parameters contribute zeros up front.)
+//
+// Parameters replaced in place with Tensor::set_ (torch::nn::Module::load does that) get a new
+// gradient accumulator; forward() notices and moves the hook, so loading a checkpoint after
+// wrapping is fine.
+//
+// Not thread-safe: one backward at a time per wrapper (the CPU autograd engine runs hooks on the
+// thread that called backward()).
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cohort/communicator.h"
+#include "train/checkpoint.h"
+#include "train/grad_sync.h"
+#include "train/sampler.h"
+
+namespace cohort::torch {
+
+struct DDPOptions {
+  size_t bucket_cap_bytes = size_t{25} << 20;
+  size_t first_bucket_cap_bytes = size_t{1} << 20;
+  train::WireCompression compression = train::WireCompression::kNone;
+  bool find_unused_parameters = false;
+  bool rebuild_buckets = true;
+};
+
+class DistributedDataParallel {
+ public:
+  // `module`: a ModuleHolder (Linear, Sequential, a TORCH_MODULE) or a shared_ptr to a module whose
+  // forward takes one tensor. Collective over `comm`.
+  template <typename ModuleType>
+  DistributedDataParallel(ModuleType module, std::shared_ptr<Communicator> comm, DDPOptions options = {})
+      : comm_(std::move(comm)), options_(options) {
+    auto ptr = holder_ptr(std::move(module));
+    module_ = ptr;
+    forward_ = [ptr](const ::torch::Tensor& x) -> ::torch::Tensor { return ptr->forward(x); };
+    init();
+  }
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  ::torch::Tensor forward(const ::torch::Tensor& input) {
+    return forward_with([&] { return forward_(input); });
+  }
+  // For modules whose forward takes other arguments: ddp.forward_with([&] { return net->forward(a, b); }).
+  template <typename Fn>
+  ::torch::Tensor forward_with(Fn&& run_forward) {
+    before_forward();
+    ::torch::Tensor out = run_forward();
+    after_forward(out);
+    return out;
+  }
+  // Sugar so that `model->forward(x)` reads like a ModuleHolder.
+  DistributedDataParallel* operator->() { return this; }
+
+  std::shared_ptr<::torch::nn::Module> module() const { return module_; }
+  std::vector<::torch::Tensor> parameters() const { return module_->parameters(); }
+  void train(bool on = true) { module_->train(on); }
+  void eval() { module_->eval(); }
+
+  // Waits for any bucket still in flight and writes the averaged gradients back. Normally a no-op:
+  // the last gradient hook already did it. Throws naming a parameter that received no gradient.
+  void finish_gradient_sync();
+
+  // Gradient accumulation: while the guard lives, backward only accumulates locally.
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp) : guard_(ddp.sync()) {}
+   private:
+    train::NoSyncGuard guard_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  train::GradientSync& sync() { return *sync_; }
+  const train::GradSyncStats& stats() const { return sync_->stats(); }
+  Communicator& communicator() { return *comm_; }
+
+ private:
+  struct Hook;
+  void init();
+  void before_forward();
+  void after_forward(const ::torch::Tensor& out);
+  void on_gradient_ready(size_t index);
+  void write_back(size_t index, const float* averaged);
+
+  template <typename M>
+  static auto holder_ptr(M module) {
+    if constexpr (requires { module.ptr(); }) return module.ptr();
+    else return module;
+  }
+
+  std::function<::torch::Tensor(const ::torch::Tensor&)> forward_;
+  std::shared_ptr<::torch::nn::Module> module_;
+  std::shared_ptr<Communicator> comm_;
+  DDPOptions options_;
+  std::vector<::torch::Tensor> params_;
+  std::vector<std::shared_ptr<::torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<train::GradientSync> sync_;
+  std::vector<::torch::Tensor> contiguous_grads_;  // holders for non-contiguous gradients
+};
+
+// Broadcasts every parameter and buffer of `module` from rank 0 (done by the DDP constructor).
+void broadcast_module(::torch::nn::Module& module, Communicator& comm);
+
+// torch.randperm(n, generator=torch.Generator().manual_seed(seed)), as a vector.
+std::vector<int64_t> torch_randperm(int64_t n, uint64_t seed);
+
+// torch.utils.data.DistributedSampler for torch::data: same indices for the same
+// (n, replicas, rank, shuffle, seed, epoch, drop_last). Call set_epoch(e) before each epoch.
+class DistributedSampler : public ::torch::data::samplers::Sampler<std::vector<size_t>> {
+ public:
+  DistributedSampler(size_t size, int num_replicas, int rank, bool shuffle = true, uint64_t seed = 0,
+                     bool drop_last = false);
+  void set_epoch(int64_t epoch);
+  // This rank's indices for the current epoch (what iterating the Python sampler yields).
+  std::vector<int64_t> indices() const { return sampler_.indices(); }
+  int64_t num_samples() const { return sampler_.num_samples(); }
+
+  void reset(c10::optional<size_t> new_size = c10::nullopt) override;
+  c10::optional<std::vector<size_t>> next(size_t batch_size) override;
+  void save(::torch::serialize::OutputArchive& archive) const override;
+  void load(::torch::serialize::InputArchive& archive) override;
+
+ private:
+  train::DistributedSampler sampler_;
+  size_t size_;
+  int num_replicas_, rank_;
+  bool shuffle_;
+  uint64_t seed_;
+  bool drop_last_;
+  std::vector<int64_t> current_;
+  size_t cursor_ = 0;
+};
+
+// Checkpoints: rank 0 writes model + optimizer + position atomically to <dir>/checkpoint.bin.
+void save_checkpoint(const std::string& dir, ::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
+                     const train::TrainingPosition& position);
+// Loads <dir>/checkpoint.bin into module and optimizer (every rank); nullopt when there is none.
+std::optional<train::TrainingPosition> load_checkpoint(const std::string& dir, ::torch::nn::Module& module,
+                                                       ::torch::optim::Optimizer& optimizer);
+
+// Which BLAS library the process has mapped (from /proc/self/maps), e.g.
+// "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3", or "" when none is mapped yet.
+std::string blas_in_use();
+
+}  // namespace cohort::torch

@@ -1,0 +1,285 @@
+// libtorch integration: DistributedDataParallel, DistributedSampler, checkpoints (one TU on purpose).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <unordered_set>
+
+#include "cohort/error.h"
+#include "cohort/torch/ddp.h"
+#include "common/log.h"
+
+namespace cohort::torch {
+
+namespace {
+
+DataType dtype_of(const ::torch::Tensor& t, const std::string& name) {
+  switch (t.scalar_type()) {
+    case ::torch::kFloat32: return DataType::kFloat32;
+    case ::torch::kFloat64: return DataType::kFloat64;
+    case ::torch::kInt64: return DataType::kInt64;
+    case ::torch::kInt32: return DataType::kInt32;
+    case ::torch::kUInt8: return DataType::kUInt8;
+    case ::torch::kInt8: return DataType::kInt8;
+    case ::torch::kFloat16: return DataType::kFloat16;
+    case ::torch::kBFloat16: return DataType::kBFloat16;
+    default:
+      throw InvalidArgument(fmt::format("DDP: tensor {} has dtype {}, which cohort cannot broadcast", name,
+                                        std::string(c10::toString(t.scalar_type()))));
+  }
+}
+
+void broadcast_tensor(::torch::Tensor t, const std::string& name, Communicator& comm) {
+  if (!t.defined() || t.numel() == 0) return;
+  if (!t.device().is_cpu()) throw InvalidArgument(fmt::format("DDP: tensor {} is not on the CPU", name));
+  DataType dt = dtype_of(t, name);
+  if (t.is_contiguous()) {
+    comm.broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), dt, 0);
+  } else {
+    ::torch::Tensor tmp = t.contiguous();
+    comm.broadcast(tmp.data_ptr(), static_cast<size_t>(tmp.numel()), dt, 0);
+    t.copy_(tmp);
+  }
+}
+
+}  // namespace
+
+void broadcast_module(::torch::nn::Module& module, Communicator& comm) {
+  if (comm.size() == 1) return;
+  ::torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters(true)) broadcast_tensor(p.value(), p.key(), comm);
+  for (auto& b : module.named_buffers(true)) broadcast_tensor(b.value(), b.key(), comm);
+}
+
+// Post hook on a parameter's AccumulateGrad node: runs after .grad holds this backward's gradient.
+struct DistributedDataParallel::Hook : ::torch::autograd::FunctionPostHook {
+  Hook(DistributedDataParallel* ddp, size_t index) : ddp(ddp), index(index) {}
+  ::torch::autograd::variable_list operator()(const ::torch::autograd::variable_list& outputs,
+                                              const ::torch::autograd::variable_list& /*inputs*/) override {
+    ddp->on_gradient_ready(index);
+    return outputs;
+  }
+  DistributedDataParallel* ddp;
+  size_t index;
+};
+
+void DistributedDataParallel::init() {
+  if (!comm_) throw InvalidArgument("DDP: communicator is null");
+  std::vector<train::ParameterSpec> specs;
+  for (auto& p : module_->named_parameters(true)) {
+    if (!p.value().requires_grad()) continue;  // frozen parameters are not synchronised (as in torch)
+    if (p.value().scalar_type() != ::torch::kFloat32 || !p.value().device().is_cpu())
+      throw InvalidArgument(fmt::format("DDP: parameter {} must be a float32 CPU tensor", p.key()));
+    specs.push_back({p.key(), p.value().sizes().vec()});
+    params_.push_back(p.value());
+  }
+  train::GradSyncOptions o;
+  o.bucket_cap_bytes = options_.bucket_cap_bytes;
+  o.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
+  o.compression = options_.compression;
+  o.find_unused_parameters = options_.find_unused_parameters;
+  o.rebuild_buckets = options_.rebuild_buckets;
+  // The name/shape check comes first so that a mismatch is reported as such, not as a broadcast
+  // of the wrong size.
+  sync_ = std::make_unique<train::GradientSync>(comm_, std::move(specs), o);
+  broadcast_module(*module_, *comm_);
+  contiguous_grads_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = ::torch::autograd::impl::grad_accumulator(params_[i]);
+    if (!acc) throw InvalidArgument(fmt::format("DDP: parameter #{} has no gradient accumulator", i));
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<Hook>(this, i)));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+void DistributedDataParallel::before_forward() {
+  // Tensor::set_ (which torch::nn::Module::load uses to restore parameters) gives a parameter a new
+  // gradient accumulator, silently dropping our hook: move the hooks to the current accumulators.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto current = ::torch::autograd::impl::grad_accumulator(params_[i]);
+    if (current == accumulators_[i]) continue;
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+    hook_keys_[i] = current->add_post_hook(std::make_unique<Hook>(this, i));
+    accumulators_[i] = std::move(current);
+  }
+  // The previous backward left buckets unreduced: some parameter got no gradient.
+  if (sync_->sync_enabled() && sync_->in_iteration()) finish_gradient_sync();
+}
+
+void DistributedDataParallel::after_forward(const ::torch::Tensor& out) {
+  if (!options_.find_unused_parameters || !sync_->sync_enabled() || !::torch::GradMode::is_enabled() ||
+      !out.requires_grad() || !out.grad_fn())
+    return;
+  // Parameters whose AccumulateGrad node is not reachable from the output get no gradient in this
+  // backward: they contribute zeros now, so the last used parameter's hook can finish the sync.
+  std::unordered_set<const ::torch::autograd::Node*> seen;
+  std::vector<::torch::autograd::Node*> stack{out.grad_fn().get()};
+  seen.insert(stack.back());
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      auto* next = edge.function.get();
+      if (next && seen.insert(next).second) stack.push_back(next);
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!seen.count(accumulators_[i].get())) sync_->mark_unused(i);
+}
+
+void DistributedDataParallel::on_gradient_ready(size_t index) {
+  if (!sync_->sync_enabled()) return;
+  ::torch::Tensor grad = params_[index].grad();
+  if (!grad.defined()) return;
+  if (!grad.is_contiguous() || grad.scalar_type() != ::torch::kFloat32) {
+    contiguous_grads_[index] = grad.to(::torch::kFloat32).contiguous();
+    grad = contiguous_grads_[index];
+  }
+  sync_->mark_ready(index, grad.data_ptr<float>());
+  if (sync_->all_ready()) sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
+}
+
+void DistributedDataParallel::write_back(size_t index, const float* averaged) {
+  ::torch::NoGradGuard no_grad;
+  ::torch::Tensor& param = params_[index];
+  ::torch::Tensor& grad = param.mutable_grad();
+  if (!grad.defined()) grad = ::torch::zeros_like(param);
+  if (grad.is_contiguous() && grad.scalar_type() == ::torch::kFloat32) {
+    std::memcpy(grad.data_ptr<float>(), averaged, static_cast<size_t>(grad.numel()) * sizeof(float));
+  } else {
+    grad.copy_(::torch::from_blob(const_cast<float*>(averaged), grad.sizes(), ::torch::kFloat32));
+  }
+  contiguous_grads_[index] = ::torch::Tensor();
+}
+
+void DistributedDataParallel::finish_gradient_sync() {
+  if (sync_->in_iteration()) sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
+}
+
+// ---------------------------------------------------------------------------------------------
+std::vector<int64_t> torch_randperm(int64_t n, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  ::torch::Tensor p = ::torch::randperm(n, gen, ::torch::TensorOptions().dtype(::torch::kLong));
+  return std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + n);
+}
+
+DistributedSampler::DistributedSampler(size_t size, int num_replicas, int rank, bool shuffle, uint64_t seed,
+                                       bool drop_last)
+    : sampler_(static_cast<int64_t>(size), num_replicas, rank, shuffle, seed, drop_last, torch_randperm),
+      size_(size),
+      num_replicas_(num_replicas),
+      rank_(rank),
+      shuffle_(shuffle),
+      seed_(seed),
+      drop_last_(drop_last) {
+  reset();
+}
+
+void DistributedSampler::set_epoch(int64_t epoch) {
+  sampler_.set_epoch(epoch);
+  reset();
+}
+
+void DistributedSampler::reset(c10::optional<size_t> new_size) {
+  if (new_size && *new_size != size_) {
+    int64_t epoch = sampler_.epoch();
+    size_ = *new_size;
+    sampler_ = train::DistributedSampler(static_cast<int64_t>(size_), num_replicas_, rank_, shuffle_, seed_, drop_last_,
+                                         torch_randperm);
+    sampler_.set_epoch(epoch);
+  }
+  current_ = sampler_.indices();
+  cursor_ = 0;
+}
+
+c10::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
+  if (cursor_ >= current_.size()) return c10::nullopt;
+  size_t end = std::min(current_.size(), cursor_ + batch_size);
+  std::vector<size_t> batch(current_.begin() + static_cast<std::ptrdiff_t>(cursor_),
+                            current_.begin() + static_cast<std::ptrdiff_t>(end));
+  cursor_ = end;
+  return batch;
+}
+
+void DistributedSampler::save(::torch::serialize::OutputArchive& archive) const {
+  archive.write("epoch", ::torch::tensor(sampler_.epoch(), ::torch::kLong), /*is_buffer=*/true);
+  archive.write("cursor", ::torch::tensor(static_cast<int64_t>(cursor_), ::torch::kLong), true);
+}
+
+void DistributedSampler::load(::torch::serialize::InputArchive& archive) {
+  ::torch::Tensor epoch, cursor;
+  archive.read("epoch", epoch, true);
+  archive.read("cursor", cursor, true);
+  set_epoch(epoch.item<int64_t>());
+  cursor_ = static_cast<size_t>(cursor.item<int64_t>());
+}
+
+// ---------------------------------------------------------------------------------------------
+void save_checkpoint(const std::string& dir, ::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
+                     const train::TrainingPosition& position) {
+  ::torch::serialize::OutputArchive archive;
+  module.save(archive);
+  ::torch::serialize::OutputArchive opt_archive;
+  optimizer.save(opt_archive);
+  archive.write("__cohort_optimizer", opt_archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  train::write_file_atomically(train::checkpoint_path(dir), train::encode_checkpoint(position, out.str()));
+}
+
+std::optional<train::TrainingPosition> load_checkpoint(const std::string& dir, ::torch::nn::Module& module,
+                                                       ::torch::optim::Optimizer& optimizer) {
+  const std::string path = train::checkpoint_path(dir);
+  auto bytes = train::read_file_if_exists(path);
+  if (!bytes) return std::nullopt;
+  std::string payload;
+  train::TrainingPosition pos = train::decode_checkpoint(*bytes, payload, path);
+  // Module::load replaces tensors with set_ and does not compare shapes: check them ourselves.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (auto& p : module.named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());
+  for (auto& b : module.named_buffers(true)) shapes.emplace_back(b.key(), b.value().sizes().vec());
+  try {
+    ::torch::serialize::InputArchive archive;
+    std::istringstream in(payload);
+    archive.load_from(in);
+    module.load(archive);
+    size_t i = 0;
+    auto check = [&](const std::string& key, const ::torch::Tensor& t) {
+      const auto& [name, shape] = shapes[i++];
+      if (t.sizes().vec() != shape)
+        throw InvalidArgument(fmt::format("{}: cannot load into this model: {} is [{}] in the checkpoint but [{}] in the model",
+                                          path, name, fmt::join(t.sizes().vec(), ", "), fmt::join(shape, ", ")));
+    };
+    for (auto& p : module.named_parameters(true)) check(p.key(), p.value());
+    for (auto& b : module.named_buffers(true)) check(b.key(), b.value());
+    ::torch::serialize::InputArchive opt_archive;
+    archive.read("__cohort_optimizer", opt_archive);
+    optimizer.load(opt_archive);
+  } catch (const c10::Error& e) {
+    throw InvalidArgument(fmt::format("{}: cannot load into this model/optimizer: {}", path, e.what_without_backtrace()));
+  }
+  return pos;
+}
+
+std::string blas_in_use() {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::string path = line.substr(slash);
+    if (path.find("blas") != std::string::npos || path.find("libmkl") != std::string::npos) return path;
+  }
+  return "";
+}
+
+}  // namespace cohort::torch

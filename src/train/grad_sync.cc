@@ -1,0 +1,290 @@
+#include "train/grad_sync.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+
+#include "common/half.h"
+#include "common/log.h"
+#include "cohort/error.h"
+
+namespace cohort::train {
+
+size_t ParameterSpec::numel() const {
+  size_t n = 1;
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+std::string ParameterSpec::describe() const { return fmt::format("{} [{}]", name, fmt::join(shape, ", ")); }
+
+std::optional<WireCompression> parse_compression(std::string_view s) {
+  if (s == "none" || s == "fp32" || s == "float32" || s.empty()) return WireCompression::kNone;
+  if (s == "fp16" || s == "float16" || s == "half") return WireCompression::kFloat16;
+  if (s == "bf16" || s == "bfloat16") return WireCompression::kBFloat16;
+  return std::nullopt;
+}
+
+std::string_view compression_name(WireCompression c) {
+  switch (c) {
+    case WireCompression::kNone: return "none";
+    case WireCompression::kFloat16: return "fp16";
+    case WireCompression::kBFloat16: return "bf16";
+  }
+  return "?";
+}
+
+void broadcast_from_rank0(Communicator& comm, float* data, size_t count) {
+  if (comm.size() > 1 && count > 0) comm.broadcast(data, count, DataType::kFloat32, 0);
+}
+
+namespace {
+
+// One line per parameter: "name [d0, d1]". Compared line by line against rank 0's.
+std::string describe_all(const std::vector<ParameterSpec>& params) {
+  std::string out;
+  for (const auto& p : params) {
+    out += p.describe();
+    out += '\n';
+  }
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::string& s) {
+  std::vector<std::string> lines;
+  std::istringstream in(s);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+}  // namespace
+
+GradientSync::GradientSync(std::shared_ptr<Communicator> comm, std::vector<ParameterSpec> params,
+                           GradSyncOptions options)
+    : comm_(std::move(comm)), params_(std::move(params)), options_(options) {
+  if (!comm_) throw InvalidArgument("GradientSync: communicator is null");
+  if (options_.bucket_cap_bytes == 0 || options_.first_bucket_cap_bytes == 0)
+    throw InvalidArgument("GradientSync: bucket sizes must be positive");
+  check_parameters_match_rank0();
+  std::vector<size_t> reverse(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) reverse[i] = params_.size() - 1 - i;
+  build_buckets(reverse);
+  ready_.assign(params_.size(), 0);
+}
+
+GradientSync::~GradientSync() { wait_launched_quietly(); }
+
+void GradientSync::check_parameters_match_rank0() {
+  const int size = comm_->size();
+  if (size == 1) return;
+  const std::string mine = describe_all(params_);
+  // Rank 0's description, broadcast as length + bytes.
+  int64_t length = static_cast<int64_t>(mine.size());
+  comm_->broadcast(&length, 1, DataType::kInt64, 0);
+  std::string theirs(static_cast<size_t>(length), '\0');
+  if (comm_->rank() == 0) theirs = mine;
+  if (length > 0) comm_->broadcast(theirs.data(), theirs.size(), DataType::kUInt8, 0);
+
+  // Index of this rank's first differing parameter (-1: identical); gathered so that every rank
+  // fails with the same message instead of rank 0 waiting for a rank that gave up.
+  const auto want = lines_of(theirs);
+  const auto have = lines_of(mine);
+  int64_t first_diff = -1;
+  for (size_t i = 0; i < std::max(want.size(), have.size()); ++i) {
+    if (i >= want.size() || i >= have.size() || want[i] != have[i]) {
+      first_diff = static_cast<int64_t>(i);
+      break;
+    }
+  }
+  std::vector<int64_t> all(static_cast<size_t>(size));
+  comm_->allgather(&first_diff, all.data(), 1, DataType::kInt64);
+  for (int r = 0; r < size; ++r) {
+    if (all[r] < 0) continue;
+    size_t i = static_cast<size_t>(all[r]);
+    // Only rank r knows its own description; rank 0's is known everywhere.
+    std::string rank0 = i < want.size() ? want[i] : "(no parameter)";
+    std::string other = r == comm_->rank() ? (i < have.size() ? have[i] : "(no parameter)")
+                                           : "(see rank " + std::to_string(r) + "'s error)";
+    throw MismatchError(fmt::format(
+        "DDP: model parameters differ between ranks: parameter #{} is {} on rank 0 but {} on rank {} "
+        "({} parameters on rank 0)",
+        i, rank0, other, r, want.size()));
+  }
+}
+
+void GradientSync::build_buckets(const std::vector<size_t>& order) {
+  buckets_.clear();
+  param_bucket_.assign(params_.size(), 0);
+  param_offset_.assign(params_.size(), 0);
+  Bucket current;
+  size_t cap = options_.first_bucket_cap_bytes;
+  auto close = [&] {
+    if (current.params.empty()) return;
+    current.data.assign(current.numel, 0.0f);
+    if (options_.compression != WireCompression::kNone) current.wire.assign(current.numel, 0);
+    buckets_.push_back(std::move(current));
+    current = Bucket{};
+    cap = options_.bucket_cap_bytes;
+  };
+  for (size_t index : order) {
+    param_bucket_[index] = buckets_.size();
+    param_offset_[index] = current.numel;
+    current.params.push_back(index);
+    current.numel += params_[index].numel();
+    if (current.numel * sizeof(float) >= cap) close();
+  }
+  close();
+  reset_iteration();
+}
+
+void GradientSync::reset_iteration() {
+  ready_.assign(params_.size(), 0);
+  ready_order_.clear();
+  ready_count_ = 0;
+  next_launch_ = 0;
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.work.reset();
+  }
+}
+
+std::vector<std::vector<size_t>> GradientSync::bucket_layout() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+void GradientSync::mark_ready(size_t index, const float* grad) {
+  if (!sync_enabled_) return;
+  if (index >= params_.size()) throw InvalidArgument(fmt::format("DDP: no parameter #{}", index));
+  if (ready_[index])
+    throw InvalidArgument(fmt::format(
+        "DDP: parameter {} got its gradient twice in one iteration (a module used twice in forward, or "
+        "two backward passes without a step)",
+        params_[index].name));
+  Bucket& b = buckets_[param_bucket_[index]];
+  // One rank: the average is the gradient itself, so it is neither copied nor written back.
+  if (comm_->size() > 1) std::memcpy(b.data.data() + param_offset_[index], grad, params_[index].numel() * sizeof(float));
+  ready_[index] = 1;
+  ready_order_.push_back(index);
+  ++ready_count_;
+  if (--b.pending == 0) launch_complete_buckets();
+}
+
+void GradientSync::mark_unused(size_t index) {
+  if (!sync_enabled_) return;
+  if (!options_.find_unused_parameters)
+    throw InvalidArgument("DDP: mark_unused needs find_unused_parameters");
+  if (index >= params_.size() || ready_[index]) return;
+  Bucket& b = buckets_[param_bucket_[index]];
+  std::fill_n(b.data.data() + param_offset_[index], params_[index].numel(), 0.0f);
+  ready_[index] = 1;
+  ready_order_.push_back(index);
+  ++ready_count_;
+  if (--b.pending == 0) launch_complete_buckets();
+}
+
+void GradientSync::launch_complete_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) launch(buckets_[next_launch_++]);
+}
+
+void GradientSync::launch(Bucket& b) {
+  ++stats_.allreduces;
+  if (comm_->size() == 1) return;  // the average of one rank is its own gradient
+  switch (options_.compression) {
+    case WireCompression::kNone:
+      stats_.bytes_on_wire += static_cast<int64_t>(b.numel * sizeof(float));
+      b.work = comm_->allreduce_async(b.data.data(), b.data.data(), b.numel, DataType::kFloat32, ReduceOp::kAvg);
+      break;
+    case WireCompression::kFloat16:
+      for (size_t i = 0; i < b.numel; ++i) b.wire[i] = float_to_half(b.data[i]);
+      stats_.bytes_on_wire += static_cast<int64_t>(b.numel * 2);
+      b.work = comm_->allreduce_async(b.wire.data(), b.wire.data(), b.numel, DataType::kFloat16, ReduceOp::kAvg);
+      break;
+    case WireCompression::kBFloat16:
+      for (size_t i = 0; i < b.numel; ++i) b.wire[i] = float_to_bf16(b.data[i]);
+      stats_.bytes_on_wire += static_cast<int64_t>(b.numel * 2);
+      b.work = comm_->allreduce_async(b.wire.data(), b.wire.data(), b.numel, DataType::kBFloat16, ReduceOp::kAvg);
+      break;
+  }
+}
+
+void GradientSync::wait_launched_quietly() {
+  for (auto& b : buckets_) {
+    if (!b.work) continue;
+    try {
+      b.work->wait();
+    } catch (...) {
+    }
+    b.work.reset();
+  }
+}
+
+bool GradientSync::finish(const std::function<void(size_t, const float*)>& write_back) {
+  if (!sync_enabled_ || ready_count_ == 0) return false;
+  if (ready_count_ < params_.size()) {
+    if (options_.find_unused_parameters) {
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (!ready_[i]) mark_unused(i);
+    } else {
+      size_t missing = 0;
+      while (ready_[missing]) ++missing;
+      size_t count = params_.size() - ready_count_;
+      wait_launched_quietly();
+      reset_iteration();
+      throw InvalidArgument(fmt::format(
+          "DDP: parameter {} (and {} more) received no gradient in this iteration on rank {}; if some "
+          "parameters are unused on purpose, enable find_unused_parameters",
+          params_[missing].describe(), count - 1, comm_->rank()));
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& b : buckets_) {
+    if (b.work) {
+      try {
+        b.work->wait();
+      } catch (...) {
+        b.work.reset();
+        wait_launched_quietly();
+        reset_iteration();
+        throw;
+      }
+      b.work.reset();
+    }
+  }
+  stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (auto& b : buckets_) {
+    if (comm_->size() == 1) continue;  // gradients are already final in the framework's tensors
+    {
+      if (options_.compression == WireCompression::kFloat16)
+        for (size_t i = 0; i < b.numel; ++i) b.data[i] = half_to_float(b.wire[i]);
+      else if (options_.compression == WireCompression::kBFloat16)
+        for (size_t i = 0; i < b.numel; ++i) b.data[i] = bf16_to_float(b.wire[i]);
+    }
+    size_t offset = 0;
+    for (size_t index : b.params) {
+      write_back(index, b.data.data() + offset);
+      offset += params_[index].numel();
+    }
+  }
+  ++stats_.synced_iterations;
+
+  if (options_.rebuild_buckets && !rebuilt_) {
+    // Rank 0's ready order, so that all ranks build the same buckets.
+    std::vector<int64_t> order(ready_order_.begin(), ready_order_.end());
+    if (comm_->size() > 1) comm_->broadcast(order.data(), order.size(), DataType::kInt64, 0);
+    std::vector<size_t> as_index(order.begin(), order.end());
+    build_buckets(as_index);
+    rebuilt_ = true;
+    log::debug("DDP: rebuilt {} buckets in gradient-ready order", buckets_.size());
+  } else {
+    reset_iteration();
+  }
+  return true;
+}
+
+}  // namespace cohort::train

@@ -1,0 +1,152 @@
+#pragma once
+// GradientSync: the framework-agnostic core of data-parallel training (what PyTorch's DDP Reducer
+// does), over the public cohort::Communicator interface.
+//
+// * Parameters are registered in model order and bucketed in REVERSE order (backward produces the
+//   last layer's gradients first). The first bucket holds up to first_bucket_cap_bytes (1 MiB), the
+//   others up to bucket_cap_bytes (25 MiB). After the first synchronised iteration the buckets are
+//   rebuilt in the order the gradients actually became ready (rank 0's order, broadcast, so that
+//   every rank has the same layout and issues the same allreduces in the same order).
+// * mark_ready(i, grad) copies a finished gradient into its bucket; when a bucket's last gradient
+//   arrives its allreduce starts at once (allreduce_async), so communication overlaps the rest of
+//   backward. Buckets are launched in bucket order (a bucket that completes early waits for the
+//   ones before it), because collectives must be issued in the same order on every rank.
+// * finish() waits for every bucket and hands back the averaged gradients.
+// * Optional compression: the bucket travels as float16 or bfloat16, the model stays float32.
+// * set_sync_enabled(false) (NoSyncGuard) skips communication: the framework accumulates locally.
+// * A parameter that never got a gradient is an error naming it, unless find_unused_parameters is
+//   on (then it contributes zeros, like torch's find_unused_parameters=True).
+// * Construction is collective: every rank checks that its parameter names and shapes equal rank 0's.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cohort/communicator.h"
+
+namespace cohort::train {
+
+struct ParameterSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  size_t numel() const;
+  std::string describe() const;  // "fc1.weight [1024, 784]"
+};
+
+enum class WireCompression { kNone, kFloat16, kBFloat16 };
+// "none", "fp16"/"float16"/"half", "bf16"/"bfloat16".
+std::optional<WireCompression> parse_compression(std::string_view s);
+std::string_view compression_name(WireCompression c);
+
+struct GradSyncOptions {
+  size_t bucket_cap_bytes = size_t{25} << 20;
+  size_t first_bucket_cap_bytes = size_t{1} << 20;
+  WireCompression compression = WireCompression::kNone;
+  bool find_unused_parameters = false;
+  // Rebuild buckets in gradient-ready order after the first synchronised iteration.
+  bool rebuild_buckets = true;
+};
+
+struct GradSyncStats {
+  int64_t synced_iterations = 0;
+  // Time finish() spent blocked on allreduces that had not completed yet (communication that
+  // backward did not hide).
+  double wait_seconds = 0;
+  int64_t bytes_on_wire = 0;  // per rank, summed over iterations
+  int64_t allreduces = 0;
+};
+
+class GradientSync {
+ public:
+  // Collective over `comm`. Throws MismatchError (on every rank) naming the first parameter whose
+  // name or shape differs from rank 0's.
+  GradientSync(std::shared_ptr<Communicator> comm, std::vector<ParameterSpec> params,
+               GradSyncOptions options = {});
+  ~GradientSync();
+  GradientSync(const GradientSync&) = delete;
+  GradientSync& operator=(const GradientSync&) = delete;
+
+  // The gradient of parameter `index` is final for this iteration (grad points to numel floats).
+  // Starts the allreduce of every bucket that is now complete. No-op while sync is disabled.
+  void mark_ready(size_t index, const float* grad);
+  // True when every parameter of this iteration has been marked ready (or is known unused).
+  bool all_ready() const { return ready_count_ == params_.size(); }
+  // Parameters known in advance not to take part in this iteration (find_unused_parameters only):
+  // they contribute zeros right away, so their buckets are not held back.
+  void mark_unused(size_t index);
+  // True after a mark_ready/mark_unused of this iteration and before finish().
+  bool in_iteration() const { return ready_count_ > 0; }
+
+  // Waits for all buckets and calls write_back(index, averaged) for every parameter (not on a
+  // 1-rank communicator: the framework's gradients are already the average). Throws
+  // InvalidArgument naming the first parameter that got no gradient (without find_unused).
+  // No-op (returns false) while sync is disabled or when nothing was marked in this iteration.
+  bool finish(const std::function<void(size_t index, const float* averaged)>& write_back);
+
+  void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
+  bool sync_enabled() const { return sync_enabled_; }
+
+  // Bucket layout (parameter indices per bucket, in launch order), for tests and logs.
+  std::vector<std::vector<size_t>> bucket_layout() const;
+  bool buckets_rebuilt() const { return rebuilt_; }
+  const GradSyncStats& stats() const { return stats_; }
+  const std::vector<ParameterSpec>& parameters() const { return params_; }
+  Communicator& communicator() { return *comm_; }
+  const GradSyncOptions& options() const { return options_; }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;
+    size_t numel = 0;
+    std::vector<float> data;
+    std::vector<uint16_t> wire;  // compressed copy while on the wire
+    size_t pending = 0;
+    std::shared_ptr<Work> work;
+  };
+
+  void check_parameters_match_rank0();
+  void build_buckets(const std::vector<size_t>& order);
+  void reset_iteration();
+  void launch_complete_buckets();
+  void launch(Bucket& b);
+  void wait_launched_quietly();
+
+  std::shared_ptr<Communicator> comm_;
+  std::vector<ParameterSpec> params_;
+  GradSyncOptions options_;
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> param_bucket_;
+  std::vector<size_t> param_offset_;
+  std::vector<char> ready_;
+  std::vector<size_t> ready_order_;
+  size_t ready_count_ = 0;
+  size_t next_launch_ = 0;
+  bool sync_enabled_ = true;
+  bool rebuilt_ = false;
+  GradSyncStats stats_;
+};
+
+// Disables gradient synchronisation for its lifetime (gradient accumulation), like DDP.no_sync().
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(GradientSync& sync) : sync_(sync), previous_(sync.sync_enabled()) {
+    sync_.set_sync_enabled(false);
+  }
+  ~NoSyncGuard() { sync_.set_sync_enabled(previous_); }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  GradientSync& sync_;
+  bool previous_;
+};
+
+// Broadcasts `count` floats from rank 0 (parameters and buffers at construction).
+void broadcast_from_rank0(Communicator& comm, float* data, size_t count);
+
+}  // namespace cohort::train

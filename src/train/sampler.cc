@@ -1,0 +1,69 @@
+#include "train/sampler.h"
+
+#include <fmt/format.h>
+
+#include <numeric>
+#include <random>
+
+#include "cohort/error.h"
+
+namespace cohort::train {
+
+std::vector<int64_t> default_permutation(int64_t n, uint64_t seed) {
+  std::vector<int64_t> p(static_cast<size_t>(n));
+  std::iota(p.begin(), p.end(), int64_t{0});
+  std::mt19937_64 gen(seed);
+  for (int64_t i = n - 1; i > 0; --i) {
+    std::uniform_int_distribution<int64_t> pick(0, i);
+    std::swap(p[static_cast<size_t>(i)], p[static_cast<size_t>(pick(gen))]);
+  }
+  return p;
+}
+
+DistributedSampler::DistributedSampler(int64_t dataset_size, int num_replicas, int rank, bool shuffle,
+                                       uint64_t seed, bool drop_last, PermutationFn permutation)
+    : dataset_size_(dataset_size),
+      num_replicas_(num_replicas),
+      rank_(rank),
+      shuffle_(shuffle),
+      seed_(seed),
+      drop_last_(drop_last),
+      permutation_(std::move(permutation)) {
+  if (num_replicas <= 0) throw InvalidArgument(fmt::format("DistributedSampler: num_replicas must be > 0, got {}", num_replicas));
+  if (rank < 0 || rank >= num_replicas)
+    throw InvalidArgument(fmt::format("DistributedSampler: rank {} is outside [0, {})", rank, num_replicas));
+  if (dataset_size < 0) throw InvalidArgument("DistributedSampler: negative dataset size");
+  if (!permutation_) permutation_ = default_permutation;
+  // Same arithmetic as torch: with drop_last and an uneven split, drop the tail.
+  if (drop_last_ && dataset_size_ % num_replicas_ != 0)
+    num_samples_ = (dataset_size_ - num_replicas_ + num_replicas_ - 1) / num_replicas_;  // ceil((n - R) / R)
+  else
+    num_samples_ = (dataset_size_ + num_replicas_ - 1) / num_replicas_;
+  if (num_samples_ < 0) num_samples_ = 0;
+}
+
+std::vector<int64_t> DistributedSampler::indices() const {
+  std::vector<int64_t> all;
+  if (shuffle_) {
+    all = permutation_(dataset_size_, seed_ + static_cast<uint64_t>(epoch_));
+    if (static_cast<int64_t>(all.size()) != dataset_size_)
+      throw InvalidArgument(fmt::format("DistributedSampler: permutation returned {} indices for {} samples", all.size(), dataset_size_));
+  } else {
+    all.resize(static_cast<size_t>(dataset_size_));
+    std::iota(all.begin(), all.end(), int64_t{0});
+  }
+  const size_t total = static_cast<size_t>(total_size());
+  if (!drop_last_) {
+    // Pad by wrapping around (repeating the list as often as needed), as torch does.
+    const size_t n = all.size();
+    for (size_t i = 0; all.size() < total && n > 0; ++i) all.push_back(all[i % n]);
+  } else {
+    all.resize(total);
+  }
+  std::vector<int64_t> mine;
+  mine.reserve(static_cast<size_t>(num_samples_));
+  for (size_t i = static_cast<size_t>(rank_); i < total; i += static_cast<size_t>(num_replicas_)) mine.push_back(all[i]);
+  return mine;
+}
+
+}  // namespace cohort::train

@@ -1,0 +1,207 @@
+// GradientSync (the framework-agnostic DDP engine) on ranks-as-threads over ThreadCommunicator.
+#include "train/grad_sync.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "support/test_support.h"
+#include "thread_communicator.h"
+
+namespace cohort::train {
+namespace {
+
+using cohort::test::run_ranks;
+using cohort::test::ThreadCommunicator;
+
+// Four parameters of 3, 5, 7 and 2 floats (model order).
+std::vector<ParameterSpec> small_model() {
+  return {{"a", {3}}, {"b", {5}}, {"c", {7}}, {"d", {2}}};
+}
+
+float grad_value(int rank, size_t param, size_t i, int iteration = 0) {
+  return static_cast<float>(rank + 1) * 0.5f + static_cast<float>(param) + 0.01f * static_cast<float>(i) +
+         static_cast<float>(iteration) * 3.0f;
+}
+
+// Runs one iteration on `sync`: marks parameters ready in `order` with grad_value, returns the averages.
+std::vector<std::vector<float>> iterate(GradientSync& sync, int rank, const std::vector<size_t>& order, int iteration = 0) {
+  const auto& params = sync.parameters();
+  std::vector<std::vector<float>> grads(params.size());
+  for (size_t p = 0; p < params.size(); ++p)
+    for (size_t i = 0; i < params[p].numel(); ++i) grads[p].push_back(grad_value(rank, p, i, iteration));
+  for (size_t p : order) sync.mark_ready(p, grads[p].data());
+  std::vector<std::vector<float>> out(params.size());
+  sync.finish([&](size_t p, const float* avg) { out[p].assign(avg, avg + params[p].numel()); });
+  return out;
+}
+
+void expect_average(const std::vector<std::vector<float>>& got, int world, int iteration, float tolerance) {
+  for (size_t p = 0; p < got.size(); ++p) {
+    for (size_t i = 0; i < got[p].size(); ++i) {
+      float want = 0;
+      for (int r = 0; r < world; ++r) want += grad_value(r, p, i, iteration);
+      want /= static_cast<float>(world);
+      EXPECT_NEAR(got[p][i], want, tolerance) << "param " << p << " element " << i;
+    }
+  }
+}
+
+GradSyncOptions tiny_buckets() {
+  GradSyncOptions o;
+  o.first_bucket_cap_bytes = 8 * sizeof(float);  // d + c (2 + 7 floats) close the first bucket
+  o.bucket_cap_bytes = 5 * sizeof(float);
+  return o;
+}
+
+TEST(GradientSync, BucketsFollowReverseOrderWithSmallFirstBucket) {
+  auto comms = ThreadCommunicator::make_world(1);
+  GradientSync sync(comms[0], small_model(), tiny_buckets());
+  // Reverse order d(2) c(7) -> 9 floats >= 8: first bucket; then b(5) >= 5; then a(3).
+  EXPECT_EQ(sync.bucket_layout(), (std::vector<std::vector<size_t>>{{3, 2}, {1}, {0}}));
+  // Default caps: everything in the first 1 MiB bucket.
+  GradientSync defaults(comms[0], small_model());
+  EXPECT_EQ(defaults.bucket_layout(), (std::vector<std::vector<size_t>>{{3, 2, 1, 0}}));
+}
+
+TEST(GradientSync, AveragesOverTwoAndThreeRanks) {
+  for (int world : {2, 3}) {
+    auto comms = ThreadCommunicator::make_world(world);
+    run_ranks(world, [&](int rank) {
+      GradientSync sync(comms[rank], small_model(), tiny_buckets());
+      for (int it = 0; it < 3; ++it) expect_average(iterate(sync, rank, {3, 2, 1, 0}, it), world, it, 1e-5f);
+      EXPECT_EQ(sync.stats().synced_iterations, 3);
+    });
+  }
+}
+
+TEST(GradientSync, BucketAllreduceStartsBeforeBackwardEnds) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    auto* tc = dynamic_cast<ThreadCommunicator*>(comms[rank].get());
+    GradientSync sync(comms[rank], small_model(), tiny_buckets());
+    const int64_t before = tc->operations();
+    std::vector<float> g(7, 1.0f);
+    sync.mark_ready(3, g.data());
+    EXPECT_EQ(tc->operations(), before);  // first bucket still waits for c
+    sync.mark_ready(2, g.data());
+    EXPECT_EQ(tc->operations(), before + 1);  // first bucket launched while b and a are pending
+    sync.mark_ready(1, g.data());
+    EXPECT_EQ(tc->operations(), before + 2);
+    sync.mark_ready(0, g.data());
+    sync.finish([](size_t, const float*) {});
+  });
+}
+
+TEST(GradientSync, RebuildsBucketsInReadyOrderAfterFirstIteration) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    GradientSync sync(comms[rank], small_model(), tiny_buckets());
+    EXPECT_FALSE(sync.buckets_rebuilt());
+    // Gradients arrive in the order a, c, b, d (not the registration's reverse).
+    expect_average(iterate(sync, rank, {0, 2, 1, 3}), 2, 0, 1e-5f);
+    EXPECT_TRUE(sync.buckets_rebuilt());
+    // a(3) + c(7) = 10 >= 8 -> first bucket; b(5) -> second; d(2) -> third.
+    EXPECT_EQ(sync.bucket_layout(), (std::vector<std::vector<size_t>>{{0, 2}, {1}, {3}}));
+    expect_average(iterate(sync, rank, {0, 2, 1, 3}, 1), 2, 1, 1e-5f);
+    // A rank marking in another order still works: launches wait for bucket order.
+    expect_average(iterate(sync, rank, rank == 0 ? std::vector<size_t>{3, 1, 2, 0} : std::vector<size_t>{0, 1, 2, 3}, 2), 2, 2, 1e-5f);
+  });
+}
+
+TEST(GradientSync, CompressedWireFormats) {
+  for (auto c : {WireCompression::kFloat16, WireCompression::kBFloat16}) {
+    auto comms = ThreadCommunicator::make_world(3);
+    run_ranks(3, [&](int rank) {
+      auto o = tiny_buckets();
+      o.compression = c;
+      GradientSync sync(comms[rank], small_model(), o);
+      // Values are below 8: float16 keeps ~3 decimal digits there, bfloat16 ~2.
+      const float tol = c == WireCompression::kFloat16 ? 8.0f / 1024 : 8.0f / 128;
+      expect_average(iterate(sync, rank, {3, 2, 1, 0}), 3, 0, tol);
+      EXPECT_EQ(sync.stats().bytes_on_wire, 17 * 2);  // 17 parameters elements, 2 bytes each
+    });
+  }
+}
+
+TEST(GradientSync, NoSyncAccumulatesLocallyWithoutCommunication) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    auto* tc = dynamic_cast<ThreadCommunicator*>(comms[rank].get());
+    GradientSync sync(comms[rank], small_model(), tiny_buckets());
+    const int64_t before = tc->operations();
+    {
+      NoSyncGuard guard(sync);
+      std::vector<float> g(7, 1.0f);
+      for (size_t p = 0; p < 4; ++p) sync.mark_ready(p, g.data());
+      EXPECT_FALSE(sync.finish([](size_t, const float*) { ADD_FAILURE() << "no write-back under no_sync"; }));
+    }
+    EXPECT_EQ(tc->operations(), before);
+    EXPECT_TRUE(sync.sync_enabled());
+    expect_average(iterate(sync, rank, {3, 2, 1, 0}), 2, 0, 1e-5f);
+  });
+}
+
+TEST(GradientSync, ParameterWithoutGradientIsAnErrorNamingIt) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    GradientSync sync(comms[rank], small_model(), tiny_buckets());
+    std::vector<float> g(7, 1.0f);
+    for (size_t p : {3, 2, 0}) sync.mark_ready(p, g.data());
+    try {
+      sync.finish([](size_t, const float*) {});
+      ADD_FAILURE() << "expected an error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("parameter b [5]"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("find_unused_parameters"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(GradientSync, FindUnusedParametersContributesZeros) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    auto o = tiny_buckets();
+    o.find_unused_parameters = true;
+    GradientSync sync(comms[rank], small_model(), o);
+    std::vector<float> g(7, static_cast<float>(rank + 1));
+    // b is unused on rank 1 only: its average is rank 0's gradient / 2.
+    for (size_t p : {3, 2, 1, 0})
+      if (!(p == 1 && rank == 1)) sync.mark_ready(p, g.data());
+    std::vector<float> b;
+    sync.finish([&](size_t p, const float* avg) {
+      if (p == 1) b.assign(avg, avg + 5);
+    });
+    for (float v : b) EXPECT_FLOAT_EQ(v, 0.5f);
+  });
+}
+
+TEST(GradientSync, MismatchedParametersNameTheFirstDifference) {
+  auto comms = ThreadCommunicator::make_world(3);
+  run_ranks(3, [&](int rank) {
+    auto params = small_model();
+    if (rank == 2) params[2].shape = {7, 1};
+    try {
+      GradientSync sync(comms[rank], params);
+      ADD_FAILURE() << "expected MismatchError on rank " << rank;
+    } catch (const MismatchError& e) {
+      std::string m = e.what();
+      EXPECT_NE(m.find("parameter #2 is c [7] on rank 0"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank 2"), std::string::npos) << m;
+      if (rank == 2) {
+        EXPECT_NE(m.find("c [7, 1]"), std::string::npos) << m;
+      }
+    }
+  });
+}
+
+TEST(GradientSync, GradientTwiceInOneIterationIsAnError) {
+  auto comms = ThreadCommunicator::make_world(1);
+  GradientSync sync(comms[0], small_model());
+  std::vector<float> g(7, 1.0f);
+  sync.mark_ready(1, g.data());
+  EXPECT_THROW(sync.mark_ready(1, g.data()), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace cohort::train
