@@ -192,7 +192,8 @@ def test_noncontiguous_async_p2p_errors(rank, world):
     x = make(rank, 4096, torch.float32)
     work = dist.all_reduce(x, group=COHORT, async_op=True)
     assert work.wait(), "wait() should return True"
-    assert work.is_completed() and work.is_success() and work.exception() is None
+    # (Work.exception() is not convertible to Python in torch 1.13, for gloo as well.)
+    assert work.is_completed() and work.is_success()
     fut = work.get_future()
     (result,) = fut.wait()
     ref = make(rank, 4096, torch.float32)
