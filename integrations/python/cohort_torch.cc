@@ -370,7 +370,15 @@ class ProcessGroupCohort : public BaseGroup {
     // abort them so the destructor is bounded.
     if (pending) comm_->abort("process group destroyed with operations still pending");
     cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
+    if (!worker_.joinable()) return;
+    // The last reference usually goes away in Python, with the GIL held, while the worker may be
+    // completing a Future whose Python callbacks need the GIL: let go of it while joining.
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      worker_.join();
+    } else {
+      worker_.join();
+    }
   }
 
   const std::string getBackendName() const override { return "cohort"; }
