@@ -1,0 +1,814 @@
+// cohort_torch: cohort's collectives as a torch.distributed backend.
+//
+//   import cohort_torch                       # registers backend "cohort"
+//   torch.distributed.init_process_group(backend="cohort")
+//
+// One translation unit on purpose: everything here includes the torch headers, which cost
+// most of the build time.
+//
+// Design (docs/pytorch.md has the user-facing part):
+// - The creator torch calls, creator(store, rank, size, timeout), wraps torch's c10d::Store in a
+//   cohort::Store adapter and builds a cohort::Communicator on it.
+// - torch 1.x subclasses c10d::ProcessGroup; torch 2.x subclasses c10d::Backend (registered
+//   with devices=["cpu"]). The two share every method signature used here, so the class body is
+//   the same; only the base class and the registration call differ (TORCH_VERSION_MAJOR).
+// - Every operation is validated on the calling thread (bad dtype, device, shape: RuntimeError at
+//   once), then queued to one worker thread per process group that runs the blocking
+//   communicator call. One thread keeps operations in the order they were issued, which the
+//   communicator requires (same order on every rank), and lets DDP overlap backward with
+//   communication. The Work handle completes (and its Future with the output tensors) when the
+//   worker is done; failures complete it with the communicator's exception, which Python sees
+//   as RuntimeError carrying cohort's message.
+// - Non-contiguous tensors are staged through a contiguous copy and copied back.
+
+#include <torch/csrc/api/include/torch/version.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+#include <pybind11/chrono.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cohort/communicator.h"
+#include "cohort/error.h"
+#include "cohort/store.h"
+#include "cohort/types.h"
+
+namespace py = pybind11;
+
+namespace cohort_torch {
+
+#if TORCH_VERSION_MAJOR >= 2
+using BaseGroup = c10d::Backend;
+#else
+using BaseGroup = c10d::ProcessGroup;
+#endif
+
+using Millis = std::chrono::milliseconds;
+
+// ---------------------------------------------------------------------------------------------
+// cohort::Store on top of torch's c10d::Store (TCPStore under env:// and torchrun, PrefixStore
+// around it for each group, FileStore/HashStore when the user passes one).
+// ---------------------------------------------------------------------------------------------
+class C10dStoreAdapter : public cohort::Store {
+ public:
+  explicit C10dStoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+
+  void set(const std::string& key, const std::string& value) override {
+    guarded("set", key, [&] { store_->set(key, to_bytes(value)); });
+  }
+
+  std::string get(const std::string& key) override {
+    // Wait with cohort's own deadline first, so the timeout is the one cohort was given and the
+    // error names the key; c10d's get would use the store's timeout.
+    wait({key}, timeout());
+    std::string out;
+    guarded("get", key, [&] { out = to_string(store_->get(key)); });
+    return out;
+  }
+
+  int64_t add(const std::string& key, int64_t delta) override {
+    int64_t out = 0;
+    guarded("add", key, [&] { out = store_->add(key, delta); });
+    return out;
+  }
+
+  std::string compare_set(const std::string& key, const std::string& expected,
+                          const std::string& desired) override {
+    if (!compare_set_unsupported_.load()) {
+      try {
+        return to_string(store_->compareSet(key, to_bytes(expected), to_bytes(desired)));
+      } catch (const c10::Error& e) {
+        // c10d::Store's default compareSet is "Not implemented" (HashStore in torch 1.x);
+        // fall back to a lock built from add().
+        if (std::string(e.what()).find("Not implemented") == std::string::npos) {
+          rethrow_as_cohort("compare_set", key, e);
+        }
+        compare_set_unsupported_ = true;
+      } catch (const std::exception& e) {
+        rethrow_as_cohort("compare_set", key, e);
+      }
+    }
+    return compare_set_with_lock(key, expected, desired);
+  }
+
+  bool remove(const std::string& key) override {
+    bool out = false;
+    guarded("remove", key, [&] { out = store_->deleteKey(key); });
+    return out;
+  }
+
+  int64_t num_keys() override {
+    int64_t out = 0;
+    guarded("num_keys", "", [&] { out = store_->getNumKeys(); });
+    return out;
+  }
+
+  bool check(const std::vector<std::string>& keys) override {
+    bool out = false;
+    guarded("check", join(keys), [&] { out = store_->check(keys); });
+    return out;
+  }
+
+  void wait(const std::vector<std::string>& keys, Millis timeout) override {
+    guarded("wait", join(keys), [&] { store_->wait(keys, timeout); });
+  }
+
+  std::vector<std::string> multi_get(const std::vector<std::string>& keys) override {
+    // c10d::Store in torch 1.x has no multiGet: one wait for all keys, then one get each.
+    wait(keys, timeout());
+    std::vector<std::string> out;
+    out.reserve(keys.size());
+    for (const auto& key : keys) {
+      guarded("get", key, [&] { out.push_back(to_string(store_->get(key))); });
+    }
+    return out;
+  }
+
+  void multi_set(const std::vector<std::string>& keys,
+                 const std::vector<std::string>& values) override {
+    if (keys.size() != values.size()) {
+      throw cohort::InvalidArgument(fmt::format("store multi_set: {} keys but {} values",
+                                                keys.size(), values.size()));
+    }
+    for (size_t i = 0; i < keys.size(); ++i) set(keys[i], values[i]);
+  }
+
+ private:
+  static std::vector<uint8_t> to_bytes(const std::string& s) {
+    return std::vector<uint8_t>(s.begin(), s.end());
+  }
+  static std::string to_string(const std::vector<uint8_t>& v) {
+    return std::string(v.begin(), v.end());
+  }
+  static std::string join(const std::vector<std::string>& keys) {
+    std::string out;
+    for (const auto& k : keys) {
+      if (!out.empty()) out += ", ";
+      out += k;
+    }
+    return out;
+  }
+
+  // torch throws c10::Error (or c10::DistStoreError) with "Timeout" in the message when a wait
+  // expires, and a socket error when the store server is gone; map them to cohort's hierarchy.
+  [[noreturn]] static void rethrow_as_cohort(const char* op, const std::string& key,
+                                             const std::exception& e) {
+    std::string what = e.what();
+    // c10::Error::what() carries a C++ backtrace after the first line; keep the message only.
+    if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
+    std::string msg = fmt::format("torch store {} '{}' failed: {}", op, key, what);
+    if (what.find("imeout") != std::string::npos || what.find("timed out") != std::string::npos) {
+      throw cohort::TimeoutError(msg);
+    }
+    throw cohort::PeerLostError(msg);
+  }
+
+  // Runs one c10d call, translating torch's exceptions into cohort's.
+  template <typename Fn>
+  static void guarded(const char* op, const std::string& key, Fn&& fn) {
+    try {
+      fn();
+    } catch (const cohort::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      rethrow_as_cohort(op, key, e);
+    }
+  }
+
+  // compare_set for stores without compareSet: a spin lock on "<key>/cohort_cas_lock" built from
+  // add() (the first to reach 1 owns it), bounded by the store timeout.
+  std::string compare_set_with_lock(const std::string& key, const std::string& expected,
+                                    const std::string& desired) {
+    const std::string lock = key + "/cohort_cas_lock";
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    while (add(lock, 1) != 1) {
+      add(lock, -1);
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw cohort::TimeoutError(fmt::format(
+            "torch store compare_set '{}': lock '{}' not acquired within {} ms", key, lock,
+            timeout().count()));
+      }
+      std::this_thread::sleep_for(Millis(1));
+    }
+    std::string current;
+    try {
+      bool exists = check({key});
+      if (exists) guarded("get", key, [&] { current = to_string(store_->get(key)); });
+      if ((!exists && expected.empty()) || (exists && current == expected)) {
+        set(key, desired);
+        current = desired;
+      }
+    } catch (...) {
+      add(lock, -1);
+      throw;
+    }
+    add(lock, -1);
+    return current;
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::atomic<bool> compare_set_unsupported_{false};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Type and operator mapping.
+// ---------------------------------------------------------------------------------------------
+cohort::DataType to_cohort_dtype(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kChar: return cohort::DataType::kInt8;
+    case at::kByte: return cohort::DataType::kUInt8;
+    case at::kInt: return cohort::DataType::kInt32;
+    case at::kLong: return cohort::DataType::kInt64;
+    case at::kHalf: return cohort::DataType::kFloat16;
+    case at::kBFloat16: return cohort::DataType::kBFloat16;
+    case at::kFloat: return cohort::DataType::kFloat32;
+    case at::kDouble: return cohort::DataType::kFloat64;
+    default: break;
+  }
+  TORCH_CHECK(false, "cohort backend: ", op, " does not support dtype ", t.scalar_type(),
+              "; supported: int8, uint8, int32, int64, float16, bfloat16, float32, float64");
+}
+
+cohort::ReduceOp to_cohort_op(const c10d::ReduceOp& op, cohort::DataType dtype,
+                              const char* what) {
+  cohort::ReduceOp out;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: out = cohort::ReduceOp::kSum; break;
+    case c10d::ReduceOp::PRODUCT: out = cohort::ReduceOp::kProd; break;
+    case c10d::ReduceOp::MIN: out = cohort::ReduceOp::kMin; break;
+    case c10d::ReduceOp::MAX: out = cohort::ReduceOp::kMax; break;
+    case c10d::ReduceOp::AVG: out = cohort::ReduceOp::kAvg; break;
+    default:
+      TORCH_CHECK(false, "cohort backend: ", what, " does not support reduce op ",
+                  static_cast<int>(op.op_),
+                  " (BAND/BOR/BXOR/PREMUL_SUM); supported: SUM, PRODUCT, MIN, MAX, AVG");
+  }
+  TORCH_CHECK(cohort::op_supported(dtype, out), "cohort backend: ", what,
+              ": ReduceOp.AVG needs a floating-point tensor, got ", cohort::dtype_name(dtype));
+  return out;
+}
+
+void check_tensor(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.defined(), "cohort backend: ", op, ": undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), "cohort backend: ", op,
+              " supports CPU tensors only, got a tensor on ", t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "cohort backend: ", op,
+              " supports dense (strided) tensors only, got layout ", t.layout());
+}
+
+void check_single(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK(tensors.size() == 1, "cohort backend: ", op,
+              " takes exactly one tensor per rank, got ", tensors.size());
+  check_tensor(tensors[0], op);
+}
+
+void check_same_type(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "cohort backend: ", op,
+              ": tensors must share one dtype, got ", a.scalar_type(), " and ", b.scalar_type());
+}
+
+// The tensor a collective reads or writes: the user's tensor when it is contiguous, else a
+// contiguous copy that is copied back (for outputs) when the operation is done.
+struct Staged {
+  at::Tensor user;
+  at::Tensor buf;
+  explicit Staged(const at::Tensor& t) : user(t), buf(t.is_contiguous() ? t : t.contiguous()) {}
+  void* data() const { return buf.data_ptr(); }
+  size_t count() const { return static_cast<size_t>(buf.numel()); }
+  void copy_back() const {
+    if (!buf.is_same(user)) user.copy_(buf);
+  }
+};
+
+// One contiguous buffer holding `tensors` back to back (flattened).
+at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
+
+// Copies consecutive slices of `flat` into `tensors` (the inverse of flatten).
+void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work: completed by the worker thread; its Future carries the output tensors (what DDP and its
+// communication hooks wait on).
+// ---------------------------------------------------------------------------------------------
+class CohortWork : public c10d::Work {
+ public:
+  CohortWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, int source_rank = -1)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        source_rank_(source_rank),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {}
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  int sourceRank() const override { return source_rank_; }
+
+  // Called once, by the worker thread.
+  void complete(std::exception_ptr error) {
+    finish(error);  // sets completed_/exception_ and wakes wait()
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  int source_rank_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The process group (torch 1.x) / backend (torch 2.x).
+// ---------------------------------------------------------------------------------------------
+class ProcessGroupCohort : public BaseGroup {
+ public:
+  ProcessGroupCohort(std::shared_ptr<cohort::Communicator> comm, int rank, int size)
+      : BaseGroup(rank, size), comm_(std::move(comm)) {
+    worker_ = std::thread([this] { worker_loop(); });
+  }
+
+  ~ProcessGroupCohort() override {
+    bool pending = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+      pending = !queue_.empty() || busy_;
+    }
+    // Operations still queued or running would otherwise wait for peers that may never come;
+    // abort them so the destructor is bounded.
+    if (pending) comm_->abort("process group destroyed with operations still pending");
+    cv_.notify_all();
+    if (!worker_.joinable()) return;
+    // The last reference usually goes away in Python, with the GIL held, while the worker may be
+    // completing a Future whose Python callbacks need the GIL: let go of it while joining.
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      worker_.join();
+    } else {
+      worker_.join();
+    }
+  }
+
+  const std::string getBackendName() const override { return "cohort"; }
+
+  // ---- reductions ----
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    check_single(tensors, "allreduce");
+    const auto dtype = to_cohort_dtype(tensors[0], "allreduce");
+    const auto op = to_cohort_op(opts.reduceOp, dtype, "allreduce");
+    Staged t(tensors[0]);
+    return enqueue(c10d::OpType::ALLREDUCE, tensors, [this, t, dtype, op] {
+      if (t.count() == 0) return;
+      comm_->allreduce(t.data(), t.data(), t.count(), dtype, op);
+      t.copy_back();
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    TORCH_CHECK(!tensors.empty(), "cohort backend: allreduce_coalesced needs at least one tensor");
+    for (const auto& t : tensors) {
+      check_tensor(t, "allreduce_coalesced");
+      check_same_type(t, tensors[0], "allreduce_coalesced");
+    }
+    const auto dtype = to_cohort_dtype(tensors[0], "allreduce_coalesced");
+    const auto op = to_cohort_op(opts.reduceOp, dtype, "allreduce_coalesced");
+    std::vector<at::Tensor> outputs = tensors;
+    return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, [this, outputs, dtype, op] {
+      at::Tensor flat = flatten(outputs);
+      if (flat.numel() == 0) return;
+      comm_->allreduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), dtype, op);
+      unflatten_into(flat, outputs);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    check_single(tensors, "reduce");
+    check_root(opts.rootRank, "reduce");
+    TORCH_CHECK(opts.rootTensor == 0, "cohort backend: reduce: rootTensor must be 0");
+    const auto dtype = to_cohort_dtype(tensors[0], "reduce");
+    const auto op = to_cohort_op(opts.reduceOp, dtype, "reduce");
+    const int root = static_cast<int>(opts.rootRank);
+    Staged t(tensors[0]);
+    return enqueue(c10d::OpType::REDUCE, tensors, [this, t, dtype, op, root] {
+      if (t.count() == 0) return;
+      comm_->reduce(t.data(), t.data(), t.count(), dtype, op, root);
+      if (rank_ == root) t.copy_back();
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
+    check_single(outputs, "reduce_scatter");
+    TORCH_CHECK(inputs.size() == 1, "cohort backend: reduce_scatter takes one input list");
+    check_list(inputs[0], outputs[0], "reduce_scatter");
+    const auto dtype = to_cohort_dtype(outputs[0], "reduce_scatter");
+    const auto op = to_cohort_op(opts.reduceOp, dtype, "reduce_scatter");
+    std::vector<at::Tensor> in = inputs[0];
+    Staged out(outputs[0]);
+    return enqueue(c10d::OpType::REDUCE_SCATTER, outputs, [this, in, out, dtype, op] {
+      at::Tensor send = flatten(in);
+      comm_->reduce_scatter(send.data_ptr(), out.data(), out.count(), dtype, op);
+      out.copy_back();
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    check_tensor(output, "reduce_scatter_tensor");
+    check_tensor(input, "reduce_scatter_tensor");
+    check_same_type(output, input, "reduce_scatter_tensor");
+    TORCH_CHECK(input.numel() == output.numel() * size_, "cohort backend: reduce_scatter_tensor: ",
+                "input must hold world_size (", size_, ") x output's ", output.numel(),
+                " elements, got ", input.numel());
+    const auto dtype = to_cohort_dtype(output, "reduce_scatter_tensor");
+    const auto op = to_cohort_op(opts.reduceOp, dtype, "reduce_scatter_tensor");
+    Staged in(input), out(output);
+    return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, [this, in, out, dtype, op] {
+      comm_->reduce_scatter(in.data(), out.data(), out.count(), dtype, op);
+      out.copy_back();
+    });
+  }
+
+  // ---- data movement ----
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    check_single(tensors, "broadcast");
+    check_root(opts.rootRank, "broadcast");
+    TORCH_CHECK(opts.rootTensor == 0, "cohort backend: broadcast: rootTensor must be 0");
+    const auto dtype = to_cohort_dtype(tensors[0], "broadcast");
+    const int root = static_cast<int>(opts.rootRank);
+    Staged t(tensors[0]);
+    return enqueue(c10d::OpType::BROADCAST, tensors, [this, t, dtype, root] {
+      if (t.count() == 0) return;
+      comm_->broadcast(t.data(), t.count(), dtype, root);
+      t.copy_back();
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    check_single(inputs, "allgather");
+    TORCH_CHECK(outputs.size() == 1, "cohort backend: allgather takes one output list");
+    check_list(outputs[0], inputs[0], "allgather");
+    const auto dtype = to_cohort_dtype(inputs[0], "allgather");
+    Staged in(inputs[0]);
+    std::vector<at::Tensor> out = outputs[0];
+    return enqueue(c10d::OpType::ALLGATHER, out, [this, in, out, dtype] {
+      at::Tensor recv = at::empty({static_cast<int64_t>(in.count()) * size_}, in.buf.options());
+      comm_->allgather(in.data(), recv.data_ptr(), in.count(), dtype);
+      unflatten_into(recv, out);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    check_tensor(output, "all_gather_into_tensor");
+    check_tensor(input, "all_gather_into_tensor");
+    check_same_type(output, input, "all_gather_into_tensor");
+    TORCH_CHECK(output.numel() == input.numel() * size_,
+                "cohort backend: all_gather_into_tensor: output must hold world_size (", size_,
+                ") x input's ", input.numel(), " elements, got ", output.numel());
+    const auto dtype = to_cohort_dtype(input, "all_gather_into_tensor");
+    Staged in(input), out(output);
+    return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [this, in, out, dtype] {
+      comm_->allgather(in.data(), out.data(), in.count(), dtype);
+      out.copy_back();
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    check_single(inputs, "gather");
+    check_root(opts.rootRank, "gather");
+    const int root = static_cast<int>(opts.rootRank);
+    std::vector<at::Tensor> out;
+    if (rank_ == root) {
+      TORCH_CHECK(outputs.size() == 1, "cohort backend: gather: the root takes one output list");
+      check_list(outputs[0], inputs[0], "gather");
+      out = outputs[0];
+    } else {
+      TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                  "cohort backend: gather: only the root (rank ", root, ") passes outputs");
+    }
+    const auto dtype = to_cohort_dtype(inputs[0], "gather");
+    Staged in(inputs[0]);
+    return enqueue(c10d::OpType::GATHER, out, [this, in, out, dtype, root] {
+      at::Tensor recv;
+      if (rank_ == root) {
+        recv = at::empty({static_cast<int64_t>(in.count()) * size_}, in.buf.options());
+      }
+      comm_->gather(in.data(), recv.defined() ? recv.data_ptr() : nullptr, in.count(), dtype,
+                    root);
+      if (rank_ == root) unflatten_into(recv, out);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    check_single(outputs, "scatter");
+    check_root(opts.rootRank, "scatter");
+    const int root = static_cast<int>(opts.rootRank);
+    std::vector<at::Tensor> in;
+    if (rank_ == root) {
+      TORCH_CHECK(inputs.size() == 1, "cohort backend: scatter: the root takes one input list");
+      check_list(inputs[0], outputs[0], "scatter");
+      in = inputs[0];
+    } else {
+      TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+                  "cohort backend: scatter: only the root (rank ", root, ") passes inputs");
+    }
+    const auto dtype = to_cohort_dtype(outputs[0], "scatter");
+    Staged out(outputs[0]);
+    return enqueue(c10d::OpType::SCATTER, outputs, [this, in, out, dtype, root] {
+      at::Tensor send;
+      if (rank_ == root) send = flatten(in);
+      comm_->scatter(send.defined() ? send.data_ptr() : nullptr, out.data(), out.count(), dtype,
+                     root);
+      out.copy_back();
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override {
+    check_tensor(output, "all_to_all_single");
+    check_tensor(input, "all_to_all_single");
+    check_same_type(output, input, "all_to_all_single");
+    const auto dtype = to_cohort_dtype(input, "all_to_all_single");
+    Staged in(input), out(output);
+    if (output_splits.empty() && input_splits.empty()) {
+      TORCH_CHECK(input.numel() == output.numel() && input.numel() % size_ == 0,
+                  "cohort backend: all_to_all_single without splits needs input and output of ",
+                  "equal size divisible by world_size (", size_, "), got ", input.numel(), " and ",
+                  output.numel());
+      return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, [this, in, out, dtype] {
+        comm_->alltoall(in.data(), out.data(), in.count() / size_, dtype);
+        out.copy_back();
+      });
+    }
+    auto send_counts = split_counts(input, input_splits, "input");
+    auto recv_counts = split_counts(output, output_splits, "output");
+    return enqueue(c10d::OpType::ALLTOALL_BASE, {output},
+                   [this, in, out, dtype, send_counts, recv_counts] {
+                     comm_->alltoallv(in.data(), send_counts, displacements(send_counts),
+                                      out.data(), recv_counts, displacements(recv_counts), dtype);
+                     out.copy_back();
+                   });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    TORCH_CHECK(static_cast<int>(inputs.size()) == size_ &&
+                    static_cast<int>(outputs.size()) == size_,
+                "cohort backend: all_to_all takes world_size (", size_,
+                ") input and output tensors, got ", inputs.size(), " and ", outputs.size());
+    std::vector<size_t> send_counts, recv_counts;
+    for (int r = 0; r < size_; ++r) {
+      check_tensor(inputs[r], "all_to_all");
+      check_tensor(outputs[r], "all_to_all");
+      check_same_type(inputs[r], inputs[0], "all_to_all");
+      check_same_type(outputs[r], inputs[0], "all_to_all");
+      send_counts.push_back(inputs[r].numel());
+      recv_counts.push_back(outputs[r].numel());
+    }
+    const auto dtype = to_cohort_dtype(inputs[0], "all_to_all");
+    std::vector<at::Tensor> in = inputs, out = outputs;
+    return enqueue(c10d::OpType::ALLTOALL, outputs,
+                   [this, in, out, dtype, send_counts, recv_counts] {
+                     at::Tensor send = flatten(in);
+                     size_t total = 0;
+                     for (auto c : recv_counts) total += c;
+                     at::Tensor recv = at::empty({static_cast<int64_t>(total)}, send.options());
+                     comm_->alltoallv(send.data_ptr(), send_counts, displacements(send_counts),
+                                      recv.data_ptr(), recv_counts, displacements(recv_counts),
+                                      dtype);
+                     unflatten_into(recv, out);
+                   });
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return enqueue(c10d::OpType::BARRIER, {}, [this] { comm_->barrier(); });
+  }
+
+  // ---- point to point ----
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
+                                      int tag) override {
+    check_single(tensors, "send");
+    check_peer(dst, "send");
+    const auto dtype = to_cohort_dtype(tensors[0], "send");
+    Staged t(tensors[0]);
+    return enqueue(c10d::OpType::SEND, tensors, [this, t, dtype, dst, tag] {
+      comm_->send(t.data(), t.count(), dtype, dst, static_cast<uint32_t>(tag));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
+                                      int tag) override {
+    check_single(tensors, "recv");
+    check_peer(src, "recv");
+    const auto dtype = to_cohort_dtype(tensors[0], "recv");
+    Staged t(tensors[0]);
+    return enqueue(
+        c10d::OpType::RECV, tensors,
+        [this, t, dtype, src, tag] {
+          comm_->recv(t.data(), t.count(), dtype, src, static_cast<uint32_t>(tag));
+          t.copy_back();
+        },
+        src);
+  }
+
+ private:
+  void check_root(int64_t root, const char* op) const {
+    TORCH_CHECK(root >= 0 && root < size_, "cohort backend: ", op, ": root rank ", root,
+                " is outside the group of ", size_, " ranks");
+  }
+  void check_peer(int peer, const char* op) const {
+    TORCH_CHECK(peer >= 0 && peer < size_ && peer != rank_, "cohort backend: ", op,
+                ": peer rank ", peer, " must be another rank of the group of ", size_);
+  }
+  // A list of world_size tensors, each with the same dtype and number of elements as `like`.
+  void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like,
+                  const char* op) const {
+    TORCH_CHECK(static_cast<int>(list.size()) == size_, "cohort backend: ", op,
+                ": the tensor list must hold world_size (", size_, ") tensors, got ", list.size());
+    for (const auto& t : list) {
+      check_tensor(t, op);
+      check_same_type(t, like, op);
+      TORCH_CHECK(t.numel() == like.numel(), "cohort backend: ", op,
+                  ": every tensor in the list must have ", like.numel(), " elements, got ",
+                  t.numel());
+    }
+  }
+  // Element counts per rank from torch's split sizes along dimension 0 (empty = equal split).
+  std::vector<size_t> split_counts(const at::Tensor& t, const std::vector<int64_t>& splits,
+                                   const char* which) const {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const int64_t row_elems = rows == 0 ? 0 : t.numel() / rows;
+    std::vector<size_t> counts;
+    if (splits.empty()) {
+      TORCH_CHECK(rows % size_ == 0, "cohort backend: all_to_all_single: ", which,
+                  " dimension 0 (", rows, ") is not divisible by world_size (", size_, ")");
+      counts.assign(size_, static_cast<size_t>(rows / size_ * row_elems));
+      return counts;
+    }
+    TORCH_CHECK(static_cast<int>(splits.size()) == size_, "cohort backend: all_to_all_single: ",
+                which, "_split_sizes must have world_size (", size_, ") entries, got ",
+                splits.size());
+    int64_t total = 0;
+    for (auto s : splits) {
+      TORCH_CHECK(s >= 0, "cohort backend: all_to_all_single: negative split size ", s);
+      total += s;
+      counts.push_back(static_cast<size_t>(s * row_elems));
+    }
+    TORCH_CHECK(total == rows, "cohort backend: all_to_all_single: ", which,
+                "_split_sizes sum to ", total, " but dimension 0 is ", rows);
+    return counts;
+  }
+  static std::vector<size_t> displacements(const std::vector<size_t>& counts) {
+    std::vector<size_t> displs(counts.size(), 0);
+    for (size_t i = 1; i < counts.size(); ++i) displs[i] = displs[i - 1] + counts[i - 1];
+    return displs;
+  }
+
+  struct Pending {
+    c10::intrusive_ptr<CohortWork> work;
+    std::function<void()> run;
+  };
+
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         std::function<void()> run, int source_rank = -1) {
+    auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      TORCH_CHECK(!stopping_, "cohort backend: the process group is being destroyed");
+      queue_.push_back(Pending{work, std::move(run)});
+    }
+    cv_.notify_one();
+    return work;
+  }
+
+  void worker_loop() {
+    for (;;) {
+      Pending next;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping and drained
+        next = std::move(queue_.front());
+        queue_.pop_front();
+        busy_ = true;
+      }
+      std::exception_ptr error;
+      try {
+        next.run();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      next.run = nullptr;  // drop captured tensors before waking waiters
+      next.work->complete(error);
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+  }
+
+  std::shared_ptr<cohort::Communicator> comm_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+// torch calls creator(store, rank, size, timeout) from init_process_group / new_group.
+c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Millis timeout) {
+  auto adapter = std::make_shared<C10dStoreAdapter>(store);
+  adapter->set_timeout(timeout);
+  cohort::CommOptions options;
+  options.timeout = timeout;
+  std::shared_ptr<cohort::Communicator> comm;
+  try {
+    comm = cohort::Communicator::create(adapter, rank, size, options);
+  } catch (const cohort::Error& e) {
+    throw std::runtime_error(fmt::format("cohort backend: building the communicator for rank {} "
+                                         "of {} failed: {}",
+                                         rank, size, e.what()));
+  }
+  return c10::make_intrusive<ProcessGroupCohort>(std::move(comm), rank, size);
+}
+
+}  // namespace cohort_torch
+
+PYBIND11_MODULE(cohort_torch, m) {
+  using cohort_torch::BaseGroup;
+  using cohort_torch::ProcessGroupCohort;
+  m.doc() = "cohort collectives as a torch.distributed backend; importing registers \"cohort\"";
+
+  // torch's pybind classes (Store, ProcessGroup/Backend) must be registered before ours.
+  py::module_ dist = py::module_::import("torch.distributed");
+
+  py::class_<ProcessGroupCohort, BaseGroup, c10::intrusive_ptr<ProcessGroupCohort>>(
+      m, "ProcessGroupCohort")
+      .def(py::init(&cohort_torch::create_process_group), py::arg("store"), py::arg("rank"),
+           py::arg("size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("create_process_group", &cohort_torch::create_process_group, py::arg("store"),
+        py::arg("rank"), py::arg("size"), py::arg("timeout"),
+        py::call_guard<py::gil_scoped_release>(),
+        "The creator registered with torch.distributed.Backend.register_backend.");
+  m.attr("BACKEND_NAME") = "cohort";
+  m.attr("TORCH_VERSION_MAJOR_BUILT") = TORCH_VERSION_MAJOR;
+
+  py::object backend = dist.attr("Backend");
+  // A second import (or a reload) must not register twice: torch asserts on duplicates.
+  if (!py::hasattr(backend, "COHORT")) {
+#if TORCH_VERSION_MAJOR >= 2
+    backend.attr("register_backend")("cohort", m.attr("create_process_group"),
+                                     py::arg("devices") = std::vector<std::string>{"cpu"});
+#else
+    backend.attr("register_backend")("cohort", m.attr("create_process_group"));
+#endif
+  }
+}

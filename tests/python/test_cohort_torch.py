@@ -1,0 +1,106 @@
+"""cohort_torch (the torch.distributed backend) against gloo, under real processes.
+
+Run through ctest (label `python`), or by hand:
+    COHORT_TORCH_MODULE_DIR=build/integrations/python COHORT_TOOL=build/tools/cohort \
+        PYTHONPATH=build/integrations/python /usr/bin/python3 -m pytest -q tests/python
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dist_util import HERE, TORCHRUN311, base_env, describe, free_port, run_ranks
+
+WORLD = 2
+
+
+def test_import_registers_backend():
+    import torch.distributed as dist
+
+    import cohort_torch
+
+    assert cohort_torch.BACKEND_NAME == "cohort"
+    assert dist.Backend("cohort") == "cohort"
+    assert "COHORT" in dist.Backend._plugins
+    import importlib
+    importlib.reload(cohort_torch)  # a second import must not register twice
+
+
+@pytest.mark.parametrize("init", ["env", "store"])
+def test_every_operation_matches_gloo(init):
+    results = run_ranks([os.path.join(HERE, "ops_worker.py"), "--init", init], WORLD, timeout=60)
+    assert all(rc == 0 for rc, _, _ in results), describe(results)
+    for rc, out, _ in results:
+        assert out.strip().splitlines()[-1].startswith("OK "), out
+        assert int(out.strip().splitlines()[-1].split()[1]) > 100  # the checks really ran
+
+
+def _torchrun(backend, out_path, timeout=60):
+    if not os.path.exists(TORCHRUN311):
+        pytest.skip(f"{TORCHRUN311} not present (shared/ is beside the clone in CI)")
+    cmd = [sys.executable, TORCHRUN311, "--nproc_per_node", str(WORLD), "--monitor_interval", "0.1",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           os.path.join(HERE, "ddp_script.py"), "--backend", backend, "--out", out_path]
+    return subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def gloo_weights(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gloo") / "gloo.pt")
+    proc = _torchrun("gloo", path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return torch.load(path)
+
+
+def _assert_weights_match(path, reference):
+    got = torch.load(path)
+    assert got.keys() == reference.keys()
+    for k in reference:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
+    # and training did move the weights away from the initialisation
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4)).state_dict()
+    assert not torch.allclose(got["0.weight"], init["0.weight"])
+
+
+def test_ddp_under_torchrun_matches_gloo(tmp_path, gloo_weights):
+    out = str(tmp_path / "cohort.pt")
+    proc = _torchrun("cohort", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _assert_weights_match(out, gloo_weights)
+
+
+def test_ddp_under_cohort_run_matches_gloo(tmp_path, gloo_weights):
+    tool = os.environ.get("COHORT_TOOL", "")
+    if not tool or subprocess.run([tool, "run", "--help"], capture_output=True).returncode != 0:
+        pytest.skip("`cohort run` is not built in this tree")
+    out = str(tmp_path / "cohort_run.pt")
+    cmd = [tool, "run", "--nproc-per-node", str(WORLD), sys.executable,
+           os.path.join(HERE, "ddp_script.py"), "--backend", "cohort", "--out", out]
+    env = base_env()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)  # the launcher decides
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _assert_weights_match(out, gloo_weights)
+
+
+def test_killed_rank_makes_the_others_raise_within_2s(tmp_path):
+    stamp = str(tmp_path / "died_at")
+    world = 3
+    start = time.monotonic()
+    results = run_ranks([os.path.join(HERE, "kill_worker.py"), "1", stamp], world, timeout=60,
+                        env_extra={"COHORT_TIMEOUT": "30"})
+    assert time.monotonic() - start < 60
+    assert results[1][0] == -9, describe(results)  # the victim really was SIGKILLed
+    for rank in (0, 2):
+        rc, out, err = results[rank]
+        assert rc == 0, describe(results)
+        line = [l for l in out.splitlines() if l.startswith("RAISED ")]
+        assert line, describe(results)
+        seconds = float(line[0].split()[1])
+        assert seconds < 2.0, f"rank {rank} raised {seconds:.3f} s after the death: {line[0]}"
