@@ -4,7 +4,7 @@
 #
 #   cluster.sh up [-k K] [-d DIR]     create the cluster; prints DIR (state, keys, ssh wrapper, hostfile)
 #   cluster.sh down DIR               kill everything started in the cluster's namespaces and delete them
-#   cluster.sh exec DIR I CMD...      run CMD inside host I (ip netns exec)
+#   cluster.sh exec DIR I CMD...      run CMD inside host I (its network namespace and hostname h<I>)
 #   cluster.sh ssh DIR I CMD...       run CMD on host I over ssh (from host 0)
 #   cluster.sh shape DIR I|all DELAY RATE   e.g. shape DIR all 1ms 1gbit (delay on the host's egress,
 #                                     rate on both directions of its link)
@@ -23,7 +23,8 @@
 # Names: coh<id>b (bridge) and coh<id>h<i> (hosts), <id> = the pid of the `up` process: unique per run.
 # The DIR/env file (sourceable) describes the cluster to tests:
 #   COHORT_CLUSTER_DIR, COHORT_CLUSTER_K, COHORT_CLUSTER_NS_<i>, COHORT_CLUSTER_ADDR_<i>,
-#   COHORT_CLUSTER_SSH (the ssh wrapper: usable as cohort's --ssh-command), COHORT_CLUSTER_HOSTFILE.
+#   COHORT_CLUSTER_SSH (the ssh wrapper: usable as cohort's --ssh-command), COHORT_CLUSTER_HOSTFILE
+#   (addresses, slots=2), COHORT_CLUSTER_HOSTFILE_NAMES (names h0..h<K-1>, resolvable on the hosts).
 set -euo pipefail
 
 SUBNET_PREFIX=198.18.0
@@ -126,7 +127,9 @@ cmd_up() {
   # Keys: one host key for all sshds, one user key; both only for this run.
   ssh-keygen -q -t ed25519 -N '' -C "cohort-cluster-host-$id" -f "$dir/host_key"
   ssh-keygen -q -t ed25519 -N '' -C "cohort-cluster-user-$id" -f "$dir/user_key"
-  cat >"$dir/ssh_config" <<EOF
+  : >"$dir/ssh_config"
+  for ((i = 0; i < k; i++)); do printf 'Host h%d\n  HostName %s.%d\n' "$i" "$SUBNET_PREFIX" $((i + 1)) >>"$dir/ssh_config"; done
+  cat >>"$dir/ssh_config" <<EOF
 Host *
   User root
   IdentityFile $dir/user_key
@@ -163,8 +166,12 @@ EOF
     echo "COHORT_CLUSTER_BRIDGE_NS=$br"
     echo "COHORT_CLUSTER_SSH=$dir/ssh"
     echo "COHORT_CLUSTER_HOSTFILE=$dir/hostfile"
+    echo "COHORT_CLUSTER_HOSTFILE_NAMES=$dir/hostfile.names"
   } >"$envf"
   : >"$dir/hostfile"
+  : >"$dir/hostfile.names"
+  { echo "127.0.0.1 localhost"; echo "::1 localhost"; } >"$dir/hosts"
+  for ((i = 0; i < k; i++)); do echo "$SUBNET_PREFIX.$((i + 1)) h$i" >>"$dir/hosts"; done
   for ((i = 0; i < k; i++)); do
     ns=$(ns_of "$id" "$i")
     addr="$SUBNET_PREFIX.$((i + 1))"
@@ -195,10 +202,15 @@ MaxStartups 200:30:400
 MaxSessions 200
 LogLevel ERROR
 EOF
-    ip netns exec "$ns" "$SSHD" -f "$dir/sshd_config.$i" -E "$dir/sshd.$i.log"
+    # sshd gets a UTS namespace with hostname h<i> and a mount namespace whose /etc/hosts names every
+    # host of this cluster, so ssh sessions (and Open MPI, which tells nodes apart by hostname) see K
+    # distinct machines that can resolve each other by name. The machine's own /etc/hosts is untouched.
+    ip netns exec "$ns" unshare --uts --mount --propagation private sh -c \
+      "mount --bind $dir/hosts /etc/hosts && hostname h$i && exec $SSHD -f $dir/sshd_config.$i -E $dir/sshd.$i.log"
     echo "COHORT_CLUSTER_NS_$i=$ns" >>"$envf"
     echo "COHORT_CLUSTER_ADDR_$i=$addr" >>"$envf"
     echo "$addr slots=2" >>"$dir/hostfile"
+    echo "h$i slots=2" >>"$dir/hostfile.names"
   done
   for ((i = 0; i < k; i++)); do
     wait_port "$(ns_of "$id" "$i")" "$SUBNET_PREFIX.$((i + 1))" 22 10 ||
@@ -224,7 +236,8 @@ cmd_exec() {
   local dir=${1:?exec DIR I CMD...} i=${2:?exec DIR I CMD...}
   shift 2
   load "$dir"
-  exec ip netns exec "$(host_ns "$i")" "$@"
+  # Same network namespace, hostname and /etc/hosts (namespaces of its sshd) as an ssh session on host I.
+  exec ip netns exec "$(host_ns "$i")" nsenter --uts --mount -t "$(cat "$dir/sshd.$i.pid")" "$@"
 }
 
 cmd_ssh() {
@@ -325,12 +338,13 @@ cmd_selftest() {
   trap 'cmd_down "$SELFTEST_DIR" 2>/dev/null || true' EXIT
   load "$dir"
   local i j fails=0
-  # ssh between every ordered pair; the far side reports its own address.
+  # ssh between every ordered pair, by name (the ssh config maps h<j> to its address); the far side
+  # reports its hostname and address.
   for ((i = 0; i < k; i++)); do
     for ((j = 0; j < k; j++)); do
       local src="COHORT_CLUSTER_NS_$i" dst="COHORT_CLUSTER_ADDR_$j" got
-      got=$(ip netns exec "${!src}" "$COHORT_CLUSTER_SSH" "${!dst}" "ip -4 -o addr show dev eth0" 2>&1) || true
-      if [[ $got != *"${!dst}/24"* ]]; then
+      got=$(ip netns exec "${!src}" "$COHORT_CLUSTER_SSH" "h$j" "hostname; ip -4 -o addr show dev eth0" 2>&1) || true
+      if [[ $got != "h$j"$'\n'*"${!dst}/24"* ]]; then
         echo "selftest: ssh from host $i to host $j (${!dst}) failed: $got" >&2
         fails=$((fails + 1))
       fi

@@ -11,7 +11,7 @@ trap 'rm -rf "$MH_TMP"' EXIT
 addr() { local v="COHORT_CLUSTER_ADDR_$1"; echo "${!v}"; }
 ns() { local v="COHORT_CLUSTER_NS_$1"; echo "${!v}"; }
 # Runs a command inside host $1's namespace.
-on_host() { local i=$1; shift; ip netns exec "$(ns "$i")" "$@"; }
+on_host() { local i=$1; shift; ip netns exec "$(ns "$i")" nsenter --uts --mount -t "$(cat "$COHORT_CLUSTER_DIR/sshd.$i.pid")" "$@"; }
 cluster() { "$MH_DIR/cluster.sh" "$@"; }
 
 fail() { echo "FAIL: $*" >&2; MH_FAILS=$((MH_FAILS + 1)); }
