@@ -1,0 +1,360 @@
+#include "launch/parsers.h"
+
+#include <fmt/core.h>
+
+#include <cctype>
+#include <nlohmann/json.hpp>
+
+#include "cohort/error.h"
+#include "common/strings.h"
+
+namespace cohort::launch {
+namespace {
+
+bool parse_int_text(const std::string& text, long long& out) {
+  if (text.empty()) return false;
+  size_t i = 0;
+  if (text[0] == '-' || text[0] == '+') i = 1;
+  if (i == text.size()) return false;
+  for (size_t j = i; j < text.size(); ++j)
+    if (!std::isdigit(static_cast<unsigned char>(text[j]))) return false;
+  try {
+    out = std::stoll(text);
+  } catch (...) {
+    return false;
+  }
+  return true;
+}
+
+void add_host(std::vector<HostSlots>& hosts, HostSlots h) {
+  for (auto& e : hosts) {
+    if (e.host == h.host) {
+      e.slots += h.slots;
+      if (h.max_slots) e.max_slots = std::max(e.max_slots, h.max_slots);
+      return;
+    }
+  }
+  hosts.push_back(std::move(h));
+}
+
+}  // namespace
+
+int parse_int_at_least(const std::string& text, const std::string& what, int min) {
+  long long v = 0;
+  if (!parse_int_text(std::string(str::trim(text)), v) || v < min || v > 1'000'000'000)
+    throw ConfigError(fmt::format("{}={}: expected an integer >= {}", what, text, min));
+  return static_cast<int>(v);
+}
+
+std::vector<HostSlots> parse_hostfile(const std::string& text, const std::string& origin) {
+  std::vector<HostSlots> hosts;
+  auto lines = str::split(text, '\n', /*keep_empty=*/true);
+  for (size_t n = 0; n < lines.size(); ++n) {
+    std::string line = lines[n];
+    if (auto hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    // Tabs and spaces separate fields alike.
+    for (auto& c : line)
+      if (c == '\t' || c == '\r') c = ' ';
+    auto fields = str::split(str::trim(line), ' ');
+    if (fields.empty()) continue;
+    std::string where = fmt::format("{}:{}", origin, n + 1);
+    HostSlots h;
+    h.host = fields[0];
+    if (h.host.find('=') != std::string::npos)
+      throw ConfigError(fmt::format("{}: '{}': expected a host name first, then slots=N", where, h.host));
+    for (size_t f = 1; f < fields.size(); ++f) {
+      const std::string& kv = fields[f];
+      auto eq = kv.find_first_of("=:");
+      if (eq == std::string::npos)
+        throw ConfigError(fmt::format("{}: '{}': expected slots=N or max_slots=M", where, kv));
+      std::string key = kv.substr(0, eq), value = kv.substr(eq + 1);
+      long long v = 0;
+      if (key == "slots" || key == "max_slots" || key == "max-slots") {
+        if (!parse_int_text(value, v) || v < 1 || v > 1'000'000)
+          throw ConfigError(fmt::format("{}: {}: expected a positive number of slots", where, kv));
+        (key == "slots" ? h.slots : h.max_slots) = static_cast<int>(v);
+      } else {
+        throw ConfigError(fmt::format("{}: unknown field '{}' (expected slots=N or max_slots=M)", where, key));
+      }
+    }
+    if (h.max_slots && h.max_slots < h.slots)
+      throw ConfigError(fmt::format("{}: max_slots={} is smaller than slots={}", where, h.max_slots, h.slots));
+    add_host(hosts, std::move(h));
+  }
+  if (hosts.empty()) throw ConfigError(fmt::format("{}: no hosts (only comments or blank lines)", origin));
+  return hosts;
+}
+
+std::vector<HostSlots> parse_host_list(const std::string& text, const std::string& origin) {
+  std::vector<HostSlots> hosts;
+  for (const auto& raw : str::split(text, ',', /*keep_empty=*/true)) {
+    std::string item(str::trim(raw));
+    if (item.empty()) throw ConfigError(fmt::format("{} '{}': empty host name", origin, text));
+    HostSlots h;
+    // "[v6]:N", "host:N" or "host"
+    size_t colon = std::string::npos;
+    if (item.front() == '[') {
+      auto close = item.find(']');
+      if (close == std::string::npos) throw ConfigError(fmt::format("{} '{}': unclosed '['", origin, item));
+      h.host = item.substr(1, close - 1);
+      if (close + 1 < item.size()) {
+        if (item[close + 1] != ':') throw ConfigError(fmt::format("{} '{}': expected ':N' after ']'", origin, item));
+        colon = close + 1;
+      }
+    } else {
+      colon = item.rfind(':');
+      if (colon != std::string::npos && item.find(':') != colon)
+        throw ConfigError(fmt::format("{} '{}': write an IPv6 address as [addr]:N", origin, item));
+      h.host = item.substr(0, colon);
+    }
+    if (colon != std::string::npos) {
+      long long v = 0;
+      std::string count = item.substr(colon + 1);
+      if (!parse_int_text(count, v) || v < 1 || v > 1'000'000)
+        throw ConfigError(fmt::format("{} '{}': slot count '{}' must be a positive number", origin, item, count));
+      h.slots = static_cast<int>(v);
+    }
+    if (h.host.empty()) throw ConfigError(fmt::format("{} '{}': empty host name", origin, item));
+    add_host(hosts, std::move(h));
+  }
+  return hosts;
+}
+
+std::vector<std::string> expand_slurm_nodelist(const std::string& text) {
+  // Split at top-level commas (commas inside [...] belong to a range list).
+  std::vector<std::string> items;
+  std::string cur;
+  int depth = 0;
+  for (char c : text) {
+    if (c == '[') ++depth;
+    if (c == ']') {
+      if (--depth < 0) throw ConfigError(fmt::format("Slurm node list '{}': unbalanced ']'", text));
+    }
+    if (c == ',' && depth == 0) {
+      items.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (depth != 0) throw ConfigError(fmt::format("Slurm node list '{}': unclosed '['", text));
+  items.push_back(cur);
+
+  std::vector<std::string> out;
+  for (auto& raw : items) {
+    std::string item(str::trim(raw));
+    if (item.empty()) throw ConfigError(fmt::format("Slurm node list '{}': empty entry", text));
+    // Expand bracket groups left to right (a name may have several: rack[1-2]-n[1-2]).
+    std::vector<std::string> names{""};
+    size_t pos = 0;
+    while (pos < item.size()) {
+      auto open = item.find('[', pos);
+      std::string literal = item.substr(pos, open == std::string::npos ? std::string::npos : open - pos);
+      for (auto& n : names) n += literal;
+      if (open == std::string::npos) break;
+      auto close = item.find(']', open);
+      std::string ranges = item.substr(open + 1, close - open - 1);
+      std::vector<std::string> suffixes;
+      for (const auto& r : str::split(ranges, ',', true)) {
+        std::string part(str::trim(r));
+        auto dash = part.find('-');
+        std::string lo_s = part.substr(0, dash), hi_s = dash == std::string::npos ? lo_s : part.substr(dash + 1);
+        long long lo = 0, hi = 0;
+        if (!parse_int_text(lo_s, lo) || !parse_int_text(hi_s, hi) || lo < 0 || hi < lo || hi - lo > 100000)
+          throw ConfigError(fmt::format("Slurm node list '{}': '[{}]': '{}' is not a number or range such as 01-04",
+                                        text, ranges, part));
+        size_t width = lo_s.size();
+        for (long long v = lo; v <= hi; ++v) suffixes.push_back(fmt::format("{:0{}}", v, width));
+      }
+      std::vector<std::string> next;
+      for (const auto& n : names)
+        for (const auto& s : suffixes) next.push_back(n + s);
+      names = std::move(next);
+      pos = close + 1;
+    }
+    out.insert(out.end(), names.begin(), names.end());
+  }
+  return out;
+}
+
+std::vector<int> expand_slurm_counts(const std::string& text, const std::string& what) {
+  std::vector<int> out;
+  for (const auto& raw : str::split(text, ',', true)) {
+    std::string item(str::trim(raw));
+    int repeat = 1;
+    if (auto paren = item.find("(x"); paren != std::string::npos) {
+      if (item.back() != ')') throw ConfigError(fmt::format("{}={}: '{}': expected N(xM)", what, text, item));
+      repeat = parse_int_at_least(item.substr(paren + 2, item.size() - paren - 3), what, 1);
+      item.resize(paren);
+    }
+    int v = parse_int_at_least(item, what, 0);
+    for (int i = 0; i < repeat; ++i) out.push_back(v);
+  }
+  return out;
+}
+
+TfConfig parse_tf_config(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("TF_CONFIG: not valid JSON ({})", e.what()));
+  }
+  if (!j.is_object() || !j.contains("cluster") || !j["cluster"].is_object())
+    throw ConfigError("TF_CONFIG: expected an object with \"cluster\" and \"task\"");
+  if (!j.contains("task") || !j["task"].is_object() || !j["task"].contains("type") || !j["task"]["type"].is_string())
+    throw ConfigError("TF_CONFIG: \"task\" must be an object with \"type\" and \"index\"");
+  TfConfig cfg;
+  size_t chiefs = 0;
+  for (const char* role : {"chief", "master", "worker"}) {
+    if (!j["cluster"].contains(role)) continue;
+    const auto& list = j["cluster"][role];
+    if (!list.is_array()) throw ConfigError(fmt::format("TF_CONFIG: cluster.{} must be a list of \"host:port\"", role));
+    for (const auto& e : list) {
+      if (!e.is_string()) throw ConfigError(fmt::format("TF_CONFIG: cluster.{} must be a list of \"host:port\"", role));
+      cfg.nodes.push_back(e.get<std::string>());
+    }
+    if (std::string(role) != "worker") chiefs = cfg.nodes.size();
+  }
+  if (cfg.nodes.empty()) throw ConfigError("TF_CONFIG: cluster has no chief or worker entries");
+  std::string type = j["task"]["type"].get<std::string>();
+  int index = 0;
+  if (j["task"].contains("index")) {
+    if (!j["task"]["index"].is_number_integer()) throw ConfigError("TF_CONFIG: task.index must be an integer");
+    index = j["task"]["index"].get<int>();
+  }
+  if (type == "chief" || type == "master") {
+    cfg.node_rank = index;
+  } else if (type == "worker") {
+    cfg.node_rank = static_cast<int>(chiefs) + index;
+  } else {
+    throw ConfigError(fmt::format("TF_CONFIG: task.type '{}' is not launched by cohort (expected worker or chief)", type));
+  }
+  if (index < 0 || cfg.node_rank >= static_cast<int>(cfg.nodes.size()))
+    throw ConfigError(fmt::format("TF_CONFIG: task {} index {} is outside cluster.{} ({} entries)", type, index, type,
+                                  cfg.nodes.size()));
+  return cfg;
+}
+
+namespace {
+
+template <typename T>
+void merge(std::optional<Sourced<T>>& slot, T value, const std::string& source, const char* what) {
+  if (!slot) {
+    slot = Sourced<T>{std::move(value), source};
+    return;
+  }
+  if (slot->value != value)
+    throw ConfigError(fmt::format("conflicting {}: {} says {} but {} says {}", what, slot->source, slot->value, source,
+                                  value));
+}
+
+const std::string* find(const EnvMap& env, const std::string& name) {
+  auto it = env.find(name);
+  return it == env.end() || it->second.empty() ? nullptr : &it->second;
+}
+
+// "4", "gpu:4", "a100:4" -> 4
+int gpu_count(const std::string& text, const std::string& what) {
+  auto colon = text.rfind(':');
+  return parse_int_at_least(colon == std::string::npos ? text : text.substr(colon + 1), what, 0);
+}
+
+std::string host_of(const std::string& host_port) {
+  if (!host_port.empty() && host_port.front() == '[') return host_port.substr(1, host_port.find(']') - 1);
+  auto colon = host_port.rfind(':');
+  return colon == std::string::npos ? host_port : host_port.substr(0, colon);
+}
+
+}  // namespace
+
+SchedulerInfo read_scheduler_env(const EnvMap& env) {
+  SchedulerInfo info;
+  auto note = [&](const char* name) {
+    if (info.scheduler_names.empty() || info.scheduler_names.back() != name) info.scheduler_names.push_back(name);
+  };
+  auto int_var = [&](std::optional<Sourced<int>>& slot, const std::string& name, int min, const char* what,
+                     const char* scheduler) {
+    if (const auto* v = find(env, name)) {
+      merge(slot, parse_int_at_least(*v, name, min), name, what);
+      note(scheduler);
+    }
+  };
+
+  // Slurm: only inside an allocation step that names this node.
+  if (find(env, "SLURM_NODEID") && (find(env, "SLURM_JOB_NODELIST") || find(env, "SLURM_NODELIST"))) {
+    const char* list_var = find(env, "SLURM_JOB_NODELIST") ? "SLURM_JOB_NODELIST" : "SLURM_NODELIST";
+    auto nodes = expand_slurm_nodelist(env.at(list_var));
+    note("Slurm");
+    merge(info.master_addr, nodes.front(), std::string(list_var) + " (first node)", "master address");
+    if (find(env, "SLURM_NNODES")) int_var(info.nnodes, "SLURM_NNODES", 1, "node count", "Slurm");
+    else if (find(env, "SLURM_JOB_NUM_NODES")) int_var(info.nnodes, "SLURM_JOB_NUM_NODES", 1, "node count", "Slurm");
+    else merge(info.nnodes, static_cast<int>(nodes.size()), std::string(list_var) + " (node count)", "node count");
+    int_var(info.node_rank, "SLURM_NODEID", 0, "node rank", "Slurm");
+    if (const auto* g = find(env, "SLURM_GPUS_ON_NODE"); g && gpu_count(*g, "SLURM_GPUS_ON_NODE") > 0) {
+      merge(info.nproc_per_node, gpu_count(*g, "SLURM_GPUS_ON_NODE"), "SLURM_GPUS_ON_NODE", "processes per node");
+    } else if (const auto* gp = find(env, "SLURM_GPUS_PER_NODE"); gp && gpu_count(*gp, "SLURM_GPUS_PER_NODE") > 0) {
+      merge(info.nproc_per_node, gpu_count(*gp, "SLURM_GPUS_PER_NODE"), "SLURM_GPUS_PER_NODE", "processes per node");
+    } else if (const auto* t = find(env, "SLURM_NTASKS_PER_NODE")) {
+      merge(info.nproc_per_node, expand_slurm_counts(*t, "SLURM_NTASKS_PER_NODE").front(), "SLURM_NTASKS_PER_NODE",
+            "processes per node");
+    }
+    if (const auto* id = find(env, "SLURM_JOB_ID")) merge(info.job_id, "slurm-" + *id, "SLURM_JOB_ID", "job id");
+  }
+
+  // Open MPI, when mpirun starts one cohort per node.
+  int_var(info.nnodes, "OMPI_COMM_WORLD_SIZE", 1, "node count", "Open MPI");
+  int_var(info.node_rank, "OMPI_COMM_WORLD_RANK", 0, "node rank", "Open MPI");
+
+  // torchrun / Kubeflow PyTorchJob: WORLD_SIZE and RANK count nodes here.
+  if (const auto* a = find(env, "MASTER_ADDR")) {
+    merge(info.master_addr, *a, "MASTER_ADDR", "master address");
+    note("torchrun/Kubeflow");
+  }
+  int_var(info.master_port, "MASTER_PORT", 1, "master port", "torchrun/Kubeflow");
+  int_var(info.nnodes, "WORLD_SIZE", 1, "node count", "torchrun/Kubeflow");
+  int_var(info.node_rank, "RANK", 0, "node rank", "torchrun/Kubeflow");
+  if (const auto* a = find(env, "PET_MASTER_ADDR")) {
+    merge(info.master_addr, *a, "PET_MASTER_ADDR", "master address");
+    note("Kubeflow");
+  }
+  int_var(info.master_port, "PET_MASTER_PORT", 1, "master port", "Kubeflow");
+  if (const auto* n = find(env, "PET_NNODES")) {
+    // Elastic form "1:4": the upper bound is the node count cohort waits for.
+    auto colon = n->rfind(':');
+    merge(info.nnodes, parse_int_at_least(colon == std::string::npos ? *n : n->substr(colon + 1), "PET_NNODES", 1),
+          "PET_NNODES", "node count");
+    note("Kubeflow");
+  }
+  if (const auto* p = find(env, "PET_NPROC_PER_NODE"); p && *p != "auto")
+    int_var(info.nproc_per_node, "PET_NPROC_PER_NODE", 1, "processes per node", "Kubeflow");
+  int_var(info.node_rank, "PET_NODE_RANK", 0, "node rank", "Kubeflow");
+
+  // TI-ONE style platforms.
+  int_var(info.nproc_per_node, "GPU_NUM_PER_NODE", 1, "processes per node", "TI-ONE");
+  if (const auto* list = find(env, "NODE_LIST")) {
+    auto hosts = parse_host_list(*list, "NODE_LIST");
+    merge(info.nnodes, static_cast<int>(hosts.size()), "NODE_LIST (host count)", "node count");
+    merge(info.master_addr, hosts.front().host, "NODE_LIST (first host)", "master address");
+    int_var(info.node_rank, "INDEX", 0, "node rank", "TI-ONE");
+    note("TI-ONE");
+  }
+
+  if (const auto* tf = find(env, "TF_CONFIG")) {
+    auto cfg = parse_tf_config(*tf);
+    merge(info.nnodes, static_cast<int>(cfg.nodes.size()), "TF_CONFIG (cluster size)", "node count");
+    merge(info.node_rank, cfg.node_rank, "TF_CONFIG (task)", "node rank");
+    merge(info.master_addr, host_of(cfg.nodes.front()), "TF_CONFIG (first cluster entry)", "master address");
+    const std::string& first = cfg.nodes.front();
+    if (auto colon = first.rfind(':'); colon != std::string::npos && first.back() != ']')
+      merge(info.master_port, parse_int_at_least(first.substr(colon + 1), "TF_CONFIG port", 1),
+            "TF_CONFIG (first cluster entry)", "master port");
+    note("TF_CONFIG");
+  }
+  if (info.node_rank && info.nnodes && info.node_rank->value >= info.nnodes->value)
+    throw ConfigError(fmt::format("node rank {} ({}) is not below the node count {} ({})", info.node_rank->value,
+                                  info.node_rank->source, info.nnodes->value, info.nnodes->source));
+  return info;
+}
+
+}  // namespace cohort::launch

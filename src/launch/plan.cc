@@ -1,0 +1,479 @@
+#include "launch/plan.h"
+
+#include <dirent.h>
+#include <fmt/core.h>
+#include <openssl/rand.h>
+#include <sched.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "cohort/error.h"
+#include "common/socket.h"
+#include "common/strings.h"
+
+namespace cohort::launch {
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, nodes, host_store, master_addr,
+                                   master_port, job_id, token_from_env, sources, schedulers, extra_env,
+                                   set_omp_threads, tag_output, output_dir, merge_stderr, ranks_to_console,
+                                   all_ranks_to_console, bind_to, device_per_rank, abort_on_failure, max_restarts,
+                                   join_timeout_s, kill_grace_s, ssh_command, program_path, program)
+
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::kLocal: return "local";
+    case Mode::kPerNode: return "per-node";
+    case Mode::kFanOut: return "fan-out";
+  }
+  return "?";
+}
+
+const NodePlan* Plan::node(int rank) const {
+  for (const auto& n : nodes)
+    if (n.node_rank == rank) return &n;
+  return nullptr;
+}
+
+std::string Plan::source_of(const std::string& setting) const {
+  for (const auto& [k, v] : sources)
+    if (k == setting) return v;
+  return "default";
+}
+
+std::string resolve_program(const std::string& program) {
+  auto check = [&](const std::string& path) -> bool {
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) return false;
+    if (S_ISDIR(st.st_mode)) throw ConfigError(fmt::format("program '{}' is a directory", path));
+    if (access(path.c_str(), X_OK) != 0)
+      throw ConfigError(fmt::format("program '{}' is not executable (chmod +x, or name its interpreter first)", path));
+    return true;
+  };
+  if (program.empty()) throw ConfigError("no PROGRAM given (usage: cohort run [options] PROGRAM [ARGS...])");
+  if (program.find('/') != std::string::npos) {
+    if (!check(program)) throw ConfigError(fmt::format("program '{}' does not exist", program));
+    return program;
+  }
+  const char* path = getenv("PATH");
+  for (const auto& dir : str::split(path ? path : "/usr/local/bin:/usr/bin:/bin", ':')) {
+    std::string candidate = dir + "/" + program;
+    if (check(candidate)) return candidate;
+  }
+  throw ConfigError(fmt::format("program '{}' not found on PATH", program));
+}
+
+MachineFacts this_machine() {
+  MachineFacts m;
+  m.hostname = net::hostname();
+  m.cpu_count = static_cast<int>(allowed_cpus().size());
+  if (m.cpu_count <= 0) m.cpu_count = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // Visible GPUs: CUDA_VISIBLE_DEVICES when set, else the /dev/nvidiaN device nodes.
+  if (const char* v = getenv("CUDA_VISIBLE_DEVICES")) {
+    m.gpu_count = static_cast<int>(str::split(v, ',').size());
+  } else if (DIR* d = opendir("/dev")) {
+    while (auto* e = readdir(d)) {
+      std::string name = e->d_name;
+      if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
+          std::all_of(name.begin() + 6, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        ++m.gpu_count;
+    }
+    closedir(d);
+  }
+  m.resolve_program = &resolve_program;
+  return m;
+}
+
+namespace {
+
+bool is_local_host(const std::string& host, const std::string& hostname) {
+  if (host == "localhost" || host == "127.0.0.1" || host == "::1" || host == hostname) return true;
+  auto short_name = hostname.substr(0, hostname.find('.'));
+  return host == short_name;
+}
+
+int parse_nproc(const std::string& text, const MachineFacts& machine, std::string& how) {
+  if (text == "auto") {
+    how = machine.gpu_count > 0 ? fmt::format("auto: {} visible GPUs", machine.gpu_count)
+                                : fmt::format("auto: {} CPU cores", machine.cpu_count);
+    return machine.gpu_count > 0 ? machine.gpu_count : machine.cpu_count;
+  }
+  long long v = 0;
+  try {
+    size_t used = 0;
+    v = std::stoll(text, &used);
+    if (used != text.size()) v = 0;
+  } catch (...) {
+    v = 0;
+  }
+  if (v < 1 || v > 100000)
+    throw ConfigError(fmt::format("--nproc-per-node {}: expected a positive number or 'auto'", text));
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine) {
+  Plan p;
+  auto source = [&](const std::string& setting, const std::string& from) { p.sources.emplace_back(setting, from); };
+
+  if (o.program.empty()) throw ConfigError("no PROGRAM given (usage: cohort run [options] PROGRAM [ARGS...])");
+  p.program = o.program;
+  if (o.kill_grace_s < 0) throw ConfigError(fmt::format("--kill-grace {}: expected seconds >= 0", o.kill_grace_s));
+  if (o.join_timeout_s <= 0)
+    throw ConfigError(fmt::format("--join-timeout {}: expected seconds > 0", o.join_timeout_s));
+  if (o.max_restarts < 0) throw ConfigError(fmt::format("--max-restarts {}: expected a number >= 0", o.max_restarts));
+  if (o.bind_to != "none" && o.bind_to != "core" && o.bind_to != "numa")
+    throw ConfigError(fmt::format("--bind-to {}: expected none, core or numa", o.bind_to));
+  if (o.np && *o.np < 1) throw ConfigError(fmt::format("-n {}: expected a positive number of processes", *o.np));
+  if (o.master_port && (*o.master_port < 1 || *o.master_port > 65535))
+    throw ConfigError(fmt::format("--master-port {}: expected a port between 1 and 65535", *o.master_port));
+  std::string nproc_how;
+  std::optional<int> nproc_flag;
+  if (o.nproc_per_node) nproc_flag = parse_nproc(*o.nproc_per_node, machine, nproc_how);
+
+  p.kill_grace_s = o.kill_grace_s;
+  p.join_timeout_s = o.join_timeout_s;
+  p.max_restarts = o.max_restarts;
+  p.abort_on_failure = o.abort_on_failure;
+  p.bind_to = o.bind_to;
+  p.device_per_rank = o.device_per_rank;
+  p.output_dir = o.output_dir;
+  p.merge_stderr = o.merge_stderr;
+  p.ssh_command = o.ssh_command;
+
+  std::optional<Sourced<std::string>> sched_job_id;
+  if (o.hosts || o.hostfile) {
+    // One launcher fans out to every host (mpirun / DeepSpeed style).
+    if (o.hosts && o.hostfile) throw ConfigError("both -H and --hostfile given; use one of them");
+    const char* hosts_flag = o.hosts ? "-H" : "--hostfile";
+    if (o.nnodes || o.node_rank)
+      throw ConfigError(fmt::format("{} and --nnodes/--node-rank both given: {} starts every node itself, "
+                                    "--nnodes is for running cohort once per node",
+                                    hosts_flag, hosts_flag));
+    auto hosts = o.hosts ? parse_host_list(*o.hosts) : parse_hostfile(o.hostfile_text, *o.hostfile);
+    std::string hosts_source = o.hosts ? "-H " + *o.hosts : "--hostfile " + *o.hostfile;
+    if (nproc_flag)
+      for (auto& h : hosts) h.slots = *nproc_flag;
+    int total = 0;
+    for (const auto& h : hosts) total += h.slots;
+    int n = o.np.value_or(total);
+    if (n > total)
+      throw ConfigError(fmt::format("-n {} is more than the {} slots of {}", n, total, hosts_source));
+    p.mode = Mode::kFanOut;
+    int rank = 0;
+    int local_nodes = 0;
+    p.this_node = -1;
+    for (const auto& h : hosts) {
+      if (rank >= n) break;
+      NodePlan node;
+      node.node_rank = static_cast<int>(p.nodes.size());
+      node.host = h.host;
+      node.local = is_local_host(h.host, machine.hostname) && local_nodes == 0;
+      if (node.local) {
+        ++local_nodes;
+        p.this_node = node.node_rank;
+      }
+      node.first_rank = rank;
+      node.nproc = std::min(h.slots, n - rank);
+      rank += node.nproc;
+      p.nodes.push_back(node);
+    }
+    p.nnodes = static_cast<int>(p.nodes.size());
+    p.world_size = n;
+    source("hosts", hosts_source);
+    source("world size", o.np ? "-n" : "sum of slots");
+    if (nproc_flag) source("slots per host", "--nproc-per-node");
+    p.master_addr = o.master_addr.value_or(machine.hostname);
+    source("store address", o.master_addr ? "--master-addr" : "this host's name");
+    p.master_port = o.master_port.value_or(0);
+    source("store port", o.master_port ? "--master-port" : "chosen by the OS");
+    p.host_store = true;
+  } else {
+    // Per-node (torchrun style) or local. The scheduler environment fills what flags leave open.
+    SchedulerInfo sched;
+    if (!o.nnodes) sched = read_scheduler_env(env);
+    p.schedulers = sched.scheduler_names;
+    sched_job_id = sched.job_id;
+    p.nnodes = o.nnodes ? *o.nnodes : sched.nnodes ? sched.nnodes->value : 1;
+    source("nnodes", o.nnodes ? "--nnodes" : sched.nnodes ? sched.nnodes->source : "default");
+    if (p.nnodes < 1) throw ConfigError(fmt::format("--nnodes {}: expected a positive number", p.nnodes));
+    int node_rank = o.node_rank ? *o.node_rank : sched.node_rank ? sched.node_rank->value : 0;
+    std::string node_rank_source = o.node_rank ? "--node-rank" : sched.node_rank ? sched.node_rank->source : "default";
+    source("node rank", node_rank_source);
+    if (node_rank < 0 || node_rank >= p.nnodes)
+      throw ConfigError(fmt::format("node rank {} ({}) must be below the node count {} ({})", node_rank,
+                                    node_rank_source, p.nnodes, p.source_of("nnodes")));
+    int nproc = 1;
+    std::string nproc_source = "default";
+    if (nproc_flag) {
+      nproc = *nproc_flag;
+      nproc_source = "--nproc-per-node" + (nproc_how.empty() ? "" : " (" + nproc_how + ")");
+    } else if (sched.nproc_per_node) {
+      nproc = sched.nproc_per_node->value;
+      nproc_source = sched.nproc_per_node->source;
+    } else if (o.np) {
+      if (*o.np % p.nnodes != 0)
+        throw ConfigError(fmt::format("-n {} does not divide evenly over {} nodes", *o.np, p.nnodes));
+      nproc = *o.np / p.nnodes;
+      nproc_source = "-n";
+    }
+    if (o.np && *o.np != nproc * p.nnodes)
+      throw ConfigError(fmt::format("-n {} disagrees with {} processes per node ({}) on {} nodes", *o.np, nproc,
+                                    nproc_source, p.nnodes));
+    source("nproc per node", nproc_source);
+    p.world_size = nproc * p.nnodes;
+    p.this_node = node_rank;
+    for (int i = 0; i < p.nnodes; ++i)
+      p.nodes.push_back(NodePlan{i, i == node_rank ? machine.hostname : fmt::format("node{}", i), i == node_rank,
+                                 i * nproc, nproc});
+    if (p.nnodes == 1) {
+      p.mode = Mode::kLocal;
+      p.master_addr = "127.0.0.1";
+      source("store address", "local job: loopback");
+      p.master_port = o.master_port ? *o.master_port : sched.master_port ? sched.master_port->value : 0;
+      source("store port", o.master_port ? "--master-port"
+                           : sched.master_port ? sched.master_port->source
+                                               : "chosen by the OS");
+    } else {
+      p.mode = Mode::kPerNode;
+      if (o.master_addr) {
+        p.master_addr = *o.master_addr;
+        source("store address", "--master-addr");
+      } else if (sched.master_addr) {
+        p.master_addr = sched.master_addr->value;
+        source("store address", sched.master_addr->source);
+      } else {
+        throw ConfigError(fmt::format("--nnodes {} needs --master-addr (the address of node 0) or MASTER_ADDR",
+                                      p.nnodes));
+      }
+      p.master_port = o.master_port ? *o.master_port : sched.master_port ? sched.master_port->value : 29500;
+      source("store port", o.master_port ? "--master-port"
+                           : sched.master_port ? sched.master_port->source
+                                               : "default (29500, as torchrun)");
+    }
+    p.host_store = node_rank == 0;
+  }
+
+  // Job id: the same on every node (per-node mode cannot share a random one).
+  if (o.run_id) {
+    p.job_id = *o.run_id;
+    source("job id", "--run-id");
+  } else if (sched_job_id) {
+    p.job_id = sched_job_id->value;
+    source("job id", sched_job_id->source);
+  } else if (p.mode == Mode::kPerNode) {
+    p.job_id = fmt::format("job-{}-{}", p.master_addr, p.master_port);
+    source("job id", "store address");
+  } else {
+    p.job_id = "job-" + random_token(6);
+    source("job id", "random");
+  }
+  p.token_from_env = env.count("COHORT_JOB_TOKEN") && !env.at("COHORT_JOB_TOKEN").empty();
+
+  for (const auto& x : o.export_env) {
+    auto eq = x.find('=');
+    std::string name = x.substr(0, eq);
+    if (name.empty()) throw ConfigError(fmt::format("-x '{}': expected VAR or VAR=value", x));
+    if (eq != std::string::npos) {
+      p.extra_env.emplace_back(name, x.substr(eq + 1));
+    } else {
+      auto it = env.find(name);
+      if (it == env.end()) throw ConfigError(fmt::format("-x {}: {} is not set in this environment", name, name));
+      p.extra_env.emplace_back(name, it->second);
+    }
+  }
+  int max_per_node = 0;
+  for (const auto& n : p.nodes) max_per_node = std::max(max_per_node, n.nproc);
+  bool omp_given = env.count("OMP_NUM_THREADS") ||
+                   std::any_of(p.extra_env.begin(), p.extra_env.end(),
+                               [](const auto& kv) { return kv.first == "OMP_NUM_THREADS"; });
+  p.set_omp_threads = max_per_node > 1 && !omp_given;
+
+  // The program is checked last: flag errors come first, and nothing starts without it.
+  p.program_path = machine.resolve_program ? machine.resolve_program(o.program[0]) : o.program[0];
+  p.tag_output = o.tag_output.value_or(p.world_size > 1);
+  if (o.ranks_to_console) {
+    p.all_ranks_to_console = false;
+    if (*o.ranks_to_console != "none" && !o.ranks_to_console->empty())
+      p.ranks_to_console = str::parse_int_list(*o.ranks_to_console, "--ranks-to-console");
+    for (int r : p.ranks_to_console)
+      if (r >= p.world_size)
+        throw ConfigError(fmt::format("--ranks-to-console: rank {} does not exist (world size {})", r, p.world_size));
+  }
+  return p;
+}
+
+std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, const WorkerSlot& s,
+                                                            const std::string& store_addr, int torch_port,
+                                                            const std::string& token, int restart_count,
+                                                            const EnvMap& launcher_env) {
+  std::vector<std::pair<std::string, std::string>> e;
+  auto set = [&](const char* k, const std::string& v) { e.emplace_back(k, v); };
+  // Host part of "host:port" / "[v6]:port" (the port may still be a placeholder in --dry-run).
+  std::string store_host = store_addr.substr(0, store_addr.rfind(':'));
+  if (store_host.size() > 2 && store_host.front() == '[') store_host = store_host.substr(1, store_host.size() - 2);
+  set("RANK", std::to_string(s.rank));
+  set("LOCAL_RANK", std::to_string(s.local_rank));
+  set("WORLD_SIZE", std::to_string(plan.world_size));
+  set("LOCAL_WORLD_SIZE", std::to_string(s.local_world));
+  set("GROUP_RANK", std::to_string(s.node_rank));
+  set("GROUP_WORLD_SIZE", std::to_string(plan.nnodes));
+  set("ROLE_RANK", std::to_string(s.rank));
+  set("ROLE_WORLD_SIZE", std::to_string(plan.world_size));
+  set("ROLE_NAME", "default");
+  set("NODE_RANK", std::to_string(s.node_rank));
+  set("MASTER_ADDR", store_host);
+  // torch's env:// makes rank 0 host its own TCPStore at MASTER_PORT: a port distinct from cohort's
+  // store, chosen free on the store host (see docs/launcher.md).
+  set("MASTER_PORT", torch_port > 0 ? std::to_string(torch_port) : "<chosen at start>");
+  set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count));
+  set("TORCHELASTIC_MAX_RESTARTS", std::to_string(plan.max_restarts));
+  set("TORCHELASTIC_RUN_ID", plan.job_id);
+  set("COHORT_STORE_ADDR", store_addr);
+  set("COHORT_JOB_ID", plan.job_id);
+  set("COHORT_JOB_TOKEN", token);
+  set("COHORT_RANK", std::to_string(s.rank));
+  set("COHORT_WORLD_SIZE", std::to_string(plan.world_size));
+  set("COHORT_LOCAL_RANK", std::to_string(s.local_rank));
+  set("COHORT_LOCAL_WORLD_SIZE", std::to_string(s.local_world));
+  set("COHORT_NODE_RANK", std::to_string(s.node_rank));
+  set("COHORT_NNODES", std::to_string(plan.nnodes));
+  set("COHORT_RESTART_COUNT", std::to_string(restart_count));
+  if (plan.set_omp_threads) set("OMP_NUM_THREADS", "1");
+  if (plan.device_per_rank) {
+    bool ascend = launcher_env.count("ASCEND_RT_VISIBLE_DEVICES") || access("/dev/davinci0", F_OK) == 0;
+    const char* var = ascend ? "ASCEND_RT_VISIBLE_DEVICES" : "CUDA_VISIBLE_DEVICES";
+    // When the launcher itself sees a subset of devices, rank i gets the i-th of that subset.
+    std::string device = std::to_string(s.local_rank);
+    if (auto it = launcher_env.find(var); it != launcher_env.end() && !it->second.empty()) {
+      auto visible = str::split(it->second, ',');
+      if (!visible.empty()) device = visible[static_cast<size_t>(s.local_rank) % visible.size()];
+    }
+    set(var, device);
+  }
+  for (const auto& kv : plan.extra_env) e.push_back(kv);
+  return e;
+}
+
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+std::vector<std::vector<int>> numa_node_cpus() {
+  std::vector<std::vector<int>> nodes;
+  for (int n = 0; n < 1024; ++n) {
+    std::ifstream in(fmt::format("/sys/devices/system/node/node{}/cpulist", n));
+    if (!in) break;
+    std::string list;
+    std::getline(in, list);
+    list = std::string(str::trim(list));
+    nodes.push_back(list.empty() ? std::vector<int>{} : str::parse_int_list(list, "NUMA cpulist"));
+  }
+  return nodes;
+}
+
+std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int nproc, const std::vector<int>& allowed,
+                                               const std::vector<std::vector<int>>& numa_nodes) {
+  std::vector<std::vector<int>> out(static_cast<size_t>(nproc));
+  if (bind_to == "none" || allowed.empty()) return out;
+  if (bind_to == "core") {
+    for (int i = 0; i < nproc; ++i) out[i] = {allowed[static_cast<size_t>(i) % allowed.size()]};
+    return out;
+  }
+  // numa: the NUMA nodes that have CPUs this process may use, round-robin over local ranks.
+  std::vector<std::vector<int>> usable;
+  for (const auto& node : numa_nodes) {
+    std::vector<int> cpus;
+    for (int c : node)
+      if (std::find(allowed.begin(), allowed.end(), c) != allowed.end()) cpus.push_back(c);
+    if (!cpus.empty()) usable.push_back(cpus);
+  }
+  if (usable.empty()) usable.push_back(allowed);
+  for (int i = 0; i < nproc; ++i) out[i] = usable[static_cast<size_t>(i) % usable.size()];
+  return out;
+}
+
+std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& store_addr) {
+  std::string s;
+  s += fmt::format("cohort run plan (dry run; nothing started)\n");
+  s += fmt::format("  mode            {}\n", mode_name(p.mode));
+  s += fmt::format("  program         {}{}\n", str::join(p.program, " "),
+                   p.program_path != p.program[0] ? " (" + p.program_path + ")" : "");
+  s += fmt::format("  job id          {}  [{}]\n", p.job_id, p.source_of("job id"));
+  s += fmt::format("  nodes           {}  [{}]\n", p.nnodes,
+                   p.mode == Mode::kFanOut ? p.source_of("hosts") : p.source_of("nnodes"));
+  if (p.mode != Mode::kFanOut) {
+    s += fmt::format("  this node rank  {}  [{}]\n", p.this_node, p.source_of("node rank"));
+    s += fmt::format("  nproc per node  {}  [{}]\n", p.nodes.front().nproc, p.source_of("nproc per node"));
+  }
+  s += fmt::format("  world size      {}{}\n", p.world_size,
+                   p.mode == Mode::kFanOut ? "  [" + p.source_of("world size") + "]" : "");
+  s += fmt::format("  store           {}  [address: {}; port: {}]; hosted by {}\n", store_addr,
+                   p.source_of("store address"), p.source_of("store port"),
+                   p.mode == Mode::kPerNode ? "node 0's launcher" : "this launcher");
+  s += fmt::format("  job token       {}\n", p.token_from_env ? "from COHORT_JOB_TOKEN"
+                                          : p.mode == Mode::kPerNode ? "none (set COHORT_JOB_TOKEN on every node to "
+                                                                       "authenticate the store)"
+                                                                     : "random, 32 bytes");
+  if (!p.schedulers.empty()) s += fmt::format("  scheduler env   {}\n", str::join(p.schedulers, ", "));
+  s += fmt::format("  failure policy  {}, max restarts {}, kill grace {} s\n",
+                   p.abort_on_failure ? "first failure stops the job" : "others run on (--no-abort-on-failure)",
+                   p.max_restarts, p.kill_grace_s);
+  s += fmt::format("  output          tags {}{}{}{}\n", p.tag_output ? "on" : "off",
+                   p.output_dir.empty() ? "" : ", files under " + p.output_dir + "/rank.N/",
+                   p.merge_stderr ? ", stderr merged into stdout" : "",
+                   p.all_ranks_to_console ? "" : ", console ranks " + str::format_ranges(p.ranks_to_console));
+  s += fmt::format("  bind-to         {}\n", p.bind_to);
+  if (p.set_omp_threads) s += "  note            OMP_NUM_THREADS=1 for every worker (unset, and workers share a node)\n";
+  auto cpus = allowed_cpus();
+  auto numa = numa_node_cpus();
+  for (const auto& node : p.nodes) {
+    s += fmt::format("node {} ({}{}): ranks {}-{}\n", node.node_rank, node.host,
+                     node.local ? ", this machine" : p.mode == Mode::kFanOut ? ", over ssh" : ", its own launcher",
+                     node.first_rank, node.first_rank + node.nproc - 1);
+    if (!node.local) continue;
+    auto bindings = compute_bindings(p.bind_to, node.nproc, cpus, numa);
+    for (int l = 0; l < node.nproc; ++l) {
+      WorkerSlot slot{node.first_rank + l, l, node.nproc, node.node_rank};
+      auto vars = worker_env(p, slot, store_addr, 0, "<token>", 0, env);
+      std::vector<std::string> kv;
+      for (const auto& [k, v] : vars) kv.push_back(k + "=" + v);
+      s += fmt::format("  rank {} (local {}) cpus {}: {}\n", slot.rank, l,
+                       bindings[l].empty() ? "any" : str::format_ranges(bindings[l]), str::join(kv, " "));
+    }
+  }
+  return s;
+}
+
+std::string plan_to_json(const Plan& plan) { return nlohmann::json(plan).dump(); }
+
+Plan plan_from_json(const std::string& text) {
+  try {
+    return nlohmann::json::parse(text).get<Plan>();
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("agent: malformed plan from the head launcher ({})", e.what()));
+  }
+}
+
+std::string random_token(int bytes) {
+  std::vector<unsigned char> buf(static_cast<size_t>(bytes));
+  if (RAND_bytes(buf.data(), bytes) != 1) throw Error("OpenSSL RAND_bytes failed to produce a job token");
+  std::string hex;
+  for (auto b : buf) hex += fmt::format("{:02x}", b);
+  return hex;
+}
+
+}  // namespace cohort::launch

@@ -1,0 +1,131 @@
+#pragma once
+// The launch plan: what `cohort run` will do, derived from flags, the scheduler environment and
+// hostfiles before anything starts. build_plan() is a pure function of (Options, EnvMap, a few
+// facts about this machine), so every combination is unit-tested; --dry-run prints it.
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "launch/parsers.h"
+
+namespace cohort::launch {
+
+// The command line, as parsed (nothing resolved yet). Unset optionals mean "not given".
+struct Options {
+  std::optional<std::string> nproc_per_node;  // "N" or "auto"
+  std::optional<int> np;                      // -n/-np: total number of workers
+  std::optional<int> nnodes;
+  std::optional<int> node_rank;
+  std::optional<std::string> master_addr;
+  std::optional<int> master_port;
+  std::optional<std::string> hosts;     // -H
+  std::optional<std::string> hostfile;  // path
+  std::string hostfile_text;            // contents of `hostfile` (read by the caller)
+  std::string ssh_command = "ssh -o BatchMode=yes";
+  std::vector<std::string> export_env;  // -x VAR or VAR=value
+  double join_timeout_s = 300;
+  double kill_grace_s = 5;
+  std::optional<bool> tag_output;
+  std::string output_dir;  // --output-filename
+  bool merge_stderr = false;
+  std::optional<std::string> ranks_to_console;
+  std::string bind_to = "none";
+  bool device_per_rank = false;
+  bool abort_on_failure = true;
+  int max_restarts = 0;
+  bool dry_run = false;
+  std::optional<std::string> run_id;
+  std::vector<std::string> program;  // PROGRAM ARGS...
+};
+
+// Facts about the machine build_plan needs (injected so tests control them).
+struct MachineFacts {
+  std::string hostname = "localhost";
+  int cpu_count = 1;
+  int gpu_count = 0;
+  // Resolves PROGRAM to an executable path, or throws ConfigError; tests pass a fake.
+  std::string (*resolve_program)(const std::string&) = nullptr;
+};
+MachineFacts this_machine();
+// PATH lookup + access(X_OK); ConfigError "program 'x' not found on PATH" / "... is not executable".
+std::string resolve_program(const std::string& program);
+
+enum class Mode { kLocal, kPerNode, kFanOut };
+const char* mode_name(Mode m);
+
+struct NodePlan {
+  int node_rank = 0;
+  std::string host;  // name used in tags and, for fan-out, the ssh target
+  bool local = true;  // started by this launcher (in-process) rather than over ssh
+  int first_rank = 0;
+  int nproc = 1;
+};
+
+struct Plan {
+  Mode mode = Mode::kLocal;
+  int nnodes = 1;
+  int this_node = 0;  // node rank this process runs workers for; -1: the head has no workers
+  int world_size = 1;
+  std::vector<NodePlan> nodes;
+  bool host_store = true;      // this process hosts the job's store
+  std::string master_addr;     // where the store is reached
+  int master_port = 0;         // 0: chosen by the OS when the store starts
+  std::string job_id;
+  bool token_from_env = false;  // per-node mode: COHORT_JOB_TOKEN given on every node
+  std::vector<std::pair<std::string, std::string>> sources;  // setting -> where it came from
+  std::vector<std::string> schedulers;                       // scheduler environments consulted
+  std::vector<std::pair<std::string, std::string>> extra_env;  // -x
+  bool set_omp_threads = false;  // OMP_NUM_THREADS=1 for the workers (unset, >1 worker per node)
+  bool tag_output = false;
+  std::string output_dir;
+  bool merge_stderr = false;
+  std::vector<int> ranks_to_console;  // empty: all
+  bool all_ranks_to_console = true;
+  std::string bind_to = "none";
+  bool device_per_rank = false;
+  bool abort_on_failure = true;
+  int max_restarts = 0;
+  double join_timeout_s = 300;
+  double kill_grace_s = 5;
+  std::string ssh_command;
+  std::string program_path;          // resolved PROGRAM
+  std::vector<std::string> program;  // PROGRAM ARGS... as given (argv)
+
+  const NodePlan* node(int rank) const;
+  std::string source_of(const std::string& setting) const;
+};
+
+// Throws ConfigError (one line naming the flag/variable/file) on bad or conflicting input.
+Plan build_plan(const Options& options, const EnvMap& env, const MachineFacts& machine);
+
+// Worker environment (only the variables cohort sets; the worker also inherits the launcher's).
+struct WorkerSlot {
+  int rank = 0;
+  int local_rank = 0;
+  int local_world = 1;
+  int node_rank = 0;
+};
+std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, const WorkerSlot& slot,
+                                                            const std::string& store_addr, int torch_port,
+                                                            const std::string& token, int restart_count,
+                                                            const EnvMap& launcher_env);
+
+// CPU sets per local rank for --bind-to (empty vectors for "none"). `allowed` is this process's
+// affinity; `numa_nodes` the CPUs of each NUMA node.
+std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int nproc, const std::vector<int>& allowed,
+                                               const std::vector<std::vector<int>>& numa_nodes);
+std::vector<int> allowed_cpus();
+std::vector<std::vector<int>> numa_node_cpus();
+
+// The --dry-run text: nodes, ranks, the source of each setting, each local worker's environment.
+std::string describe_plan(const Plan& plan, const EnvMap& env, const std::string& store_addr);
+
+// Serialisation of a plan for `cohort agent` (sent over the ssh connection's stdin).
+std::string plan_to_json(const Plan& plan);
+Plan plan_from_json(const std::string& text);
+
+// 32 random bytes as hex (OpenSSL RAND_bytes).
+std::string random_token(int bytes = 32);
+
+}  // namespace cohort::launch

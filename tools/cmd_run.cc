@@ -1,0 +1,169 @@
+// `cohort run [options] PROGRAM [ARGS...]`: the launcher (torchrun's and mpirun's flags), and
+// `cohort agent`: one node of an ssh fan-out, started by the head launcher. docs/launcher.md is the
+// reference for every flag and environment variable.
+#include <unistd.h>
+
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "cohort/error.h"
+#include "command.h"
+#include "common/env.h"
+#include "launch/job.h"
+#include "launch/plan.h"
+
+namespace cohort::tools {
+namespace {
+
+using launch::Options;
+
+// mpirun spellings CLI11 cannot express directly (multi-letter single-dash options).
+std::string normalise(const std::string& arg) {
+  if (arg == "-np" || arg == "--np") return "-n";
+  if (arg.rfind("-np=", 0) == 0) return "-n=" + arg.substr(4);
+  if (arg == "-host" || arg == "--host") return "-H";
+  if (arg == "-hostfile" || arg == "-machinefile" || arg == "--machinefile") return "--hostfile";
+  return arg;
+}
+
+double seconds_flag(const std::string& name, const std::string& value) { return env::parse_seconds(name, value); }
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return "cohort";
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+int run_run(std::vector<std::string> args) {
+  Options o;
+  CLI::App app{"cohort run: start, watch and stop a job of PROGRAM on one machine or many", "cohort run"};
+  app.set_help_flag("-h,--help", "print this help (docs/launcher.md has the full reference)");
+  std::string nproc, hosts_joined, join_timeout = "300", kill_grace = "5", ranks_to_console;
+  std::vector<std::string> hosts;
+  int np = 0, nnodes = 0, node_rank = 0, master_port = 0;
+  std::string master_addr, hostfile, run_id;
+  bool tag = false, no_tag = false, no_abort = false, standalone = false;
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N or auto (GPUs, else CPU cores)");
+  app.add_option("-n,--num-processes", np, "total number of workers (mpirun -n/-np)");
+  app.add_option("--nnodes", nnodes, "number of nodes; each runs this same command (torchrun)");
+  app.add_option("--node-rank,--node_rank", node_rank, "this node's rank, 0..nnodes-1");
+  app.add_option("--master-addr,--master_addr", master_addr, "address of node 0 (it hosts the job's store)");
+  app.add_option("--master-port,--master_port", master_port, "port of the job's store (default: OS-chosen on one node, 29500 on several)");
+  app.add_flag("--standalone", standalone, "one node (torchrun's --standalone; the default without --nnodes)");
+  app.add_option("-H", hosts, "hosts to fan out to: host1:8,host2:8 (mpirun -H/--host)");
+  app.add_option("--hostfile", hostfile, "hostfile: 'host slots=N [max_slots=M]' lines (Open MPI / DeepSpeed)");
+  app.add_option("--ssh-command", o.ssh_command, "command that starts the agent on another host")->capture_default_str();
+  app.add_option("-x", o.export_env, "forward VAR (or set VAR=value) for every worker; repeatable");
+  app.add_option("--join-timeout", join_timeout, "seconds to wait for every node to join (default 300)");
+  app.add_option("--kill-grace", kill_grace, "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
+  app.add_flag("--tag-output", tag, "prefix each output line with [host:rank] (default with more than one worker)");
+  app.add_flag("--no-tag-output", no_tag, "never prefix output lines");
+  app.add_option("--output-filename,--output_filename", o.output_dir, "also write DIR/rank.N/stdout and stderr");
+  app.add_flag("--merge-stderr-to-stdout", o.merge_stderr, "send stderr where stdout goes");
+  app.add_option("--ranks-to-console", ranks_to_console, "ranks that print on the console: 0,2-3 or none (default all)");
+  app.add_option("--bind-to", o.bind_to, "none | core | numa (default none)");
+  app.add_flag("--device-per-rank", o.device_per_rank, "set CUDA_VISIBLE_DEVICES (or ASCEND_RT_VISIBLE_DEVICES) to the local rank's device");
+  app.add_flag("--no-abort-on-failure", no_abort, "a failed worker does not stop the others (the exit code still reports it)");
+  app.add_option("--max-restarts,--max_restarts", o.max_restarts, "restart every worker up to K times after a failure");
+  app.add_flag("--dry-run", o.dry_run, "print the plan (nodes, ranks, where each setting came from, worker environment) and exit");
+  app.add_option("--run-id,--run_id,--rdzv-id,--rdzv_id", run_id, "job id (default: random; per-node: from the store address)");
+
+  // Split at PROGRAM: everything from the first positional argument on is the program's, untouched.
+  std::vector<std::string> opts;
+  size_t i = 1;
+  for (; i < args.size(); ++i) {
+    std::string a = normalise(args[i]);
+    if (a == "--") {
+      ++i;
+      break;
+    }
+    if (a.size() < 2 || a[0] != '-') break;
+    opts.push_back(a);
+    if (a.find('=') != std::string::npos) continue;
+    const CLI::Option* opt = app.get_option_no_throw(a);
+    if (opt && opt->get_expected_max() > 0 && opt->get_type_size_max() > 0 && i + 1 < args.size()) {
+      opts.push_back(args[++i]);
+    }
+  }
+  o.program.assign(args.begin() + static_cast<long>(i), args.end());
+  std::vector<std::string> reversed(opts.rbegin(), opts.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    fmt::print("{}\nusage: cohort run [options] PROGRAM [ARGS...]\n", app.help());
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    throw ConfigError(what + " (cohort run --help lists the flags)");
+  }
+  if (!nproc.empty()) o.nproc_per_node = nproc;
+  if (app.count("-n")) o.np = np;
+  if (app.count("--nnodes")) o.nnodes = nnodes;
+  if (standalone) {
+    if (o.nnodes && *o.nnodes != 1) throw ConfigError("--standalone and --nnodes > 1 both given");
+    o.nnodes = 1;
+  }
+  if (app.count("--node-rank")) o.node_rank = node_rank;
+  if (app.count("--master-addr")) o.master_addr = master_addr;
+  if (app.count("--master-port")) o.master_port = master_port;
+  if (!hosts.empty()) {
+    std::string joined;
+    for (const auto& h : hosts) joined += (joined.empty() ? "" : ",") + h;
+    o.hosts = joined;
+  }
+  if (app.count("--hostfile")) {
+    o.hostfile = hostfile;
+    std::ifstream in(hostfile);
+    if (!in) throw ConfigError(fmt::format("--hostfile {}: cannot read: {}", hostfile, strerror(errno)));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    o.hostfile_text = ss.str();
+  }
+  o.join_timeout_s = seconds_flag("--join-timeout", join_timeout);
+  o.kill_grace_s = seconds_flag("--kill-grace", kill_grace);
+  if (tag && no_tag) throw ConfigError("--tag-output and --no-tag-output both given");
+  if (tag) o.tag_output = true;
+  if (no_tag) o.tag_output = false;
+  if (app.count("--ranks-to-console")) o.ranks_to_console = ranks_to_console;
+  o.abort_on_failure = !no_abort;
+  if (app.count("--run-id")) o.run_id = run_id;
+
+  auto env = launch::current_env();
+  launch::Plan plan = launch::build_plan(o, env, launch::this_machine());
+  if (o.dry_run) {
+    std::string store = plan.mode == launch::Mode::kPerNode || plan.master_port != 0
+                            ? fmt::format("{}:{}", plan.master_addr, plan.master_port)
+                            : fmt::format("{}:<port chosen by the OS at start>", plan.master_addr);
+    fmt::print("{}", launch::describe_plan(plan, env, store));
+    return 0;
+  }
+  launch::JobContext ctx;
+  ctx.env = env;
+  auto token = env.find("COHORT_JOB_TOKEN");
+  if (token != env.end() && !token->second.empty()) ctx.token = token->second;
+  else if (plan.mode != launch::Mode::kPerNode) ctx.token = launch::random_token(32);
+  ctx.plan = std::move(plan);
+  ctx.self_exe = self_exe();
+  return launch::run_job(std::move(ctx));
+}
+
+int run_agent(std::vector<std::string> args) {
+  if (args.size() > 1) {
+    fmt::print(args[1] == "-h" || args[1] == "--help" ? stdout : stderr,
+               "usage: cohort agent\nOne node of a `cohort run -H/--hostfile` job, started by the head launcher over "
+               "--ssh-command; reads its plan from stdin. Not meant to be run by hand.\n");
+    return args[1] == "-h" || args[1] == "--help" ? 0 : 2;
+  }
+  return launch::run_agent_from_stdin();
+}
+
+Registration reg_run("run", "start, watch and stop a job (torchrun / mpirun replacement)", run_run);
+Registration reg_agent("agent", "one node of an ssh fan-out (started by `cohort run -H`)", run_agent);
+
+}  // namespace
+}  // namespace cohort::tools
