@@ -16,6 +16,12 @@ struct StoreServerOptions {
   uint16_t port = 0;       // 0 = chosen by the OS
   int backlog = 16384;     // listen backlog (the kernel caps it at net.core.somaxconn)
   std::string token;       // job token; when set, clients must pass HMAC-SHA256 challenge-response
+  // A connection that has not completed the handshake by then is closed ("said nothing").
+  Millis handshake_timeout{std::chrono::seconds(10)};
+  // A frame that started arriving but is still incomplete after this long closes the connection
+  // (a half-open or stalled peer); a connection idle between frames is fine.
+  Millis frame_timeout{std::chrono::seconds(30)};
+  uint32_t max_frame = 64u << 20;  // larger length fields close the connection
 };
 
 class StoreServer {
@@ -42,5 +48,12 @@ struct StoreClientOptions {
 // up yet is normal) and authenticates. Throws AuthError when refused, TimeoutError/PeerLostError
 // naming "store at host:port unreachable".
 std::shared_ptr<Store> connect_tcp_store(const StoreClientOptions& options);
+
+// Connects to "host:port" with the job token from COHORT_JOB_TOKEN (if set) and `timeout`.
+std::shared_ptr<Store> connect_tcp_store(const std::string& address, Millis timeout);
+
+// A store shared by the processes of one host through one file (flock-protected); `path` is
+// created when missing. Waits poll the file (a few ms apart), so use it for small jobs and tests.
+std::shared_ptr<Store> make_file_store(const std::string& path);
 
 }  // namespace cohort
