@@ -237,7 +237,7 @@ cmd_exec() {
   shift 2
   load "$dir"
   # Same network namespace, hostname and /etc/hosts (namespaces of its sshd) as an ssh session on host I.
-  exec ip netns exec "$(host_ns "$i")" nsenter --uts --mount -t "$(cat "$dir/sshd.$i.pid")" "$@"
+  exec ip netns exec "$(host_ns "$i")" nsenter --uts --mount --wd="$PWD" -t "$(cat "$dir/sshd.$i.pid")" "$@"
 }
 
 cmd_ssh() {

@@ -11,7 +11,7 @@ trap 'rm -rf "$MH_TMP"' EXIT
 addr() { local v="COHORT_CLUSTER_ADDR_$1"; echo "${!v}"; }
 ns() { local v="COHORT_CLUSTER_NS_$1"; echo "${!v}"; }
 # Runs a command inside host $1's namespace.
-on_host() { local i=$1; shift; ip netns exec "$(ns "$i")" nsenter --uts --mount -t "$(cat "$COHORT_CLUSTER_DIR/sshd.$i.pid")" "$@"; }
+on_host() { local i=$1; shift; ip netns exec "$(ns "$i")" nsenter --uts --mount --wd="$PWD" -t "$(cat "$COHORT_CLUSTER_DIR/sshd.$i.pid")" "$@"; }
 cluster() { "$MH_DIR/cluster.sh" "$@"; }
 
 fail() { echo "FAIL: $*" >&2; MH_FAILS=$((MH_FAILS + 1)); }
@@ -52,4 +52,43 @@ expect_no_job_processes() {
 finish() {
   if ((MH_FAILS)); then echo "$MH_FAILS check(s) failed" >&2; exit 1; fi
   echo "all checks passed"
+}
+# check_rank_lines NAME OUTPUT WORLD PER_HOST: one "rank=R ..." line per rank 0..WORLD-1, rank R on
+# host h<R / PER_HOST> with local rank R % PER_HOST, every line with world=WORLD.
+check_rank_lines() {
+  local name=$1 out=$2 world=$3 per=$4 r bad=""
+  for ((r = 0; r < world; r++)); do
+    local want="rank=$r local=$((r % per)) world=$world local_world=$per node=$((r / per)) host=h$((r / per)) "
+    local n; n=$(grep -c -- "$want" <<<"$out" || true)
+    [[ $n == 1 ]] || bad+=" rank $r: $n line(s) matching '$want';"
+  done
+  local total; total=$(grep -c "rank=" <<<"$out" || true)
+  [[ $total == "$world" ]] || bad+=" $total rank lines, expected $world;"
+  if [[ -z $bad ]]; then pass "$name: $world ranks placed as planned"; else fail "$name:$bad"; echo "$out" | sed 's/^/    | /' >&2; fi
+}
+require_command() {  # skip (77) when this build lacks a cohort sub-command that the test needs
+  if ! "$COHORT" --help 2>/dev/null | grep -q "^  $1 "; then
+    echo "SKIP: this cohort build has no '$1' command (branch not merged yet)"; exit 77
+  fi
+}
+# run_per_node NAME TIMEOUT CMD...: runs CMD on every host at once (on hosts 0..PN_HOSTS-1 when set),
+# each "{node}" in CMD replaced by the host index; waits for all; sets PN_RC_<i> and PN_OUT (all
+# outputs, host order).
+run_per_node() {
+  local name=$1 tmo=$2; shift 2
+  local i pids=()
+  local n=${PN_HOSTS:-$COHORT_CLUSTER_K}
+  for ((i = 0; i < n; i++)); do
+    local args=() a
+    for a in "$@"; do args+=("${a//\{node\}/$i}"); done
+    on_host "$i" timeout "$tmo" "${args[@]}" >"$MH_TMP/$name.$i.out" 2>&1 &
+    pids+=($!)
+  done
+  PN_OUT=""
+  for ((i = 0; i < n; i++)); do
+    local rc=0
+    wait "${pids[$i]}" || rc=$?
+    printf -v "PN_RC_$i" '%s' "$rc"
+    PN_OUT+=$(cat "$MH_TMP/$name.$i.out")$'\n'
+  done
 }
