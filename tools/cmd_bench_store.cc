@@ -14,6 +14,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/wait.h>
 #include <sys/resource.h>
@@ -68,7 +70,8 @@ struct RunConfig {
   std::string token;
   std::string barrier;  // key prefix of this repetition
   uint32_t clients = 0;
-  size_t window = 0;  // handshakes in flight per thread
+  size_t window = 0;   // handshakes in flight per thread
+  uint32_t sources = 1;  // loopback source addresses the clients are spread over
   Clock::time_point start;
   Clock::time_point deadline;
   // Set when a client failed: the barrier can no longer complete, so every thread stops.
@@ -132,13 +135,27 @@ class Driver {
   void start(Client& c) {
     c.fd = ::socket(cfg_.server.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (c.fd < 0) return fail(c, net::errno_string("socket", errno));
-    net::set_nodelay(c.fd);
+    if (cfg_.sources > 1) {
+      // Spread the clients over loopback source addresses 127.1.x.y: on one host every connect()
+      // to the same server otherwise searches one shared ephemeral port range (the kernel's
+      // __inet_hash_connect), which dominates at thousands of clients. Real clients come from
+      // many hosts, each with its own port range. The port is still chosen at connect().
+      int one = 1;
+      setsockopt(c.fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof one);
+      sockaddr_in src{};
+      src.sin_family = AF_INET;
+      src.sin_addr.s_addr = htonl(0x7f010000u | (1u + c.index % cfg_.sources));
+      if (::bind(c.fd, reinterpret_cast<const sockaddr*>(&src), sizeof src) != 0) {
+        return fail(c, net::errno_string("bind to a loopback source address", errno));
+      }
+    }
     int rc = ::connect(c.fd, reinterpret_cast<const sockaddr*>(&cfg_.server.storage), cfg_.server.length);
     if (rc != 0 && errno != EINPROGRESS) return fail(c, net::errno_string("connect", errno));
     c.state = State::kConnecting;
     ++in_handshake_;
+    // Edge-triggered, registered once: no epoll_ctl per state change.
     epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLOUT;
+    ev.events = EPOLLIN | EPOLLOUT | EPOLLET;
     ev.data.u32 = local_index(c);
     epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, c.fd, &ev);
   }
@@ -153,23 +170,13 @@ class Driver {
         getsockopt(c.fd, SOL_SOCKET, SO_ERROR, &err, &len);
         return fail(c, net::errno_string("connect", err ? err : ECONNRESET));
       }
-      // Connected: from now on only readability matters (writes are tiny and go out at once).
       c.state = State::kHandshake;
-      set_events(c, EPOLLIN);
       if (!(ev & EPOLLIN)) return;
     }
     if ((ev & EPOLLOUT) && !c.pending.empty()) {
       if (!send_now(c, {})) return;
-      if (c.pending.empty()) set_events(c, EPOLLIN);
     }
     if (ev & (EPOLLIN | EPOLLHUP | EPOLLERR)) read(c);
-  }
-
-  void set_events(Client& c, uint32_t events) {
-    epoll_event e{};
-    e.events = events;
-    e.data.u32 = local_index(c);
-    epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd, &e);
   }
 
   void read(Client& c) {
@@ -258,10 +265,7 @@ class Driver {
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        set_events(c, EPOLLIN | EPOLLOUT);
-        return true;
-      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // EPOLLOUT (edge) resumes
       fail(c, net::errno_string("send", errno));
       return false;
     }
@@ -367,7 +371,7 @@ double percentile(std::vector<double>& v, double q) {
 
 // One repetition: N clients on `threads` driver threads against `server`.
 RepResult run_rep(const net::Address& server, const std::string& token, const std::string& barrier, uint32_t n,
-                  int threads, size_t window, double timeout_s) {
+                  int threads, size_t window, uint32_t sources, double timeout_s) {
   std::vector<Client> clients(n);
   for (uint32_t i = 0; i < n; ++i) clients[i].index = i;
   RunConfig cfg;
@@ -377,6 +381,7 @@ RepResult run_rep(const net::Address& server, const std::string& token, const st
   cfg.token = token;
   cfg.barrier = barrier;
   cfg.clients = n;
+  cfg.sources = sources;
   threads = std::max(1, std::min<int>(threads, static_cast<int>(n)));
   cfg.window = std::max<size_t>(1, window / static_cast<size_t>(threads));
   std::vector<std::unique_ptr<Driver>> drivers;
@@ -461,12 +466,16 @@ int run_bench_store(std::vector<std::string> args) {
   std::string token_file;
   double timeout_s = 120;
   std::string server_mode = "process";
+  uint32_t source_addrs = 64;
   app.add_option("--clients", clients_text, "client counts, e.g. 1024 or 64,256,1024");
   app.add_option("--threads", threads, "client driver threads (each drives its share over epoll)");
   app.add_option("--reps", reps, "repetitions per client count");
   app.add_option("--window", window, "connections in their handshake at once, over all threads (pacing)");
   app.add_option("--addr", addr, "use the store at host:port instead of starting one");
   app.add_option("--token-file", token_file, "job token for --addr (default: COHORT_JOB_TOKEN)");
+  app.add_option("--source-addrs", source_addrs,
+                 "spread the clients over this many loopback source addresses 127.1.0.x (1: all from the "
+                 "default source, as one host's processes would be)");
   app.add_option("--timeout", timeout_s, "seconds one repetition may take");
   app.add_option("--server", server_mode, "where the local server runs: process (a child `cohort store serve`) or thread")
       ->check(CLI::IsMember({"process", "thread"}));
@@ -501,8 +510,8 @@ int run_bench_store(std::vector<std::string> args) {
   std::string run_id = hex(store_auth::make_nonce()).substr(0, 8);
 
   fmt::print("# cohort bench store: each client = own TCP connection + HMAC handshake + set + add + wait "
-             "(barrier); {} driver thread(s), window {}, {}\n",
-             threads, window,
+             "(barrier); {} driver thread(s), window {}, {} loopback source address(es), {}\n",
+             threads, window, source_addrs,
              !addr.empty() ? "server at " + addr
              : server_mode == "process" ? "server: a child `cohort store serve` process"
                                         : "server: a thread of this process");
@@ -532,8 +541,10 @@ int run_bench_store(std::vector<std::string> args) {
         auto [h, p] = net::split_host_port(addr);
         target = net::resolve(h, p);
       }
+      const bool loopback = target.family() == AF_INET &&
+                            (ntohl(reinterpret_cast<const sockaddr_in*>(&target.storage)->sin_addr.s_addr) >> 24) == 127;
       RepResult r = run_rep(target, token, fmt::format("bench/{}/{}/{}", run_id, n, rep), static_cast<uint32_t>(n),
-                            threads, window, timeout_s);
+                            threads, window, loopback ? std::max(1u, source_addrs) : 1u, timeout_s);
       if (server) server->stop();
       server_process.reset();
       totals.push_back(r.total_s);

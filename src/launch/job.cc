@@ -95,6 +95,7 @@ struct AgentChild {
 struct WatchEvent {
   enum Kind { kJoined, kEnd, kLost, kJoinTimeout } kind;
   std::string text;
+  int attempt = 0;
 };
 
 class EventQueue {
@@ -124,6 +125,67 @@ class EventQueue {
 
 std::string node_key(int r) { return "node/" + std::to_string(r); }
 
+struct WatchParams {
+  int nnodes = 1;
+  int this_node = 0;
+  double join_timeout_s = 300;
+  std::string store_addr;
+};
+
+// Multi-node: waits for every node to register (saying every few seconds who is missing), then for
+// the attempt's "end" record, on its own store connection. It is detached: it owns everything it
+// touches, and a stop flag ends it within one wait slice without the loop ever waiting for it.
+void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
+                  std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt) {
+  try {
+    auto started = Clock::now();
+    auto deadline =
+        started + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(p.join_timeout_s));
+    std::vector<std::string> keys;
+    for (int r = 0; r < p.nnodes; ++r) keys.push_back(node_key(r));
+    auto missing_nodes = [&] {
+      std::vector<int> missing;
+      for (int r = 0; r < p.nnodes; ++r)
+        if (!store->check({node_key(r)})) missing.push_back(r);
+      return missing;
+    };
+    for (;;) {
+      if (*stop) return;
+      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      if (left <= Millis(0)) {
+        events->push({WatchEvent::kJoinTimeout,
+                      fmt::format("node ranks {} did not join within {} s (--join-timeout; store at {})",
+                                  str::format_ranges(missing_nodes()), p.join_timeout_s, p.store_addr),
+                      attempt});
+        return;
+      }
+      try {
+        store->wait(keys, std::min(left, Millis(3000)));
+        break;
+      } catch (const TimeoutError&) {
+        auto missing = missing_nodes();
+        if (!missing.empty() && !*stop)
+          say(fmt::format("{}waiting for node ranks {} to join ({:.0f} s of {} s){}",
+                          p.this_node >= 0 ? fmt::format("node {}: ", p.this_node) : "",
+                          str::format_ranges(missing), std::chrono::duration<double>(Clock::now() - started).count(),
+                          p.join_timeout_s, attempt > 0 ? fmt::format(", restart {}", attempt) : ""));
+      }
+    }
+    events->push({WatchEvent::kJoined, "", attempt});
+    for (;;) {
+      if (*stop) return;
+      try {
+        store->wait({"end"}, Millis(1000));
+        events->push({WatchEvent::kEnd, store->get("end"), attempt});
+        return;
+      } catch (const TimeoutError&) {
+      }
+    }
+  } catch (const Error& e) {
+    if (!*stop) events->push({WatchEvent::kLost, e.what(), attempt});
+  }
+}
+
 class Job {
  public:
   explicit Job(JobContext ctx) : ctx_(std::move(ctx)), plan_(ctx_.plan) {}
@@ -138,7 +200,6 @@ class Job {
   EndInfo run_attempt(int attempt);
   void spawn_workers(int attempt);
   void spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus);
-  void watcher_main(std::shared_ptr<Store> store, int attempt);
   // Loop handlers
   void on_signal(int sig);
   void reap();
@@ -168,8 +229,10 @@ class Job {
   std::shared_ptr<Store> base_store_;   // coordination (main thread)
   std::shared_ptr<Store> watch_base_;   // the watcher thread's own connection
   std::shared_ptr<Store> attempt_store_;
-  EventQueue events_;
-  std::atomic<bool> watcher_stop_{false};
+  StoreClientOptions client_options_;
+  // Shared with the (detached) watcher threads, which may outlive an attempt by one wait slice.
+  std::shared_ptr<EventQueue> events_ = std::make_shared<EventQueue>();
+  std::shared_ptr<std::atomic<bool>> watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
   std::vector<Worker> workers_;
   std::vector<AgentChild> agents_;
   // Attempt state
@@ -209,7 +272,7 @@ void Job::setup_signals() {
   if (!signal_fd_ || !epoll_ || !timer_fd_) throw Error(net::errno_string("signalfd/epoll/timerfd", errno));
   epoll_add(signal_fd_.get());
   epoll_add(timer_fd_.get());
-  epoll_add(events_.fd());
+  epoll_add(events_->fd());
 }
 
 void Job::arm_timer(double seconds) {
@@ -286,6 +349,8 @@ void Job::start_store() {
                       std::chrono::duration<double>(Clock::now() - started).count(), plan_.join_timeout_s));
     }
   }
+  co.timeout = Millis(60000);
+  client_options_ = co;
   base_store_->set_timeout(Millis(60000));
   watch_base_->set_timeout(Millis(60000));
   base_store_ = make_prefix_store(base_store_, "cohort/launch/" + plan_.job_id);
@@ -403,9 +468,11 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   }
   // stdout goes straight to the console when nothing needs to see it; stderr is always piped for
   // the failure summary's last lines.
-  bool pipe_stdout = plan_.tag_output || t.file_out || !t.to_console;
+  // With --merge-stderr-to-stdout both descriptors share one pipe, so the order of lines is kept.
+  bool merge = plan_.merge_stderr;
+  bool pipe_stdout = merge || plan_.tag_output || t.file_out || !t.to_console;
   int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_err[2] = {-1, -1};
-  if ((pipe_stdout && pipe2(out, O_CLOEXEC)) || pipe2(err, O_CLOEXEC) || pipe2(exec_err, O_CLOEXEC))
+  if ((pipe_stdout && pipe2(out, O_CLOEXEC)) || (!merge && pipe2(err, O_CLOEXEC)) || pipe2(exec_err, O_CLOEXEC))
     throw Error(net::errno_string("pipe2", errno));
   cpu_set_t cpuset;
   CPU_ZERO(&cpuset);
@@ -430,7 +497,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
       if (devnull >= 0) dup2(devnull, 0);
     }
     if (out[1] >= 0) dup2(out[1], 1);
-    dup2(err[1], 2);
+    dup2(merge ? out[1] : err[1], 2);
     execve(path.c_str(), argv.data(), envp.data());
     int e = errno;
     [[maybe_unused]] auto r = ::write(exec_err[1], &e, sizeof e);
@@ -438,7 +505,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   }
   setpgid(pid, pid);  // also from the parent: no window where a signal to the group misses it
   if (out[1] >= 0) close(out[1]);
-  close(err[1]);
+  if (err[1] >= 0) close(err[1]);
   close(exec_err[1]);
   int child_errno = 0;
   ssize_t got;
@@ -449,7 +516,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   w.running = true;
   w.started = Clock::now();
   if (out[0] >= 0) w.out.reset(out[0]);
-  w.err.reset(err[0]);
+  if (err[0] >= 0) w.err.reset(err[0]);
   w.sink = std::make_unique<OutputSink>(std::move(t));
   if (got == static_cast<ssize_t>(sizeof child_errno)) {
     // exec failed: the child exits 127 at once; the summary says why.
@@ -460,8 +527,10 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     net::set_nonblocking(w.out.get(), true);
     epoll_add(w.out.get());
   }
-  net::set_nonblocking(w.err.get(), true);
-  epoll_add(w.err.get());
+  if (w.err) {
+    net::set_nonblocking(w.err.get(), true);
+    epoll_add(w.err.get());
+  }
 }
 
 void Job::spawn_workers(int attempt) {
@@ -527,7 +596,7 @@ void Job::adopt_end(const EndInfo& e) {
   if (end_) return;
   end_ = e;
   end_seen_ = Clock::now();
-  watcher_stop_ = true;
+  *watcher_stop_ = true;
   if (e.kind != "done") begin_stop();
   if (!agents_.empty() && plan_.host_store) {
     // Remote agents stop their workers on their own (they watch the store); give them the grace
@@ -560,7 +629,7 @@ std::string Job::failure_summary(const Worker& w) {
   if (tail.empty()) {
     s += "; it wrote nothing to stderr";
   } else {
-    s += fmt::format("; last lines of its stderr:");
+    s += plan_.merge_stderr ? "; last lines of its output (stderr merged):" : "; last lines of its stderr:";
     for (const auto& l : tail) s += "\n    | " + l;
   }
   return s;
@@ -737,69 +806,23 @@ void Job::on_control_input() {
   }
 }
 
-void Job::watcher_main(std::shared_ptr<Store> store, int attempt) {
-  // Multi-node: wait for every node to register (saying every few seconds who is missing), then
-  // wait for the attempt's "end" record. Runs on its own store connection.
-  try {
-    auto started = Clock::now();
-    auto deadline = started + std::chrono::duration_cast<Clock::duration>(
-                                  std::chrono::duration<double>(plan_.join_timeout_s));
-    std::vector<std::string> keys;
-    for (int r = 0; r < plan_.nnodes; ++r) keys.push_back(node_key(r));
-    for (;;) {
-      if (watcher_stop_) return;
-      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-      if (left <= Millis(0)) {
-        std::vector<int> missing;
-        for (int r = 0; r < plan_.nnodes; ++r)
-          if (!store->check({node_key(r)})) missing.push_back(r);
-        events_.push({WatchEvent::kJoinTimeout,
-                      fmt::format("node ranks {} did not join within {} s (--join-timeout; store at {})",
-                                  str::format_ranges(missing), plan_.join_timeout_s, store_addr_)});
-        return;
-      }
-      try {
-        store->wait(keys, std::min(left, Millis(3000)));
-        break;
-      } catch (const TimeoutError&) {
-        std::vector<int> missing;
-        for (int r = 0; r < plan_.nnodes; ++r)
-          if (!store->check({node_key(r)})) missing.push_back(r);
-        if (!missing.empty() && !watcher_stop_)
-          say(fmt::format("{}waiting for node ranks {} to join ({:.0f} s of {} s){}",
-                          plan_.this_node >= 0 ? fmt::format("node {}: ", plan_.this_node) : "",
-                          str::format_ranges(missing), std::chrono::duration<double>(Clock::now() - started).count(),
-                          plan_.join_timeout_s, attempt > 0 ? fmt::format(", restart {}", attempt) : ""));
-      }
-    }
-    events_.push({WatchEvent::kJoined, ""});
-    for (;;) {
-      if (watcher_stop_) return;
-      try {
-        store->wait({"end"}, Millis(1000));
-        events_.push({WatchEvent::kEnd, store->get("end")});
-        return;
-      } catch (const TimeoutError&) {
-      }
-    }
-  } catch (const Error& e) {
-    if (!watcher_stop_) events_.push({WatchEvent::kLost, e.what()});
-  }
-}
-
 EndInfo Job::run_attempt(int attempt) {
   stopping_ = killed_ = done_reported_ = false;
   end_.reset();
   first_failure_.reset();
   workers_.clear();
-  watcher_stop_ = false;
-  std::thread watcher;
+  watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
   if (distributed_) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
+    // Each attempt's watcher gets a connection of its own (the previous one may still be finishing
+    // its last wait slice on the old one).
+    if (attempt > 0)
+      watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     auto watch_store = make_prefix_store(watch_base_, fmt::format("attempt/{}", attempt));
     if (plan_.this_node >= 0) attempt_store_->set(node_key(plan_.this_node), net::hostname());
     joined_ = false;
-    watcher = std::thread([this, watch_store, attempt] { watcher_main(watch_store, attempt); });
+    WatchParams params{plan_.nnodes, plan_.this_node, plan_.join_timeout_s, store_addr_};
+    std::thread(watcher_main, watch_store, events_, watcher_stop_, params, attempt).detach();
   } else {
     joined_ = true;
     spawn_workers(attempt);
@@ -833,8 +856,9 @@ EndInfo Job::run_attempt(int attempt) {
           for (auto& a : agents_)
             if (a.running) kill(-a.pid, SIGKILL);
         }
-      } else if (fd == events_.fd()) {
-        for (auto& ev : events_.take()) {
+      } else if (fd == events_->fd()) {
+        for (auto& ev : events_->take()) {
+          if (ev.attempt != attempt) continue;  // from an earlier attempt's watcher
           switch (ev.kind) {
             case WatchEvent::kJoined:
               joined_ = true;
@@ -871,8 +895,7 @@ EndInfo Job::run_attempt(int attempt) {
     }
   }
   disarm_timer();
-  watcher_stop_ = true;
-  if (watcher.joinable()) watcher.join();
+  *watcher_stop_ = true;
   // Whatever the workers left behind in their process groups goes too.
   for (auto& w : workers_) {
     kill(-w.pid, SIGKILL);
@@ -883,7 +906,8 @@ EndInfo Job::run_attempt(int attempt) {
   if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_) {
     try {
       if (attempt_store_->add("exited", 1) == plan_.nnodes) attempt_store_->set("all_exited", "1");
-      if (plan_.host_store && end_->kind != "lost")
+      // Nodes that never joined (or a lost store) will not report: do not wait for them.
+      if (plan_.host_store && end_->kind != "lost" && end_->kind != "join")
         attempt_store_->wait({"all_exited"}, Millis(static_cast<int64_t>((plan_.kill_grace_s + 10) * 1000)));
     } catch (const Error& e) {
       log::warn("not every node reported its workers stopped: {}", e.what());

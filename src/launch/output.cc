@@ -57,7 +57,8 @@ void OutputSink::on_data(bool is_stderr, const char* data, size_t n) {
       }
     }
   }
-  if (is_stderr && tail_lines_ > 0) {
+  // The tail follows stderr, or the one merged stream.
+  if ((is_stderr || t_.merge_stderr) && tail_lines_ > 0) {
     size_t start = 0;
     for (size_t i = 0; i < n; ++i) {
       if (data[i] != '\n') continue;
@@ -76,7 +77,7 @@ void OutputSink::on_eof(bool is_stderr) {
   std::string& part = partial_[is_stderr ? 1 : 0];
   if (!part.empty() && t_.to_console) emit_console_line(is_stderr, part);
   part.clear();
-  if (is_stderr && !tail_partial_.empty()) {
+  if ((is_stderr || t_.merge_stderr) && !tail_partial_.empty()) {
     tail_.push_back(std::move(tail_partial_));
     tail_partial_.clear();
     if (tail_.size() > tail_lines_) tail_.pop_front();

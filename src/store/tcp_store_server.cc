@@ -79,6 +79,11 @@ class TcpStoreServer : public StoreServer {
   explicit TcpStoreServer(StoreServerOptions options) : options_(std::move(options)) {
     listen_fd_ = net::listen_tcp(options_.host, options_.port, options_.backlog, /*nonblocking=*/true);
     port_ = net::local_address(listen_fd_.get()).port();
+    // Accepted sockets inherit these from the listening socket (one call each instead of one per
+    // connection): no Nagle delay on small replies, and keep-alive probes that notice a peer whose
+    // host vanished (a half-open connection) within about 2 minutes.
+    net::set_nodelay(listen_fd_.get());
+    net::set_keepalive(listen_fd_.get(), 60, 10, 6);
     std::string host = options_.host;
     if (host.empty() || host == "0.0.0.0" || host == "::") host = net::hostname();
     address_ = host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port_) : fmt::format("{}:{}", host, port_);
@@ -193,9 +198,6 @@ class TcpStoreServer : public StoreServer {
       c->id = next_conn_id_++;
       c->fd.reset(fd);
       c->peer = peer;
-      net::set_nodelay(fd);
-      // Keep-alive probes notice a peer whose host vanished (half-open connection).
-      net::set_keepalive(fd, 60, 10, 6);
       c->nonce = store_auth::make_nonce();
       proto::encode_challenge(c->out, !options_.token.empty(), c->nonce);
       add_fd(fd, c->id, EPOLLIN);

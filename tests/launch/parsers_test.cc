@@ -1,0 +1,147 @@
+// Unit tests of the launcher's pure parsers: hostfiles, -H lists, Slurm node lists, TF_CONFIG and
+// the scheduler/platform variables.
+#include <gtest/gtest.h>
+
+#include "cohort/error.h"
+#include "launch/parsers.h"
+
+namespace cohort::launch {
+namespace {
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Hostfile, OpenMpiAndDeepSpeedForms) {
+  auto hosts = parse_hostfile(
+      "# cluster\n"
+      "node1 slots=4 max_slots=8\n"
+      "\n"
+      "node2\tslots=2   # trailing comment\n"
+      "node3 slots:3\n"
+      "node4\n"
+      "node1 slots=2\n",
+      "hosts.txt");
+  ASSERT_EQ(hosts.size(), 4u);
+  EXPECT_EQ(hosts[0], (HostSlots{"node1", 6, 8}));  // repeated host adds slots
+  EXPECT_EQ(hosts[1], (HostSlots{"node2", 2, 0}));
+  EXPECT_EQ(hosts[2], (HostSlots{"node3", 3, 0}));
+  EXPECT_EQ(hosts[3], (HostSlots{"node4", 1, 0}));
+}
+
+TEST(Hostfile, ErrorsNameFileAndLine) {
+  EXPECT_EQ(error_of([] { parse_hostfile("a slots=2\nb slots=0\n", "h.txt"); }),
+            "h.txt:2: slots=0: expected a positive number of slots");
+  EXPECT_EQ(error_of([] { parse_hostfile("a slots=x\n", "h.txt"); }),
+            "h.txt:1: slots=x: expected a positive number of slots");
+  EXPECT_EQ(error_of([] { parse_hostfile("\n\na cpus=2\n", "h.txt"); }),
+            "h.txt:3: unknown field 'cpus' (expected slots=N or max_slots=M)");
+  EXPECT_EQ(error_of([] { parse_hostfile("a slots=4 max_slots=2\n", "h.txt"); }),
+            "h.txt:1: max_slots=2 is smaller than slots=4");
+  EXPECT_EQ(error_of([] { parse_hostfile("a junk\n", "h.txt"); }), "h.txt:1: 'junk': expected slots=N or max_slots=M");
+  EXPECT_EQ(error_of([] { parse_hostfile("# nothing\n\n", "h.txt"); }), "h.txt: no hosts (only comments or blank lines)");
+  EXPECT_EQ(error_of([] { parse_hostfile("slots=2\n", "h.txt"); }),
+            "h.txt:1: 'slots=2': expected a host name first, then slots=N");
+}
+
+TEST(HostList, CountsDefaultsAndRepeats) {
+  auto hosts = parse_host_list("a:8,b,a:2,[::1]:3,10.0.0.2:1");
+  ASSERT_EQ(hosts.size(), 4u);
+  EXPECT_EQ(hosts[0], (HostSlots{"a", 10, 0}));
+  EXPECT_EQ(hosts[1], (HostSlots{"b", 1, 0}));
+  EXPECT_EQ(hosts[2], (HostSlots{"::1", 3, 0}));
+  EXPECT_EQ(hosts[3], (HostSlots{"10.0.0.2", 1, 0}));
+  EXPECT_EQ(error_of([] { parse_host_list("a:0"); }), "-H 'a:0': slot count '0' must be a positive number");
+  EXPECT_EQ(error_of([] { parse_host_list("a:2,,b"); }), "-H 'a:2,,b': empty host name");
+  EXPECT_EQ(error_of([] { parse_host_list("::1:2"); }), "-H '::1:2': write an IPv6 address as [addr]:N");
+}
+
+TEST(SlurmNodelist, RangesPaddingAndGroups) {
+  EXPECT_EQ(expand_slurm_nodelist("node[01-04,07]"),
+            (std::vector<std::string>{"node01", "node02", "node03", "node04", "node07"}));
+  EXPECT_EQ(expand_slurm_nodelist("gpu7"), (std::vector<std::string>{"gpu7"}));
+  EXPECT_EQ(expand_slurm_nodelist("a[1-2],b,c[9-10]"), (std::vector<std::string>{"a1", "a2", "b", "c9", "c10"}));
+  EXPECT_EQ(expand_slurm_nodelist("r[1-2]-n[1-2]"), (std::vector<std::string>{"r1-n1", "r1-n2", "r2-n1", "r2-n2"}));
+  EXPECT_NE(error_of([] { expand_slurm_nodelist("node[01-"); }).find("unclosed '['"), std::string::npos);
+  EXPECT_NE(error_of([] { expand_slurm_nodelist("node[4-2]"); }).find("'4-2'"), std::string::npos);
+  EXPECT_EQ(expand_slurm_counts("2(x3),1", "SLURM_TASKS_PER_NODE"), (std::vector<int>{2, 2, 2, 1}));
+}
+
+TEST(TfConfig, WorkerAndChief) {
+  auto w = parse_tf_config(R"({"cluster":{"worker":["h0:2222","h1:2222","h2:2222"]},"task":{"type":"worker","index":2}})");
+  EXPECT_EQ(w.nodes.size(), 3u);
+  EXPECT_EQ(w.node_rank, 2);
+  auto c = parse_tf_config(R"({"cluster":{"chief":["c:1"],"worker":["w0:1","w1:1"]},"task":{"type":"worker","index":1}})");
+  EXPECT_EQ(c.nodes, (std::vector<std::string>{"c:1", "w0:1", "w1:1"}));
+  EXPECT_EQ(c.node_rank, 2);
+  EXPECT_EQ(parse_tf_config(R"({"cluster":{"chief":["c:1"],"worker":["w0:1"]},"task":{"type":"chief","index":0}})")
+                .node_rank,
+            0);
+  EXPECT_NE(error_of([] { parse_tf_config("{not json"); }).find("TF_CONFIG: not valid JSON"), std::string::npos);
+  EXPECT_EQ(error_of([] { parse_tf_config(R"({"cluster":{"worker":["a:1"]},"task":{"type":"ps","index":0}})"); }),
+            "TF_CONFIG: task.type 'ps' is not launched by cohort (expected worker or chief)");
+  EXPECT_EQ(error_of([] { parse_tf_config(R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":3}})"); }),
+            "TF_CONFIG: task worker index 3 is outside cluster.worker (1 entries)");
+}
+
+TEST(SchedulerEnv, Slurm) {
+  auto info = read_scheduler_env({{"SLURM_JOB_NODELIST", "gpu[03-06]"},
+                                  {"SLURM_NNODES", "4"},
+                                  {"SLURM_NODEID", "2"},
+                                  {"SLURM_GPUS_ON_NODE", "8"},
+                                  {"SLURM_JOB_ID", "777"}});
+  EXPECT_EQ(info.nnodes->value, 4);
+  EXPECT_EQ(info.nnodes->source, "SLURM_NNODES");
+  EXPECT_EQ(info.node_rank->value, 2);
+  EXPECT_EQ(info.master_addr->value, "gpu03");
+  EXPECT_EQ(info.nproc_per_node->value, 8);
+  EXPECT_EQ(info.job_id->value, "slurm-777");
+  EXPECT_EQ(info.scheduler_names, std::vector<std::string>{"Slurm"});
+  auto tasks = read_scheduler_env({{"SLURM_JOB_NODELIST", "n1"}, {"SLURM_NODEID", "0"}, {"SLURM_NTASKS_PER_NODE", "4"}});
+  EXPECT_EQ(tasks.nproc_per_node->value, 4);
+  EXPECT_EQ(tasks.nnodes->value, 1);
+}
+
+TEST(SchedulerEnv, TorchrunKubeflowOpenMpiTione) {
+  auto k = read_scheduler_env({{"MASTER_ADDR", "m"}, {"MASTER_PORT", "23456"}, {"WORLD_SIZE", "3"}, {"RANK", "1"},
+                               {"PET_NPROC_PER_NODE", "2"}, {"PET_NNODES", "1:3"}});
+  EXPECT_EQ(k.master_addr->value, "m");
+  EXPECT_EQ(k.master_port->value, 23456);
+  EXPECT_EQ(k.nnodes->value, 3);
+  EXPECT_EQ(k.node_rank->value, 1);
+  EXPECT_EQ(k.nproc_per_node->value, 2);
+  auto o = read_scheduler_env({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}});
+  EXPECT_EQ(o.nnodes->source, "OMPI_COMM_WORLD_SIZE");
+  EXPECT_EQ(o.node_rank->value, 1);
+  auto t = read_scheduler_env({{"NODE_LIST", "10.0.0.1:8,10.0.0.2:8"}, {"INDEX", "1"}, {"GPU_NUM_PER_NODE", "8"}});
+  EXPECT_EQ(t.nnodes->value, 2);
+  EXPECT_EQ(t.master_addr->value, "10.0.0.1");
+  EXPECT_EQ(t.node_rank->value, 1);
+  EXPECT_EQ(t.nproc_per_node->value, 8);
+  auto tf = read_scheduler_env({{"TF_CONFIG", R"({"cluster":{"worker":["w0:2222","w1:2222"]},"task":{"type":"worker","index":1}})"}});
+  EXPECT_EQ(tf.master_addr->value, "w0");
+  EXPECT_EQ(tf.master_port->value, 2222);
+  EXPECT_EQ(tf.node_rank->value, 1);
+  EXPECT_TRUE(read_scheduler_env({}).scheduler_names.empty());
+}
+
+TEST(SchedulerEnv, ConflictsNameBothSources) {
+  EXPECT_EQ(error_of([] { read_scheduler_env({{"WORLD_SIZE", "2"}, {"PET_NNODES", "4"}}); }),
+            "conflicting node count: WORLD_SIZE says 2 but PET_NNODES says 4");
+  EXPECT_EQ(error_of([] {
+              read_scheduler_env({{"SLURM_JOB_NODELIST", "a[1-2]"}, {"SLURM_NODEID", "0"}, {"MASTER_ADDR", "b"}});
+            }),
+            "conflicting master address: SLURM_JOB_NODELIST (first node) says a1 but MASTER_ADDR says b");
+  EXPECT_EQ(error_of([] { read_scheduler_env({{"WORLD_SIZE", "2"}, {"RANK", "2"}}); }),
+            "node rank 2 (RANK) is not below the node count 2 (WORLD_SIZE)");
+  EXPECT_EQ(error_of([] { read_scheduler_env({{"WORLD_SIZE", "two"}}); }), "WORLD_SIZE=two: expected an integer >= 1");
+}
+
+}  // namespace
+}  // namespace cohort::launch

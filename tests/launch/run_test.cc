@@ -1,0 +1,380 @@
+// Integration tests of `cohort run` with real processes: the built `cohort` tool starts /bin/sh
+// workers; the tests check what the workers saw and did, and that nothing outlives the job.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "common/socket.h"
+#include "support/test_support.h"
+
+namespace cohort::test {
+namespace {
+
+std::vector<std::string> cohort_run(std::vector<std::string> args) {
+  args.insert(args.begin(), {cohort_tool(), "run"});
+  return args;
+}
+
+std::vector<std::string> sh(const std::string& script) { return {"/bin/sh", "-c", script}; }
+
+std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// True when `pid` is a live (non-zombie) process.
+bool alive(int pid) {
+  if (kill(pid, 0) != 0) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  std::getline(stat, s);
+  auto close = s.rfind(')');
+  return close != std::string::npos && close + 2 < s.size() && s[close + 2] != 'Z';
+}
+
+// Reads the pids the workers wrote to dir/pid.N and checks, with a short grace for the kernel to
+// deliver the last signals, that none of them is still running.
+void expect_no_process_left(const TempDir& dir, int n) {
+  std::vector<int> pids;
+  for (int r = 0; r < n; ++r) {
+    std::string text = read_file(dir.file("pid." + std::to_string(r)));
+    if (text.empty()) continue;
+    pids.push_back(std::stoi(text));
+  }
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  for (int pid : pids) {
+    while (alive(pid) && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(alive(pid)) << "worker pid " << pid << " outlived the job";
+  }
+}
+
+TEST(Run, WorkerEnvironmentOfEveryWorker) {
+  TempDir dir;
+  auto r = run_process(concat(cohort_run({"-n", "3", "--no-tag-output"}),
+                              sh("echo \"$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $NODE_RANK "
+                                 "$MASTER_ADDR $MASTER_PORT $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS "
+                                 "$TORCHELASTIC_RUN_ID $COHORT_STORE_ADDR $COHORT_JOB_ID ${#COHORT_JOB_TOKEN} "
+                                 "$OMP_NUM_THREADS\" > " +
+                                 dir.path() + "/env.$RANK")),
+                       {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::set<std::string> store_addrs;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::istringstream in(read_file(dir.file("env." + std::to_string(rank))));
+    std::string rk, lr, ws, lws, gr, nr, ma, mp, rc, mr, run_id, store, job, token_len, omp;
+    in >> rk >> lr >> ws >> lws >> gr >> nr >> ma >> mp >> rc >> mr >> run_id >> store >> job >> token_len >> omp;
+    EXPECT_EQ(rk, std::to_string(rank));
+    EXPECT_EQ(lr, std::to_string(rank));
+    EXPECT_EQ(ws, "3");
+    EXPECT_EQ(lws, "3");
+    EXPECT_EQ(gr, "0");
+    EXPECT_EQ(nr, "0");
+    EXPECT_EQ(ma, "127.0.0.1");
+    EXPECT_NE(store, "127.0.0.1:" + mp) << "torch's MASTER_PORT must differ from the cohort store's port";
+    EXPECT_EQ(rc, "0");
+    EXPECT_EQ(mr, "0");
+    EXPECT_EQ(run_id, job);
+    EXPECT_EQ(token_len, "64");
+    EXPECT_EQ(omp, "1");
+    store_addrs.insert(store);
+  }
+  EXPECT_EQ(store_addrs.size(), 1u);
+  EXPECT_NE(r.err.find("OMP_NUM_THREADS=1"), std::string::npos) << r.err;
+}
+
+TEST(Run, OutputIsTaggedAndFilteredByRank) {
+  auto r = run_process(concat(cohort_run({"-n", "3", "--ranks-to-console", "1-2"}),
+                              sh("echo out$RANK; echo err$RANK >&2")),
+                       {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find("out0"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\[[^:\]]+:1\] out1\n)"))) << r.out;
+  EXPECT_TRUE(std::regex_search(r.err, std::regex(R"(\[[^:\]]+:2\] err2\n)"))) << r.err;
+}
+
+TEST(Run, PerRankFilesAndMerge) {
+  TempDir dir;
+  auto r = run_process(concat(cohort_run({"-n", "2", "--output-filename", dir.path() + "/logs"}),
+                              sh("echo out$RANK; echo err$RANK >&2")),
+                       {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::string base = dir.path() + "/logs/rank." + std::to_string(rank);
+    EXPECT_EQ(read_file(base + "/stdout"), "out" + std::to_string(rank) + "\n");
+    EXPECT_EQ(read_file(base + "/stderr"), "err" + std::to_string(rank) + "\n");
+  }
+  EXPECT_NE(r.out.find("out1"), std::string::npos);  // the console still gets every rank by default
+  auto m = run_process(concat(cohort_run({"-n", "1", "--output-filename", dir.path() + "/merged",
+                                          "--merge-stderr-to-stdout", "--ranks-to-console", "none"}),
+                              sh("echo a; echo b >&2; echo c")),
+                       {}, 30);
+  ASSERT_EQ(m.exit_code, 0) << m.err;
+  EXPECT_EQ(read_file(dir.path() + "/merged/rank.0/stdout"), "a\nb\nc\n");
+  struct stat st {};
+  EXPECT_NE(stat((dir.path() + "/merged/rank.0/stderr").c_str(), &st), 0);
+  EXPECT_EQ(m.out, "");
+}
+
+TEST(Run, FailFastReturnsTheWorkersCodeWithinTwoSeconds) {
+  TempDir dir;
+  auto r = run_process(concat(cohort_run({"-n", "4"}),
+                              sh("echo $$ > " + dir.path() + "/pid.$RANK; "
+                                 "if [ $RANK = 2 ]; then echo 'disk full' >&2; exit 3; fi; exec sleep 60")),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_LT(r.seconds, 2.0);
+  // One summary naming rank, host, pid, code, run time and the last stderr lines.
+  EXPECT_TRUE(std::regex_search(r.err, std::regex(R"(job failed \(exit 3\): rank 2 on \S+ \(pid \d+\) exited with code 3 after [0-9.]+ s; last lines of its stderr:\n +\| disk full)")))
+      << r.err;
+  expect_no_process_left(dir, 4);
+}
+
+TEST(Run, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
+  TempDir dir;
+  auto r = run_process(concat(cohort_run({"-n", "2", "--kill-grace", "0.3"}),
+                              sh("echo $$ > " + dir.path() + "/pid.$RANK; trap '' TERM; "
+                                 "if [ $RANK = 1 ]; then sleep 0.2; kill -9 $$; fi; while :; do sleep 0.05; done")),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
+  EXPECT_NE(r.err.find("was killed by SIGKILL (possibly the out-of-memory killer"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 5.0);
+  expect_no_process_left(dir, 2);
+}
+
+TEST(Run, NoAbortOnFailureLetsOthersFinish) {
+  TempDir dir;
+  auto r = run_process(concat(cohort_run({"-n", "3", "--no-abort-on-failure"}),
+                              sh("if [ $RANK = 0 ]; then exit 4; fi; sleep 0.3; echo done > " + dir.path() +
+                                 "/done.$RANK")),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 4) << r.err;
+  EXPECT_EQ(read_file(dir.file("done.1")), "done\n");
+  EXPECT_EQ(read_file(dir.file("done.2")), "done\n");
+}
+
+TEST(Run, RestartsEveryWorkerWithANewRestartCount) {
+  TempDir dir;
+  auto r = run_process(concat(cohort_run({"-n", "2", "--max-restarts", "3"}),
+                              sh("echo $TORCHELASTIC_RESTART_COUNT >> " + dir.path() +
+                                 "/attempts.$RANK; if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then "
+                                 "exit 7; fi; exit 0")),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_file(dir.file("attempts.1")), "0\n1\n2\n");
+  EXPECT_NE(r.err.find("restarting every worker (restart 2 of 3)"), std::string::npos) << r.err;
+  auto exhausted = run_process(concat(cohort_run({"-n", "1", "--max-restarts", "1"}), sh("exit 9")), {}, 30);
+  EXPECT_EQ(exhausted.exit_code, 9);
+}
+
+TEST(Run, ForwardsSignalsToEveryWorker) {
+  TempDir dir;
+  // Every worker traps USR1 and TERM; once all are ready, rank 0 signals the launcher (its parent).
+  std::string d = dir.path();
+  std::string script =
+      "trap 'echo usr1 >> " + d + "/sig.$RANK' USR1; trap 'echo term >> " + d + "/sig.$RANK; exit 0' TERM; "
+      "echo $$ > " + d + "/pid.$RANK; touch " + d + "/ready.$RANK; "
+      "if [ $RANK = 0 ]; then while [ ! -e " + d + "/ready.1 ] || [ ! -e " + d + "/ready.2 ]; do sleep 0.02; done; "
+      "kill -USR1 $PPID; sleep 0.3; kill -TERM $PPID; fi; "
+      "i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done";
+  auto r = run_process(concat(cohort_run({"-n", "3"}), sh(script)), {}, 30);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
+  for (int rank = 0; rank < 3; ++rank)
+    EXPECT_EQ(read_file(dir.file("sig." + std::to_string(rank))), "usr1\nterm\n") << "rank " << rank;
+  EXPECT_NE(r.err.find("interrupted by SIGTERM"), std::string::npos) << r.err;
+  expect_no_process_left(dir, 3);
+}
+
+TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
+  TempDir dir;
+  std::string marker = dir.file("started");
+  auto worker = sh("touch " + marker);
+  auto check = [&](std::vector<std::string> flags, const std::string& expected) {
+    auto r = run_process(concat(cohort_run(flags), worker), {}, 30);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(expected), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  };
+  check({"--bogus-flag"}, "--bogus-flag");
+  check({"--nproc-per-node", "0"}, "--nproc-per-node 0: expected a positive number or 'auto'");
+  check({"--hostfile", dir.file("missing")}, "cannot read");
+  write_file(dir.file("hosts"), "a slots=2\nb slots=0\n");
+  check({"--hostfile", dir.file("hosts")}, dir.file("hosts") + ":2: slots=0");
+  check({"--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"}, "must be below the node count 2");
+  auto missing = run_process(cohort_run({"-n", "2", "/no/such/program"}), {}, 30);
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_NE(missing.err.find("program '/no/such/program' does not exist"), std::string::npos) << missing.err;
+  // A port in use is named, with the advice to leave it unset.
+  auto held = net::listen_tcp("127.0.0.1", 0, 1, false);  // a port someone else already uses
+  std::string port = std::to_string(net::local_address(held.get()).port());
+  check({"--master-port", port}, port);
+  auto busy = run_process(concat(cohort_run({"--master-port", port}), worker), {}, 30);
+  EXPECT_NE(busy.err.find("leave --master-port"), std::string::npos) << busy.err;
+  struct stat st {};
+  EXPECT_NE(stat(marker.c_str(), &st), 0) << "a worker started despite bad input";
+}
+
+TEST(Run, DryRunPrintsThePlanAndStartsNothing) {
+  TempDir dir;
+  auto r = run_process(concat(cohort_run({"--dry-run", "--nproc_per_node", "2", "--bind-to", "core"}),
+                              sh("touch " + dir.file("started"))),
+                       {{"SLURM_JOB_NODELIST=n[1-2]"}, {"SLURM_NODEID=1"}}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("mode            per-node"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("this node rank  1  [SLURM_NODEID]"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("n1:29500  [address: SLURM_JOB_NODELIST (first node)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rank 3 (local 1) cpus"), std::string::npos) << r.out;
+  struct stat st {};
+  EXPECT_NE(stat(dir.file("started").c_str(), &st), 0);
+}
+
+TEST(Run, ExampleHelloMeetsThroughTheStore) {
+  std::string hello = std::string(COHORT_TEST_BIN_DIR) + "/../examples/hello";
+  auto r = run_process(cohort_run({"-n", "4", hello, "--store"}), {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("rank 0: all 4 ranks met at the store"), std::string::npos) << r.out;
+  for (int rank = 0; rank < 4; ++rank)
+    EXPECT_NE(r.out.find("hello from rank " + std::to_string(rank) + " of 4"), std::string::npos) << r.out;
+}
+
+TEST(Run, TwoNodesPerNodeModeOnLoopback) {
+  TempDir dir;
+  int port = free_port();
+  auto node = [&](int rank) {
+    return run_process(concat(cohort_run({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr",
+                                          "127.0.0.1", "--master-port", std::to_string(port), "--nproc-per-node", "2",
+                                          "--join-timeout", "20"}),
+                              sh("echo $$ > " + dir.path() + "/pid.$RANK; echo \"$NODE_RANK $WORLD_SIZE "
+                                 "$COHORT_STORE_ADDR $MASTER_PORT\" > " +
+                                 dir.path() + "/env.$RANK")),
+                       {}, 60);
+  };
+  ProcessResult second;
+  std::thread t([&] { second = node(1); });  // the joining node may start first
+  auto first = node(0);
+  t.join();
+  EXPECT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_EQ(second.exit_code, 0) << second.err;
+  std::set<std::string> torch_ports;
+  for (int rank = 0; rank < 4; ++rank) {
+    std::istringstream in(read_file(dir.file("env." + std::to_string(rank))));
+    std::string nr, ws, store, mp;
+    in >> nr >> ws >> store >> mp;
+    EXPECT_EQ(nr, std::to_string(rank / 2));
+    EXPECT_EQ(ws, "4");
+    EXPECT_EQ(store, "127.0.0.1:" + std::to_string(port));
+    torch_ports.insert(mp);
+  }
+  EXPECT_EQ(torch_ports.size(), 1u);
+  expect_no_process_left(dir, 4);
+}
+
+TEST(Run, TwoNodesFailFastAcrossNodes) {
+  TempDir dir;
+  int port = free_port();
+  auto node = [&](int rank) {
+    return run_process(concat(cohort_run({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr",
+                                          "127.0.0.1", "--master-port", std::to_string(port), "--nproc-per-node", "2",
+                                          "--join-timeout", "20"}),
+                              sh("echo $$ > " + dir.path() + "/pid.$RANK; if [ $RANK = 3 ]; then exit 6; fi; "
+                                 "exec sleep 60")),
+                       {}, 60);
+  };
+  ProcessResult second;
+  std::thread t([&] { second = node(1); });
+  auto first = node(0);
+  t.join();
+  EXPECT_EQ(first.exit_code, 6) << first.err;
+  EXPECT_EQ(second.exit_code, 6) << second.err;
+  EXPECT_LT(first.seconds, 5.0);
+  EXPECT_NE(first.err.find("rank 3"), std::string::npos) << first.err;
+  expect_no_process_left(dir, 4);
+}
+
+TEST(Run, JoiningNodeSaysWhoIsMissingAndGivesUp) {
+  int port = free_port();
+  auto r = run_process(concat(cohort_run({"--nnodes", "3", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                                          "--master-port", std::to_string(port), "--join-timeout", "4"}),
+                              sh("true")),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("waiting for node ranks 1-2 to join"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("node ranks 1-2 did not join within 4 s"), std::string::npos) << r.err;
+}
+
+// The ssh stand-in: "shim [ssh options] HOST COMMAND..." runs COMMAND here as if on HOST.
+std::string write_shim(const TempDir& dir) {
+  std::string path = dir.file("fake-ssh");
+  write_file(path,
+             "#!/bin/sh\n"
+             "while [ \"${1#-}\" != \"$1\" ]; do if [ \"$1\" = -o ]; then shift; fi; shift; done\n"
+             "host=$1; shift\n"
+             "COHORT_HOST_ID=$host exec \"$@\"\n");
+  chmod(path.c_str(), 0755);
+  return path;
+}
+
+TEST(Run, SshFanOutThroughAShim) {
+  TempDir dir;
+  std::string shim = write_shim(dir);
+  auto r = run_process(concat(cohort_run({"-H", "hostA:2,hostB:1", "--master-addr", "127.0.0.1", "--ssh-command",
+                                          shim + " -o BatchMode=yes", "-x", "GREETING=hi"}),
+                              sh("echo \"$RANK $WORLD_SIZE $NODE_RANK $LOCAL_RANK $COHORT_HOST_ID $GREETING\"")),
+                       {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("[hostA:0] 0 3 0 0 hostA hi\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[hostA:1] 1 3 0 1 hostA hi\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[hostB:2] 2 3 1 0 hostB hi\n"), std::string::npos) << r.out;
+}
+
+TEST(Run, SshFanOutFailFastAndUnreachableHost) {
+  TempDir dir;
+  std::string shim = write_shim(dir);
+  auto r = run_process(concat(cohort_run({"-H", "hostA:2,hostB:2", "--master-addr", "127.0.0.1", "--ssh-command",
+                                          shim}),
+                              sh("echo $$ > " + dir.path() + "/pid.$RANK; if [ $RANK = 2 ]; then exit 5; fi; "
+                                 "exec sleep 60")),
+                       {}, 60);
+  EXPECT_EQ(r.exit_code, 5) << r.err;
+  EXPECT_LT(r.seconds, 5.0);
+  EXPECT_NE(r.err.find("rank 2 on hostB"), std::string::npos) << r.err;
+  expect_no_process_left(dir, 4);
+  // An ssh command that cannot reach its host ends the job at once, naming the host.
+  write_file(dir.file("bad-ssh"), "#!/bin/sh\necho \"ssh: connect to host $1 port 22: Connection refused\" >&2\nexit 255\n");
+  chmod(dir.file("bad-ssh").c_str(), 0755);
+  auto bad = run_process(concat(cohort_run({"-H", "nowhere:1", "--master-addr", "127.0.0.1", "--ssh-command",
+                                            dir.file("bad-ssh")}),
+                                sh("true")),
+                         {}, 60);
+  EXPECT_EQ(bad.exit_code, 255) << bad.err;
+  EXPECT_NE(bad.err.find("the agent for host nowhere"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("Connection refused"), std::string::npos) << bad.err;
+  EXPECT_LT(bad.seconds, 5.0);
+}
+
+TEST(Run, KilledHeadTakesRemoteAgentsAndWorkersWithIt) {
+  TempDir dir;
+  std::string shim = write_shim(dir);
+  std::string d = dir.path();
+  // The head runs in the background; once every worker has written its pid the head is SIGKILLed.
+  std::string script = "'" + cohort_tool() + "' run -H hostA:2,hostB:2 --master-addr 127.0.0.1 --ssh-command " +
+                       shim + " /bin/sh -c 'echo $$ > " + d + "/pid.$RANK; exec sleep 60' & head=$!; i=0; "
+                       "while [ $i -lt 200 ] && ! { [ -s " + d + "/pid.0 ] && [ -s " + d + "/pid.1 ] && [ -s " + d +
+                       "/pid.2 ] && [ -s " + d + "/pid.3 ]; }; do sleep 0.05; i=$((i+1)); done; kill -9 $head; wait";
+  auto r = run_process(sh(script), {}, 60);
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << "the head should have been SIGKILLed: " << r.err;
+  for (int rank = 0; rank < 4; ++rank)
+    ASSERT_FALSE(read_file(dir.file("pid." + std::to_string(rank))).empty()) << "rank " << rank << " never started";
+  expect_no_process_left(dir, 4);
+}
+
+}  // namespace
+}  // namespace cohort::test
