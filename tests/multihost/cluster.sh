@@ -199,6 +199,9 @@ UseDNS no
 PrintMotd no
 PrintLastLog no
 MaxStartups 200:30:400
+# A session whose client is gone (link cut) ends within 6 s, so what it ran sees EOF on stdin.
+ClientAliveInterval 2
+ClientAliveCountMax 3
 MaxSessions 200
 LogLevel ERROR
 EOF

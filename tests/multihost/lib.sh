@@ -31,7 +31,7 @@ job_processes_on() {
     local comm; comm=$(cat "/proc/$p/comm" 2>/dev/null) || continue
     [[ $comm == sshd ]] && continue
     [[ $(awk '/^State:/ {print $2}' "/proc/$p/status" 2>/dev/null) == Z ]] && continue
-    out+="$p($(tr '\0' ' ' <"/proc/$p/cmdline" | cut -c1-80)) "
+    out+="$p($({ tr "\0" " " <"/proc/$p/cmdline"; } 2>/dev/null | cut -c1-80)) "
   done
   echo "$out"
 }
@@ -81,7 +81,7 @@ run_per_node() {
   for ((i = 0; i < n; i++)); do
     local args=() a
     for a in "$@"; do args+=("${a//\{node\}/$i}"); done
-    on_host "$i" timeout "$tmo" "${args[@]}" >"$MH_TMP/$name.$i.out" 2>&1 &
+    on_host "$i" timeout -k 5 "$tmo" "${args[@]}" >"$MH_TMP/$name.$i.out" 2>&1 &
     pids+=($!)
   done
   PN_OUT=""
@@ -92,3 +92,24 @@ run_per_node() {
     PN_OUT+=$(cat "$MH_TMP/$name.$i.out")$'\n'
   done
 }
+# Pids of processes on host $1 whose command line contains $2 (sshd and zombies excluded).
+pids_matching() {
+  local p
+  for p in $(ip netns pids "$(ns "$1")"); do
+    [[ $(cat "/proc/$p/comm" 2>/dev/null) == sshd ]] && continue
+    [[ $(awk '/^State:/ {print $2}' "/proc/$p/status" 2>/dev/null) == Z ]] && continue
+    { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -qF -- "$2" && echo "$p"
+  done
+  return 0
+}
+# wait_for_pid HOST PATTERN SECONDS: echoes the first matching pid, fails the test if none appears.
+wait_for_pid() {
+  local deadline=$((SECONDS + $3)) p
+  while ((SECONDS < deadline)); do
+    p=$(pids_matching "$1" "$2" | head -1)
+    [[ -n $p ]] && { echo "$p"; return 0; }
+    sleep 0.05
+  done
+  return 1
+}
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
