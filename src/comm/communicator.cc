@@ -1,0 +1,26 @@
+// Communicator::create: validates, applies the COHORT_* overrides and bootstraps.
+#include <fmt/core.h>
+
+#include "cohort/communicator.h"
+#include "cohort/error.h"
+#include "comm/communicator_impl.h"
+#include "comm/settings.h"
+#include "common/log.h"
+
+namespace cohort {
+
+std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store, int rank, int size,
+                                                   CommOptions options) {
+  if (!store) throw InvalidArgument("Communicator::create: store is null");
+  if (size < 1) throw InvalidArgument(fmt::format("Communicator::create: size {} must be at least 1", size));
+  if (rank < 0 || rank >= size) {
+    throw InvalidArgument(fmt::format("Communicator::create: rank {} out of range [0, {})", rank, size));
+  }
+  comm::apply_env_overrides(options);
+  comm::CommSetup s{store, options.store_prefix, rank, size, options};
+  auto impl = std::make_shared<comm::CommunicatorImpl>(std::move(s));
+  impl->bootstrap();
+  return impl;
+}
+
+}  // namespace cohort

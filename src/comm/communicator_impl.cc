@@ -1,0 +1,760 @@
+#include "comm/communicator_impl.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "cohort/error.h"
+#include "collectives/collectives.h"
+#include "common/env.h"
+#include "common/log.h"
+#include "common/strings.h"
+
+namespace cohort::comm {
+
+// The collective algorithms (src/collectives/), selected by size and world (coll::select_algorithm,
+// COHORT_ALGO_<OP>).
+namespace algo = cohort::coll;
+
+namespace {
+
+const env::IntSetting kSpinUs("COHORT_SPIN_US", 200,
+                              "microseconds a waiting rank busy-polls its sockets before sleeping in epoll_wait");
+
+constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
+
+uint32_t hash32(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return uint32_t(h ^ (h >> 32));
+}
+
+std::string seconds_text(std::chrono::nanoseconds d) {
+  return fmt::format("{:.1f} s", std::chrono::duration<double>(d).count());
+}
+
+// Rethrows `e` as the same cohort error type with `prefix` in front of its message.
+std::exception_ptr with_prefix(std::exception_ptr e, const std::string& prefix) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const AbortedError& x) {
+    return std::make_exception_ptr(AbortedError(x.what()));
+  } catch (const TimeoutError& x) {
+    return std::make_exception_ptr(TimeoutError(prefix + x.what()));
+  } catch (const PeerLostError& x) {
+    return std::make_exception_ptr(PeerLostError(prefix + x.what()));
+  } catch (const MismatchError& x) {
+    return std::make_exception_ptr(MismatchError(prefix + x.what()));
+  } catch (const Error& x) {
+    return std::make_exception_ptr(Error(prefix + x.what()));
+  } catch (const std::exception& x) {
+    return std::make_exception_ptr(Error(prefix + x.what()));
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Work
+
+class WorkImpl final : public Work {
+ public:
+  explicit WorkImpl(std::chrono::milliseconds default_timeout) : default_timeout_(default_timeout) {}
+  void complete(std::exception_ptr e) {
+    std::lock_guard<std::mutex> g(m_);
+    done_ = true;
+    error_ = e;
+    cv_.notify_all();
+  }
+  void wait(std::chrono::milliseconds timeout) override {
+    if (timeout.count() <= 0) timeout = default_timeout_;
+    std::unique_lock<std::mutex> lk(m_);
+    if (!cv_.wait_for(lk, timeout, [&] { return done_; })) {
+      throw TimeoutError(fmt::format("asynchronous operation did not finish within {}", seconds_text(timeout)));
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool test() override {
+    std::lock_guard<std::mutex> g(m_);
+    return done_;
+  }
+  std::exception_ptr exception() override {
+    std::lock_guard<std::mutex> g(m_);
+    return error_;
+  }
+
+ private:
+  std::chrono::milliseconds default_timeout_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Construction and bootstrap
+
+CommunicatorImpl::CommunicatorImpl(CommSetup s)
+    : root_store_(std::move(s.root_store)),
+      store_(make_prefix_store(root_store_, s.prefix)),
+      prefix_(s.prefix),
+      rank_(s.rank),
+      size_(s.size),
+      options_(std::move(s.options)),
+      comm_id_(hash32(s.prefix)),
+      spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))) {
+  store_->set_timeout(options_.timeout);
+  options_.store_prefix = prefix_;
+}
+
+CommunicatorImpl::~CommunicatorImpl() {
+  {
+    std::lock_guard<std::mutex> g(queue_mutex_);
+    stop_ = true;
+  }
+  queue_cv_.notify_all();
+  if (progress_.joinable()) progress_.join();
+}
+
+void CommunicatorImpl::bootstrap() {
+  Deadline deadline = Deadline::after(options_.timeout);
+  transport::TransportOptions topts{rank_, size_, prefix_, deadline};
+  std::vector<std::string> available;
+  for (const auto& f : transport::factories()) {
+    available.push_back(f.name);
+    if (options_.transport == "auto" || options_.transport == f.name) transports_.push_back(f.make(topts));
+  }
+  if (transports_.empty()) {
+    throw ConfigError(fmt::format("COHORT_TRANSPORT={}: no such transport (available: auto, {})", options_.transport,
+                                  str::join(available, ", ")));
+  }
+
+  // Publish this rank: host identity and one descriptor per transport.
+  HostIdentity me = local_host_identity();
+  nlohmann::json mine;
+  mine["host"] = me.serialize();
+  for (auto& t : transports_) mine["transports"][t->name()] = t->descriptor();
+  store_->set("peer/" + std::to_string(rank_), mine.dump());
+
+  // Read everyone, in batches; while waiting, say who is missing.
+  std::vector<std::string> values;
+  values.reserve(static_cast<size_t>(size_));
+  const int kBatch = 1024;
+  auto start = Deadline::Clock::now();
+  for (int first = 0; first < size_; first += kBatch) {
+    std::vector<std::string> keys;
+    for (int r = first; r < std::min(size_, first + kBatch); ++r) keys.push_back("peer/" + std::to_string(r));
+    for (;;) {
+      auto step = std::min(options_.slow_warning, deadline.remaining());
+      try {
+        store_->wait(keys, std::max(step, std::chrono::milliseconds(1)));
+        break;
+      } catch (const TimeoutError&) {
+        std::vector<int> missing;
+        for (int r = first; r < std::min(size_, first + kBatch); ++r)
+          if (!store_->check({"peer/" + std::to_string(r)})) missing.push_back(r);
+        for (int r = first + kBatch; r < size_; ++r)  // beyond this batch: only count them
+          if (!store_->check({"peer/" + std::to_string(r)})) missing.push_back(r);
+        std::string text = fmt::format("communicator '{}': {} of {} ranks joined after {}; missing rank(s) {}", prefix_,
+                                       size_ - int(missing.size()), size_,
+                                       seconds_text(Deadline::Clock::now() - start), str::format_ranges(missing));
+        if (deadline.expired()) throw TimeoutError(text + " (COHORT_TIMEOUT)");
+        log::warn("{}", text);
+      }
+    }
+    auto got = store_->multi_get(keys);
+    for (auto& v : got) values.push_back(std::move(v));
+  }
+
+  std::vector<HostIdentity> ids(static_cast<size_t>(size_));
+  std::vector<nlohmann::json> published(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) {
+    try {
+      published[size_t(r)] = nlohmann::json::parse(values[size_t(r)]);
+      ids[size_t(r)] = HostIdentity::parse(published[size_t(r)].at("host").get<std::string>());
+    } catch (const std::exception& e) {
+      throw ConfigError(fmt::format("communicator '{}': rank {} published an unreadable entry ({}); is another job "
+                                    "using the same store prefix?",
+                                    prefix_, r, e.what()));
+    }
+  }
+  topology_ = Topology::build(rank_, ids);
+
+  // Route every peer through the first transport (by priority) that both sides have and that
+  // accepts the peer's descriptor.
+  route_.assign(static_cast<size_t>(size_), transports_.front().get());
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    transport::Transport* chosen = nullptr;
+    for (auto& t : transports_) {
+      auto& tr = published[size_t(r)]["transports"];
+      if (!tr.contains(t->name())) continue;
+      if (t->can_reach(tr[t->name()].get<std::string>())) {
+        chosen = t.get();
+        break;
+      }
+    }
+    if (!chosen) {
+      throw ConfigError(fmt::format("rank {} ({}) cannot be reached by any transport this rank has ({})", r,
+                                    host_of(r), options_.transport));
+    }
+    route_[size_t(r)] = chosen;
+  }
+  for (auto& t : transports_) {
+    std::vector<transport::PeerInfo> peers(static_cast<size_t>(size_));
+    std::vector<bool> use(static_cast<size_t>(size_), false);
+    for (int r = 0; r < size_; ++r) {
+      peers[size_t(r)].host = ids[size_t(r)].hostname;
+      auto& tr = published[size_t(r)]["transports"];
+      if (tr.contains(t->name())) peers[size_t(r)].descriptor = tr[t->name()].get<std::string>();
+      use[size_t(r)] = r != rank_ && route_[size_t(r)] == t.get();
+    }
+    t->connect(peers, use, deadline);
+    t->set_mismatch_formatter([this](int peer, const transport::Signature& theirs, const transport::Signature& ours,
+                                     const transport::Envelope& env) {
+      uint32_t seq = uint32_t(env.tag);
+      std::string where = seq == kP2PSeq ? "as a point-to-point message" : fmt::format("as operation #{}", seq);
+      return fmt::format("mismatched calls: rank {} ({}) called {} {} but rank {} called {}", peer, host_of(peer),
+                         describe_signature(theirs), where, rank_, describe_signature(ours));
+    });
+  }
+  log::info("communicator '{}' ready: rank {} of {}, {} host(s), local rank {} of {}, {:.3f} s", prefix_, rank_, size_,
+            topology_.hosts.size(), topology_.local_rank, topology_.local_size,
+            std::chrono::duration<double>(Deadline::Clock::now() - start).count());
+}
+
+std::string CommunicatorImpl::host_of(int rank) const {
+  if (rank < 0 || rank >= size_ || size_t(rank) >= topology_.identity.size()) return "?";
+  return topology_.identity[size_t(rank)].hostname;
+}
+
+std::string CommunicatorImpl::peer_text(int peer) const { return fmt::format("rank {} ({})", peer, host_of(peer)); }
+
+// ------------------------------------------------------------------------------------------------
+// Running operations
+
+void CommunicatorImpl::check_usable() const {
+  if (failed_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> g(fail_mutex_);
+    throw AbortedError(fmt::format("communicator failed earlier: {}", root_cause_));
+  }
+}
+
+void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
+  std::string prefix = op_.kind == OpKind::kSendRecv
+                           ? fmt::format("{} on rank {} ({}): ", op_kind_name(op_.kind), rank_, host_of(rank_))
+                           : fmt::format("{} #{} ({}) on rank {} ({}): ", op_kind_name(op_.kind), seq_,
+                                         format_bytes(op_.bytes), rank_, host_of(rank_));
+  std::exception_ptr e = with_prefix(error, prefix);
+  std::string message;
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    message = x.what();
+  }
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> g(fail_mutex_);
+    if (!failed_.load()) {
+      root_cause_ = message;
+      failed_.store(true, std::memory_order_release);
+      first = true;
+    }
+  }
+  // A failure that started here (not one a peer told us about) is passed on to the peers.
+  bool from_peer = false;
+  for (auto& t : transports_) from_peer = from_peer || t->failed_by_notice();
+  if (first && !from_peer) {
+    using EC = transport::Transport::ErrorClass;
+    EC cls = EC::kOther;
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError&) {
+      cls = EC::kTimeout;
+    } catch (const PeerLostError&) {
+      cls = EC::kPeerLost;
+    } catch (const MismatchError&) {
+      cls = EC::kMismatch;
+    } catch (...) {
+    }
+    for (auto& t : transports_) t->notify_peers(cls, message);
+  }
+  for (auto& t : transports_) t->fail(std::make_exception_ptr(AbortedError("communicator failed: " + root_cause_)));
+  std::rethrow_exception(e);
+}
+
+void CommunicatorImpl::execute_locked(const OpDesc& desc, const Body& body) {
+  check_usable();
+  op_ = desc;
+  if (desc.kind != OpKind::kSendRecv) {
+    if (++seq_ == kP2PSeq) seq_ = 1;
+  }
+  op_sig_ = desc.signature();
+  op_start_ = Deadline::Clock::now();
+  op_deadline_ = Deadline(op_start_ + options_.timeout);
+  next_warning_ = op_start_ + options_.slow_warning;
+  warning_interval_ = options_.slow_warning;
+  send_index_.clear();
+  recv_index_.clear();
+  pending_.clear();
+  try {
+    body();
+  } catch (const InvalidArgument&) {
+    throw;
+  } catch (...) {
+    fail_and_throw(std::current_exception());
+  }
+}
+
+void CommunicatorImpl::drain_queue_locked() {
+  for (;;) {
+    std::shared_ptr<WorkImpl> work;
+    std::pair<OpDesc, Body> job;
+    {
+      std::lock_guard<std::mutex> g(queue_mutex_);
+      if (queue_.empty()) return;
+      work = std::move(queue_.front().first);
+      job = std::move(queue_.front().second);
+      queue_.pop_front();
+    }
+    try {
+      execute_locked(job.first, job.second);
+      work->complete(nullptr);
+    } catch (...) {
+      work->complete(std::current_exception());
+    }
+  }
+}
+
+void CommunicatorImpl::run_blocking(const OpDesc& desc, const Body& body) {
+  std::lock_guard<std::mutex> g(drive_);
+  drain_queue_locked();
+  execute_locked(desc, body);
+}
+
+std::shared_ptr<Work> CommunicatorImpl::run_async(const OpDesc& desc, Body body) {
+  check_usable();
+  auto work = std::make_shared<WorkImpl>(options_.timeout);
+  {
+    std::lock_guard<std::mutex> g(queue_mutex_);
+    queue_.emplace_back(work, std::make_pair(desc, std::move(body)));
+    if (!progress_.joinable()) progress_ = std::thread([this] { progress_thread_main(); });
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
+void CommunicatorImpl::progress_thread_main() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(queue_mutex_);
+      queue_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (stop_ && queue_.empty()) return;
+    }
+    std::lock_guard<std::mutex> g(drive_);
+    drain_queue_locked();
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// coll::Context
+
+coll::RequestId CommunicatorImpl::isend(int peer, const void* data, size_t bytes, uint32_t slot) {
+  transport::Transport* t = route(peer);
+  uint32_t index = send_index_[(uint64_t(uint32_t(peer)) << 32) | slot]++;
+  transport::Envelope env{(uint64_t(comm_id_) << 32) | seq_, (uint64_t(slot) << 32) | index, op_sig_};
+  transport::RequestId tid = t->isend(peer, env, data, bytes);
+  pending_.push_back({next_id_, tid, t, peer});
+  return next_id_++;
+}
+
+coll::RequestId CommunicatorImpl::irecv(int peer, void* data, size_t bytes, uint32_t slot) {
+  transport::Transport* t = route(peer);
+  uint32_t index = recv_index_[(uint64_t(uint32_t(peer)) << 32) | slot]++;
+  transport::Envelope env{(uint64_t(comm_id_) << 32) | seq_, (uint64_t(slot) << 32) | index, op_sig_};
+  transport::RequestId tid = t->irecv(peer, env, data, bytes);
+  pending_.push_back({next_id_, tid, t, peer});
+  return next_id_++;
+}
+
+void* CommunicatorImpl::scratch(size_t bytes, int index) {
+  if (index < 0) throw std::logic_error("negative scratch index");
+  if (scratch_.size() <= size_t(index)) {
+    scratch_.resize(size_t(index) + 1);
+    scratch_size_.resize(size_t(index) + 1, 0);
+  }
+  if (scratch_size_[size_t(index)] < bytes || !scratch_[size_t(index)]) {
+    scratch_[size_t(index)].reset(new char[std::max<size_t>(bytes, 64)]);
+    scratch_size_[size_t(index)] = std::max<size_t>(bytes, 64);
+  }
+  return scratch_[size_t(index)].get();
+}
+
+void CommunicatorImpl::wait(coll::RequestId id) {
+  auto it = std::find_if(pending_.begin(), pending_.end(), [&](const Pending& p) { return p.id == id; });
+  if (it == pending_.end()) throw std::logic_error("coll::Context::wait on an unknown or completed request");
+  Pending p = *it;
+  auto finish = [&] {
+    auto pos = std::find_if(pending_.begin(), pending_.end(), [&](const Pending& q) { return q.id == p.id; });
+    if (pos != pending_.end()) pending_.erase(pos);
+  };
+  if (p.transport->test(p.tid)) return finish();
+  auto spin_until = Deadline::Clock::now() + spin_;
+  for (;;) {
+    auto now = Deadline::Clock::now();
+    if (now < spin_until) {
+      for (auto& t : transports_) t->poll(0);
+    } else {
+      auto until = std::min(op_deadline_.at(), next_warning_);
+      long ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
+      int timeout = int(std::clamp<long>(ms, 0, 100));
+      if (transports_.size() == 1) {
+        transports_.front()->poll(timeout);
+      } else {
+        for (auto& t : transports_) t->poll(0);
+        for (auto& t : transports_) t->poll(std::min(timeout, 1));
+      }
+    }
+    if (p.transport->test(p.tid)) return finish();
+    if (abort_requested_.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> g(fail_mutex_);
+      throw AbortedError(fmt::format("aborted: {}", abort_reason_));
+    }
+    now = Deadline::Clock::now();
+    if (now >= op_deadline_.at()) throw_timeout();
+    if (now >= next_warning_) {
+      warn_slow(now - op_start_);
+      warning_interval_ *= 2;
+      next_warning_ = now + warning_interval_;
+    }
+  }
+}
+
+std::string CommunicatorImpl::waiting_for_text() {
+  std::set<int> peers;
+  for (const auto& p : pending_)
+    if (!p.transport->peek(p.tid)) peers.insert(p.peer);
+  std::vector<std::string> parts;
+  std::vector<int> list(peers.begin(), peers.end());
+  for (int peer : list) {
+    if (parts.size() >= 8) {
+      parts.push_back(fmt::format("and {} more", list.size() - 8));
+      break;
+    }
+    auto seen = route(peer)->last_seen(peer);
+    std::string last = "no message from it yet";
+    if (seen.seen) {
+      uint32_t s = uint32_t(seen.tag);
+      last = s == kP2PSeq ? fmt::format("last message was point-to-point ({})", describe_signature(seen.signature))
+                          : fmt::format("last seen in operation #{} {}", s, describe_signature(seen.signature));
+    }
+    parts.push_back(fmt::format("{}: {}", peer_text(peer), last));
+  }
+  return fmt::format("rank(s) {} [{}]", str::format_ranges(list), str::join(parts, "; "));
+}
+
+void CommunicatorImpl::warn_slow(std::chrono::nanoseconds waited) {
+  std::string mine = op_.kind == OpKind::kSendRecv
+                         ? fmt::format("{} ({})", op_kind_name(op_.kind), format_bytes(op_.bytes))
+                         : fmt::format("operation #{} {} ({})", seq_, describe_signature(op_sig_), format_bytes(op_.bytes));
+  std::string waiting = waiting_for_text();
+  // Reports of the ranks we wait for, published only by ranks that are themselves slow.
+  std::string reports;
+  try {
+    store_->set("status/" + std::to_string(rank_),
+                fmt::format("waiting {} in {} for {}", seconds_text(waited), mine, waiting));
+    std::set<int> peers;
+    for (const auto& p : pending_)
+      if (!p.transport->peek(p.tid)) peers.insert(p.peer);
+    int shown = 0;
+    for (int peer : peers) {
+      if (++shown > 4) break;
+      std::string key = "status/" + std::to_string(peer);
+      if (store_->check({key})) reports += fmt::format("; rank {} reports: {}", peer, store_->get(key));
+    }
+  } catch (const std::exception& e) {
+    reports = fmt::format("; (store unavailable for status reports: {})", e.what());
+  }
+  log::warn("{} has waited {} for {}{}", mine, seconds_text(waited), waiting, reports);
+}
+
+void CommunicatorImpl::throw_timeout() {
+  throw TimeoutError(fmt::format("timed out after {} (COHORT_TIMEOUT) waiting for {}",
+                                 seconds_text(options_.timeout), waiting_for_text()));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Validation (before anything is sent; InvalidArgument leaves the communicator usable)
+
+void CommunicatorImpl::validate_dtype_op(DataType dtype, ReduceOp op, bool needs_op) const {
+  if (uint8_t(dtype) >= kNumDataTypes) throw InvalidArgument(fmt::format("unknown dtype {}", int(dtype)));
+  if (!needs_op) return;
+  if (uint8_t(op) >= kNumReduceOps) throw InvalidArgument(fmt::format("unknown reduce op {}", int(op)));
+  if (!op_supported(dtype, op)) {
+    throw InvalidArgument(fmt::format("reduce op {} is not defined on dtype {} (avg needs a floating type)",
+                                      reduce_op_name(op), dtype_name(dtype)));
+  }
+}
+
+void CommunicatorImpl::validate_buffer(const void* p, size_t count, const char* what) const {
+  if (p == nullptr && count > 0) throw InvalidArgument(fmt::format("{} buffer is null with count {}", what, count));
+}
+
+void CommunicatorImpl::validate_root(int root) const {
+  if (root < 0 || root >= size_) throw InvalidArgument(fmt::format("root {} out of range [0, {})", root, size_));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Collectives
+
+void CommunicatorImpl::allreduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
+  validate_dtype_op(dtype, op, true);
+  validate_buffer(send, count, "send");
+  validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kAllreduce, dtype, op, 0, count, count * dtype_size(dtype)};
+  run_blocking(d, [&] { algo::allreduce(*this, send, recv, count, dtype, op); });
+}
+
+void CommunicatorImpl::reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) {
+  validate_dtype_op(dtype, op, true);
+  validate_root(root);
+  validate_buffer(send, count, "send");
+  if (rank_ == root) validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kReduce, dtype, op, root, count, count * dtype_size(dtype)};
+  run_blocking(d, [&] { algo::reduce(*this, send, recv, count, dtype, op, root); });
+}
+
+void CommunicatorImpl::broadcast(void* buf, size_t count, DataType dtype, int root) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  validate_root(root);
+  validate_buffer(buf, count, "broadcast");
+  OpDesc d{OpKind::kBroadcast, dtype, ReduceOp::kSum, root, count, count * dtype_size(dtype)};
+  run_blocking(d, [&] { algo::broadcast(*this, buf, count, dtype, root); });
+}
+
+void CommunicatorImpl::allgather(const void* send, void* recv, size_t count, DataType dtype) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  validate_buffer(send, count, "send");
+  validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kAllgather, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype) * size_t(size_)};
+  run_blocking(d, [&] { algo::allgather(*this, send, recv, count, dtype); });
+}
+
+void CommunicatorImpl::allgatherv(const void* send, size_t send_count, void* recv,
+                                  const std::vector<size_t>& recv_counts, DataType dtype) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  if (recv_counts.size() != size_t(size_)) {
+    throw InvalidArgument(fmt::format("allgatherv: recv_counts has {} entries, expected {}", recv_counts.size(), size_));
+  }
+  if (recv_counts[size_t(rank_)] != send_count) {
+    throw InvalidArgument(fmt::format("allgatherv: send_count {} differs from recv_counts[{}] = {}", send_count, rank_,
+                                      recv_counts[size_t(rank_)]));
+  }
+  size_t total = 0;
+  for (size_t c : recv_counts) total += c;
+  validate_buffer(send, send_count, "send");
+  validate_buffer(recv, total, "recv");
+  OpDesc d{OpKind::kAllgatherv, dtype, ReduceOp::kSum, 0, total, total * dtype_size(dtype)};
+  run_blocking(d, [&] { algo::allgatherv(*this, send, send_count, recv, recv_counts.data(), dtype); });
+}
+
+void CommunicatorImpl::gather(const void* send, void* recv, size_t count, DataType dtype, int root) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  validate_root(root);
+  validate_buffer(send, count, "send");
+  if (rank_ == root) validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kGather, dtype, ReduceOp::kSum, root, count, count * dtype_size(dtype)};
+  run_blocking(d, [&] { algo::gather(*this, send, recv, count, dtype, root); });
+}
+
+void CommunicatorImpl::scatter(const void* send, void* recv, size_t count, DataType dtype, int root) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  validate_root(root);
+  if (rank_ == root) validate_buffer(send, count, "send");
+  validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kScatter, dtype, ReduceOp::kSum, root, count, count * dtype_size(dtype)};
+  run_blocking(d, [&] { algo::scatter(*this, send, recv, count, dtype, root); });
+}
+
+void CommunicatorImpl::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) {
+  validate_dtype_op(dtype, op, true);
+  validate_buffer(send, recv_count, "send");
+  validate_buffer(recv, recv_count, "recv");
+  OpDesc d{OpKind::kReduceScatter, dtype, op, 0, recv_count, recv_count * dtype_size(dtype) * size_t(size_)};
+  run_blocking(d, [&] { algo::reduce_scatter(*this, send, recv, recv_count, dtype, op); });
+}
+
+void CommunicatorImpl::alltoall(const void* send, void* recv, size_t count, DataType dtype) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  validate_buffer(send, count, "send");
+  validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kAlltoall, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype) * size_t(size_)};
+  run_blocking(d, [&] { algo::alltoall(*this, send, recv, count, dtype); });
+}
+
+void CommunicatorImpl::alltoallv(const void* send, const std::vector<size_t>& send_counts,
+                                 const std::vector<size_t>& send_displs, void* recv,
+                                 const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
+                                 DataType dtype) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  for (auto* v : {&send_counts, &send_displs, &recv_counts, &recv_displs}) {
+    if (v->size() != size_t(size_)) {
+      throw InvalidArgument(fmt::format("alltoallv: a count/displacement vector has {} entries, expected {}",
+                                        v->size(), size_));
+    }
+  }
+  size_t sent = 0, received = 0;
+  for (int r = 0; r < size_; ++r) {
+    sent += send_counts[size_t(r)];
+    received += recv_counts[size_t(r)];
+  }
+  if (send != recv) validate_buffer(send, sent, "send");
+  validate_buffer(recv, received, "recv");
+  OpDesc d{OpKind::kAlltoallv, dtype, ReduceOp::kSum, 0, 0, sent * dtype_size(dtype)};
+  run_blocking(d, [&] {
+    algo::alltoallv(*this, send, send_counts.data(), send_displs.data(), recv, recv_counts.data(),
+                    recv_displs.data(), dtype);
+  });
+}
+
+void CommunicatorImpl::barrier() {
+  OpDesc d{OpKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0, 0};
+  run_blocking(d, [&] { algo::barrier(*this); });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Point to point: not collective, so no sequence number; (peer, tag) streams are matched in order.
+
+void CommunicatorImpl::send(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("send: peer {} out of range [0, {})", peer, size_));
+  validate_buffer(buf, count, "send");
+  OpDesc d{OpKind::kSendRecv, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype)};
+  run_blocking(d, [&] {
+    transport::Transport* t = route(peer);
+    uint32_t index = p2p_send_index_[(uint64_t(uint32_t(peer)) << 32) | tag]++;
+    transport::Envelope env{(uint64_t(comm_id_) << 32) | kP2PSeq, (uint64_t(tag) << 32) | index, op_sig_};
+    transport::RequestId tid = t->isend(peer, env, buf, count * dtype_size(dtype));
+    pending_.push_back({next_id_, tid, t, peer});
+    wait(next_id_++);
+  });
+}
+
+void CommunicatorImpl::recv(void* buf, size_t count, DataType dtype, int peer, uint32_t tag) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("recv: peer {} out of range [0, {})", peer, size_));
+  validate_buffer(buf, count, "recv");
+  OpDesc d{OpKind::kSendRecv, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype)};
+  run_blocking(d, [&] {
+    transport::Transport* t = route(peer);
+    uint32_t index = p2p_recv_index_[(uint64_t(uint32_t(peer)) << 32) | tag]++;
+    transport::Envelope env{(uint64_t(comm_id_) << 32) | kP2PSeq, (uint64_t(tag) << 32) | index, op_sig_};
+    transport::RequestId tid = t->irecv(peer, env, buf, count * dtype_size(dtype));
+    pending_.push_back({next_id_, tid, t, peer});
+    wait(next_id_++);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Asynchronous variants
+
+std::shared_ptr<Work> CommunicatorImpl::allreduce_async(const void* send, void* recv, size_t count, DataType dtype,
+                                                        ReduceOp op) {
+  validate_dtype_op(dtype, op, true);
+  validate_buffer(send, count, "send");
+  validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kAllreduce, dtype, op, 0, count, count * dtype_size(dtype)};
+  return run_async(d, [=, this] { algo::allreduce(*this, send, recv, count, dtype, op); });
+}
+
+std::shared_ptr<Work> CommunicatorImpl::broadcast_async(void* buf, size_t count, DataType dtype, int root) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  validate_root(root);
+  validate_buffer(buf, count, "broadcast");
+  OpDesc d{OpKind::kBroadcast, dtype, ReduceOp::kSum, root, count, count * dtype_size(dtype)};
+  return run_async(d, [=, this] { algo::broadcast(*this, buf, count, dtype, root); });
+}
+
+std::shared_ptr<Work> CommunicatorImpl::allgather_async(const void* send, void* recv, size_t count, DataType dtype) {
+  validate_dtype_op(dtype, ReduceOp::kSum, false);
+  validate_buffer(send, count, "send");
+  validate_buffer(recv, count, "recv");
+  OpDesc d{OpKind::kAllgather, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype) * size_t(size_)};
+  return run_async(d, [=, this] { algo::allgather(*this, send, recv, count, dtype); });
+}
+
+std::shared_ptr<Work> CommunicatorImpl::reduce_scatter_async(const void* send, void* recv, size_t recv_count,
+                                                             DataType dtype, ReduceOp op) {
+  validate_dtype_op(dtype, op, true);
+  validate_buffer(send, recv_count, "send");
+  validate_buffer(recv, recv_count, "recv");
+  OpDesc d{OpKind::kReduceScatter, dtype, op, 0, recv_count, recv_count * dtype_size(dtype) * size_t(size_)};
+  return run_async(d, [=, this] { algo::reduce_scatter(*this, send, recv, recv_count, dtype, op); });
+}
+
+std::shared_ptr<Work> CommunicatorImpl::barrier_async() {
+  OpDesc d{OpKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0, 0};
+  return run_async(d, [this] { algo::barrier(*this); });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Groups and abort
+
+std::shared_ptr<Communicator> CommunicatorImpl::create_child(const std::string& prefix, int rank, int size) {
+  CommSetup s{root_store_, prefix, rank, size, options_};
+  auto child = std::make_shared<CommunicatorImpl>(std::move(s));
+  child->bootstrap();
+  return child;
+}
+
+std::shared_ptr<Communicator> CommunicatorImpl::split(int color, int key) {
+  int64_t mine[2] = {color, key};
+  std::vector<int64_t> all(2 * size_t(size_));
+  OpDesc d{OpKind::kSplit, DataType::kInt64, ReduceOp::kSum, 0, 2, 16};
+  run_blocking(d, [&] { algo::allgather(*this, mine, all.data(), 2, DataType::kInt64); });
+  int n = split_counter_++;
+  if (color < 0) return nullptr;
+  std::vector<std::pair<int64_t, int>> members;
+  for (int r = 0; r < size_; ++r)
+    if (all[2 * size_t(r)] == color) members.emplace_back(all[2 * size_t(r) + 1], r);
+  std::sort(members.begin(), members.end());
+  int new_rank = 0;
+  for (size_t i = 0; i < members.size(); ++i)
+    if (members[i].second == rank_) new_rank = int(i);
+  return create_child(fmt::format("{}/split{}/color{}", prefix_, n, color), new_rank, int(members.size()));
+}
+
+std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>& ranks) {
+  std::set<int> seen;
+  int new_rank = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    int r = ranks[i];
+    if (r < 0 || r >= size_) throw InvalidArgument(fmt::format("subgroup: rank {} out of range [0, {})", r, size_));
+    if (!seen.insert(r).second) throw InvalidArgument(fmt::format("subgroup: rank {} listed twice", r));
+    if (r == rank_) new_rank = int(i);
+  }
+  if (new_rank < 0) throw InvalidArgument(fmt::format("subgroup: this rank ({}) is not in the list", rank_));
+  std::vector<std::string> parts;
+  for (int r : ranks) parts.push_back(std::to_string(r));
+  std::string list = str::join(parts, ",");
+  int n = subgroup_counter_[list]++;
+  return create_child(fmt::format("{}/sub{:08x}/{}", prefix_, hash32(list), n), new_rank, int(ranks.size()));
+}
+
+void CommunicatorImpl::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> g(fail_mutex_);
+    abort_reason_ = reason;
+    if (!failed_.load()) root_cause_ = fmt::format("aborted on rank {}: {}", rank_, reason);
+    failed_.store(true, std::memory_order_release);
+  }
+  abort_requested_.store(true);
+}
+
+}  // namespace cohort::comm

@@ -1,0 +1,187 @@
+#pragma once
+// CommunicatorImpl: cohort::Communicator over the transports, and the coll::Context the collective
+// algorithms run on.
+//
+// Thread model (docs/thread_model.md): exactly one thread drives the transports at a time, the one
+// holding `drive_`. Blocking calls take it and run the algorithm on the calling thread, which
+// drives the sockets itself (busy-poll for COHORT_SPIN_US, then epoll_wait with a timeout): no
+// hand-off on the latency path. *_async calls queue Work that the communicator's progress thread
+// runs in call order under the same lock; a blocking call first runs any queued work itself so
+// that every rank executes operations in call order.
+//
+// Message scoping: tag = (communicator id << 32) | operation sequence number, sub = (slot << 32) |
+// index of the message in its (peer, slot) stream. Every message also carries the operation's
+// signature (op, dtype, reduce op, root, count) so a rank that called something else is detected.
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cohort/communicator.h"
+#include "collectives/context.h"
+#include "comm/op.h"
+#include "comm/topology.h"
+#include "common/deadline.h"
+#include "transport/transport.h"
+
+namespace cohort::comm {
+
+class WorkImpl;
+
+// Everything create() learned at bootstrap.
+struct CommSetup {
+  std::shared_ptr<Store> root_store;  // the store as given (child communicators derive prefixes)
+  std::string prefix;                 // this communicator's key prefix
+  int rank = 0;
+  int size = 1;
+  CommOptions options;
+};
+
+class CommunicatorImpl final : public Communicator,
+                               public coll::Context,
+                               public std::enable_shared_from_this<CommunicatorImpl> {
+ public:
+  explicit CommunicatorImpl(CommSetup setup);
+  ~CommunicatorImpl() override;
+
+  // Publishes this rank, reads the others, derives the topology and connects (collective).
+  void bootstrap();
+
+  // ---- Communicator ----
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int local_rank() const override { return topology_.local_rank; }
+  int local_size() const override { return topology_.local_size; }
+  std::string host_of(int rank) const override;
+  const CommOptions& options() const override { return options_; }
+
+  void allreduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) override;
+  void reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) override;
+  void broadcast(void* buf, size_t count, DataType dtype, int root) override;
+  void allgather(const void* send, void* recv, size_t count, DataType dtype) override;
+  void allgatherv(const void* send, size_t send_count, void* recv, const std::vector<size_t>& recv_counts,
+                  DataType dtype) override;
+  void gather(const void* send, void* recv, size_t count, DataType dtype, int root) override;
+  void scatter(const void* send, void* recv, size_t count, DataType dtype, int root) override;
+  void reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) override;
+  void alltoall(const void* send, void* recv, size_t count, DataType dtype) override;
+  void alltoallv(const void* send, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_displs,
+                 void* recv, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
+                 DataType dtype) override;
+  void barrier() override;
+  void send(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override;
+  void recv(void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override;
+
+  std::shared_ptr<Work> allreduce_async(const void* send, void* recv, size_t count, DataType dtype,
+                                        ReduceOp op) override;
+  std::shared_ptr<Work> broadcast_async(void* buf, size_t count, DataType dtype, int root) override;
+  std::shared_ptr<Work> allgather_async(const void* send, void* recv, size_t count, DataType dtype) override;
+  std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype,
+                                             ReduceOp op) override;
+  std::shared_ptr<Work> barrier_async() override;
+
+  std::shared_ptr<Communicator> split(int color, int key) override;
+  std::shared_ptr<Communicator> subgroup(const std::vector<int>& ranks) override;
+  void abort(const std::string& reason) override;
+
+  // ---- coll::Context (called by the algorithms, on the thread holding drive_) ----
+  coll::RequestId isend(int peer, const void* data, size_t bytes, uint32_t slot) override;
+  coll::RequestId irecv(int peer, void* data, size_t bytes, uint32_t slot) override;
+  void wait(coll::RequestId id) override;
+  void* scratch(size_t bytes, int index) override;
+
+  const Topology& topology() const { return topology_; }
+  // Keeps `thing` (e.g. the store server rank 0 hosts without a launcher) alive as long as this.
+  void keep_alive(std::shared_ptr<void> thing) { kept_alive_.push_back(std::move(thing)); }
+  uint32_t id() const { return comm_id_; }
+
+ private:
+  using Body = std::function<void()>;
+  // Runs one operation on the calling thread (blocking API).
+  void run_blocking(const OpDesc& desc, const Body& body);
+  // Queues one operation for the progress thread (async API).
+  std::shared_ptr<Work> run_async(const OpDesc& desc, Body body);
+  void execute_locked(const OpDesc& desc, const Body& body);
+  void drain_queue_locked();
+  void progress_thread_main();
+  void check_usable() const;
+  [[noreturn]] void fail_and_throw(std::exception_ptr error);
+
+  // Point-to-point on an already-running op (send/recv API).
+  void wait_request(transport::Transport* t, transport::RequestId id, int peer);
+  transport::Transport* route(int peer) const { return route_[size_t(peer)]; }
+  [[noreturn]] void throw_timeout();
+  void warn_slow(std::chrono::nanoseconds waited);
+  std::string waiting_for_text();
+  std::string peer_text(int peer) const;
+  std::string mismatch_text(int peer, const transport::Signature& theirs, const transport::Signature& ours);
+
+  void validate_dtype_op(DataType dtype, ReduceOp op, bool needs_op) const;
+  void validate_buffer(const void* p, size_t count, const char* what) const;
+  void validate_root(int root) const;
+
+  std::shared_ptr<Communicator> create_child(const std::string& prefix, int rank, int size);
+
+  std::vector<std::shared_ptr<void>> kept_alive_;  // destroyed last (declared first)
+  // identity and settings
+  std::shared_ptr<Store> root_store_;
+  std::shared_ptr<Store> store_;  // prefixed
+  std::string prefix_;
+  int rank_;
+  int size_;
+  CommOptions options_;
+  uint32_t comm_id_;
+  std::chrono::nanoseconds spin_;
+
+  // bootstrap results
+  Topology topology_;
+  std::vector<std::unique_ptr<transport::Transport>> transports_;
+  std::vector<transport::Transport*> route_;  // per peer
+
+  // the drive lock and the current operation (guarded by drive_)
+  std::mutex drive_;
+  uint32_t seq_ = 0;
+  OpDesc op_;
+  transport::Signature op_sig_;
+  Deadline op_deadline_ = Deadline::never();
+  Deadline::Clock::time_point op_start_;
+  Deadline::Clock::time_point next_warning_;
+  std::chrono::nanoseconds warning_interval_{};
+  std::unordered_map<uint64_t, uint32_t> send_index_, recv_index_;          // per op: (peer, slot)
+  std::unordered_map<uint64_t, uint32_t> p2p_send_index_, p2p_recv_index_;  // persistent: (peer, tag)
+  struct Pending {
+    coll::RequestId id;          // what the algorithm holds (unique per communicator)
+    transport::RequestId tid;    // the transport's own id
+    transport::Transport* transport;
+    int peer;
+  };
+  coll::RequestId next_id_ = 1;
+  std::vector<Pending> pending_;  // outstanding requests of the current op
+  std::vector<std::unique_ptr<char[]>> scratch_;
+  std::vector<size_t> scratch_size_;
+  std::unordered_map<std::string, int> subgroup_counter_;
+  int split_counter_ = 0;
+
+  // failure: first error sticks
+  mutable std::mutex fail_mutex_;
+  std::atomic<bool> failed_{false};
+  std::atomic<bool> abort_requested_{false};
+  std::string root_cause_;
+  std::string abort_reason_;
+
+  // async work
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<std::pair<std::shared_ptr<WorkImpl>, std::pair<OpDesc, Body>>> queue_;
+  bool stop_ = false;
+  std::thread progress_;
+};
+
+}  // namespace cohort::comm

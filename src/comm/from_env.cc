@@ -1,0 +1,39 @@
+// Communicator::from_env: the world communicator of a launched job.
+#include <fmt/core.h>
+
+#include "cohort/communicator.h"
+#include "cohort/error.h"
+#include "comm/communicator_impl.h"
+#include "comm/launch_env.h"
+#include "comm/settings.h"
+#include "common/env.h"
+#include "common/log.h"
+#include "store/tcp_store.h"
+
+namespace cohort {
+
+std::shared_ptr<Communicator> Communicator::from_env(CommOptions options) {
+  comm::LaunchEnv e = comm::resolve_launch_env([](const std::string& n) { return env::get_raw(n); });
+  comm::apply_env_overrides(options);
+  log::set_identity(fmt::format("rank {}", e.rank));
+  std::shared_ptr<StoreServer> server;
+  if (e.host_store) {
+    StoreServerOptions so;
+    so.port = e.store_port;
+    so.token = e.token;
+    so.backlog = std::max(16384, e.world_size);
+    server = StoreServer::start(so);
+  }
+  StoreClientOptions co;
+  co.host = e.store_host;
+  co.port = e.store_port;
+  co.token = e.token;
+  co.timeout = options.timeout;
+  auto store = connect_tcp_store(co);
+  options.store_prefix = e.prefix;
+  auto comm = Communicator::create(store, e.rank, e.world_size, options);
+  if (server) std::static_pointer_cast<comm::CommunicatorImpl>(comm)->keep_alive(server);
+  return comm;
+}
+
+}  // namespace cohort

@@ -1,0 +1,101 @@
+#include "comm/launch_env.h"
+
+#include <fmt/core.h>
+
+#include <vector>
+
+#include "cohort/error.h"
+#include "common/env.h"
+#include "common/socket.h"
+#include "common/strings.h"
+
+namespace cohort::comm {
+namespace {
+
+int parse_nonneg(const std::string& name, const std::string& value) {
+  int64_t v = env::parse_int(name, value);
+  if (v < 0 || v > (int64_t(1) << 30)) throw ConfigError(fmt::format("{}={}: expected a rank or size >= 0", name, value));
+  return int(v);
+}
+
+struct Pair {
+  const char* rank;
+  const char* size;
+  const char* source;
+};
+
+}  // namespace
+
+LaunchEnv resolve_launch_env(const GetEnv& get) {
+  LaunchEnv e;
+  e.token = get("COHORT_JOB_TOKEN").value_or("");
+
+  // Every (rank, size) pair that is set must agree: a worker started by one launcher inside another's
+  // allocation would otherwise silently join the wrong job.
+  const Pair pairs[] = {{"COHORT_RANK", "COHORT_WORLD_SIZE", "cohort run"},
+                        {"RANK", "WORLD_SIZE", "torchrun"},
+                        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"},
+                        {"SLURM_PROCID", "SLURM_NTASKS", "Slurm"}};
+  const Pair* chosen = nullptr;
+  std::vector<std::string> seen;
+  for (const Pair& p : pairs) {
+    auto r = get(p.rank), s = get(p.size);
+    if (!r && !s) continue;
+    if (!r || !s) {
+      throw ConfigError(fmt::format("{} is set but {} is not; set both (or neither)", r ? p.rank : p.size,
+                                    r ? p.size : p.rank));
+    }
+    int rank = parse_nonneg(p.rank, *r), size = parse_nonneg(p.size, *s);
+    seen.push_back(fmt::format("{}={} {}={}", p.rank, *r, p.size, *s));
+    if (!chosen) {
+      chosen = &p;
+      e.rank = rank;
+      e.world_size = size;
+      e.source = p.source;
+    } else if (p.source != std::string("Slurm") && p.source != std::string("Open MPI") &&
+               (rank != e.rank || size != e.world_size)) {
+      // Launcher variables must agree with torchrun's (cohort run sets both). Scheduler
+      // variables (Slurm, Open MPI) describe the allocation and may legitimately differ when a
+      // launcher runs inside it, so they are only used when nothing better is set.
+      throw ConfigError(fmt::format("contradictory rank variables: {}", str::join(seen, " vs ")));
+    }
+  }
+  if (!chosen) {
+    throw ConfigError(
+        "no rank information in the environment: expected COHORT_RANK/COHORT_WORLD_SIZE/COHORT_STORE_ADDR "
+        "(cohort run), RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun), or OMPI_COMM_WORLD_RANK/SIZE or "
+        "SLURM_PROCID/SLURM_NTASKS with MASTER_ADDR/MASTER_PORT");
+  }
+  if (e.world_size < 1) throw ConfigError(fmt::format("{}: world size must be at least 1", chosen->size));
+  if (e.rank >= e.world_size) {
+    throw ConfigError(fmt::format("{}={} is out of range for {}={}", chosen->rank, e.rank, chosen->size, e.world_size));
+  }
+
+  if (auto addr = get("COHORT_STORE_ADDR")) {
+    auto [host, port] = net::split_host_port(*addr);
+    e.store_host = host;
+    e.store_port = port;
+    std::string job = get("COHORT_JOB_ID").value_or("default");
+    std::string attempt = get("COHORT_RESTART_COUNT").value_or("0");
+    e.prefix = fmt::format("cohort/job/{}/attempt/{}/comm", job, attempt);
+    return e;
+  }
+  if (std::string(chosen->source) == "cohort run") {
+    throw ConfigError("COHORT_RANK is set but COHORT_STORE_ADDR is not (expected host:port of the job's store)");
+  }
+  auto maddr = get("MASTER_ADDR"), mport = get("MASTER_PORT");
+  if (!maddr || !mport) {
+    throw ConfigError(fmt::format("{} gives the rank ({}) but {} is not set: rank 0 hosts the store at "
+                                  "MASTER_ADDR:MASTER_PORT",
+                                  e.source, seen.front(), !maddr ? "MASTER_ADDR" : "MASTER_PORT"));
+  }
+  int64_t port = env::parse_int("MASTER_PORT", *mport);
+  if (port <= 0 || port > 65535) throw ConfigError(fmt::format("MASTER_PORT={}: expected a port 1-65535", *mport));
+  e.store_host = *maddr;
+  e.store_port = uint16_t(port);
+  e.host_store = e.rank == 0;
+  e.prefix = "cohort/world/comm";
+  return e;
+}
+
+}  // namespace cohort::comm

@@ -1,0 +1,28 @@
+#pragma once
+// Where a worker learns its rank, world size and rendezvous store: the launcher's COHORT_*
+// variables, else torchrun's, else Open MPI's or Slurm's rank variables with MASTER_ADDR/PORT.
+
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace cohort::comm {
+
+struct LaunchEnv {
+  std::string source;        // "cohort run", "torchrun", "Open MPI", "Slurm" (for messages)
+  int rank = 0;
+  int world_size = 1;
+  std::string store_host;
+  uint16_t store_port = 0;
+  bool host_store = false;   // this rank starts the store server (rank 0 without a launcher)
+  std::string token;         // COHORT_JOB_TOKEN, may be empty
+  std::string prefix;        // job-scoped key prefix of the world communicator
+};
+
+using GetEnv = std::function<std::optional<std::string>(const std::string&)>;
+
+// Reads the environment through `get` (tests pass a map). A missing or contradictory environment
+// throws one ConfigError saying what was found and what is needed.
+LaunchEnv resolve_launch_env(const GetEnv& get);
+
+}  // namespace cohort::comm

@@ -1,0 +1,845 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <unordered_map>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "common/env.h"
+#include "common/fd.h"
+#include "common/host_identity.h"
+#include "common/log.h"
+#include "common/socket.h"
+#include "common/strings.h"
+
+namespace cohort::transport {
+namespace {
+
+const env::IntSetting kConnections("COHORT_TCP_CONNECTIONS", 2,
+                                   "TCP connections per peer; large messages are split across them");
+const env::BytesSetting kSplitBytes("COHORT_TCP_SPLIT_BYTES", 256 * 1024,
+                                    "messages at least this large are split across the TCP connections");
+const env::BytesSetting kSocketBuffer("COHORT_TCP_SOCKET_BUFFER", 0,
+                                      "SO_SNDBUF/SO_RCVBUF of TCP connections (0 = kernel auto-tuning)");
+const env::StringSetting kAdvertise("COHORT_TCP_ADDR", "",
+                                    "address peers on other hosts dial (default: first non-loopback IPv4)");
+const env::SecondsSetting kKeepAlive("COHORT_TCP_KEEPALIVE", 10.0,
+                                     "idle seconds before TCP keep-alive probes start (3 probes, 2 s apart)");
+
+constexpr uint32_t kDataMagic = 0x31544843;   // "CHT1"
+constexpr uint32_t kHelloMagic = 0x31484843;  // "CHH1"
+constexpr uint32_t kAbortMagic = 0x31414843;  // "CHA1": the sender failed; payload = its error message
+constexpr uint32_t kByeMagic = 0x31424843;    // "CHB1": the sender destroys its transport; no more data
+constexpr size_t kStagingBytes = 64 * 1024;
+constexpr size_t kMaxFragment = size_t(1) << 30;
+constexpr int kMaxIov = 64;
+
+struct WireHeader {
+  uint32_t magic;
+  uint32_t frag_bytes;
+  uint64_t tag;
+  uint64_t sub;
+  Signature signature;
+  uint64_t total;
+  uint64_t offset;
+};
+static_assert(sizeof(WireHeader) == 56, "wire header layout");
+
+struct Hello {
+  uint32_t magic;
+  uint32_t rank;
+  uint32_t index;
+  uint32_t reserved;
+  uint64_t scope;
+};
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+struct Key {
+  int peer;
+  uint64_t tag;
+  uint64_t sub;
+  bool operator==(const Key&) const = default;
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = k.tag * 0x9e3779b97f4a7c15ull ^ (k.sub + 0x632be59bd9b4e019ull + (uint64_t(k.peer) << 40));
+    return static_cast<size_t>(h ^ (h >> 29));
+  }
+};
+
+struct Request {
+  uint32_t gen = 0;
+  bool in_use = false;
+  bool done = false;
+  bool is_send = false;
+  int peer = -1;
+  char* data = nullptr;
+  size_t bytes = 0;
+  size_t remaining = 0;  // recv: bytes still to arrive; send: fragments still to write
+  Key key{};
+  Envelope env;
+  std::exception_ptr error;
+};
+
+// A message that arrived before its receive was posted, buffered whole.
+struct Unexpected {
+  std::unique_ptr<char[]> buf;
+  size_t total = 0;
+  size_t received = 0;
+  Signature signature;
+  int attached = -1;  // request waiting for it, once posted
+};
+
+struct SendItem {
+  WireHeader header;
+  const char* payload;
+  size_t length;
+  size_t written;  // of header + payload
+  uint32_t request;
+};
+
+struct Conn {
+  UniqueFd fd;
+  int peer = -1;
+  int index = 0;
+  // receive side
+  std::unique_ptr<char[]> staging{new char[kStagingBytes]};
+  size_t st_begin = 0, st_end = 0;
+  bool in_payload = false;
+  char* dst = nullptr;
+  size_t dst_left = 0;
+  size_t frag_bytes = 0;
+  int target_req = -1;
+  Unexpected* target_unx = nullptr;
+  Key target_key{};
+  // send side
+  std::deque<SendItem> sendq;
+  bool want_out = false;
+  // orderly shutdown: the peer sends a goodbye header before closing
+  bool bye_received = false;
+  bool closed = false;
+  bool midstream = false;  // a message was cut off by a failure: nothing more may be written
+  // a peer's failure notice being received
+  bool receiving_abort = false;
+  uint8_t abort_class = 0;
+  std::string abort_text;
+};
+
+std::vector<std::string> local_addresses() {
+  std::vector<std::string> out;
+  std::string adv = kAdvertise.get();
+  if (!adv.empty()) return {adv};
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i; i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+      if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      char buf[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+      out.emplace_back(buf);
+    }
+    freeifaddrs(ifs);
+  }
+  return out;
+}
+
+// Loopback is usable between processes of the same boot and network namespace.
+std::string loopback_key() {
+  HostIdentity h = local_host_identity();
+  return h.boot_id + "/" + h.net_ns;
+}
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(const TransportOptions& o)
+      : rank_(o.rank), size_(o.size), scope_(fnv1a(o.job_scope)), connections_(int(std::max<int64_t>(1, kConnections.get()))),
+        split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())), last_seen_(static_cast<size_t>(o.size)),
+        peers_(static_cast<size_t>(o.size)) {
+    if (connections_ > 64) throw ConfigError(fmt::format("COHORT_TCP_CONNECTIONS={}: expected 1 to 64", connections_));
+    listener_ = net::listen_tcp("", 0, std::max(128, size_ * connections_), /*nonblocking=*/false);
+    apply_buffer_size(listener_.get());
+    port_ = net::local_address(listener_.get()).port();
+    epoll_.reset(epoll_create1(EPOLL_CLOEXEC));
+    if (!epoll_) throw Error(net::errno_string("epoll_create1", errno));
+    conns_.resize(static_cast<size_t>(size_));
+  }
+
+  ~TcpTransport() override {
+    // Say goodbye on every idle connection so that peers can tell an orderly exit from a crash.
+    WireHeader bye{};
+    bye.magic = kByeMagic;
+    for (auto& per_peer : conns_) {
+      for (auto& c : per_peer) {
+        if (c->closed || !c->sendq.empty() || failed_) continue;
+        (void)::send(c->fd.get(), &bye, sizeof bye, MSG_NOSIGNAL | MSG_DONTWAIT);
+      }
+    }
+  }
+
+  const char* name() const override { return "tcp"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  // "tcp;<loopback key>;<port>;<addr,addr,...>"
+  std::string descriptor() const override {
+    return fmt::format("tcp;{};{};{}", loopback_key(), port_, str::join(local_addresses(), ","));
+  }
+  bool can_reach(const std::string& d) const override { return str::starts_with(d, "tcp;"); }
+
+  void connect(const std::vector<PeerInfo>& peers, const std::vector<bool>& use, Deadline deadline) override {
+    for (int r = 0; r < size_; ++r) peers_[size_t(r)] = peers[size_t(r)];
+    // Dial the higher ranks, rotated so that rank i starts with i+1.
+    for (int step = 1; step < size_; ++step) {
+      int j = rank_ + step;
+      if (j >= size_) break;
+      if (!use[size_t(j)]) continue;
+      net::Address addr = choose_address(j);
+      for (int c = 0; c < connections_; ++c) {
+        UniqueFd fd;
+        try {
+          fd = net::connect_tcp(addr, deadline);
+        } catch (const Error& e) {
+          throw PeerLostError(fmt::format("cannot connect to rank {} ({}) at {}: {}", j, peers_[size_t(j)].host,
+                                          addr.to_string(), e.what()));
+        }
+        Hello h{kHelloMagic, uint32_t(rank_), uint32_t(c), 0, scope_};
+        net::send_all(fd.get(), &h, sizeof h, deadline, fmt::format("rank {}", j));
+        add_conn(std::move(fd), j, c);
+      }
+    }
+    // Accept the lower ranks.
+    int expected = 0;
+    for (int j = 0; j < rank_; ++j) expected += use[size_t(j)] ? connections_ : 0;
+    std::vector<int> got(static_cast<size_t>(size_), 0);
+    auto start = Deadline::Clock::now();
+    auto next_log = start + std::chrono::seconds(5);
+    while (expected > 0) {
+      if (deadline.expired()) throw TimeoutError("TCP connect: " + missing_connections(use, got, "never connected"));
+      pollfd p{listener_.get(), POLLIN, 0};
+      int n = ::poll(&p, 1, deadline.poll_ms(1000));
+      if (Deadline::Clock::now() > next_log) {
+        log::warn("waiting for TCP connections: {}", missing_connections(use, got, "not connected yet"));
+        next_log = Deadline::Clock::now() + std::chrono::seconds(10);
+      }
+      if (n <= 0) continue;
+      UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!fd) continue;
+      Hello h{};
+      try {
+        net::recv_all(fd.get(), &h, sizeof h, Deadline::earliest(deadline, Deadline::after(std::chrono::seconds(10))),
+                      "connecting peer");
+      } catch (const Error& e) {
+        log::warn("dropped a TCP connection that sent no valid hello: {}", e.what());
+        continue;
+      }
+      if (h.magic != kHelloMagic || h.scope != scope_ || int(h.rank) >= rank_ || int(h.index) >= connections_ ||
+          conns_[h.rank].size() > size_t(connections_) || !use[h.rank]) {
+        log::warn("refused a TCP connection with a foreign or malformed hello (rank {}, index {})", h.rank, h.index);
+        continue;
+      }
+      got[h.rank]++;
+      --expected;
+      add_conn(std::move(fd), int(h.rank), int(h.index));
+    }
+    for (auto& per_peer : conns_) {
+      std::sort(per_peer.begin(), per_peer.end(), [](auto& a, auto& b) { return a->index < b->index; });
+    }
+    listener_.reset();
+  }
+
+  RequestId isend(int peer, const Envelope& env, const void* data, size_t bytes) override {
+    check_peer(peer);
+    if (failed_) std::rethrow_exception(failed_);
+    uint32_t idx = alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
+    Request& r = reqs_[idx];
+    if (peer == rank_) {
+      deliver_local(r);
+      r.done = true;
+      return make_id(idx);
+    }
+    auto& pc = conns_[size_t(peer)];
+    if (peer_left(peer)) {
+      fail(std::make_exception_ptr(PeerLostError(fmt::format(
+          "rank {} ({}) left (destroyed its communicator); cannot send to it", peer, peers_[size_t(peer)].host))));
+      std::rethrow_exception(failed_);
+    }
+    if (pc.empty()) throw InvalidArgument(fmt::format("tcp transport does not serve rank {}", peer));
+    size_t nfrag = 1;
+    if (bytes >= split_bytes_ && pc.size() > 1) nfrag = pc.size();
+    nfrag = std::max(nfrag, (bytes + kMaxFragment - 1) / kMaxFragment);
+    size_t per = (bytes + nfrag - 1) / nfrag;
+    per = (per + 4095) & ~size_t(4095);
+    r.remaining = 0;
+    size_t first_conn = nfrag > 1 ? rr_[size_t(peer)]++ : 0;
+    for (size_t off = 0, i = 0; i == 0 || off < bytes; ++i) {
+      size_t len = std::min(per, bytes - off);
+      Conn& c = *pc[(first_conn + i) % pc.size()];
+      SendItem item{};
+      item.header = WireHeader{kDataMagic, uint32_t(len), env.tag, env.sub, env.signature, bytes, off};
+      item.payload = r.data + off;
+      item.length = len;
+      item.written = 0;
+      item.request = idx;
+      c.sendq.push_back(item);
+      r.remaining++;
+      off += len;
+      if (bytes == 0) break;
+    }
+    // Write at once on the calling thread (the latency path); what does not fit waits for EPOLLOUT.
+    for (size_t i = 0; i < std::min(nfrag, pc.size()); ++i) {
+      Conn& c = *pc[(first_conn + i) % pc.size()];
+      if (!c.sendq.empty() && !c.want_out) flush(c);
+      if (failed_) break;
+    }
+    return make_id(idx);
+  }
+
+  RequestId irecv(int peer, const Envelope& env, void* data, size_t bytes) override {
+    check_peer(peer);
+    if (failed_) std::rethrow_exception(failed_);
+    uint32_t idx = alloc(false, peer, static_cast<char*>(data), bytes, env);
+    Request& r = reqs_[idx];
+    r.remaining = bytes;
+    auto it = unexpected_.find(r.key);
+    if (it != unexpected_.end()) {
+      Unexpected& u = it->second;
+      check_match(peer, u.signature, u.total, r);
+      if (u.received == u.total) {
+        if (bytes) std::memcpy(r.data, u.buf.get(), bytes);
+        r.done = true;
+        unexpected_.erase(it);
+      } else {
+        u.attached = int(idx);
+      }
+      return make_id(idx);
+    }
+    if (peer != rank_ && peer_left(peer)) {
+      fail(std::make_exception_ptr(PeerLostError(fmt::format(
+          "rank {} ({}) left (destroyed its communicator); cannot receive from it", peer, peers_[size_t(peer)].host))));
+      std::rethrow_exception(failed_);
+    }
+    auto [pos, inserted] = posted_.emplace(r.key, idx);
+    if (!inserted) {
+      throw InvalidArgument(fmt::format("two receives posted for the same message from rank {} (tag {:#x}, sub {:#x})",
+                                        peer, env.tag, env.sub));
+    }
+    return make_id(idx);
+  }
+
+  bool test(RequestId id) override {
+    uint32_t idx = uint32_t(id);
+    Request& r = reqs_.at(idx);
+    if (!r.in_use || r.gen != uint32_t(id >> 32)) throw std::logic_error("tcp transport: stale request id");
+    if (r.done) {
+      std::exception_ptr e = r.error;
+      release(idx);
+      if (e) std::rethrow_exception(e);
+      return true;
+    }
+    if (failed_) {
+      release(idx);
+      std::rethrow_exception(failed_);
+    }
+    return false;
+  }
+
+  bool peek(RequestId id) const override {
+    const Request& r = reqs_.at(uint32_t(id));
+    return r.in_use && r.gen == uint32_t(id >> 32) && r.done;
+  }
+
+  bool poll(int timeout_ms) override {
+    if (failed_) return false;
+    epoll_event evs[64];
+    int n = epoll_wait(epoll_.get(), evs, 64, timeout_ms);
+    if (n <= 0) return false;
+    for (int i = 0; i < n && !failed_; ++i) {
+      Conn& c = *static_cast<Conn*>(evs[i].data.ptr);
+      if (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) read_conn(c);
+      if (!failed_ && (evs[i].events & EPOLLOUT)) flush(c);
+    }
+    return true;
+  }
+
+  void fail(std::exception_ptr error) override {
+    if (failed_) return;
+    failed_ = error;
+    for (auto& per_peer : conns_) {
+      for (auto& c : per_peer) {
+        c->midstream = c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0);
+        c->sendq.clear();
+        c->in_payload = false;
+      }
+    }
+    posted_.clear();
+    unexpected_.clear();
+  }
+  std::exception_ptr error() const override { return failed_; }
+
+  bool failed_by_notice() const override { return failed_by_notice_; }
+
+  void notify_peers(ErrorClass cls, const std::string& message) override {
+    if (failed_by_notice_) return;
+    std::string text = message.substr(0, 4096);
+    WireHeader h{};
+    h.magic = kAbortMagic;
+    h.frag_bytes = uint32_t(text.size());
+    h.signature.op = uint8_t(cls);
+    h.total = text.size();
+    for (auto& per_peer : conns_) {
+      for (auto& c : per_peer) {
+        // Only on a connection that is not in the middle of a message (the stream stays parseable).
+        if (c->closed || c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0)) continue;
+        iovec iov[2] = {{&h, sizeof h}, {text.data(), text.size()}};
+        msghdr msg{};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = 2;
+        (void)::sendmsg(c->fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        break;  // one connection per peer is enough
+      }
+    }
+  }
+  void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }
+  PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
+
+ private:
+  RequestId make_id(uint32_t idx) const { return (uint64_t(reqs_[idx].gen) << 32) | idx; }
+
+  void check_peer(int peer) const {
+    if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("peer rank {} out of range [0, {})", peer, size_));
+  }
+
+  uint32_t alloc(bool is_send, int peer, char* data, size_t bytes, const Envelope& env) {
+    uint32_t idx;
+    if (!free_.empty()) {
+      idx = free_.back();
+      free_.pop_back();
+    } else {
+      idx = uint32_t(reqs_.size());
+      reqs_.emplace_back();
+    }
+    Request& r = reqs_[idx];
+    r.gen++;
+    r.in_use = true;
+    r.done = false;
+    r.is_send = is_send;
+    r.peer = peer;
+    r.data = data;
+    r.bytes = bytes;
+    r.remaining = 0;
+    r.key = Key{peer, env.tag, env.sub};
+    r.env = env;
+    r.error = nullptr;
+    return idx;
+  }
+  void release(uint32_t idx) {
+    Request& r = reqs_[idx];
+    if (!r.done && !r.is_send) {
+      auto it = posted_.find(r.key);
+      if (it != posted_.end() && it->second == idx) posted_.erase(it);
+      auto u = unexpected_.find(r.key);
+      if (u != unexpected_.end() && u->second.attached == int(idx)) u->second.attached = -1;
+    }
+    r.in_use = false;
+    free_.push_back(idx);
+  }
+
+  void check_match(int peer, const Signature& theirs, size_t total, const Request& r) {
+    if (!(theirs == r.env.signature)) {
+      std::string msg = mismatch_formatter_ ? mismatch_formatter_(peer, theirs, r.env.signature, r.env)
+                                            : fmt::format("rank {} sent a message of a different operation", peer);
+      fail_with(std::make_exception_ptr(MismatchError(msg)));
+      std::rethrow_exception(failed_);
+    }
+    if (total != r.bytes) {
+      std::string msg = fmt::format("rank {} ({}) sent {} bytes where this rank expected {} (tag {:#x}, sub {:#x})", peer,
+                                    peers_[size_t(peer)].host, total, r.bytes, r.env.tag, r.env.sub);
+      if (mismatch_formatter_) msg = mismatch_formatter_(peer, theirs, r.env.signature, r.env) + ": " + msg;
+      fail_with(std::make_exception_ptr(MismatchError(msg)));
+      std::rethrow_exception(failed_);
+    }
+  }
+
+  void fail_with(std::exception_ptr e) { fail(e); }
+
+  void deliver_local(Request& s) {
+    auto it = posted_.find(s.key);
+    if (it != posted_.end()) {
+      Request& r = reqs_[it->second];
+      check_match(rank_, s.env.signature, s.bytes, r);
+      if (s.bytes) std::memcpy(r.data, s.data, s.bytes);
+      r.done = true;
+      r.remaining = 0;
+      posted_.erase(it);
+      return;
+    }
+    Unexpected& u = unexpected_[s.key];
+    u.total = s.bytes;
+    u.received = s.bytes;
+    u.signature = s.env.signature;
+    u.buf.reset(new char[std::max<size_t>(1, s.bytes)]);
+    if (s.bytes) std::memcpy(u.buf.get(), s.data, s.bytes);
+  }
+
+  net::Address choose_address(int peer) {
+    const std::string& d = peers_[size_t(peer)].descriptor;
+    auto parts = str::split(d, ';', true);
+    if (parts.size() < 4 || parts[0] != "tcp") {
+      throw PeerLostError(fmt::format("rank {} ({}) published no TCP endpoint ('{}')", peer, peers_[size_t(peer)].host, d));
+    }
+    uint16_t port = uint16_t(std::stoi(parts[2]));
+    if (parts[1] == loopback_key()) return net::resolve("127.0.0.1", port);
+    auto addrs = str::split(parts[3], ',');
+    if (addrs.empty()) {
+      throw PeerLostError(fmt::format("rank {} ({}) is on another host but published no address", peer,
+                                      peers_[size_t(peer)].host));
+    }
+    return net::resolve(addrs[0], port);
+  }
+
+  void apply_buffer_size(int fd) {
+    uint64_t b = kSocketBuffer.get();
+    if (b == 0) return;
+    int v = int(std::min<uint64_t>(b, 1u << 30));
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof v);
+  }
+
+  void add_conn(UniqueFd fd, int peer, int index) {
+    net::set_nonblocking(fd.get(), true);
+    net::set_nodelay(fd.get());
+    int idle = std::max(1, int(kKeepAlive.get()));
+    net::set_keepalive(fd.get(), idle, 2, 3);
+    apply_buffer_size(fd.get());
+    auto c = std::make_unique<Conn>();
+    c->fd = std::move(fd);
+    c->peer = peer;
+    c->index = index;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = c.get();
+    if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, c->fd.get(), &ev) != 0) {
+      throw Error(net::errno_string("epoll_ctl", errno));
+    }
+    conns_[size_t(peer)].push_back(std::move(c));
+    if (rr_.size() != size_t(size_)) rr_.assign(static_cast<size_t>(size_), 0);
+  }
+
+  std::string missing_connections(const std::vector<bool>& use, const std::vector<int>& got, const char* what) {
+    std::vector<int> missing;
+    std::vector<std::string> hosts;
+    for (int j = 0; j < rank_; ++j) {
+      if (use[size_t(j)] && got[size_t(j)] < connections_) {
+        missing.push_back(j);
+        if (hosts.size() < 8) hosts.push_back(peers_[size_t(j)].host);
+      }
+    }
+    return fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(missing), str::join(hosts, ","), what);
+  }
+
+  void set_want_out(Conn& c, bool on) {
+    if (c.want_out == on) return;
+    c.want_out = on;
+    epoll_event ev{};
+    ev.events = EPOLLIN | (on ? uint32_t(EPOLLOUT) : 0u);
+    ev.data.ptr = &c;
+    epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
+  }
+
+  void conn_error(Conn& c, const std::string& what) {
+    fail(std::make_exception_ptr(PeerLostError(
+        fmt::format("lost rank {} ({}): {}", c.peer, peers_[size_t(c.peer)].host, what))));
+  }
+
+  // The peer said goodbye and closed this connection. Once all of its connections are closed,
+  // whatever this rank still expects from it can never come.
+  void conn_closed_after_bye(Conn& c) {
+    c.closed = true;
+    epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+    if (!peer_left(c.peer)) return;
+    for (auto& [key, idx] : posted_) {
+      if (key.peer == c.peer) {
+        fail(std::make_exception_ptr(PeerLostError(fmt::format(
+            "rank {} ({}) left (destroyed its communicator) while this rank still expects a message from it", c.peer,
+            peers_[size_t(c.peer)].host))));
+        return;
+      }
+    }
+  }
+  bool peer_left(int peer) const {
+    const auto& pc = conns_[size_t(peer)];
+    if (pc.empty()) return false;
+    for (const auto& c : pc)
+      if (!c->closed) return false;
+    return true;
+  }
+
+  void flush(Conn& c) {
+    while (!c.sendq.empty()) {
+      iovec iov[kMaxIov];
+      int n = 0;
+      for (auto it = c.sendq.begin(); it != c.sendq.end() && n + 2 <= kMaxIov; ++it) {
+        size_t w = it->written;
+        if (w < sizeof(WireHeader)) {
+          iov[n++] = {reinterpret_cast<char*>(&it->header) + w, sizeof(WireHeader) - w};
+          if (it->length) iov[n++] = {const_cast<char*>(it->payload), it->length};
+        } else {
+          iov[n++] = {const_cast<char*>(it->payload) + (w - sizeof(WireHeader)), it->length - (w - sizeof(WireHeader))};
+        }
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = size_t(n);
+      ssize_t k = ::sendmsg(c.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          set_want_out(c, true);
+          return;
+        }
+        conn_error(c, net::errno_string("send", errno));
+        return;
+      }
+      size_t left = size_t(k);
+      while (left > 0 || (!c.sendq.empty() && c.sendq.front().written == sizeof(WireHeader) + c.sendq.front().length)) {
+        SendItem& item = c.sendq.front();
+        size_t need = sizeof(WireHeader) + item.length - item.written;
+        size_t take = std::min(need, left);
+        item.written += take;
+        left -= take;
+        if (item.written == sizeof(WireHeader) + item.length) {
+          Request& r = reqs_[item.request];
+          if (--r.remaining == 0) r.done = true;
+          c.sendq.pop_front();
+          if (c.sendq.empty()) break;
+        } else {
+          break;
+        }
+      }
+    }
+    set_want_out(c, false);
+  }
+
+  void read_conn(Conn& c) {
+    for (;;) {
+      if (failed_) return;
+      ssize_t n;
+      if (c.in_payload) {
+        if (c.st_begin == c.st_end) c.st_begin = c.st_end = 0;
+        iovec iov[2] = {{c.dst, c.dst_left}, {c.staging.get() + c.st_end, kStagingBytes - c.st_end}};
+        n = ::readv(c.fd.get(), iov, iov[1].iov_len ? 2 : 1);
+        if (n > 0) {
+          size_t got = size_t(n);
+          // A short read means the socket is drained: skip the recv that would only say EAGAIN
+          // (level-triggered epoll reports the connection again when more arrives).
+          bool drained = got < iov[0].iov_len + (iov[1].iov_len ? iov[1].iov_len : 0);
+          if (got >= c.dst_left) {
+            c.st_end += got - c.dst_left;
+            c.dst_left = 0;
+            c.in_payload = false;
+            finish_fragment(c);
+            parse_staging(c);
+          } else {
+            c.dst += got;
+            c.dst_left -= got;
+          }
+          if (drained) return;
+          continue;
+        }
+      } else {
+        if (c.st_begin == c.st_end) {
+          c.st_begin = c.st_end = 0;
+        } else if (kStagingBytes - c.st_end < sizeof(WireHeader)) {
+          std::memmove(c.staging.get(), c.staging.get() + c.st_begin, c.st_end - c.st_begin);
+          c.st_end -= c.st_begin;
+          c.st_begin = 0;
+        }
+        size_t want = kStagingBytes - c.st_end;
+        n = ::recv(c.fd.get(), c.staging.get() + c.st_end, want, MSG_DONTWAIT);
+        if (n > 0) {
+          c.st_end += size_t(n);
+          parse_staging(c);
+          if (size_t(n) < want) return;  // drained (see above)
+          continue;
+        }
+      }
+      if (n == 0) {
+        if (c.bye_received && !c.in_payload && c.st_begin == c.st_end) {
+          conn_closed_after_bye(c);
+        } else {
+          // The peer is gone. It may have said why on another of its connections: read those first.
+          c.closed = true;
+          epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+          for (auto& other : conns_[size_t(c.peer)])
+            if (!other->closed && !failed_) read_conn(*other);
+          if (!failed_) conn_error(c, "the connection was closed without a goodbye (process exited or was killed)");
+        }
+        return;
+      }
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      conn_error(c, net::errno_string("recv", errno));
+      return;
+    }
+  }
+
+  void parse_staging(Conn& c) {
+    while (!c.in_payload && !failed_ && c.st_end - c.st_begin >= sizeof(WireHeader)) {
+      WireHeader h;
+      std::memcpy(&h, c.staging.get() + c.st_begin, sizeof h);
+      c.st_begin += sizeof h;
+      if (h.magic == kByeMagic) {
+        c.bye_received = true;
+        continue;
+      }
+      if (h.magic == kAbortMagic && h.frag_bytes <= 64 * 1024) {
+        c.receiving_abort = true;
+        c.abort_class = h.signature.op;
+        c.abort_text.assign(h.frag_bytes, '\0');
+        c.dst = c.abort_text.data();
+        c.dst_left = h.frag_bytes;
+        c.frag_bytes = h.frag_bytes;
+        c.target_req = -1;
+        c.target_unx = nullptr;
+      } else if (h.magic != kDataMagic || h.offset + h.frag_bytes > h.total) {
+        conn_error(c, "protocol error: malformed message header");
+        return;
+      } else {
+        begin_fragment(c, h);
+      }
+      if (failed_) return;
+      size_t avail = std::min(c.dst_left, c.st_end - c.st_begin);
+      if (avail) std::memcpy(c.dst, c.staging.get() + c.st_begin, avail);
+      c.st_begin += avail;
+      c.dst += avail;
+      c.dst_left -= avail;
+      if (c.dst_left == 0) {
+        finish_fragment(c);
+      } else {
+        c.in_payload = true;
+      }
+    }
+  }
+
+  void begin_fragment(Conn& c, const WireHeader& h) {
+    Key k{c.peer, h.tag, h.sub};
+    PeerProgress& p = last_seen_[size_t(c.peer)];
+    p.seen = true;
+    p.tag = h.tag;
+    p.signature = h.signature;
+    p.bytes = h.total;
+    c.frag_bytes = h.frag_bytes;
+    c.dst_left = h.frag_bytes;
+    c.target_key = k;
+    auto it = posted_.find(k);
+    if (it != posted_.end()) {
+      Request& r = reqs_[it->second];
+      try {
+        check_match(c.peer, h.signature, h.total, r);
+      } catch (const Error&) {
+        return;  // the transport is failed now; test() reports it
+      }
+      c.target_req = int(it->second);
+      c.target_unx = nullptr;
+      c.dst = r.data + h.offset;
+      return;
+    }
+    Unexpected& u = unexpected_[k];
+    if (!u.buf) {
+      u.total = h.total;
+      u.signature = h.signature;
+      u.buf.reset(new char[std::max<size_t>(1, h.total)]);
+    } else if (u.total != h.total) {
+      conn_error(c, "protocol error: fragments of one message disagree on its size");
+      return;
+    }
+    c.target_req = -1;
+    c.target_unx = &u;
+    c.dst = u.buf.get() + h.offset;
+  }
+
+  void finish_fragment(Conn& c) {
+    if (c.receiving_abort) {
+      c.receiving_abort = false;
+      failed_by_notice_ = !failed_;
+      std::string msg = fmt::format("rank {} ({}) failed: {}", c.peer, peers_[size_t(c.peer)].host, c.abort_text);
+      switch (ErrorClass(c.abort_class)) {
+        case ErrorClass::kTimeout: fail(std::make_exception_ptr(TimeoutError(msg))); break;
+        case ErrorClass::kPeerLost: fail(std::make_exception_ptr(PeerLostError(msg))); break;
+        case ErrorClass::kMismatch: fail(std::make_exception_ptr(MismatchError(msg))); break;
+        default: fail(std::make_exception_ptr(AbortedError(msg))); break;
+      }
+      return;
+    }
+    if (c.target_req >= 0) {
+      Request& r = reqs_[size_t(c.target_req)];
+      r.remaining -= c.frag_bytes;
+      if (r.remaining == 0) {
+        r.done = true;
+        posted_.erase(r.key);
+      }
+      c.target_req = -1;
+      return;
+    }
+    Unexpected* u = c.target_unx;
+    c.target_unx = nullptr;
+    if (!u) return;
+    u->received += c.frag_bytes;
+    if (u->received == u->total && u->attached >= 0) {
+      Request& r = reqs_[size_t(u->attached)];
+      if (r.bytes) std::memcpy(r.data, u->buf.get(), r.bytes);
+      r.done = true;
+      unexpected_.erase(c.target_key);
+    }
+  }
+
+  int rank_;
+  int size_;
+  uint64_t scope_;
+  int connections_;
+  size_t split_bytes_;
+  uint16_t port_ = 0;
+  UniqueFd listener_;
+  UniqueFd epoll_;
+  std::vector<std::vector<std::unique_ptr<Conn>>> conns_;
+  std::vector<size_t> rr_;
+  std::vector<Request> reqs_;
+  std::vector<uint32_t> free_;
+  std::unordered_map<Key, uint32_t, KeyHash> posted_;
+  std::unordered_map<Key, Unexpected, KeyHash> unexpected_;
+  std::vector<PeerProgress> last_seen_;
+  std::vector<PeerInfo> peers_;
+  std::exception_ptr failed_;
+  bool failed_by_notice_ = false;
+  MismatchFormatter mismatch_formatter_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_tcp_transport(const TransportOptions& options) {
+  return std::make_unique<TcpTransport>(options);
+}
+
+}  // namespace cohort::transport

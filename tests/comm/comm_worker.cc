@@ -1,0 +1,115 @@
+// comm_worker: one rank of a test job, started N times by the fault tests (tests/comm/faults_test.cc)
+// and usable as a quick benchmark.
+//
+//   comm_worker <mode> <store file | env> <rank> <size> [bytes]   ("env": Communicator::from_env)
+//     once      one allreduce, prints the sum
+//     loop      allreduce `bytes` (default 4096) forever; prints "ready" after the first one
+//     mismatch  rank 1 calls allreduce with a different count than the others
+//     bench     allreduce latency/bandwidth table (rank 0 prints)
+//
+// Errors print "ERROR <class>: <message>" on stderr and exit with 3.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cohort/communicator.h"
+#include "cohort/error.h"
+#include "store/tcp_store.h"
+
+using namespace cohort;
+
+namespace {
+
+const char* error_class(const std::exception& e) {
+  if (dynamic_cast<const PeerLostError*>(&e)) return "PeerLostError";
+  if (dynamic_cast<const TimeoutError*>(&e)) return "TimeoutError";
+  if (dynamic_cast<const MismatchError*>(&e)) return "MismatchError";
+  if (dynamic_cast<const AbortedError*>(&e)) return "AbortedError";
+  if (dynamic_cast<const InvalidArgument*>(&e)) return "InvalidArgument";
+  if (dynamic_cast<const ConfigError*>(&e)) return "ConfigError";
+  return "Error";
+}
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void bench(Communicator& comm) {
+  const size_t sizes[] = {8, 1024, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+  std::vector<float> buf((64 << 20) / 4, 0.0f);
+  if (comm.rank() == 0) std::printf("%12s %12s %10s %10s\n", "bytes", "time_us", "algbw", "busbw");
+  for (size_t bytes : sizes) {
+    size_t count = std::max<size_t>(1, bytes / 4);
+    for (int i = 0; i < 5; ++i) comm.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+    // Iterations: about 0.5 s worth, agreed by every rank (rank 0 decides).
+    double t0 = now_s();
+    comm.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+    double one = now_s() - t0;
+    double iters_d = std::max(3.0, std::min(200000.0, 0.5 / std::max(one, 1e-7)));
+    double agreed = iters_d;
+    comm.broadcast(&agreed, 1, DataType::kFloat64, 0);
+    int iters = int(agreed);
+    std::vector<double> trials;
+    for (int trial = 0; trial < 3; ++trial) {
+      comm.barrier();
+      double s = now_s();
+      for (int i = 0; i < iters; ++i)
+        comm.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+      double t = (now_s() - s) / iters;
+      comm.allreduce(&t, &t, 1, DataType::kFloat64, ReduceOp::kMax);
+      trials.push_back(t);
+    }
+    std::sort(trials.begin(), trials.end());
+    double t = trials[1];
+    double algbw = double(count * 4) / t / 1e9;
+    double busbw = algbw * 2.0 * (comm.size() - 1) / comm.size();
+    if (comm.rank() == 0) std::printf("%12zu %12.2f %10.3f %10.3f\n", count * 4, t * 1e6, algbw, busbw);
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: comm_worker <loop|mismatch|bench> <store file> <rank> <size> [bytes]\n");
+    return 2;
+  }
+  std::string mode = argv[1];
+  int rank = std::atoi(argv[3]), size = std::atoi(argv[4]);
+  size_t bytes = argc > 5 ? std::strtoull(argv[5], nullptr, 10) : 4096;
+  try {
+    std::shared_ptr<Communicator> comm;
+    if (std::string(argv[2]) == "env") {
+      comm = Communicator::from_env();  // the launcher's / torchrun's / MPI's variables
+    } else {
+      comm = Communicator::create(make_file_store(argv[2]), rank, size);
+    }
+    if (mode == "bench") {
+      bench(*comm);
+      return 0;
+    }
+    std::vector<float> buf(std::max<size_t>(1, bytes / 4), 1.0f);
+    if (mode == "once") {
+      comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      std::printf("rank %d of %d: sum %g\n", comm->rank(), comm->size(), double(buf[0]));
+      return 0;
+    }
+    if (mode == "mismatch") {
+      size_t count = rank == 1 ? buf.size() / 2 : buf.size();
+      comm->allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+      std::printf("no error\n");
+      return 0;
+    }
+    comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+    std::printf("ready\n");
+    std::fflush(stdout);
+    for (;;) comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kMax);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ERROR %s: %s\n", error_class(e), e.what());
+    return 3;
+  }
+}

@@ -1,0 +1,337 @@
+// Every other communicator operation on ranks-as-threads (loopback TCP, memory store): rooted ops,
+// gathers, scatters, reduce_scatter, alltoall(v), p2p, async, split/subgroup, bad input, abort,
+// mismatch, and the launch-environment parser.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "cohort/communicator.h"
+#include "comm/launch_env.h"
+#include "store/memory_store.h"
+#include "support/test_support.h"
+
+namespace cohort {
+namespace {
+
+using test::run_ranks;
+
+std::shared_ptr<Communicator> make(std::shared_ptr<Store> store, int rank, int world, int timeout_s = 30) {
+  CommOptions o;
+  o.timeout = std::chrono::seconds(timeout_s);
+  return Communicator::create(store, rank, world, o);
+}
+
+// int64 values make every check exact; sizes 0, 1, a prime and one not divisible by the world.
+const size_t kCounts[] = {0, 1, 13, 1000, 70001};
+
+int64_t val(int rank, size_t i) { return int64_t(rank) * 1000003 + int64_t(i); }
+
+TEST(Ops, RootedAndGatheringOpsAtEveryWorldSize) {
+  for (int world = 1; world <= 8; ++world) {
+    auto store = make_memory_store();
+    run_ranks(world, [&](int rank) {
+      auto comm = make(store, rank, world);
+      EXPECT_EQ(comm->rank(), rank);
+      EXPECT_EQ(comm->size(), world);
+      EXPECT_EQ(comm->local_size(), world);
+      EXPECT_EQ(comm->local_rank(), rank);
+      for (size_t n : kCounts) {
+        if (world > 5 && n > 1000) continue;  // keep the suite fast
+        const DataType t = DataType::kInt64;
+        int root = int(n % size_t(world));
+        // broadcast
+        std::vector<int64_t> b(n);
+        for (size_t i = 0; i < n; ++i) b[i] = rank == root ? val(root, i) : -1;
+        comm->broadcast(b.data(), n, t, root);
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(b[i], val(root, i));
+        // reduce (sum) to root
+        std::vector<int64_t> in(n), out(n, -1);
+        for (size_t i = 0; i < n; ++i) in[i] = val(rank, i);
+        comm->reduce(in.data(), out.data(), n, t, ReduceOp::kSum, root);
+        if (rank == root) {
+          for (size_t i = 0; i < n; ++i) {
+            int64_t want = 0;
+            for (int r = 0; r < world; ++r) want += val(r, i);
+            ASSERT_EQ(out[i], want) << i;
+          }
+        }
+        // allgather
+        std::vector<int64_t> all(n * size_t(world), -1);
+        comm->allgather(in.data(), all.data(), n, t);
+        for (int r = 0; r < world; ++r)
+          for (size_t i = 0; i < n; ++i) ASSERT_EQ(all[size_t(r) * n + i], val(r, i));
+        // gather
+        std::vector<int64_t> g(rank == root ? n * size_t(world) : 0, -1);
+        comm->gather(in.data(), g.data(), n, t, root);
+        if (rank == root)
+          for (int r = 0; r < world; ++r)
+            for (size_t i = 0; i < n; ++i) ASSERT_EQ(g[size_t(r) * n + i], val(r, i));
+        // scatter
+        std::vector<int64_t> src(rank == root ? n * size_t(world) : 0), dst(n, -1);
+        if (rank == root)
+          for (int r = 0; r < world; ++r)
+            for (size_t i = 0; i < n; ++i) src[size_t(r) * n + i] = val(r, i) + 7;
+        comm->scatter(src.data(), dst.data(), n, t, root);
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(dst[i], val(rank, i) + 7);
+        // reduce_scatter (max)
+        std::vector<int64_t> rs_in(n * size_t(world)), rs_out(n, -1);
+        for (size_t i = 0; i < rs_in.size(); ++i) rs_in[i] = val(rank, i);
+        comm->reduce_scatter(rs_in.data(), rs_out.data(), n, t, ReduceOp::kMax);
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(rs_out[i], val(world - 1, size_t(rank) * n + i));
+        // alltoall
+        std::vector<int64_t> a_in(n * size_t(world)), a_out(n * size_t(world), -1);
+        for (int r = 0; r < world; ++r)
+          for (size_t i = 0; i < n; ++i) a_in[size_t(r) * n + i] = val(rank, i) * 10 + r;
+        comm->alltoall(a_in.data(), a_out.data(), n, t);
+        for (int r = 0; r < world; ++r)
+          for (size_t i = 0; i < n; ++i) ASSERT_EQ(a_out[size_t(r) * n + i], val(r, i) * 10 + rank);
+      }
+      comm->barrier();
+    });
+  }
+}
+
+TEST(Ops, AllgathervAndAlltoallvWithUnevenCounts) {
+  for (int world : {1, 3, 4, 7}) {
+    auto store = make_memory_store();
+    run_ranks(world, [&](int rank) {
+      auto comm = make(store, rank, world);
+      std::vector<size_t> counts(static_cast<size_t>(world));
+      for (int r = 0; r < world; ++r) counts[size_t(r)] = size_t(r * 3 % 5);  // includes zeros
+      size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
+      std::vector<int32_t> mine(counts[size_t(rank)]), all(total, -1);
+      for (size_t i = 0; i < mine.size(); ++i) mine[i] = rank * 100 + int(i);
+      comm->allgatherv(mine.data(), mine.size(), all.data(), counts, DataType::kInt32);
+      size_t k = 0;
+      for (int r = 0; r < world; ++r)
+        for (size_t i = 0; i < counts[size_t(r)]; ++i) ASSERT_EQ(all[k++], r * 100 + int(i));
+      // alltoallv: rank r sends (r + p) % 3 elements to p
+      std::vector<size_t> sc(static_cast<size_t>(world)), sd(static_cast<size_t>(world)), rc(static_cast<size_t>(world)),
+          rd(static_cast<size_t>(world));
+      size_t so = 0, ro = 0;
+      for (int p = 0; p < world; ++p) {
+        sc[size_t(p)] = size_t((rank + p) % 3);
+        sd[size_t(p)] = so;
+        so += sc[size_t(p)];
+        rc[size_t(p)] = size_t((p + rank) % 3);
+        rd[size_t(p)] = ro;
+        ro += rc[size_t(p)];
+      }
+      std::vector<int32_t> s(so), r(ro, -1);
+      for (int p = 0; p < world; ++p)
+        for (size_t i = 0; i < sc[size_t(p)]; ++i) s[sd[size_t(p)] + i] = rank * 1000 + p * 10 + int(i);
+      comm->alltoallv(s.data(), sc, sd, r.data(), rc, rd, DataType::kInt32);
+      for (int p = 0; p < world; ++p)
+        for (size_t i = 0; i < rc[size_t(p)]; ++i) ASSERT_EQ(r[rd[size_t(p)] + i], p * 1000 + rank * 10 + int(i));
+    });
+  }
+}
+
+TEST(Ops, PointToPointMatchesPerTagInOrder) {
+  auto store = make_memory_store();
+  run_ranks(2, [&](int rank) {
+    auto comm = make(store, rank, 2);
+    if (rank == 0) {
+      for (int i = 0; i < 5; ++i) {
+        int64_t v = i;
+        comm->send(&v, 1, DataType::kInt64, 1, /*tag=*/uint32_t(i % 2));
+      }
+    } else {
+      // tag 1 messages first: tags are independent streams
+      for (int i : {1, 3, 0, 2, 4}) {
+        int64_t v = -1;
+        comm->recv(&v, 1, DataType::kInt64, 0, uint32_t(i % 2));
+        ASSERT_EQ(v, i);
+      }
+    }
+  });
+}
+
+TEST(Ops, AsyncWorkRunsInCallOrderWithBlockingCalls) {
+  auto store = make_memory_store();
+  run_ranks(3, [&](int rank) {
+    auto comm = make(store, rank, 3);
+    const size_t n = 100000;
+    std::vector<std::vector<float>> bufs(4, std::vector<float>(n, float(rank + 1)));
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto& b : bufs) works.push_back(comm->allreduce_async(b.data(), b.data(), n, DataType::kFloat32, ReduceOp::kSum));
+    std::vector<float> g(3);
+    float mine = float(rank);
+    auto ag = comm->allgather_async(&mine, g.data(), 1, DataType::kFloat32);
+    float x = float(rank);
+    comm->allreduce(&x, &x, 1, DataType::kFloat32, ReduceOp::kMax);  // blocking, after the queue
+    EXPECT_EQ(x, 2.0f);
+    for (auto& w : works) w->wait();
+    ag->wait(std::chrono::seconds(10));
+    EXPECT_TRUE(ag->test());
+    EXPECT_EQ(ag->exception(), nullptr);
+    for (auto& b : bufs) EXPECT_EQ(b[n - 1], 6.0f);
+    EXPECT_EQ(g, (std::vector<float>{0, 1, 2}));
+    comm->barrier_async()->wait();
+  });
+}
+
+TEST(Ops, SplitAndSubgroupAreIndependentCommunicators) {
+  auto store = make_memory_store();
+  run_ranks(5, [&](int rank) {
+    auto comm = make(store, rank, 5);
+    auto half = comm->split(rank % 2, -rank);  // key reverses the order
+    ASSERT_TRUE(half);
+    int expect_size = rank % 2 == 0 ? 3 : 2;
+    EXPECT_EQ(half->size(), expect_size);
+    // ranks ordered by key (-rank): highest old rank first
+    std::vector<int> members;
+    for (int r = 4; r >= 0; --r)
+      if (r % 2 == rank % 2) members.push_back(r);
+    EXPECT_EQ(members[size_t(half->rank())], rank);
+    auto none = comm->split(rank == 4 ? -1 : 0, 0);
+    EXPECT_EQ(none == nullptr, rank == 4);
+    // concurrent ops on parent and child from two threads do not mix
+    int64_t a = rank, b = rank;
+    std::thread other([&] { half->allreduce(&b, &b, 1, DataType::kInt64, ReduceOp::kSum); });
+    comm->allreduce(&a, &a, 1, DataType::kInt64, ReduceOp::kSum);
+    other.join();
+    EXPECT_EQ(a, 10);
+    EXPECT_EQ(b, rank % 2 == 0 ? 6 : 4);
+    if (rank == 1 || rank == 3 || rank == 4) {
+      auto sub = comm->subgroup({4, 1, 3});
+      EXPECT_EQ(sub->size(), 3);
+      EXPECT_EQ(sub->rank(), rank == 4 ? 0 : rank == 1 ? 1 : 2);
+      int64_t v = rank;
+      sub->allreduce(&v, &v, 1, DataType::kInt64, ReduceOp::kSum);
+      EXPECT_EQ(v, 8);
+    }
+    EXPECT_THROW(comm->subgroup({0, 0}), InvalidArgument);
+    comm->barrier();
+  });
+}
+
+TEST(Ops, InvalidArgumentsAreRejectedBeforeSendingAndLeaveTheCommunicatorUsable) {
+  auto store = make_memory_store();
+  run_ranks(2, [&](int rank) {
+    auto comm = make(store, rank, 2);
+    float f = 1;
+    int32_t i = 1;
+    EXPECT_THROW(comm->allreduce(nullptr, &f, 4, DataType::kFloat32, ReduceOp::kSum), InvalidArgument);
+    EXPECT_THROW(comm->broadcast(&f, 1, DataType::kFloat32, 2), InvalidArgument);
+    EXPECT_THROW(comm->reduce(&f, &f, 1, DataType::kFloat32, ReduceOp::kSum, -1), InvalidArgument);
+    EXPECT_THROW(comm->allreduce(&i, &i, 1, DataType::kInt32, ReduceOp::kAvg), InvalidArgument);
+    EXPECT_THROW(comm->allreduce(&i, &i, 1, DataType(42), ReduceOp::kSum), InvalidArgument);
+    EXPECT_THROW(comm->allgatherv(&f, 1, &f, {1}, DataType::kFloat32), InvalidArgument);
+    EXPECT_THROW(comm->send(&f, 1, DataType::kFloat32, 5), InvalidArgument);
+    EXPECT_THROW(Communicator::create(store, 3, 2), InvalidArgument);
+    comm->allreduce(&f, &f, 1, DataType::kFloat32, ReduceOp::kSum);
+    EXPECT_EQ(f, 2.0f);
+  });
+}
+
+TEST(Ops, MismatchedOperationsAreDetectedOnTheRanksInvolved) {
+  auto store = make_memory_store();
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank) {
+    auto comm = make(store, rank, 2, 10);
+    std::vector<float> v(64, 1.0f);
+    // A rank that only sends (the broadcast root) may complete its call; it learns of the
+    // mismatch at its next call at the latest. Either way the error is a MismatchError naming both.
+    try {
+      if (rank == 0) comm->allreduce(v.data(), v.data(), 64, DataType::kFloat32, ReduceOp::kSum);
+      else comm->broadcast(v.data(), 64, DataType::kFloat32, 1);
+      comm->barrier();
+      ADD_FAILURE() << "no mismatch detected on rank " << rank;
+    } catch (const MismatchError& e) {
+      errors[size_t(rank)] = e.what();
+    }
+    // the communicator is failed for good
+    EXPECT_THROW(comm->barrier(), AbortedError);
+  });
+  std::string both = errors[0] + "\n" + errors[1];
+  EXPECT_NE(both.find("allreduce(count=64"), std::string::npos) << both;
+  EXPECT_NE(both.find("broadcast(count=64"), std::string::npos) << both;
+}
+
+TEST(Ops, AbortFailsPendingAndLaterCalls) {
+  auto store = make_memory_store();
+  run_ranks(2, [&](int rank) {
+    auto comm = make(store, rank, 2);
+    if (rank == 0) {
+      std::thread aborter([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        comm->abort("test says stop");
+      });
+      float f = 0;
+      // rank 1 never joins this allreduce
+      EXPECT_THROW(comm->allreduce(&f, &f, 1, DataType::kFloat32, ReduceOp::kSum), AbortedError);
+      aborter.join();
+      try {
+        comm->barrier();
+        ADD_FAILURE() << "barrier after abort succeeded";
+      } catch (const AbortedError& e) {
+        EXPECT_NE(std::string(e.what()).find("test says stop"), std::string::npos) << e.what();
+      }
+    }
+    store->barrier("abort-test-done", rank, 2, std::chrono::seconds(10));
+  });
+}
+
+TEST(Ops, BootstrapTimeoutNamesMissingRanks) {
+  auto store = make_memory_store();
+  CommOptions o;
+  o.timeout = std::chrono::milliseconds(600);
+  o.slow_warning = std::chrono::milliseconds(200);
+  try {
+    Communicator::create(store, 0, 3, o);
+    FAIL() << "create succeeded without the other ranks";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing rank(s) 1-2"), std::string::npos) << e.what();
+  }
+}
+
+comm::LaunchEnv resolve(std::map<std::string, std::string> vars) {
+  return comm::resolve_launch_env([&](const std::string& n) -> std::optional<std::string> {
+    auto it = vars.find(n);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+TEST(LaunchEnv, ReadsLauncherTorchrunMpiAndSlurmVariables) {
+  auto c = resolve({{"COHORT_RANK", "2"}, {"COHORT_WORLD_SIZE", "4"}, {"COHORT_STORE_ADDR", "10.0.0.1:29400"},
+                    {"COHORT_JOB_ID", "j1"}, {"RANK", "2"}, {"WORLD_SIZE", "4"}});
+  EXPECT_EQ(c.rank, 2);
+  EXPECT_EQ(c.store_host, "10.0.0.1");
+  EXPECT_EQ(c.store_port, 29400);
+  EXPECT_FALSE(c.host_store);
+  EXPECT_EQ(c.prefix, "cohort/job/j1/attempt/0/comm");
+  auto t = resolve({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}});
+  EXPECT_TRUE(t.host_store);
+  EXPECT_EQ(t.source, "torchrun");
+  auto m = resolve({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
+                    {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(m.rank, 1);
+  EXPECT_FALSE(m.host_store);
+  auto s = resolve({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  EXPECT_EQ(s.source, "Slurm");
+}
+
+TEST(LaunchEnv, MissingOrContradictoryEnvironmentIsOneConfigError) {
+  EXPECT_THROW(resolve({}), ConfigError);
+  EXPECT_THROW(resolve({{"RANK", "0"}}), ConfigError);
+  EXPECT_THROW(resolve({{"RANK", "0"}, {"WORLD_SIZE", "2"}}), ConfigError);  // no MASTER_ADDR
+  EXPECT_THROW(resolve({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+               ConfigError);
+  EXPECT_THROW(resolve({{"COHORT_RANK", "1"}, {"COHORT_WORLD_SIZE", "2"}, {"COHORT_STORE_ADDR", "h:1"},
+                        {"RANK", "0"}, {"WORLD_SIZE", "2"}}),
+               ConfigError);
+  EXPECT_THROW(resolve({{"COHORT_RANK", "1"}, {"COHORT_WORLD_SIZE", "2"}}), ConfigError);
+  try {
+    resolve({});
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("MASTER_ADDR"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace cohort
