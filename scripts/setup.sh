@@ -11,7 +11,7 @@ packages=(
   # toolchain and libraries
   build-essential cmake ninja-build pkg-config clang
   libgtest-dev libgmock-dev libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev libfmt-dev libssl-dev
+  libcli11-dev nlohmann-json3-dev libfmt-dev libssl-dev zlib1g-dev
   # PyTorch integrations and the training example (libtorch C++ API, the Python backend, BLAS, data)
   python3 python3-dev python3-pytest pybind11-dev python3-torch libtorch-dev
   libopenblas0-pthread dataset-fashion-mnist

@@ -1,0 +1,459 @@
+// `cohort bench {allreduce,allgather,reduce_scatter,broadcast,alltoall,sendrecv}`: nccl-tests-style
+// collective benchmarks, run on every rank under `cohort run -n N` (the communicator comes from
+// Communicator::from_env()); `cohort bench memcpy` measures this machine's memcpy bandwidth.
+//
+// Flags follow nccl-tests: -b/-e/-f sizes (K/M/G suffixes), -n iterations, -w warm-up, -c/--check,
+// -d dtype, -o op, -r root. Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s)
+// and #wrong with --check. busbw = algbw x factor (nccl-tests PERFORMANCE.md): allreduce 2(n-1)/n,
+// allgather and reduce_scatter and alltoall (n-1)/n, broadcast and sendrecv 1.
+//
+// Timing (the peers' method, /work/shared/peers/RESULTS.md §2): values zero during timing after one
+// checked run with rank-dependent values (with --check); warm-up of -w ops and then about 0.2 s;
+// iterations per trial = the smallest count estimated to take >= --min-time (0.5 s), at least 2,
+// unless -n is given; --trials (5) trials, each after a barrier; a trial's time per op is the max
+// over ranks; the reported time is the median of the trials.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include "cohort/communicator.h"
+#include "cohort/error.h"
+#include "cohort/types.h"
+#include "command.h"
+#include "common/env.h"
+#include "common/half.h"
+#include "png_plot.h"
+
+namespace cohort::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum class Kind { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoall, kSendrecv };
+
+struct Options {
+  uint64_t min_bytes = 8;
+  uint64_t max_bytes = 64ull << 20;
+  double factor = 2;
+  int iters = 0;  // 0: automatic
+  int warmup = 5;
+  bool check = false;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  int trials = 5;
+  double min_time = 0.5;
+  std::string csv;
+  std::string plot;
+};
+
+double bus_factor(Kind k, int n) {
+  switch (k) {
+    case Kind::kAllreduce: return n > 1 ? 2.0 * (n - 1) / n : 0.0;
+    case Kind::kAllgather:
+    case Kind::kReduceScatter:
+    case Kind::kAlltoall: return n > 1 ? static_cast<double>(n - 1) / n : 0.0;
+    case Kind::kBroadcast:
+    case Kind::kSendrecv: return 1.0;
+  }
+  return 1.0;
+}
+
+bool reduces(Kind k) { return k == Kind::kAllreduce || k == Kind::kReduceScatter; }
+
+// ---- element access for --check ----
+void store(void* buf, size_t i, DataType t, double v) {
+  switch (t) {
+    case DataType::kInt8: static_cast<int8_t*>(buf)[i] = static_cast<int8_t>(v); break;
+    case DataType::kUInt8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
+    case DataType::kInt32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
+    case DataType::kInt64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
+    case DataType::kFloat16: static_cast<uint16_t*>(buf)[i] = float_to_half(static_cast<float>(v)); break;
+    case DataType::kBFloat16: static_cast<uint16_t*>(buf)[i] = float_to_bf16(static_cast<float>(v)); break;
+    case DataType::kFloat32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
+    case DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
+  }
+}
+double load(const void* buf, size_t i, DataType t) {
+  switch (t) {
+    case DataType::kInt8: return static_cast<const int8_t*>(buf)[i];
+    case DataType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
+    case DataType::kInt32: return static_cast<const int32_t*>(buf)[i];
+    case DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
+    case DataType::kFloat16: return half_to_float(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::kFloat32: return static_cast<const float*>(buf)[i];
+    case DataType::kFloat64: return static_cast<const double*>(buf)[i];
+  }
+  return 0;
+}
+
+// Rank-dependent inputs whose reductions are exact in every dtype for any reasonable world size.
+double value(int rank, size_t i, ReduceOp op) {
+  if (op == ReduceOp::kProd) return rank == 0 ? static_cast<double>(i % 3 + 1) : ((i + rank) % 4 == 0 ? 2.0 : 1.0) ;
+  return static_cast<double>((i * 7 + static_cast<size_t>(rank) * 3) % 5);
+}
+double reduced(int world, size_t i, ReduceOp op) {
+  double acc = value(0, i, op);
+  for (int r = 1; r < world; ++r) {
+    double v = value(r, i, op);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg: acc += v; break;
+      case ReduceOp::kProd: acc *= v; break;
+      case ReduceOp::kMin: acc = std::min(acc, v); break;
+      case ReduceOp::kMax: acc = std::max(acc, v); break;
+    }
+  }
+  return op == ReduceOp::kAvg ? acc / world : acc;
+}
+bool close(double have, double want, DataType t) {
+  double tol = t == DataType::kFloat16 || t == DataType::kBFloat16 ? 1e-2 : is_floating(t) ? 1e-6 : 0;
+  return std::fabs(have - want) <= tol * std::max(1.0, std::fabs(want));
+}
+
+// One benchmark size: buffers and the operation on them.
+class Case {
+ public:
+  Case(Communicator& comm, Kind kind, const Options& o, size_t bytes)
+      : comm_(comm), kind_(kind), o_(o), n_(comm.size()), r_(comm.rank()), esize_(dtype_size(o.dtype)) {
+    const size_t n = static_cast<size_t>(n_);
+    count_ = bytes / esize_;
+    if (kind == Kind::kAllgather || kind == Kind::kReduceScatter || kind == Kind::kAlltoall) {
+      per_rank_ = count_ / n;
+      count_ = per_rank_ * n;
+    } else {
+      per_rank_ = count_;
+    }
+    switch (kind) {
+      case Kind::kAllreduce:
+      case Kind::kBroadcast: send_.assign(count_ * esize_, 0); break;
+      case Kind::kAllgather: send_.assign(per_rank_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
+      case Kind::kReduceScatter: send_.assign(count_ * esize_, 0), recv_.assign(per_rank_ * esize_, 0); break;
+      case Kind::kAlltoall: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
+      case Kind::kSendrecv: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
+    }
+  }
+  size_t bytes() const { return count_ * esize_; }
+  size_t count() const { return count_; }
+  bool empty() const { return count_ == 0; }
+
+  void run() {
+    switch (kind_) {
+      case Kind::kAllreduce: comm_.allreduce(send_.data(), send_.data(), count_, o_.dtype, o_.op); break;
+      case Kind::kBroadcast: comm_.broadcast(send_.data(), count_, o_.dtype, o_.root); break;
+      case Kind::kAllgather: comm_.allgather(send_.data(), recv_.data(), per_rank_, o_.dtype); break;
+      case Kind::kReduceScatter:
+        comm_.reduce_scatter(send_.data(), recv_.data(), per_rank_, o_.dtype, o_.op);
+        break;
+      case Kind::kAlltoall: comm_.alltoall(send_.data(), recv_.data(), per_rank_, o_.dtype); break;
+      case Kind::kSendrecv: sendrecv(); break;
+    }
+  }
+
+  // Fills rank-dependent inputs, runs once, counts wrong elements on this rank; leaves zeros.
+  int64_t check() {
+    fill_inputs();
+    run();
+    int64_t wrong = 0;
+    auto expect = [&](const void* buf, size_t i, double want) {
+      if (!close(load(buf, i, o_.dtype), want, o_.dtype)) ++wrong;
+    };
+    const size_t n = static_cast<size_t>(n_);
+    switch (kind_) {
+      case Kind::kAllreduce:
+        for (size_t i = 0; i < count_; ++i) expect(send_.data(), i, reduced(n_, i, o_.op));
+        break;
+      case Kind::kBroadcast:
+        for (size_t i = 0; i < count_; ++i) expect(send_.data(), i, value(o_.root, i, o_.op));
+        break;
+      case Kind::kAllgather:
+        for (size_t i = 0; i < count_; ++i) expect(recv_.data(), i, value(static_cast<int>(i / per_rank_), i % per_rank_, o_.op));
+        break;
+      case Kind::kReduceScatter:
+        for (size_t i = 0; i < per_rank_; ++i) expect(recv_.data(), i, reduced(n_, static_cast<size_t>(r_) * per_rank_ + i, o_.op));
+        break;
+      case Kind::kAlltoall:
+        for (size_t i = 0; i < count_; ++i) {
+          expect(recv_.data(), i, value(static_cast<int>(i / per_rank_), static_cast<size_t>(r_) * per_rank_ + i % per_rank_, o_.op));
+        }
+        break;
+      case Kind::kSendrecv:
+        for (size_t i = 0; i < count_; ++i) expect(recv_.data(), i, value((r_ + n_ - 1) % n_, i, o_.op));
+        break;
+    }
+    (void)n;
+    std::fill(send_.begin(), send_.end(), 0);
+    std::fill(recv_.begin(), recv_.end(), 0);
+    return wrong;
+  }
+
+ private:
+  void fill_inputs() {
+    // Inputs hold this rank's values (broadcast: only the root's matter; the others start at zero).
+    const size_t n_in = kind_ == Kind::kAllgather ? per_rank_ : count_;
+    for (size_t i = 0; i < n_in; ++i) {
+      double v = value(r_, i, o_.op);
+      if (kind_ == Kind::kBroadcast && r_ != o_.root) v = 0;
+      store(send_.data(), i, o_.dtype, v);
+    }
+    std::fill(recv_.begin(), recv_.end(), 0);
+  }
+  // Each rank sends to r+1 and receives from r-1. The communicator's send/recv block, so the
+  // exchange is ordered to avoid a cycle: with an even world, even ranks send first and odd ranks
+  // receive first (both directions of every pair run at once); with an odd world, rank 0 starts a
+  // chain. (--check verifies the data.)
+  void sendrecv() {
+    if (n_ == 1) {
+      std::memcpy(recv_.data(), send_.data(), send_.size());
+      return;
+    }
+    const int right = (r_ + 1) % n_, left = (r_ + n_ - 1) % n_;
+    const bool send_first = (n_ % 2 == 0) ? (r_ % 2 == 0) : (r_ == 0);
+    if (send_first) {
+      comm_.send(send_.data(), count_, o_.dtype, right);
+      comm_.recv(recv_.data(), count_, o_.dtype, left);
+    } else {
+      comm_.recv(recv_.data(), count_, o_.dtype, left);
+      comm_.send(send_.data(), count_, o_.dtype, right);
+    }
+  }
+
+  Communicator& comm_;
+  Kind kind_;
+  const Options& o_;
+  int n_, r_;
+  size_t esize_;
+  size_t count_ = 0, per_rank_ = 0;
+  std::vector<char> send_, recv_;
+};
+
+double max_over_ranks(Communicator& comm, double v) {
+  comm.allreduce(&v, &v, 1, DataType::kFloat64, ReduceOp::kMax);
+  return v;
+}
+
+// Seconds per op of `iters` back-to-back operations on this rank.
+double time_ops(Case& c, int64_t iters) {
+  auto t0 = Clock::now();
+  for (int64_t i = 0; i < iters; ++i) c.run();
+  return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(iters);
+}
+
+struct Row {
+  size_t bytes, count;
+  double time_us, algbw, busbw;
+  int64_t wrong;  // -1 when not checked
+};
+
+std::string root_column(Kind k, const Options& o) { return k == Kind::kBroadcast ? std::to_string(o.root) : "-1"; }
+
+int run_bench(Kind kind, const std::string& name, std::vector<std::string> args) {
+  Options o;
+  std::string min_s = "8", max_s = "64M", dtype_s = "float", op_s = "sum";
+  // nccl-tests spells "-c 1" / "-c 0"; accept that as well as a bare -c / --check.
+  std::vector<std::string> argv;
+  for (size_t i = 1; i < args.size(); ++i) {
+    if ((args[i] == "-c" || args[i] == "--check") && i + 1 < args.size() && (args[i + 1] == "0" || args[i + 1] == "1")) {
+      if (args[i + 1] == "1") argv.push_back("--check");
+      ++i;
+      continue;
+    }
+    argv.push_back(args[i]);
+  }
+  CLI::App app("cohort " + name + ": nccl-tests-style benchmark; run under `cohort run -n N`", "cohort " + name);
+  app.add_option("-b,--minbytes", min_s, "smallest size in bytes (K/M/G suffixes)")->capture_default_str();
+  app.add_option("-e,--maxbytes", max_s, "largest size in bytes (K/M/G suffixes)")->capture_default_str();
+  app.add_option("-f,--stepfactor", o.factor, "multiply the size by this between steps")->capture_default_str();
+  app.add_option("-n,--iters", o.iters, "iterations per trial (0: smallest count taking >= --min-time)")
+      ->capture_default_str();
+  app.add_option("-w,--warmup_iters", o.warmup, "warm-up iterations (then ~0.2 s more when -n is 0)")
+      ->capture_default_str();
+  app.add_flag("-c,--check", o.check, "check results once per size (rank-dependent inputs); prints #wrong");
+  app.add_option("-d,--datatype", dtype_s, "int8 uint8 int32 int64 half bfloat16 float double")->capture_default_str();
+  app.add_option("-o,--op", op_s, "sum prod min max avg")->capture_default_str();
+  app.add_option("-r,--root", o.root, "root rank (broadcast)")->capture_default_str();
+  app.add_option("--trials", o.trials, "timed trials per size; the median is reported")->capture_default_str();
+  app.add_option("--min-time", o.min_time, "seconds each trial should last when -n is 0")->capture_default_str();
+  app.add_option("--csv", o.csv, "also write the table as CSV to this file (rank 0)");
+  app.add_option("--plot", o.plot, "also draw busbw against size into this PNG file (rank 0)");
+  try {
+    std::reverse(argv.begin(), argv.end());
+    app.parse(argv);
+  } catch (const CLI::CallForHelp&) {
+    fmt::print("{}", app.help());
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    throw InvalidArgument(fmt::format("cohort {}: {}", name, e.what()));
+  }
+  o.min_bytes = env::parse_bytes("-b", min_s);
+  o.max_bytes = env::parse_bytes("-e", max_s);
+  auto dt = parse_dtype(dtype_s);
+  if (!dt) throw InvalidArgument(fmt::format("cohort {}: unknown datatype '{}'", name, dtype_s));
+  o.dtype = *dt;
+  auto op = parse_reduce_op(op_s);
+  if (!op) throw InvalidArgument(fmt::format("cohort {}: unknown op '{}'", name, op_s));
+  o.op = *op;
+  if (reduces(kind) && !op_supported(o.dtype, o.op)) {
+    throw InvalidArgument(fmt::format("cohort {}: op {} is not defined on {}", name, op_s, dtype_s));
+  }
+  if (o.factor <= 1.0 && o.min_bytes != o.max_bytes) throw InvalidArgument("-f must be > 1");
+  if (o.min_bytes > o.max_bytes) throw InvalidArgument("-b must not exceed -e");
+  if (o.trials < 1 || o.warmup < 0 || o.iters < 0) throw InvalidArgument("--trials >= 1, -w >= 0, -n >= 0");
+
+  auto comm = Communicator::from_env();
+  const int n = comm->size();
+  if (o.root < 0 || o.root >= n) throw InvalidArgument(fmt::format("root {} out of range (0..{})", o.root, n - 1));
+  const bool leader = comm->rank() == 0;
+  const std::string redop = reduces(kind) ? std::string(reduce_op_name(o.op)) : "none";
+  if (leader) {
+    fmt::print("# cohort {}: {} ranks, dtype {}, op {}, {}, {} trials (median; time = max over ranks)\n", name, n,
+               dtype_name(o.dtype), redop,
+               o.iters ? fmt::format("{} iterations per trial", o.iters)
+                       : fmt::format("iterations per trial: smallest count taking >= {} s", o.min_time),
+               o.trials);
+    fmt::print("#\n# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type", "redop",
+               "root", "time", "algbw", "busbw", "#wrong");
+    fmt::print("# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "(B)", "(elements)", "", "", "", "(us)",
+               "(GB/s)", "(GB/s)", "");
+    std::fflush(stdout);
+  }
+  std::vector<Row> rows;
+  for (double sz = static_cast<double>(o.min_bytes); sz <= static_cast<double>(o.max_bytes) * (1 + 1e-9);
+       sz = o.factor > 1 ? sz * o.factor : sz + 1) {
+    Case c(*comm, kind, o, static_cast<size_t>(sz));
+    if (c.empty()) {
+      if (o.factor <= 1) break;
+      continue;
+    }
+    int64_t wrong = -1;
+    if (o.check) {
+      int64_t w = c.check();
+      comm->allreduce(&w, &w, 1, DataType::kInt64, ReduceOp::kSum);
+      wrong = w;
+    }
+    int64_t iters = o.iters;
+    double est = o.warmup > 0 ? max_over_ranks(*comm, time_ops(c, o.warmup)) : 0;
+    if (iters == 0) {
+      if (est <= 0) est = max_over_ranks(*comm, time_ops(c, 1));
+      // About 0.2 s more warm-up, then re-estimate from it.
+      int64_t more = std::clamp<int64_t>(static_cast<int64_t>(0.2 / est), 1, 1 << 24);
+      est = max_over_ranks(*comm, time_ops(c, more));
+      iters = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(o.min_time / est)), 2, 1 << 26);
+    }
+    std::vector<double> trials;
+    for (int t = 0; t < o.trials; ++t) {
+      comm->barrier();
+      trials.push_back(max_over_ranks(*comm, time_ops(c, iters)));
+    }
+    std::sort(trials.begin(), trials.end());
+    const double sec = trials.size() % 2 ? trials[trials.size() / 2]
+                                         : 0.5 * (trials[trials.size() / 2 - 1] + trials[trials.size() / 2]);
+    Row row{c.bytes(), c.count(), sec * 1e6, static_cast<double>(c.bytes()) / sec / 1e9, 0, wrong};
+    row.busbw = row.algbw * bus_factor(kind, n);
+    rows.push_back(row);
+    if (leader) {
+      fmt::print("  {:>12} {:>12} {:>8} {:>6} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>7}\n", row.bytes, row.count,
+                 dtype_name(o.dtype), redop, root_column(kind, o), row.time_us, row.algbw, row.busbw,
+                 wrong < 0 ? std::string("N/A") : std::to_string(wrong));
+      std::fflush(stdout);
+    }
+    if (o.factor <= 1) break;
+  }
+  int64_t total_wrong = 0;
+  double sum_bus = 0;
+  for (const auto& r : rows) total_wrong += std::max<int64_t>(0, r.wrong), sum_bus += r.busbw;
+  if (leader) {
+    fmt::print("# Out of bounds values : {} {}\n", total_wrong, total_wrong ? "FAILED" : "OK");
+    fmt::print("# Avg bus bandwidth    : {:.4f}\n#\n", rows.empty() ? 0.0 : sum_bus / static_cast<double>(rows.size()));
+    if (!o.csv.empty()) {
+      std::ofstream f(o.csv);
+      f << "op,ranks,size_bytes,count,type,redop,root,time_us,algbw_gbps,busbw_gbps,wrong\n";
+      for (const auto& r : rows) {
+        f << fmt::format("{},{},{},{},{},{},{},{:.3f},{:.4f},{:.4f},{}\n", name.substr(6), n, r.bytes, r.count,
+                         dtype_name(o.dtype), redop, root_column(kind, o), r.time_us, r.algbw, r.busbw,
+                         r.wrong < 0 ? std::string("") : std::to_string(r.wrong));
+      }
+      if (!f) throw Error("cannot write " + o.csv);
+    }
+    if (!o.plot.empty()) {
+      png::Series s{{}, {}, {31, 119, 180}};
+      for (const auto& r : rows) s.bytes.push_back(static_cast<double>(r.bytes)), s.gbps.push_back(r.busbw);
+      png::plot_bandwidth(o.plot, {s});
+    }
+  }
+  return total_wrong ? 1 : 0;
+}
+
+// Single-process memcpy bandwidth over the same size sweep, the ceiling for any copy-based path.
+int run_memcpy(std::vector<std::string> args) {
+  std::string min_s = "1K", max_s = "256M";
+  double factor = 4, min_time = 0.2;
+  CLI::App app("cohort bench memcpy: memcpy bandwidth of this machine (one thread)", "cohort bench memcpy");
+  app.add_option("-b,--minbytes", min_s)->capture_default_str();
+  app.add_option("-e,--maxbytes", max_s)->capture_default_str();
+  app.add_option("-f,--stepfactor", factor)->capture_default_str();
+  app.add_option("--min-time", min_time, "seconds per size")->capture_default_str();
+  std::vector<std::string> argv(args.begin() + 1, args.end());
+  try {
+    std::reverse(argv.begin(), argv.end());
+    app.parse(argv);
+  } catch (const CLI::CallForHelp&) {
+    fmt::print("{}", app.help());
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    throw InvalidArgument(fmt::format("cohort bench memcpy: {}", e.what()));
+  }
+  const uint64_t lo = env::parse_bytes("-b", min_s), hi = env::parse_bytes("-e", max_s);
+  if (factor <= 1 || lo == 0 || lo > hi) throw InvalidArgument("need 0 < -b <= -e and -f > 1");
+  fmt::print("# memcpy, 1 thread; GB/s = bytes copied per second (read+write traffic is twice that)\n");
+  fmt::print("# {:>12} {:>10} {:>8}\n", "size (B)", "time (us)", "GB/s");
+  for (double sz = static_cast<double>(lo); sz <= static_cast<double>(hi) * (1 + 1e-9); sz *= factor) {
+    const size_t bytes = static_cast<size_t>(sz);
+    std::vector<char> a(bytes, 1), b(bytes, 2);
+    std::memcpy(b.data(), a.data(), bytes);  // touch and warm
+    int64_t iters = 1;
+    double sec = 0;
+    for (;;) {
+      auto t0 = Clock::now();
+      for (int64_t i = 0; i < iters; ++i) {
+        std::memcpy(b.data(), a.data(), bytes);
+        asm volatile("" : : "r"(b.data()) : "memory");
+      }
+      sec = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (sec >= min_time || iters >= (1ll << 40)) break;
+      iters *= 2;
+    }
+    const double per = sec / static_cast<double>(iters);
+    fmt::print("  {:>12} {:>10.2f} {:>8.2f}\n", bytes, per * 1e6, static_cast<double>(bytes) / per / 1e9);
+  }
+  return 0;
+}
+
+Registration r_allreduce("bench allreduce", "nccl-tests-style allreduce benchmark (under cohort run)",
+                         [](std::vector<std::string> a) { return run_bench(Kind::kAllreduce, "bench allreduce", a); });
+Registration r_allgather("bench allgather", "nccl-tests-style allgather benchmark (under cohort run)",
+                         [](std::vector<std::string> a) { return run_bench(Kind::kAllgather, "bench allgather", a); });
+Registration r_reduce_scatter("bench reduce_scatter", "nccl-tests-style reduce_scatter benchmark (under cohort run)",
+                              [](std::vector<std::string> a) {
+                                return run_bench(Kind::kReduceScatter, "bench reduce_scatter", a);
+                              });
+Registration r_broadcast("bench broadcast", "nccl-tests-style broadcast benchmark (under cohort run)",
+                         [](std::vector<std::string> a) { return run_bench(Kind::kBroadcast, "bench broadcast", a); });
+Registration r_alltoall("bench alltoall", "nccl-tests-style alltoall benchmark (under cohort run)",
+                        [](std::vector<std::string> a) { return run_bench(Kind::kAlltoall, "bench alltoall", a); });
+Registration r_sendrecv("bench sendrecv", "nccl-tests-style send/recv ring benchmark (under cohort run)",
+                        [](std::vector<std::string> a) { return run_bench(Kind::kSendrecv, "bench sendrecv", a); });
+Registration r_memcpy("bench memcpy", "memcpy bandwidth of this machine", run_memcpy);
+
+}  // namespace
+}  // namespace cohort::tools
