@@ -37,14 +37,14 @@ job_processes_on() {
 }
 # Fails unless no process of the job remains on any host within $1 seconds.
 expect_no_job_processes() {
-  local deadline=$((SECONDS + ${1:-3})) i left
+  local deadline=$((SECONDS + ${1:-3})) i left t0; t0=$(now_ms)
   while :; do
     left=""
     for ((i = 0; i < COHORT_CLUSTER_K; i++)); do
       local l; l=$(job_processes_on "$i")
       [[ -z $l ]] || left+="host $i: $l; "
     done
-    [[ -z $left ]] && { pass "no process of the job remains on any host"; return; }
+    [[ -z $left ]] && { pass "no process of the job remains on any host (checked after $(($(now_ms) - t0)) ms)"; return; }
     ((SECONDS < deadline)) || { fail "processes left after the job: $left"; return; }
     sleep 0.1
   done
