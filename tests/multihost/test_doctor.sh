@@ -13,6 +13,11 @@ expect_contains "healthy cluster: verdict" "$out" "verdict: PASS"
 expect_contains "healthy cluster: link 4 -> 1 measured" "$out" "$(addr 3) -> $(addr 0)"
 n_ok_links=$(grep -cE "^$(echo "$COHORT_CLUSTER_ADDR_0" | cut -d. -f1-3)\.[0-9]+ -> .* ok " <<<"$out" || true)
 expect_eq "healthy cluster: 12 links ok" "$n_ok_links" 12
+if "$COHORT" --help | grep -q "^  bench allreduce "; then
+  expect_contains "healthy cluster: tiny allreduce through cohort run" "$out" "--check ... ok"
+else
+  expect_contains "healthy cluster: allreduce skipped with the reason" "$out" "allreduce: skipped (this cohort build has no"
+fi
 expect_no_job_processes 3
 
 # Faults: host 3's link cut; host 1's somaxconn and host 2's SYN backlog below world 8 + 4 agents;
