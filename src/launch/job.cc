@@ -541,6 +541,15 @@ void Job::spawn_workers(int attempt) {
   const NodePlan* node = plan_.node(plan_.this_node);
   if (!node) return;
   auto bindings = compute_bindings(plan_.bind_to, node->nproc, allowed_cpus(), numa_node_cpus());
+  // Per-rank output folders first: a folder that cannot be made stops the job before any worker runs.
+  if (!plan_.output_dir.empty()) {
+    for (int l = 0; l < node->nproc; ++l) {
+      std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, node->first_rank + l);
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
+    }
+  }
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
   for (int l = 0; l < node->nproc; ++l) {
@@ -872,7 +881,7 @@ EndInfo Job::run_attempt(int attempt) {
               adopt_end(end_from_string(ev.text));
               break;
             case WatchEvent::kLost:
-              adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
+              adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store (its host, node 0, is gone?): {}", ev.text)});
               break;
             case WatchEvent::kJoinTimeout:
               adopt_end(EndInfo{"join", 1, ev.text});
@@ -907,7 +916,7 @@ EndInfo Job::run_attempt(int attempt) {
     if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   }
   // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
-  if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_) {
+  if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
     try {
       if (attempt_store_->add("exited", 1) == plan_.nnodes) attempt_store_->set("all_exited", "1");
       // Nodes that never joined (or a lost store) will not report: do not wait for them.

@@ -54,6 +54,18 @@ std::string resolve_program(const std::string& program) {
     if (S_ISDIR(st.st_mode)) throw ConfigError(fmt::format("program '{}' is a directory", path));
     if (access(path.c_str(), X_OK) != 0)
       throw ConfigError(fmt::format("program '{}' is not executable (chmod +x, or name its interpreter first)", path));
+    // A script whose interpreter is missing would only fail in exec: check the "#!" line now.
+    std::ifstream in(path, std::ios::binary);
+    char magic[2] = {0, 0};
+    if (in.read(magic, 2) && magic[0] == '#' && magic[1] == '!') {
+      std::string line;
+      std::getline(in, line);
+      auto words = str::split(str::trim(line), ' ');
+      if (!words.empty() && access(words[0].c_str(), X_OK) != 0)
+        throw ConfigError(fmt::format("program '{}' cannot run: its interpreter '{}' (first line) is missing or not "
+                                      "executable",
+                                      path, words[0]));
+    }
     return true;
   };
   if (program.empty()) throw ConfigError("no PROGRAM given (usage: cohort run [options] PROGRAM [ARGS...])");
@@ -348,7 +360,8 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   set("COHORT_RESTART_COUNT", std::to_string(restart_count));
   if (plan.set_omp_threads) set("OMP_NUM_THREADS", "1");
   if (plan.device_per_rank) {
-    bool ascend = launcher_env.count("ASCEND_RT_VISIBLE_DEVICES") || access("/dev/davinci0", F_OK) == 0;
+    auto ascend_var = launcher_env.find("ASCEND_RT_VISIBLE_DEVICES");
+    bool ascend = (ascend_var != launcher_env.end() && !ascend_var->second.empty()) || access("/dev/davinci0", F_OK) == 0;
     const char* var = ascend ? "ASCEND_RT_VISIBLE_DEVICES" : "CUDA_VISIBLE_DEVICES";
     // When the launcher itself sees a subset of devices, rank i gets the i-th of that subset.
     std::string device = std::to_string(s.local_rank);

@@ -91,6 +91,21 @@ TEST(Run, WorkerEnvironmentOfEveryWorker) {
   EXPECT_NE(r.err.find("OMP_NUM_THREADS=1"), std::string::npos) << r.err;
 }
 
+TEST(Run, BindToCoreAndDevicePerRank) {
+  auto r = run_process(concat(cohort_run({"-n", "2", "--bind-to", "core", "--device-per-rank", "--no-tag-output"}),
+                              sh("echo \"$RANK $CUDA_VISIBLE_DEVICES $(grep Cpus_allowed_list /proc/self/status | "
+                                 "cut -f2)\"")),
+                       {"CUDA_VISIBLE_DEVICES=", "ASCEND_RT_VISIBLE_DEVICES="}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // This test runs with whatever CPUs it may use; rank i gets the i-th of them (wrapping).
+  auto dry = run_process(concat(cohort_run({"--dry-run", "-n", "2", "--bind-to", "core"}), sh("true")), {}, 30);
+  std::smatch m0, m1;
+  ASSERT_TRUE(std::regex_search(dry.out, m0, std::regex(R"(rank 0 \(local 0\) cpus (\d+):)"))) << dry.out;
+  ASSERT_TRUE(std::regex_search(dry.out, m1, std::regex(R"(rank 1 \(local 1\) cpus (\d+):)"))) << dry.out;
+  EXPECT_NE(r.out.find("0 0 " + m0[1].str() + "\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1 1 " + m1[1].str() + "\n"), std::string::npos) << r.out;
+}
+
 TEST(Run, OutputIsTaggedAndFilteredByRank) {
   auto r = run_process(concat(cohort_run({"-n", "3", "--ranks-to-console", "1-2"}),
                               sh("echo out$RANK; echo err$RANK >&2")),
@@ -212,6 +227,11 @@ TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
   auto missing = run_process(cohort_run({"-n", "2", "/no/such/program"}), {}, 30);
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_NE(missing.err.find("program '/no/such/program' does not exist"), std::string::npos) << missing.err;
+  write_file(dir.file("bad-interp.sh"), "#!/no/such/interpreter\necho hi\n");
+  chmod(dir.file("bad-interp.sh").c_str(), 0755);
+  auto interp = run_process(cohort_run({"-n", "2", dir.file("bad-interp.sh")}), {}, 30);
+  EXPECT_EQ(interp.exit_code, 2);
+  EXPECT_NE(interp.err.find("its interpreter '/no/such/interpreter'"), std::string::npos) << interp.err;
   // A port in use is named, with the advice to leave it unset.
   auto held = net::listen_tcp("127.0.0.1", 0, 1, false);  // a port someone else already uses
   std::string port = std::to_string(net::local_address(held.get()).port());
@@ -299,6 +319,25 @@ TEST(Run, TwoNodesFailFastAcrossNodes) {
   expect_no_process_left(dir, 4);
 }
 
+TEST(Run, TwoNodesLosingNodeZeroStopsTheOtherNode) {
+  TempDir dir;
+  std::string d = dir.path();
+  int port = free_port();
+  std::string node = "'" + cohort_tool() + "' run --nnodes 2 --master-addr 127.0.0.1 --master-port " +
+                     std::to_string(port) + " --node-rank ";
+  std::string worker = " /bin/sh -c 'echo $$ > " + d + "/pid.$RANK; exec sleep 60'";
+  // Node 0 is SIGKILLed once both workers run; node 1 must notice and stop its worker at once.
+  std::string script = node + "0" + worker + " & head=$!; " + node + "1" + worker + " 2> " + d +
+                       "/node1.err & other=$!; i=0; while [ $i -lt 200 ] && ! { [ -s " + d + "/pid.0 ] && [ -s " + d +
+                       "/pid.1 ]; }; do sleep 0.05; i=$((i+1)); done; kill -9 $head; wait $other";
+  auto r = run_process(sh(script), {}, 60);
+  EXPECT_EQ(r.exit_code, 1) << read_file(dir.file("node1.err"));
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_NE(read_file(dir.file("node1.err")).find("lost the job's store"), std::string::npos)
+      << read_file(dir.file("node1.err"));
+  expect_no_process_left(dir, 2);
+}
+
 TEST(Run, JoiningNodeSaysWhoIsMissingAndGivesUp) {
   int port = free_port();
   auto r = run_process(concat(cohort_run({"--nnodes", "3", "--node-rank", "0", "--master-addr", "127.0.0.1",
@@ -368,7 +407,7 @@ TEST(Run, KilledHeadTakesRemoteAgentsAndWorkersWithIt) {
   std::string script = "'" + cohort_tool() + "' run -H hostA:2,hostB:2 --master-addr 127.0.0.1 --ssh-command " +
                        shim + " /bin/sh -c 'echo $$ > " + d + "/pid.$RANK; exec sleep 60' & head=$!; i=0; "
                        "while [ $i -lt 200 ] && ! { [ -s " + d + "/pid.0 ] && [ -s " + d + "/pid.1 ] && [ -s " + d +
-                       "/pid.2 ] && [ -s " + d + "/pid.3 ]; }; do sleep 0.05; i=$((i+1)); done; kill -9 $head; wait";
+                       "/pid.2 ] && [ -s " + d + "/pid.3 ]; }; do sleep 0.05; i=$((i+1)); done; kill -9 $head; wait $head";
   auto r = run_process(sh(script), {}, 60);
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << "the head should have been SIGKILLed: " << r.err;
   for (int rank = 0; rank < 4; ++rank)
