@@ -1,0 +1,80 @@
+// `cohort bench <op>` end to end: two real processes meeting through torchrun-style variables
+// (rank 0 hosts the store), with --check, CSV and PNG output. Checks correctness and the output
+// format only; the figures themselves are measured by hand (docs/perf-collectives.md).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/test_support.h"
+
+namespace cohort {
+namespace {
+
+struct TwoRanks {
+  test::ProcessResult rank0, rank1;
+};
+
+TwoRanks run_two(const std::vector<std::string>& bench_args) {
+  const std::string port = std::to_string(test::free_port());
+  TwoRanks out;
+  auto run = [&](int rank, test::ProcessResult* res) {
+    std::vector<std::string> argv = {test::cohort_tool()};
+    argv.insert(argv.end(), bench_args.begin(), bench_args.end());
+    *res = test::run_process(argv,
+                             {"MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port, "RANK=" + std::to_string(rank),
+                              "WORLD_SIZE=2", "COHORT_TIMEOUT=60"},
+                             90);
+  };
+  std::thread t1(run, 1, &out.rank1);
+  run(0, &out.rank0);
+  t1.join();
+  return out;
+}
+
+TEST(BenchTool, EveryCollectiveChecksCleanWithCsvAndPlot) {
+  test::TempDir dir;
+  for (std::string op : {"allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv"}) {
+    const std::string csv = dir.file(op + ".csv"), png = dir.file(op + ".png");
+    auto r = run_two({"bench", op, "-b", "8", "-e", "1M", "-f", "16", "-n", "3", "-w", "1", "--trials", "2", "-c",
+                      "--csv", csv, "--plot", png});
+    ASSERT_EQ(r.rank0.exit_code, 0) << op << "\n" << r.rank0.out << r.rank0.err;
+    ASSERT_EQ(r.rank1.exit_code, 0) << op << "\n" << r.rank1.out << r.rank1.err;
+    EXPECT_NE(r.rank0.out.find("algbw"), std::string::npos) << r.rank0.out;
+    EXPECT_NE(r.rank0.out.find("# Out of bounds values : 0 OK"), std::string::npos) << r.rank0.out;
+    EXPECT_EQ(r.rank1.out.find("algbw"), std::string::npos) << "only rank 0 prints the table";
+    // 8 B .. 1 MiB by 16: 8, 128, 2K, 32K, 512K (sizes too small for the world are skipped).
+    const std::string table = test::read_file(csv);
+    EXPECT_NE(table.find("op,ranks,size_bytes"), std::string::npos);
+    EXPECT_NE(table.find(op + ",2,524288,"), std::string::npos) << table;
+    const std::string image = test::read_file(png);
+    ASSERT_GT(image.size(), 8u);
+    EXPECT_EQ(image.substr(1, 3), "PNG");
+  }
+}
+
+TEST(BenchTool, NcclTestsSpellingsAndBadFlags) {
+  auto ok = run_two({"bench", "allreduce", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-w", "0", "--trials", "1",
+                     "-c", "1", "-d", "bfloat16", "-o", "avg"});
+  ASSERT_EQ(ok.rank0.exit_code, 0) << ok.rank0.out << ok.rank0.err;
+  EXPECT_NE(ok.rank0.out.find("bfloat16"), std::string::npos) << ok.rank0.out;
+  EXPECT_NE(ok.rank0.out.find("avg"), std::string::npos) << ok.rank0.out;
+  // Rejected before any communicator is built: exit code 2 and one line naming the problem.
+  auto bad = test::run_process({test::cohort_tool(), "bench", "allreduce", "-d", "int32", "-o", "avg"}, {}, 30);
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("avg is not defined on int32"), std::string::npos) << bad.err;
+  auto size = test::run_process({test::cohort_tool(), "bench", "allgather", "-b", "1X"}, {}, 30);
+  EXPECT_EQ(size.exit_code, 2) << size.err;
+}
+
+TEST(BenchTool, MemcpyPrintsBandwidth) {
+  auto r = test::run_process({test::cohort_tool(), "bench", "memcpy", "-b", "1K", "-e", "64K", "--min-time", "0.01"},
+                             {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("GB/s"), std::string::npos);
+  EXPECT_NE(r.out.find("65536"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace cohort
