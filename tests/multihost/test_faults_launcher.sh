@@ -68,7 +68,8 @@ wait "$pn" || true
 dt=$(($(now_ms) - t0))
 out=""; for ((i = 1; i < 4; i++)); do out+=$(cat "$MH_TMP/storelost.$i.out")$'\n'; done
 echo "$out"
-expect_contains "store killed: the other nodes say the store is lost" "$out" "lost the job's store at h0:29600"
+expect_contains "store killed: the other nodes say the store is lost" "$out" "lost the job's store"
+expect_contains "store killed: ... and where it was" "$out" "h0:29600"
 for ((i = 1; i < 4; i++)); do
   grep -q "job stopped\|job failed" "$MH_TMP/storelost.$i.out" && pass "store killed: node $i stopped with a summary" || fail "store killed: node $i printed no summary"
 done
