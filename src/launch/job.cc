@@ -415,6 +415,10 @@ void Job::start_agents() {
     a.in.reset(in[1]);
     a.out.reset(out[0]);
     a.err.reset(err[0]);
+    // drain() reads until EAGAIN: blocking pipes would stall the event loop (and with it SIGTERM
+    // handling) as soon as an agent's ssh session prints anything (found by tests/multihost).
+    net::set_nonblocking(a.out.get(), true);
+    net::set_nonblocking(a.err.get(), true);
     write_fully(a.in.get(), line.data(), line.size());
     OutputTargets t;
     t.line_mode = true;

@@ -1,0 +1,115 @@
+# Helpers for tests/multihost/test_*.sh; sourced by each test, which runs inside `cluster.sh run`
+# (so COHORT_CLUSTER_* describe the cluster; see cluster.sh).
+set -euo pipefail
+MH_DIR=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
+COHORT=${COHORT_TOOL:-$MH_DIR/../../build/tools/cohort}
+[[ -x $COHORT ]] || { echo "FAIL: cohort tool not found at $COHORT (set COHORT_TOOL)" >&2; exit 1; }
+MH_FAILS=0
+MH_TMP=$(mktemp -d "${TMPDIR:-/tmp}/cohort-mh-test.XXXXXX")
+trap 'rm -rf "$MH_TMP"' EXIT
+
+addr() { local v="COHORT_CLUSTER_ADDR_$1"; echo "${!v}"; }
+ns() { local v="COHORT_CLUSTER_NS_$1"; echo "${!v}"; }
+# Runs a command inside host $1's namespace.
+on_host() { local i=$1; shift; ip netns exec "$(ns "$i")" nsenter --uts --mount --wd="$PWD" -t "$(cat "$COHORT_CLUSTER_DIR/sshd.$i.pid")" "$@"; }
+cluster() { "$MH_DIR/cluster.sh" "$@"; }
+
+fail() { echo "FAIL: $*" >&2; MH_FAILS=$((MH_FAILS + 1)); }
+pass() { echo "ok: $*"; }
+# expect_contains NAME HAYSTACK NEEDLE
+expect_contains() {
+  if [[ $2 == *"$3"* ]]; then pass "$1"; else fail "$1: expected to find '$3' in:"; echo "$2" | sed 's/^/    | /' >&2; fi
+}
+expect_not_contains() {
+  if [[ $2 != *"$3"* ]]; then pass "$1"; else fail "$1: did not expect '$3' in:"; echo "$2" | sed 's/^/    | /' >&2; fi
+}
+expect_eq() { if [[ $2 == "$3" ]]; then pass "$1"; else fail "$1: expected '$3', got '$2'"; fi; }
+# Processes in host $1's namespace other than its sshd (and the ssh sessions' sshd children).
+job_processes_on() {
+  local p out=""
+  for p in $(ip netns pids "$(ns "$1")"); do
+    local comm; comm=$(cat "/proc/$p/comm" 2>/dev/null) || continue
+    [[ $comm == sshd ]] && continue
+    [[ $(awk '/^State:/ {print $2}' "/proc/$p/status" 2>/dev/null) == Z ]] && continue
+    out+="$p($({ tr "\0" " " <"/proc/$p/cmdline"; } 2>/dev/null | cut -c1-80)) "
+  done
+  echo "$out"
+}
+# Fails unless no process of the job remains on any host within $1 seconds.
+expect_no_job_processes() {
+  local deadline=$((SECONDS + ${1:-3})) i left t0; t0=$(now_ms)
+  while :; do
+    left=""
+    for ((i = 0; i < COHORT_CLUSTER_K; i++)); do
+      local l; l=$(job_processes_on "$i")
+      [[ -z $l ]] || left+="host $i: $l; "
+    done
+    [[ -z $left ]] && { pass "no process of the job remains on any host (checked after $(($(now_ms) - t0)) ms)"; return; }
+    ((SECONDS < deadline)) || { fail "processes left after the job: $left"; return; }
+    sleep 0.1
+  done
+}
+finish() {
+  if ((MH_FAILS)); then echo "$MH_FAILS check(s) failed" >&2; exit 1; fi
+  echo "all checks passed"
+}
+# check_rank_lines NAME OUTPUT WORLD PER_HOST: one "rank=R ..." line per rank 0..WORLD-1, rank R on
+# host h<R / PER_HOST> with local rank R % PER_HOST, every line with world=WORLD.
+check_rank_lines() {
+  local name=$1 out=$2 world=$3 per=$4 r bad=""
+  for ((r = 0; r < world; r++)); do
+    local want="rank=$r local=$((r % per)) world=$world local_world=$per node=$((r / per)) host=h$((r / per)) "
+    local n; n=$(grep -c -- "$want" <<<"$out" || true)
+    [[ $n == 1 ]] || bad+=" rank $r: $n line(s) matching '$want';"
+  done
+  local total; total=$(grep -c "rank=" <<<"$out" || true)
+  [[ $total == "$world" ]] || bad+=" $total rank lines, expected $world;"
+  if [[ -z $bad ]]; then pass "$name: $world ranks placed as planned"; else fail "$name:$bad"; echo "$out" | sed 's/^/    | /' >&2; fi
+}
+require_command() {  # skip (77) when this build lacks a cohort sub-command that the test needs
+  if ! "$COHORT" --help 2>/dev/null | grep -q "^  $1 "; then
+    echo "SKIP: this cohort build has no '$1' command (branch not merged yet)"; exit 77
+  fi
+}
+# run_per_node NAME TIMEOUT CMD...: runs CMD on every host at once (on hosts 0..PN_HOSTS-1 when set),
+# each "{node}" in CMD replaced by the host index; waits for all; sets PN_RC_<i> and PN_OUT (all
+# outputs, host order).
+run_per_node() {
+  local name=$1 tmo=$2; shift 2
+  local i pids=()
+  local n=${PN_HOSTS:-$COHORT_CLUSTER_K}
+  for ((i = 0; i < n; i++)); do
+    local args=() a
+    for a in "$@"; do args+=("${a//\{node\}/$i}"); done
+    on_host "$i" timeout -k 5 "$tmo" "${args[@]}" >"$MH_TMP/$name.$i.out" 2>&1 &
+    pids+=($!)
+  done
+  PN_OUT=""
+  for ((i = 0; i < n; i++)); do
+    local rc=0
+    wait "${pids[$i]}" || rc=$?
+    printf -v "PN_RC_$i" '%s' "$rc"
+    PN_OUT+=$(cat "$MH_TMP/$name.$i.out")$'\n'
+  done
+}
+# Pids of processes on host $1 whose command line contains $2 (sshd and zombies excluded).
+pids_matching() {
+  local p
+  for p in $(ip netns pids "$(ns "$1")"); do
+    [[ $(cat "/proc/$p/comm" 2>/dev/null) == sshd ]] && continue
+    [[ $(awk '/^State:/ {print $2}' "/proc/$p/status" 2>/dev/null) == Z ]] && continue
+    { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -qF -- "$2" && echo "$p"
+  done
+  return 0
+}
+# wait_for_pid HOST PATTERN SECONDS: echoes the first matching pid, fails the test if none appears.
+wait_for_pid() {
+  local deadline=$((SECONDS + $3)) p
+  while ((SECONDS < deadline)); do
+    p=$(pids_matching "$1" "$2" | head -1)
+    [[ -n $p ]] && { echo "$p"; return 0; }
+    sleep 0.05
+  done
+  return 1
+}
+now_ms() { echo $(($(date +%s%N) / 1000000)); }

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# ctest entry for one tests/multihost/test_*.sh: skip (exit 77, reason printed) where the cluster
+# cannot be built here; otherwise run the test inside a fresh 4-host cluster that is torn down
+# afterwards whatever happens (cluster.sh run).
+set -euo pipefail
+here=$(dirname "$(readlink -f "$0")")
+test_script=${1:?usage: run_test.sh tests/multihost/test_X.sh}
+"$here/cluster.sh" check || exit 77
+# A test may ask for a different host count with a line "# cluster-hosts: K".
+k=$(sed -n 's/^# cluster-hosts: *\([0-9]*\).*/\1/p' "$test_script" | head -1)
+exec "$here/cluster.sh" run -k "${k:-4}" -- bash "$test_script"
