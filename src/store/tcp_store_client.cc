@@ -158,7 +158,8 @@ class TcpStore : public Store {
     expect_ok(await(set_id, deadline, "barrier"), "barrier", timeout);
     int64_t arrived = read_i64(await(add_id, deadline, "barrier"), "barrier");
     if (arrived == world) {
-      uint32_t done_id = begin();
+      out_.clear();
+      uint32_t done_id = next_id();
       proto::encode_set(out_, done_id, done_key, "1");
       send_pending(deadline, "barrier", {done_id});
       expect_ok(await(done_id, deadline, "barrier"), "barrier", timeout);
@@ -277,6 +278,10 @@ class TcpStore : public Store {
   uint32_t begin() {
     if (!broken_.empty()) throw PeerLostError(broken_);
     out_.clear();
+    // Calls are serialised and each awaits all of its replies, so anything still listed here
+    // belongs to a call that gave up: its late replies are to be dropped.
+    in_flight_.clear();
+    early_.clear();
     return next_id();
   }
 

@@ -616,9 +616,10 @@ class TcpStoreServer : public StoreServer {
       }
     }
     if (tell) {
-      std::string frame;
-      proto::encode_string_reply(frame, Op::kClosing, 0, reason);
-      ssize_t ignored = ::send(c.fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      // Best effort, never blocking: what was queued for the client, then the reason.
+      proto::encode_string_reply(c.out, Op::kClosing, 0, reason);
+      ssize_t ignored = ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
       (void)ignored;
     }
     for (uint64_t wid : c.waiters) waiters_.erase(wid);
