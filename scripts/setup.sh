@@ -14,7 +14,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev libssl-dev zlib1g-dev
   # PyTorch integrations and the training example (libtorch C++ API, the Python backend, BLAS, data)
   python3 python3-dev python3-pytest pybind11-dev python3-torch libtorch-dev
-  libopenblas0-pthread dataset-fashion-mnist zlib1g-dev
+  libopenblas0-pthread dataset-fashion-mnist
   # peers and multi-host tests: Open MPI, network namespaces with sshd, iperf3
   openmpi-bin libopenmpi-dev iproute2 openssh-server openssh-client iperf3 procps
 )
@@ -43,5 +43,6 @@ fi
 
 build_dir=${COHORT_BUILD_DIR:-build}
 # shellcheck disable=SC2086
-cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${COHORT_CMAKE_ARGS:-} >/dev/null
+# The store protocol fuzz target is built (clang, libFuzzer) so the test suite can run it for a bounded time.
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOHORT_BUILD_FUZZERS=ON ${COHORT_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build_dir" -j "$(nproc)"

@@ -19,7 +19,7 @@ MPIRUN="mpirun --allow-run-as-root --oversubscribe --mca btl_tcp_if_include lo -
 T="/usr/bin/python3 $PEERS/launch_timing.py --runs 5 --warmup 1 --"
 PORT=$((29650 + RANDOM % 1000))
 echo "# $(date -u +%FT%TZ) N=$N build=$BUILD"
-$T "$BUILD/tools/cohort" run -n "$N" "$BUILD/examples/hello" --store
+$T "$BUILD/tools/cohort" run -n "$N" "$BUILD/examples/hello/hello" --store
 $T "$BUILD/tools/cohort" run -n "$N" /bin/true
 $T $MPIRUN -n "$N" "$WORK/mpi_trivial"
 $T $MPIRUN -n "$N" /bin/true

@@ -257,7 +257,7 @@ TEST(Run, DryRunPrintsThePlanAndStartsNothing) {
 }
 
 TEST(Run, ExampleHelloMeetsThroughTheStore) {
-  std::string hello = std::string(COHORT_TEST_BIN_DIR) + "/../examples/hello";
+  std::string hello = std::string(COHORT_TEST_BIN_DIR) + "/../examples/hello/hello";
   auto r = run_process(cohort_run({"-n", "4", hello, "--store"}), {}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("rank 0: all 4 ranks met at the store"), std::string::npos) << r.out;
@@ -405,7 +405,10 @@ TEST(Run, SshFanOutRestartsEveryNode) {
   auto r = run_process(concat(cohort_run({"-H", "hostA:1,hostB:1", "--master-addr", "127.0.0.1", "--ssh-command", shim,
                                           "--max-restarts", "2"}),
                               sh("echo $TORCHELASTIC_RESTART_COUNT >> " + dir.path() + "/attempts.$RANK; "
-                                 "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 4; fi; "
+                                 // rank 1 fails only once rank 0's first attempt has started, so that attempt is seen
+                                 "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then i=0; "
+                                 "while [ ! -s " + dir.path() + "/attempts.0 ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; "
+                                 "exit 4; fi; "
                                  "if [ $RANK = 0 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exec sleep 60; fi")),
                        {}, 60);
   EXPECT_EQ(r.exit_code, 0) << r.err;
