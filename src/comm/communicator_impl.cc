@@ -140,11 +140,13 @@ void CommunicatorImpl::bootstrap() {
   std::vector<std::string> available;
   for (const auto& f : transport::factories()) {
     available.push_back(f.name);
-    if (options_.transport == "auto" || options_.transport == f.name) transports_.push_back(f.make(topts));
+    // "shm": collectives in shared memory (checked below: one host), the rest over the transports.
+    if (options_.transport == "auto" || options_.transport == "shm" || options_.transport == f.name)
+      transports_.push_back(f.make(topts));
   }
   if (transports_.empty()) {
-    throw ConfigError(fmt::format("COHORT_TRANSPORT={}: no such transport (available: auto, {})", options_.transport,
-                                  str::join(available, ", ")));
+    throw ConfigError(fmt::format("COHORT_TRANSPORT={}: no such transport (available: auto, shm, {})",
+                                  options_.transport, str::join(available, ", ")));
   }
 
   // Publish this rank: host identity and one descriptor per transport.
@@ -197,6 +199,10 @@ void CommunicatorImpl::bootstrap() {
     }
   }
   topology_ = Topology::build(rank_, ids);
+  if (options_.transport == "shm" && !topology_.all_local())
+    throw ConfigError(fmt::format("COHORT_TRANSPORT=shm, but the ranks of communicator '{}' span {} hosts (shm "
+                                  "only connects ranks on one host; use auto)",
+                                  prefix_, topology_.hosts.size()));
 
   // Route every peer through the first transport (by priority) that both sides have and that
   // accepts the peer's descriptor.
@@ -236,7 +242,8 @@ void CommunicatorImpl::bootstrap() {
                          describe_signature(theirs), where, rank_, describe_signature(ours));
     });
   }
-  const bool shm_collectives = kShmCollectives.get() && options_.transport != "tcp";
+  const bool shm_collectives =
+      options_.transport == "shm" || (kShmCollectives.get() && options_.transport != "tcp");
   if (size_ > 1 && topology_.all_local() && shm_collectives) {
     shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
     install_shm_semantics(*shm_group_, topology_.hosts.front());
