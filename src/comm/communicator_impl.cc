@@ -29,9 +29,9 @@ const env::IntSetting kSpinUs("COHORT_SPIN_US", 200,
                               "microseconds a waiting rank busy-polls its sockets before sleeping in epoll_wait");
 
 const env::BoolSetting kShmCollectives(
-    "COHORT_SHM_COLLECTIVES", false,
+    "COHORT_SHM_COLLECTIVES", true,
     "run allreduce/reduce_scatter/allgather/broadcast/barrier on the shared-memory group when ranks share a "
-    "host (opt-in until the shm path compares call signatures and honours abort like the transports do)");
+    "host (COHORT_TRANSPORT=tcp turns it off too)");
 const env::BoolSetting kHierarchical("COHORT_HIERARCHICAL", true,
                                      "allreduce across hosts: reduce inside each host over shared memory, one "
                                      "cross-host ring per local rank, finish inside each host");
@@ -140,11 +140,13 @@ void CommunicatorImpl::bootstrap() {
   std::vector<std::string> available;
   for (const auto& f : transport::factories()) {
     available.push_back(f.name);
-    if (options_.transport == "auto" || options_.transport == f.name) transports_.push_back(f.make(topts));
+    // "shm": collectives in shared memory (checked below: one host), the rest over the transports.
+    if (options_.transport == "auto" || options_.transport == "shm" || options_.transport == f.name)
+      transports_.push_back(f.make(topts));
   }
   if (transports_.empty()) {
-    throw ConfigError(fmt::format("COHORT_TRANSPORT={}: no such transport (available: auto, {})", options_.transport,
-                                  str::join(available, ", ")));
+    throw ConfigError(fmt::format("COHORT_TRANSPORT={}: no such transport (available: auto, shm, {})",
+                                  options_.transport, str::join(available, ", ")));
   }
 
   // Publish this rank: host identity and one descriptor per transport.
@@ -197,6 +199,10 @@ void CommunicatorImpl::bootstrap() {
     }
   }
   topology_ = Topology::build(rank_, ids);
+  if (options_.transport == "shm" && !topology_.all_local())
+    throw ConfigError(fmt::format("COHORT_TRANSPORT=shm, but the ranks of communicator '{}' span {} hosts (shm "
+                                  "only connects ranks on one host; use auto)",
+                                  prefix_, topology_.hosts.size()));
 
   // Route every peer through the first transport (by priority) that both sides have and that
   // accepts the peer's descriptor.
@@ -236,9 +242,11 @@ void CommunicatorImpl::bootstrap() {
                          describe_signature(theirs), where, rank_, describe_signature(ours));
     });
   }
-  const bool shm_collectives = kShmCollectives.get() && options_.transport != "tcp";
+  const bool shm_collectives =
+      options_.transport == "shm" || (kShmCollectives.get() && options_.transport != "tcp");
   if (size_ > 1 && topology_.all_local() && shm_collectives) {
     shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
+    install_shm_semantics(*shm_group_, topology_.hosts.front());
     log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
   }
   if (topology_.hosts.size() > 1 && shm_collectives && kHierarchical.get()) {
@@ -249,6 +257,7 @@ void CommunicatorImpl::bootstrap() {
       const int host = topology_.host_of_rank[size_t(rank_)];
       host_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size,
                                        fmt::format("shm-group/host{}", host), options_.timeout);
+      install_shm_semantics(*host_group_, topology_.hosts[size_t(host)]);
       cross_host_ = create_child(fmt::format("{}/cross/local{}", prefix_, topology_.local_rank), host,
                                  int(topology_.hosts.size()));
       log::debug("communicator '{}': {} hosts x {} ranks, hierarchical allreduce (shm inside hosts, {} rings across)",
@@ -472,6 +481,7 @@ void CommunicatorImpl::wait(coll::RequestId id) {
 }
 
 std::string CommunicatorImpl::waiting_for_text() {
+  if (!shm_waiting_.empty()) return shm_waiting_text();
   std::set<int> peers;
   for (const auto& p : pending_)
     if (!p.transport->peek(p.tid)) peers.insert(p.peer);

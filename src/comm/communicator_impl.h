@@ -29,6 +29,7 @@
 #include "comm/op.h"
 #include "comm/topology.h"
 #include "common/deadline.h"
+#include "transport/shm/sync.h"
 #include "transport/transport.h"
 
 namespace cohort::shm {
@@ -112,6 +113,8 @@ class CommunicatorImpl final : public Communicator,
   // rank's host and the communicator of the ranks with this local rank on every host; null otherwise.
   shm::Group* host_group() const { return host_group_.get(); }
   Communicator* cross_host() const { return cross_host_.get(); }
+  // The current operation's number and signature, as the shm group publishes them (comm/shm_path.h).
+  shm::CallSignature shm_call() const;
 
  private:
   using Body = std::function<void()>;
@@ -139,6 +142,20 @@ class CommunicatorImpl final : public Communicator,
   void validate_root(int root) const;
 
   std::shared_ptr<Communicator> create_child(const std::string& prefix, int rank, int size);
+
+  // The shm group's waits under this communicator's error semantics (communicator_impl_shm.cc):
+  // abort, deadline and slow warnings, failure notices, mismatch and peer names. members[local rank]
+  // = communicator rank.
+  void install_shm_semantics(shm::Group& group, std::vector<int> members);
+  std::string shm_waiting_text() const;
+  struct ShmLagging {
+    int rank;
+    bool seen;
+    uint32_t seq;
+    transport::Signature signature;
+  };
+  std::vector<ShmLagging> shm_waiting_;  // set while a group wait reports (warn_slow/throw_timeout)
+  Deadline::Clock::time_point shm_next_notice_poll_{};
 
   std::vector<std::shared_ptr<void>> kept_alive_;  // destroyed last (declared first)
   // identity and settings

@@ -1,15 +1,16 @@
 #pragma once
-// The intra-host fast path (opt-in: COHORT_SHM_COLLECTIVES=1): when every rank of a communicator is on
-// one host (equal HostIdentity::shm_key()) and COHORT_TRANSPORT is not "tcp", allreduce, reduce_scatter, allgather,
-// broadcast and barrier run on a shm::Group (src/collectives/shm/group.h) working in shared memory
-// directly; everything else, and every communicator spanning hosts, uses the coll:: algorithms over
-// the transports. communicator_impl.cc calls the collectives through this namespace (`algo::`).
+// The intra-host fast path (default; COHORT_TRANSPORT=tcp or COHORT_SHM_COLLECTIVES=0 turn it off):
+// when every rank of a communicator is on one host (equal HostIdentity::shm_key()), allreduce,
+// reduce_scatter, allgather, broadcast and barrier run on a shm::Group (src/collectives/shm/group.h)
+// working in shared memory directly; everything else, and every communicator spanning hosts, uses the
+// coll:: algorithms over the transports. communicator_impl.cc calls the collectives through this
+// namespace (`algo::`).
 //
-// Why it is opt-in: the shm path does not (yet) compare the ranks' call signatures (a mismatched call
-// is not diagnosed as MismatchError), does not observe Communicator::abort() while waiting, names
-// peers by local rank and pid rather than by rank and host, and sends no failure notices or slow
-// warnings; the comm fault tests (tests/comm) expect all of that. The group's own deadline, dead-peer
-// detection (pidfd, < 2 s) and failure flags do apply.
+// Error semantics are the transports' (communicator_impl_shm.cc): each call publishes the operation's
+// number and signature in the rank's control line and the peers compare it (MismatchError naming both
+// ranks and calls); waits observe abort(), the operation's deadline (TimeoutError naming the ranks
+// that did not arrive), slow-rank warnings and failure notices from the transports; a dead peer
+// (pidfd) fails the operation within one 50 ms sleep slice, named by rank and host.
 
 #include <algorithm>
 
@@ -30,8 +31,16 @@ using coll::scatter;
 // memory, (2) local rank l allreduces slice l of the buffer with the ranks of local rank l on the other
 // hosts (L independent cross-host rings, so every local rank and link works), (3) inside the host, each
 // local rank broadcasts its slice to the others. avg divides by L in (1) and by H in (2).
+// The group of an all-local communicator, set up for the current operation's signature; or null.
+inline shm::Group* local_group(CommunicatorImpl& c) {
+  shm::Group* g = c.shm_group();
+  if (g) g->set_call(c.shm_call());
+  return g;
+}
+
 inline void hierarchical_allreduce(CommunicatorImpl& c, shm::Group& host, const void* send, void* recv,
                                    size_t count, DataType dtype, ReduceOp op) {
+  host.set_call(c.shm_call());
   host.allreduce(send, recv, count, dtype, op);
   const size_t es = dtype_size(dtype);
   const size_t L = static_cast<size_t>(host.size());
@@ -47,29 +56,29 @@ inline void hierarchical_allreduce(CommunicatorImpl& c, shm::Group& host, const 
 }
 
 inline void allreduce(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) {
-  if (shm::Group* g = c.shm_group()) return g->allreduce(send, recv, count, dtype, op);
+  if (shm::Group* g = local_group(c)) return g->allreduce(send, recv, count, dtype, op);
   if (shm::Group* h = c.host_group()) return hierarchical_allreduce(c, *h, send, recv, count, dtype, op);
   coll::allreduce(c, send, recv, count, dtype, op);
 }
 
 inline void reduce_scatter(CommunicatorImpl& c, const void* send, void* recv, size_t recv_count, DataType dtype,
                            ReduceOp op) {
-  if (shm::Group* g = c.shm_group()) return g->reduce_scatter(send, recv, recv_count, dtype, op);
+  if (shm::Group* g = local_group(c)) return g->reduce_scatter(send, recv, recv_count, dtype, op);
   coll::reduce_scatter(c, send, recv, recv_count, dtype, op);
 }
 
 inline void allgather(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype) {
-  if (shm::Group* g = c.shm_group()) return g->allgather(send, recv, count * dtype_size(dtype));
+  if (shm::Group* g = local_group(c)) return g->allgather(send, recv, count * dtype_size(dtype));
   coll::allgather(c, send, recv, count, dtype);
 }
 
 inline void broadcast(CommunicatorImpl& c, void* buf, size_t count, DataType dtype, int root) {
-  if (shm::Group* g = c.shm_group()) return g->broadcast(buf, count * dtype_size(dtype), root);
+  if (shm::Group* g = local_group(c)) return g->broadcast(buf, count * dtype_size(dtype), root);
   coll::broadcast(c, buf, count, dtype, root);
 }
 
 inline void barrier(CommunicatorImpl& c) {
-  if (shm::Group* g = c.shm_group()) return g->barrier();
+  if (shm::Group* g = local_group(c)) return g->barrier();
   coll::barrier(c);
 }
 

@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "cohort/error.h"
 #include "cohort/communicator.h"
 #include "comm/communicator_impl.h"
 #include "store/memory_store.h"
@@ -13,9 +16,19 @@
 namespace cohort {
 namespace {
 
-// The communicator's shm path is opt-in; settings are parsed on first use, so setting the variable
-// before any communicator exists in this process is enough.
+// The shm path is the default; make sure an environment that turned it off does not skip these tests
+// (settings are parsed on first use, before any communicator exists in this process).
 const bool shm_collectives_enabled = [] { return ::setenv("COHORT_SHM_COLLECTIVES", "1", 1) == 0; }();
+
+std::shared_ptr<Communicator> make_shm(std::shared_ptr<Store> store, int rank, int world, double timeout_s) {
+  CommOptions o;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  o.transport = "shm";
+  auto comm = Communicator::create(store, rank, world, o);
+  auto* impl = dynamic_cast<comm::CommunicatorImpl*>(comm.get());
+  if (impl == nullptr || impl->shm_group() == nullptr) throw std::runtime_error("no shm group with transport shm");
+  return comm;
+}
 
 void run_collectives(const std::string& transport, bool expect_shm) {
   auto store = make_memory_store();
@@ -54,6 +67,90 @@ TEST(ShmCommunicator, AllLocalRanksUseTheSharedMemoryGroup) {
   run_collectives("auto", true);
 }
 TEST(ShmCommunicator, TransportTcpKeepsCollectivesOnTheTransports) { run_collectives("tcp", false); }
+TEST(ShmCommunicator, TransportShmForcesTheSharedMemoryGroup) { run_collectives("shm", true); }
+
+// The shm path reports a mismatched call like the transports: MismatchError on both ranks, naming
+// both calls; the communicator is failed for good afterwards.
+TEST(ShmCommunicator, MismatchedSignaturesAreMismatchErrorsNamingBothCalls) {
+  auto store = make_memory_store();
+  std::vector<std::string> errors(3);
+  test::run_ranks(3, [&](int r) {
+    auto comm = make_shm(store, r, 3, 10);
+    std::vector<float> v(64, 1.0f);
+    comm->allreduce(v.data(), v.data(), 64, DataType::kFloat32, ReduceOp::kSum);  // one good call first
+    try {
+      // rank 2 reduces with max and a different count
+      if (r == 2) comm->allreduce(v.data(), v.data(), 32, DataType::kFloat32, ReduceOp::kMax);
+      else comm->allreduce(v.data(), v.data(), 64, DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "no mismatch on rank " << r;
+    } catch (const MismatchError& e) {
+      errors[size_t(r)] = e.what();
+    } catch (const std::exception& e) {
+      errors[size_t(r)] = std::string("other error: ") + e.what();
+    }
+    EXPECT_THROW(comm->barrier(), AbortedError);
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[size_t(r)].find("mismatched calls"), std::string::npos) << r << ": " << errors[size_t(r)];
+    EXPECT_NE(errors[size_t(r)].find("allreduce(count=64"), std::string::npos) << r << ": " << errors[size_t(r)];
+    EXPECT_NE(errors[size_t(r)].find("allreduce(count=32"), std::string::npos) << r << ": " << errors[size_t(r)];
+    EXPECT_NE(errors[size_t(r)].find("operation #2"), std::string::npos) << r << ": " << errors[size_t(r)];
+  }
+}
+
+// A rank waiting in the group sees abort() (from another thread) and the operation's deadline, with
+// the transports' wording naming the rank that did not arrive.
+TEST(ShmCommunicator, WaitsSeeAbortAndTheDeadlineNamingTheMissingRank) {
+  auto store = make_memory_store();
+  std::string timeout_error;
+  test::run_ranks(3, [&](int r) {
+    auto comm = make_shm(store, r, 3, 1.0);
+    float f = 1;
+    comm->allreduce(&f, &f, 1, DataType::kFloat32, ReduceOp::kSum);
+    if (r == 0) {
+      std::thread aborter([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        comm->abort("test says stop");
+      });
+      auto start = std::chrono::steady_clock::now();
+      EXPECT_THROW(comm->barrier(), AbortedError);  // ranks 1 and 2 do not join it
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(900));
+      aborter.join();
+    } else if (r == 1) {
+      try {
+        comm->barrier();  // rank 2 never joins; rank 0 aborts, which fails the group for rank 1 too
+        ADD_FAILURE() << "barrier without rank 2 succeeded";
+      } catch (const Error&) {
+      }
+    }
+    store->barrier("abort-part-done", r, 3, std::chrono::seconds(10));
+  });
+  // The deadline alone: two ranks wait for a third that never comes.
+  auto store2 = make_memory_store();
+  test::run_ranks(3, [&](int r) {
+    auto comm = make_shm(store2, r, 3, 1.0);
+    float f = 1;
+    comm->allreduce(&f, &f, 1, DataType::kFloat32, ReduceOp::kSum);
+    if (r == 0) {
+      try {
+        comm->allreduce(&f, &f, 1, DataType::kFloat32, ReduceOp::kSum);
+        ADD_FAILURE() << "allreduce without rank 2 succeeded";
+      } catch (const TimeoutError& e) {
+        timeout_error = e.what();
+      } catch (const std::exception& e) {
+        timeout_error = std::string("other error: ") + e.what();
+      }
+    } else if (r == 1) {
+      try {
+        comm->allreduce(&f, &f, 1, DataType::kFloat32, ReduceOp::kSum);
+      } catch (const Error&) {
+      }
+    }
+    store2->barrier("timeout-part-done", r, 3, std::chrono::seconds(10));
+  });
+  EXPECT_NE(timeout_error.find("(COHORT_TIMEOUT) waiting for rank(s) 2 [rank 2 ("), std::string::npos) << timeout_error;
+  EXPECT_NE(timeout_error.find("last seen in operation #1 allreduce(count=1"), std::string::npos) << timeout_error;
+}
 
 }  // namespace
 }  // namespace cohort

@@ -89,11 +89,56 @@ char* Group::slot(int rank, unsigned parity) const {
          (static_cast<size_t>(rank) * 2 + parity) * options_.slot_bytes;
 }
 
+CallSignature Group::last_call_of(int q) const {
+  const RankControl& c = sync_.control(q);
+  // The entry of the peer's latest call: its calls alternate entries, and the latest has the higher seq
+  // (equal seqs: both entries belong to one communicator operation, either is right).
+  const CallSignature& a = c.call[0];
+  const CallSignature& b = c.call[1];
+  return static_cast<int32_t>(a.seq - b.seq) >= 0 ? a : b;
+}
+
+void Group::wait_all(const char* what) {
+  sync_.wait_all(what);
+  if (compare_pending_) check_calls();
+}
+
+void Group::check_calls() {
+  compare_pending_ = false;
+  const unsigned entry = static_cast<unsigned>((calls_ - 1) & 1u);
+  // Every peer has posted at least the step after which it published this entry, and cannot publish
+  // into it again before this rank posts once more (it would need this rank's next post first).
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    const CallSignature theirs = sync_.control(q).call[entry];
+    if (!(theirs == call_)) {
+      std::string text = mismatch_formatter_
+                             ? mismatch_formatter_(q, theirs, call_)
+                             : fmt::format("mismatched calls: local rank {} called op {} (count {}, seq {}) but local "
+                                           "rank {} called op {} (count {}, seq {})",
+                                           q, theirs.kind, theirs.count, theirs.seq, rank_, call_.kind, call_.count,
+                                           call_.seq);
+      throw MismatchError(text);
+    }
+  }
+}
+
 template <typename Body>
 void Group::guarded(const char* what, Body&& body) {
   if (!failure_.empty()) throw AbortedError("shm group failed earlier: " + failure_);
   try {
+    // Publish this call's signature before its first post (the peers read it after seeing that post).
+    sync_.control(rank_).call[calls_ & 1u] = call_;
+    ++calls_;
+    compare_pending_ = size_ > 1;
     body();
+    if (compare_pending_) {
+      // The call moved no data (zero bytes) and so had no round: run one anyway, so that its signature
+      // is compared and no peer runs more than one call ahead (the two signature entries rely on it).
+      next_parity();
+      sync_.post();
+      wait_all(what);
+    }
   } catch (const InvalidArgument&) {
     throw;
   } catch (const std::exception& e) {
@@ -107,7 +152,7 @@ void Group::barrier() {
   guarded("barrier", [&] {
     next_parity();
     sync_.post();
-    sync_.wait_all("barrier");
+    wait_all("barrier");
   });
 }
 
@@ -131,7 +176,7 @@ void Group::allreduce_small(const void* in, void* out, size_t count, DataType dt
   const unsigned p = next_parity();
   std::memcpy(slot(rank_, p), in, bytes);
   sync_.post();
-  sync_.wait_all("allreduce");
+  wait_all("allreduce");
   kernels::reduce_to(out, slot(0, p), slot(1, p), count, dtype, op);
   for (int q = 2; q < size_; ++q) kernels::reduce_into(out, slot(q, p), count, dtype, op);
   if (op == ReduceOp::kAvg) kernels::finish_average(out, count, dtype, size_);
@@ -152,7 +197,7 @@ void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataTyp
       if (q != rank_ && sl.length(q) > 0)
         std::memcpy(mine + sl.begin(q) * es, in + (off + sl.begin(q)) * es, sl.length(q) * es);
     sync_.post();
-    sync_.wait_all("allreduce");
+    wait_all("allreduce");
     // Phase 2: reduce my slice into my slot (rank order), reading my input and the peers' slots.
     const size_t b = sl.begin(rank_), n = sl.length(rank_);
     if (n > 0) {
@@ -166,7 +211,7 @@ void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataTyp
       std::memcpy(out + (off + b) * es, acc, n * es);
     }
     sync_.post();
-    sync_.wait_all("allreduce");
+    wait_all("allreduce");
     // Phase 3: collect the other slices' results from their owners' slots.
     for (int q = 0; q < size_; ++q)
       if (q != rank_ && sl.length(q) > 0)
@@ -201,7 +246,7 @@ void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType
           std::memcpy(mine + static_cast<size_t>(q) * chunk_elems * es,
                       in + (static_cast<size_t>(q) * count + off) * es, c * es);
       sync_.post();
-      sync_.wait_all("reduce_scatter");
+      wait_all("reduce_scatter");
       auto source = [&](int q) -> const char* {
         if (q == rank_ && !stage_own) return in + (static_cast<size_t>(rank_) * count + off) * es;
         return slot(q, p) + static_cast<size_t>(rank_) * chunk_elems * es;
@@ -226,7 +271,7 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
       const unsigned p = next_parity();
       std::memcpy(slot(rank_, p), own + off, c);
       sync_.post();
-      sync_.wait_all("allgather");
+      wait_all("allgather");
       for (int q = 0; q < size_; ++q)
         if (q != rank_) std::memcpy(out + static_cast<size_t>(q) * bytes + off, slot(q, p), c);
     }
@@ -246,7 +291,7 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
       sync_.post();
       // Everyone waits for everyone (not only for the root): a rank that writes its slot in the next
       // round relies on all peers having posted this one, i.e. having finished reading the round before.
-      sync_.wait_all("broadcast");
+      wait_all("broadcast");
       if (rank_ != root) std::memcpy(data + off, slot(root, p), c);
     }
   });

@@ -22,8 +22,10 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cohort/store.h"
 #include "cohort/types.h"
@@ -64,6 +66,22 @@ class Group {
   void broadcast(void* data, size_t bytes, int root);
   void barrier();
 
+  // ---- Error semantics of the communicator (comm/communicator_impl_shm.cc installs these) ----
+  // The signature the following group calls publish (until the next set_call). After the first wait
+  // of each call, every rank compares its peers' published signatures with its own and throws
+  // MismatchError(formatter(peer, theirs, ours)) on the first that differs.
+  void set_call(const CallSignature& call) { call_ = call; }
+  using MismatchFormatter =
+      std::function<std::string(int local_peer, const CallSignature& theirs, const CallSignature& ours)>;
+  void set_mismatch_formatter(MismatchFormatter f) { mismatch_formatter_ = std::move(f); }
+  // See PeerSync::set_watch / set_peer_namer.
+  void set_watch(std::function<void(int local_peer)> watch) { sync_.set_watch(std::move(watch)); }
+  void set_peer_namer(std::function<std::string(int local_peer)> namer) { sync_.set_peer_namer(std::move(namer)); }
+  // Local ranks that have not reached this rank's step (meaningful inside a watch callback).
+  std::vector<int> lagging() const { return sync_.lagging(); }
+  // The call local rank q published last (for "last seen in operation #N" in timeout messages).
+  CallSignature last_call_of(int q) const;
+
   Group(Segment segment, int local_rank, int local_size, std::chrono::milliseconds timeout,
         const GroupOptions& options);
 
@@ -72,6 +90,9 @@ class Group {
   void guarded(const char* what, Body&& body);
   char* slot(int rank, unsigned parity) const;
   unsigned next_parity() { return round_++ & 1u; }
+  // sync_.wait_all, then (once per call) the signature comparison.
+  void wait_all(const char* what);
+  void check_calls();
 
   void allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   void allreduce_large(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
@@ -82,6 +103,10 @@ class Group {
   GroupOptions options_;
   PeerSync sync_;
   uint64_t round_ = 0;
+  CallSignature call_{};
+  uint64_t calls_ = 0;          // group calls so far; call_ goes to control line entry calls_ & 1
+  bool compare_pending_ = false;
+  MismatchFormatter mismatch_formatter_;
   std::string failure_;  // first error; later calls repeat it
 };
 

@@ -61,6 +61,10 @@ void PeerSync::start() {
   }
 }
 
+std::string PeerSync::name(int q) const {
+  return namer_ ? namer_(q) : fmt::format("local rank {}", q);
+}
+
 void PeerSync::post() {
   ++my_step_;
   RankControl& me = controls_[rank_];
@@ -91,13 +95,12 @@ std::string PeerSync::check_peers(int waiting_for, const char* what) {
       gone = ::kill(pids_[q], 0) != 0 && errno == ESRCH;
     }
     if (gone)
-      return fmt::format("shm: local rank {} (pid {}) exited during {} (local rank {} was waiting for local rank {})",
-                         q, pids_[q], what, rank_, waiting_for);
+      return fmt::format("shm: {} (pid {}) exited during {} ({} was waiting for {})", name(q), pids_[q], what,
+                         name(rank_), name(waiting_for));
   }
   for (int q = 0; q < size_; ++q) {
     if (q != rank_ && controls_[q].failed.load(std::memory_order_acquire) != 0)
-      return fmt::format("shm: local rank {} (pid {}) failed during {}; local rank {} stops too", q, pids_[q], what,
-                         rank_);
+      return fmt::format("shm: {} (pid {}) failed during {}; {} stops too", name(q), pids_[q], what, name(rank_));
   }
   return {};
 }
@@ -120,6 +123,7 @@ void PeerSync::wait_slow(int q, const char* what) {
       _mm_pause();
     }
     if ((i & 63) == 0 || yielding) {
+      if (watch_) watch_(q);
       auto now = std::chrono::steady_clock::now();
       if (now >= spin_until) break;
       yielding = now >= pure_until;
@@ -136,6 +140,7 @@ void PeerSync::wait_slow(int q, const char* what) {
     }
     peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(q)) return;
+    if (watch_) watch_(q);
     if (std::string lost = check_peers(q, what); !lost.empty()) {
       // A peer may exit normally once it has seen everyone's last post; if the one we wait for has
       // arrived in the meantime, this wait is over and the exit was not a failure of it.
@@ -143,9 +148,9 @@ void PeerSync::wait_slow(int q, const char* what) {
       throw PeerLostError(lost);
     }
     if (deadline.expired())
-      throw TimeoutError(fmt::format("shm: local rank {} waited {} ms in {} for local rank {} (pid {}), which did "
+      throw TimeoutError(fmt::format("shm: {} waited {} ms in {} for {} (pid {}), which did "
                                      "not arrive (it is at step {}, this rank at {})",
-                                     rank_, timeout_.count(), what, q, pids_[q],
+                                     name(rank_), timeout_.count(), what, name(q), pids_[q],
                                      peer.step.load(std::memory_order_relaxed), my_step_));
   }
 }

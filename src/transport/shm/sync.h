@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,13 +19,32 @@
 
 namespace cohort::shm {
 
-// One rank's control line in the segment. Only the owner writes `step` and `failed`; waiters add to
-// `sleepers` before they futex-wait on `step`, so the owner knows whether a wake-up call is needed.
+// What a rank called (the communicator's operation number and signature), published in its control
+// line before the operation's first post so that the peers can compare it with their own call.
+struct CallSignature {
+  uint64_t count = 0;
+  uint32_t seq = 0;   // the communicator's operation number
+  uint32_t root = 0;
+  uint8_t kind = 0;   // comm's op kind (allreduce, broadcast, ...)
+  uint8_t dtype = 0;
+  uint8_t op = 0;     // reduce op
+  uint8_t flags = 0;
+  uint32_t reserved = 0;
+  bool operator==(const CallSignature&) const = default;
+};
+static_assert(sizeof(CallSignature) == 24);
+
+// One rank's control line in the segment. Only the owner writes `step`, `failed` and `call`; waiters
+// add to `sleepers` before they futex-wait on `step`, so the owner knows whether a wake-up call is
+// needed. `call` has two entries (alternating per group call): a peer may run one call ahead of a
+// slow rank, and must not overwrite the signature the slow rank has yet to compare. The signatures
+// share the line with `step`, so comparing them costs no extra cache-line transfer.
 struct alignas(64) RankControl {
   std::atomic<uint32_t> step;
   std::atomic<uint32_t> sleepers;
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> failed;  // 1 once this rank gave up on the group (its error ends the others too)
+  CallSignature call[2];         // written before a post, read by peers after they saw that post
 };
 static_assert(sizeof(RankControl) == 64);
 
@@ -51,6 +71,21 @@ class PeerSync {
   // Marks this rank failed so that waiting peers stop within one sleep slice.
   void mark_failed();
 
+  // Called now and then while a wait has not completed (every few dozen spins, after every sleep
+  // slice) with the local rank waited for; it may throw to end the wait (abort, deadline of the
+  // caller). Not called on the fast path (peer already there).
+  void set_watch(std::function<void(int local_peer)> watch) { watch_ = std::move(watch); }
+  // Names a local rank in error messages (e.g. "rank 3 (host-a)"); default "local rank N".
+  void set_peer_namer(std::function<std::string(int local_peer)> namer) { namer_ = std::move(namer); }
+  // Local ranks that have not yet posted as many steps as this rank.
+  std::vector<int> lagging() const {
+    std::vector<int> out;
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_ && !reached(q)) out.push_back(q);
+    return out;
+  }
+  RankControl& control(int q) const { return controls_[q]; }
+
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -70,6 +105,9 @@ class PeerSync {
   uint32_t my_step_ = 0;
   std::vector<UniqueFd> pidfds_;  // index = local rank; invalid for self and for peers in this process
   std::vector<int> pids_;
+  std::function<void(int)> watch_;
+  std::function<std::string(int)> namer_;
+  std::string name(int q) const;
 };
 
 }  // namespace cohort::shm
