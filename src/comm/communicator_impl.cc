@@ -26,7 +26,15 @@ namespace algo = cohort::comm::shm_path;
 namespace {
 
 const env::IntSetting kSpinUs("COHORT_SPIN_US", 200,
-                              "microseconds a waiting rank busy-polls its sockets before sleeping in epoll_wait");
+                              "microseconds a blocking call busy-polls its sockets after the last data moved "
+                              "before sleeping in epoll_wait");
+const env::IntSetting kProgressSpinUs(
+    "COHORT_PROGRESS_SPIN_US", 20,
+    "microseconds the asynchronous progress thread busy-polls after the last data moved before sleeping in "
+    "epoll_wait (kept short: the progress thread shares the cores with the caller's compute threads)");
+
+// True on the thread that runs the *_async operations: its waits spin only while data is flowing.
+thread_local bool t_progress_thread = false;
 
 const env::BoolSetting kShmCollectives(
     "COHORT_SHM_COLLECTIVES", true,
@@ -120,7 +128,8 @@ CommunicatorImpl::CommunicatorImpl(CommSetup s)
       size_(s.size),
       options_(std::move(s.options)),
       comm_id_(hash32(s.prefix)),
-      spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))) {
+      spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
+      progress_spin_(std::chrono::microseconds(std::max<int64_t>(0, kProgressSpinUs.get()))) {
   store_->set_timeout(options_.timeout);
   options_.store_prefix = prefix_;
 }
@@ -391,6 +400,7 @@ std::shared_ptr<Work> CommunicatorImpl::run_async(const OpDesc& desc, Body body)
 }
 
 void CommunicatorImpl::progress_thread_main() {
+  t_progress_thread = true;
   for (;;) {
     {
       std::unique_lock<std::mutex> lk(queue_mutex_);
@@ -445,25 +455,38 @@ void CommunicatorImpl::wait(coll::RequestId id) {
     if (pos != pending_.end()) pending_.erase(pos);
   };
   if (p.transport->test(p.tid)) return finish();
-  auto spin_until = Deadline::Clock::now() + spin_;
+  // Busy-poll only while data is moving: the budget restarts whenever a poll moved something, and
+  // once it runs out the thread sleeps in epoll_wait (no CPU until a socket is ready). A blocking
+  // caller keeps a generous budget (small-message latency); the progress thread of the *_async
+  // operations a short one, so that it does not take cores from the caller's compute threads.
+  const auto budget = t_progress_thread ? progress_spin_ : spin_;
+  auto spin_until = Deadline::Clock::now() + budget;
   for (;;) {
     auto now = Deadline::Clock::now();
     if (now < spin_until) {
       bool progressed = false;
       for (auto& t : transports_) progressed = t->poll(0) || progressed;
-      // Nothing ready: let another runnable thread (the peer rank, when ranks outnumber cores)
-      // have the core. With a core to itself this returns at once.
-      if (!progressed) sched_yield();
+      if (progressed) {
+        spin_until = Deadline::Clock::now() + budget;
+      } else {
+        // Nothing ready: let another runnable thread (the peer rank, when ranks outnumber cores)
+        // have the core. With a core to itself this returns at once.
+        sched_yield();
+      }
     } else {
       auto until = std::min(op_deadline_.at(), next_warning_);
       long ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
       int timeout = int(std::clamp<long>(ms, 0, 100));
+      bool woke = false;
       if (transports_.size() == 1) {
-        transports_.front()->poll(timeout);
+        woke = transports_.front()->poll(timeout);
       } else {
-        for (auto& t : transports_) t->poll(0);
-        for (auto& t : transports_) t->poll(std::min(timeout, 1));
+        for (auto& t : transports_) woke = t->poll(0) || woke;
+        if (!woke)
+          for (auto& t : transports_) woke = t->poll(std::min(timeout, 1)) || woke;
       }
+      // Data is flowing again (a pipelined transfer): poll without sleeping for a while.
+      if (woke) spin_until = Deadline::Clock::now() + budget;
     }
     if (p.transport->test(p.tid)) return finish();
     if (abort_requested_.load(std::memory_order_relaxed)) {

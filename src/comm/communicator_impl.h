@@ -167,6 +167,7 @@ class CommunicatorImpl final : public Communicator,
   CommOptions options_;
   uint32_t comm_id_;
   std::chrono::nanoseconds spin_;
+  std::chrono::nanoseconds progress_spin_;  // the *_async progress thread's budget
 
   // bootstrap results
   Topology topology_;
