@@ -40,9 +40,12 @@ const env::BoolSetting kShmCollectives(
     "COHORT_SHM_COLLECTIVES", true,
     "run allreduce/reduce_scatter/allgather/broadcast/barrier on the shared-memory group when ranks share a "
     "host (COHORT_TRANSPORT=tcp turns it off too)");
-const env::BoolSetting kHierarchical("COHORT_HIERARCHICAL", true,
+// Off by default for now: an error inside the cross-host rings is reported with the ranks of that
+// ring (host indices), not the world ranks, which breaks the promise that a failure names the lost
+// rank. Turn on with COHORT_HIERARCHICAL=1 for measurements.
+const env::BoolSetting kHierarchical("COHORT_HIERARCHICAL", false,
                                      "allreduce across hosts: reduce inside each host over shared memory, one "
-                                     "cross-host ring per local rank, finish inside each host");
+                                     "cross-host ring per local rank, finish inside each host (experimental)");
 
 constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
 

@@ -32,6 +32,7 @@ TEST(ShmHierarchical, TwoSimulatedHostsOfTwoRanks) {
         env.emplace_back(*e);
     env.push_back(std::string("COHORT_HOST_ID=") + (r < 2 ? "hostA" : "hostB"));
     env.push_back("COHORT_SHM_COLLECTIVES=1");
+    env.push_back("COHORT_HIERARCHICAL=1");  // off by default (docs/algorithms-shm.md)
     std::vector<std::string> args = {SHM_HIER_WORKER, store, std::to_string(r), std::to_string(world)};
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
