@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 packages=(
   # toolchain and libraries
-  build-essential cmake ninja-build pkg-config clang
+  build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev libssl-dev zlib1g-dev
   # PyTorch integrations and the training example (libtorch C++ API, the Python backend, BLAS, data)
@@ -31,7 +31,9 @@ if ((${#missing[@]})); then
   echo "scripts/setup.sh: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
-  apt-get install -y -q --no-install-recommends "${missing[@]}"
+  # Recommends are installed too: the tools here were built and tested with them (e.g. clang needs
+  # libclang-rt for libFuzzer, python3-torch its recommended runtime pieces).
+  apt-get install -y -q "${missing[@]}"
 fi
 
 # Debian's libtorch links the reference BLAS through the alternatives system; OpenBLAS is ~13x faster
