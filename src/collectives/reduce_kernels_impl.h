@@ -21,7 +21,11 @@ KernelFamily active_family();
 void reduce_to_family(KernelFamily f, void* dst, const void* a, const void* b, size_t count, DataType dtype,
                       ReduceOp op);
 
-// Reference kernel (reduce_kernels_scalar.cc).
+// data[i] /= divisor with the given family (float types; kAvg's last step).
+void finish_average_family(KernelFamily f, void* data, size_t count, DataType dtype, int divisor);
+
+// Reference kernels (reduce_kernels_scalar.cc).
+void finish_average_scalar(void* data, size_t count, DataType dtype, int divisor);
 void reduce_to_scalar(void* dst, const void* a, const void* b, size_t count, DataType dtype, ReduceOp op);
 
 }  // namespace cohort::kernels

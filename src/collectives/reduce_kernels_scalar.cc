@@ -61,7 +61,7 @@ void reduce_into_scalar(void* dst, const void* src, size_t n, DataType t, Reduce
   reduce_to_scalar(dst, dst, src, n, t, op);
 }
 
-void finish_average(void* data, size_t n, DataType t, int divisor) {
+void finish_average_scalar(void* data, size_t n, DataType t, int divisor) {
   switch (t) {
     case DataType::kFloat32: {
       auto* p = static_cast<float*>(data);

@@ -70,6 +70,26 @@ namespace {
       case ReduceOp::kMax: return loop_op<V, 3>(dst, a, b, n);                                          \
     }                                                                                                   \
     return 0;                                                                                           \
+  }                                                                                                     \
+  /* data[i] /= divisor (kAvg's last step), the reference's IEEE division lane by lane. */             \
+  template <class V>                                                                                    \
+  size_t divide_loop(void* data, size_t n, int divisor) {                                               \
+    using T = typename V::T;                                                                            \
+    T* d = static_cast<T*>(data);                                                                       \
+    const typename V::R by = V::splat(divisor);                                                         \
+    constexpr size_t L = V::kLanes;                                                                     \
+    size_t i = 0;                                                                                       \
+    for (; i + L <= n; i += L) V::store(d + i, V::div(V::load(d + i), by));                              \
+    return i;                                                                                           \
+  }                                                                                                     \
+  size_t divide(void* data, size_t n, DataType t, int divisor) {                                        \
+    switch (t) {                                                                                        \
+      case DataType::kFloat32: return divide_loop<F32>(data, n, divisor);                               \
+      case DataType::kFloat64: return divide_loop<F64>(data, n, divisor);                               \
+      case DataType::kFloat16: return divide_loop<F16>(data, n, divisor);                               \
+      case DataType::kBFloat16: return divide_loop<BF16>(data, n, divisor);                             \
+      default: return 0;                                                                                \
+    }                                                                                                   \
   }
 
 // ---------------------------------------------------------------------------------------------- AVX2
@@ -87,6 +107,8 @@ struct F32 {
   static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static R min(R a, R b) { return _mm256_min_ps(b, a); }
   static R max(R a, R b) { return _mm256_max_ps(b, a); }
+  static R div(R a, R b) { return _mm256_div_ps(a, b); }
+  static R splat(int v) { return _mm256_set1_ps(static_cast<float>(v)); }
 };
 
 struct F64 {
@@ -99,6 +121,8 @@ struct F64 {
   static R mul(R a, R b) { return _mm256_mul_pd(a, b); }
   static R min(R a, R b) { return _mm256_min_pd(b, a); }
   static R max(R a, R b) { return _mm256_max_pd(b, a); }
+  static R div(R a, R b) { return _mm256_div_pd(a, b); }
+  static R splat(int v) { return _mm256_set1_pd(static_cast<double>(v)); }
 };
 
 template <typename Elem, size_t Lanes>
@@ -212,6 +236,8 @@ struct F32 {
   static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R min(R a, R b) { return _mm512_min_ps(b, a); }
   static R max(R a, R b) { return _mm512_max_ps(b, a); }
+  static R div(R a, R b) { return _mm512_div_ps(a, b); }
+  static R splat(int v) { return _mm512_set1_ps(static_cast<float>(v)); }
 };
 
 struct F64 {
@@ -224,6 +250,8 @@ struct F64 {
   static R mul(R a, R b) { return _mm512_mul_pd(a, b); }
   static R min(R a, R b) { return _mm512_min_pd(b, a); }
   static R max(R a, R b) { return _mm512_max_pd(b, a); }
+  static R div(R a, R b) { return _mm512_div_pd(a, b); }
+  static R splat(int v) { return _mm512_set1_pd(static_cast<double>(v)); }
 };
 
 template <typename Elem, size_t Lanes>
@@ -379,6 +407,18 @@ void reduce_to(void* dst, const void* a, const void* b, size_t n, DataType t, Re
 
 void reduce_into(void* dst, const void* src, size_t n, DataType t, ReduceOp op) {
   reduce_to_family(active_family(), dst, dst, src, n, t, op);
+}
+
+void finish_average_family(KernelFamily f, void* data, size_t n, DataType t, int divisor) {
+  size_t done = 0;
+  if (f == KernelFamily::kAvx512) done = avx512::divide(data, n, t, divisor);
+  else if (f == KernelFamily::kAvx2) done = avx2::divide(data, n, t, divisor);
+  if (done == n) return;
+  finish_average_scalar(static_cast<char*>(data) + done * dtype_size(t), n - done, t, divisor);
+}
+
+void finish_average(void* data, size_t n, DataType t, int divisor) {
+  finish_average_family(active_family(), data, n, t, divisor);
 }
 
 const char* kernel_family() { return family_name(active_family()); }

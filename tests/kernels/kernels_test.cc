@@ -140,6 +140,43 @@ TEST_P(KernelFamilies, HalfPrecisionRoundingTiesAndEveryInputPattern) {
   }
 }
 
+TEST_P(KernelFamilies, AverageMatchesScalarReference) {
+  // kAvg's last step divides by the number of ranks: every float type, several divisors (powers of two
+  // and not), lengths around the vector width, misaligned, with NaN/Inf/subnormal inputs; and every
+  // fp16/bf16 bit pattern.
+  const KernelFamily family = GetParam();
+  std::mt19937_64 rng(7);
+  for (DataType t : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16}) {
+    for (int divisor : {1, 2, 3, 7, 8}) {
+      for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{65}, size_t{1000}}) {
+        for (size_t misalign : {size_t{0}, size_t{2}}) {
+          std::vector<uint8_t> a;
+          fill(a, t, n, rng, /*specials=*/true);
+          const size_t bytes = n * dtype_size(t);
+          std::vector<uint8_t> want(a), got(bytes + 8);
+          std::memcpy(got.data() + misalign, a.data(), bytes);
+          finish_average_scalar(want.data(), n, t, divisor);
+          finish_average_family(family, got.data() + misalign, n, t, divisor);
+          expect_same(t, got.data() + misalign, want.data(), n,
+                      std::string(family_name(family)) + " avg " + std::string(dtype_name(t)) + " /" +
+                          std::to_string(divisor) + " n=" + std::to_string(n));
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  std::vector<uint16_t> all(65536), want(65536);
+  for (DataType t : {DataType::kFloat16, DataType::kBFloat16}) {
+    for (int divisor : {2, 3, 6}) {
+      for (uint32_t i = 0; i < 65536; ++i) all[i] = want[i] = static_cast<uint16_t>(i);
+      finish_average_scalar(want.data(), want.size(), t, divisor);
+      finish_average_family(family, all.data(), all.size(), t, divisor);
+      expect_same(t, reinterpret_cast<uint8_t*>(all.data()), reinterpret_cast<uint8_t*>(want.data()), all.size(),
+                  std::string(family_name(family)) + " avg all patterns " + std::string(dtype_name(t)));
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Supported, KernelFamilies, ::testing::ValuesIn(vector_families()),
                          [](const auto& info) { return std::string(family_name(info.param)); });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(KernelFamilies);
