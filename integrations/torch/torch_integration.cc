@@ -146,7 +146,25 @@ void DistributedDataParallel::on_gradient_ready(size_t index) {
     grad = contiguous_grads_[index];
   }
   sync_->mark_ready(index, grad.data_ptr<float>());
+  if (options_.gradient_as_bucket_view && !contiguous_grads_[index].defined()) bind_to_bucket(index);
   if (sync_->all_ready()) sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
+}
+
+// Makes .grad a view of the parameter's bucket slot, which now holds the same values (mark_ready
+// copied them, or they were there already). Later backwards accumulate in place into the slot.
+void DistributedDataParallel::bind_to_bucket(size_t index) {
+  std::shared_ptr<float> slot = sync_->gradient_slot(index);
+  ::torch::Tensor& grad = params_[index].mutable_grad();
+  if (!slot || grad.data_ptr<float>() == slot.get()) return;
+  float* data = slot.get();
+  grad = ::torch::from_blob(data, params_[index].sizes(), [keep = std::move(slot)](void*) mutable { keep.reset(); },
+                            ::torch::TensorOptions().dtype(::torch::kFloat32));
+}
+
+bool DistributedDataParallel::gradient_is_bucket_view(size_t index) const {
+  std::shared_ptr<float> slot = sync_->gradient_slot(index);
+  const ::torch::Tensor& grad = params_.at(index).grad();
+  return slot && grad.defined() && grad.data_ptr<float>() == slot.get();
 }
 
 void DistributedDataParallel::write_back(size_t index, const float* averaged) {
@@ -155,6 +173,7 @@ void DistributedDataParallel::write_back(size_t index, const float* averaged) {
   ::torch::Tensor& grad = param.mutable_grad();
   if (!grad.defined()) grad = ::torch::zeros_like(param);
   if (grad.is_contiguous() && grad.scalar_type() == ::torch::kFloat32) {
+    if (grad.data_ptr<float>() == averaged) return;  // a bucket view: the average is already there
     std::memcpy(grad.data_ptr<float>(), averaged, static_cast<size_t>(grad.numel()) * sizeof(float));
   } else {
     grad.copy_(::torch::from_blob(const_cast<float*>(averaged), grad.sizes(), ::torch::kFloat32));

@@ -124,7 +124,7 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
   size_t cap = options_.first_bucket_cap_bytes;
   auto close = [&] {
     if (current.params.empty()) return;
-    current.data.assign(current.numel, 0.0f);
+    current.data = std::shared_ptr<float[]>(new float[current.numel]());
     if (options_.compression != WireCompression::kNone) current.wire.assign(current.numel, 0);
     buckets_.push_back(std::move(current));
     current = Bucket{};
@@ -152,6 +152,13 @@ void GradientSync::reset_iteration() {
   }
 }
 
+std::shared_ptr<float> GradientSync::gradient_slot(size_t index) const {
+  if (index >= params_.size()) throw InvalidArgument(fmt::format("DDP: no parameter #{}", index));
+  if (comm_->size() == 1) return nullptr;
+  const Bucket& b = buckets_[param_bucket_[index]];
+  return std::shared_ptr<float>(b.data, b.data.get() + param_offset_[index]);  // aliasing: owns the bucket
+}
+
 std::vector<std::vector<size_t>> GradientSync::bucket_layout() const {
   std::vector<std::vector<size_t>> out;
   for (const auto& b : buckets_) out.push_back(b.params);
@@ -168,7 +175,9 @@ void GradientSync::mark_ready(size_t index, const float* grad) {
         params_[index].name));
   Bucket& b = buckets_[param_bucket_[index]];
   // One rank: the average is the gradient itself, so it is neither copied nor written back.
-  if (comm_->size() > 1) std::memcpy(b.data.data() + param_offset_[index], grad, params_[index].numel() * sizeof(float));
+  float* slot = b.data.get() + param_offset_[index];
+  // A gradient that is a view of its slot is already in place.
+  if (comm_->size() > 1 && grad != slot) std::memcpy(slot, grad, params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
   ++ready_count_;
@@ -181,7 +190,7 @@ void GradientSync::mark_unused(size_t index) {
     throw InvalidArgument("DDP: mark_unused needs find_unused_parameters");
   if (index >= params_.size() || ready_[index]) return;
   Bucket& b = buckets_[param_bucket_[index]];
-  std::fill_n(b.data.data() + param_offset_[index], params_[index].numel(), 0.0f);
+  std::fill_n(b.data.get() + param_offset_[index], params_[index].numel(), 0.0f);
   ready_[index] = 1;
   ready_order_.push_back(index);
   ++ready_count_;
@@ -198,7 +207,7 @@ void GradientSync::launch(Bucket& b) {
   switch (options_.compression) {
     case WireCompression::kNone:
       stats_.bytes_on_wire += static_cast<int64_t>(b.numel * sizeof(float));
-      b.work = comm_->allreduce_async(b.data.data(), b.data.data(), b.numel, DataType::kFloat32, ReduceOp::kAvg);
+      b.work = comm_->allreduce_async(b.data.get(), b.data.get(), b.numel, DataType::kFloat32, ReduceOp::kAvg);
       break;
     case WireCompression::kFloat16:
       for (size_t i = 0; i < b.numel; ++i) b.wire[i] = float_to_half(b.data[i]);
@@ -267,7 +276,7 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
     }
     size_t offset = 0;
     for (size_t index : b.params) {
-      write_back(index, b.data.data() + offset);
+      write_back(index, b.data.get() + offset);
       offset += params_[index].numel();
     }
   }

@@ -88,6 +88,14 @@ class GradientSync {
   // No-op (returns false) while sync is disabled or when nothing was marked in this iteration.
   bool finish(const std::function<void(size_t index, const float* averaged)>& write_back);
 
+  // Where parameter `index`'s gradient sits in its bucket (numel floats; null on a 1-rank
+  // communicator, which has no buckets to fill). A framework that makes the parameter's gradient a
+  // view of this memory (PyTorch's gradient_as_bucket_view) saves both copies: mark_ready() and
+  // finish() see that the pointers are equal and copy nothing. The shared_ptr keeps the memory valid
+  // after a bucket rebuild moved the parameter elsewhere (the next mark_ready copies once, then the
+  // framework can rebind to the new slot).
+  std::shared_ptr<float> gradient_slot(size_t index) const;
+
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
   bool sync_enabled() const { return sync_enabled_; }
 
@@ -103,7 +111,9 @@ class GradientSync {
   struct Bucket {
     std::vector<size_t> params;
     size_t numel = 0;
-    std::vector<float> data;
+    // Shared so that a framework's gradient tensors can be views into it (gradient_slot) and keep
+    // it alive after a rebuild replaced it.
+    std::shared_ptr<float[]> data;
     std::vector<uint16_t> wire;  // compressed copy while on the wire
     size_t pending = 0;
     std::shared_ptr<Work> work;

@@ -101,6 +101,9 @@ void check_ddp_matches_single_process(int world, DDPOptions options, double rtol
       opt.step();
     }
     EXPECT_TRUE(ddp.sync().buckets_rebuilt());
+    // gradient_as_bucket_view: after the rebuild every .grad is a view of its (new) bucket slot.
+    for (size_t i = 0; i < ps.size(); ++i)
+      EXPECT_EQ(ddp.gradient_is_bucket_view(i), options.gradient_as_bucket_view) << "param " << i;
     if (several_buckets) EXPECT_GT(ddp.sync().bucket_layout().size(), 1u);
     auto rp = ref->parameters();
     for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(::torch::allclose(ps[i], rp[i], rtol, atol)) << "weights " << i;
@@ -116,6 +119,11 @@ TEST_F(TorchTest, GradientsEqualSingleProcessOnConcatenatedBatchThreeRanks) {
 TEST_F(TorchTest, DefaultBucketsMatchToo) {
   DDPOptions o;
   check_ddp_matches_single_process(2, o, kRtol, kAtol, /*several_buckets=*/false);
+}
+TEST_F(TorchTest, GradientsCopiedInsteadOfBucketViewsMatchToo) {
+  DDPOptions o = small_buckets();
+  o.gradient_as_bucket_view = false;
+  check_ddp_matches_single_process(2, o, kRtol, kAtol);
 }
 TEST_F(TorchTest, Float16AndBFloat16CompressionStayClose) {
   // Gradients here are below 1: fp16 rounds at ~5e-4 relative, bf16 at ~4e-3; after 3 SGD steps
@@ -156,6 +164,49 @@ TEST_F(TorchTest, NoSyncAccumulatesThenSynchronisesOnce) {
     }
     auto ps = model->parameters(), rp = ref->parameters();
     for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(::torch::allclose(ps[i].grad(), rp[i].grad(), kRtol, kAtol)) << i;
+  });
+}
+
+TEST_F(TorchTest, NoSyncAccumulatesInPlaceIntoBucketViews) {
+  // Once .grad is a view of the bucket, backward under no_sync accumulates straight into the bucket;
+  // the next synchronised backward must average the accumulated sum, exactly as with copies.
+  const int world = 2, per_rank = 4;
+  ::torch::manual_seed(2);
+  auto ref = make_mlp();
+  for (int micro = 0; micro < 2; ++micro) {
+    auto b = global_batch(20 + micro, world, per_rank);
+    ::torch::nn::functional::cross_entropy(ref->forward(b.x), b.y).backward();
+  }
+  auto comms = ThreadCommunicator::make_world(world);
+  run_ranks(world, [&](int rank) {
+    auto model = make_mlp();
+    if (rank == 0) copy_params(*ref, *model);
+    DistributedDataParallel ddp(model, comms[rank], small_buckets());
+    ::torch::optim::SGD opt(ddp.parameters(), 0.0);  // zero_grad only: the weights stay the reference's
+    for (int warm = 0; warm < 2; ++warm) {  // binds the views (and rebuilds the buckets in between)
+      opt.zero_grad();
+      auto b = global_batch(warm, world, per_rank);
+      ::torch::nn::functional::cross_entropy(ddp->forward(b.x.narrow(0, rank * per_rank, per_rank)),
+                                             b.y.narrow(0, rank * per_rank, per_rank))
+          .backward();
+    }
+    auto ps = model->parameters(), rp = ref->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) ASSERT_TRUE(ddp.gradient_is_bucket_view(i)) << i;
+    opt.zero_grad();
+    for (int micro = 0; micro < 2; ++micro) {
+      auto b = global_batch(20 + micro, world, per_rank);
+      auto x = b.x.narrow(0, rank * per_rank, per_rank), y = b.y.narrow(0, rank * per_rank, per_rank);
+      if (micro == 0) {
+        auto guard = ddp.no_sync();
+        ::torch::nn::functional::cross_entropy(ddp->forward(x), y).backward();
+      } else {
+        ::torch::nn::functional::cross_entropy(ddp->forward(x), y).backward();
+      }
+    }
+    for (size_t i = 0; i < ps.size(); ++i) {
+      EXPECT_TRUE(ddp.gradient_is_bucket_view(i)) << i;
+      EXPECT_TRUE(::torch::allclose(ps[i].grad(), rp[i].grad(), kRtol, kAtol)) << i;
+    }
   });
 }
 

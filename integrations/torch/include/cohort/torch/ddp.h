@@ -49,6 +49,13 @@ struct DDPOptions {
   train::WireCompression compression = train::WireCompression::kNone;
   bool find_unused_parameters = false;
   bool rebuild_buckets = true;
+  // torch's gradient_as_bucket_view: each parameter's .grad becomes a view of its slot in the
+  // communication bucket (from its first synchronised backward on, and again after the bucket
+  // rebuild), so backward accumulates straight into the bucket and neither the copy into the bucket
+  // nor the copy of the average back into .grad happens (2 x the model size per step). The .grad
+  // tensor object changes when it is rebound: code holding an old .grad reference must re-read it.
+  // Off: .grad keeps its own memory and is copied both ways.
+  bool gradient_as_bucket_view = true;
 };
 
 class DistributedDataParallel {
@@ -102,6 +109,8 @@ class DistributedDataParallel {
   train::GradientSync& sync() { return *sync_; }
   const train::GradSyncStats& stats() const { return sync_->stats(); }
   Communicator& communicator() { return *comm_; }
+  // Whether parameter `index`'s .grad currently is a view of its bucket slot (gradient_as_bucket_view).
+  bool gradient_is_bucket_view(size_t index) const;
 
  private:
   struct Hook;
@@ -110,6 +119,7 @@ class DistributedDataParallel {
   void after_forward(const ::torch::Tensor& out);
   void on_gradient_ready(size_t index);
   void write_back(size_t index, const float* averaged);
+  void bind_to_bucket(size_t index);
 
   template <typename M>
   static auto holder_ptr(M module) {
