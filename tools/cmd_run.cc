@@ -66,7 +66,7 @@ int run_run(std::vector<std::string> args) {
   app.add_option("--output-filename,--output_filename", o.output_dir, "also write DIR/rank.N/stdout and stderr");
   app.add_flag("--merge-stderr-to-stdout", o.merge_stderr, "send stderr where stdout goes");
   app.add_option("--ranks-to-console", ranks_to_console, "ranks that print on the console: 0,2-3 or none (default all)");
-  app.add_option("--bind-to", o.bind_to, "none | core | numa (default none)");
+  app.add_option("--bind-to", o.bind_to, "auto | none | core | numa (default auto: each local worker gets an equal block of whole cores, unless there is one worker or more workers than CPUs)");
   app.add_flag("--device-per-rank", o.device_per_rank, "set CUDA_VISIBLE_DEVICES (or ASCEND_RT_VISIBLE_DEVICES) to the local rank's device");
   app.add_flag("--no-abort-on-failure", no_abort, "a failed worker does not stop the others (the exit code still reports it)");
   app.add_option("--max-restarts,--max_restarts", o.max_restarts, "restart every worker up to K times after a failure");

@@ -540,7 +540,8 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
 void Job::spawn_workers(int attempt) {
   const NodePlan* node = plan_.node(plan_.this_node);
   if (!node) return;
-  auto bindings = compute_bindings(plan_.bind_to, node->nproc, allowed_cpus(), numa_node_cpus());
+  const std::vector<int> cpus = allowed_cpus();
+  auto bindings = compute_bindings(plan_.bind_to, node->nproc, cpus, numa_node_cpus(), physical_cores(cpus));
   // Per-rank output folders first: a folder that cannot be made stops the job before any worker runs.
   if (!plan_.output_dir.empty()) {
     for (int l = 0; l < node->nproc; ++l) {

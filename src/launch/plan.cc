@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -141,8 +142,8 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   if (o.join_timeout_s <= 0)
     throw ConfigError(fmt::format("--join-timeout {}: expected seconds > 0", o.join_timeout_s));
   if (o.max_restarts < 0) throw ConfigError(fmt::format("--max-restarts {}: expected a number >= 0", o.max_restarts));
-  if (o.bind_to != "none" && o.bind_to != "core" && o.bind_to != "numa")
-    throw ConfigError(fmt::format("--bind-to {}: expected none, core or numa", o.bind_to));
+  if (o.bind_to != "auto" && o.bind_to != "none" && o.bind_to != "core" && o.bind_to != "numa")
+    throw ConfigError(fmt::format("--bind-to {}: expected auto, none, core or numa", o.bind_to));
   if (o.np && *o.np < 1) throw ConfigError(fmt::format("-n {}: expected a positive number of processes", *o.np));
   if (o.master_port && (*o.master_port < 1 || *o.master_port > 65535))
     throw ConfigError(fmt::format("--master-port {}: expected a port between 1 and 65535", *o.master_port));
@@ -398,10 +399,51 @@ std::vector<std::vector<int>> numa_node_cpus() {
   return nodes;
 }
 
+std::vector<std::vector<int>> physical_cores(const std::vector<int>& allowed) {
+  std::map<std::pair<int, int>, std::vector<int>> by_core;  // (package, core id) -> logical CPUs
+  for (int c : allowed) {
+    auto read_id = [&](const char* what) {
+      std::ifstream in(fmt::format("/sys/devices/system/cpu/cpu{}/topology/{}", c, what));
+      int v = -1;
+      if (!(in >> v)) v = -1;
+      return v;
+    };
+    int package = read_id("physical_package_id"), core = read_id("core_id");
+    // Unknown topology: the CPU counts as a core of its own.
+    by_core[core < 0 ? std::make_pair(-1, c) : std::make_pair(package, core)].push_back(c);
+  }
+  std::vector<std::vector<int>> cores;
+  for (auto& [id, cpus] : by_core) cores.push_back(cpus);
+  std::sort(cores.begin(), cores.end());  // by lowest CPU number
+  return cores;
+}
+
 std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int nproc, const std::vector<int>& allowed,
-                                               const std::vector<std::vector<int>>& numa_nodes) {
+                                               const std::vector<std::vector<int>>& numa_nodes,
+                                               const std::vector<std::vector<int>>& cores_in) {
   std::vector<std::vector<int>> out(static_cast<size_t>(nproc));
   if (bind_to == "none" || allowed.empty()) return out;
+  if (bind_to == "auto") {
+    // Why bind by default: two ranks left to the scheduler on a busy machine migrate, share a CPU for
+    // a while and ping-pong cache lines; the shared-memory allreduce then ran 2-6x slower on some runs
+    // and not others (docs/performance.md). Blocks of whole cores keep a rank's threads together and
+    // off its neighbours' cores.
+    if (nproc <= 1 || static_cast<size_t>(nproc) > allowed.size()) return out;
+    std::vector<std::vector<int>> cores = cores_in;
+    if (cores.empty())
+      for (int c : allowed) cores.push_back({c});
+    if (static_cast<size_t>(nproc) > cores.size()) {  // fewer cores than ranks: split the logical CPUs
+      std::vector<int> flat;
+      for (const auto& core : cores) flat.insert(flat.end(), core.begin(), core.end());
+      cores.clear();
+      for (int c : flat) cores.push_back({c});
+    }
+    const size_t n = static_cast<size_t>(nproc), total = cores.size();
+    for (size_t i = 0; i < n; ++i)
+      for (size_t k = i * total / n; k < (i + 1) * total / n; ++k)
+        out[i].insert(out[i].end(), cores[k].begin(), cores[k].end());
+    return out;
+  }
   if (bind_to == "core") {
     for (int i = 0; i < nproc; ++i) out[i] = {allowed[static_cast<size_t>(i) % allowed.size()]};
     return out;
@@ -458,7 +500,7 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      node.local ? ", this machine" : p.mode == Mode::kFanOut ? ", over ssh" : ", its own launcher",
                      node.first_rank, node.first_rank + node.nproc - 1);
     if (!node.local) continue;
-    auto bindings = compute_bindings(p.bind_to, node.nproc, cpus, numa);
+    auto bindings = compute_bindings(p.bind_to, node.nproc, cpus, numa, physical_cores(cpus));
     for (int l = 0; l < node.nproc; ++l) {
       WorkerSlot slot{node.first_rank + l, l, node.nproc, node.node_rank};
       auto vars = worker_env(p, slot, store_addr, 0, "<token>", 0, env);

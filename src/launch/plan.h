@@ -30,7 +30,7 @@ struct Options {
   std::string output_dir;  // --output-filename
   bool merge_stderr = false;
   std::optional<std::string> ranks_to_console;
-  std::string bind_to = "none";
+  std::string bind_to = "auto";
   bool device_per_rank = false;
   bool abort_on_failure = true;
   int max_restarts = 0;
@@ -82,7 +82,7 @@ struct Plan {
   bool merge_stderr = false;
   std::vector<int> ranks_to_console;  // empty: all
   bool all_ranks_to_console = true;
-  std::string bind_to = "none";
+  std::string bind_to = "auto";
   bool device_per_rank = false;
   bool abort_on_failure = true;
   int max_restarts = 0;
@@ -111,10 +111,19 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
                                                             const std::string& token, int restart_count,
                                                             const EnvMap& launcher_env);
 
-// CPU sets per local rank for --bind-to (empty vectors for "none"). `allowed` is this process's
-// affinity; `numa_nodes` the CPUs of each NUMA node.
+// CPU sets per local rank for --bind-to (empty vectors: not bound). `allowed` is this process's
+// affinity; `numa_nodes` the CPUs of each NUMA node; `cores` the logical CPUs of each physical core
+// (hyperthread siblings together; empty: every allowed CPU is a core of its own).
+//   none: no binding.  core: local rank i gets the i-th allowed CPU (wrapping).
+//   numa: the CPUs of NUMA node i mod (nodes).
+//   auto (default): each local rank gets an equal, disjoint block of whole physical cores (of logical
+//     CPUs when there are fewer cores than ranks), like mpirun's default binding; no binding for one
+//     rank or when the ranks outnumber the CPUs (oversubscribed: the scheduler spreads them best).
 std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int nproc, const std::vector<int>& allowed,
-                                               const std::vector<std::vector<int>>& numa_nodes);
+                                               const std::vector<std::vector<int>>& numa_nodes,
+                                               const std::vector<std::vector<int>>& cores = {});
+// The allowed CPUs grouped by physical core (sysfs topology: package and core id).
+std::vector<std::vector<int>> physical_cores(const std::vector<int>& allowed);
 std::vector<int> allowed_cpus();
 std::vector<std::vector<int>> numa_node_cpus();
 

@@ -90,7 +90,7 @@ TEST(Plan, BadInputIsOneLine) {
             "--nnodes 2 needs --master-addr (the address of node 0) or MASTER_ADDR");
   o = with_program();
   o.bind_to = "socket";
-  EXPECT_EQ(error_of([&] { build_plan(o, {}, facts()); }), "--bind-to socket: expected none, core or numa");
+  EXPECT_EQ(error_of([&] { build_plan(o, {}, facts()); }), "--bind-to socket: expected auto, none, core or numa");
   o = with_program();
   o.hosts = "a:1";
   o.hostfile = "f";
@@ -196,12 +196,27 @@ TEST(Plan, Bindings) {
   EXPECT_EQ(compute_bindings("core", 5, cpus, numa), (std::vector<std::vector<int>>{{0}, {1}, {2}, {3}, {0}}));
   EXPECT_EQ(compute_bindings("numa", 3, cpus, numa), (std::vector<std::vector<int>>{{0, 1}, {2, 3}, {0, 1}}));
   EXPECT_EQ(compute_bindings("numa", 1, {2, 3}, numa), (std::vector<std::vector<int>>{{2, 3}}));
+  // auto: equal blocks of whole cores; hyperthread siblings stay together.
+  EXPECT_EQ(compute_bindings("auto", 2, cpus, numa), (std::vector<std::vector<int>>{{0, 1}, {2, 3}}));
+  EXPECT_EQ(compute_bindings("auto", 2, cpus, numa, {{0, 2}, {1, 3}}), (std::vector<std::vector<int>>{{0, 2}, {1, 3}}));
+  EXPECT_EQ(compute_bindings("auto", 4, cpus, numa, {{0, 2}, {1, 3}}),
+            (std::vector<std::vector<int>>{{0}, {2}, {1}, {3}}));  // more ranks than cores: logical CPUs
+  EXPECT_EQ(compute_bindings("auto", 3, cpus, numa), (std::vector<std::vector<int>>{{0}, {1}, {2, 3}}));
+  EXPECT_EQ(compute_bindings("auto", 1, cpus, numa), (std::vector<std::vector<int>>{{}}));  // one rank: unbound
+  EXPECT_EQ(compute_bindings("auto", 5, cpus, numa),
+            (std::vector<std::vector<int>>{{}, {}, {}, {}, {}}));  // oversubscribed: unbound
+  // The real machine: every allowed CPU is in exactly one core group.
+  auto allowed = allowed_cpus();
+  size_t grouped = 0;
+  for (const auto& core : physical_cores(allowed)) grouped += core.size();
+  EXPECT_EQ(grouped, allowed.size());
 }
 
 TEST(Plan, JsonRoundTripAndDryRunText) {
   auto o = with_program();
   o.hosts = "here:2,b:2";
   o.ranks_to_console = "0,3";
+  o.bind_to = "none";  // the default (auto) depends on this machine's CPUs
   auto p = build_plan(o, {}, facts());
   auto q = plan_from_json(plan_to_json(p));
   EXPECT_EQ(q.nodes.size(), 2u);
