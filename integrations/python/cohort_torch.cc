@@ -43,6 +43,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -357,6 +358,7 @@ class ProcessGroupCohort : public BaseGroup {
   ProcessGroupCohort(std::shared_ptr<cohort::Communicator> comm, int rank, int size)
       : BaseGroup(rank, size), comm_(std::move(comm)) {
     worker_ = std::thread([this] { worker_loop(); });
+    watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
   ~ProcessGroupCohort() override {
@@ -370,6 +372,17 @@ class ProcessGroupCohort : public BaseGroup {
     // abort them so the destructor is bounded.
     if (pending) comm_->abort("process group destroyed with operations still pending");
     cv_.notify_all();
+    cv_watch_.notify_all();
+    // The watchdog only waits on mu_/cv_watch_ and returns once stopping_ is set and no operation
+    // runs; the worker finishes the queue first (or fails it after the abort above).
+    struct JoinWatchdog {
+      ProcessGroupCohort* g;
+      ~JoinWatchdog() {
+        if (!g->watchdog_.joinable()) return;
+        g->cv_watch_.notify_all();
+        g->watchdog_.join();
+      }
+    } join_watchdog{this};
     if (!worker_.joinable()) return;
     // The last reference usually goes away in Python, with the GIL held, while the worker may be
     // completing a Future whose Python callbacks need the GIL: let go of it while joining.
@@ -390,7 +403,7 @@ class ProcessGroupCohort : public BaseGroup {
     const auto dtype = to_cohort_dtype(tensors[0], "allreduce");
     const auto op = to_cohort_op(opts.reduceOp, dtype, "allreduce");
     Staged t(tensors[0]);
-    return enqueue(c10d::OpType::ALLREDUCE, tensors, [this, t, dtype, op] {
+    return enqueue(opts.timeout, c10d::OpType::ALLREDUCE, tensors, [this, t, dtype, op] {
       if (t.count() == 0) return;
       comm_->allreduce(t.data(), t.data(), t.count(), dtype, op);
       t.copy_back();
@@ -407,7 +420,7 @@ class ProcessGroupCohort : public BaseGroup {
     const auto dtype = to_cohort_dtype(tensors[0], "allreduce_coalesced");
     const auto op = to_cohort_op(opts.reduceOp, dtype, "allreduce_coalesced");
     std::vector<at::Tensor> outputs = tensors;
-    return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, [this, outputs, dtype, op] {
+    return enqueue(opts.timeout, c10d::OpType::ALLREDUCE_COALESCED, tensors, [this, outputs, dtype, op] {
       at::Tensor flat = flatten(outputs);
       if (flat.numel() == 0) return;
       comm_->allreduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), dtype, op);
@@ -424,7 +437,7 @@ class ProcessGroupCohort : public BaseGroup {
     const auto op = to_cohort_op(opts.reduceOp, dtype, "reduce");
     const int root = static_cast<int>(opts.rootRank);
     Staged t(tensors[0]);
-    return enqueue(c10d::OpType::REDUCE, tensors, [this, t, dtype, op, root] {
+    return enqueue(opts.timeout, c10d::OpType::REDUCE, tensors, [this, t, dtype, op, root] {
       if (t.count() == 0) return;
       comm_->reduce(t.data(), t.data(), t.count(), dtype, op, root);
       if (rank_ == root) t.copy_back();
@@ -441,7 +454,7 @@ class ProcessGroupCohort : public BaseGroup {
     const auto op = to_cohort_op(opts.reduceOp, dtype, "reduce_scatter");
     std::vector<at::Tensor> in = inputs[0];
     Staged out(outputs[0]);
-    return enqueue(c10d::OpType::REDUCE_SCATTER, outputs, [this, in, out, dtype, op] {
+    return enqueue(opts.timeout, c10d::OpType::REDUCE_SCATTER, outputs, [this, in, out, dtype, op] {
       at::Tensor send = flatten(in);
       comm_->reduce_scatter(send.data_ptr(), out.data(), out.count(), dtype, op);
       out.copy_back();
@@ -459,7 +472,7 @@ class ProcessGroupCohort : public BaseGroup {
     const auto dtype = to_cohort_dtype(output, "reduce_scatter_tensor");
     const auto op = to_cohort_op(opts.reduceOp, dtype, "reduce_scatter_tensor");
     Staged in(input), out(output);
-    return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, [this, in, out, dtype, op] {
+    return enqueue(opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, [this, in, out, dtype, op] {
       comm_->reduce_scatter(in.data(), out.data(), out.count(), dtype, op);
       out.copy_back();
     });
@@ -474,7 +487,7 @@ class ProcessGroupCohort : public BaseGroup {
     const auto dtype = to_cohort_dtype(tensors[0], "broadcast");
     const int root = static_cast<int>(opts.rootRank);
     Staged t(tensors[0]);
-    return enqueue(c10d::OpType::BROADCAST, tensors, [this, t, dtype, root] {
+    return enqueue(opts.timeout, c10d::OpType::BROADCAST, tensors, [this, t, dtype, root] {
       if (t.count() == 0) return;
       comm_->broadcast(t.data(), t.count(), dtype, root);
       t.copy_back();
@@ -490,7 +503,7 @@ class ProcessGroupCohort : public BaseGroup {
     const auto dtype = to_cohort_dtype(inputs[0], "allgather");
     Staged in(inputs[0]);
     std::vector<at::Tensor> out = outputs[0];
-    return enqueue(c10d::OpType::ALLGATHER, out, [this, in, out, dtype] {
+    return enqueue(opts.timeout, c10d::OpType::ALLGATHER, out, [this, in, out, dtype] {
       at::Tensor recv = at::empty({static_cast<int64_t>(in.count()) * size_}, in.buf.options());
       comm_->allgather(in.data(), recv.data_ptr(), in.count(), dtype);
       unflatten_into(recv, out);
@@ -507,7 +520,7 @@ class ProcessGroupCohort : public BaseGroup {
                 ") x input's ", input.numel(), " elements, got ", output.numel());
     const auto dtype = to_cohort_dtype(input, "all_gather_into_tensor");
     Staged in(input), out(output);
-    return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [this, in, out, dtype] {
+    return enqueue(opts.timeout, c10d::OpType::_ALLGATHER_BASE, {output}, [this, in, out, dtype] {
       comm_->allgather(in.data(), out.data(), in.count(), dtype);
       out.copy_back();
     });
@@ -530,7 +543,7 @@ class ProcessGroupCohort : public BaseGroup {
     }
     const auto dtype = to_cohort_dtype(inputs[0], "gather");
     Staged in(inputs[0]);
-    return enqueue(c10d::OpType::GATHER, out, [this, in, out, dtype, root] {
+    return enqueue(opts.timeout, c10d::OpType::GATHER, out, [this, in, out, dtype, root] {
       at::Tensor recv;
       if (rank_ == root) {
         recv = at::empty({static_cast<int64_t>(in.count()) * size_}, in.buf.options());
@@ -558,7 +571,7 @@ class ProcessGroupCohort : public BaseGroup {
     }
     const auto dtype = to_cohort_dtype(outputs[0], "scatter");
     Staged out(outputs[0]);
-    return enqueue(c10d::OpType::SCATTER, outputs, [this, in, out, dtype, root] {
+    return enqueue(opts.timeout, c10d::OpType::SCATTER, outputs, [this, in, out, dtype, root] {
       at::Tensor send;
       if (rank_ == root) send = flatten(in);
       comm_->scatter(send.defined() ? send.data_ptr() : nullptr, out.data(), out.count(), dtype,
@@ -581,14 +594,14 @@ class ProcessGroupCohort : public BaseGroup {
                   "cohort backend: all_to_all_single without splits needs input and output of ",
                   "equal size divisible by world_size (", size_, "), got ", input.numel(), " and ",
                   output.numel());
-      return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, [this, in, out, dtype] {
+      return enqueue(opts.timeout, c10d::OpType::ALLTOALL_BASE, {output}, [this, in, out, dtype] {
         comm_->alltoall(in.data(), out.data(), in.count() / size_, dtype);
         out.copy_back();
       });
     }
     auto send_counts = split_counts(input, input_splits, "input");
     auto recv_counts = split_counts(output, output_splits, "output");
-    return enqueue(c10d::OpType::ALLTOALL_BASE, {output},
+    return enqueue(opts.timeout, c10d::OpType::ALLTOALL_BASE, {output},
                    [this, in, out, dtype, send_counts, recv_counts] {
                      comm_->alltoallv(in.data(), send_counts, displacements(send_counts),
                                       out.data(), recv_counts, displacements(recv_counts), dtype);
@@ -614,7 +627,7 @@ class ProcessGroupCohort : public BaseGroup {
     }
     const auto dtype = to_cohort_dtype(inputs[0], "all_to_all");
     std::vector<at::Tensor> in = inputs, out = outputs;
-    return enqueue(c10d::OpType::ALLTOALL, outputs,
+    return enqueue(opts.timeout, c10d::OpType::ALLTOALL, outputs,
                    [this, in, out, dtype, send_counts, recv_counts] {
                      at::Tensor send = flatten(in);
                      size_t total = 0;
@@ -628,7 +641,7 @@ class ProcessGroupCohort : public BaseGroup {
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
-    return enqueue(c10d::OpType::BARRIER, {}, [this] { comm_->barrier(); });
+    return enqueue(opts.timeout, c10d::OpType::BARRIER, {}, [this] { comm_->barrier(); });
   }
 
   // ---- point to point ----
@@ -714,18 +727,50 @@ class ProcessGroupCohort : public BaseGroup {
   struct Pending {
     c10::intrusive_ptr<CohortWork> work;
     std::function<void()> run;
+    c10d::OpType type = c10d::OpType::UNKNOWN;
+    Millis timeout{-1};  // the operation's own timeout (opts.timeout); negative: the group's
   };
 
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         std::function<void()> run, int source_rank = -1) {
+    return enqueue(c10d::kUnsetTimeout, type, std::move(outputs), std::move(run), source_rank);
+  }
+  c10::intrusive_ptr<c10d::Work> enqueue(Millis timeout, c10d::OpType type, std::vector<at::Tensor> outputs,
                                          std::function<void()> run, int source_rank = -1) {
     auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
     {
       std::lock_guard<std::mutex> lock(mu_);
       TORCH_CHECK(!stopping_, "cohort backend: the process group is being destroyed");
-      queue_.push_back(Pending{work, std::move(run)});
+      queue_.push_back(Pending{work, std::move(run), type, timeout});
     }
     cv_.notify_one();
     return work;
+  }
+
+  // Per-operation timeouts (`opts.timeout`, e.g. dist.barrier(timeout=...) on torch 2.x or
+  // monitored_barrier): the communicator's deadline is the group's; a shorter one for a single
+  // operation is kept by this watchdog. When it passes, the communicator is aborted, as NCCL's
+  // watchdog does: the operation (and every later one) fails with a message naming the operation
+  // and the timeout, and the ranks it waited for are named by the peers' own errors.
+  void watchdog_loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (stopping_ && !busy_) return;
+      if (!busy_ || !running_deadline_) {
+        cv_watch_.wait(lock);
+        continue;
+      }
+      const uint64_t op = running_seq_;
+      const auto deadline = *running_deadline_;
+      if (cv_watch_.wait_until(lock, deadline, [&] { return running_seq_ != op || !busy_; })) continue;
+      const std::string what = fmt::format(
+          "cohort backend: {} (operation #{} of this process group) did not finish within its timeout of {} ms",
+          c10d::opTypeToString(running_type_), op, running_timeout_.count());
+      running_deadline_.reset();
+      lock.unlock();
+      comm_->abort(what);
+      lock.lock();
+    }
   }
 
   void worker_loop() {
@@ -738,7 +783,13 @@ class ProcessGroupCohort : public BaseGroup {
         next = std::move(queue_.front());
         queue_.pop_front();
         busy_ = true;
+        ++running_seq_;
+        running_type_ = next.type;
+        running_timeout_ = next.timeout;
+        running_deadline_.reset();
+        if (next.timeout.count() >= 0) running_deadline_ = std::chrono::steady_clock::now() + next.timeout;
       }
+      if (next.timeout.count() >= 0) cv_watch_.notify_all();
       std::exception_ptr error;
       try {
         next.run();
@@ -749,6 +800,8 @@ class ProcessGroupCohort : public BaseGroup {
       next.work->complete(error);
       std::lock_guard<std::mutex> lock(mu_);
       busy_ = false;
+      if (running_deadline_) cv_watch_.notify_all();
+      running_deadline_.reset();
     }
   }
 
@@ -759,6 +812,13 @@ class ProcessGroupCohort : public BaseGroup {
   bool busy_ = false;
   bool stopping_ = false;
   std::thread worker_;
+  // Watchdog state (under mu_): the running operation and its own deadline, if it has one.
+  std::condition_variable cv_watch_;
+  uint64_t running_seq_ = 0;
+  c10d::OpType running_type_ = c10d::OpType::UNKNOWN;
+  Millis running_timeout_{-1};
+  std::optional<std::chrono::steady_clock::time_point> running_deadline_;
+  std::thread watchdog_;
 };
 
 // torch calls creator(store, rank, size, timeout) from init_process_group / new_group.

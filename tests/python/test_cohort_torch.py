@@ -104,3 +104,16 @@ def test_killed_rank_makes_the_others_raise_within_2s(tmp_path):
         assert line, describe(results)
         seconds = float(line[0].split()[1])
         assert seconds < 2.0, f"rank {rank} raised {seconds:.3f} s after the death: {line[0]}"
+
+
+def test_operation_timeout_is_kept(tmp_path):
+    # AllreduceOptions.timeout (300 ms) is shorter than the group's (60 s): the operation fails on
+    # its own deadline with a message naming it, instead of waiting for the group's.
+    results = run_ranks([os.path.join(HERE, "op_timeout_worker.py")], 2, timeout=60)
+    rc, out, err = results[0]
+    assert rc == 0, describe(results)
+    line = [l for l in out.splitlines() if l.startswith("RAISED ")]
+    assert line, describe(results)
+    seconds = float(line[0].split()[1])
+    assert 0.25 <= seconds < 2.0, line[0]
+    assert "timeout of 300 ms" in line[0] and "ALLREDUCE" in line[0], line[0]
