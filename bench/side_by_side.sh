@@ -3,7 +3,10 @@
 # ../shared/peers/ (Open MPI shared memory and TCP, torch.distributed gloo, torchrun, TCPStore,
 # iperf3, memcpy), one after another on this machine, so each table compares like with like.
 #
-#   bench/side_by_side.sh [build_dir] [out_file]      (about 10 minutes on the 2-core VM)
+#   bench/side_by_side.sh [build_dir] [out_file]      (about 12 minutes on the 2-core VM)
+#
+# `cohort run` binds each of its 2 workers to a CPU (--bind-to auto, its default), as mpirun does by
+# default for 2 ranks; torchrun (gloo) does not bind.
 #
 # Method as in ../shared/peers/RESULTS.md: 2 ranks, fp32 sum, in place, auto iteration count per trial,
 # time = max over ranks, median of the trials; fewer trials than the peers' reference run (3 x 0.3 s)
@@ -57,11 +60,12 @@ say "allreduce on one host: Open MPI default (vader shared memory)"
 $MPIRUN -n 2 "$TMP/bench_mpi" allreduce $SIZES 3 0.3 | grep RESULT
 for op in allgather broadcast; do
   say "$op on one host: cohort"
-  cohort_bench auto $op -b 1M -e 64M -f 64
+  cohort_bench auto $op -b 8 -e 8
+  cohort_bench auto $op -b 1K -e 256M -f 4
   say "$op on one host: Open MPI default (vader)"
-  $MPIRUN -n 2 "$TMP/bench_mpi" $op 1048576,67108864 3 0.3 | grep RESULT
+  $MPIRUN -n 2 "$TMP/bench_mpi" $op $SIZES 3 0.3 | grep RESULT
   say "$op: torch.distributed gloo"
-  gloo_bench $op 1M,64M
+  gloo_bench $op $SIZES
 done
 
 say "start-up, 8 ranks: communicator + one barrier"

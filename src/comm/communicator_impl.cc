@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <regex>
 #include <set>
 
 #include <fmt/core.h>
@@ -40,12 +41,13 @@ const env::BoolSetting kShmCollectives(
     "COHORT_SHM_COLLECTIVES", true,
     "run allreduce/reduce_scatter/allgather/broadcast/barrier on the shared-memory group when ranks share a "
     "host (COHORT_TRANSPORT=tcp turns it off too)");
-// Off by default for now: an error inside the cross-host rings is reported with the ranks of that
-// ring (host indices), not the world ranks, which breaks the promise that a failure names the lost
-// rank. Turn on with COHORT_HIERARCHICAL=1 for measurements.
-const env::BoolSetting kHierarchical("COHORT_HIERARCHICAL", false,
-                                     "allreduce across hosts: reduce inside each host over shared memory, one "
-                                     "cross-host ring per local rank, finish inside each host (experimental)");
+// The cross-host communicators of the hierarchical path are children whose errors are rewritten to
+// name world ranks (in_world_ranks), so a failure there names the lost rank as any other does.
+const env::StringSetting kHierarchical(
+    "COHORT_HIERARCHICAL", "auto",
+    "allreduce across hosts: reduce inside each host over shared memory, one cross-host ring per local rank, "
+    "finish inside each host. auto: when the ranks span several hosts with the same number (> 1) on each; "
+    "1: required (an error if the layout does not allow it); 0: never");
 
 constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
 
@@ -78,6 +80,24 @@ std::exception_ptr with_prefix(std::exception_ptr e, const std::string& prefix) 
     return std::make_exception_ptr(Error(prefix + x.what()));
   } catch (const std::exception& x) {
     return std::make_exception_ptr(Error(prefix + x.what()));
+  }
+}
+
+// Rethrows `e` as the same cohort error type with its message passed through `rename`.
+template <typename F>
+std::exception_ptr renamed(std::exception_ptr e, F rename) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const AbortedError& x) {
+    return std::make_exception_ptr(AbortedError(rename(x.what())));
+  } catch (const TimeoutError& x) {
+    return std::make_exception_ptr(TimeoutError(rename(x.what())));
+  } catch (const PeerLostError& x) {
+    return std::make_exception_ptr(PeerLostError(rename(x.what())));
+  } catch (const MismatchError& x) {
+    return std::make_exception_ptr(MismatchError(rename(x.what())));
+  } catch (const std::exception& x) {
+    return std::make_exception_ptr(Error(rename(x.what())));
   }
 }
 
@@ -142,7 +162,11 @@ CommunicatorImpl::CommunicatorImpl(CommSetup s)
       options_(std::move(s.options)),
       comm_id_(hash32(s.prefix)),
       spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
-      progress_spin_(std::chrono::microseconds(std::max<int64_t>(0, kProgressSpinUs.get()))) {
+      progress_spin_(std::chrono::microseconds(std::max<int64_t>(0, kProgressSpinUs.get()))),
+      world_ranks_(std::move(s.world_ranks)),
+      child_(s.child) {
+  if (!world_ranks_.empty() && world_ranks_.size() != size_t(size_))
+    throw std::logic_error("CommSetup::world_ranks must name every rank");
   store_->set_timeout(options_.timeout);
   options_.store_prefix = prefix_;
 }
@@ -271,17 +295,33 @@ void CommunicatorImpl::bootstrap() {
     install_shm_semantics(*shm_group_, topology_.hosts.front());
     log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
   }
-  if (topology_.hosts.size() > 1 && shm_collectives && kHierarchical.get()) {
-    // Hierarchical allreduce needs the same number of ranks on every host (one ring per local rank).
-    bool even = true;
-    for (const auto& h : topology_.hosts) even = even && h.size() == topology_.hosts.front().size();
-    if (even && topology_.local_size > 1) {
+  const std::string hierarchical = kHierarchical.get();
+  if (hierarchical != "auto" && hierarchical != "0" && hierarchical != "1")
+    throw ConfigError(fmt::format("COHORT_HIERARCHICAL={}: expected auto, 0 or 1", hierarchical));
+  // Hierarchical allreduce needs the same number (> 1) of ranks on every host (one ring per local rank).
+  bool even = topology_.hosts.size() > 1 && topology_.local_size > 1;
+  for (const auto& h : topology_.hosts) even = even && h.size() == topology_.hosts.front().size();
+  // "1" is a requirement on the communicator the user made; its children (a cross-host ring has one rank
+  // per host) use the path where their layout allows it.
+  if (hierarchical == "1" && !child_ && (!even || !shm_collectives)) {
+    std::vector<std::string> layout;
+    for (const auto& h : topology_.hosts)
+      layout.push_back(fmt::format("{}: {}", topology_.identity[size_t(h.front())].hostname, h.size()));
+    throw ConfigError(fmt::format(
+        "COHORT_HIERARCHICAL=1 needs several hosts with the same number (> 1) of ranks each and shared memory "
+        "allowed (COHORT_TRANSPORT not tcp, COHORT_SHM_COLLECTIVES not 0); ranks per host: {}",
+        str::join(layout, ", ")));
+  }
+  if (even && shm_collectives && hierarchical != "0") {
+    {
       const int host = topology_.host_of_rank[size_t(rank_)];
       host_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size,
                                        fmt::format("shm-group/host{}", host), options_.timeout);
       install_shm_semantics(*host_group_, topology_.hosts[size_t(host)]);
+      std::vector<int> ring;  // the rank with my local rank on every host, in host order
+      for (const auto& h : topology_.hosts) ring.push_back(world_rank(h[size_t(topology_.local_rank)]));
       cross_host_ = create_child(fmt::format("{}/cross/local{}", prefix_, topology_.local_rank), host,
-                                 int(topology_.hosts.size()));
+                                 int(topology_.hosts.size()), ring);
       log::debug("communicator '{}': {} hosts x {} ranks, hierarchical allreduce (shm inside hosts, {} rings across)",
                  prefix_, topology_.hosts.size(), topology_.local_size, topology_.local_size);
     }
@@ -294,6 +334,24 @@ void CommunicatorImpl::bootstrap() {
 std::string CommunicatorImpl::host_of(int rank) const {
   if (rank < 0 || rank >= size_ || size_t(rank) >= topology_.identity.size()) return "?";
   return topology_.identity[size_t(rank)].hostname;
+}
+
+std::string CommunicatorImpl::in_world_ranks(const std::string& text) const {
+  if (world_ranks_.empty()) return text;
+  // Every message names a peer as "rank N (host)" (peer_text, the transports, the shm group), and
+  // this rank as "on rank N (host)": rename N, and nothing else.
+  static const std::regex kPeer(R"(\brank (\d+) \()");
+  std::string out;
+  auto last = text.cbegin();
+  for (std::sregex_iterator it(text.begin(), text.end(), kPeer), end; it != end; ++it) {
+    const std::smatch& m = *it;
+    out.append(last, m[0].first);
+    const long r = std::stol(m[1].str());
+    out += r >= 0 && r < size_ ? fmt::format("rank {} (", world_ranks_[size_t(r)]) : m[0].str();
+    last = m[0].second;
+  }
+  out.append(last, text.cend());
+  return out;
 }
 
 std::string CommunicatorImpl::peer_text(int peer) const { return fmt::format("rank {} ({})", peer, host_of(peer)); }
@@ -314,6 +372,7 @@ void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
                            : fmt::format("{} #{} ({}) on rank {} ({}): ", op_kind_name(op_.kind), seq_,
                                          format_bytes(op_.bytes), rank_, host_of(rank_));
   std::exception_ptr e = with_prefix(error, prefix);
+  if (!world_ranks_.empty()) e = renamed(e, [this](const std::string& m) { return in_world_ranks(m); });
   std::string message;
   try {
     std::rethrow_exception(e);
@@ -540,7 +599,10 @@ std::string CommunicatorImpl::waiting_for_text() {
     }
     parts.push_back(fmt::format("{}: {}", peer_text(peer), last));
   }
-  return fmt::format("rank(s) {} [{}]", str::format_ranges(list), str::join(parts, "; "));
+  std::vector<int> named;  // the list in world ranks; the details are renamed with the whole message
+  for (int peer : list) named.push_back(world_rank(peer));
+  std::sort(named.begin(), named.end());
+  return fmt::format("rank(s) {} [{}]", str::format_ranges(named), str::join(parts, "; "));
 }
 
 void CommunicatorImpl::warn_slow(std::chrono::nanoseconds waited) {
@@ -790,8 +852,9 @@ std::shared_ptr<Work> CommunicatorImpl::barrier_async() {
 // ------------------------------------------------------------------------------------------------
 // Groups and abort
 
-std::shared_ptr<Communicator> CommunicatorImpl::create_child(const std::string& prefix, int rank, int size) {
-  CommSetup s{root_store_, prefix, rank, size, options_};
+std::shared_ptr<Communicator> CommunicatorImpl::create_child(const std::string& prefix, int rank, int size,
+                                                           std::vector<int> world_ranks) {
+  CommSetup s{root_store_, prefix, rank, size, options_, std::move(world_ranks), /*child=*/true};
   auto child = std::make_shared<CommunicatorImpl>(std::move(s));
   child->bootstrap();
   return child;

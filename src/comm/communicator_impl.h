@@ -47,6 +47,10 @@ struct CommSetup {
   int rank = 0;
   int size = 1;
   CommOptions options;
+  // For a child communicator whose errors must name the parent's ranks (the hierarchical path's
+  // cross-host communicators): world_ranks[child rank] = rank in the world. Empty: ranks are world ranks.
+  std::vector<int> world_ranks;
+  bool child = false;  // made by split/subgroup/the hierarchical path (not the communicator a user created)
 };
 
 class CommunicatorImpl final : public Communicator,
@@ -141,7 +145,12 @@ class CommunicatorImpl final : public Communicator,
   void validate_buffer(const void* p, size_t count, const char* what) const;
   void validate_root(int root) const;
 
-  std::shared_ptr<Communicator> create_child(const std::string& prefix, int rank, int size);
+  std::shared_ptr<Communicator> create_child(const std::string& prefix, int rank, int size,
+                                             std::vector<int> world_ranks = {});
+  // `text` with every "rank N (" (how messages name a peer: rank and host) renamed to the world rank
+  // (child communicators with world_ranks only).
+  std::string in_world_ranks(const std::string& text) const;
+  int world_rank(int rank) const { return world_ranks_.empty() ? rank : world_ranks_[size_t(rank)]; }
 
   // The shm group's waits under this communicator's error semantics (communicator_impl_shm.cc):
   // abort, deadline and slow warnings, failure notices, mismatch and peer names. members[local rank]
@@ -175,6 +184,8 @@ class CommunicatorImpl final : public Communicator,
   std::vector<transport::Transport*> route_;  // per peer
   std::unique_ptr<shm::Group> shm_group_;     // all ranks on one host: collectives in shared memory
   std::unique_ptr<shm::Group> host_group_;    // several hosts: this host's ranks (hierarchical allreduce)
+  std::vector<int> world_ranks_;  // see CommSetup::world_ranks
+  bool child_ = false;
   std::shared_ptr<Communicator> cross_host_;  // several hosts: same local rank on every host
 
   // the drive lock and the current operation (guarded by drive_)

@@ -3,6 +3,8 @@
 // with the same wording, naming ranks by their communicator rank and host.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "cohort/error.h"
 #include "collectives/shm/group.h"
 #include "comm/communicator_impl.h"
@@ -94,6 +96,8 @@ std::string CommunicatorImpl::shm_waiting_text() const {
     parts.push_back(fmt::format("{}: {}", peer_text(l.rank), last));
   }
   if (list.size() > 8) parts.push_back(fmt::format("and {} more", list.size() - 8));
+  for (int& r : list) r = world_rank(r);  // the details are renamed with the whole message
+  std::sort(list.begin(), list.end());
   return fmt::format("rank(s) {} [{}]", str::format_ranges(list), str::join(parts, "; "));
 }
 

@@ -1,9 +1,19 @@
-// shm_hier_worker <store file> <rank> <size>: one rank of the hierarchical-allreduce test. Run with
-// COHORT_HOST_ID set per simulated host; checks that the communicator chose the hierarchical path and
-// that allreduce results (several dtypes, ops and odd sizes) are right. Prints "ok" and exits 0, or
-// prints the problem and exits 1 (3 on a cohort error).
+// shm_hier_worker <store file> <rank> <size> MODE: one rank of the hierarchical-allreduce tests, run
+// with COHORT_HOST_ID set per simulated host.
+//   expect-hierarchical | expect-flat: checks the path the communicator chose and that allreduce
+//     results (several dtypes, ops and odd sizes, counts below the ranks per host) are right. Prints
+//     "ok" and exits 0, or prints the problem and exits 1 (3 on a cohort error).
+//   kill VICTIM STAMP: after one good allreduce, rank VICTIM writes its time of death to STAMP and
+//     SIGKILLs itself; the others loop on allreduce until it throws and print
+//     "RAISED <seconds after the death> <message>", exit 0.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <thread>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -16,22 +26,57 @@
 using namespace cohort;
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: shm_hier_worker <store file> <rank> <size>\n");
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: shm_hier_worker <store file> <rank> <size> expect-hierarchical|expect-flat|kill ...\n");
     return 2;
   }
   const int rank = std::atoi(argv[2]), size = std::atoi(argv[3]);
+  const std::string mode = argv[4];
   try {
     auto store = make_file_store(argv[1]);
     CommOptions o;
     o.timeout = std::chrono::seconds(30);
     auto comm = Communicator::create(store, rank, size, o);
     auto* impl = dynamic_cast<comm::CommunicatorImpl*>(comm.get());
-    if (impl == nullptr || impl->host_group() == nullptr || impl->shm_group() != nullptr) {
-      std::printf("rank %d: expected the hierarchical path (host group set, no flat shm group)\n", rank);
+    if (mode == "kill") {
+      const int victim = std::atoi(argv[5]);
+      const std::string stamp = argv[6];
+      std::vector<float> x(1 << 16, 1.0f);
+      comm->allreduce(x.data(), x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum);
+      auto wall = [] {
+        return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+      };
+      if (rank == victim) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        {
+          std::ofstream f(stamp);
+          f.precision(17);
+          f << wall();
+        }
+        ::kill(::getpid(), SIGKILL);
+      }
+      try {
+        for (;;) comm->allreduce(x.data(), x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum);
+      } catch (const std::exception& e) {
+        const double raised = wall();
+        double died = 0;
+        for (int i = 0; i < 200 && died == 0; ++i) {  // the victim writes before it dies
+          std::ifstream f(stamp);
+          if (!(f >> died)) died = 0, std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        std::printf("RAISED %.3f %s\n", raised - died, e.what());
+        std::fflush(stdout);
+        ::_exit(0);  // the communicator's peers are gone: no orderly teardown to wait for
+      }
+    }
+    const bool want_hierarchical = mode == "expect-hierarchical";
+    const bool is_hierarchical = impl != nullptr && impl->host_group() != nullptr && impl->shm_group() == nullptr;
+    if (want_hierarchical != is_hierarchical) {
+      std::printf("rank %d: expected the %s path, the communicator chose the other\n", rank,
+                  want_hierarchical ? "hierarchical" : "flat");
       return 1;
     }
-    for (size_t n : {size_t{1}, size_t{3}, size_t{1001}, size_t{300007}}) {
+    for (size_t n : {size_t{1}, size_t{2}, size_t{3}, size_t{1001}, size_t{300007}}) {
       std::vector<double> d(n);
       for (size_t i = 0; i < n; ++i) d[i] = static_cast<double>((i % 13) * (rank + 1));
       comm->allreduce(d.data(), d.data(), n, DataType::kFloat64, ReduceOp::kSum);
