@@ -1,4 +1,4 @@
-// The conformance suite (see conformance.h) and its TCP instantiation.
+// The conformance suite (see conformance.h) and its TCP and shared-memory instantiations.
 #include "conformance.h"
 
 #include <atomic>
@@ -12,6 +12,7 @@
 #include "cohort/error.h"
 #include "common/host_identity.h"
 #include "support/test_support.h"
+#include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace cohort::test {
@@ -195,6 +196,9 @@ TEST_P(TransportConformance, PeerThatLeavesFailsPendingReceives) {
 
 INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
                          ::testing::Values(TransportParam{"tcp", transport::make_tcp_transport}),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Shm, TransportConformance,
+                         ::testing::Values(TransportParam{"shm", transport::make_shm_transport}),
                          [](const auto& info) { return info.param.name; });
 
 // TCP only: several connections per peer are used for large messages (configured before the
