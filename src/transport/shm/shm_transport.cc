@@ -253,8 +253,8 @@ class ShmTransport final : public Transport {
   }
 
   ~ShmTransport() override {
-    log::debug("shm transport rank {}: {} message(s), {} byte(s) arrived before their receive was posted", rank_,
-               stats_unexpected_, stats_unexpected_bytes_);
+    log::debug("shm transport rank {}: {} message(s) received; {} message(s), {} byte(s) arrived before their receive "
+               "was posted", rank_, stats_messages_, stats_unexpected_, stats_unexpected_bytes_);
     // Say goodbye so that peers can tell an orderly exit from a crash (as TCP does).
     CtlRecord bye{kByeMagic, 0};
     for (auto& p : peers_) {
@@ -710,6 +710,7 @@ class ShmTransport final : public Transport {
     Peer& p = peers_[size_t(peer)];
     const MsgHeader& h = p.hdr;
     Key k{peer, h.tag, h.sub};
+    ++stats_messages_;
     PeerProgress& ls = last_seen_[size_t(peer)];
     ls.seen = true;
     ls.tag = h.tag;
@@ -976,7 +977,7 @@ class ShmTransport final : public Transport {
   std::exception_ptr failed_;
   bool failed_by_notice_ = false;
   Deadline::Clock::time_point last_socket_check_{};
-  uint64_t stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;
+  uint64_t stats_messages_ = 0, stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;
   MismatchFormatter mismatch_formatter_;
 };
 
