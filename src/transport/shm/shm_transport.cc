@@ -51,6 +51,7 @@ struct Hello {
   uint64_t scope;
   uint64_t map_bytes;
   uint64_t ring_bytes;
+  uint64_t your_slot;  // index of the ring the receiver of this hello writes into, in the sender's memfd
 };
 
 struct CtlRecord {
@@ -277,9 +278,14 @@ class ShmTransport final : public Transport {
 
   void connect(const std::vector<PeerInfo>& peers, const std::vector<bool>& use, Deadline deadline) override {
     info_ = peers;
-    // This rank's memfd: a doorbell line, then one ring per sending rank (indexed by rank).
+    // This rank's memfd: a doorbell line, then one ring per peer served over shm (slot = its index
+    // among those peers), so the memory scales with the ranks on this host, not the world.
     const size_t stride = sizeof(RingIndices) + ring_bytes_;
-    map_bytes_ = kLine + size_t(size_) * stride;
+    std::vector<uint64_t> slot(static_cast<size_t>(size_), 0);
+    size_t slots = 0;
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && use[size_t(r)]) slot[size_t(r)] = slots++;
+    map_bytes_ = kLine + slots * stride;
     UniqueFd mem(::memfd_create("cohort-shm-p2p", MFD_CLOEXEC));
     if (!mem) throw_errno("memfd_create");
     if (::ftruncate(mem.get(), static_cast<off_t>(map_bytes_)) != 0)
@@ -295,11 +301,13 @@ class ShmTransport final : public Transport {
       Peer& p = peers_[size_t(r)];
       p.used = r != rank_ && use[size_t(r)];
       if (!p.used) continue;
-      char* base = static_cast<char*>(mine_.p) + kLine + size_t(r) * stride;
+      char* base = static_cast<char*>(mine_.p) + kLine + size_t(slot[size_t(r)]) * stride;
       p.in = new (base) RingIndices{};
       p.in_data = base + sizeof(RingIndices);
     }
-    const Hello mine{kHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_};
+    auto hello_for = [&](int peer) {
+      return Hello{kHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_, slot[size_t(peer)]};
+    };
 
     // Dial the higher ranks (their listeners exist since construction: the backlog holds us until
     // they accept), then accept the lower ones, then read the replies of the higher ones.
@@ -323,7 +331,7 @@ class ShmTransport final : public Transport {
           throw TimeoutError(fmt::format("shm transport connect: rank {} ({}) did not accept in time", j, host(j)));
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-      if (!send_hello(s.get(), mine, mem.get(), event_.get()))
+      if (!send_hello(s.get(), hello_for(j), mem.get(), event_.get()))
         throw PeerLostError(fmt::format("cannot send the shm hello to rank {} ({}): {}", j, host(j), std::strerror(errno)));
       peers_[size_t(j)].sock = std::move(s);
       awaiting_reply.push_back(j);
@@ -370,7 +378,7 @@ class ShmTransport final : public Transport {
           accepted.erase(accepted.begin() + long(i));
           continue;
         }
-        if (!send_hello(accepted[i].get(), mine, mem.get(), event_.get()))
+        if (!send_hello(accepted[i].get(), hello_for(int(h.rank)), mem.get(), event_.get()))
           throw PeerLostError(fmt::format("cannot answer the shm hello of rank {} ({}): {}", h.rank, host(int(h.rank)),
                                           std::strerror(errno)));
         attach(int(h.rank), std::move(accepted[i]), their_mem, std::move(their_event), h);
@@ -598,11 +606,12 @@ class ShmTransport final : public Transport {
     }
     char* base = static_cast<char*>(p.theirs.p);
     const size_t stride = sizeof(RingIndices) + ring_bytes_;
-    if (kLine + size_t(rank_ + 1) * stride > h.map_bytes)
-      throw MismatchError(fmt::format("shm handshake: rank {} ({}) mapped too few rings", r, host(r)));
+    if (kLine + (h.your_slot + 1) * stride > h.map_bytes)
+      throw MismatchError(fmt::format("shm handshake: rank {} ({}) offered ring {} of a {}-byte segment", r, host(r),
+                                      h.your_slot, h.map_bytes));
     p.their_bell = reinterpret_cast<Doorbell*>(base);
-    p.out = reinterpret_cast<RingIndices*>(base + kLine + size_t(rank_) * stride);
-    p.out_data = base + kLine + size_t(rank_) * stride + sizeof(RingIndices);
+    p.out = reinterpret_cast<RingIndices*>(base + kLine + h.your_slot * stride);
+    p.out_data = base + kLine + h.your_slot * stride + sizeof(RingIndices);
     // The memfd descriptor itself is not kept: the mapping holds the memory.
   }
 

@@ -5,8 +5,8 @@
 //
 // Why this design:
 // - One single-producer single-consumer byte ring per ordered pair of ranks. The ring s->r lives
-//   in a memfd that the *receiver* r creates (one memfd per rank holds the rings of all its
-//   senders, sparse: pages of unused rings are never touched). A ring is a byte stream, exactly
+//   in a memfd that the *receiver* r creates (one memfd per rank holds the rings of its shm peers
+//   only; the hello tells each sender which slot is its own). A ring is a byte stream, exactly
 //   like a TCP connection: a 48-byte message header (tag, sub, signature, total size) followed by
 //   the payload. So messages larger than the ring simply stream through it, and the receive side
 //   reuses TCP's proven structure: a posted receive gets the payload copied straight from the ring
