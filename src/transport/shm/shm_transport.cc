@@ -41,6 +41,9 @@ constexpr uint32_t kAbortMagic = 0x41534843;  // "CHSA": the sender failed; the 
 constexpr uint32_t kByeMagic = 0x42534843;    // "CHSB": the sender destroys its transport
 constexpr uint64_t kMsgMagic = 0x314d5348434f48ull;
 constexpr size_t kLine = 64;
+// Ring indices are published after every piece this large, so that the two copies overlap instead of
+// taking turns on whole rings.
+constexpr size_t kPublishBytes = 64 * 1024;
 // Sleep slice while waiting: a dead peer is noticed through its socket anyway; the slice bounds
 // how late a missed condition (none known) could be seen.
 constexpr int kSliceMs = 100;
@@ -643,11 +646,13 @@ class ShmTransport final : public Transport {
       }
       if (it.written >= sizeof(MsgHeader) && space > 0) {
         size_t off = it.written - sizeof(MsgHeader);
-        size_t n = std::min(space, it.length - off);
+        size_t n = std::min({space, it.length - off, kPublishBytes});
         if (n) ring_put(p.out_data, head, it.payload + off, n);
         head += n;
         space -= n;
         it.written += n;
+        // Publish every piece at once: the consumer copies out while this rank copies in.
+        if (n == kPublishBytes) p.out->head.store(head, std::memory_order_release);
       }
       if (it.written == sizeof(MsgHeader) + it.length) {
         reqs_[it.request].done = true;
@@ -686,11 +691,13 @@ class ShmTransport final : public Transport {
         if (p.dst_left == 0) finish_message(peer);
         else p.in_payload = true;
       } else {
-        size_t n = std::min(avail, p.dst_left);
+        size_t n = std::min({avail, p.dst_left, kPublishBytes});
         ring_get(p.in_data, tail, p.dst, n);
         tail += n;
         p.dst += n;
         p.dst_left -= n;
+        // Free every piece at once, so that the producer refills while this rank copies out.
+        if (n == kPublishBytes) p.in->tail.store(tail, std::memory_order_release);
         if (p.dst_left == 0) {
           p.in_payload = false;
           finish_message(peer);
