@@ -40,7 +40,7 @@ thread_local bool t_progress_thread = false;
 const env::BoolSetting kShmCollectives(
     "COHORT_SHM_COLLECTIVES", true,
     "run allreduce/reduce_scatter/allgather/broadcast/barrier on the shared-memory group when ranks share a "
-    "host (COHORT_TRANSPORT=tcp turns it off too)");
+    "host (COHORT_TRANSPORT=tcp turns it off too; with 0 they run over the point-to-point transports)");
 // The cross-host communicators of the hierarchical path are children whose errors are rewritten to
 // name world ranks (in_world_ranks), so a failure there names the lost rank as any other does.
 const env::StringSetting kHierarchical(
@@ -186,8 +186,9 @@ void CommunicatorImpl::bootstrap() {
   std::vector<std::string> available;
   for (const auto& f : transport::factories()) {
     available.push_back(f.name);
-    // "shm": collectives in shared memory (checked below: one host), the rest over the transports.
-    if (options_.transport == "auto" || options_.transport == "shm" || options_.transport == f.name)
+    // "auto": every transport, each peer served by the best one both sides accept (shm on the same
+    // host, else tcp); "tcp" or "shm": that one only (a peer it cannot reach is a ConfigError below).
+    if (options_.transport == "auto" || options_.transport == f.name)
       transports_.push_back(f.make(topts));
   }
   if (transports_.empty()) {
@@ -245,11 +246,6 @@ void CommunicatorImpl::bootstrap() {
     }
   }
   topology_ = Topology::build(rank_, ids);
-  if (options_.transport == "shm" && !topology_.all_local())
-    throw ConfigError(fmt::format("COHORT_TRANSPORT=shm, but the ranks of communicator '{}' span {} hosts (shm "
-                                  "only connects ranks on one host; use auto)",
-                                  prefix_, topology_.hosts.size()));
-
   // Route every peer through the first transport (by priority) that both sides have and that
   // accepts the peer's descriptor.
   route_.assign(static_cast<size_t>(size_), transports_.front().get());
@@ -265,8 +261,9 @@ void CommunicatorImpl::bootstrap() {
       }
     }
     if (!chosen) {
-      throw ConfigError(fmt::format("rank {} ({}) cannot be reached by any transport this rank has ({})", r,
-                                    host_of(r), options_.transport));
+      throw ConfigError(fmt::format("COHORT_TRANSPORT={}: rank {} ({}) cannot be reached from rank {} ({}) by {}{}", options_.transport, r,
+                                    host_of(r), rank_, host_of(rank_), options_.transport == "auto" ? "any transport" : options_.transport,
+                                    options_.transport == "shm" ? " (shm only connects ranks on one host; use auto)" : ""));
     }
     route_[size_t(r)] = chosen;
   }
@@ -289,7 +286,7 @@ void CommunicatorImpl::bootstrap() {
     });
   }
   const bool shm_collectives =
-      options_.transport == "shm" || (kShmCollectives.get() && options_.transport != "tcp");
+      kShmCollectives.get() && options_.transport != "tcp";
   if (size_ > 1 && topology_.all_local() && shm_collectives) {
     shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
     install_shm_semantics(*shm_group_, topology_.hosts.front());

@@ -12,6 +12,17 @@ namespace cohort {
 namespace {
 const env::StringSetting kHostId("COHORT_HOST_ID", "",
                                  "extra host identity (tests: simulate several hosts on one machine)");
+thread_local bool t_has_override = false;
+thread_local std::string t_override;
+}
+
+ScopedHostIdOverride::ScopedHostIdOverride(std::string id) : previous_(t_override), had_previous_(t_has_override) {
+  t_override = std::move(id);
+  t_has_override = true;
+}
+ScopedHostIdOverride::~ScopedHostIdOverride() {
+  t_override = previous_;
+  t_has_override = had_previous_;
 }
 
 std::string HostIdentity::serialize() const {
@@ -36,7 +47,7 @@ HostIdentity local_host_identity() {
   struct stat st {};
   if (stat("/proc/self/ns/net", &st) == 0) h.net_ns = std::to_string(st.st_ino);
   if (stat("/dev/shm", &st) == 0) h.shm_dev = std::to_string(st.st_dev);
-  std::string extra = kHostId.get();
+  std::string extra = t_has_override ? t_override : kHostId.get();
   if (!extra.empty()) {
     h.boot_id += "+" + extra;
     h.hostname += "+" + extra;

@@ -22,4 +22,18 @@ struct HostIdentity {
 // simulate several hosts on one machine).
 HostIdentity local_host_identity();
 
+// For tests that run ranks as threads of one process: while alive, `id` replaces COHORT_HOST_ID for
+// the calling thread only (so ranks-as-threads can simulate several hosts).
+class ScopedHostIdOverride {
+ public:
+  explicit ScopedHostIdOverride(std::string id);
+  ~ScopedHostIdOverride();
+  ScopedHostIdOverride(const ScopedHostIdOverride&) = delete;
+  ScopedHostIdOverride& operator=(const ScopedHostIdOverride&) = delete;
+
+ private:
+  std::string previous_;
+  bool had_previous_;
+};
+
 }  // namespace cohort

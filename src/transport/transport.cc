@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace cohort::transport {
@@ -14,7 +15,8 @@ std::mutex& registry_mutex() {
 std::vector<FactoryInfo>& registry() {
   // Built-in transports are listed here (a static Registration in a static library would be
   // dropped by the linker when nothing else references its object file).
-  static std::vector<FactoryInfo> r{{"tcp", 10, make_tcp_transport}};
+  // shm before tcp: same-host peers move bytes through memory.
+  static std::vector<FactoryInfo> r{{"shm", 20, make_shm_transport}, {"tcp", 10, make_tcp_transport}};
   return r;
 }
 }  // namespace

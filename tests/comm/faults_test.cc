@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -119,9 +121,21 @@ class Job {
   std::vector<Worker> workers_;
 };
 
-TEST(Faults, KilledPeerFailsEveryOtherRankWithinTwoSeconds) {
+std::set<std::string> dev_shm_entries() {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) out.insert(e.path().filename().string());
+  return out;
+}
+
+// SIGKILL of rank 1 during allreduces: the others fail within 2 s naming it, and /dev/shm holds
+// nothing new. `env` picks the path: default (shm::Group collectives), the shm point-to-point
+// transport alone (COHORT_SHM_COLLECTIVES=0: coll:: algorithms over it), or TCP alone.
+void killed_peer_fails_the_others(std::vector<std::string> env) {
+  const auto before = dev_shm_entries();
   const int n = 3;
-  Job job("loop", n, 1 << 20, {"COHORT_TIMEOUT=60"});
+  env.push_back("COHORT_TIMEOUT=60");
+  Job job("loop", n, 1 << 20, env);
   ASSERT_TRUE(job.wait_all_print("ready", 30)) << job.err(0);
   auto killed_at = Clock::now();
   kill(job[1].pid, SIGKILL);
@@ -136,7 +150,14 @@ TEST(Faults, KilledPeerFailsEveryOtherRankWithinTwoSeconds) {
     // message must name the lost rank in both cases.
     EXPECT_TRUE(e.find("PeerLostError") != std::string::npos) << e;
   }
+  for (const auto& name : dev_shm_entries()) EXPECT_TRUE(before.count(name)) << "/dev/shm/" << name << " was left behind";
 }
+
+TEST(Faults, KilledPeerFailsEveryOtherRankWithinTwoSeconds) { killed_peer_fails_the_others({}); }
+TEST(Faults, KilledPeerOverTheShmTransportFailsTheOthersWithinTwoSeconds) {
+  killed_peer_fails_the_others({"COHORT_TRANSPORT=shm", "COHORT_SHM_COLLECTIVES=0"});
+}
+TEST(Faults, KilledPeerOverTcpFailsTheOthersWithinTwoSeconds) { killed_peer_fails_the_others({"COHORT_TRANSPORT=tcp"}); }
 
 TEST(Faults, FrozenPeerHitsTheDeadlineNamingIt) {
   const int n = 3;

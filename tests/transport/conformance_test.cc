@@ -1,4 +1,4 @@
-// The conformance suite (see conformance.h) and its TCP instantiation.
+// The conformance suite (see conformance.h) and its TCP and shared-memory instantiations.
 #include "conformance.h"
 
 #include <atomic>
@@ -12,6 +12,7 @@
 #include "cohort/error.h"
 #include "common/host_identity.h"
 #include "support/test_support.h"
+#include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace cohort::test {
@@ -193,8 +194,49 @@ TEST_P(TransportConformance, PeerThatLeavesFailsPendingReceives) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
 }
 
+TEST_P(TransportConformance, PollIsBoundedAndConnectTimesOutNamingTheMissingRank) {
+  const int world = 2;
+  std::vector<std::unique_ptr<Transport>> ts(world);
+  std::vector<transport::PeerInfo> peers(world);
+  for (int r = 0; r < world; ++r) {
+    ts[size_t(r)] = GetParam().make({r, world, "timeouts", Deadline::after(std::chrono::seconds(5))});
+    peers[size_t(r)] = {"host-" + std::to_string(r), ts[size_t(r)]->descriptor()};
+  }
+  // Rank 0 never connects: rank 1 gives up at its deadline, naming rank 0 and its host.
+  auto start = std::chrono::steady_clock::now();
+  try {
+    ts[1]->connect(peers, {true, false}, Deadline::after(std::chrono::milliseconds(300)));
+    ADD_FAILURE() << "connect succeeded without rank 0";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank(s) 0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("host-0"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+}
+
+TEST_P(TransportConformance, IdlePollReturnsWithinItsTimeoutAndAPendingReceiveStaysPending) {
+  auto ts = make_world(GetParam(), 2, "idle");
+  uint64_t v = 0;
+  auto r = ts[0]->irecv(1, env(1), &v, 8);
+  for (int i = 0; i < 3; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    ts[0]->poll(50);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1000));
+  }
+  EXPECT_FALSE(ts[0]->peek(r));
+  EXPECT_FALSE(ts[0]->test(r));
+  // and it still completes when the message comes
+  uint64_t one = 1;
+  auto s = ts[1]->isend(0, env(1), &one, 8);
+  run_ranks(2, [&](int rank) { wait(*ts[size_t(rank)], rank == 0 ? r : s); });
+  EXPECT_EQ(v, 1u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
                          ::testing::Values(TransportParam{"tcp", transport::make_tcp_transport}),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Shm, TransportConformance,
+                         ::testing::Values(TransportParam{"shm", transport::make_shm_transport}),
                          [](const auto& info) { return info.param.name; });
 
 // TCP only: several connections per peer are used for large messages (configured before the

@@ -1,0 +1,1006 @@
+// Shared-memory point-to-point transport: the design is described in shm_transport.h.
+#include "transport/shm/shm_transport.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "common/env.h"
+#include "common/fd.h"
+#include "common/host_identity.h"
+#include "common/log.h"
+#include "common/strings.h"
+
+namespace cohort::transport {
+namespace {
+
+const env::BytesSetting kRingBytes("COHORT_SHM_P2P_RING_BYTES", 1 << 20,
+                                   "bytes of each shared-memory point-to-point ring (rounded up to a power of two)");
+const env::IntSetting kSpinUs("COHORT_SHM_P2P_SPIN_US", 20,
+                              "microseconds a shm transport poll() spins before it sleeps on its eventfd");
+
+constexpr uint32_t kHelloMagic = 0x50534843;  // "CHSP"
+constexpr uint32_t kAbortMagic = 0x41534843;  // "CHSA": the sender failed; the text follows
+constexpr uint32_t kByeMagic = 0x42534843;    // "CHSB": the sender destroys its transport
+constexpr uint64_t kMsgMagic = 0x314d5348434f48ull;
+constexpr size_t kLine = 64;
+// Ring indices are published after every piece this large, so that the two copies overlap instead of
+// taking turns on whole rings.
+constexpr size_t kPublishBytes = 64 * 1024;
+// Sleep slice while waiting: a dead peer is noticed through its socket anyway; the slice bounds
+// how late a missed condition (none known) could be seen.
+constexpr int kSliceMs = 100;
+
+struct Hello {
+  uint32_t magic;
+  uint32_t rank;
+  uint64_t scope;
+  uint64_t map_bytes;
+  uint64_t ring_bytes;
+  uint64_t your_slot;  // index of the ring the receiver of this hello writes into, in the sender's memfd
+};
+
+struct CtlRecord {
+  uint32_t magic;
+  uint32_t cls;
+};
+
+// The owner's doorbell: set while the owner sleeps in poll(2) (peers then write its eventfd).
+struct alignas(kLine) Doorbell {
+  std::atomic<uint32_t> sleeping;
+};
+// One ring's indices, each on its own cache line: head is written by the producer only, tail by
+// the consumer only. Both count bytes since the start (never wrap; 64 bits).
+struct RingIndices {
+  alignas(kLine) std::atomic<uint64_t> head;
+  alignas(kLine) std::atomic<uint64_t> tail;
+};
+static_assert(sizeof(RingIndices) == 2 * kLine);
+
+struct MsgHeader {
+  uint64_t magic;
+  uint64_t tag;
+  uint64_t sub;
+  Signature signature;
+  uint64_t total;
+};
+static_assert(sizeof(MsgHeader) == 48, "ring message header layout");
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+struct Key {
+  int peer;
+  uint64_t tag;
+  uint64_t sub;
+  bool operator==(const Key&) const = default;
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = k.tag * 0x9e3779b97f4a7c15ull ^ (k.sub + 0x632be59bd9b4e019ull + (uint64_t(k.peer) << 40));
+    return static_cast<size_t>(h ^ (h >> 29));
+  }
+};
+
+struct Request {
+  uint32_t gen = 0;
+  bool in_use = false;
+  bool done = false;
+  bool is_send = false;
+  int peer = -1;
+  char* data = nullptr;
+  size_t bytes = 0;
+  Key key{};
+  Envelope env;
+  std::exception_ptr error;
+};
+
+struct Unexpected {
+  std::unique_ptr<char[]> buf;
+  size_t total = 0;
+  size_t received = 0;
+  Signature signature;
+  int attached = -1;  // request waiting for it, once posted
+};
+
+struct SendItem {
+  MsgHeader header;
+  const char* payload;
+  size_t length;
+  size_t written;  // of header + payload
+  uint32_t request;
+};
+
+struct Mapping {
+  void* p = nullptr;
+  size_t bytes = 0;
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (p) ::munmap(p, bytes);
+  }
+};
+
+struct Peer {
+  bool used = false;
+  UniqueFd sock;     // control channel (abstract SOCK_SEQPACKET)
+  UniqueFd event;    // the peer's eventfd
+  Mapping theirs;    // the peer's memfd: holds the ring this rank writes
+  Doorbell* their_bell = nullptr;
+  RingIndices* out = nullptr;
+  char* out_data = nullptr;
+  RingIndices* in = nullptr;  // in this rank's memfd
+  char* in_data = nullptr;
+  // send side
+  std::deque<SendItem> sendq;
+  // receive side (stream parser)
+  MsgHeader hdr{};
+  size_t hdr_got = 0;
+  bool in_payload = false;
+  char* dst = nullptr;
+  size_t dst_left = 0;
+  size_t msg_total = 0;
+  int target_req = -1;
+  Unexpected* target_unx = nullptr;
+  Key target_key{};
+  // lifecycle
+  bool bye = false;     // the peer destroyed its transport (orderly)
+  bool closed = false;  // its socket reported end of file
+};
+
+size_t round_up_pow2(uint64_t v) {
+  size_t r = 4096;
+  while (r < v) r <<= 1;
+  return r;
+}
+
+[[noreturn]] void throw_errno(const std::string& what) {
+  throw Error(fmt::format("shm transport: {}: {}", what, std::strerror(errno)));
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.size() + 1 > sizeof(addr.sun_path))
+    throw InvalidArgument(fmt::format("shm transport: socket name '{}' is too long", name));
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+// Sends a hello with this rank's memfd and eventfd attached.
+bool send_hello(int sock, const Hello& h, int memfd, int eventfd) {
+  iovec iov{const_cast<Hello*>(&h), sizeof h};
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(2 * sizeof(int));
+  int fds[2] = {memfd, eventfd};
+  std::memcpy(CMSG_DATA(cm), fds, sizeof fds);
+  return ::sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) == static_cast<ssize_t>(sizeof h);
+}
+
+// Receives a hello and its two descriptors; false when nothing is there yet. Throws on a closed or
+// malformed message.
+bool recv_hello(int sock, Hello* h, UniqueFd* memfd, UniqueFd* eventfd) {
+  iovec iov{h, sizeof *h};
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t r = ::recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
+  if (r == 0) throw PeerLostError("shm transport: the peer closed its socket during the handshake");
+  if (r < 0) throw_errno("recvmsg of a hello");
+  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+  if (r != static_cast<ssize_t>(sizeof *h) || cm == nullptr || cm->cmsg_type != SCM_RIGHTS ||
+      cm->cmsg_len != CMSG_LEN(2 * sizeof(int)))
+    throw Error("shm transport: malformed hello (no descriptors attached)");
+  int fds[2];
+  std::memcpy(fds, CMSG_DATA(cm), sizeof fds);
+  memfd->reset(fds[0]);
+  eventfd->reset(fds[1]);
+  return true;
+}
+
+class ShmTransport final : public Transport {
+ public:
+  explicit ShmTransport(const TransportOptions& o)
+      : rank_(o.rank), size_(o.size), scope_(fnv1a(o.job_scope)), ring_bytes_(round_up_pow2(kRingBytes.get())),
+        ring_mask_(ring_bytes_ - 1), spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
+        peers_(static_cast<size_t>(o.size)), info_(static_cast<size_t>(o.size)), last_seen_(static_cast<size_t>(o.size)) {
+    shm_key_ = local_host_identity().shm_key();
+    std::random_device rd;
+    uint64_t rnd = (uint64_t(rd()) << 32) ^ rd();
+    socket_name_ = fmt::format("cohort-p2p/{:016x}/{}/{}-{:016x}", scope_, rank_, ::getpid(), rnd);
+    listener_.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!listener_) throw_errno("socket");
+    socklen_t len = 0;
+    sockaddr_un addr = abstract_address(socket_name_, &len);
+    if (::bind(listener_.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
+      throw_errno(fmt::format("bind abstract socket '{}'", socket_name_));
+    if (::listen(listener_.get(), std::max(16, size_)) != 0) throw_errno("listen");
+    event_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!event_) throw_errno("eventfd");
+  }
+
+  ~ShmTransport() override {
+    log::debug("shm transport rank {}: {} message(s) received; {} message(s), {} byte(s) arrived before their receive "
+               "was posted", rank_, stats_messages_, stats_unexpected_, stats_unexpected_bytes_);
+    // Say goodbye so that peers can tell an orderly exit from a crash (as TCP does).
+    CtlRecord bye{kByeMagic, 0};
+    for (auto& p : peers_) {
+      if (!p.used || p.closed || failed_ || !p.sendq.empty()) continue;
+      (void)::send(p.sock.get(), &bye, sizeof bye, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+  }
+
+  const char* name() const override { return "shm"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  std::string descriptor() const override {
+    return fmt::format("shm;{};{}", shm_key_, socket_name_);
+  }
+  bool can_reach(const std::string& d) const override {
+    std::string key, name;
+    return parse_descriptor(d, &key, &name) && key == shm_key_;
+  }
+
+  void connect(const std::vector<PeerInfo>& peers, const std::vector<bool>& use, Deadline deadline) override {
+    info_ = peers;
+    // This rank's memfd: a doorbell line, then one ring per peer served over shm (slot = its index
+    // among those peers), so the memory scales with the ranks on this host, not the world.
+    const size_t stride = sizeof(RingIndices) + ring_bytes_;
+    std::vector<uint64_t> slot(static_cast<size_t>(size_), 0);
+    size_t slots = 0;
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && use[size_t(r)]) slot[size_t(r)] = slots++;
+    map_bytes_ = kLine + slots * stride;
+    UniqueFd mem(::memfd_create("cohort-shm-p2p", MFD_CLOEXEC));
+    if (!mem) throw_errno("memfd_create");
+    if (::ftruncate(mem.get(), static_cast<off_t>(map_bytes_)) != 0)
+      throw_errno(fmt::format("ftruncate to {} bytes", map_bytes_));
+    mine_.bytes = map_bytes_;
+    mine_.p = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, mem.get(), 0);
+    if (mine_.p == MAP_FAILED) {
+      mine_.p = nullptr;
+      throw_errno(fmt::format("mmap of {} bytes", map_bytes_));
+    }
+    bell_ = new (mine_.p) Doorbell{};
+    for (int r = 0; r < size_; ++r) {
+      Peer& p = peers_[size_t(r)];
+      p.used = r != rank_ && use[size_t(r)];
+      if (!p.used) continue;
+      char* base = static_cast<char*>(mine_.p) + kLine + size_t(slot[size_t(r)]) * stride;
+      p.in = new (base) RingIndices{};
+      p.in_data = base + sizeof(RingIndices);
+    }
+    auto hello_for = [&](int peer) {
+      return Hello{kHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_, slot[size_t(peer)]};
+    };
+
+    // Dial the higher ranks (their listeners exist since construction: the backlog holds us until
+    // they accept), then accept the lower ones, then read the replies of the higher ones.
+    std::vector<int> awaiting_reply;
+    for (int j = rank_ + 1; j < size_; ++j) {
+      if (!peers_[size_t(j)].used) continue;
+      std::string key, name;
+      if (!parse_descriptor(info_[size_t(j)].descriptor, &key, &name))
+        throw PeerLostError(fmt::format("rank {} ({}) published no shm endpoint ('{}')", j, host(j),
+                                        info_[size_t(j)].descriptor));
+      socklen_t len = 0;
+      sockaddr_un addr = abstract_address(name, &len);
+      UniqueFd s;
+      for (;;) {
+        s.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+        if (!s) throw_errno("socket");
+        if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) break;
+        if (errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED)
+          throw PeerLostError(fmt::format("cannot connect to rank {} ({}) over shm: {}", j, host(j), std::strerror(errno)));
+        if (deadline.expired())
+          throw TimeoutError(fmt::format("shm transport connect: rank {} ({}) did not accept in time", j, host(j)));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!send_hello(s.get(), hello_for(j), mem.get(), event_.get()))
+        throw PeerLostError(fmt::format("cannot send the shm hello to rank {} ({}): {}", j, host(j), std::strerror(errno)));
+      peers_[size_t(j)].sock = std::move(s);
+      awaiting_reply.push_back(j);
+    }
+    int expected_accepts = 0;
+    for (int j = 0; j < rank_; ++j) expected_accepts += peers_[size_t(j)].used ? 1 : 0;
+    std::vector<UniqueFd> accepted;  // accepted sockets whose hello has not arrived yet
+    auto next_log = Deadline::Clock::now() + std::chrono::seconds(5);
+    while (expected_accepts > 0 || !awaiting_reply.empty() || !accepted.empty()) {
+      if (deadline.expired())
+        throw TimeoutError("shm transport connect: " + missing(awaiting_reply, "never connected"));
+      if (Deadline::Clock::now() > next_log) {
+        log::warn("waiting for shared-memory channels: {}", missing(awaiting_reply, "not connected yet"));
+        next_log = Deadline::Clock::now() + std::chrono::seconds(10);
+      }
+      std::vector<pollfd> fds;
+      fds.push_back({listener_.get(), POLLIN, 0});
+      for (auto& a : accepted) fds.push_back({a.get(), POLLIN, 0});
+      for (int j : awaiting_reply) fds.push_back({peers_[size_t(j)].sock.get(), POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), deadline.poll_ms(100)) <= 0) continue;
+      if (fds[0].revents & POLLIN) {
+        UniqueFd a(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (a) accepted.push_back(std::move(a));
+      }
+      for (size_t i = 0; i < accepted.size();) {
+        Hello h{};
+        UniqueFd their_mem, their_event;
+        bool got = false;
+        try {
+          got = recv_hello(accepted[i].get(), &h, &their_mem, &their_event);
+        } catch (const Error& e) {
+          log::warn("dropped a shm connection that sent no valid hello: {}", e.what());
+          accepted.erase(accepted.begin() + long(i));
+          continue;
+        }
+        if (!got) {
+          ++i;
+          continue;
+        }
+        if (h.magic != kHelloMagic || h.scope != scope_ || int(h.rank) >= rank_ || !peers_[h.rank].used ||
+            peers_[h.rank].sock || h.ring_bytes != ring_bytes_) {
+          log::warn("refused a shm connection with a foreign or mismatched hello (rank {}, ring {} bytes)", h.rank,
+                    h.ring_bytes);
+          accepted.erase(accepted.begin() + long(i));
+          continue;
+        }
+        if (!send_hello(accepted[i].get(), hello_for(int(h.rank)), mem.get(), event_.get()))
+          throw PeerLostError(fmt::format("cannot answer the shm hello of rank {} ({}): {}", h.rank, host(int(h.rank)),
+                                          std::strerror(errno)));
+        attach(int(h.rank), std::move(accepted[i]), their_mem, std::move(their_event), h);
+        accepted.erase(accepted.begin() + long(i));
+        --expected_accepts;
+      }
+      for (size_t i = 0; i < awaiting_reply.size();) {
+        int j = awaiting_reply[i];
+        Hello h{};
+        UniqueFd their_mem, their_event;
+        bool got;
+        try {
+          got = recv_hello(peers_[size_t(j)].sock.get(), &h, &their_mem, &their_event);
+        } catch (const Error& e) {
+          throw PeerLostError(fmt::format("shm handshake with rank {} ({}) failed: {}", j, host(j), e.what()));
+        }
+        if (!got) {
+          ++i;
+          continue;
+        }
+        if (h.magic != kHelloMagic || h.scope != scope_ || int(h.rank) != j || h.ring_bytes != ring_bytes_)
+          throw MismatchError(fmt::format("shm handshake: rank {} ({}) answered with a foreign or mismatched hello "
+                                          "(rank {}, ring {} bytes; this rank has ring {} bytes)",
+                                          j, host(j), h.rank, h.ring_bytes, ring_bytes_));
+        UniqueFd s = std::move(peers_[size_t(j)].sock);
+        attach(j, std::move(s), their_mem, std::move(their_event), h);
+        awaiting_reply.erase(awaiting_reply.begin() + long(i));
+      }
+    }
+    listener_.reset();
+    connected_ = true;
+  }
+
+  RequestId isend(int peer, const Envelope& env, const void* data, size_t bytes) override {
+    check_peer(peer);
+    if (failed_) std::rethrow_exception(failed_);
+    uint32_t idx = alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
+    Request& r = reqs_[idx];
+    if (peer == rank_) {
+      deliver_local(r);
+      r.done = true;
+      return make_id(idx);
+    }
+    Peer& p = peers_[size_t(peer)];
+    if (!p.used || !p.out) throw InvalidArgument(fmt::format("shm transport does not serve rank {}", peer));
+    if (p.bye || p.closed) {
+      fail(std::make_exception_ptr(PeerLostError(
+          fmt::format("rank {} ({}) left (destroyed its communicator); cannot send to it", peer, host(peer)))));
+      std::rethrow_exception(failed_);
+    }
+    SendItem item{};
+    item.header = MsgHeader{kMsgMagic, env.tag, env.sub, env.signature, bytes};
+    item.payload = r.data;
+    item.length = bytes;
+    item.written = 0;
+    item.request = idx;
+    p.sendq.push_back(item);
+    write_ring(peer);  // latency path: as much as fits, now
+    return make_id(idx);
+  }
+
+  RequestId irecv(int peer, const Envelope& env, void* data, size_t bytes) override {
+    check_peer(peer);
+    if (failed_) std::rethrow_exception(failed_);
+    uint32_t idx = alloc(false, peer, static_cast<char*>(data), bytes, env);
+    Request& r = reqs_[idx];
+    auto it = unexpected_.find(r.key);
+    if (it != unexpected_.end()) {
+      Unexpected& u = it->second;
+      check_match(peer, u.signature, u.total, r);
+      if (u.received == u.total) {
+        if (bytes) std::memcpy(r.data, u.buf.get(), bytes);
+        r.done = true;
+        unexpected_.erase(it);
+      } else {
+        u.attached = int(idx);
+      }
+      return make_id(idx);
+    }
+    if (peer != rank_ && (peers_[size_t(peer)].bye || peers_[size_t(peer)].closed)) {
+      // What it sent before leaving is in the ring: take it first.
+      read_ring(peer);
+      if (failed_) std::rethrow_exception(failed_);
+      if (r.done) return make_id(idx);
+      if (unexpected_.find(r.key) == unexpected_.end()) {
+        fail(std::make_exception_ptr(PeerLostError(
+            fmt::format("rank {} ({}) left (destroyed its communicator); cannot receive from it", peer, host(peer)))));
+        std::rethrow_exception(failed_);
+      }
+      return irecv_after_drain(idx);
+    }
+    auto [pos, inserted] = posted_.emplace(r.key, idx);
+    if (!inserted) {
+      throw InvalidArgument(fmt::format("two receives posted for the same message from rank {} (tag {:#x}, sub {:#x})",
+                                        peer, env.tag, env.sub));
+    }
+    return make_id(idx);
+  }
+
+  bool test(RequestId id) override {
+    uint32_t idx = uint32_t(id);
+    Request& r = reqs_.at(idx);
+    if (!r.in_use || r.gen != uint32_t(id >> 32)) throw std::logic_error("shm transport: stale request id");
+    if (r.done) {
+      std::exception_ptr e = r.error;
+      release(idx);
+      if (e) std::rethrow_exception(e);
+      return true;
+    }
+    if (failed_) {
+      release(idx);
+      std::rethrow_exception(failed_);
+    }
+    return false;
+  }
+
+  bool peek(RequestId id) const override {
+    const Request& r = reqs_.at(uint32_t(id));
+    return r.in_use && r.gen == uint32_t(id >> 32) && r.done;
+  }
+
+  bool poll(int timeout_ms) override {
+    if (failed_ || !connected_) return false;
+    bool any = progress();
+    if (any) return true;
+    // Sockets (notices, goodbyes, a dead peer's hang-up) are looked at without waiting at most
+    // once per millisecond on the spinning path, so that poll(0) stays free of system calls.
+    auto now = Deadline::Clock::now();
+    if (now - last_socket_check_ > std::chrono::milliseconds(1)) {
+      last_socket_check_ = now;
+      any = check_sockets(0) || any;
+      if (failed_) return true;
+    }
+    if (timeout_ms == 0) return any;
+    auto spin_end = now + spin_;
+    while (Deadline::Clock::now() < spin_end) {
+      if (progress()) return true;
+    }
+    // Sleep: announce it, look once more (a peer that moved an index before it saw the flag did
+    // not ring), then wait for the eventfd or a socket.
+    auto end = timeout_ms < 0 ? Deadline::Clock::time_point::max()
+                              : Deadline::Clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      bell_->sleeping.store(1, std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (progress()) {
+        bell_->sleeping.store(0, std::memory_order_relaxed);
+        return true;
+      }
+      int ms = kSliceMs;
+      if (timeout_ms >= 0) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - Deadline::Clock::now()).count();
+        ms = int(std::clamp<long>(left, 0, kSliceMs));
+      }
+      bool woke = check_sockets(ms);
+      bell_->sleeping.store(0, std::memory_order_relaxed);
+      if (failed_) return true;
+      if (progress() || woke) return true;
+      if (Deadline::Clock::now() >= end) return false;
+    }
+  }
+
+  void fail(std::exception_ptr error) override {
+    if (failed_) return;
+    failed_ = error;
+    for (auto& p : peers_) {
+      p.sendq.clear();
+      p.in_payload = false;
+      p.hdr_got = 0;
+      p.target_req = -1;
+      p.target_unx = nullptr;
+    }
+    posted_.clear();
+    unexpected_.clear();
+  }
+  std::exception_ptr error() const override { return failed_; }
+  bool failed_by_notice() const override { return failed_by_notice_; }
+
+  void notify_peers(ErrorClass cls, const std::string& message) override {
+    if (failed_by_notice_) return;
+    std::string rec(sizeof(CtlRecord), '\0');
+    CtlRecord h{kAbortMagic, uint32_t(cls)};
+    std::memcpy(rec.data(), &h, sizeof h);
+    rec += message.substr(0, 4096);
+    for (auto& p : peers_) {
+      if (!p.used || !p.sock || p.closed) continue;
+      (void)::send(p.sock.get(), rec.data(), rec.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+  }
+  void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }
+  PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
+
+ private:
+  static bool parse_descriptor(const std::string& d, std::string* key, std::string* name) {
+    if (!str::starts_with(d, "shm;")) return false;
+    size_t last = d.rfind(';');
+    if (last == std::string::npos || last < 4) return false;
+    *key = d.substr(4, last - 4);
+    *name = d.substr(last + 1);
+    return !key->empty() && !name->empty();
+  }
+
+  std::string host(int r) const { return r >= 0 && size_t(r) < info_.size() ? info_[size_t(r)].host : "?"; }
+
+  std::string missing(const std::vector<int>& awaiting_reply, const char* what) const {
+    std::vector<int> ranks = awaiting_reply;
+    for (int j = 0; j < rank_; ++j)
+      if (peers_[size_t(j)].used && !peers_[size_t(j)].out) ranks.push_back(j);
+    std::sort(ranks.begin(), ranks.end());
+    std::vector<std::string> hosts;
+    for (int j : ranks)
+      if (hosts.size() < 8) hosts.push_back(host(j));
+    return fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(ranks), str::join(hosts, ","), what);
+  }
+
+  void attach(int r, UniqueFd sock, const UniqueFd& their_mem, UniqueFd their_event, const Hello& h) {
+    Peer& p = peers_[size_t(r)];
+    p.sock = std::move(sock);
+    p.event = std::move(their_event);
+    p.theirs.bytes = h.map_bytes;
+    p.theirs.p = ::mmap(nullptr, h.map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, their_mem.get(), 0);
+    if (p.theirs.p == MAP_FAILED) {
+      p.theirs.p = nullptr;
+      throw_errno(fmt::format("mmap of rank {}'s {} bytes", r, h.map_bytes));
+    }
+    char* base = static_cast<char*>(p.theirs.p);
+    const size_t stride = sizeof(RingIndices) + ring_bytes_;
+    if (kLine + (h.your_slot + 1) * stride > h.map_bytes)
+      throw MismatchError(fmt::format("shm handshake: rank {} ({}) offered ring {} of a {}-byte segment", r, host(r),
+                                      h.your_slot, h.map_bytes));
+    p.their_bell = reinterpret_cast<Doorbell*>(base);
+    p.out = reinterpret_cast<RingIndices*>(base + kLine + h.your_slot * stride);
+    p.out_data = base + kLine + h.your_slot * stride + sizeof(RingIndices);
+    // The memfd descriptor itself is not kept: the mapping holds the memory.
+  }
+
+  void wake(Peer& p) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (p.their_bell->sleeping.load(std::memory_order_relaxed)) {
+      uint64_t one = 1;
+      (void)!::write(p.event.get(), &one, sizeof one);
+    }
+  }
+
+  // Producer: moves queued sends into the ring to `peer`. Returns whether anything moved.
+  bool write_ring(int peer) {
+    Peer& p = peers_[size_t(peer)];
+    if (p.sendq.empty()) return false;
+    uint64_t head = p.out->head.load(std::memory_order_relaxed);
+    uint64_t tail = p.out->tail.load(std::memory_order_acquire);
+    size_t space = ring_bytes_ - size_t(head - tail);
+    if (space == 0) return false;
+    const uint64_t start = head;
+    while (!p.sendq.empty() && space > 0) {
+      SendItem& it = p.sendq.front();
+      if (it.written < sizeof(MsgHeader)) {
+        size_t n = std::min(space, sizeof(MsgHeader) - it.written);
+        ring_put(p.out_data, head, reinterpret_cast<const char*>(&it.header) + it.written, n);
+        head += n;
+        space -= n;
+        it.written += n;
+      }
+      if (it.written >= sizeof(MsgHeader) && space > 0) {
+        size_t off = it.written - sizeof(MsgHeader);
+        size_t n = std::min({space, it.length - off, kPublishBytes});
+        if (n) ring_put(p.out_data, head, it.payload + off, n);
+        head += n;
+        space -= n;
+        it.written += n;
+        // Publish every piece at once: the consumer copies out while this rank copies in.
+        if (n == kPublishBytes) p.out->head.store(head, std::memory_order_release);
+      }
+      if (it.written == sizeof(MsgHeader) + it.length) {
+        reqs_[it.request].done = true;
+        p.sendq.pop_front();
+      }
+    }
+    if (head == start) return false;
+    p.out->head.store(head, std::memory_order_release);
+    wake(p);
+    return true;
+  }
+
+  // Consumer: parses what the ring from `peer` holds. Returns whether anything moved.
+  bool read_ring(int peer) {
+    Peer& p = peers_[size_t(peer)];
+    uint64_t tail = p.in->tail.load(std::memory_order_relaxed);
+    uint64_t head = p.in->head.load(std::memory_order_acquire);
+    if (head == tail) return false;
+    const uint64_t start = tail;
+    while (tail != head && !failed_) {
+      size_t avail = size_t(head - tail);
+      if (!p.in_payload) {
+        size_t n = std::min(avail, sizeof(MsgHeader) - p.hdr_got);
+        ring_get(p.in_data, tail, reinterpret_cast<char*>(&p.hdr) + p.hdr_got, n);
+        tail += n;
+        p.hdr_got += n;
+        if (p.hdr_got < sizeof(MsgHeader)) break;
+        p.hdr_got = 0;
+        if (p.hdr.magic != kMsgMagic) {
+          fail(std::make_exception_ptr(PeerLostError(
+              fmt::format("lost rank {} ({}): protocol error in its shared-memory ring", peer, host(peer)))));
+          break;
+        }
+        begin_message(peer);
+        if (failed_) break;
+        if (p.dst_left == 0) finish_message(peer);
+        else p.in_payload = true;
+      } else {
+        size_t n = std::min({avail, p.dst_left, kPublishBytes});
+        ring_get(p.in_data, tail, p.dst, n);
+        tail += n;
+        p.dst += n;
+        p.dst_left -= n;
+        // Free every piece at once, so that the producer refills while this rank copies out.
+        if (n == kPublishBytes) p.in->tail.store(tail, std::memory_order_release);
+        if (p.dst_left == 0) {
+          p.in_payload = false;
+          finish_message(peer);
+        }
+      }
+    }
+    p.in->tail.store(tail, std::memory_order_release);
+    wake(p);
+    return tail != start;
+  }
+
+  void ring_put(char* ring, uint64_t pos, const char* src, size_t n) const {
+    size_t off = size_t(pos) & ring_mask_;
+    size_t first = std::min(n, ring_bytes_ - off);
+    std::memcpy(ring + off, src, first);
+    if (n > first) std::memcpy(ring, src + first, n - first);
+  }
+  void ring_get(const char* ring, uint64_t pos, char* dst, size_t n) const {
+    size_t off = size_t(pos) & ring_mask_;
+    size_t first = std::min(n, ring_bytes_ - off);
+    std::memcpy(dst, ring + off, first);
+    if (n > first) std::memcpy(dst + first, ring, n - first);
+  }
+
+  void begin_message(int peer) {
+    Peer& p = peers_[size_t(peer)];
+    const MsgHeader& h = p.hdr;
+    Key k{peer, h.tag, h.sub};
+    ++stats_messages_;
+    PeerProgress& ls = last_seen_[size_t(peer)];
+    ls.seen = true;
+    ls.tag = h.tag;
+    ls.signature = h.signature;
+    ls.bytes = h.total;
+    p.msg_total = h.total;
+    p.dst_left = h.total;
+    p.target_key = k;
+    auto it = posted_.find(k);
+    if (it != posted_.end()) {
+      Request& r = reqs_[it->second];
+      try {
+        check_match(peer, h.signature, h.total, r);
+      } catch (const Error&) {
+        return;  // the transport is failed now; test() reports it
+      }
+      p.target_req = int(it->second);
+      p.target_unx = nullptr;
+      p.dst = r.data;  // straight into the user's buffer
+      return;
+    }
+    Unexpected& u = unexpected_[k];
+    if (u.buf || u.total) {
+      fail(std::make_exception_ptr(PeerLostError(fmt::format(
+          "rank {} ({}) sent two messages with the same tag {:#x} and sub {:#x}", peer, host(peer), h.tag, h.sub))));
+      return;
+    }
+    ++stats_unexpected_;
+    stats_unexpected_bytes_ += h.total;
+    u.total = h.total;
+    u.signature = h.signature;
+    u.buf.reset(new char[std::max<size_t>(h.total, 1)]);
+    p.target_req = -1;
+    p.target_unx = &u;
+    p.dst = u.buf.get();
+  }
+
+  void finish_message(int peer) {
+    Peer& p = peers_[size_t(peer)];
+    if (p.target_req >= 0) {
+      Request& r = reqs_[size_t(p.target_req)];
+      r.done = true;
+      posted_.erase(r.key);
+      p.target_req = -1;
+      return;
+    }
+    Unexpected* u = p.target_unx;
+    p.target_unx = nullptr;
+    if (!u) return;
+    u->received = u->total;
+    if (u->attached >= 0) {
+      Request& r = reqs_[size_t(u->attached)];
+      if (r.bytes) std::memcpy(r.data, u->buf.get(), r.bytes);
+      r.done = true;
+      unexpected_.erase(p.target_key);
+    }
+  }
+
+  // A receive posted after its peer left, whose message was found (partly) in the ring.
+  RequestId irecv_after_drain(uint32_t idx) {
+    Request& r = reqs_[idx];
+    auto it = unexpected_.find(r.key);
+    Unexpected& u = it->second;
+    check_match(r.peer, u.signature, u.total, r);
+    if (u.received == u.total) {
+      if (r.bytes) std::memcpy(r.data, u.buf.get(), r.bytes);
+      r.done = true;
+      unexpected_.erase(it);
+      return make_id(idx);
+    }
+    fail(std::make_exception_ptr(PeerLostError(fmt::format(
+        "rank {} ({}) left in the middle of a message to this rank", r.peer, host(r.peer)))));
+    std::rethrow_exception(failed_);
+  }
+
+  bool progress() {
+    bool any = false;
+    for (int q = 0; q < size_ && !failed_; ++q) {
+      Peer& p = peers_[size_t(q)];
+      if (!p.used || !p.out) continue;
+      any = read_ring(q) || any;
+      if (!p.sendq.empty()) any = write_ring(q) || any;
+    }
+    return any;
+  }
+
+  // Looks at the control sockets (and sleeps on them and the eventfd up to `ms`). Returns whether
+  // something happened.
+  bool check_sockets(int ms) {
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    fds.push_back({event_.get(), POLLIN, 0});
+    who.push_back(-1);
+    for (int q = 0; q < size_; ++q) {
+      Peer& p = peers_[size_t(q)];
+      if (!p.used || !p.sock || p.closed) continue;
+      fds.push_back({p.sock.get(), POLLIN, 0});
+      who.push_back(q);
+    }
+    int n = ::poll(fds.data(), fds.size(), ms);
+    if (n <= 0) return false;
+    if (fds[0].revents & POLLIN) {
+      uint64_t v;
+      (void)!::read(event_.get(), &v, sizeof v);
+    }
+    for (size_t i = 1; i < fds.size() && !failed_; ++i)
+      if (fds[i].revents) read_socket(who[i]);
+    return true;
+  }
+
+  void read_socket(int q) {
+    Peer& p = peers_[size_t(q)];
+    char buf[sizeof(CtlRecord) + 4096 + 64];
+    for (;;) {
+      ssize_t n = ::recv(p.sock.get(), buf, sizeof buf, MSG_DONTWAIT);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        n = 0;  // ECONNRESET and the like: the peer is gone
+      }
+      if (n == 0) {
+        p.closed = true;
+        peer_gone(q);
+        return;
+      }
+      CtlRecord h{};
+      if (size_t(n) < sizeof h) continue;
+      std::memcpy(&h, buf, sizeof h);
+      if (h.magic == kByeMagic) {
+        p.bye = true;
+        peer_gone(q);
+        if (failed_) return;
+      } else if (h.magic == kAbortMagic) {
+        std::string text(buf + sizeof h, size_t(n) - sizeof h);
+        failed_by_notice_ = !failed_;
+        std::string msg = fmt::format("rank {} ({}) failed: {}", q, host(q), text);
+        switch (ErrorClass(h.cls)) {
+          case ErrorClass::kTimeout: fail(std::make_exception_ptr(TimeoutError(msg))); break;
+          case ErrorClass::kPeerLost: fail(std::make_exception_ptr(PeerLostError(msg))); break;
+          case ErrorClass::kMismatch: fail(std::make_exception_ptr(MismatchError(msg))); break;
+          default: fail(std::make_exception_ptr(AbortedError(msg))); break;
+        }
+        return;
+      }
+    }
+  }
+
+  // The peer said goodbye or its socket closed. What it wrote before is in the ring: take it, then
+  // fail whatever can no longer complete.
+  void peer_gone(int q) {
+    Peer& p = peers_[size_t(q)];
+    read_ring(q);
+    if (failed_) return;
+    if (!p.bye) {
+      fail(std::make_exception_ptr(PeerLostError(fmt::format(
+          "lost rank {} ({}): its process exited or was killed (shared-memory channel closed without a goodbye)", q,
+          host(q)))));
+      return;
+    }
+    bool waiting = p.in_payload || p.hdr_got != 0 || !p.sendq.empty();
+    for (auto& [key, idx] : posted_) waiting = waiting || key.peer == q;
+    if (waiting) {
+      fail(std::make_exception_ptr(PeerLostError(fmt::format(
+          "rank {} ({}) left (destroyed its communicator) while this rank still expects a message from it", q,
+          host(q)))));
+    }
+  }
+
+  RequestId make_id(uint32_t idx) const { return (uint64_t(reqs_[idx].gen) << 32) | idx; }
+
+  void check_peer(int peer) const {
+    if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("peer rank {} out of range [0, {})", peer, size_));
+  }
+
+  uint32_t alloc(bool is_send, int peer, char* data, size_t bytes, const Envelope& env) {
+    uint32_t idx;
+    if (!free_.empty()) {
+      idx = free_.back();
+      free_.pop_back();
+    } else {
+      idx = uint32_t(reqs_.size());
+      reqs_.emplace_back();
+    }
+    Request& r = reqs_[idx];
+    r.gen++;
+    r.in_use = true;
+    r.done = false;
+    r.is_send = is_send;
+    r.peer = peer;
+    r.data = data;
+    r.bytes = bytes;
+    r.key = Key{peer, env.tag, env.sub};
+    r.env = env;
+    r.error = nullptr;
+    return idx;
+  }
+  void release(uint32_t idx) {
+    Request& r = reqs_[idx];
+    if (!r.done && !r.is_send) {
+      auto it = posted_.find(r.key);
+      if (it != posted_.end() && it->second == idx) posted_.erase(it);
+      auto u = unexpected_.find(r.key);
+      if (u != unexpected_.end() && u->second.attached == int(idx)) u->second.attached = -1;
+    }
+    r.in_use = false;
+    free_.push_back(idx);
+  }
+
+  void check_match(int peer, const Signature& theirs, size_t total, const Request& r) {
+    if (!(theirs == r.env.signature)) {
+      std::string msg = mismatch_formatter_ ? mismatch_formatter_(peer, theirs, r.env.signature, r.env)
+                                            : fmt::format("rank {} sent a message of a different operation", peer);
+      fail(std::make_exception_ptr(MismatchError(msg)));
+      std::rethrow_exception(failed_);
+    }
+    if (total != r.bytes) {
+      std::string msg = fmt::format("rank {} ({}) sent {} bytes where this rank expected {} (tag {:#x}, sub {:#x})", peer,
+                                    host(peer), total, r.bytes, r.env.tag, r.env.sub);
+      if (mismatch_formatter_) msg = mismatch_formatter_(peer, theirs, r.env.signature, r.env) + ": " + msg;
+      fail(std::make_exception_ptr(MismatchError(msg)));
+      std::rethrow_exception(failed_);
+    }
+  }
+
+  void deliver_local(Request& s) {
+    auto it = posted_.find(s.key);
+    if (it != posted_.end()) {
+      Request& r = reqs_[it->second];
+      check_match(rank_, s.env.signature, s.bytes, r);
+      if (s.bytes) std::memcpy(r.data, s.data, s.bytes);
+      r.done = true;
+      posted_.erase(it);
+      return;
+    }
+    Unexpected& u = unexpected_[s.key];
+    u.total = s.bytes;
+    u.received = s.bytes;
+    u.signature = s.env.signature;
+    u.buf.reset(new char[std::max<size_t>(s.bytes, 1)]);
+    if (s.bytes) std::memcpy(u.buf.get(), s.data, s.bytes);
+  }
+
+  int rank_;
+  int size_;
+  uint64_t scope_;
+  size_t ring_bytes_;
+  size_t ring_mask_;
+  std::chrono::nanoseconds spin_;
+  std::string shm_key_;  // this host's identity (read once; equal keys can share memory)
+  std::string socket_name_;
+  UniqueFd listener_;
+  UniqueFd event_;
+  Mapping mine_;
+  size_t map_bytes_ = 0;
+  Doorbell* bell_ = nullptr;
+  bool connected_ = false;
+  std::vector<Peer> peers_;
+  std::vector<PeerInfo> info_;
+  std::vector<Request> reqs_;
+  std::vector<uint32_t> free_;
+  std::unordered_map<Key, uint32_t, KeyHash> posted_;
+  std::unordered_map<Key, Unexpected, KeyHash> unexpected_;
+  std::vector<PeerProgress> last_seen_;
+  std::exception_ptr failed_;
+  bool failed_by_notice_ = false;
+  Deadline::Clock::time_point last_socket_check_{};
+  uint64_t stats_messages_ = 0, stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;
+  MismatchFormatter mismatch_formatter_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_shm_transport(const TransportOptions& options) {
+  return std::make_unique<ShmTransport>(options);
+}
+
+}  // namespace cohort::transport

@@ -1,0 +1,228 @@
+// The collective correctness checks run over each point-to-point transport choice: shm alone, tcp
+// alone, and mixed (ranks as threads split across two simulated hosts, so same-host peers go over shm
+// and the others over tcp). COHORT_SHM_COLLECTIVES=0 for this whole binary, so that the coll::
+// algorithms (not the shm::Group fast path) run over the transports under test.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cohort/communicator.h"
+#include "common/half.h"
+#include "common/host_identity.h"
+#include "store/memory_store.h"
+#include "support/test_support.h"
+
+namespace cohort {
+namespace {
+
+// Before any communicator reads it (settings are read once per process).
+const bool kShmCollectivesOff = [] {
+  ::setenv("COHORT_SHM_COLLECTIVES", "0", 1);
+  return true;
+}();
+
+using test::run_ranks;
+
+struct Mode {
+  const char* name;
+  const char* transport;
+  bool two_hosts;
+};
+
+// Mixed: odd ranks on one simulated host, even ranks on another (so rings alternate shm and tcp).
+std::string host_of(const Mode& m, int rank) { return m.two_hosts ? (rank % 2 ? "hostB" : "hostA") : ""; }
+
+std::shared_ptr<Communicator> make(const Mode& m, std::shared_ptr<Store> store, int rank, int world) {
+  CommOptions o;
+  o.timeout = std::chrono::seconds(30);
+  o.transport = m.transport;
+  return Communicator::create(store, rank, world, o);
+}
+
+double input_value(int r, size_t i, ReduceOp op) {
+  if (op == ReduceOp::kProd) return double(((r + i) % 3) + 1) * (((r + 2 * i) % 5 == 0) ? -1 : 1);
+  return double(int((r * 7 + i * 3) % 11) - 5);
+}
+double input_for(int r, size_t i, DataType t, ReduceOp op) {
+  double v = input_value(r, i, op);
+  return t == DataType::kUInt8 ? std::fabs(v) : v;
+}
+void store_value(void* buf, size_t i, DataType t, double v) {
+  switch (t) {
+    case DataType::kInt8: static_cast<int8_t*>(buf)[i] = int8_t(v); break;
+    case DataType::kUInt8: static_cast<uint8_t*>(buf)[i] = uint8_t(std::fabs(v)); break;
+    case DataType::kInt32: static_cast<int32_t*>(buf)[i] = int32_t(v); break;
+    case DataType::kInt64: static_cast<int64_t*>(buf)[i] = int64_t(v); break;
+    case DataType::kFloat16: static_cast<uint16_t*>(buf)[i] = float_to_half(float(v)); break;
+    case DataType::kBFloat16: static_cast<uint16_t*>(buf)[i] = float_to_bf16(float(v)); break;
+    case DataType::kFloat32: static_cast<float*>(buf)[i] = float(v); break;
+    case DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
+  }
+}
+double load_value(const void* buf, size_t i, DataType t) {
+  switch (t) {
+    case DataType::kInt8: return static_cast<const int8_t*>(buf)[i];
+    case DataType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
+    case DataType::kInt32: return static_cast<const int32_t*>(buf)[i];
+    case DataType::kInt64: return double(static_cast<const int64_t*>(buf)[i]);
+    case DataType::kFloat16: return half_to_float(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(buf)[i]);
+    case DataType::kFloat32: return static_cast<const float*>(buf)[i];
+    case DataType::kFloat64: return static_cast<const double*>(buf)[i];
+  }
+  return 0;
+}
+double reference(int world, size_t i, DataType t, ReduceOp op) {
+  double acc = input_for(0, i, t, op);
+  for (int r = 1; r < world; ++r) {
+    double v = input_for(r, i, t, op);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg: acc += v; break;
+      case ReduceOp::kProd: acc *= v; break;
+      case ReduceOp::kMin: acc = std::min(acc, v); break;
+      case ReduceOp::kMax: acc = std::max(acc, v); break;
+    }
+  }
+  if (op == ReduceOp::kAvg) acc /= world;
+  if (t == DataType::kUInt8 && op == ReduceOp::kProd) acc = double(uint8_t(int64_t(acc)));
+  if (t == DataType::kInt8 && op == ReduceOp::kProd) acc = double(int8_t(int64_t(acc)));
+  return acc;
+}
+double tolerance(DataType t, double expected) {
+  if (t == DataType::kFloat16) return 2e-3 * std::max(1.0, std::fabs(expected)) + 1e-3;
+  if (t == DataType::kBFloat16) return 1e-2 * std::max(1.0, std::fabs(expected)) + 1e-2;
+  if (t == DataType::kFloat32) return 1e-5 * std::max(1.0, std::fabs(expected));
+  return 1e-9;
+}
+
+const DataType kAllTypes[] = {DataType::kInt8,    DataType::kUInt8,    DataType::kInt32,   DataType::kInt64,
+                              DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32, DataType::kFloat64};
+const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kAvg};
+
+int64_t val(int rank, size_t i) { return int64_t(rank) * 1000003 + int64_t(i); }
+
+class P2PCollectives : public ::testing::TestWithParam<Mode> {};
+
+// Every world size 1-8: allreduce of every dtype and op (odd sizes), then every other collective and
+// point-to-point on int64 (sizes 0, 1, a prime, one that streams through several ring lengths).
+TEST_P(P2PCollectives, EveryCollectiveEveryWorldSize) {
+  const Mode m = GetParam();
+  for (int world = 1; world <= 8; ++world) {
+    auto store = make_memory_store();
+    run_ranks(world, [&](int rank) {
+      ScopedHostIdOverride host(host_of(m, rank));
+      auto comm = make(m, store, rank, world);
+      int same_host = 0;
+      for (int r = 0; r < world; ++r) same_host += host_of(m, r) == host_of(m, rank) ? 1 : 0;
+      ASSERT_EQ(comm->local_size(), same_host);
+      // allreduce: all dtypes and ops
+      for (size_t count : {size_t(1), size_t(13), size_t(1031)}) {
+        for (DataType t : kAllTypes) {
+          for (ReduceOp op : kAllOps) {
+            if (!op_supported(t, op)) continue;
+            size_t es = dtype_size(t);
+            std::vector<char> in(count * es + 1), out(count * es + 1);
+            for (size_t i = 0; i < count; ++i) store_value(in.data(), i, t, input_for(rank, i, t, op));
+            comm->allreduce(in.data(), out.data(), count, t, op);
+            for (size_t i = 0; i < count; ++i) {
+              double want = reference(world, i, t, op);
+              ASSERT_NEAR(load_value(out.data(), i, t), want, tolerance(t, want))
+                  << m.name << " world " << world << " count " << count << " " << dtype_name(t) << " "
+                  << reduce_op_name(op) << " element " << i;
+            }
+          }
+        }
+      }
+      const DataType t = DataType::kInt64;
+      for (size_t n : {size_t(0), size_t(1), size_t(13), size_t(world <= 4 ? 300007 : 20011)}) {
+        const int root = int(n % size_t(world));
+        // broadcast
+        std::vector<int64_t> b(n);
+        for (size_t i = 0; i < n; ++i) b[i] = rank == root ? val(root, i) : -1;
+        comm->broadcast(b.data(), n, t, root);
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(b[i], val(root, i)) << m.name << " broadcast " << i;
+        // reduce to root, and allreduce in place
+        std::vector<int64_t> in(n), out(n, -1);
+        for (size_t i = 0; i < n; ++i) in[i] = val(rank, i);
+        comm->reduce(in.data(), out.data(), n, t, ReduceOp::kSum, root);
+        std::vector<int64_t> all = in;
+        comm->allreduce(all.data(), all.data(), n, t, ReduceOp::kSum);
+        for (size_t i = 0; i < n; ++i) {
+          int64_t want = 0;
+          for (int r = 0; r < world; ++r) want += val(r, i);
+          if (rank == root) ASSERT_EQ(out[i], want) << m.name << " reduce " << i;
+          ASSERT_EQ(all[i], want) << m.name << " allreduce " << i;
+        }
+        // allgather and gather
+        std::vector<int64_t> g(n * size_t(world), -1), gr(n * size_t(world), -1);
+        comm->allgather(in.data(), g.data(), n, t);
+        comm->gather(in.data(), gr.data(), n, t, root);
+        for (int r = 0; r < world; ++r)
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(g[size_t(r) * n + i], val(r, i)) << m.name << " allgather";
+            if (rank == root) ASSERT_EQ(gr[size_t(r) * n + i], val(r, i)) << m.name << " gather";
+          }
+        // scatter, reduce_scatter, alltoall: block b of rank r holds val(r * 16 + b, i)
+        std::vector<int64_t> blocks(n * size_t(world)), one(n, -1), rs(n, -1), a2a(n * size_t(world), -1);
+        for (int bl = 0; bl < world; ++bl)
+          for (size_t i = 0; i < n; ++i) blocks[size_t(bl) * n + i] = val(rank * 16 + bl, i);
+        comm->scatter(blocks.data(), one.data(), n, t, root);
+        comm->reduce_scatter(blocks.data(), rs.data(), n, t, ReduceOp::kSum);
+        comm->alltoall(blocks.data(), a2a.data(), n, t);
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(one[i], val(root * 16 + rank, i)) << m.name << " scatter";
+          int64_t want = 0;
+          for (int r = 0; r < world; ++r) want += val(r * 16 + rank, i);
+          ASSERT_EQ(rs[i], want) << m.name << " reduce_scatter";
+          for (int r = 0; r < world; ++r) ASSERT_EQ(a2a[size_t(r) * n + i], val(r * 16 + rank, i)) << m.name << " alltoall";
+        }
+        // point-to-point around a ring
+        if (world > 1) {
+          std::vector<int64_t> got(n, -1);
+          int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+          if (rank % 2 == 0) {
+            comm->send(in.data(), n, t, next, 5);
+            comm->recv(got.data(), n, t, prev, 5);
+          } else {
+            comm->recv(got.data(), n, t, prev, 5);
+            comm->send(in.data(), n, t, next, 5);
+          }
+          for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], val(prev, i)) << m.name << " send/recv";
+        }
+        comm->barrier();
+      }
+    });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, P2PCollectives,
+                         ::testing::Values(Mode{"shm", "shm", false}, Mode{"tcp", "tcp", false},
+                                           Mode{"mixed", "auto", true}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(P2PTransportSelection, ForcedShmAcrossHostsIsAConfigErrorNamingTheRankAndHost) {
+  auto store = make_memory_store();
+  run_ranks(2, [&](int rank) {
+    ScopedHostIdOverride host(rank == 0 ? "hostA" : "hostB");
+    CommOptions o;
+    o.timeout = std::chrono::seconds(10);
+    o.transport = "shm";
+    try {
+      Communicator::create(store, rank, 2, o);
+      ADD_FAILURE() << "rank " << rank << ": created a shm-only communicator across two hosts";
+    } catch (const ConfigError& e) {
+      const int other = 1 - rank;
+      std::string want = "rank " + std::to_string(other) + " (";
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(other == 0 ? "+hostA" : "+hostB"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace cohort
