@@ -41,6 +41,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
 
+// The default deadline of the main thread's store calls once the job runs: each is one small request
+// (publish the end or a failure, count finished nodes) to a store that answers thousands of clients in
+// about a second. A node cut off from the head must not sit out a long default in one of them: while
+// the call blocks, the main loop cannot see its control channel close and stop its workers.
+constexpr Millis kStoreCallTimeout{5000};
+
 bool is_terminating(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT; }
 
 std::string signal_name(int sig) {
@@ -227,6 +233,7 @@ class Job {
   std::string store_addr_;
   int torch_port_ = 0;
   std::shared_ptr<Store> base_store_;   // coordination (main thread)
+  std::shared_ptr<Store> base_client_;  // the TCP client under base_store_ (its default timeout)
   std::shared_ptr<Store> watch_base_;   // the watcher thread's own connection
   std::shared_ptr<Store> attempt_store_;
   StoreClientOptions client_options_;
@@ -351,6 +358,7 @@ void Job::start_store() {
   }
   co.timeout = Millis(60000);
   client_options_ = co;
+  base_client_ = base_store_;
   base_store_->set_timeout(Millis(60000));
   watch_base_->set_timeout(Millis(60000));
   base_store_ = make_prefix_store(base_store_, "cohort/launch/" + plan_.job_id);
@@ -687,7 +695,8 @@ void Job::on_worker_exit(Worker& w, int status) {
           try {
             attempt_store_->compare_set("first_failure", "", end_to_string(e));
           } catch (const Error& err) {
-            log::warn("store: {}", err.what());
+            // The store is unreachable: this node is cut off from the job and stops.
+            adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
           }
         }
       }
@@ -834,6 +843,7 @@ EndInfo Job::run_attempt(int attempt) {
       watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     auto watch_store = make_prefix_store(watch_base_, fmt::format("attempt/{}", attempt));
     if (plan_.this_node >= 0) attempt_store_->set(node_key(plan_.this_node), net::hostname());
+    if (base_client_) base_client_->set_timeout(kStoreCallTimeout);  // joined: only short requests from here
     joined_ = false;
     WatchParams params{plan_.nnodes, plan_.this_node, plan_.join_timeout_s, store_addr_};
     std::thread(watcher_main, watch_store, events_, watcher_stop_, params, attempt).detach();
