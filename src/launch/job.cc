@@ -215,6 +215,7 @@ class Job {
   void publish_end(const EndInfo& e);
   void adopt_end(const EndInfo& e);
   void begin_stop();
+  void send_stop_signal();
   void kill_all(int sig);
   void drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder);
   void arm_timer(double seconds);
@@ -244,6 +245,7 @@ class Job {
   std::vector<AgentChild> agents_;
   // Attempt state
   bool stopping_ = false;
+  bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)
   bool killed_ = false;
   bool done_reported_ = false;
   bool joined_ = false;
@@ -587,6 +589,12 @@ void Job::kill_all(int sig) {
     if (w.running) kill(-w.pid, sig);
 }
 
+// How long workers get to notice a lost peer and say so themselves before the launcher signals
+// them. Their communicators see a closed connection within milliseconds and fail with a message
+// naming the lost rank and host; a SIGTERM sent at the same moment would usually win the race and
+// leave only the launcher's summary. Capped by --kill-grace (0 keeps "SIGKILL at once").
+constexpr double kReportWindowS = 1.0;
+
 void Job::begin_stop() {
   if (stopping_) return;
   stopping_ = true;
@@ -596,6 +604,18 @@ void Job::begin_stop() {
     killed_ = true;
     return;
   }
+  // A failure elsewhere (a worker, an agent, the store): the workers here are most likely blocked on
+  // the lost peer and about to fail on their own, naming it. An interruption is signalled at once.
+  if (end_ && end_->kind != "interrupted" && end_->kind != "done") {
+    reporting_ = true;
+    arm_timer(std::min(kReportWindowS, plan_.kill_grace_s));
+    return;
+  }
+  send_stop_signal();
+}
+
+void Job::send_stop_signal() {
+  reporting_ = false;
   kill_all(SIGTERM);
   arm_timer(plan_.kill_grace_s);
 }
@@ -703,6 +723,7 @@ void Job::on_worker_exit(Worker& w, int status) {
     }
   }
   if (running_workers() == 0) {
+    reporting_ = false;
     if (stopping_) {
       if (running_agents() > 0 && plan_.host_store) arm_timer(plan_.kill_grace_s + 10);
       else disarm_timer();
@@ -756,11 +777,17 @@ void Job::on_signal(int sig) {
   }
   // Forward to every worker's process group, and to remote agents over their control channel.
   for (auto& w : workers_)
-    if (w.running) kill(-w.pid, stopping_ && is_terminating(sig) && sig == SIGINT ? SIGKILL : sig);
+    if (w.running) kill(-w.pid, stopping_ && !reporting_ && is_terminating(sig) && sig == SIGINT ? SIGKILL : sig);
   std::string line = fmt::format("sig {}\n", sig);
   for (auto& a : agents_)
     if (a.running && a.in) write_fully(a.in.get(), line.data(), line.size());
   if (!is_terminating(sig)) return;
+  if (reporting_) {
+    // The signal just forwarded is the stop signal: the report window ends, the grace begins.
+    reporting_ = false;
+    if (running_workers() > 0) arm_timer(plan_.kill_grace_s);
+    return;
+  }
   if (stopping_ && sig == SIGINT) {
     killed_ = true;  // a second Ctrl-C: no more grace
     return;
@@ -830,7 +857,7 @@ void Job::on_control_input() {
 }
 
 EndInfo Job::run_attempt(int attempt) {
-  stopping_ = killed_ = done_reported_ = false;
+  stopping_ = reporting_ = killed_ = done_reported_ = false;
   end_.reset();
   first_failure_.reset();
   workers_.clear();
@@ -872,7 +899,9 @@ EndInfo Job::run_attempt(int attempt) {
       } else if (fd == timer_fd_.get()) {
         uint64_t ticks;
         [[maybe_unused]] auto r = ::read(fd, &ticks, sizeof ticks);
-        if (running_workers() > 0) {
+        if (reporting_ && running_workers() > 0) {
+          send_stop_signal();  // the report window is over: SIGTERM, SIGKILL after the grace
+        } else if (running_workers() > 0) {
           kill_all(SIGKILL);
           killed_ = true;
           if (!agents_.empty()) arm_timer(10);
