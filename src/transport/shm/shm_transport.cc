@@ -27,6 +27,7 @@
 #include "common/host_identity.h"
 #include "common/log.h"
 #include "common/strings.h"
+#include "transport/matching.h"
 
 namespace cohort::transport {
 namespace {
@@ -83,48 +84,9 @@ struct MsgHeader {
 };
 static_assert(sizeof(MsgHeader) == 48, "ring message header layout");
 
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-struct Key {
-  int peer;
-  uint64_t tag;
-  uint64_t sub;
-  bool operator==(const Key&) const = default;
-};
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    uint64_t h = k.tag * 0x9e3779b97f4a7c15ull ^ (k.sub + 0x632be59bd9b4e019ull + (uint64_t(k.peer) << 40));
-    return static_cast<size_t>(h ^ (h >> 29));
-  }
-};
-
-struct Request {
-  uint32_t gen = 0;
-  bool in_use = false;
-  bool done = false;
-  bool is_send = false;
-  int peer = -1;
-  char* data = nullptr;
-  size_t bytes = 0;
-  Key key{};
-  Envelope env;
-  std::exception_ptr error;
-};
-
-struct Unexpected {
-  std::unique_ptr<char[]> buf;
-  size_t total = 0;
-  size_t received = 0;
-  Signature signature;
-  int attached = -1;  // request waiting for it, once posted
-};
+// Early messages' buffers kept for reuse (tcp's COHORT_TCP_POOL_BYTES default): a pipelined ring
+// sends chunks ahead of the receiver's posted window.
+constexpr size_t kUnexpectedPoolBytes = size_t(64) << 20;
 
 struct SendItem {
   MsgHeader header;
@@ -166,7 +128,7 @@ struct Peer {
   size_t msg_total = 0;
   int target_req = -1;
   Unexpected* target_unx = nullptr;
-  Key target_key{};
+  MessageKey target_key{};
   // lifecycle
   bool bye = false;     // the peer destroyed its transport (orderly)
   bool closed = false;  // its socket reported end of file
@@ -238,7 +200,7 @@ bool recv_hello(int sock, Hello* h, UniqueFd* memfd, UniqueFd* eventfd) {
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(const TransportOptions& o)
-      : rank_(o.rank), size_(o.size), scope_(fnv1a(o.job_scope)), ring_bytes_(round_up_pow2(kRingBytes.get())),
+      : rank_(o.rank), size_(o.size), scope_(scope_hash(o.job_scope)), ring_bytes_(round_up_pow2(kRingBytes.get())),
         ring_mask_(ring_bytes_ - 1), spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
         peers_(static_cast<size_t>(o.size)), info_(static_cast<size_t>(o.size)), last_seen_(static_cast<size_t>(o.size)) {
     shm_key_ = local_host_identity().shm_key();
@@ -418,12 +380,12 @@ class ShmTransport final : public Transport {
   RequestId isend(int peer, const Envelope& env, const void* data, size_t bytes) override {
     check_peer(peer);
     if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
-    Request& r = reqs_[idx];
+    uint32_t idx = m_.alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
+    Request& r = m_[idx];
     if (peer == rank_) {
       deliver_local(r);
       r.done = true;
-      return make_id(idx);
+      return m_.id(idx);
     }
     Peer& p = peers_[size_t(peer)];
     if (!p.used || !p.out) throw InvalidArgument(fmt::format("shm transport does not serve rank {}", peer));
@@ -440,68 +402,37 @@ class ShmTransport final : public Transport {
     item.request = idx;
     p.sendq.push_back(item);
     write_ring(peer);  // latency path: as much as fits, now
-    return make_id(idx);
+    return m_.id(idx);
   }
 
   RequestId irecv(int peer, const Envelope& env, void* data, size_t bytes) override {
     check_peer(peer);
     if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = alloc(false, peer, static_cast<char*>(data), bytes, env);
-    Request& r = reqs_[idx];
-    auto it = unexpected_.find(r.key);
-    if (it != unexpected_.end()) {
-      Unexpected& u = it->second;
-      check_match(peer, u.signature, u.total, r);
-      if (u.received == u.total) {
-        if (bytes) std::memcpy(r.data, u.buf.get(), bytes);
-        r.done = true;
-        unexpected_.erase(it);
-      } else {
-        u.attached = int(idx);
-      }
-      return make_id(idx);
+    uint32_t idx = m_.alloc(false, peer, static_cast<char*>(data), bytes, env);
+    Request& r = m_[idx];
+    if (Unexpected* u = m_.find_unexpected(r)) {
+      check_match(peer, u->signature, u->total, r);
+      m_.adopt(idx, *u);
+      return m_.id(idx);
     }
     if (peer != rank_ && (peers_[size_t(peer)].bye || peers_[size_t(peer)].closed)) {
       // What it sent before leaving is in the ring: take it first.
       read_ring(peer);
       if (failed_) std::rethrow_exception(failed_);
-      if (r.done) return make_id(idx);
-      if (unexpected_.find(r.key) == unexpected_.end()) {
+      if (r.done) return m_.id(idx);
+      if (!m_.find_unexpected(r)) {
         fail(std::make_exception_ptr(PeerLostError(
             fmt::format("rank {} ({}) left (destroyed its communicator); cannot receive from it", peer, host(peer)))));
         std::rethrow_exception(failed_);
       }
       return irecv_after_drain(idx);
     }
-    auto [pos, inserted] = posted_.emplace(r.key, idx);
-    if (!inserted) {
-      throw InvalidArgument(fmt::format("two receives posted for the same message from rank {} (tag {:#x}, sub {:#x})",
-                                        peer, env.tag, env.sub));
-    }
-    return make_id(idx);
+    m_.post(idx);
+    return m_.id(idx);
   }
 
-  bool test(RequestId id) override {
-    uint32_t idx = uint32_t(id);
-    Request& r = reqs_.at(idx);
-    if (!r.in_use || r.gen != uint32_t(id >> 32)) throw std::logic_error("shm transport: stale request id");
-    if (r.done) {
-      std::exception_ptr e = r.error;
-      release(idx);
-      if (e) std::rethrow_exception(e);
-      return true;
-    }
-    if (failed_) {
-      release(idx);
-      std::rethrow_exception(failed_);
-    }
-    return false;
-  }
-
-  bool peek(RequestId id) const override {
-    const Request& r = reqs_.at(uint32_t(id));
-    return r.in_use && r.gen == uint32_t(id >> 32) && r.done;
-  }
+  bool test(RequestId id) override { return m_.test(id, failed_); }
+  bool peek(RequestId id) const override { return m_.peek(id); }
 
   bool poll(int timeout_ms) override {
     if (failed_ || !connected_) return false;
@@ -554,8 +485,7 @@ class ShmTransport final : public Transport {
       p.target_req = -1;
       p.target_unx = nullptr;
     }
-    posted_.clear();
-    unexpected_.clear();
+    m_.clear();
   }
   std::exception_ptr error() const override { return failed_; }
   bool failed_by_notice() const override { return failed_by_notice_; }
@@ -655,7 +585,7 @@ class ShmTransport final : public Transport {
         if (n == kPublishBytes) p.out->head.store(head, std::memory_order_release);
       }
       if (it.written == sizeof(MsgHeader) + it.length) {
-        reqs_[it.request].done = true;
+        m_[it.request].done = true;
         p.sendq.pop_front();
       }
     }
@@ -725,7 +655,7 @@ class ShmTransport final : public Transport {
   void begin_message(int peer) {
     Peer& p = peers_[size_t(peer)];
     const MsgHeader& h = p.hdr;
-    Key k{peer, h.tag, h.sub};
+    MessageKey k{peer, h.tag, h.sub};
     ++stats_messages_;
     PeerProgress& ls = last_seen_[size_t(peer)];
     ls.seen = true;
@@ -735,9 +665,9 @@ class ShmTransport final : public Transport {
     p.msg_total = h.total;
     p.dst_left = h.total;
     p.target_key = k;
-    auto it = posted_.find(k);
-    if (it != posted_.end()) {
-      Request& r = reqs_[it->second];
+    auto it = m_.posted.find(k);
+    if (it != m_.posted.end()) {
+      Request& r = m_[it->second];
       try {
         check_match(peer, h.signature, h.total, r);
       } catch (const Error&) {
@@ -748,17 +678,14 @@ class ShmTransport final : public Transport {
       p.dst = r.data;  // straight into the user's buffer
       return;
     }
-    Unexpected& u = unexpected_[k];
-    if (u.buf || u.total) {
+    if (m_.unexpected.count(k)) {
       fail(std::make_exception_ptr(PeerLostError(fmt::format(
           "rank {} ({}) sent two messages with the same tag {:#x} and sub {:#x}", peer, host(peer), h.tag, h.sub))));
       return;
     }
     ++stats_unexpected_;
     stats_unexpected_bytes_ += h.total;
-    u.total = h.total;
-    u.signature = h.signature;
-    u.buf.reset(new char[std::max<size_t>(h.total, 1)]);
+    Unexpected& u = m_.add_unexpected(k, h.signature, h.total);
     p.target_req = -1;
     p.target_unx = &u;
     p.dst = u.buf.get();
@@ -767,9 +694,9 @@ class ShmTransport final : public Transport {
   void finish_message(int peer) {
     Peer& p = peers_[size_t(peer)];
     if (p.target_req >= 0) {
-      Request& r = reqs_[size_t(p.target_req)];
+      Request& r = m_[size_t(p.target_req)];
       r.done = true;
-      posted_.erase(r.key);
+      m_.posted.erase(r.key);
       p.target_req = -1;
       return;
     }
@@ -777,25 +704,17 @@ class ShmTransport final : public Transport {
     p.target_unx = nullptr;
     if (!u) return;
     u->received = u->total;
-    if (u->attached >= 0) {
-      Request& r = reqs_[size_t(u->attached)];
-      if (r.bytes) std::memcpy(r.data, u->buf.get(), r.bytes);
-      r.done = true;
-      unexpected_.erase(p.target_key);
-    }
+    m_.unexpected_arrived(p.target_key, *u);
   }
 
   // A receive posted after its peer left, whose message was found (partly) in the ring.
   RequestId irecv_after_drain(uint32_t idx) {
-    Request& r = reqs_[idx];
-    auto it = unexpected_.find(r.key);
-    Unexpected& u = it->second;
+    Request& r = m_[idx];
+    Unexpected& u = *m_.find_unexpected(r);
     check_match(r.peer, u.signature, u.total, r);
     if (u.received == u.total) {
-      if (r.bytes) std::memcpy(r.data, u.buf.get(), r.bytes);
-      r.done = true;
-      unexpected_.erase(it);
-      return make_id(idx);
+      m_.adopt(idx, u);
+      return m_.id(idx);
     }
     fail(std::make_exception_ptr(PeerLostError(fmt::format(
         "rank {} ({}) left in the middle of a message to this rank", r.peer, host(r.peer)))));
@@ -887,7 +806,7 @@ class ShmTransport final : public Transport {
       return;
     }
     bool waiting = p.in_payload || p.hdr_got != 0 || !p.sendq.empty();
-    for (auto& [key, idx] : posted_) waiting = waiting || key.peer == q;
+    for (auto& [key, idx] : m_.posted) waiting = waiting || key.peer == q;
     if (waiting) {
       fail(std::make_exception_ptr(PeerLostError(fmt::format(
           "rank {} ({}) left (destroyed its communicator) while this rank still expects a message from it", q,
@@ -895,78 +814,20 @@ class ShmTransport final : public Transport {
     }
   }
 
-  RequestId make_id(uint32_t idx) const { return (uint64_t(reqs_[idx].gen) << 32) | idx; }
-
   void check_peer(int peer) const {
     if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("peer rank {} out of range [0, {})", peer, size_));
   }
 
-  uint32_t alloc(bool is_send, int peer, char* data, size_t bytes, const Envelope& env) {
-    uint32_t idx;
-    if (!free_.empty()) {
-      idx = free_.back();
-      free_.pop_back();
-    } else {
-      idx = uint32_t(reqs_.size());
-      reqs_.emplace_back();
-    }
-    Request& r = reqs_[idx];
-    r.gen++;
-    r.in_use = true;
-    r.done = false;
-    r.is_send = is_send;
-    r.peer = peer;
-    r.data = data;
-    r.bytes = bytes;
-    r.key = Key{peer, env.tag, env.sub};
-    r.env = env;
-    r.error = nullptr;
-    return idx;
-  }
-  void release(uint32_t idx) {
-    Request& r = reqs_[idx];
-    if (!r.done && !r.is_send) {
-      auto it = posted_.find(r.key);
-      if (it != posted_.end() && it->second == idx) posted_.erase(it);
-      auto u = unexpected_.find(r.key);
-      if (u != unexpected_.end() && u->second.attached == int(idx)) u->second.attached = -1;
-    }
-    r.in_use = false;
-    free_.push_back(idx);
-  }
-
+  // Fails the transport (and throws) when a message does not match its receive.
   void check_match(int peer, const Signature& theirs, size_t total, const Request& r) {
-    if (!(theirs == r.env.signature)) {
-      std::string msg = mismatch_formatter_ ? mismatch_formatter_(peer, theirs, r.env.signature, r.env)
-                                            : fmt::format("rank {} sent a message of a different operation", peer);
-      fail(std::make_exception_ptr(MismatchError(msg)));
-      std::rethrow_exception(failed_);
-    }
-    if (total != r.bytes) {
-      std::string msg = fmt::format("rank {} ({}) sent {} bytes where this rank expected {} (tag {:#x}, sub {:#x})", peer,
-                                    host(peer), total, r.bytes, r.env.tag, r.env.sub);
-      if (mismatch_formatter_) msg = mismatch_formatter_(peer, theirs, r.env.signature, r.env) + ": " + msg;
-      fail(std::make_exception_ptr(MismatchError(msg)));
-      std::rethrow_exception(failed_);
-    }
+    std::string msg = Matching::mismatch(peer, host(peer), theirs, total, r, mismatch_formatter_);
+    if (msg.empty()) return;
+    fail(std::make_exception_ptr(MismatchError(msg)));
+    std::rethrow_exception(failed_);
   }
 
-  void deliver_local(Request& s) {
-    auto it = posted_.find(s.key);
-    if (it != posted_.end()) {
-      Request& r = reqs_[it->second];
-      check_match(rank_, s.env.signature, s.bytes, r);
-      if (s.bytes) std::memcpy(r.data, s.data, s.bytes);
-      r.done = true;
-      posted_.erase(it);
-      return;
-    }
-    Unexpected& u = unexpected_[s.key];
-    u.total = s.bytes;
-    u.received = s.bytes;
-    u.signature = s.env.signature;
-    u.buf.reset(new char[std::max<size_t>(s.bytes, 1)]);
-    if (s.bytes) std::memcpy(u.buf.get(), s.data, s.bytes);
+  void deliver_local(const Request& s) {
+    m_.deliver_local(s, [&](const Request& r) { check_match(rank_, s.env.signature, s.bytes, r); });
   }
 
   int rank_;
@@ -985,10 +846,7 @@ class ShmTransport final : public Transport {
   bool connected_ = false;
   std::vector<Peer> peers_;
   std::vector<PeerInfo> info_;
-  std::vector<Request> reqs_;
-  std::vector<uint32_t> free_;
-  std::unordered_map<Key, uint32_t, KeyHash> posted_;
-  std::unordered_map<Key, Unexpected, KeyHash> unexpected_;
+  Matching m_{"shm", kUnexpectedPoolBytes};  // requests, posted receives, early messages
   std::vector<PeerProgress> last_seen_;
   std::exception_ptr failed_;
   bool failed_by_notice_ = false;

@@ -25,6 +25,7 @@
 #include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
+#include "transport/matching.h"
 
 namespace cohort::transport {
 namespace {
@@ -67,114 +68,8 @@ struct Hello {
   uint64_t scope;
 };
 
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-struct Key {
-  int peer;
-  uint64_t tag;
-  uint64_t sub;
-  bool operator==(const Key&) const = default;
-};
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    uint64_t h = k.tag * 0x9e3779b97f4a7c15ull ^ (k.sub + 0x632be59bd9b4e019ull + (uint64_t(k.peer) << 40));
-    return static_cast<size_t>(h ^ (h >> 29));
-  }
-};
-
-struct Request {
-  uint32_t gen = 0;
-  bool in_use = false;
-  bool done = false;
-  bool is_send = false;
-  int peer = -1;
-  char* data = nullptr;
-  size_t bytes = 0;
-  size_t remaining = 0;  // recv: bytes still to arrive; send: fragments still to write
-  Key key{};
-  Envelope env;
-  std::exception_ptr error;
-};
-
 const env::BytesSetting kPoolBytes("COHORT_TCP_POOL_BYTES", 64 << 20,
                                    "memory kept for reuse by messages that arrive before their receive");
-
-// Buffers for early ("unexpected") messages, reused by size class: a pipelined ring can have many
-// chunks in flight ahead of the receiver's posted window, and a fresh multi-page allocation per
-// chunk costs more in page faults than the copy itself.
-class BufferPool {
- public:
-  explicit BufferPool(size_t limit) : limit_(limit) {}
-  ~BufferPool() {
-    for (auto& v : free_)
-      for (char* p : v) delete[] p;
-  }
-  char* take(size_t n, size_t& cap) {
-    if (n < 4096) {
-      cap = std::max<size_t>(n, 1);
-      return new char[cap];
-    }
-    int cls = 64 - __builtin_clzll(uint64_t(n - 1));
-    cap = size_t(1) << cls;
-    if (!free_[cls].empty()) {
-      char* p = free_[cls].back();
-      free_[cls].pop_back();
-      pooled_ -= cap;
-      return p;
-    }
-    return new char[cap];
-  }
-  void give(char* p, size_t cap) {
-    if (cap >= 4096 && pooled_ + cap <= limit_) {
-      free_[63 - __builtin_clzll(uint64_t(cap))].push_back(p);
-      pooled_ += cap;
-    } else {
-      delete[] p;
-    }
-  }
-
- private:
-  std::vector<char*> free_[64];
-  size_t pooled_ = 0;
-  size_t limit_;
-};
-
-struct PooledBuffer {
-  BufferPool* pool = nullptr;
-  char* p = nullptr;
-  size_t cap = 0;
-  PooledBuffer() = default;
-  PooledBuffer(const PooledBuffer&) = delete;
-  PooledBuffer& operator=(const PooledBuffer&) = delete;
-  ~PooledBuffer() { reset(); }
-  void reset() {
-    if (p) pool->give(p, cap);
-    p = nullptr;
-  }
-  void allocate(BufferPool* pl, size_t n) {
-    reset();
-    pool = pl;
-    p = pl->take(n, cap);
-  }
-  char* get() const { return p; }
-  explicit operator bool() const { return p != nullptr; }
-};
-
-// A message that arrived before its receive was posted, buffered whole.
-struct Unexpected {
-  PooledBuffer buf;
-  size_t total = 0;
-  size_t received = 0;
-  Signature signature;
-  int attached = -1;  // request waiting for it, once posted
-};
 
 struct SendItem {
   WireHeader header;
@@ -197,7 +92,7 @@ struct Conn {
   size_t frag_bytes = 0;
   int target_req = -1;
   Unexpected* target_unx = nullptr;
-  Key target_key{};
+  MessageKey target_key{};
   // send side
   std::deque<SendItem> sendq;
   bool want_out = false;
@@ -238,7 +133,7 @@ std::string loopback_key() {
 class TcpTransport final : public Transport {
  public:
   explicit TcpTransport(const TransportOptions& o)
-      : rank_(o.rank), size_(o.size), scope_(fnv1a(o.job_scope)), connections_(int(std::max<int64_t>(1, kConnections.get()))),
+      : rank_(o.rank), size_(o.size), scope_(scope_hash(o.job_scope)), connections_(int(std::max<int64_t>(1, kConnections.get()))),
         split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())), last_seen_(static_cast<size_t>(o.size)),
         peers_(static_cast<size_t>(o.size)) {
     if (connections_ > 64) throw ConfigError(fmt::format("COHORT_TCP_CONNECTIONS={}: expected 1 to 64", connections_));
@@ -338,12 +233,12 @@ class TcpTransport final : public Transport {
   RequestId isend(int peer, const Envelope& env, const void* data, size_t bytes) override {
     check_peer(peer);
     if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
-    Request& r = reqs_[idx];
+    uint32_t idx = m_.alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
+    Request& r = m_[idx];
     if (peer == rank_) {
       deliver_local(r);
       r.done = true;
-      return make_id(idx);
+      return m_.id(idx);
     }
     auto& pc = conns_[size_t(peer)];
     if (peer_left(peer)) {
@@ -379,62 +274,31 @@ class TcpTransport final : public Transport {
       if (!c.sendq.empty() && !c.want_out) flush(c);
       if (failed_) break;
     }
-    return make_id(idx);
+    return m_.id(idx);
   }
 
   RequestId irecv(int peer, const Envelope& env, void* data, size_t bytes) override {
     check_peer(peer);
     if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = alloc(false, peer, static_cast<char*>(data), bytes, env);
-    Request& r = reqs_[idx];
+    uint32_t idx = m_.alloc(false, peer, static_cast<char*>(data), bytes, env);
+    Request& r = m_[idx];
     r.remaining = bytes;
-    auto it = unexpected_.find(r.key);
-    if (it != unexpected_.end()) {
-      Unexpected& u = it->second;
-      check_match(peer, u.signature, u.total, r);
-      if (u.received == u.total) {
-        if (bytes) std::memcpy(r.data, u.buf.get(), bytes);
-        r.done = true;
-        unexpected_.erase(it);
-      } else {
-        u.attached = int(idx);
-      }
-      return make_id(idx);
+    if (Unexpected* u = m_.find_unexpected(r)) {
+      check_match(peer, u->signature, u->total, r);
+      m_.adopt(idx, *u);
+      return m_.id(idx);
     }
     if (peer != rank_ && peer_left(peer)) {
       fail(std::make_exception_ptr(PeerLostError(fmt::format(
           "rank {} ({}) left (destroyed its communicator); cannot receive from it", peer, peers_[size_t(peer)].host))));
       std::rethrow_exception(failed_);
     }
-    auto [pos, inserted] = posted_.emplace(r.key, idx);
-    if (!inserted) {
-      throw InvalidArgument(fmt::format("two receives posted for the same message from rank {} (tag {:#x}, sub {:#x})",
-                                        peer, env.tag, env.sub));
-    }
-    return make_id(idx);
+    m_.post(idx);
+    return m_.id(idx);
   }
 
-  bool test(RequestId id) override {
-    uint32_t idx = uint32_t(id);
-    Request& r = reqs_.at(idx);
-    if (!r.in_use || r.gen != uint32_t(id >> 32)) throw std::logic_error("tcp transport: stale request id");
-    if (r.done) {
-      std::exception_ptr e = r.error;
-      release(idx);
-      if (e) std::rethrow_exception(e);
-      return true;
-    }
-    if (failed_) {
-      release(idx);
-      std::rethrow_exception(failed_);
-    }
-    return false;
-  }
-
-  bool peek(RequestId id) const override {
-    const Request& r = reqs_.at(uint32_t(id));
-    return r.in_use && r.gen == uint32_t(id >> 32) && r.done;
-  }
+  bool test(RequestId id) override { return m_.test(id, failed_); }
+  bool peek(RequestId id) const override { return m_.peek(id); }
 
   bool poll(int timeout_ms) override {
     if (failed_) return false;
@@ -459,8 +323,7 @@ class TcpTransport final : public Transport {
         c->in_payload = false;
       }
     }
-    posted_.clear();
-    unexpected_.clear();
+    m_.clear();
   }
   std::exception_ptr error() const override { return failed_; }
 
@@ -491,82 +354,20 @@ class TcpTransport final : public Transport {
   PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
 
  private:
-  RequestId make_id(uint32_t idx) const { return (uint64_t(reqs_[idx].gen) << 32) | idx; }
-
   void check_peer(int peer) const {
     if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("peer rank {} out of range [0, {})", peer, size_));
   }
 
-  uint32_t alloc(bool is_send, int peer, char* data, size_t bytes, const Envelope& env) {
-    uint32_t idx;
-    if (!free_.empty()) {
-      idx = free_.back();
-      free_.pop_back();
-    } else {
-      idx = uint32_t(reqs_.size());
-      reqs_.emplace_back();
-    }
-    Request& r = reqs_[idx];
-    r.gen++;
-    r.in_use = true;
-    r.done = false;
-    r.is_send = is_send;
-    r.peer = peer;
-    r.data = data;
-    r.bytes = bytes;
-    r.remaining = 0;
-    r.key = Key{peer, env.tag, env.sub};
-    r.env = env;
-    r.error = nullptr;
-    return idx;
-  }
-  void release(uint32_t idx) {
-    Request& r = reqs_[idx];
-    if (!r.done && !r.is_send) {
-      auto it = posted_.find(r.key);
-      if (it != posted_.end() && it->second == idx) posted_.erase(it);
-      auto u = unexpected_.find(r.key);
-      if (u != unexpected_.end() && u->second.attached == int(idx)) u->second.attached = -1;
-    }
-    r.in_use = false;
-    free_.push_back(idx);
-  }
-
+  // Fails the transport (and throws) when a message does not match its receive.
   void check_match(int peer, const Signature& theirs, size_t total, const Request& r) {
-    if (!(theirs == r.env.signature)) {
-      std::string msg = mismatch_formatter_ ? mismatch_formatter_(peer, theirs, r.env.signature, r.env)
-                                            : fmt::format("rank {} sent a message of a different operation", peer);
-      fail_with(std::make_exception_ptr(MismatchError(msg)));
-      std::rethrow_exception(failed_);
-    }
-    if (total != r.bytes) {
-      std::string msg = fmt::format("rank {} ({}) sent {} bytes where this rank expected {} (tag {:#x}, sub {:#x})", peer,
-                                    peers_[size_t(peer)].host, total, r.bytes, r.env.tag, r.env.sub);
-      if (mismatch_formatter_) msg = mismatch_formatter_(peer, theirs, r.env.signature, r.env) + ": " + msg;
-      fail_with(std::make_exception_ptr(MismatchError(msg)));
-      std::rethrow_exception(failed_);
-    }
+    std::string msg = Matching::mismatch(peer, peers_[size_t(peer)].host, theirs, total, r, mismatch_formatter_);
+    if (msg.empty()) return;
+    fail(std::make_exception_ptr(MismatchError(msg)));
+    std::rethrow_exception(failed_);
   }
 
-  void fail_with(std::exception_ptr e) { fail(e); }
-
-  void deliver_local(Request& s) {
-    auto it = posted_.find(s.key);
-    if (it != posted_.end()) {
-      Request& r = reqs_[it->second];
-      check_match(rank_, s.env.signature, s.bytes, r);
-      if (s.bytes) std::memcpy(r.data, s.data, s.bytes);
-      r.done = true;
-      r.remaining = 0;
-      posted_.erase(it);
-      return;
-    }
-    Unexpected& u = unexpected_[s.key];
-    u.total = s.bytes;
-    u.received = s.bytes;
-    u.signature = s.env.signature;
-    u.buf.allocate(&pool_, s.bytes);
-    if (s.bytes) std::memcpy(u.buf.get(), s.data, s.bytes);
+  void deliver_local(const Request& s) {
+    m_.deliver_local(s, [&](const Request& r) { check_match(rank_, s.env.signature, s.bytes, r); });
   }
 
   net::Address choose_address(int peer) {
@@ -645,7 +446,7 @@ class TcpTransport final : public Transport {
     c.closed = true;
     epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
     if (!peer_left(c.peer)) return;
-    for (auto& [key, idx] : posted_) {
+    for (auto& [key, idx] : m_.posted) {
       if (key.peer == c.peer) {
         fail(std::make_exception_ptr(PeerLostError(fmt::format(
             "rank {} ({}) left (destroyed its communicator) while this rank still expects a message from it", c.peer,
@@ -696,7 +497,7 @@ class TcpTransport final : public Transport {
         item.written += take;
         left -= take;
         if (item.written == sizeof(WireHeader) + item.length) {
-          Request& r = reqs_[item.request];
+          Request& r = m_[item.request];
           if (--r.remaining == 0) r.done = true;
           c.sendq.pop_front();
           if (c.sendq.empty()) break;
@@ -810,7 +611,7 @@ class TcpTransport final : public Transport {
   }
 
   void begin_fragment(Conn& c, const WireHeader& h) {
-    Key k{c.peer, h.tag, h.sub};
+    MessageKey k{c.peer, h.tag, h.sub};
     PeerProgress& p = last_seen_[size_t(c.peer)];
     p.seen = true;
     p.tag = h.tag;
@@ -819,9 +620,9 @@ class TcpTransport final : public Transport {
     c.frag_bytes = h.frag_bytes;
     c.dst_left = h.frag_bytes;
     c.target_key = k;
-    auto it = posted_.find(k);
-    if (it != posted_.end()) {
-      Request& r = reqs_[it->second];
+    auto it = m_.posted.find(k);
+    if (it != m_.posted.end()) {
+      Request& r = m_[it->second];
       try {
         check_match(c.peer, h.signature, h.total, r);
       } catch (const Error&) {
@@ -832,20 +633,21 @@ class TcpTransport final : public Transport {
       c.dst = r.data + h.offset;
       return;
     }
-    Unexpected& u = unexpected_[k];
-    if (!u.buf) {
+    Unexpected* u;
+    auto found = m_.unexpected.find(k);
+    if (found == m_.unexpected.end()) {  // its first fragment
       ++stats_unexpected_;
       stats_unexpected_bytes_ += h.total;
-      u.total = h.total;
-      u.signature = h.signature;
-      u.buf.allocate(&pool_, h.total);
-    } else if (u.total != h.total) {
+      u = &m_.add_unexpected(k, h.signature, h.total);
+    } else if (found->second.total != h.total) {
       conn_error(c, "protocol error: fragments of one message disagree on its size");
       return;
+    } else {
+      u = &found->second;
     }
     c.target_req = -1;
-    c.target_unx = &u;
-    c.dst = u.buf.get() + h.offset;
+    c.target_unx = u;
+    c.dst = u->buf.get() + h.offset;
   }
 
   void finish_fragment(Conn& c) {
@@ -862,11 +664,11 @@ class TcpTransport final : public Transport {
       return;
     }
     if (c.target_req >= 0) {
-      Request& r = reqs_[size_t(c.target_req)];
+      Request& r = m_[size_t(c.target_req)];
       r.remaining -= c.frag_bytes;
       if (r.remaining == 0) {
         r.done = true;
-        posted_.erase(r.key);
+        m_.posted.erase(r.key);
       }
       c.target_req = -1;
       return;
@@ -875,12 +677,7 @@ class TcpTransport final : public Transport {
     c.target_unx = nullptr;
     if (!u) return;
     u->received += c.frag_bytes;
-    if (u->received == u->total && u->attached >= 0) {
-      Request& r = reqs_[size_t(u->attached)];
-      if (r.bytes) std::memcpy(r.data, u->buf.get(), r.bytes);
-      r.done = true;
-      unexpected_.erase(c.target_key);
-    }
+    if (u->received == u->total) m_.unexpected_arrived(c.target_key, *u);
   }
 
   int rank_;
@@ -893,11 +690,7 @@ class TcpTransport final : public Transport {
   UniqueFd epoll_;
   std::vector<std::vector<std::unique_ptr<Conn>>> conns_;
   std::vector<size_t> rr_;
-  std::vector<Request> reqs_;
-  std::vector<uint32_t> free_;
-  BufferPool pool_{size_t(kPoolBytes.get())};  // before unexpected_: outlives its buffers
-  std::unordered_map<Key, uint32_t, KeyHash> posted_;
-  std::unordered_map<Key, Unexpected, KeyHash> unexpected_;
+  Matching m_{"tcp", size_t(kPoolBytes.get())};  // requests, posted receives, early messages
   std::vector<PeerProgress> last_seen_;
   std::vector<PeerInfo> peers_;
   std::exception_ptr failed_;
