@@ -30,6 +30,7 @@
 #include "cohort/types.h"
 #include "command.h"
 #include "common/env.h"
+#include "common/elements.h"
 #include "common/half.h"
 #include "png_plot.h"
 
@@ -71,50 +72,13 @@ double bus_factor(Kind k, int n) {
 bool reduces(Kind k) { return k == Kind::kAllreduce || k == Kind::kReduceScatter; }
 
 // ---- element access for --check ----
-void store(void* buf, size_t i, DataType t, double v) {
-  switch (t) {
-    case DataType::kInt8: static_cast<int8_t*>(buf)[i] = static_cast<int8_t>(v); break;
-    case DataType::kUInt8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
-    case DataType::kInt32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
-    case DataType::kInt64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
-    case DataType::kFloat16: static_cast<uint16_t*>(buf)[i] = float_to_half(static_cast<float>(v)); break;
-    case DataType::kBFloat16: static_cast<uint16_t*>(buf)[i] = float_to_bf16(static_cast<float>(v)); break;
-    case DataType::kFloat32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
-    case DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
-  }
-}
-double load(const void* buf, size_t i, DataType t) {
-  switch (t) {
-    case DataType::kInt8: return static_cast<const int8_t*>(buf)[i];
-    case DataType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
-    case DataType::kInt32: return static_cast<const int32_t*>(buf)[i];
-    case DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
-    case DataType::kFloat16: return half_to_float(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::kFloat32: return static_cast<const float*>(buf)[i];
-    case DataType::kFloat64: return static_cast<const double*>(buf)[i];
-  }
-  return 0;
-}
-
 // Rank-dependent inputs whose reductions are exact in every dtype for any reasonable world size.
 double value(int rank, size_t i, ReduceOp op) {
   if (op == ReduceOp::kProd) return rank == 0 ? static_cast<double>(i % 3 + 1) : ((i + rank) % 4 == 0 ? 2.0 : 1.0) ;
   return static_cast<double>((i * 7 + static_cast<size_t>(rank) * 3) % 5);
 }
 double reduced(int world, size_t i, ReduceOp op) {
-  double acc = value(0, i, op);
-  for (int r = 1; r < world; ++r) {
-    double v = value(r, i, op);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc += v; break;
-      case ReduceOp::kProd: acc *= v; break;
-      case ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ReduceOp::kMax: acc = std::max(acc, v); break;
-    }
-  }
-  return op == ReduceOp::kAvg ? acc / world : acc;
+  return fold_reference(world, op, [&](int r) { return value(r, i, op); });
 }
 bool close(double have, double want, DataType t) {
   double tol = t == DataType::kFloat16 || t == DataType::kBFloat16 ? 1e-2 : is_floating(t) ? 1e-6 : 0;
@@ -166,7 +130,7 @@ class Case {
     run();
     int64_t wrong = 0;
     auto expect = [&](const void* buf, size_t i, double want) {
-      if (!close(load(buf, i, o_.dtype), want, o_.dtype)) ++wrong;
+      if (!close(load_element(buf, i, o_.dtype), want, o_.dtype)) ++wrong;
     };
     const size_t n = static_cast<size_t>(n_);
     switch (kind_) {
@@ -204,7 +168,7 @@ class Case {
     for (size_t i = 0; i < n_in; ++i) {
       double v = value(r_, i, o_.op);
       if (kind_ == Kind::kBroadcast && r_ != o_.root) v = 0;
-      store(send_.data(), i, o_.dtype, v);
+      store_element(send_.data(), i, o_.dtype, v);
     }
     std::fill(recv_.begin(), recv_.end(), 0);
   }

@@ -13,6 +13,7 @@
 #include "cohort/error.h"
 #include "collectives/collectives.h"
 #include "collectives/select.h"
+#include "common/elements.h"
 #include "common/half.h"
 #include "support/test_support.h"
 #include "thread_context.h"
@@ -58,33 +59,6 @@ double input_value(int rank, size_t i, DataType t, ReduceOp op) {
   }
 }
 
-void store(void* buf, size_t i, DataType t, double v) {
-  switch (t) {
-    case DataType::kInt8: static_cast<int8_t*>(buf)[i] = static_cast<int8_t>(v); break;
-    case DataType::kUInt8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
-    case DataType::kInt32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
-    case DataType::kInt64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
-    case DataType::kFloat16: static_cast<uint16_t*>(buf)[i] = float_to_half(static_cast<float>(v)); break;
-    case DataType::kBFloat16: static_cast<uint16_t*>(buf)[i] = float_to_bf16(static_cast<float>(v)); break;
-    case DataType::kFloat32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
-    case DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
-  }
-}
-
-double load(const void* buf, size_t i, DataType t) {
-  switch (t) {
-    case DataType::kInt8: return static_cast<const int8_t*>(buf)[i];
-    case DataType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
-    case DataType::kInt32: return static_cast<const int32_t*>(buf)[i];
-    case DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
-    case DataType::kFloat16: return half_to_float(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::kFloat32: return static_cast<const float*>(buf)[i];
-    case DataType::kFloat64: return static_cast<const double*>(buf)[i];
-  }
-  return 0;
-}
-
 double tolerance(DataType t) {
   switch (t) {
     case DataType::kFloat16: return 1e-3;
@@ -96,24 +70,12 @@ double tolerance(DataType t) {
 }
 
 double reference(int world, size_t i, DataType t, ReduceOp op) {
-  double acc = input_value(0, i, t, op);
-  for (int r = 1; r < world; ++r) {
-    double v = input_value(r, i, t, op);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc += v; break;
-      case ReduceOp::kProd: acc *= v; break;
-      case ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ReduceOp::kMax: acc = std::max(acc, v); break;
-    }
-  }
-  if (op == ReduceOp::kAvg) acc /= world;
-  return acc;
+  return fold_reference(world, op, [&](int r) { return input_value(r, i, t, op); });
 }
 
 std::vector<char> make_input(int rank, size_t count, DataType t, ReduceOp op, size_t offset = 0) {
   std::vector<char> buf(count * dtype_size(t) + 1);
-  for (size_t i = 0; i < count; ++i) store(buf.data(), i, t, input_value(rank, offset + i, t, op));
+  for (size_t i = 0; i < count; ++i) store_element(buf.data(), i, t, input_value(rank, offset + i, t, op));
   return buf;
 }
 
@@ -121,7 +83,7 @@ std::vector<char> make_input(int rank, size_t count, DataType t, ReduceOp op, si
 std::string check_reduced(const void* got, size_t count, size_t first, int world, DataType t, ReduceOp op) {
   for (size_t i = 0; i < count; ++i) {
     double want = reference(world, first + i, t, op);
-    double have = load(got, i, t);
+    double have = load_element(got, i, t);
     if (std::fabs(have - want) > tolerance(t) * std::max(1.0, std::fabs(want))) {
       return fmt::format("element {}: got {} want {}", first + i, have, want);
     }
@@ -203,7 +165,7 @@ TEST_P(Worlds, AllreduceBitwiseIdenticalOnRandomFloats) {
           uint64_t x = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
           for (size_t i = 0; i < count; ++i) {
             x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-            store(out.data(), i, t, static_cast<double>(x % 100000) / 7919.0 - 6.0);
+            store_element(out.data(), i, t, static_cast<double>(x % 100000) / 7919.0 - 6.0);
           }
           coll::allreduce(ctx, out.data(), out.data(), count, t, op, a);
         });

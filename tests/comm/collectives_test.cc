@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cohort/communicator.h"
+#include "common/elements.h"
 #include "common/half.h"
 #include "store/memory_store.h"
 #include "support/test_support.h"
@@ -25,33 +26,6 @@ double input_value(int r, size_t i, ReduceOp op) {
   return double(int((r * 7 + i * 3) % 11) - 5);
 }
 
-void store_value(void* buf, size_t i, DataType t, double v) {
-  switch (t) {
-    case DataType::kInt8: static_cast<int8_t*>(buf)[i] = int8_t(v); break;
-    case DataType::kUInt8: static_cast<uint8_t*>(buf)[i] = uint8_t(std::fabs(v)); break;
-    case DataType::kInt32: static_cast<int32_t*>(buf)[i] = int32_t(v); break;
-    case DataType::kInt64: static_cast<int64_t*>(buf)[i] = int64_t(v); break;
-    case DataType::kFloat16: static_cast<uint16_t*>(buf)[i] = float_to_half(float(v)); break;
-    case DataType::kBFloat16: static_cast<uint16_t*>(buf)[i] = float_to_bf16(float(v)); break;
-    case DataType::kFloat32: static_cast<float*>(buf)[i] = float(v); break;
-    case DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
-  }
-}
-
-double load_value(const void* buf, size_t i, DataType t) {
-  switch (t) {
-    case DataType::kInt8: return static_cast<const int8_t*>(buf)[i];
-    case DataType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
-    case DataType::kInt32: return static_cast<const int32_t*>(buf)[i];
-    case DataType::kInt64: return double(static_cast<const int64_t*>(buf)[i]);
-    case DataType::kFloat16: return half_to_float(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(buf)[i]);
-    case DataType::kFloat32: return static_cast<const float*>(buf)[i];
-    case DataType::kFloat64: return static_cast<const double*>(buf)[i];
-  }
-  return 0;
-}
-
 double input_for(int r, size_t i, DataType t, ReduceOp op) {
   double v = input_value(r, i, op);
   if (t == DataType::kUInt8) v = std::fabs(v);
@@ -59,19 +33,7 @@ double input_for(int r, size_t i, DataType t, ReduceOp op) {
 }
 
 double reference(int world, size_t i, DataType t, ReduceOp op) {
-  double acc = input_for(0, i, t, op);
-  for (int r = 1; r < world; ++r) {
-    double v = input_for(r, i, t, op);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc += v; break;
-      case ReduceOp::kProd: acc *= v; break;
-      case ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ReduceOp::kMax: acc = std::max(acc, v); break;
-    }
-  }
-  if (op == ReduceOp::kAvg) acc /= world;
-  return acc;
+  return fold_reference(world, op, [&](int r) { return input_for(r, i, t, op); });
 }
 
 double tolerance(DataType t, double expected) {
@@ -103,7 +65,7 @@ TEST(Collectives, AllreduceEveryDtypeOpAndWorld) {
             if (!op_supported(t, op)) continue;
             size_t es = dtype_size(t);
             std::vector<char> in(count * es + 1), out(count * es + 1);
-            for (size_t i = 0; i < count; ++i) store_value(in.data(), i, t, input_for(rank, i, t, op));
+            for (size_t i = 0; i < count; ++i) store_element(in.data(), i, t, input_for(rank, i, t, op));
             bool in_place = (count % 2) == 1;
             if (in_place) {
               out = in;
@@ -115,7 +77,7 @@ TEST(Collectives, AllreduceEveryDtypeOpAndWorld) {
               double want = reference(world, i, t, op);
               if (t == DataType::kUInt8 && op == ReduceOp::kProd) want = double(uint8_t(int64_t(want)));
               if (t == DataType::kInt8 && op == ReduceOp::kProd) want = double(int8_t(int64_t(want)));
-              double got = load_value(out.data(), i, t);
+              double got = load_element(out.data(), i, t);
               ASSERT_NEAR(got, want, tolerance(t, want))
                   << "world " << world << " count " << count << " " << dtype_name(t) << " " << reduce_op_name(op)
                   << " element " << i;
