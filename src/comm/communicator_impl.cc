@@ -336,11 +336,16 @@ std::string CommunicatorImpl::host_of(int rank) const {
 std::string CommunicatorImpl::in_world_ranks(const std::string& text) const {
   if (world_ranks_.empty()) return text;
   // Every message names a peer as "rank N (host)" (peer_text, the transports, the shm group), and
-  // this rank as "on rank N (host)": rename N, and nothing else.
+  // this rank as "on rank N (host)": rename N, and nothing else. A peer's failure notice ("rank N
+  // (host) failed: <its message>") carries a message its sender already wrote in world ranks: only
+  // the part up to it is renamed.
+  static constexpr std::string_view kNotice = ") failed: ";
+  const size_t cut = text.find(kNotice);
+  const auto head_end = cut == std::string::npos ? text.cend() : text.cbegin() + long(cut + kNotice.size());
   static const std::regex kPeer(R"(\brank (\d+) \()");
   std::string out;
   auto last = text.cbegin();
-  for (std::sregex_iterator it(text.begin(), text.end(), kPeer), end; it != end; ++it) {
+  for (std::sregex_iterator it(text.cbegin(), head_end, kPeer), end; it != end; ++it) {
     const std::smatch& m = *it;
     out.append(last, m[0].first);
     const long r = std::stol(m[1].str());
@@ -362,6 +367,24 @@ void CommunicatorImpl::check_usable() const {
     throw AbortedError(fmt::format("communicator failed earlier: {}", root_cause_));
   }
 }
+
+namespace {
+// How a failure notice classifies `e` (the peers rethrow it as the same class).
+transport::Transport::ErrorClass error_class(std::exception_ptr e) {
+  using EC = transport::Transport::ErrorClass;
+  try {
+    std::rethrow_exception(e);
+  } catch (const TimeoutError&) {
+    return EC::kTimeout;
+  } catch (const PeerLostError&) {
+    return EC::kPeerLost;
+  } catch (const MismatchError&) {
+    return EC::kMismatch;
+  } catch (...) {
+  }
+  return EC::kOther;
+}
+}  // namespace
 
 void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
   std::string prefix = op_.kind == OpKind::kSendRecv
@@ -389,22 +412,24 @@ void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
   bool from_peer = false;
   for (auto& t : transports_) from_peer = from_peer || t->failed_by_notice();
   if (first && !from_peer) {
-    using EC = transport::Transport::ErrorClass;
-    EC cls = EC::kOther;
-    try {
-      std::rethrow_exception(e);
-    } catch (const TimeoutError&) {
-      cls = EC::kTimeout;
-    } catch (const PeerLostError&) {
-      cls = EC::kPeerLost;
-    } catch (const MismatchError&) {
-      cls = EC::kMismatch;
-    } catch (...) {
-    }
-    for (auto& t : transports_) t->notify_peers(cls, message);
+    for (auto& t : transports_) t->notify_peers(error_class(e), message);
   }
   for (auto& t : transports_) t->fail(std::make_exception_ptr(AbortedError("communicator failed: " + root_cause_)));
+  // The cross-host communicator's peers (the same local rank on the other hosts) may be blocked in
+  // it: they hear of this failure through it, not as "rank N left" once this process exits.
+  if (cross_host_) static_cast<CommunicatorImpl&>(*cross_host_).fail_from_parent(message, error_class(e));
   std::rethrow_exception(e);
+}
+
+void CommunicatorImpl::fail_from_parent(const std::string& message, transport::Transport::ErrorClass cls) {
+  {
+    std::lock_guard<std::mutex> g(fail_mutex_);
+    if (failed_.load()) return;  // it failed first (the parent's failure came from here)
+    root_cause_ = message;
+    failed_.store(true, std::memory_order_release);
+  }
+  for (auto& t : transports_) t->notify_peers(cls, message);
+  for (auto& t : transports_) t->fail(std::make_exception_ptr(AbortedError("communicator failed: " + message)));
 }
 
 void CommunicatorImpl::execute_locked(const OpDesc& desc, const Body& body) {

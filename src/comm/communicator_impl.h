@@ -131,6 +131,10 @@ class CommunicatorImpl final : public Communicator,
   void progress_thread_main();
   void check_usable() const;
   [[noreturn]] void fail_and_throw(std::exception_ptr error);
+  // The parent of this (cross-host) communicator failed with `message` (already in world ranks):
+  // fail too, and tell this communicator's peers, who may be blocked in it and would otherwise only
+  // see this rank leave. Called on the parent's driving thread, which is the only one driving this.
+  void fail_from_parent(const std::string& message, transport::Transport::ErrorClass cls);
 
   // Point-to-point on an already-running op (send/recv API).
   void wait_request(transport::Transport* t, transport::RequestId id, int peer);

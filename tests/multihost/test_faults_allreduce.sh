@@ -83,7 +83,7 @@ expect_contains "agent SIGKILL: summary names the host" "$out" "the agent for ho
 # The launcher holds back its stop signal for a short report window (docs/launcher.md), so every
 # survivor gets to print its own error before it is stopped.
 survivors_name "agent SIGKILL" "$out" "lost rank [0-9]+ \(h[0-9]\)" 0 1 2 3 4 5
-n3=$(echo "$out" | grep -cE "lost rank [67] \(h3\)" || true)
+n3=$(grep -cE "^\[h[0-2]:[0-5]\] .*lost rank [67] \(h3\)" <<<"$out" || true)
 echo "info: $n3 of 6 survivors named a rank of h3 itself"
 ((dt <= 2500)) && pass "agent SIGKILL: job ended in ${dt} ms" || fail "agent SIGKILL: ${dt} ms"
 expect_no_job_processes 3

@@ -136,10 +136,15 @@ TEST(ShmHierarchical, SigkillOfARankFailsTheOthersWithin2sNamingTheWorldRank) {
     const double seconds = std::stod(out.substr(at + 7));
     EXPECT_LT(seconds, 2.0) << "rank " << r << ": " << out;
   }
-  // Host names are "<hostname>+hostB" under COHORT_HOST_ID.
+  // Host names are "<hostname>+hostB" under COHORT_HOST_ID. Rank 0 hears of it second-hand, from
+  // rank 1 (its host neighbour) or rank 2 (its ring partner, whose host-side failure is passed on
+  // through the ring instead of looking like an orderly exit): it names rank 3 too.
   const std::regex names_rank3(R"(rank 3 \([^)]*hostB\))");
-  for (int r : {1, 2})
+  for (int r : {0, 1, 2}) {
     EXPECT_TRUE(std::regex_search(ranks[size_t(r)].out, names_rank3)) << "rank " << r << ": " << ranks[r].out;
+    EXPECT_EQ(ranks[size_t(r)].out.find("destroyed its communicator"), std::string::npos)
+        << "rank " << r << ": " << ranks[r].out;
+  }
 }
 
 }  // namespace
