@@ -153,6 +153,22 @@ TEST(Run, FailFastReturnsTheWorkersCodeWithinTwoSeconds) {
   expect_no_process_left(dir, 4);
 }
 
+TEST(Run, SurvivorsGetAReportWindowBeforeTheStopSignal) {
+  // After a failure the others get up to 1 s to fail on their own before SIGTERM: a communicator sees
+  // a lost peer within milliseconds and names it, and that line must not be lost to the signal.
+  TempDir dir;
+  const std::string gone = dir.path() + "/gone";
+  auto r = run_process(concat(cohort_run({"-n", "3"}),
+                              sh("if [ $RANK = 2 ]; then touch " + gone + "; exit 3; fi; "
+                                 "while [ ! -e " + gone + " ]; do sleep 0.01; done; sleep 0.2; "
+                                 "echo \"rank $RANK: lost rank 2\" >&2; exit 1")),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("rank 0: lost rank 2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 1: lost rank 2"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 2.0);
+}
+
 TEST(Run, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
   TempDir dir;
   auto r = run_process(concat(cohort_run({"-n", "2", "--kill-grace", "0.3"}),
