@@ -2,6 +2,7 @@
 // Where a worker learns its rank, world size and rendezvous store: the launcher's COHORT_*
 // variables, else torchrun's, else Open MPI's or Slurm's rank variables with MASTER_ADDR/PORT.
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>

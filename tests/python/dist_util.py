@@ -25,6 +25,10 @@ def base_env(**extra):
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["MASTER_ADDR"] = "127.0.0.1"
     env.setdefault("OMP_NUM_THREADS", "1")
+    # torch >= 2.4 makes TCPStore use libuv by default, and Debian 13's torch 2.6 is built without it
+    # ("use_libuv was requested but PyTorch was build without libuv support"). env:// and torchrun's
+    # c10d rendezvous honour USE_LIBUV; torch 1.x ignores it.
+    env.setdefault("USE_LIBUV", "0")
     paths = [p for p in [os.environ.get("COHORT_TORCH_MODULE_DIR"), HERE] if p]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])

@@ -273,8 +273,12 @@ def main():
         GLOO = dist.group.WORLD
         COHORT = dist.new_group(backend="cohort")
     else:
-        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
-                              timeout=timeout)
+        try:  # torch >= 2.4: a torch built without libuv refuses the default (see dist_util.base_env)
+            store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                                  timeout=timeout, use_libuv=False)
+        except TypeError:  # torch 1.x has no use_libuv
+            store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                                  timeout=timeout)
         dist.init_process_group("cohort", store=store, rank=rank, world_size=world,
                                 timeout=timeout)
         COHORT = dist.group.WORLD

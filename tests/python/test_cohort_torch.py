@@ -38,20 +38,47 @@ def test_every_operation_matches_gloo(init):
         assert int(out.strip().splitlines()[-1].split()[1]) > 100  # the checks really ran
 
 
+def _torchrun_refuses_this_torch():
+    """torch >= 2.4's torchrun creates its rendezvous TCPStore with libuv whatever USE_LIBUV says;
+    a torch built without libuv (Debian 13's 2.6) then cannot run torchrun at all. None if it can."""
+    import torch.distributed as dist
+    try:
+        dist.TCPStore("127.0.0.1", 0, 1, True, use_libuv=True)
+    except TypeError:
+        return None  # torch 1.x: no libuv option
+    except RuntimeError as e:
+        if "libuv" in str(e):
+            return str(e)
+    return None
+
+
 def _torchrun(backend, out_path, timeout=60):
-    if not os.path.exists(TORCHRUN311):
-        pytest.skip(f"{TORCHRUN311} not present (shared/ is beside the clone in CI)")
-    cmd = [sys.executable, TORCHRUN311, "--nproc_per_node", str(WORLD), "--monitor_interval", "0.1",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           os.path.join(HERE, "ddp_script.py"), "--backend", backend, "--out", out_path]
+    refused = _torchrun_refuses_this_torch()
+    if refused:
+        pytest.skip(f"torchrun cannot start with this torch {torch.__version__}: {refused}; "
+                    "`cohort run` is tested below")
+    if int(torch.__version__.split(".")[0]) >= 2:
+        # torch's own torchrun. Its c10d rendezvous, unlike the default static one, honours USE_LIBUV
+        # (Debian 13's torch 2.6 has no libuv, and the static rendezvous would insist on it).
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    else:
+        # Debian 12's torchrun (torch 1.13 on Python 3.11) dies before starting workers.
+        if not os.path.exists(TORCHRUN311):
+            pytest.skip(f"{TORCHRUN311} not present (shared/ is beside the clone in CI)")
+        launcher = [sys.executable, TORCHRUN311, "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    cmd = launcher + ["--nproc_per_node", str(WORLD), "--monitor_interval", "0.1",
+                      os.path.join(HERE, "ddp_script.py"), "--backend", backend, "--out", out_path]
     return subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def gloo_weights(tmp_path_factory):
+    # The reference run: the same script with gloo, its ranks started here (env://), so that it
+    # depends on neither launcher under test.
     path = str(tmp_path_factory.mktemp("gloo") / "gloo.pt")
-    proc = _torchrun("gloo", path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = run_ranks([os.path.join(HERE, "ddp_script.py"), "--backend", "gloo", "--out", path], WORLD)
+    assert all(rc == 0 for rc, _, _ in results), describe(results)
     return torch.load(path)
 
 
