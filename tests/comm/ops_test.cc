@@ -66,9 +66,10 @@ TEST(Ops, RootedAndGatheringOpsAtEveryWorldSize) {
         // gather
         std::vector<int64_t> g(rank == root ? n * size_t(world) : 0, -1);
         comm->gather(in.data(), g.data(), n, t, root);
-        if (rank == root)
+        if (rank == root) {
           for (int r = 0; r < world; ++r)
             for (size_t i = 0; i < n; ++i) ASSERT_EQ(g[size_t(r) * n + i], val(r, i));
+        }
         // scatter
         std::vector<int64_t> src(rank == root ? n * size_t(world) : 0), dst(n, -1);
         if (rank == root)

@@ -104,7 +104,9 @@ void check_ddp_matches_single_process(int world, DDPOptions options, double rtol
     // gradient_as_bucket_view: after the rebuild every .grad is a view of its (new) bucket slot.
     for (size_t i = 0; i < ps.size(); ++i)
       EXPECT_EQ(ddp.gradient_is_bucket_view(i), options.gradient_as_bucket_view) << "param " << i;
-    if (several_buckets) EXPECT_GT(ddp.sync().bucket_layout().size(), 1u);
+    if (several_buckets) {
+      EXPECT_GT(ddp.sync().bucket_layout().size(), 1u);
+    }
     auto rp = ref->parameters();
     for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(::torch::allclose(ps[i], rp[i], rtol, atol)) << "weights " << i;
   });

@@ -121,7 +121,9 @@ TEST_P(P2PCollectives, EveryCollectiveEveryWorldSize) {
         for (size_t i = 0; i < n; ++i) {
           int64_t want = 0;
           for (int r = 0; r < world; ++r) want += val(r, i);
-          if (rank == root) ASSERT_EQ(out[i], want) << m.name << " reduce " << i;
+          if (rank == root) {
+            ASSERT_EQ(out[i], want) << m.name << " reduce " << i;
+          }
           ASSERT_EQ(all[i], want) << m.name << " allreduce " << i;
         }
         // allgather and gather
@@ -131,7 +133,9 @@ TEST_P(P2PCollectives, EveryCollectiveEveryWorldSize) {
         for (int r = 0; r < world; ++r)
           for (size_t i = 0; i < n; ++i) {
             ASSERT_EQ(g[size_t(r) * n + i], val(r, i)) << m.name << " allgather";
-            if (rank == root) ASSERT_EQ(gr[size_t(r) * n + i], val(r, i)) << m.name << " gather";
+            if (rank == root) {
+              ASSERT_EQ(gr[size_t(r) * n + i], val(r, i)) << m.name << " gather";
+            }
           }
         // scatter, reduce_scatter, alltoall: block b of rank r holds val(r * 16 + b, i)
         std::vector<int64_t> blocks(n * size_t(world)), one(n, -1), rs(n, -1), a2a(n * size_t(world), -1);
