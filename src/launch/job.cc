@@ -69,6 +69,19 @@ struct EndInfo {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EndInfo, kind, code, summary)
 
 std::string end_to_string(const EndInfo& e) { return nlohmann::json(e).dump(); }
+// A failure that only reports another one: the worker's communicator lost a peer ("lost rank N
+// (host)") or heard a peer's failure notice ("rank N (host) failed: ..."), and it exited with an error
+// code. When a peer is killed, its neighbours' errors can reach the launcher before the kill itself;
+// the kill, not their report of it, is the job's root cause (summary and exit code).
+bool is_consequence(const EndInfo& e) {
+  return e.kind == "failure" && e.summary.find(" exited with code ") != std::string::npos &&
+         (e.summary.find("lost rank ") != std::string::npos || e.summary.find(") failed: ") != std::string::npos);
+}
+// Whether `e` should replace `current` as the root cause.
+bool is_root_cause_of(const EndInfo& e, const EndInfo& current) {
+  return e.kind == "failure" && !is_consequence(e) && is_consequence(current);
+}
+
 EndInfo end_from_string(const std::string& s) {
   try {
     return nlohmann::json::parse(s).get<EndInfo>();
@@ -214,6 +227,7 @@ class Job {
   void on_control_input();
   void publish_end(const EndInfo& e);
   void adopt_end(const EndInfo& e);
+  void upgrade_end(const EndInfo& e);
   void begin_stop();
   void send_stop_signal();
   void kill_all(int sig);
@@ -624,14 +638,32 @@ void Job::publish_end(const EndInfo& e) {
   if (end_) return;
   if (distributed_ && !head_lost_) {
     try {
-      auto now = attempt_store_->compare_set("end", "", end_to_string(e));
-      adopt_end(end_from_string(now));  // another node may have won the race: theirs is the root cause
+      const std::string mine = end_to_string(e);
+      auto now = attempt_store_->compare_set("end", "", mine);
+      // Another node may have won the race: theirs is the root cause, unless it only reports ours.
+      if (now != mine && is_root_cause_of(e, end_from_string(now))) now = attempt_store_->compare_set("end", now, mine);
+      adopt_end(end_from_string(now));
       return;
     } catch (const Error& err) {
       log::warn("could not publish the job's end to the store: {}", err.what());
     }
   }
   adopt_end(e);
+}
+
+void Job::upgrade_end(const EndInfo& e) {
+  // Only in the report window: no worker here has been signalled, so a death by signal is genuine.
+  if (!end_ || !reporting_ || !is_root_cause_of(e, *end_)) return;
+  if (distributed_ && !head_lost_) {
+    try {
+      auto now = attempt_store_->compare_set("end", end_to_string(*end_), end_to_string(e));
+      end_ = end_from_string(now);  // ours, or another node's root cause that came first
+      return;
+    } catch (const Error& err) {
+      log::warn("could not publish the job's root cause to the store: {}", err.what());
+    }
+  }
+  end_ = e;
 }
 
 void Job::adopt_end(const EndInfo& e) {
@@ -703,17 +735,22 @@ void Job::on_worker_exit(Worker& w, int status) {
   if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   if (w.out) drain(w.out.get(), *w.sink, false, w.out);
   bool failed = status != 0;
+  if (failed && end_ && plan_.abort_on_failure) upgrade_end(EndInfo{"failure", exit_code_of(status), failure_summary(w)});
   if (failed && !stopping_ && !end_) {
     EndInfo e{"failure", exit_code_of(status), failure_summary(w)};
     if (plan_.abort_on_failure) {
       publish_end(e);
     } else {
       say(fmt::format("{} (--no-abort-on-failure: the others run on)", e.summary));
-      if (!first_failure_) {
+      // The first failure, unless it only reports this one (see is_consequence).
+      if (!first_failure_ || is_root_cause_of(e, *first_failure_)) {
         first_failure_ = e;
         if (distributed_) {
           try {
-            attempt_store_->compare_set("first_failure", "", end_to_string(e));
+            const std::string mine = end_to_string(e);
+            auto now = attempt_store_->compare_set("first_failure", "", mine);
+            if (now != mine && is_root_cause_of(e, end_from_string(now)))
+              attempt_store_->compare_set("first_failure", now, mine);
           } catch (const Error& err) {
             // The store is unreachable: this node is cut off from the job and stops.
             adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
@@ -964,6 +1001,19 @@ EndInfo Job::run_attempt(int attempt) {
         attempt_store_->wait({"all_exited"}, Millis(static_cast<int64_t>((plan_.kill_grace_s + 10) * 1000)));
     } catch (const Error& e) {
       log::warn("not every node reported its workers stopped: {}", e.what());
+    }
+  }
+  // Another node may have replaced a reported consequence with its root cause after this node
+  // adopted the end (upgrade_end): the summary and exit code follow the store's last word.
+  if (distributed_ && !head_lost_ && is_consequence(*end_)) {
+    try {
+      std::vector<std::string> key{"end"};
+      if (attempt_store_->check(key)) {
+        EndInfo last = end_from_string(attempt_store_->get("end"));
+        if (is_root_cause_of(last, *end_)) end_ = last;
+      }
+    } catch (const Error& err) {
+      log::warn("could not read the job's root cause from the store: {}", err.what());
     }
   }
   return *end_;

@@ -169,6 +169,23 @@ TEST(Run, SurvivorsGetAReportWindowBeforeTheStopSignal) {
   EXPECT_LT(r.seconds, 2.0);
 }
 
+TEST(Run, AKilledWorkerIsTheRootCauseEvenWhenItsPeersErrorsArriveFirst) {
+  // Rank 0 reports losing rank 1 and exits before rank 1's SIGKILL is reaped (as a communicator
+  // does when its peer's connection closes). The summary and exit code name the kill, not the report.
+  TempDir dir;
+  const std::string gone = dir.path() + "/gone";
+  auto r = run_process(concat(cohort_run({"-n", "3"}),
+                              sh("if [ $RANK = 1 ]; then touch " + gone + "; sleep 0.1; kill -9 $$; fi; "
+                                 "if [ $RANK = 0 ]; then while [ ! -e " + gone + " ]; do sleep 0.01; done; "
+                                 "echo 'allreduce #7 on rank 0 (vm): lost rank 1 (vm): connection closed' >&2; exit 1; fi; "
+                                 "exec sleep 60")),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
+  EXPECT_TRUE(std::regex_search(r.err, std::regex(R"(job failed \(exit 137\): rank 1 on \S+ \(pid \d+\) was killed by SIGKILL)")))
+      << r.err;
+  EXPECT_LT(r.seconds, 3.0);
+}
+
 TEST(Run, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
   TempDir dir;
   auto r = run_process(concat(cohort_run({"-n", "2", "--kill-grace", "0.3"}),
