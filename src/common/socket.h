@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/deadline.h"
 #include "common/fd.h"
@@ -60,5 +61,13 @@ void recv_all(int fd, void* data, size_t len, Deadline deadline, const std::stri
 
 // This machine's host name.
 std::string hostname();
+
+// Unix sockets: one message of `len` bytes with descriptors attached (SCM_RIGHTS, at most
+// kMaxPassedFds). Returns sendmsg's result (-1 with errno set).
+constexpr size_t kMaxPassedFds = 4;
+ssize_t send_with_fds(int sock, const void* data, size_t len, const std::vector<int>& fds, int flags);
+// Receives up to `len` bytes and the descriptors attached (close-on-exec), appended to *fds, which
+// owns them (so a malformed message leaks nothing). Returns recvmsg's result (-1 with errno set).
+ssize_t recv_with_fds(int sock, void* data, size_t len, std::vector<UniqueFd>* fds, int flags);
 
 }  // namespace cohort::net

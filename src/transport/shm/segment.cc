@@ -18,6 +18,7 @@
 #include "cohort/error.h"
 #include "cohort/store.h"
 #include "common/fd.h"
+#include "common/socket.h"
 
 namespace cohort::shm {
 namespace {
@@ -138,21 +139,8 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
       seen[hello.local_rank] = true;
       // Reply: the size again, with the memfd attached.
       uint64_t reply = bytes;
-      iovec iov{&reply, sizeof reply};
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-      msghdr msg{};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      msg.msg_control = control;
-      msg.msg_controllen = sizeof control;
-      cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_RIGHTS;
-      cm->cmsg_len = CMSG_LEN(sizeof(int));
-      int fd = mem.get();
-      std::memcpy(CMSG_DATA(cm), &fd, sizeof fd);
       wait_fd(conn.get(), POLLOUT, deadline, "sending the segment");
-      if (::sendmsg(conn.get(), &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof reply))
+      if (net::send_with_fds(conn.get(), &reply, sizeof reply, {mem.get()}, 0) != static_cast<ssize_t>(sizeof reply))
         throw_errno("sendmsg of the segment descriptor");
     }
     return seg;
@@ -176,24 +164,15 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
   Hello hello{kHelloMagic, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), 0, bytes};
   send_exact(conn.get(), &hello, sizeof hello, deadline, "sending hello to local rank 0");
   uint64_t reply = 0;
-  iovec iov{&reply, sizeof reply};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
   wait_fd(conn.get(), POLLIN, deadline, fmt::format("local rank {} waiting for the segment from local rank 0", local_rank));
-  ssize_t r = ::recvmsg(conn.get(), &msg, MSG_CMSG_CLOEXEC);
+  std::vector<UniqueFd> fds;
+  ssize_t r = net::recv_with_fds(conn.get(), &reply, sizeof reply, &fds, 0);
   if (r == 0) throw PeerLostError(fmt::format("shm: local rank 0 closed the connection instead of sending the segment "
                                               "(local rank {} joined with local size {}, {} bytes)",
                                               local_rank, local_size, bytes));
   if (r != static_cast<ssize_t>(sizeof reply)) throw_errno("recvmsg of the segment descriptor");
-  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-  if (cm == nullptr || cm->cmsg_type != SCM_RIGHTS) throw Error("shm: local rank 0 sent no descriptor");
-  int fd = -1;
-  std::memcpy(&fd, CMSG_DATA(cm), sizeof fd);
-  UniqueFd mem(fd);
+  if (fds.size() != 1) throw Error("shm: local rank 0 sent no descriptor");
+  UniqueFd mem = std::move(fds[0]);
   seg.data_ = map_fd(mem.get(), bytes);
   return seg;
 }

@@ -24,6 +24,7 @@
 #include "cohort/error.h"
 #include "common/env.h"
 #include "common/fd.h"
+#include "common/socket.h"
 #include "common/host_identity.h"
 #include "common/log.h"
 #include "common/strings.h"
@@ -156,44 +157,21 @@ sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
 
 // Sends a hello with this rank's memfd and eventfd attached.
 bool send_hello(int sock, const Hello& h, int memfd, int eventfd) {
-  iovec iov{const_cast<Hello*>(&h), sizeof h};
-  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-  cm->cmsg_level = SOL_SOCKET;
-  cm->cmsg_type = SCM_RIGHTS;
-  cm->cmsg_len = CMSG_LEN(2 * sizeof(int));
-  int fds[2] = {memfd, eventfd};
-  std::memcpy(CMSG_DATA(cm), fds, sizeof fds);
-  return ::sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) == static_cast<ssize_t>(sizeof h);
+  return net::send_with_fds(sock, &h, sizeof h, {memfd, eventfd}, MSG_DONTWAIT) == static_cast<ssize_t>(sizeof h);
 }
 
 // Receives a hello and its two descriptors; false when nothing is there yet. Throws on a closed or
 // malformed message.
 bool recv_hello(int sock, Hello* h, UniqueFd* memfd, UniqueFd* eventfd) {
-  iovec iov{h, sizeof *h};
-  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  ssize_t r = ::recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  std::vector<UniqueFd> fds;
+  ssize_t r = net::recv_with_fds(sock, h, sizeof *h, &fds, MSG_DONTWAIT);
   if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
   if (r == 0) throw PeerLostError("shm transport: the peer closed its socket during the handshake");
   if (r < 0) throw_errno("recvmsg of a hello");
-  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-  if (r != static_cast<ssize_t>(sizeof *h) || cm == nullptr || cm->cmsg_type != SCM_RIGHTS ||
-      cm->cmsg_len != CMSG_LEN(2 * sizeof(int)))
+  if (r != static_cast<ssize_t>(sizeof *h) || fds.size() != 2)
     throw Error("shm transport: malformed hello (no descriptors attached)");
-  int fds[2];
-  std::memcpy(fds, CMSG_DATA(cm), sizeof fds);
-  memfd->reset(fds[0]);
-  eventfd->reset(fds[1]);
+  *memfd = std::move(fds[0]);
+  *eventfd = std::move(fds[1]);
   return true;
 }
 
