@@ -228,6 +228,9 @@ class Job {
   void publish_end(const EndInfo& e);
   void adopt_end(const EndInfo& e);
   void upgrade_end(const EndInfo& e);
+  // Sets store key `key` to `e` unless another node set it first, and replaces theirs when it only
+  // reports `e` (is_consequence). Returns what the key holds afterwards. Throws on a store error.
+  std::string claim_root_cause(const std::string& key, const EndInfo& e);
   void begin_stop();
   void send_stop_signal();
   void kill_all(int sig);
@@ -638,11 +641,8 @@ void Job::publish_end(const EndInfo& e) {
   if (end_) return;
   if (distributed_ && !head_lost_) {
     try {
-      const std::string mine = end_to_string(e);
-      auto now = attempt_store_->compare_set("end", "", mine);
       // Another node may have won the race: theirs is the root cause, unless it only reports ours.
-      if (now != mine && is_root_cause_of(e, end_from_string(now))) now = attempt_store_->compare_set("end", now, mine);
-      adopt_end(end_from_string(now));
+      adopt_end(end_from_string(claim_root_cause("end", e)));
       return;
     } catch (const Error& err) {
       log::warn("could not publish the job's end to the store: {}", err.what());
@@ -651,13 +651,20 @@ void Job::publish_end(const EndInfo& e) {
   adopt_end(e);
 }
 
+std::string Job::claim_root_cause(const std::string& key, const EndInfo& e) {
+  const std::string mine = end_to_string(e);
+  auto now = attempt_store_->compare_set(key, "", mine);
+  // Compared with what the store holds (not a re-serialised copy), so a lost race is seen as such.
+  if (now != mine && is_root_cause_of(e, end_from_string(now))) now = attempt_store_->compare_set(key, now, mine);
+  return now;
+}
+
 void Job::upgrade_end(const EndInfo& e) {
   // Only in the report window: no worker here has been signalled, so a death by signal is genuine.
   if (!end_ || !reporting_ || !is_root_cause_of(e, *end_)) return;
   if (distributed_ && !head_lost_) {
     try {
-      auto now = attempt_store_->compare_set("end", end_to_string(*end_), end_to_string(e));
-      end_ = end_from_string(now);  // ours, or another node's root cause that came first
+      end_ = end_from_string(claim_root_cause("end", e));  // ours, or another node's root cause that came first
       return;
     } catch (const Error& err) {
       log::warn("could not publish the job's root cause to the store: {}", err.what());
@@ -747,10 +754,7 @@ void Job::on_worker_exit(Worker& w, int status) {
         first_failure_ = e;
         if (distributed_) {
           try {
-            const std::string mine = end_to_string(e);
-            auto now = attempt_store_->compare_set("first_failure", "", mine);
-            if (now != mine && is_root_cause_of(e, end_from_string(now)))
-              attempt_store_->compare_set("first_failure", now, mine);
+            claim_root_cause("first_failure", e);
           } catch (const Error& err) {
             // The store is unreachable: this node is cut off from the job and stops.
             adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
