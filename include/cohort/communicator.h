@@ -123,6 +123,14 @@ class Communicator {
 
   // Fails every pending and future operation with AbortedError(reason) on this rank.
   virtual void abort(const std::string& reason) = 0;
+
+  // ---- memory ----
+  // Collective (every rank, in the same order, with the same size): `bytes` of zeroed memory for a
+  // buffer that is reduced in place again and again, like DDP's gradient buckets. When all ranks share
+  // one host it is shared memory the peers map too, and an in-place allreduce on it (every rank passing
+  // the same range) reads their copies directly instead of staging through copies; elsewhere it is
+  // ordinary memory. Valid while the returned pointer (or a copy of it) lives.
+  virtual std::shared_ptr<void> allocate_shared(size_t bytes);
 };
 
 }  // namespace cohort

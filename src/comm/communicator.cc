@@ -1,5 +1,11 @@
-// Communicator::create: validates, applies the COHORT_* overrides and bootstraps.
+// Communicator::create: validates, applies the COHORT_* overrides and bootstraps; the default
+// allocate_shared.
 #include <fmt/core.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
@@ -21,6 +27,15 @@ std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store,
   auto impl = std::make_shared<comm::CommunicatorImpl>(std::move(s));
   impl->bootstrap();
   return impl;
+}
+
+std::shared_ptr<void> Communicator::allocate_shared(size_t bytes) {
+  // Ordinary memory (peers cannot map it; allreduce stages it as usual), cache-line aligned and zeroed.
+  const size_t size = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, size);
+  if (!p) throw std::bad_alloc();
+  std::memset(p, 0, size);
+  return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
 }
 
 }  // namespace cohort

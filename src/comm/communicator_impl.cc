@@ -916,6 +916,13 @@ std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>&
   return create_child(fmt::format("{}/sub{:08x}/{}", prefix_, hash32(list), n), new_rank, int(ranks.size()));
 }
 
+std::shared_ptr<void> CommunicatorImpl::allocate_shared(size_t bytes) {
+  // Only a communicator whose collectives all run on one shm group can reduce the peers' memory
+  // directly; a hierarchical one stages (its host group's allreduce is one step of several).
+  if (!shm_group_) return Communicator::allocate_shared(bytes);
+  return shm_group_->allocate_shared(bytes);
+}
+
 void CommunicatorImpl::abort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> g(fail_mutex_);

@@ -99,6 +99,7 @@ class CommunicatorImpl final : public Communicator,
   std::shared_ptr<Communicator> split(int color, int key) override;
   std::shared_ptr<Communicator> subgroup(const std::vector<int>& ranks) override;
   void abort(const std::string& reason) override;
+  std::shared_ptr<void> allocate_shared(size_t bytes) override;
 
   // ---- coll::Context (called by the algorithms, on the thread holding drive_) ----
   coll::RequestId isend(int peer, const void* data, size_t bytes, uint32_t slot) override;

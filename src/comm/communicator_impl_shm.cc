@@ -48,6 +48,9 @@ void CommunicatorImpl::install_shm_semantics(shm::Group& group, std::vector<int>
   group.set_mismatch_formatter([this, members](int local, const shm::CallSignature& theirs,
                                                const shm::CallSignature& ours) {
     std::string mine = theirs.seq == ours.seq ? "" : fmt::format(" as operation #{}", ours.seq);
+    // Same call, different memory: one rank reduced a range of an allocate_shared buffer, the other
+    // another range or ordinary memory.
+    if (theirs.reserved != ours.reserved) mine += " (not on the same range of one allocate_shared buffer)";
     return fmt::format("mismatched calls: rank {} ({}) called {} as operation #{} but rank {} called {}{}",
                        members[size_t(local)], host_of(members[size_t(local)]), describe_signature(to_transport(theirs)),
                        theirs.seq, rank_, describe_signature(to_transport(ours)), mine);

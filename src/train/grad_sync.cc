@@ -124,7 +124,10 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
   size_t cap = options_.first_bucket_cap_bytes;
   auto close = [&] {
     if (current.params.empty()) return;
-    current.data = std::shared_ptr<float[]>(new float[current.numel]());
+    // From the communicator: on one host, memory the peers map, so the bucket's allreduce reads their
+    // gradients in place instead of staging copies (every rank builds the same buckets in the same order).
+    std::shared_ptr<void> memory = comm_->allocate_shared(current.numel * sizeof(float));
+    current.data = std::shared_ptr<float[]>(memory, static_cast<float*>(memory.get()));
     if (options_.compression != WireCompression::kNone) current.wire.assign(current.numel, 0);
     buckets_.push_back(std::move(current));
     current = Bucket{};

@@ -253,6 +253,39 @@ TEST(Ops, MismatchedOperationsAreDetectedOnTheRanksInvolved) {
   EXPECT_NE(both.find("broadcast(count=64"), std::string::npos) << both;
 }
 
+TEST(Ops, AllocateSharedBuffersReduceInPlaceAndAMisplacedRangeIsAMismatch) {
+  auto store = make_memory_store();
+  std::vector<std::string> errors(3);
+  run_ranks(3, [&](int rank) {
+    auto comm = make(store, rank, 3, 10);
+    const size_t n = 100003;
+    // Two buffers, like two DDP buckets, reduced asynchronously in place.
+    std::vector<std::shared_ptr<void>> memory;
+    for (int b = 0; b < 2; ++b) memory.push_back(comm->allocate_shared(n * sizeof(float)));
+    std::vector<std::shared_ptr<Work>> works;
+    for (int b = 0; b < 2; ++b) {
+      float* f = static_cast<float*>(memory[b].get());
+      for (size_t i = 0; i < n; ++i) f[i] = float(rank + 1) * float(b + 1);
+      works.push_back(comm->allreduce_async(f, f, n, DataType::kFloat32, ReduceOp::kAvg));
+    }
+    for (auto& w : works) w->wait();
+    for (int b = 0; b < 2; ++b) {
+      const float* f = static_cast<const float*>(memory[b].get());
+      for (size_t i = 0; i < n; i += 101) ASSERT_EQ(f[i], 2.0f * float(b + 1)) << "buffer " << b << " element " << i;
+    }
+    // Rank 2 reduces a range 16 floats further in: the ranks would write each other's memory at the
+    // wrong place, so it is refused before anything moves.
+    float* f = static_cast<float*>(memory[0].get()) + (rank == 2 ? 16 : 0);
+    try {
+      comm->allreduce(f, f, 50000, DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "no mismatch detected on rank " << rank;
+    } catch (const MismatchError& e) {
+      errors[size_t(rank)] = e.what();
+    }
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("allocate_shared"), std::string::npos) << e;
+}
+
 TEST(Ops, AbortFailsPendingAndLaterCalls) {
   auto store = make_memory_store();
   run_ranks(2, [&](int rank) {

@@ -160,7 +160,79 @@ TEST_P(ShmGroupWorld, ReduceScatterAllgatherBroadcastBarrier) {
   });
 }
 
+TEST_P(ShmGroupWorld, AllreduceInPlaceOnSharedMemoryMatchesTheReferenceAndTouchesOnlyItsRange) {
+  const int world = GetParam();
+  auto groups = make_groups(world, tiny_options());
+  // Above the small limit (256 B), and long enough for several 64 KiB pieces per slice.
+  const size_t counts[] = {129, 3001, 70001};
+  const size_t capacity = 80000 * 8 + 256;
+  test::run_ranks(world, [&](int r) {
+    std::shared_ptr<void> memory = groups[r]->allocate_shared(capacity);
+    char* base = static_cast<char*>(memory.get());
+    uint64_t salt = 5000;
+    for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64, DataType::kFloat64}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kProd}) {
+        if (!op_supported(t, op)) continue;
+        for (size_t n : counts) {
+          ++salt;
+          auto want = expected_reduction(t, op, n, world, salt);
+          auto in = make_input(t, n, r, salt);
+          // A range that starts 64 bytes in, between guard bytes that must survive on every rank.
+          std::memset(base, 0x5C, capacity);
+          char* range = base + 64;
+          std::memcpy(range, in.data(), in.size());
+          groups[r]->barrier();  // no peer may still be writing this rank's memory from the last call
+          groups[r]->allreduce(range, range, n, t, op);
+          ASSERT_EQ(0, std::memcmp(range, want.data(), want.size())) << "shared: " << label(t, op, n, world, r);
+          ASSERT_EQ(0x5C, static_cast<unsigned char>(base[63])) << label(t, op, n, world, r);
+          ASSERT_EQ(0x5C, static_cast<unsigned char>(range[in.size()])) << label(t, op, n, world, r);
+          groups[r]->barrier();
+        }
+      }
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroupWorld, ::testing::Range(1, 9));
+
+TEST(ShmGroup, SharedMemoryRangesThatDifferBetweenRanksAreAMismatch) {
+  auto groups = make_groups(2, tiny_options());
+  test::run_ranks(2, [&](int r) {
+    auto memory = groups[r]->allocate_shared(1 << 16);
+    float* data = static_cast<float*>(memory.get());
+    // Rank 1 reduces a range 16 floats further in than rank 0's: neither may write the other's memory.
+    float* range = data + (r == 0 ? 0 : 16);
+    try {
+      groups[r]->allreduce(range, range, 1000, DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "rank " << r << ": allreduce on different ranges returned";
+    } catch (const MismatchError& e) {
+      EXPECT_NE(std::string(e.what()).find("allocate_shared"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(ShmGroup, SharedMemoryAgainstOrdinaryMemoryIsAMismatch) {
+  auto groups = make_groups(2, tiny_options());
+  test::run_ranks(2, [&](int r) {
+    auto memory = groups[r]->allocate_shared(1 << 16);
+    std::vector<float> ordinary(1000, 1.0f);
+    float* range = r == 0 ? static_cast<float*>(memory.get()) : ordinary.data();
+    EXPECT_THROW(groups[r]->allreduce(range, range, 1000, DataType::kFloat32, ReduceOp::kSum), MismatchError);
+  });
+}
+
+TEST(ShmGroup, SharedMemoryOutlivesItsGroupAndIsZeroed) {
+  std::vector<std::shared_ptr<void>> memory(2);
+  {
+    auto groups = make_groups(2, tiny_options());
+    test::run_ranks(2, [&](int r) { memory[r] = groups[r]->allocate_shared(100000); });
+  }
+  for (auto& m : memory) {
+    const char* p = static_cast<const char*>(m.get());
+    for (size_t i = 0; i < 100000; i += 997) ASSERT_EQ(0, p[i]);
+    std::memset(m.get(), 1, 100000);  // still mapped and writable
+  }
+}
 
 TEST(ShmGroup, CreateThroughStoreWithDefaultOptionsAndLargeBuffers) {
   // The store path and the default (env) options: 1 MiB slots, multi-chunk allreduce of ~5 MiB.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -72,6 +73,7 @@ std::unique_ptr<Group> Group::create_at(const std::string& address, int local_ra
   const size_t bytes = controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes;
   Segment segment = Segment::establish(address, local_rank, local_size, bytes, Deadline::after(timeout));
   auto group = std::make_unique<Group>(std::move(segment), local_rank, local_size, timeout, options);
+  group->address_ = address;
   group->sync_.start();
   return group;
 }
@@ -82,7 +84,44 @@ Group::Group(Segment segment, int local_rank, int local_size, std::chrono::milli
       rank_(local_rank),
       size_(local_size),
       options_(options),
-      sync_(static_cast<RankControl*>(segment_.data()), local_rank, local_size, timeout, options.spin) {}
+      sync_(static_cast<RankControl*>(segment_.data()), local_rank, local_size, timeout, options.spin),
+      timeout_(timeout) {}
+
+uint32_t Group::shared_tag(uint32_t allocation, size_t offset) {
+  uint64_t x = (uint64_t{allocation} << 40) ^ static_cast<uint64_t>(offset);
+  x *= 0x9E3779B97F4A7C15ull;  // spreads both into the high half
+  return static_cast<uint32_t>(x >> 32) | 1u;
+}
+
+std::shared_ptr<void> Group::allocate_shared(size_t bytes) {
+  const size_t per_rank = round_up(std::max<size_t>(bytes, 1), kPage);
+  const uint32_t id = shared_allocations_++;
+  // Its own segment, at a name every local rank derives from the group's (no store round trip).
+  Segment segment = Segment::establish(fmt::format("{}/shared-{}", address_, id), rank_, size_,
+                                       per_rank * static_cast<size_t>(size_), Deadline::after(timeout_));
+  auto region = std::make_shared<SharedRegion>(SharedRegion{std::move(segment), per_rank, id});
+  {
+    std::lock_guard<std::mutex> lock(shared_mutex_);
+    std::erase_if(shared_, [](const std::weak_ptr<SharedRegion>& w) { return w.expired(); });
+    shared_.push_back(region);
+  }
+  return std::shared_ptr<void>(region, region->part(rank_));  // aliasing: the caller's handle owns the segment
+}
+
+std::shared_ptr<Group::SharedRegion> Group::find_shared(const void* data, size_t bytes, size_t* offset) {
+  std::lock_guard<std::mutex> lock(shared_mutex_);
+  for (const auto& w : shared_) {
+    auto region = w.lock();
+    if (!region) continue;
+    const char* mine = region->part(rank_);
+    const char* p = static_cast<const char*>(data);
+    if (p >= mine && p + bytes <= mine + region->per_rank) {
+      *offset = static_cast<size_t>(p - mine);
+      return region;
+    }
+  }
+  return nullptr;
+}
 
 char* Group::slot(int rank, unsigned parity) const {
   return static_cast<char*>(segment_.data()) + controls_bytes(size_) +
@@ -111,24 +150,28 @@ void Group::check_calls() {
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     const CallSignature theirs = sync_.control(q).call[entry];
-    if (!(theirs == call_)) {
+    if (!(theirs == active_)) {
       std::string text = mismatch_formatter_
-                             ? mismatch_formatter_(q, theirs, call_)
+                             ? mismatch_formatter_(q, theirs, active_)
                              : fmt::format("mismatched calls: local rank {} called op {} (count {}, seq {}) but local "
                                            "rank {} called op {} (count {}, seq {})",
-                                           q, theirs.kind, theirs.count, theirs.seq, rank_, call_.kind, call_.count,
-                                           call_.seq);
+                                           q, theirs.kind, theirs.count, theirs.seq, rank_, active_.kind,
+                                           active_.count, active_.seq);
+      if (theirs.reserved != active_.reserved)
+        text += " (the ranks did not pass the same range of one allocate_shared buffer)";
       throw MismatchError(text);
     }
   }
 }
 
 template <typename Body>
-void Group::guarded(const char* what, Body&& body) {
+void Group::guarded(const char* what, Body&& body, uint32_t shared_tag) {
   if (!failure_.empty()) throw AbortedError("shm group failed earlier: " + failure_);
   try {
     // Publish this call's signature before its first post (the peers read it after seeing that post).
-    sync_.control(rank_).call[calls_ & 1u] = call_;
+    active_ = call_;
+    active_.reserved = shared_tag;
+    sync_.control(rank_).call[calls_ & 1u] = active_;
     ++calls_;
     compare_pending_ = size_ > 1;
     body();
@@ -160,15 +203,22 @@ void Group::allreduce(const void* in, void* out, size_t count, DataType dtype, R
   if (!op_supported(dtype, op))
     throw InvalidArgument(fmt::format("allreduce: op {} is not defined for dtype {}", reduce_op_name(op),
                                       dtype_name(dtype)));
-  guarded("allreduce", [&] {
-    const size_t bytes = count * dtype_size(dtype);
-    if (size_ == 1) {
-      if (in != out) std::memmove(out, in, bytes);
-      return;
-    }
-    if (bytes <= options_.small_bytes) allreduce_small(in, out, count, dtype, op);
-    else allreduce_large(in, out, count, dtype, op);
-  });
+  const size_t bytes = count * dtype_size(dtype);
+  std::shared_ptr<SharedRegion> shared;
+  size_t offset = 0;
+  if (size_ > 1 && in == out && bytes > options_.small_bytes) shared = find_shared(out, bytes, &offset);
+  guarded(
+      "allreduce",
+      [&] {
+        if (size_ == 1) {
+          if (in != out) std::memmove(out, in, bytes);
+          return;
+        }
+        if (shared) allreduce_shared(*shared, offset, count, dtype, op);
+        else if (bytes <= options_.small_bytes) allreduce_small(in, out, count, dtype, op);
+        else allreduce_large(in, out, count, dtype, op);
+      },
+      shared ? shared_tag(shared->id, offset) : 0);
 }
 
 void Group::allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) {
@@ -217,6 +267,35 @@ void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataTyp
       if (q != rank_ && sl.length(q) > 0)
         std::memcpy(out + (off + sl.begin(q)) * es, slot(q, p) + sl.begin(q) * es, sl.length(q) * es);
   }
+}
+
+void Group::allreduce_shared(const SharedRegion& region, size_t offset, size_t count, DataType dtype, ReduceOp op) {
+  const size_t es = dtype_size(dtype);
+  const Slices sl(count, size_, es);
+  auto at = [&](int q, size_t element) { return region.part(q) + offset + element * es; };
+  // Round 1: every rank's buffer holds its contribution (and the signatures are compared).
+  sync_.post();
+  wait_all("allreduce");
+  // Reduce my slice from every rank's buffer, in rank order, a piece small enough to stay in this
+  // core's cache at a time, and write each piece's result into every peer's buffer while it is hot.
+  // Peers touch other slices only, and no rank changes its buffer before the second round.
+  const size_t b = sl.begin(rank_), n = sl.length(rank_);
+  const size_t piece = std::max<size_t>(kLine, (size_t{64} << 10) / es);
+  // Ranks 0 and 1 accumulate in their own buffer (reduce_to may write over one of its inputs); a
+  // higher rank's own contribution is read after that first step, so it accumulates aside.
+  std::vector<char> aside(rank_ >= 2 ? std::min(piece, n) * es : 0);
+  for (size_t i = 0; i < n; i += piece) {
+    const size_t m = std::min(piece, n - i);
+    char* acc = rank_ < 2 ? at(rank_, b + i) : aside.data();
+    kernels::reduce_to(acc, at(0, b + i), at(1, b + i), m, dtype, op);
+    for (int q = 2; q < size_; ++q) kernels::reduce_into(acc, at(q, b + i), m, dtype, op);
+    if (op == ReduceOp::kAvg) kernels::finish_average(acc, m, dtype, size_);
+    for (int q = 0; q < size_; ++q)
+      if (acc != at(q, b + i)) std::memcpy(at(q, b + i), acc, m * es);
+  }
+  // Round 2: every slice is final in every buffer; no peer reads or writes mine after this.
+  sync_.post();
+  wait_all("allreduce");
 }
 
 void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType dtype, ReduceOp op) {

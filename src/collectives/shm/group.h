@@ -14,6 +14,10 @@
 //    its slot; rank r reduces slice r of the chunk reading its own input and the peers' slots (rank
 //    order), writes the result into its slot, and after a second wait every rank copies the other
 //    slices' results from their owners' slots into its output.
+//  * allreduce, in place on memory from allocate_shared(): every rank's buffer is mapped by every peer,
+//    so nothing is staged: after one wait rank r reduces slice r reading the peers' buffers directly
+//    and writes the result into every rank's buffer; a second wait ends it (2 n bytes through memory
+//    per rank instead of 4.5 n for P = 2).
 //  * reduce_scatter: the first half of the large allreduce, with slice r = output block r.
 //  * allgather: each rank copies its chunk into its slot; after one wait everyone copies the peers'.
 //  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
@@ -24,6 +28,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -66,6 +71,13 @@ class Group {
   void broadcast(void* data, size_t bytes, int root);
   void barrier();
 
+  // Collective (every local rank, in the same order, with the same size): `bytes` of zeroed memory that
+  // the peers map too, in a segment of its own that goes away when the last holder drops it (it may
+  // outlive the group). An in-place allreduce on a range of it reads the peers' copies directly instead
+  // of staging through the slots. All ranks must reduce the same range: the range is part of the call's
+  // signature, so a rank that passes another range (or ordinary memory) gets a MismatchError.
+  std::shared_ptr<void> allocate_shared(size_t bytes);
+
   // ---- Error semantics of the communicator (comm/communicator_impl_shm.cc installs these) ----
   // The signature the following group calls publish (until the next set_call). After the first wait
   // of each call, every rank compares its peers' published signatures with its own and throws
@@ -85,9 +97,22 @@ class Group {
   Group(Segment segment, int local_rank, int local_size, std::chrono::milliseconds timeout,
         const GroupOptions& options);
 
+  // The `reserved` word of a call's signature when it reduces shared memory: nonzero, and equal on two
+  // ranks only if both reduce the same range of the same allocation.
+  static uint32_t shared_tag(uint32_t allocation, size_t offset);
+
  private:
+  // One allocate_shared() call: every rank's part, `per_rank` bytes each, in one segment.
+  struct SharedRegion {
+    Segment segment;
+    size_t per_rank;
+    uint32_t id;
+    char* part(int rank) const { return static_cast<char*>(segment.data()) + static_cast<size_t>(rank) * per_rank; }
+  };
+
+  // `shared_tag` goes into the signature this call publishes (0: not on shared memory).
   template <typename Body>
-  void guarded(const char* what, Body&& body);
+  void guarded(const char* what, Body&& body, uint32_t shared_tag = 0);
   char* slot(int rank, unsigned parity) const;
   unsigned next_parity() { return round_++ & 1u; }
   // sync_.wait_all, then (once per call) the signature comparison.
@@ -96,18 +121,27 @@ class Group {
 
   void allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   void allreduce_large(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  void allreduce_shared(const SharedRegion& region, size_t offset, size_t count, DataType dtype, ReduceOp op);
+  // The live allocation holding [data, data + bytes) in this rank's part, and the offset there.
+  std::shared_ptr<SharedRegion> find_shared(const void* data, size_t bytes, size_t* offset);
 
   Segment segment_;
+  std::string address_;  // the segment's rendezvous name; allocate_shared derives its own from it
   int rank_;
   int size_;
   GroupOptions options_;
   PeerSync sync_;
   uint64_t round_ = 0;
-  CallSignature call_{};
+  CallSignature call_{};        // from set_call
+  CallSignature active_{};      // what the running call published: call_ plus its shared tag
   uint64_t calls_ = 0;          // group calls so far; call_ goes to control line entry calls_ & 1
   bool compare_pending_ = false;
   MismatchFormatter mismatch_formatter_;
   std::string failure_;  // first error; later calls repeat it
+  std::chrono::milliseconds timeout_;
+  std::mutex shared_mutex_;  // allocate_shared (user thread) against find_shared (progress thread)
+  std::vector<std::weak_ptr<SharedRegion>> shared_;
+  uint32_t shared_allocations_ = 0;
 };
 
 }  // namespace cohort::shm
