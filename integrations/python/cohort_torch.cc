@@ -20,6 +20,8 @@
 //   worker is done; failures complete it with the communicator's exception, which Python sees
 //   as RuntimeError carrying cohort's message.
 // - Non-contiguous tensors are staged through a contiguous copy and copied back.
+// - A tensor allreduced again and again (DDP's gradient buckets) moves into memory the peers map
+//   (SharedStorage below), so that its allreduce reads their data in place instead of staging it.
 
 #include <torch/csrc/api/include/torch/version.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -37,8 +39,15 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <utility>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -351,12 +360,84 @@ class CohortWork : public c10d::Work {
 };
 
 // ---------------------------------------------------------------------------------------------
+// SharedStorage: allreduce on memory the peers map.
+//
+// cohort's intra-host allreduce stages a buffer through shared slots because a peer cannot read the
+// caller's memory; memory from Communicator::allocate_shared it can read, so an in-place allreduce
+// there moves about half the bytes (docs/algorithms-shm.md). DDP allreduces the same bucket tensors
+// every step, and an unmodified script cannot allocate them itself, so the backend moves a tensor's
+// storage there once it has seen that storage in an earlier large allreduce: the contents are copied
+// and the storage's data pointer is swapped (every view of it follows, as with share_memory_()).
+// Only storages from torch's CPU allocator move (never memory torch borrowed, e.g. from numpy).
+//
+// Whether to move, and whether every rank's tensor is already there, must be the same decision on
+// every rank (allocate_shared is collective, and the in-place path needs every rank on it): before
+// each large allreduce the ranks combine four facts with one small allreduce (min).
+// COHORT_TORCH_SHARE_STORAGE=0 turns it off.
+class SharedStorage {
+ public:
+  static constexpr size_t kMinBytes = size_t{256} << 10;
+
+  explicit SharedStorage(cohort::Communicator& comm) : comm_(comm) {
+    const char* env = std::getenv("COHORT_TORCH_SHARE_STORAGE");
+    enabled_ = !(env && std::string(env) == "0") && comm.size() > 1 && comm.local_size() == comm.size() &&
+               comm.options().transport != "tcp";
+  }
+
+  // The allreduce of `buf` (the user's own contiguous tensor), in place. Runs on the worker thread.
+  void allreduce(const at::Tensor& buf, cohort::DataType dtype, cohort::ReduceOp op) {
+    const size_t count = static_cast<size_t>(buf.numel());
+    if (!enabled_ || buf.nbytes() < kMinBytes) return comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
+    c10::StorageImpl* storage = buf.storage().unsafeGetStorageImpl();
+    const c10::DataPtr& data = storage->data_ptr();
+    const bool shared = data.get_deleter() == &release;
+    const bool movable = shared || data.get_deleter() == c10::GetCPUAllocator()->raw_deleter();
+    const auto key = std::make_pair(static_cast<const void*>(storage), static_cast<const void*>(data.get()));
+    const int64_t bytes = static_cast<int64_t>(storage->nbytes());
+    const int64_t offset = static_cast<int64_t>(buf.storage_offset()) * static_cast<int64_t>(buf.element_size());
+    // min over ranks of: shared, wants to move, storage size, -size, offset, -offset.
+    int64_t f[6] = {shared, movable && (shared || seen_.count(key) > 0), bytes, -bytes, offset, -offset};
+    comm_.allreduce(f, f, 6, cohort::DataType::kInt64, cohort::ReduceOp::kMin);
+    const bool same_layout = f[2] == -f[3] && f[4] == -f[5];
+    if (f[0] == 1 && same_layout) return comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
+    if (shared) {
+      // Mine is shared, a peer's is not: reduce a private copy so that the group stages it.
+      at::Tensor copy = buf.clone();
+      comm_.allreduce(copy.data_ptr(), copy.data_ptr(), count, dtype, op);
+      buf.copy_(copy);
+    } else {
+      comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
+    }
+    if (f[1] == 1 && same_layout) return move(storage);
+    if (seen_.size() > 4096) seen_.clear();  // stale entries only cost one later move
+    seen_.insert(key);
+  }
+
+ private:
+  static void release(void* context) { delete static_cast<std::shared_ptr<void>*>(context); }
+
+  void move(c10::StorageImpl* storage) {
+    const size_t bytes = storage->nbytes();
+    std::shared_ptr<void> memory = comm_.allocate_shared(bytes);
+    std::memcpy(memory.get(), storage->data_ptr().get(), bytes);
+    void* target = memory.get();
+    auto* owner = new std::shared_ptr<void>(std::move(memory));
+    // The old DataPtr comes back and is freed here; no view caches the old address.
+    storage->set_data_ptr(c10::DataPtr(target, owner, &release, c10::Device(c10::kCPU)));
+  }
+
+  cohort::Communicator& comm_;
+  bool enabled_ = false;
+  std::set<std::pair<const void*, const void*>> seen_;  // (storage, its memory) seen in a large allreduce
+};
+
+// ---------------------------------------------------------------------------------------------
 // The process group (torch 1.x) / backend (torch 2.x).
 // ---------------------------------------------------------------------------------------------
 class ProcessGroupCohort : public BaseGroup {
  public:
   ProcessGroupCohort(std::shared_ptr<cohort::Communicator> comm, int rank, int size)
-      : BaseGroup(rank, size), comm_(std::move(comm)) {
+      : BaseGroup(rank, size), comm_(std::move(comm)), shared_storage_(*comm_) {
     worker_ = std::thread([this] { worker_loop(); });
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
@@ -405,6 +486,7 @@ class ProcessGroupCohort : public BaseGroup {
     Staged t(tensors[0]);
     return enqueue(opts.timeout, c10d::OpType::ALLREDUCE, tensors, [this, t, dtype, op] {
       if (t.count() == 0) return;
+      if (t.buf.is_same(t.user)) return shared_storage_.allreduce(t.buf, dtype, op);
       comm_->allreduce(t.data(), t.data(), t.count(), dtype, op);
       t.copy_back();
     });
@@ -806,6 +888,7 @@ class ProcessGroupCohort : public BaseGroup {
   }
 
   std::shared_ptr<cohort::Communicator> comm_;
+  SharedStorage shared_storage_;  // used by the worker thread only
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> queue_;
@@ -872,3 +955,4 @@ PYBIND11_MODULE(cohort_torch, m) {
 #endif
   }
 }
+

@@ -260,6 +260,54 @@ def test_noncontiguous_async_p2p_errors(rank, world):
     same("usable after refusals", x, torch.full((5,), float(world)))
 
 
+def test_shared_storage(rank, world):
+    """A tensor all_reduced again and again moves into memory the peers map (after its second large
+    all_reduce); values stay equal to gloo's, views follow, borrowed memory (numpy) never moves, and
+    ranks whose tensors sit at different offsets fall back to staging instead of failing."""
+    local = os.environ.get("COHORT_TRANSPORT", "auto") != "tcp"
+    n = 1 << 18  # 1 MiB of float32: above the 256 KiB threshold
+    t = make(rank, n, torch.float32)
+    view = t[5:9]
+    pointers = []
+    for salt in range(4):
+        t.copy_(make(rank, n, torch.float32, salt))
+        ref = t.clone()
+        dist.all_reduce(t, group=COHORT)
+        dist.all_reduce(ref, group=GLOO)
+        same(f"reused all_reduce #{salt}", t, ref)
+        same(f"view of a reused tensor #{salt}", view, ref[5:9])
+        pointers.append(t.data_ptr())
+    if local:
+        assert pointers[0] != pointers[1] and pointers[1] == pointers[2] == pointers[3], \
+            f"expected the storage to move once, at the second all_reduce: {pointers}"
+    # AVG on the moved storage (the in-place path).
+    t.copy_(make(rank, n, torch.float32, 9))
+    ref = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=COHORT)
+    dist.all_reduce(ref, group=GLOO)
+    same("AVG on a moved tensor", t, ref / world)
+    # numpy's memory is borrowed: never moved, still reduced right.
+    import numpy as np
+    a = np.full(n, rank + 1.0, dtype=np.float32)
+    x = torch.from_numpy(a)
+    for _ in range(3):
+        dist.all_reduce(x, group=COHORT)
+    assert x.data_ptr() == a.ctypes.data, "a numpy-backed tensor must keep numpy's memory"
+    same("numpy-backed all_reduce", torch.from_numpy(a[:4].copy()),
+         torch.full((4,), float(sum(range(1, world + 1)) * world ** 2)))
+    # Same sizes, different offsets into equal storages on different ranks.
+    big = torch.zeros(n + 64)
+    offset = 0 if rank == 0 else 16
+    for salt in range(4):
+        part = big[offset:offset + n]
+        part.copy_(make(rank, n, torch.float32, salt))
+        ref = part.clone()
+        dist.all_reduce(part, group=COHORT)
+        dist.all_reduce(ref, group=GLOO)
+        same(f"different offsets #{salt}", part, ref)
+    dist.barrier(group=COHORT)
+
+
 def main():
     global COHORT, GLOO
     parser = argparse.ArgumentParser()
@@ -287,6 +335,7 @@ def main():
     test_allreduce(rank, world)
     test_other_collectives(rank, world)
     test_noncontiguous_async_p2p_errors(rank, world)
+    test_shared_storage(rank, world)
     dist.barrier(group=GLOO)
     dist.destroy_process_group()
     print(f"OK {checks}")
