@@ -41,6 +41,9 @@ const env::BoolSetting kShmCollectives(
     "COHORT_SHM_COLLECTIVES", true,
     "run allreduce/reduce_scatter/allgather/broadcast/barrier on the shared-memory group when ranks share a "
     "host (COHORT_TRANSPORT=tcp turns it off too; with 0 they run over the point-to-point transports)");
+const env::BoolSetting kShmSharedBuffers(
+    "COHORT_SHM_SHARED_BUFFERS", true,
+    "allocate_shared gives memory the local peers map (DDP buckets reduced in place); 0: ordinary memory, staged");
 // The cross-host communicators of the hierarchical path are children whose errors are rewritten to
 // name world ranks (in_world_ranks), so a failure there names the lost rank as any other does.
 const env::StringSetting kHierarchical(
@@ -919,7 +922,7 @@ std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>&
 std::shared_ptr<void> CommunicatorImpl::allocate_shared(size_t bytes) {
   // Only a communicator whose collectives all run on one shm group can reduce the peers' memory
   // directly; a hierarchical one stages (its host group's allreduce is one step of several).
-  if (!shm_group_) return Communicator::allocate_shared(bytes);
+  if (!shm_group_ || !kShmSharedBuffers.get()) return Communicator::allocate_shared(bytes);
   return shm_group_->allocate_shared(bytes);
 }
 
