@@ -368,7 +368,9 @@ class CohortWork : public c10d::Work {
 // every step, and an unmodified script cannot allocate them itself, so the backend moves a tensor's
 // storage there once it has seen that storage in an earlier large allreduce: the contents are copied
 // and the storage's data pointer is swapped (every view of it follows, as with share_memory_()).
-// Only storages from torch's CPU allocator move (never memory torch borrowed, e.g. from numpy).
+// Only storages from torch's CPU allocator move (never memory torch borrowed, e.g. from numpy), and
+// only up to kMaxBytes: the old memory is kept until the storage dies, because a raw pointer taken
+// before the move (t.numpy(), a C++ data_ptr()) must stay valid (it just no longer sees new results).
 //
 // Whether to move, and whether every rank's tensor is already there, must be the same decision on
 // every rank (allocate_shared is collective, and the in-place path needs every rank on it): before
@@ -377,6 +379,8 @@ class CohortWork : public c10d::Work {
 class SharedStorage {
  public:
   static constexpr size_t kMinBytes = size_t{256} << 10;
+  // DDP's buckets are 25 MiB (bucket_cap_mb); larger tensors stage rather than keep a second copy.
+  static constexpr size_t kMaxBytes = size_t{64} << 20;
 
   explicit SharedStorage(cohort::Communicator& comm) : comm_(comm) {
     const char* env = std::getenv("COHORT_TORCH_SHARE_STORAGE");
@@ -391,7 +395,8 @@ class SharedStorage {
     c10::StorageImpl* storage = buf.storage().unsafeGetStorageImpl();
     const c10::DataPtr& data = storage->data_ptr();
     const bool shared = data.get_deleter() == &release;
-    const bool movable = shared || data.get_deleter() == c10::GetCPUAllocator()->raw_deleter();
+    const bool movable = shared || (data.get_deleter() == c10::GetCPUAllocator()->raw_deleter() &&
+                                    storage->nbytes() <= kMaxBytes);
     const auto key = std::make_pair(static_cast<const void*>(storage), static_cast<const void*>(data.get()));
     const int64_t bytes = static_cast<int64_t>(storage->nbytes());
     const int64_t offset = static_cast<int64_t>(buf.storage_offset()) * static_cast<int64_t>(buf.element_size());
@@ -414,16 +419,22 @@ class SharedStorage {
   }
 
  private:
-  static void release(void* context) { delete static_cast<std::shared_ptr<void>*>(context); }
+  // What a moved storage's DataPtr owns: the shared memory, and the memory it had before.
+  struct Moved {
+    std::shared_ptr<void> shared;
+    c10::DataPtr before;
+  };
+  static void release(void* context) { delete static_cast<Moved*>(context); }
 
   void move(c10::StorageImpl* storage) {
     const size_t bytes = storage->nbytes();
     std::shared_ptr<void> memory = comm_.allocate_shared(bytes);
     std::memcpy(memory.get(), storage->data_ptr().get(), bytes);
     void* target = memory.get();
-    auto* owner = new std::shared_ptr<void>(std::move(memory));
-    // The old DataPtr comes back and is freed here; no view caches the old address.
-    storage->set_data_ptr(c10::DataPtr(target, owner, &release, c10::Device(c10::kCPU)));
+    auto* moved = new Moved{std::move(memory), c10::DataPtr()};
+    // Views read the storage's pointer on every access, so they follow; the old memory goes into the
+    // new owner instead of being freed (see the class comment).
+    moved->before = storage->set_data_ptr(c10::DataPtr(target, moved, &release, c10::Device(c10::kCPU)));
   }
 
   cohort::Communicator& comm_;

@@ -286,8 +286,23 @@ def test_shared_storage(rank, world):
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=COHORT)
     dist.all_reduce(ref, group=GLOO)
     same("AVG on a moved tensor", t, ref / world)
-    # numpy's memory is borrowed: never moved, still reduced right.
+    # A raw pointer taken before the move (here numpy's view of torch's memory) stays valid: it keeps
+    # the memory of before the move, holding the result of the call that moved it.
     import numpy as np
+    u = make(rank, n, torch.float32)
+    before = u.numpy()
+    dist.all_reduce(u, group=COHORT)
+    dist.all_reduce(u, group=COHORT)  # moves (when local)
+    snapshot = u.clone()
+    churn = [torch.full((n,), 7.0) for _ in range(4)]  # would reuse freed memory
+    dist.all_reduce(u, group=COHORT)
+    if local:
+        assert np.array_equal(before, snapshot.numpy()), "the pre-move memory must be kept, unchanged"
+        assert not torch.equal(u, snapshot), "the moved tensor must see the later all_reduce"
+    else:  # nothing moved: numpy's view is the tensor
+        assert np.array_equal(before, u.numpy())
+    del churn
+    # numpy's memory is borrowed: never moved, still reduced right.
     a = np.full(n, rank + 1.0, dtype=np.float32)
     x = torch.from_numpy(a)
     for _ in range(3):
