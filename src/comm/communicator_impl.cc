@@ -923,6 +923,9 @@ std::shared_ptr<void> CommunicatorImpl::allocate_shared(size_t bytes) {
   // Only a communicator whose collectives all run on one shm group can reduce the peers' memory
   // directly; a hierarchical one stages (its host group's allreduce is one step of several).
   if (!shm_group_ || !kShmSharedBuffers.get()) return Communicator::allocate_shared(bytes);
+  // The segment's handshake only knows its deadline; a barrier first gives the usual errors at once
+  // (a lost peer within ~50 ms, abort, a peer in another operation) instead of a wait until then.
+  barrier();
   return shm_group_->allocate_shared(bytes);
 }
 

@@ -286,6 +286,20 @@ TEST(Ops, AllocateSharedBuffersReduceInPlaceAndAMisplacedRangeIsAMismatch) {
   for (const auto& e : errors) EXPECT_NE(e.find("allocate_shared"), std::string::npos) << e;
 }
 
+TEST(Ops, AllocateSharedWhilePeersRunAnotherOperationFailsAtOnce) {
+  // allocate_shared is collective: a rank that calls it while its peer runs an allreduce gets the
+  // usual MismatchError (its barrier against the allreduce), not a wait until the deadline.
+  auto store = make_memory_store();
+  run_ranks(2, [&](int rank) {
+    auto comm = make(store, rank, 2, 20);
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<float> v(64, 1.0f);
+    if (rank == 0) EXPECT_THROW(comm->allocate_shared(1 << 20), MismatchError);
+    else EXPECT_THROW(comm->allreduce(v.data(), v.data(), 64, DataType::kFloat32, ReduceOp::kSum), MismatchError);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  });
+}
+
 TEST(Ops, AbortFailsPendingAndLaterCalls) {
   auto store = make_memory_store();
   run_ranks(2, [&](int rank) {
