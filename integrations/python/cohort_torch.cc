@@ -46,7 +46,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <set>
+#include <map>
 #include <utility>
 #include <condition_variable>
 #include <deque>
@@ -397,11 +397,12 @@ class SharedStorage {
     const bool shared = data.get_deleter() == &release;
     const bool movable = shared || (data.get_deleter() == c10::GetCPUAllocator()->raw_deleter() &&
                                     storage->nbytes() <= kMaxBytes);
-    const auto key = std::make_pair(static_cast<const void*>(storage), static_cast<const void*>(data.get()));
+    const auto seen = seen_.find(storage);
+    const bool seen_before = seen != seen_.end() && !seen->second.expired();
     const int64_t bytes = static_cast<int64_t>(storage->nbytes());
     const int64_t offset = static_cast<int64_t>(buf.storage_offset()) * static_cast<int64_t>(buf.element_size());
     // min over ranks of: shared, wants to move, storage size, -size, offset, -offset.
-    int64_t f[6] = {shared, movable && (shared || seen_.count(key) > 0), bytes, -bytes, offset, -offset};
+    int64_t f[6] = {shared, movable && (shared || seen_before), bytes, -bytes, offset, -offset};
     comm_.allreduce(f, f, 6, cohort::DataType::kInt64, cohort::ReduceOp::kMin);
     const bool same_layout = f[2] == -f[3] && f[4] == -f[5];
     if (f[0] == 1 && same_layout) return comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
@@ -414,8 +415,9 @@ class SharedStorage {
       comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
     }
     if (f[1] == 1 && same_layout) return move(storage);
-    if (seen_.size() > 4096) seen_.clear();  // stale entries only cost one later move
-    seen_.insert(key);
+    if (seen_.size() >= 256) std::erase_if(seen_, [](const auto& entry) { return entry.second.expired(); });
+    if (seen_.size() >= 4096) seen_.clear();  // live tensors forgotten here only move one call later
+    seen_.insert_or_assign(storage, buf.storage().getWeakStorageImpl());
   }
 
  private:
@@ -439,7 +441,9 @@ class SharedStorage {
 
   cohort::Communicator& comm_;
   bool enabled_ = false;
-  std::set<std::pair<const void*, const void*>> seen_;  // (storage, its memory) seen in a large allreduce
+  // Storages seen in a large allreduce. The weak reference keeps a dead StorageImpl's shell allocated,
+  // so a new storage can never take its address and be mistaken for one seen before.
+  std::map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> seen_;
 };
 
 // ---------------------------------------------------------------------------------------------
