@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include <fmt/core.h>
@@ -227,6 +228,17 @@ std::string hostname() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof buf - 1) != 0) return "localhost";
   return buf;
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.size() + 1 > sizeof(addr.sun_path))
+    throw InvalidArgument(fmt::format("abstract socket name '{}' is longer than {} bytes", name, sizeof(addr.sun_path) - 1));
+  addr.sun_path[0] = '\0';  // abstract namespace
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
 }
 
 ssize_t send_with_fds(int sock, const void* data, size_t len, const std::vector<int>& fds, int flags) {

@@ -5,6 +5,7 @@
 
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include <cstdint>
 #include <string>
@@ -61,6 +62,10 @@ void recv_all(int fd, void* data, size_t len, Deadline deadline, const std::stri
 
 // This machine's host name.
 std::string hostname();
+
+// Unix sockets in the abstract namespace (no file is created; the name goes away with the socket).
+// Throws InvalidArgument naming `name` when it does not fit sun_path.
+sockaddr_un abstract_address(const std::string& name, socklen_t* len);
 
 // Unix sockets: one message of `len` bytes with descriptors attached (SCM_RIGHTS, at most
 // kMaxPassedFds). Returns sendmsg's result (-1 with errno set).

@@ -33,17 +33,6 @@ struct Hello {
   uint64_t bytes;
 };
 
-sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (name.size() + 1 > sizeof(addr.sun_path))
-    throw InvalidArgument(fmt::format("shm: socket name '{}' is longer than {} bytes", name, sizeof(addr.sun_path) - 1));
-  addr.sun_path[0] = '\0';  // abstract namespace: no file is created
-  std::memcpy(addr.sun_path + 1, name.data(), name.size());
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-  return addr;
-}
-
 [[noreturn]] void throw_errno(const std::string& what) {
   throw Error(fmt::format("shm: {}: {}", what, std::strerror(errno)));
 }
@@ -101,7 +90,7 @@ void* map_fd(int fd, size_t bytes) {
 Segment Segment::establish(const std::string& address, int local_rank, int local_size, size_t bytes,
                            Deadline deadline) {
   socklen_t addr_len = 0;
-  sockaddr_un addr = abstract_address(address, &addr_len);
+  sockaddr_un addr = net::abstract_address(address, &addr_len);
   Segment seg;
   seg.size_ = bytes;
   if (local_rank == 0) {

@@ -145,16 +145,6 @@ size_t round_up_pow2(uint64_t v) {
   throw Error(fmt::format("shm transport: {}: {}", what, std::strerror(errno)));
 }
 
-sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (name.size() + 1 > sizeof(addr.sun_path))
-    throw InvalidArgument(fmt::format("shm transport: socket name '{}' is too long", name));
-  std::memcpy(addr.sun_path + 1, name.data(), name.size());
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-  return addr;
-}
-
 // Sends a hello with this rank's memfd and eventfd attached.
 bool send_hello(int sock, const Hello& h, int memfd, int eventfd) {
   return net::send_with_fds(sock, &h, sizeof h, {memfd, eventfd}, MSG_DONTWAIT) == static_cast<ssize_t>(sizeof h);
@@ -188,7 +178,7 @@ class ShmTransport final : public Transport {
     listener_.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!listener_) throw_errno("socket");
     socklen_t len = 0;
-    sockaddr_un addr = abstract_address(socket_name_, &len);
+    sockaddr_un addr = net::abstract_address(socket_name_, &len);
     if (::bind(listener_.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
       throw_errno(fmt::format("bind abstract socket '{}'", socket_name_));
     if (::listen(listener_.get(), std::max(16, size_)) != 0) throw_errno("listen");
@@ -262,7 +252,7 @@ class ShmTransport final : public Transport {
         throw PeerLostError(fmt::format("rank {} ({}) published no shm endpoint ('{}')", j, host(j),
                                         info_[size_t(j)].descriptor));
       socklen_t len = 0;
-      sockaddr_un addr = abstract_address(name, &len);
+      sockaddr_un addr = net::abstract_address(name, &len);
       UniqueFd s;
       for (;;) {
         s.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
