@@ -182,7 +182,10 @@ TEST_P(ShmGroupWorld, AllreduceInPlaceOnSharedMemoryMatchesTheReferenceAndTouche
           char* range = base + 64;
           std::memcpy(range, in.data(), in.size());
           groups[r]->barrier();  // no peer may still be writing this rank's memory from the last call
+          const uint64_t before = groups[r]->shared_allreduces();
           groups[r]->allreduce(range, range, n, t, op);
+          // The in-place path ran (staging gives the same values, so this is what proves it).
+          ASSERT_EQ(groups[r]->shared_allreduces(), before + (world > 1 ? 1 : 0)) << label(t, op, n, world, r);
           ASSERT_EQ(0, std::memcmp(range, want.data(), want.size())) << "shared: " << label(t, op, n, world, r);
           ASSERT_EQ(0x5C, static_cast<unsigned char>(base[63])) << label(t, op, n, world, r);
           ASSERT_EQ(0x5C, static_cast<unsigned char>(range[in.size()])) << label(t, op, n, world, r);
@@ -194,6 +197,25 @@ TEST_P(ShmGroupWorld, AllreduceInPlaceOnSharedMemoryMatchesTheReferenceAndTouche
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroupWorld, ::testing::Range(1, 9));
+
+TEST(ShmGroup, OnlyInPlaceCallsAboveTheSmallLimitOnSharedMemoryTakeTheInPlacePath) {
+  auto groups = make_groups(2, tiny_options());
+  test::run_ranks(2, [&](int r) {
+    auto memory = groups[r]->allocate_shared(1 << 16);
+    float* shared = static_cast<float*>(memory.get());
+    std::vector<float> ordinary(1000, 1.0f), out(1000);
+    std::fill_n(shared, 1000, 1.0f);
+    groups[r]->allreduce(ordinary.data(), ordinary.data(), 1000, DataType::kFloat32, ReduceOp::kSum);
+    groups[r]->allreduce(shared, out.data(), 1000, DataType::kFloat32, ReduceOp::kSum);  // not in place
+    groups[r]->allreduce(shared, shared, 16, DataType::kFloat32, ReduceOp::kSum);        // 64 B: small path
+    EXPECT_EQ(groups[r]->shared_allreduces(), 0u);
+    EXPECT_EQ(out[999], 2.0f);
+    groups[r]->barrier();
+    groups[r]->allreduce(shared, shared, 1000, DataType::kFloat32, ReduceOp::kSum);
+    EXPECT_EQ(groups[r]->shared_allreduces(), 1u);
+    EXPECT_EQ(shared[999], 2.0f);
+  });
+}
 
 TEST(ShmGroup, SharedMemoryRangesThatDifferBetweenRanksAreAMismatch) {
   auto groups = make_groups(2, tiny_options());

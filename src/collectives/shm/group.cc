@@ -283,10 +283,10 @@ void Group::allreduce_shared(const SharedRegion& region, size_t offset, size_t c
   const size_t piece = std::max<size_t>(kLine, (size_t{64} << 10) / es);
   // Ranks 0 and 1 accumulate in their own buffer (reduce_to may write over one of its inputs); a
   // higher rank's own contribution is read after that first step, so it accumulates aside.
-  std::vector<char> aside(rank_ >= 2 ? std::min(piece, n) * es : 0);
+  if (rank_ >= 2 && aside_.size() < piece * es) aside_.resize(piece * es);
   for (size_t i = 0; i < n; i += piece) {
     const size_t m = std::min(piece, n - i);
-    char* acc = rank_ < 2 ? at(rank_, b + i) : aside.data();
+    char* acc = rank_ < 2 ? at(rank_, b + i) : aside_.data();
     kernels::reduce_to(acc, at(0, b + i), at(1, b + i), m, dtype, op);
     for (int q = 2; q < size_; ++q) kernels::reduce_into(acc, at(q, b + i), m, dtype, op);
     if (op == ReduceOp::kAvg) kernels::finish_average(acc, m, dtype, size_);
@@ -296,6 +296,7 @@ void Group::allreduce_shared(const SharedRegion& region, size_t offset, size_t c
   // Round 2: every slice is final in every buffer; no peer reads or writes mine after this.
   sync_.post();
   wait_all("allreduce");
+  ++shared_allreduces_;
 }
 
 void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType dtype, ReduceOp op) {

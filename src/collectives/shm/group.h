@@ -77,6 +77,8 @@ class Group {
   // of staging through the slots. All ranks must reduce the same range: the range is part of the call's
   // signature, so a rank that passes another range (or ordinary memory) gets a MismatchError.
   std::shared_ptr<void> allocate_shared(size_t bytes);
+  // Allreduces that took the in-place path on allocate_shared memory (tests, logs).
+  uint64_t shared_allreduces() const { return shared_allreduces_; }
 
   // ---- Error semantics of the communicator (comm/communicator_impl_shm.cc installs these) ----
   // The signature the following group calls publish (until the next set_call). After the first wait
@@ -142,6 +144,8 @@ class Group {
   std::mutex shared_mutex_;  // allocate_shared (user thread) against find_shared (progress thread)
   std::vector<std::weak_ptr<SharedRegion>> shared_;
   uint32_t shared_allocations_ = 0;
+  uint64_t shared_allreduces_ = 0;
+  std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2
 };
 
 }  // namespace cohort::shm
