@@ -153,16 +153,20 @@ TEST(Run, FailFastReturnsTheWorkersCodeWithinTwoSeconds) {
   expect_no_process_left(dir, 4);
 }
 
+// `cohort run -n 3` of a shell script in which $GONE names a marker file, absent at the start, that
+// one rank creates when it is about to fail (the others wait for it to act after that failure).
+auto run_three_with_marker(const std::string& script) {
+  TempDir dir;
+  return run_process(concat(cohort_run({"-n", "3"}), sh("GONE=" + dir.path() + "/gone; " + script)), {}, 30);
+}
+
 TEST(Run, SurvivorsGetAReportWindowBeforeTheStopSignal) {
   // After a failure the others get up to 1 s to fail on their own before SIGTERM: a communicator sees
   // a lost peer within milliseconds and names it, and that line must not be lost to the signal.
-  TempDir dir;
-  const std::string gone = dir.path() + "/gone";
-  auto r = run_process(concat(cohort_run({"-n", "3"}),
-                              sh("if [ $RANK = 2 ]; then touch " + gone + "; exit 3; fi; "
-                                 "while [ ! -e " + gone + " ]; do sleep 0.01; done; sleep 0.2; "
-                                 "echo \"rank $RANK: lost rank 2\" >&2; exit 1")),
-                       {}, 30);
+  auto r = run_three_with_marker(
+      "if [ $RANK = 2 ]; then touch $GONE; exit 3; fi; "
+      "while [ ! -e $GONE ]; do sleep 0.01; done; sleep 0.2; "
+      "echo \"rank $RANK: lost rank 2\" >&2; exit 1");
   EXPECT_EQ(r.exit_code, 3) << r.err;
   EXPECT_NE(r.err.find("rank 0: lost rank 2"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("rank 1: lost rank 2"), std::string::npos) << r.err;
@@ -172,14 +176,11 @@ TEST(Run, SurvivorsGetAReportWindowBeforeTheStopSignal) {
 TEST(Run, AKilledWorkerIsTheRootCauseEvenWhenItsPeersErrorsArriveFirst) {
   // Rank 0 reports losing rank 1 and exits before rank 1's SIGKILL is reaped (as a communicator
   // does when its peer's connection closes). The summary and exit code name the kill, not the report.
-  TempDir dir;
-  const std::string gone = dir.path() + "/gone";
-  auto r = run_process(concat(cohort_run({"-n", "3"}),
-                              sh("if [ $RANK = 1 ]; then touch " + gone + "; sleep 0.1; kill -9 $$; fi; "
-                                 "if [ $RANK = 0 ]; then while [ ! -e " + gone + " ]; do sleep 0.01; done; "
-                                 "echo 'allreduce #7 on rank 0 (vm): lost rank 1 (vm): connection closed' >&2; exit 1; fi; "
-                                 "exec sleep 60")),
-                       {}, 30);
+  auto r = run_three_with_marker(
+      "if [ $RANK = 1 ]; then touch $GONE; sleep 0.1; kill -9 $$; fi; "
+      "if [ $RANK = 0 ]; then while [ ! -e $GONE ]; do sleep 0.01; done; "
+      "echo 'allreduce #7 on rank 0 (vm): lost rank 1 (vm): connection closed' >&2; exit 1; fi; "
+      "exec sleep 60");
   EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
   EXPECT_TRUE(std::regex_search(r.err, std::regex(R"(job failed \(exit 137\): rank 1 on \S+ \(pid \d+\) was killed by SIGKILL)")))
       << r.err;
