@@ -109,6 +109,26 @@ TEST(GradientSync, RebuildsBucketsInReadyOrderAfterFirstIteration) {
   });
 }
 
+TEST(GradientSync, BucketsLiveInAllocateSharedMemoryBeforeAndAfterTheRebuild) {
+  // On one host allocate_shared memory is what the peers map, so the buckets' allreduces run in place
+  // (docs/algorithms-shm.md); ordinary heap buckets would still give right averages, hence this check.
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    auto& comm = static_cast<ThreadCommunicator&>(*comms[rank]);
+    GradientSync sync(comms[rank], small_model(), tiny_buckets());
+    auto all_slots_shared = [&] {
+      for (size_t p = 0; p < sync.parameters().size(); ++p)
+        if (!comm.from_allocate_shared(sync.gradient_slot(p).get(), sync.parameters()[p].numel() * sizeof(float)))
+          return false;
+      return true;
+    };
+    EXPECT_TRUE(all_slots_shared());
+    expect_average(iterate(sync, rank, {0, 2, 1, 3}), 2, 0, 1e-5f);
+    ASSERT_TRUE(sync.buckets_rebuilt());
+    EXPECT_TRUE(all_slots_shared());
+  });
+}
+
 TEST(GradientSync, CompressedWireFormats) {
   for (auto c : {WireCompression::kFloat16, WireCompression::kBFloat16}) {
     auto comms = ThreadCommunicator::make_world(3);

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cohort/communicator.h"
@@ -168,6 +169,23 @@ class ThreadCommunicator : public Communicator {
   // Number of operations issued so far (tests check the order and count of allreduces).
   int64_t operations() const { return operations_; }
 
+  // Ordinary memory, as the base gives, but remembered: tests check that GradientSync puts its buckets
+  // in allocate_shared memory (on one host that is what lets the peers reduce them in place).
+  std::shared_ptr<void> allocate_shared(size_t bytes) override {
+    auto memory = Communicator::allocate_shared(bytes);
+    std::lock_guard<std::mutex> lock(mutex_);
+    allocations_.push_back({static_cast<const char*>(memory.get()), bytes});
+    return memory;
+  }
+  // Whether [p, p + bytes) lies in memory allocate_shared returned.
+  bool from_allocate_shared(const void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const char* c = static_cast<const char*>(p);
+    for (const auto& [base, size] : allocations_)
+      if (c >= base && c + bytes <= base + size) return true;
+    return false;
+  }
+
  private:
   static constexpr size_t kHeader = 32;
 
@@ -278,6 +296,7 @@ class ThreadCommunicator : public Communicator {
   bool stopping_ = false;
   std::string aborted_;
   int64_t operations_ = 0;
+  std::vector<std::pair<const char*, size_t>> allocations_;
   std::thread worker_;
 };
 
