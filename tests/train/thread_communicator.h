@@ -174,15 +174,19 @@ class ThreadCommunicator : public Communicator {
   std::shared_ptr<void> allocate_shared(size_t bytes) override {
     auto memory = Communicator::allocate_shared(bytes);
     std::lock_guard<std::mutex> lock(mutex_);
-    allocations_.push_back({static_cast<const char*>(memory.get()), bytes});
+    allocations_.push_back({memory, bytes});
     return memory;
   }
-  // Whether [p, p + bytes) lies in memory allocate_shared returned.
+  // Whether [p, p + bytes) lies in memory allocate_shared returned that is still alive (a freed
+  // allocation's address may come back from the heap).
   bool from_allocate_shared(const void* p, size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     const char* c = static_cast<const char*>(p);
-    for (const auto& [base, size] : allocations_)
-      if (c >= base && c + bytes <= base + size) return true;
+    for (const auto& [memory, size] : allocations_) {
+      auto alive = memory.lock();
+      const char* base = static_cast<const char*>(alive.get());
+      if (alive && c >= base && c + bytes <= base + size) return true;
+    }
     return false;
   }
 
@@ -296,7 +300,7 @@ class ThreadCommunicator : public Communicator {
   bool stopping_ = false;
   std::string aborted_;
   int64_t operations_ = 0;
-  std::vector<std::pair<const char*, size_t>> allocations_;
+  std::vector<std::pair<std::weak_ptr<void>, size_t>> allocations_;
   std::thread worker_;
 };
 
