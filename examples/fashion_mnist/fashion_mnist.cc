@@ -275,23 +275,41 @@ int run(const Args& a) {
 
 }  // namespace
 
+namespace {
+
+// CLI11's PositiveNumber says "Value 0 not in range 0.000000 to 1.79...e308"; this says what is wanted.
+CLI::Validator number_check(bool (*ok)(double), const char* wanted) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double value = 0;
+        if (!CLI::detail::lexical_cast(text, value)) return fmt::format("'{}' is not a number", text);
+        return ok(value) ? "" : fmt::format("must be {}, got {}", wanted, text);
+      },
+      wanted);
+}
+const CLI::Validator kPositive = number_check([](double v) { return v > 0; }, "positive");
+const CLI::Validator kAtLeastOne = number_check([](double v) { return v >= 1; }, "at least 1");
+const CLI::Validator kNotNegative = number_check([](double v) { return v >= 0; }, "0 or more");
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"Data-parallel Fashion-MNIST with libtorch and cohort (run under `cohort run`)", "fashion_mnist"};
   Args a;
   app.add_option("--model", a.model, "seed (Flatten, Linear 784->10, ReLU), mlp (784-1024-1024-10) or cnn")
       ->check(CLI::IsMember({"seed", "mlp", "cnn"}));
-  app.add_option("--batch", a.batch, "batch size per rank")->check(CLI::PositiveNumber);
-  app.add_option("--lr", a.lr, "SGD learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--epochs", a.epochs, "epochs")->check(CLI::PositiveNumber);
+  app.add_option("--batch", a.batch, "batch size per rank")->check(kAtLeastOne);
+  app.add_option("--lr", a.lr, "SGD learning rate")->check(kPositive);
+  app.add_option("--epochs", a.epochs, "epochs")->check(kAtLeastOne);
   app.add_option("--data-dir", a.data_dir, "folder with the gzip idx files");
   app.add_option("--seed", a.seed, "seed of the model init and the sampler");
-  app.add_option("--train-samples", a.train_samples, "use only the first N training images (0 = all)")->check(CLI::NonNegativeNumber);
+  app.add_option("--train-samples", a.train_samples, "use only the first N training images (0 = all)")->check(kNotNegative);
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "rank 0 writes <dir>/checkpoint.bin (atomically) here");
-  app.add_option("--checkpoint-every", a.checkpoint_every, "checkpoint every N steps (and at the end)")->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-every", a.checkpoint_every, "checkpoint every N steps (and at the end)")->check(kNotNegative);
   app.add_flag("--resume", a.resume, "continue from <checkpoint-dir>/checkpoint.bin");
   app.add_option("--compression", a.compression, "gradients on the wire: none, fp16 or bf16");
-  app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB")->check(CLI::PositiveNumber);
-  app.add_option("--threads", a.threads, "intra-op threads per rank (0: 1 when ranks share a host)")->check(CLI::NonNegativeNumber);
+  app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB")->check(kPositive);
+  app.add_option("--threads", a.threads, "intra-op threads per rank (0: 1 when ranks share a host)")->check(kNotNegative);
   app.add_flag("--verbose", a.verbose, "print the setup (world, BLAS library in use, buckets)");
   app.add_option("--kill-after-steps", a.kill_after_steps, "testing: SIGKILL every rank after N steps of this run");
   app.add_flag("--print-digest", a.print_digest, "print a digest of the final weights (resume tests)");

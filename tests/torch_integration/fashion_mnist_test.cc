@@ -39,7 +39,12 @@ TEST(FashionMnist, BadInputIsOneClearLine) {
   r = run_process({kProgram, "--batch", "0"}, {}, 60);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_EQ(lines(r.err), 1) << r.err;
-  EXPECT_NE(r.err.find("--batch"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--batch: must be at least 1, got 0"), std::string::npos) << r.err;
+
+  r = run_process({kProgram, "--lr", "-0.1"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("--lr: must be positive, got -0.1"), std::string::npos) << r.err;
 }
 
 std::vector<std::string> small_job(const std::string& dir) {
