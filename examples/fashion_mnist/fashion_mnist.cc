@@ -281,8 +281,9 @@ namespace {
 CLI::Validator number_check(bool (*ok)(double), const char* wanted) {
   return CLI::Validator(
       [=](std::string& text) -> std::string {
-        double value = 0;
-        if (!CLI::detail::lexical_cast(text, value)) return fmt::format("'{}' is not a number", text);
+        char* end = nullptr;
+        const double value = std::strtod(text.c_str(), &end);
+        if (text.empty() || *end != '\0') return fmt::format("'{}' is not a number", text);
         return ok(value) ? "" : fmt::format("must be {}, got {}", wanted, text);
       },
       wanted);
