@@ -67,7 +67,12 @@ int run_run(std::vector<std::string> args) {
   app.add_flag("--merge-stderr-to-stdout", o.merge_stderr, "send stderr where stdout goes");
   app.add_option("--ranks-to-console", ranks_to_console, "ranks that print on the console: 0,2-3 or none (default all)");
   app.add_option("--bind-to", o.bind_to, "auto | none | core | numa (default auto: each local worker gets an equal block of whole cores, unless there is one worker or more workers than CPUs)");
-  app.add_flag("--device-per-rank", o.device_per_rank, "set CUDA_VISIBLE_DEVICES (or ASCEND_RT_VISIBLE_DEVICES) to the local rank's device");
+  std::string gpus_per_node;
+  app.add_option("--gpus-per-node,--gpus_per_node", gpus_per_node,
+                 "a GPU job: auto (what nvidia-smi -L reports) or N; one GPU per local rank, CPUs bound next to it "
+                 "(docs/gpu.md)");
+  app.add_flag("--gpu-share", o.gpu_share, "let more local ranks than GPUs share them (rank i uses GPU i mod N)");
+  app.add_flag("--device-per-rank", o.device_per_rank, "narrow CUDA_VISIBLE_DEVICES (or ASCEND_RT_VISIBLE_DEVICES) to the local rank's device");
   app.add_flag("--no-abort-on-failure", no_abort, "a failed worker does not stop the others (the exit code still reports it)");
   app.add_option("--max-restarts,--max_restarts", o.max_restarts, "restart every worker up to K times after a failure");
   app.add_flag("--dry-run", o.dry_run, "print the plan (nodes, ranks, where each setting came from, worker environment) and exit");
@@ -102,6 +107,7 @@ int run_run(std::vector<std::string> args) {
     throw ConfigError(what + " (cohort run --help lists the flags)");
   }
   if (!nproc.empty()) o.nproc_per_node = nproc;
+  if (app.count("--gpus-per-node")) o.gpus_per_node = gpus_per_node;
   if (app.count("-n")) o.np = np;
   if (app.count("--nnodes")) o.nnodes = nnodes;
   if (standalone) {
@@ -134,12 +140,13 @@ int run_run(std::vector<std::string> args) {
   if (app.count("--run-id")) o.run_id = run_id;
 
   auto env = launch::current_env();
-  launch::Plan plan = launch::build_plan(o, env, launch::this_machine());
+  launch::MachineFacts machine = launch::this_machine(o.gpus_per_node.has_value());
+  launch::Plan plan = launch::build_plan(o, env, machine);
   if (o.dry_run) {
     std::string store = plan.mode == launch::Mode::kPerNode || plan.master_port != 0
                             ? fmt::format("{}:{}", plan.master_addr, plan.master_port)
                             : fmt::format("{}:<port chosen by the OS at start>", plan.master_addr);
-    fmt::print("{}", launch::describe_plan(plan, env, store));
+    fmt::print("{}", launch::describe_plan(plan, env, store, machine.gpus));
     return 0;
   }
   launch::JobContext ctx;
@@ -147,6 +154,7 @@ int run_run(std::vector<std::string> args) {
   auto token = env.find("COHORT_JOB_TOKEN");
   if (token != env.end() && !token->second.empty()) ctx.token = token->second;
   else if (plan.mode != launch::Mode::kPerNode) ctx.token = launch::random_token(32);
+  if (o.gpus_per_node) ctx.gpus = machine.gpus;
   ctx.plan = std::move(plan);
   ctx.self_exe = self_exe();
   return launch::run_job(std::move(ctx));

@@ -218,7 +218,8 @@ class Job {
   // One attempt
   EndInfo run_attempt(int attempt);
   void spawn_workers(int attempt);
-  void spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus);
+  void spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
+                    const GpuAssignment& gpu);
   // Loop handlers
   void on_signal(int sig);
   void reap();
@@ -245,6 +246,7 @@ class Job {
 
   JobContext ctx_;
   Plan& plan_;
+  std::vector<GpuAssignment> gpus_;  // per local rank (empty: not a GPU job)
   bool distributed_ = false;
   UniqueFd epoll_, signal_fd_, timer_fd_;
   std::unique_ptr<StoreServer> server_;
@@ -456,8 +458,9 @@ void Job::start_agents() {
   }
 }
 
-void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus) {
-  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank};
+void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
+                       const GpuAssignment& gpu) {
+  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu};
   auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
   // Environment: the launcher's, with cohort's variables replacing any of the same name.
   std::vector<std::string> env_strings;
@@ -568,7 +571,8 @@ void Job::spawn_workers(int attempt) {
   const NodePlan* node = plan_.node(plan_.this_node);
   if (!node) return;
   const std::vector<int> cpus = allowed_cpus();
-  auto bindings = compute_bindings(plan_.bind_to, node->nproc, cpus, numa_node_cpus(), physical_cores(cpus));
+  auto bindings = compute_bindings(plan_.bind_to, node->nproc, cpus, numa_node_cpus(), physical_cores(cpus),
+                                   near_cpus_of(gpus_));
   // Per-rank output folders first: a folder that cannot be made stops the job before any worker runs.
   if (!plan_.output_dir.empty()) {
     for (int l = 0; l < node->nproc; ++l) {
@@ -586,7 +590,7 @@ void Job::spawn_workers(int attempt) {
   }
   for (int l = 0; l < node->nproc; ++l) {
     if (end_) break;  // a signal arrived meanwhile
-    spawn_worker(workers_[l], *node, attempt, bindings[l]);
+    spawn_worker(workers_[l], *node, attempt, bindings[l], gpus_.empty() ? GpuAssignment{} : gpus_[l]);
   }
 }
 
@@ -1025,6 +1029,14 @@ EndInfo Job::run_attempt(int attempt) {
 
 int Job::run() {
   distributed_ = plan_.nnodes > 1 || plan_.mode == Mode::kFanOut || ctx_.agent_mode;
+  // A GPU job: this node's GPUs are checked before anything starts (an agent of a fan-out sees its
+  // own host's GPUs here for the first time).
+  if (const NodePlan* node = plan_.node(plan_.this_node); node && !plan_.gpus_per_node_spec.empty()) {
+    if (!ctx_.gpus) ctx_.gpus = detect_gpus(ctx_.env);
+    gpus_ = assign_gpus(plan_.gpus_per_node_spec, plan_.gpu_share, node->nproc, *ctx_.gpus, net::hostname());
+    if (plan_.gpus_per_node == 0)
+      plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
+  }
   setup_signals();
   if (ctx_.agent_mode) {
     net::set_nonblocking(0, true);

@@ -8,6 +8,7 @@
 // watcher thread (multi-node only), the control pipe from the head (remote agents), and the output
 // of ssh children (fan-out head). No polling interval anywhere on the supervision path.
 
+#include <optional>
 #include <string>
 
 #include "launch/plan.h"
@@ -21,6 +22,8 @@ struct JobContext {
   int torch_port = 0;       // remote agents: MASTER_PORT chosen by the head
   bool agent_mode = false;  // a remote agent: stdin is the control channel from the head
   std::string self_exe;     // this cohort binary (the head starts the same path over ssh)
+  // This node's GPUs when the caller detected them already (a GPU job detects them otherwise).
+  std::optional<GpuInventory> gpus;
 };
 
 // Runs the job (all restart attempts); returns the launcher's exit code. Throws ConfigError for

@@ -24,7 +24,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank,
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, nodes, host_store, master_addr,
                                    master_port, job_id, token_from_env, sources, schedulers, extra_env,
                                    set_omp_threads, tag_output, output_dir, merge_stderr, ranks_to_console,
-                                   all_ranks_to_console, bind_to, device_per_rank, abort_on_failure, max_restarts,
+                                   all_ranks_to_console, bind_to, device_per_rank, gpus_per_node_spec, gpus_per_node,
+                                   gpu_share, abort_on_failure, max_restarts,
                                    join_timeout_s, kill_grace_s, ssh_command, program_path, program)
 
 const char* mode_name(Mode m) {
@@ -82,11 +83,19 @@ std::string resolve_program(const std::string& program) {
   throw ConfigError(fmt::format("program '{}' not found on PATH", program));
 }
 
-MachineFacts this_machine() {
+MachineFacts this_machine(bool with_gpus) {
   MachineFacts m;
   m.hostname = net::hostname();
   m.cpu_count = static_cast<int>(allowed_cpus().size());
   if (m.cpu_count <= 0) m.cpu_count = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  m.resolve_program = &resolve_program;
+  if (with_gpus) {
+    EnvMap env;
+    if (const char* v = getenv("CUDA_VISIBLE_DEVICES")) env["CUDA_VISIBLE_DEVICES"] = v;
+    m.gpus = detect_gpus(env);
+    m.gpu_count = static_cast<int>(m.gpus.gpus.size());
+    return m;
+  }
   // Visible GPUs: CUDA_VISIBLE_DEVICES when set, else the /dev/nvidiaN device nodes.
   if (const char* v = getenv("CUDA_VISIBLE_DEVICES")) {
     m.gpu_count = static_cast<int>(str::split(v, ',').size());
@@ -99,7 +108,6 @@ MachineFacts this_machine() {
     }
     closedir(d);
   }
-  m.resolve_program = &resolve_program;
   return m;
 }
 
@@ -150,6 +158,20 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   std::string nproc_how;
   std::optional<int> nproc_flag;
   if (o.nproc_per_node) nproc_flag = parse_nproc(*o.nproc_per_node, machine, nproc_how);
+  // GPUs: resolved against this machine's inventory when it has any; a fan-out head without GPUs
+  // leaves "auto" to each node's agent (which checks its own GPUs before starting workers).
+  if (o.gpu_share && !o.gpus_per_node) throw ConfigError("--gpu-share needs --gpus-per-node");
+  std::optional<int> gpus_here;
+  if (o.gpus_per_node) {
+    p.gpus_per_node_spec = *o.gpus_per_node;
+    p.gpu_share = o.gpu_share;
+    const bool remote_only = (o.hosts || o.hostfile) && machine.gpus.gpus.empty();
+    if (!remote_only) gpus_here = resolve_gpus_per_node(*o.gpus_per_node, machine.gpus, machine.hostname);
+    else parse_gpus_per_node(*o.gpus_per_node);  // the syntax, at least
+    p.gpus_per_node = gpus_here.value_or(0);
+    source("gpus per node", "--gpus-per-node " + *o.gpus_per_node +
+                                (gpus_here ? " (" + machine.gpus.source + ")" : " (each host's own count)"));
+  }
 
   p.kill_grace_s = o.kill_grace_s;
   p.join_timeout_s = o.join_timeout_s;
@@ -236,6 +258,9 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
         throw ConfigError(fmt::format("-n {} does not divide evenly over {} nodes", *o.np, p.nnodes));
       nproc = *o.np / p.nnodes;
       nproc_source = "-n";
+    } else if (gpus_here) {
+      nproc = *gpus_here;
+      nproc_source = "--gpus-per-node (one rank per GPU)";
     }
     if (o.np && *o.np != nproc * p.nnodes)
       throw ConfigError(fmt::format("-n {} disagrees with {} processes per node ({}) on {} nodes", *o.np, nproc,
@@ -309,6 +334,11 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
                                [](const auto& kv) { return kv.first == "OMP_NUM_THREADS"; });
   p.set_omp_threads = max_per_node > 1 && !omp_given;
 
+  // More local ranks than GPUs is an error unless --gpu-share (each agent checks its own node again).
+  if (gpus_here)
+    if (const NodePlan* mine = p.node(p.this_node))
+      assign_gpus(p.gpus_per_node_spec, p.gpu_share, mine->nproc, machine.gpus, machine.hostname);
+
   // The program is checked last: flag errors come first, and nothing starts without it.
   p.program_path = machine.resolve_program ? machine.resolve_program(o.program[0]) : o.program[0];
   p.tag_output = o.tag_output.value_or(p.world_size > 1);
@@ -360,7 +390,17 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   set("COHORT_NNODES", std::to_string(plan.nnodes));
   set("COHORT_RESTART_COUNT", std::to_string(restart_count));
   if (plan.set_omp_threads) set("OMP_NUM_THREADS", "1");
-  if (plan.device_per_rank) {
+  if (s.gpu.device >= 0) {
+    // torchrun's contract: CUDA_VISIBLE_DEVICES whole, the program picks device LOCAL_RANK. With
+    // --gpu-share two ranks map to one device, so the device to use is named explicitly too.
+    set("COHORT_GPUS_PER_NODE", std::to_string(plan.gpus_per_node > 0 ? plan.gpus_per_node : 0));
+    if (plan.device_per_rank) {
+      set("CUDA_VISIBLE_DEVICES", s.gpu.visible_id);
+      set("COHORT_LOCAL_GPU", "0");
+    } else {
+      set("COHORT_LOCAL_GPU", std::to_string(s.gpu.device));
+    }
+  } else if (plan.device_per_rank) {
     auto ascend_var = launcher_env.find("ASCEND_RT_VISIBLE_DEVICES");
     bool ascend = (ascend_var != launcher_env.end() && !ascend_var->second.empty()) || access("/dev/davinci0", F_OK) == 0;
     const char* var = ascend ? "ASCEND_RT_VISIBLE_DEVICES" : "CUDA_VISIBLE_DEVICES";
@@ -418,31 +458,82 @@ std::vector<std::vector<int>> physical_cores(const std::vector<int>& allowed) {
   return cores;
 }
 
+namespace {
+
+// Blocks of whole cores (of logical CPUs when there are fewer cores than ranks) for `n` ranks.
+std::vector<std::vector<int>> core_blocks(size_t n, std::vector<std::vector<int>> cores) {
+  std::vector<std::vector<int>> out(n);
+  if (n > cores.size()) {
+    std::vector<int> flat;
+    for (const auto& core : cores) flat.insert(flat.end(), core.begin(), core.end());
+    cores.clear();
+    for (int c : flat) cores.push_back({c});
+  }
+  const size_t total = cores.size();
+  for (size_t i = 0; i < n; ++i)
+    for (size_t k = i * total / n; k < (i + 1) * total / n; ++k) out[i].insert(out[i].end(), cores[k].begin(), cores[k].end());
+  return out;
+}
+
+// The cores (as in physical_cores) restricted to `cpus`.
+std::vector<std::vector<int>> cores_within(const std::vector<std::vector<int>>& cores, const std::vector<int>& cpus) {
+  std::vector<std::vector<int>> out;
+  for (const auto& core : cores) {
+    std::vector<int> kept;
+    for (int c : core)
+      if (std::find(cpus.begin(), cpus.end(), c) != cpus.end()) kept.push_back(c);
+    if (!kept.empty()) out.push_back(kept);
+  }
+  return out;
+}
+
+// GPU-near blocks: ranks grouped by their GPU's CPU set (within `allowed`), each group's cores cut
+// into blocks. Empty result: the locality is unknown or too small for the ranks it would hold.
+std::vector<std::vector<int>> gpu_near_bindings(int nproc, const std::vector<int>& allowed,
+                                                const std::vector<std::vector<int>>& cores,
+                                                const std::vector<std::vector<int>>& near_cpus) {
+  if (near_cpus.size() != static_cast<size_t>(nproc)) return {};
+  std::map<std::vector<int>, std::vector<int>> groups;  // usable near CPUs -> local ranks
+  for (int l = 0; l < nproc; ++l) {
+    std::vector<int> usable;
+    for (int c : near_cpus[l])
+      if (std::find(allowed.begin(), allowed.end(), c) != allowed.end()) usable.push_back(c);
+    if (usable.empty()) return {};
+    groups[usable].push_back(l);
+  }
+  std::vector<std::vector<int>> out(static_cast<size_t>(nproc));
+  for (const auto& [cpus, ranks] : groups) {
+    if (ranks.size() > cpus.size()) return {};
+    auto blocks = core_blocks(ranks.size(), cores_within(cores, cpus));
+    for (size_t i = 0; i < ranks.size(); ++i) out[ranks[i]] = blocks[i];
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int nproc, const std::vector<int>& allowed,
                                                const std::vector<std::vector<int>>& numa_nodes,
-                                               const std::vector<std::vector<int>>& cores_in) {
+                                               const std::vector<std::vector<int>>& cores_in,
+                                               const std::vector<std::vector<int>>& near_cpus) {
   std::vector<std::vector<int>> out(static_cast<size_t>(nproc));
   if (bind_to == "none" || allowed.empty()) return out;
+  std::vector<std::vector<int>> all_cores = cores_in;
+  if (all_cores.empty())
+    for (int c : allowed) all_cores.push_back({c});
+  if (bind_to == "auto" && !near_cpus.empty()) {
+    // A GPU job: a rank's threads feed its GPU over PCIe; CPUs on the GPU's NUMA node avoid the
+    // cross-socket hop for every copy and kernel launch.
+    auto near = gpu_near_bindings(nproc, allowed, all_cores, near_cpus);
+    if (!near.empty()) return near;
+  }
   if (bind_to == "auto") {
     // Why bind by default: two ranks left to the scheduler on a busy machine migrate, share a CPU for
     // a while and ping-pong cache lines; the shared-memory allreduce then ran 2-6x slower on some runs
     // and not others (docs/performance.md). Blocks of whole cores keep a rank's threads together and
     // off its neighbours' cores.
     if (nproc <= 1 || static_cast<size_t>(nproc) > allowed.size()) return out;
-    std::vector<std::vector<int>> cores = cores_in;
-    if (cores.empty())
-      for (int c : allowed) cores.push_back({c});
-    if (static_cast<size_t>(nproc) > cores.size()) {  // fewer cores than ranks: split the logical CPUs
-      std::vector<int> flat;
-      for (const auto& core : cores) flat.insert(flat.end(), core.begin(), core.end());
-      cores.clear();
-      for (int c : flat) cores.push_back({c});
-    }
-    const size_t n = static_cast<size_t>(nproc), total = cores.size();
-    for (size_t i = 0; i < n; ++i)
-      for (size_t k = i * total / n; k < (i + 1) * total / n; ++k)
-        out[i].insert(out[i].end(), cores[k].begin(), cores[k].end());
-    return out;
+    return core_blocks(static_cast<size_t>(nproc), all_cores);
   }
   if (bind_to == "core") {
     for (int i = 0; i < nproc; ++i) out[i] = {allowed[static_cast<size_t>(i) % allowed.size()]};
@@ -461,7 +552,8 @@ std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int n
   return out;
 }
 
-std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& store_addr) {
+std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& store_addr,
+                          const GpuInventory& gpus) {
   std::string s;
   s += fmt::format("cohort run plan (dry run; nothing started)\n");
   s += fmt::format("  mode            {}\n", mode_name(p.mode));
@@ -492,6 +584,10 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                    p.merge_stderr ? ", stderr merged into stdout" : "",
                    p.all_ranks_to_console ? "" : ", console ranks " + str::format_ranges(p.ranks_to_console));
   s += fmt::format("  bind-to         {}\n", p.bind_to);
+  if (!p.gpus_per_node_spec.empty())
+    s += fmt::format("  gpus per node   {}{}  [{}]\n", p.gpus_per_node > 0 ? std::to_string(p.gpus_per_node) : p.gpus_per_node_spec,
+                     p.gpu_share ? ", shared by ranks (--gpu-share)" : ", one per rank",
+                     p.source_of("gpus per node"));
   if (p.set_omp_threads) s += "  note            OMP_NUM_THREADS=1 for every worker (unset, and workers share a node)\n";
   auto cpus = allowed_cpus();
   auto numa = numa_node_cpus();
@@ -500,17 +596,28 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      node.local ? ", this machine" : p.mode == Mode::kFanOut ? ", over ssh" : ", its own launcher",
                      node.first_rank, node.first_rank + node.nproc - 1);
     if (!node.local) continue;
-    auto bindings = compute_bindings(p.bind_to, node.nproc, cpus, numa, physical_cores(cpus));
+    auto assigned = assign_gpus(p.gpus_per_node_spec, p.gpu_share, node.nproc, gpus, node.host);
+    auto bindings = compute_bindings(p.bind_to, node.nproc, cpus, numa, physical_cores(cpus), near_cpus_of(assigned));
     for (int l = 0; l < node.nproc; ++l) {
-      WorkerSlot slot{node.first_rank + l, l, node.nproc, node.node_rank};
+      WorkerSlot slot{node.first_rank + l, l, node.nproc, node.node_rank, assigned[l]};
       auto vars = worker_env(p, slot, store_addr, 0, "<token>", 0, env);
       std::vector<std::string> kv;
       for (const auto& [k, v] : vars) kv.push_back(k + "=" + v);
-      s += fmt::format("  rank {} (local {}) cpus {}: {}\n", slot.rank, l,
+      s += fmt::format("  rank {} (local {}){} cpus {}: {}\n", slot.rank, l,
+                       assigned[l].device >= 0 ? " " + assigned[l].description + "," : "",
                        bindings[l].empty() ? "any" : str::format_ranges(bindings[l]), str::join(kv, " "));
     }
   }
   return s;
+}
+
+std::vector<std::vector<int>> near_cpus_of(const std::vector<GpuAssignment>& gpus) {
+  std::vector<std::vector<int>> out;
+  for (const auto& g : gpus) {
+    if (g.device < 0 || g.near_cpus.empty()) return {};
+    out.push_back(g.near_cpus);
+  }
+  return out;
 }
 
 std::string plan_to_json(const Plan& plan) { return nlohmann::json(plan).dump(); }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "launch/gpus.h"
 #include "launch/parsers.h"
 
 namespace cohort::launch {
@@ -32,6 +33,8 @@ struct Options {
   std::optional<std::string> ranks_to_console;
   std::string bind_to = "auto";
   bool device_per_rank = false;
+  std::optional<std::string> gpus_per_node;  // --gpus-per-node: "auto" or N (unset: not a GPU job)
+  bool gpu_share = false;                    // --gpu-share: more local ranks than GPUs is allowed
   bool abort_on_failure = true;
   int max_restarts = 0;
   bool dry_run = false;
@@ -43,11 +46,15 @@ struct Options {
 struct MachineFacts {
   std::string hostname = "localhost";
   int cpu_count = 1;
-  int gpu_count = 0;
+  int gpu_count = 0;  // visible GPUs (--nproc-per-node auto)
+  // This node's GPUs, detected only when the plan needs them (--gpus-per-node); see launch/gpus.h.
+  GpuInventory gpus;
   // Resolves PROGRAM to an executable path, or throws ConfigError; tests pass a fake.
   std::string (*resolve_program)(const std::string&) = nullptr;
 };
-MachineFacts this_machine();
+// `detect_gpus`: run the GPU detection of launch/gpus.h (nvidia-smi -L, /proc, sysfs), which only
+// --gpus-per-node needs; otherwise gpu_count comes from CUDA_VISIBLE_DEVICES or /dev/nvidiaN.
+MachineFacts this_machine(bool detect_gpus = false);
 // PATH lookup + access(X_OK); ConfigError "program 'x' not found on PATH" / "... is not executable".
 std::string resolve_program(const std::string& program);
 
@@ -84,6 +91,11 @@ struct Plan {
   bool all_ranks_to_console = true;
   std::string bind_to = "auto";
   bool device_per_rank = false;
+  // GPU job (--gpus-per-node): the flag as given (each node resolves "auto" against its own GPUs),
+  // the count on this node (0 when not a GPU job or not known here), and --gpu-share.
+  std::string gpus_per_node_spec;
+  int gpus_per_node = 0;
+  bool gpu_share = false;
   bool abort_on_failure = true;
   int max_restarts = 0;
   double join_timeout_s = 300;
@@ -105,6 +117,7 @@ struct WorkerSlot {
   int local_rank = 0;
   int local_world = 1;
   int node_rank = 0;
+  GpuAssignment gpu;  // device -1: no GPU planned
 };
 std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, const WorkerSlot& slot,
                                                             const std::string& store_addr, int torch_port,
@@ -119,16 +132,24 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
 //   auto (default): each local rank gets an equal, disjoint block of whole physical cores (of logical
 //     CPUs when there are fewer cores than ranks), like mpirun's default binding; no binding for one
 //     rank or when the ranks outnumber the CPUs (oversubscribed: the scheduler spreads them best).
+//     With `near_cpus` (a GPU job: per local rank, the CPUs next to its GPU), the blocks are cut from
+//     those CPUs instead: ranks whose GPUs share a NUMA node share its cores, each its own block.
+//     Used only when every rank's set is known and leaves each rank at least one CPU.
 std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int nproc, const std::vector<int>& allowed,
                                                const std::vector<std::vector<int>>& numa_nodes,
-                                               const std::vector<std::vector<int>>& cores = {});
+                                               const std::vector<std::vector<int>>& cores = {},
+                                               const std::vector<std::vector<int>>& near_cpus = {});
 // The allowed CPUs grouped by physical core (sysfs topology: package and core id).
 std::vector<std::vector<int>> physical_cores(const std::vector<int>& allowed);
 std::vector<int> allowed_cpus();
 std::vector<std::vector<int>> numa_node_cpus();
 
 // The --dry-run text: nodes, ranks, the source of each setting, each local worker's environment.
-std::string describe_plan(const Plan& plan, const EnvMap& env, const std::string& store_addr);
+// `gpus`: this node's GPUs (for a GPU job, each local rank's GPU is shown).
+std::string describe_plan(const Plan& plan, const EnvMap& env, const std::string& store_addr,
+                          const GpuInventory& gpus = {});
+// Per local rank, the CPUs next to its GPU; empty unless every rank has a GPU of known locality.
+std::vector<std::vector<int>> near_cpus_of(const std::vector<GpuAssignment>& gpus);
 
 // Serialisation of a plan for `cohort agent` (sent over the ssh connection's stdin).
 std::string plan_to_json(const Plan& plan);

@@ -169,7 +169,7 @@ TEST(Plan, WorkerEnvironment) {
   o.device_per_rank = true;
   o.export_env = {"FOO=bar"};
   auto p = build_plan(o, {}, facts());
-  auto env = worker_env(p, WorkerSlot{3, 1, 2, 1}, "m:29500", 40000, "tok", 2, {{"CUDA_VISIBLE_DEVICES", "4,5"}});
+  auto env = worker_env(p, WorkerSlot{3, 1, 2, 1, {}}, "m:29500", 40000, "tok", 2, {{"CUDA_VISIBLE_DEVICES", "4,5"}});
   EXPECT_EQ(env_value(env, "RANK"), "3");
   EXPECT_EQ(env_value(env, "LOCAL_RANK"), "1");
   EXPECT_EQ(env_value(env, "WORLD_SIZE"), "4");

@@ -467,5 +467,49 @@ TEST(Run, KilledHeadTakesRemoteAgentsAndWorkersWithIt) {
   expect_no_process_left(dir, 4);
 }
 
+// A GPU job on a machine whose `nvidia-smi -L` is a fake on PATH (this machine has no GPU): the
+// plan takes one rank per GPU, each worker learns its device, and a rank too many is refused.
+TEST(Run, GpuJobWithFakeNvidiaSmi) {
+  TempDir dir;
+  write_file(dir.file("nvidia-smi"),
+             "#!/bin/sh\n[ \"$1\" = -L ] || exit 9\n"
+             "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa0000-0000-0000-0000-000000000000)'\n"
+             "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb0000-0000-0000-0000-000000000000)'\n");
+  chmod(dir.file("nvidia-smi").c_str(), 0755);
+  const char* path = getenv("PATH");
+  std::vector<std::string> env = {"PATH=" + dir.path() + ":" + (path ? path : "/usr/bin:/bin")};
+
+  auto dry = run_process(concat(cohort_run({"--dry-run", "--gpus-per-node", "auto"}), {"/bin/true"}), env, 30);
+  ASSERT_EQ(dry.exit_code, 0) << dry.err;
+  EXPECT_NE(dry.out.find("gpus per node   2, one per rank  [--gpus-per-node auto (nvidia-smi -L)]"), std::string::npos)
+      << dry.out;
+  EXPECT_NE(dry.out.find("rank 1 (local 1) GPU 1 (NVIDIA H100 80GB HBM3),"), std::string::npos) << dry.out;
+
+  auto r = run_process(concat(cohort_run({"--gpus-per-node", "auto", "--no-tag-output"}),
+                              sh("echo \"$LOCAL_RANK $COHORT_LOCAL_GPU $COHORT_GPUS_PER_NODE ${CUDA_VISIBLE_DEVICES-unset}\" > " +
+                                 dir.path() + "/gpu.$RANK")),
+                       env, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_file(dir.file("gpu.0")), "0 0 2 unset\n");
+  EXPECT_EQ(read_file(dir.file("gpu.1")), "1 1 2 unset\n");
+
+  auto narrowed = run_process(concat(cohort_run({"--gpus-per-node", "2", "--device-per-rank", "--no-tag-output"}),
+                                     sh("echo \"$COHORT_LOCAL_GPU $CUDA_VISIBLE_DEVICES\" > " + dir.path() + "/n.$RANK")),
+                              env, 30);
+  ASSERT_EQ(narrowed.exit_code, 0) << narrowed.err;
+  EXPECT_EQ(read_file(dir.file("n.1")), "0 1\n");
+
+  auto too_many = run_process(concat(cohort_run({"--gpus-per-node", "auto", "-n", "3"}), {"/bin/true"}), env, 30);
+  EXPECT_EQ(too_many.exit_code, 2);
+  EXPECT_NE(too_many.err.find("3 local ranks on"), std::string::npos) << too_many.err;
+  EXPECT_NE(too_many.err.find("--gpu-share"), std::string::npos) << too_many.err;
+
+  // No nvidia-smi and no driver: one line saying what was looked at.
+  auto none = run_process(concat(cohort_run({"--gpus-per-node", "auto"}), {"/bin/true"}),
+                          {"PATH=/nonexistent-dir"}, 30);
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.err.find("--gpus-per-node auto: no GPU on"), std::string::npos) << none.err;
+}
+
 }  // namespace
 }  // namespace cohort::test
