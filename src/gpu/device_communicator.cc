@@ -1,0 +1,867 @@
+// DeviceCommunicator: cohort::Communicator for CUDA device buffers (NCCL, or staged through host
+// memory) that hands host buffers to the host communicator it wraps. docs/gpu.md is the user's view;
+// the thread and stream rules are in include/cohort/gpu.h.
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "cohort/error.h"
+#include "cohort/gpu.h"
+#include "common/deadline.h"
+#include "common/env.h"
+#include "common/log.h"
+#include "gpu/runtime.h"
+
+namespace cohort::gpu {
+namespace {
+
+using Millis = std::chrono::milliseconds;
+
+const env::StringSetting kGpuPath("COHORT_GPU_PATH", "auto",
+                                  "GPU buffers: auto (NCCL when every rank has its own GPU and NCCL), nccl, or staged "
+                                  "(copied through host memory and cohort's CPU collectives)");
+
+int nccl_dtype(DataType t) {
+  switch (t) {
+    case DataType::kInt8: return kNcclInt8;
+    case DataType::kUInt8: return kNcclUint8;
+    case DataType::kInt32: return kNcclInt32;
+    case DataType::kInt64: return kNcclInt64;
+    case DataType::kFloat16: return kNcclFloat16;
+    case DataType::kBFloat16: return kNcclBfloat16;
+    case DataType::kFloat32: return kNcclFloat32;
+    case DataType::kFloat64: return kNcclFloat64;
+  }
+  return kNcclFloat32;
+}
+
+// cohort numbers min before max; NCCL the other way round.
+int nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return kNcclSum;
+    case ReduceOp::kProd: return kNcclProd;
+    case ReduceOp::kMin: return kNcclMin;
+    case ReduceOp::kMax: return kNcclMax;
+    case ReduceOp::kAvg: return kNcclAvg;
+  }
+  return kNcclSum;
+}
+
+// Makes `device` current on the calling thread for the guard's lifetime (CUDA's current device is
+// per thread, and the caller's choice is restored).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    const CudaApi& c = cuda();
+    check_cuda(c.GetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_cuda(c.SetDevice(device), fmt::format("cudaSetDevice({})", device));
+    restore_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (restore_) cuda().SetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+class DoneWork final : public Work {
+ public:
+  void wait(Millis) override {}
+  bool test() override { return true; }
+  std::exception_ptr exception() override { return nullptr; }
+};
+
+class DeviceCommunicator;
+
+// An operation queued on the communicator's stream; done when its event has fired.
+class DeviceWork final : public Work {
+ public:
+  DeviceWork(std::shared_ptr<DeviceCommunicator> owner, void* event, std::string what)
+      : owner_(std::move(owner)), event_(event), what_(std::move(what)) {}
+  ~DeviceWork() override;
+  void wait(Millis timeout) override;
+  bool test() override;
+  std::exception_ptr exception() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+
+ private:
+  std::shared_ptr<DeviceCommunicator> owner_;
+  void* event_;
+  std::string what_;
+  std::mutex mu_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class DeviceCommunicator final : public Communicator, public std::enable_shared_from_this<DeviceCommunicator> {
+ public:
+  DeviceCommunicator(std::shared_ptr<Communicator> host, int device) : host_(std::move(host)), device_(device) {}
+  ~DeviceCommunicator() override {
+    if (staging_) cuda().FreeHost(staging_);
+    if (comm_) {
+      // A failed communicator was aborted already; a healthy one is destroyed (flushes its work).
+      if (!failed_) nccl_api().CommDestroy(comm_);
+    }
+    if (stream_) cuda().StreamDestroy(stream_);
+  }
+
+  // Collective: chooses the path, creates the stream and, for NCCL, the NCCL communicator.
+  void init(DevicePath wanted) {
+    const CudaApi& c = cuda();
+    DeviceGuard guard(device_);
+    check_cuda(c.StreamCreateWithFlags(&stream_, 0), "cudaStreamCreateWithFlags");
+    path_ = choose_path(wanted);
+    if (path_ == DevicePath::kNccl) init_nccl();
+    else log::warn("GPU buffers go through host memory ({}): each operation copies them to the host and back", why_);
+    log::debug("device communicator: rank {} on GPU {}, path {} ({})", rank(), device_, path_name(), why_);
+  }
+
+  std::string path_name() const { return path_ == DevicePath::kNccl ? "nccl" : "staged"; }
+  const std::string& why() const { return why_; }
+  DevicePath path() const { return path_; }
+  int device() const { return device_; }
+
+  // ---- Communicator: identity (the host communicator's) ----
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  int local_rank() const override { return host_->local_rank(); }
+  int local_size() const override { return host_->local_size(); }
+  std::string host_of(int r) const override { return host_->host_of(r); }
+  const CommOptions& options() const override { return host_->options(); }
+
+  // ---- collectives: device buffers here, host buffers to the host communicator ----
+  void allreduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) override {
+    if (!where("allreduce", count, {send, recv})) return host_->allreduce(send, recv, count, dtype, op);
+    check_op(dtype, op);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) {
+      return staged_op(send, bytes, recv, bytes, [&](const void* in, void* out) {
+        host_->allreduce(in, out, count, dtype, op);
+      });
+    }
+    run_nccl("allreduce", bytes, [&](void* comm, void* s) {
+      return nccl_api().AllReduce(send, recv, count, nccl_dtype(dtype), nccl_op(op), comm, s);
+    });
+  }
+
+  void reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) override {
+    check_root(root);
+    const bool is_root = rank() == root;
+    if (!where("reduce", count, {send, is_root ? recv : nullptr})) return host_->reduce(send, recv, count, dtype, op, root);
+    check_op(dtype, op);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) {
+      return staged_op(send, bytes, is_root ? recv : nullptr, is_root ? bytes : 0, [&](const void* in, void* out) {
+        host_->reduce(in, out, count, dtype, op, root);
+      });
+    }
+    run_nccl("reduce", bytes, [&](void* comm, void* s) {
+      return nccl_api().Reduce(send, recv, count, nccl_dtype(dtype), nccl_op(op), root, comm, s);
+    });
+  }
+
+  void broadcast(void* buf, size_t count, DataType dtype, int root) override {
+    check_root(root);
+    if (!where("broadcast", count, {buf})) return host_->broadcast(buf, count, dtype, root);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) {
+      // Only the root's data matters on the way in.
+      return staged_op(rank() == root ? buf : nullptr, rank() == root ? bytes : 0, buf, bytes,
+                       [&](const void*, void* out) { host_->broadcast(out, count, dtype, root); });
+    }
+    run_nccl("broadcast", bytes, [&](void* comm, void* s) {
+      return nccl_api().Broadcast(buf, buf, count, nccl_dtype(dtype), root, comm, s);
+    });
+  }
+
+  void allgather(const void* send, void* recv, size_t count, DataType dtype) override {
+    if (!where("allgather", count, {send, recv})) return host_->allgather(send, recv, count, dtype);
+    const size_t bytes = count * dtype_size(dtype);
+    const size_t total = bytes * static_cast<size_t>(size());
+    if (staged()) {
+      return staged_op(send, bytes, recv, total, [&](const void* in, void* out) {
+        host_->allgather(in, out, count, dtype);
+      });
+    }
+    run_nccl("allgather", total, [&](void* comm, void* s) {
+      return nccl_api().AllGather(send, recv, count, nccl_dtype(dtype), comm, s);
+    });
+  }
+
+  void allgatherv(const void* send, size_t send_count, void* recv, const std::vector<size_t>& recv_counts,
+                  DataType dtype) override {
+    size_t total = 0;
+    for (size_t n : recv_counts) total += n;
+    if (recv_counts.size() != static_cast<size_t>(size()))
+      throw InvalidArgument(fmt::format("allgatherv: {} receive counts for {} ranks", recv_counts.size(), size()));
+    if (!where("allgatherv", total, {send_count ? send : nullptr, recv}))
+      return host_->allgatherv(send, send_count, recv, recv_counts, dtype);
+    const size_t es = dtype_size(dtype);
+    if (staged()) {
+      return staged_op(send, send_count * es, recv, total * es, [&](const void* in, void* out) {
+        host_->allgatherv(in, send_count, out, recv_counts, dtype);
+      });
+    }
+    // NCCL has no allgatherv: one broadcast per rank into its slice, in one group (NCCL's own advice).
+    run_nccl("allgatherv", total * es, [&](void* comm, void* s) {
+      size_t offset = 0;
+      for (int r = 0; r < size(); ++r) {
+        const void* from = r == rank() ? send : nullptr;
+        char* to = static_cast<char*>(recv) + offset * es;
+        int rc = nccl_api().Broadcast(r == rank() ? from : to, to, recv_counts[r], nccl_dtype(dtype), r, comm, s);
+        if (rc != kNcclSuccess) return rc;
+        offset += recv_counts[r];
+      }
+      return kNcclSuccess;
+    }, /*grouped=*/true);
+  }
+
+  void gather(const void* send, void* recv, size_t count, DataType dtype, int root) override {
+    check_root(root);
+    const bool is_root = rank() == root;
+    if (!where("gather", count, {send, is_root ? recv : nullptr})) return host_->gather(send, recv, count, dtype, root);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) {
+      return staged_op(send, bytes, is_root ? recv : nullptr, is_root ? bytes * size() : 0,
+                       [&](const void* in, void* out) { host_->gather(in, out, count, dtype, root); });
+    }
+    run_nccl("gather", bytes, [&](void* comm, void* s) {
+      if (!is_root) return nccl_api().Send(send, count, nccl_dtype(dtype), root, comm, s);
+      for (int r = 0; r < size(); ++r) {
+        char* to = static_cast<char*>(recv) + bytes * static_cast<size_t>(r);
+        int rc = r == rank() ? copy_on_stream(to, send, bytes, s)
+                             : nccl_api().Recv(to, count, nccl_dtype(dtype), r, comm, s);
+        if (rc != kNcclSuccess) return rc;
+      }
+      return kNcclSuccess;
+    }, true);
+  }
+
+  void scatter(const void* send, void* recv, size_t count, DataType dtype, int root) override {
+    check_root(root);
+    const bool is_root = rank() == root;
+    if (!where("scatter", count, {is_root ? send : nullptr, recv})) return host_->scatter(send, recv, count, dtype, root);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) {
+      return staged_op(is_root ? send : nullptr, is_root ? bytes * size() : 0, recv, bytes,
+                       [&](const void* in, void* out) { host_->scatter(in, out, count, dtype, root); });
+    }
+    run_nccl("scatter", bytes, [&](void* comm, void* s) {
+      if (!is_root) return nccl_api().Recv(recv, count, nccl_dtype(dtype), root, comm, s);
+      for (int r = 0; r < size(); ++r) {
+        const char* from = static_cast<const char*>(send) + bytes * static_cast<size_t>(r);
+        int rc = r == rank() ? copy_on_stream(recv, from, bytes, s)
+                             : nccl_api().Send(from, count, nccl_dtype(dtype), r, comm, s);
+        if (rc != kNcclSuccess) return rc;
+      }
+      return kNcclSuccess;
+    }, true);
+  }
+
+  void reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op) override {
+    if (!where("reduce_scatter", recv_count, {send, recv}))
+      return host_->reduce_scatter(send, recv, recv_count, dtype, op);
+    check_op(dtype, op);
+    const size_t bytes = recv_count * dtype_size(dtype);
+    if (staged()) {
+      return staged_op(send, bytes * size(), recv, bytes, [&](const void* in, void* out) {
+        host_->reduce_scatter(in, out, recv_count, dtype, op);
+      });
+    }
+    run_nccl("reduce_scatter", bytes * size(), [&](void* comm, void* s) {
+      return nccl_api().ReduceScatter(send, recv, recv_count, nccl_dtype(dtype), nccl_op(op), comm, s);
+    });
+  }
+
+  void alltoall(const void* send, void* recv, size_t count, DataType dtype) override {
+    const size_t n = static_cast<size_t>(size());
+    std::vector<size_t> counts(n, count), displs(n);
+    for (size_t r = 0; r < n; ++r) displs[r] = r * count;
+    alltoallv(send, counts, displs, recv, counts, displs, dtype);
+  }
+
+  void alltoallv(const void* send, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_displs,
+                 void* recv, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
+                 DataType dtype) override {
+    const size_t n = static_cast<size_t>(size());
+    if (send_counts.size() != n || send_displs.size() != n || recv_counts.size() != n || recv_displs.size() != n)
+      throw InvalidArgument(fmt::format("alltoallv: counts and displacements must have one entry per rank ({})", n));
+    size_t send_extent = 0, recv_extent = 0;
+    for (size_t r = 0; r < n; ++r) {
+      send_extent = std::max(send_extent, send_displs[r] + send_counts[r]);
+      recv_extent = std::max(recv_extent, recv_displs[r] + recv_counts[r]);
+    }
+    if (!where("alltoallv", std::max(send_extent, recv_extent), {send_extent ? send : nullptr, recv_extent ? recv : nullptr}))
+      return host_->alltoallv(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype);
+    const size_t es = dtype_size(dtype);
+    const size_t me = static_cast<size_t>(rank());
+    if (send_counts[me] != recv_counts[me])
+      throw InvalidArgument(fmt::format("alltoallv: rank {} sends itself {} elements but expects {}", rank(),
+                                        send_counts[me], recv_counts[me]));
+    if (staged()) {
+      return staged_op(send, send_extent * es, recv, recv_extent * es, [&](const void* in, void* out) {
+        host_->alltoallv(in, send_counts, send_displs, out, recv_counts, recv_displs, dtype);
+      });
+    }
+    run_nccl("alltoallv", (send_extent + recv_extent) * es, [&](void* comm, void* s) {
+      for (size_t r = 0; r < n; ++r) {
+        const char* from = static_cast<const char*>(send) + send_displs[r] * es;
+        char* to = static_cast<char*>(recv) + recv_displs[r] * es;
+        int rc = kNcclSuccess;
+        if (r == me) {
+          rc = copy_on_stream(to, from, send_counts[r] * es, s);
+        } else {
+          if (send_counts[r]) rc = nccl_api().Send(from, send_counts[r], nccl_dtype(dtype), static_cast<int>(r), comm, s);
+          if (rc == kNcclSuccess && recv_counts[r])
+            rc = nccl_api().Recv(to, recv_counts[r], nccl_dtype(dtype), static_cast<int>(r), comm, s);
+        }
+        if (rc != kNcclSuccess) return rc;
+      }
+      return kNcclSuccess;
+    }, true);
+  }
+
+  // Waits for this rank's queued device work, then meets the others on the host.
+  void barrier() override {
+    if (stream_) wait_stream("barrier");
+    host_->barrier();
+  }
+
+  void send(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override {
+    if (!where("send", count, {buf})) return host_->send(buf, count, dtype, peer, tag);
+    check_p2p(peer, tag);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) return staged_op(buf, bytes, nullptr, 0, [&](const void* in, void*) { host_->send(in, count, dtype, peer, tag); });
+    run_nccl("send", bytes, [&](void* comm, void* s) { return nccl_api().Send(buf, count, nccl_dtype(dtype), peer, comm, s); });
+  }
+
+  void recv(void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override {
+    if (!where("recv", count, {buf})) return host_->recv(buf, count, dtype, peer, tag);
+    check_p2p(peer, tag);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) return staged_op(nullptr, 0, buf, bytes, [&](const void*, void* out) { host_->recv(out, count, dtype, peer, tag); });
+    run_nccl("recv", bytes, [&](void* comm, void* s) { return nccl_api().Recv(buf, count, nccl_dtype(dtype), peer, comm, s); });
+  }
+
+  // ---- asynchronous: NCCL work returns a handle on its event; staged work completes at once ----
+  std::shared_ptr<Work> allreduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) override {
+    if (!where("allreduce", count, {send, recv})) return host_->allreduce_async(send, recv, count, dtype, op);
+    check_op(dtype, op);
+    const size_t bytes = count * dtype_size(dtype);
+    if (staged()) return run_now([&] { allreduce(send, recv, count, dtype, op); });
+    return queue_nccl("allreduce", bytes, [&](void* comm, void* s) {
+      return nccl_api().AllReduce(send, recv, count, nccl_dtype(dtype), nccl_op(op), comm, s);
+    });
+  }
+  std::shared_ptr<Work> broadcast_async(void* buf, size_t count, DataType dtype, int root) override {
+    check_root(root);
+    if (!where("broadcast", count, {buf})) return host_->broadcast_async(buf, count, dtype, root);
+    if (staged()) return run_now([&] { broadcast(buf, count, dtype, root); });
+    return queue_nccl("broadcast", count * dtype_size(dtype), [&](void* comm, void* s) {
+      return nccl_api().Broadcast(buf, buf, count, nccl_dtype(dtype), root, comm, s);
+    });
+  }
+  std::shared_ptr<Work> allgather_async(const void* send, void* recv, size_t count, DataType dtype) override {
+    if (!where("allgather", count, {send, recv})) return host_->allgather_async(send, recv, count, dtype);
+    if (staged()) return run_now([&] { allgather(send, recv, count, dtype); });
+    return queue_nccl("allgather", count * dtype_size(dtype) * size(), [&](void* comm, void* s) {
+      return nccl_api().AllGather(send, recv, count, nccl_dtype(dtype), comm, s);
+    });
+  }
+  std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype,
+                                             ReduceOp op) override {
+    if (!where("reduce_scatter", recv_count, {send, recv}))
+      return host_->reduce_scatter_async(send, recv, recv_count, dtype, op);
+    check_op(dtype, op);
+    if (staged()) return run_now([&] { reduce_scatter(send, recv, recv_count, dtype, op); });
+    return queue_nccl("reduce_scatter", recv_count * dtype_size(dtype) * size(), [&](void* comm, void* s) {
+      return nccl_api().ReduceScatter(send, recv, recv_count, nccl_dtype(dtype), nccl_op(op), comm, s);
+    });
+  }
+  std::shared_ptr<Work> barrier_async() override {
+    if (stream_) wait_stream("barrier");
+    return host_->barrier_async();
+  }
+
+  // ---- groups: the host communicator splits, then the new group builds its own NCCL communicator ----
+  std::shared_ptr<Communicator> split(int color, int key) override {
+    auto h = host_->split(color, key);
+    if (!h) return nullptr;
+    return child(std::move(h));
+  }
+  std::shared_ptr<Communicator> subgroup(const std::vector<int>& ranks) override {
+    auto h = host_->subgroup(ranks);
+    if (!h) return nullptr;
+    return child(std::move(h));
+  }
+
+  void abort(const std::string& reason) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failed_) {
+        failed_ = true;
+        failure_ = reason;
+        if (comm_) nccl_api().CommAbort(comm_);
+      }
+    }
+    host_->abort(reason);
+  }
+
+  std::shared_ptr<void> allocate_shared(size_t bytes) override { return host_->allocate_shared(bytes); }
+
+  // Waits for `event` (polling, so that the deadline and NCCL's asynchronous errors are seen).
+  void wait_event(void* event, const std::string& what, Millis timeout) {
+    const CudaApi& c = cuda();
+    const Deadline deadline = Deadline::after(timeout.count() > 0 ? timeout : options().timeout);
+    for (int spins = 0;; ++spins) {
+      int rc = c.EventQuery(event);
+      if (rc != kCudaSuccess && rc != kCudaErrorNotReady)
+        fail<Error>(fmt::format("rank {} (GPU {}): {} failed on the GPU: {}", rank(), device_, what, cuda_error_text(rc)));
+      // NCCL's asynchronous error is checked even when the event fired: a failed operation may still
+      // let its kernel finish, with garbage in the buffer.
+      if (comm_) {
+        int async = kNcclSuccess;
+        nccl_api().CommGetAsyncError(comm_, &async);
+        if (async != kNcclSuccess && async != kNcclInProgress) {
+          const std::string msg = fmt::format("rank {} (GPU {}): NCCL reports an error during {}: {}", rank(), device_,
+                                              what, nccl_error_text(async, comm_));
+          // ncclSystemError / ncclRemoteError: a peer or the network failed.
+          if (async == 2 || async == 6) fail<PeerLostError>(msg + " (a peer failed, or its network did)");
+          fail<Error>(msg);
+        }
+      }
+      if (rc == kCudaSuccess) return;
+      if (deadline.expired())
+        fail<TimeoutError>(fmt::format("rank {} (GPU {}): {} did not finish on the GPU within {} ms; the NCCL "
+                                       "communicator was aborted (a peer stopped calling, or its GPU hangs)",
+                                       rank(), device_, what, (timeout.count() > 0 ? timeout : options().timeout).count()));
+      // Spin briefly (a small operation ends in microseconds), then sleep so a long wait costs no core.
+      if (spins < 2000) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  void destroy_event(void* event) { cuda().EventDestroy(event); }
+
+ private:
+  template <typename E>
+  [[noreturn]] void fail(const std::string& message) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failed_) {
+        failed_ = true;
+        failure_ = message;
+        if (comm_) nccl_api().CommAbort(comm_);
+      }
+    }
+    host_->abort(message);
+    throw E(message);
+  }
+
+  void check_failed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) throw AbortedError("the GPU communicator failed earlier: " + failure_);
+  }
+
+  void check_root(int root) const {
+    if (root < 0 || root >= size()) throw InvalidArgument(fmt::format("root {} is not a rank (0..{})", root, size() - 1));
+  }
+  void check_op(DataType dtype, ReduceOp op) const {
+    if (!op_supported(dtype, op))
+      throw InvalidArgument(fmt::format("{} is not defined on {}", reduce_op_name(op), dtype_name(dtype)));
+  }
+  void check_p2p(int peer, uint32_t tag) const {
+    if (peer < 0 || peer >= size() || peer == rank())
+      throw InvalidArgument(fmt::format("send/recv: peer {} is not another rank (0..{})", peer, size() - 1));
+    if (tag != 0 && path_ == DevicePath::kNccl)
+      throw InvalidArgument(fmt::format("send/recv of GPU buffers: tag {} given, but NCCL has no tags (sends and "
+                                        "receives between two ranks match in the order they are made); use tag 0",
+                                        tag));
+  }
+  bool staged() const { return path_ == DevicePath::kStaged; }
+
+  // True when the buffers are GPU memory (of this communicator's device), false when they are host
+  // memory; InvalidArgument when they are mixed or on another GPU. `count` 0 is host (nothing moves).
+  bool where(const char* op, size_t count, std::initializer_list<const void*> buffers) {
+    if (count == 0) return false;
+    int device_buffers = 0, host_buffers = 0;
+    for (const void* p : buffers) {
+      if (!p) continue;
+      CudaPointerAttributes a;
+      int rc = cuda().PointerGetAttributes(&a, p);
+      if (rc != kCudaSuccess) {
+        cuda().GetLastError();  // an unknown host pointer on old runtimes: it is host memory
+        ++host_buffers;
+        continue;
+      }
+      if (a.type == kCudaMemoryDevice || a.type == kCudaMemoryManaged) {
+        if (a.device != device_)
+          throw InvalidArgument(fmt::format("{}: a buffer is on GPU {} but rank {} communicates on GPU {}", op,
+                                            a.device, rank(), device_));
+        ++device_buffers;
+      } else {
+        ++host_buffers;
+      }
+    }
+    if (device_buffers && host_buffers)
+      throw InvalidArgument(fmt::format("{}: some buffers are in GPU memory and some in host memory; pass all of "
+                                        "them on one side",
+                                        op));
+    if (device_buffers) check_failed();
+    return device_buffers > 0;
+  }
+
+  // Runs `enqueue(comm, stream)` (between ncclGroupStart/End when grouped) and waits for it.
+  template <typename F>
+  void run_nccl(const std::string& what, size_t bytes, F&& enqueue, bool grouped = false) {
+    auto work = queue_nccl(what, bytes, std::forward<F>(enqueue), grouped);
+    work->wait(Millis(0));
+  }
+
+  template <typename F>
+  std::shared_ptr<Work> queue_nccl(const std::string& what_op, size_t bytes, F&& enqueue, bool grouped = false) {
+    const NcclApi& n = nccl_api();
+    const CudaApi& c = cuda();
+    const std::string what = fmt::format("{} of {} bytes", what_op, bytes);
+    DeviceGuard guard(device_);
+    void* event = nullptr;
+    check_cuda(c.EventCreateWithFlags(&event, kCudaEventDisableTiming), "cudaEventCreateWithFlags");
+    int rc = kNcclSuccess;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (grouped) rc = n.GroupStart();
+      int body = kNcclSuccess;
+      if (rc == kNcclSuccess) {
+        try {
+          body = enqueue(comm_, stream_);
+        } catch (...) {
+          if (grouped) n.GroupEnd();
+          c.EventDestroy(event);
+          throw;
+        }
+      }
+      if (grouped && rc == kNcclSuccess) {
+        int end = n.GroupEnd();
+        rc = body != kNcclSuccess ? body : end;
+      } else if (rc == kNcclSuccess) {
+        rc = body;
+      }
+      if (rc == kNcclSuccess) rc = c.EventRecord(event, stream_) == kCudaSuccess ? kNcclSuccess : -1;
+    }
+    if (rc != kNcclSuccess) {
+      c.EventDestroy(event);
+      fail<Error>(fmt::format("rank {} (GPU {}): NCCL could not start {}: {}", rank(), device_, what,
+                              rc == -1 ? "cudaEventRecord failed" : nccl_error_text(rc, comm_)));
+    }
+    return std::make_shared<DeviceWork>(shared_from_this(), event, what);
+  }
+
+  std::shared_ptr<Work> run_now(const std::function<void()>& f) {
+    f();
+    return std::make_shared<DoneWork>();
+  }
+
+  int copy_on_stream(void* dst, const void* src, size_t bytes, void* stream) {
+    if (bytes == 0) return kNcclSuccess;
+    int rc = cuda().MemcpyAsync(dst, src, bytes, kCudaMemcpyDefault, stream);
+    return rc == kCudaSuccess ? kNcclSuccess : 1;  // ncclUnhandledCudaError
+  }
+
+  // Blocks until everything queued on the stream so far has run (bounded like any wait).
+  void wait_stream(const std::string& what) {
+    DeviceGuard guard(device_);
+    void* event = nullptr;
+    check_cuda(cuda().EventCreateWithFlags(&event, kCudaEventDisableTiming), "cudaEventCreateWithFlags");
+    struct Destroy {
+      void* e;
+      ~Destroy() { cuda().EventDestroy(e); }
+    } destroy{event};
+    check_cuda(cuda().EventRecord(event, stream_), "cudaEventRecord");
+    wait_event(event, what, Millis(0));
+  }
+
+  // Staged path: `in_bytes` of `in` copied to pinned host memory, `host_op(host_in, host_out)` run
+  // by the host communicator, `out_bytes` copied back to `out`. When in == out the op runs in place.
+  template <typename F>
+  void staged_op(const void* in, size_t in_bytes, void* out, size_t out_bytes, F&& host_op) {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    const bool in_place = in && in == out;
+    const size_t in_room = in_place ? 0 : (in_bytes + 255) / 256 * 256;
+    ensure_staging(in_room + std::max(out_bytes, in_place ? in_bytes : 0));
+    char* host_in = static_cast<char*>(staging_);
+    char* host_out = in_place ? host_in : host_in + in_room;
+    DeviceGuard guard(device_);
+    if (in && in_bytes) {
+      check_cuda(cuda().MemcpyAsync(host_in, in, in_bytes, kCudaMemcpyDefault, stream_), "staging copy to host");
+      wait_stream("staging copy to host");
+    }
+    host_op(in_bytes ? host_in : nullptr, host_out);
+    if (out && out_bytes) {
+      check_cuda(cuda().MemcpyAsync(out, host_out, out_bytes, kCudaMemcpyDefault, stream_), "staging copy to GPU");
+      wait_stream("staging copy to GPU");
+    }
+  }
+
+  void ensure_staging(size_t bytes) {
+    if (bytes <= staging_bytes_) return;
+    if (staging_) cuda().FreeHost(staging_);
+    staging_ = nullptr;
+    staging_bytes_ = 0;
+    size_t want = std::max<size_t>(bytes, 1 << 20);
+    check_cuda(cuda().MallocHost(&staging_, want), fmt::format("cudaMallocHost of {} bytes for staging", want));
+    staging_bytes_ = want;
+  }
+
+  // Every rank: NCCL loaded? which GPU (bus id)? Gathered over the host communicator so that all ranks
+  // take the same path, and a rank that cannot use NCCL is named.
+  DevicePath choose_path(DevicePath wanted) {
+    struct Record {
+      char nccl_ok;
+      char bus_id[63];
+    };
+    Record mine{};
+    mine.nccl_ok = nccl().api ? 1 : 0;
+    cuda().DeviceGetPCIBusId(mine.bus_id, sizeof mine.bus_id - 1, device_);
+    std::vector<Record> all(static_cast<size_t>(size()));
+    host_->allgather(&mine, all.data(), sizeof(Record), DataType::kUInt8);
+    std::string blocker;
+    for (int r = 0; r < size() && blocker.empty(); ++r) {
+      if (!all[r].nccl_ok)
+        blocker = fmt::format("NCCL is not available on rank {} ({})", r,
+                              r == rank() ? nccl().why_not : "see that rank's log");
+      for (int q = 0; q < r && blocker.empty(); ++q) {
+        if (host_of(q) == host_of(r) && std::strncmp(all[q].bus_id, all[r].bus_id, sizeof all[r].bus_id) == 0)
+          blocker = fmt::format("ranks {} and {} share GPU {} on {} (NCCL needs a GPU of its own per rank)", q, r,
+                                all[r].bus_id, host_of(r));
+      }
+    }
+    if (wanted == DevicePath::kStaged) {
+      why_ = "COHORT_GPU_PATH=staged or asked for";
+      return DevicePath::kStaged;
+    }
+    if (blocker.empty()) {
+      why_ = fmt::format("NCCL {}, one GPU per rank", nccl_version_text(nccl_version()));
+      return DevicePath::kNccl;
+    }
+    if (wanted == DevicePath::kNccl) throw ConfigError("GPU communicator: NCCL was asked for, but " + blocker);
+    why_ = blocker;
+    return DevicePath::kStaged;
+  }
+
+  static int nccl_version() {
+    int v = 0;
+    if (nccl().api) nccl().api->GetVersion(&v);
+    return v;
+  }
+
+  void init_nccl() {
+    NcclUniqueId id{};
+    if (rank() == 0) {
+      int rc = nccl_api().GetUniqueId(&id);
+      if (rc != kNcclSuccess) throw Error("rank 0: ncclGetUniqueId: " + nccl_error_text(rc));
+    }
+    // The id travels over the host communicator, which met at cohort's store; its broadcast names a
+    // rank that does not come. The barrier makes every rank present before NCCL's own bootstrap.
+    host_->broadcast(&id, sizeof id, DataType::kUInt8, 0);
+    host_->barrier();
+    // ncclCommInitRank has no deadline of its own: it runs on a helper thread that is given up
+    // (and the error thrown) when the communicator's timeout passes.
+    struct InitState {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+      int rc = kNcclSuccess;
+      void* comm = nullptr;
+    };
+    auto state = std::make_shared<InitState>();
+    const int device = device_, n = size(), r = rank();
+    std::thread([state, device, n, r, id] {
+      int rc = cuda().SetDevice(device) == kCudaSuccess ? kNcclSuccess : 1;
+      void* comm = nullptr;
+      if (rc == kNcclSuccess) rc = nccl_api().CommInitRank(&comm, n, id, r);
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->done = true;
+      state->rc = rc;
+      state->comm = comm;
+      state->cv.notify_all();
+    }).detach();
+    std::unique_lock<std::mutex> lock(state->mu);
+    if (!state->cv.wait_for(lock, options().timeout, [&] { return state->done; })) {
+      const std::string msg = fmt::format("rank {} (GPU {}): NCCL communicator set-up did not finish within {} ms (every "
+                                          "rank had arrived; a peer's NCCL bootstrap or network is stuck)",
+                                          r, device, options().timeout.count());
+      host_->abort(msg);
+      throw TimeoutError(msg);
+    }
+    if (state->rc != kNcclSuccess) {
+      const std::string msg = fmt::format("rank {} (GPU {}): ncclCommInitRank failed: {}", r, device,
+                                          nccl_error_text(state->rc));
+      host_->abort(msg);
+      throw Error(msg);
+    }
+    comm_ = state->comm;
+  }
+
+  std::shared_ptr<Communicator> child(std::shared_ptr<Communicator> h) {
+    auto c = std::make_shared<DeviceCommunicator>(std::move(h), device_);
+    c->init(path_);
+    return c;
+  }
+
+  std::shared_ptr<Communicator> host_;
+  const int device_;
+  DevicePath path_ = DevicePath::kStaged;
+  std::string why_;
+  void* stream_ = nullptr;
+  void* comm_ = nullptr;  // ncclComm_t (NCCL path)
+  std::mutex mu_;         // NCCL enqueueing, failure state
+  bool failed_ = false;
+  std::string failure_;
+  std::mutex staging_mu_;
+  void* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+};
+
+DeviceWork::~DeviceWork() { owner_->destroy_event(event_); }
+
+void DeviceWork::wait(Millis timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+  }
+  try {
+    owner_->wait_event(event_, what_, timeout);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = std::current_exception();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  done_ = true;
+}
+
+bool DeviceWork::test() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (done_) return true;
+  int rc = cuda().EventQuery(event_);
+  if (rc == kCudaErrorNotReady) return false;
+  if (rc != kCudaSuccess) {
+    error_ = std::make_exception_ptr(Error(what_ + " failed on the GPU: " + cuda_error_text(rc)));
+  }
+  done_ = true;
+  return true;
+}
+
+}  // namespace
+
+Status status() {
+  Status s;
+  const auto& rt = cuda_runtime();
+  s.runtime = rt.api != nullptr;
+  s.runtime_library = rt.path;
+  if (!rt.api) {
+    s.why_no_gpu = "no CUDA runtime: " + rt.why_not;
+  } else {
+    rt.api->RuntimeGetVersion(&s.runtime_version);
+    rt.api->DriverGetVersion(&s.driver_version);
+    int count = 0;
+    int rc = rt.api->GetDeviceCount(&count);
+    if (rc != kCudaSuccess) {
+      rt.api->GetLastError();
+      s.why_no_gpu = "no GPU: cudaGetDeviceCount: " + cuda_error_text(rc);
+    } else if (count == 0) {
+      s.why_no_gpu = "no GPU: cudaGetDeviceCount found none";
+    }
+    s.devices = rc == kCudaSuccess ? count : 0;
+  }
+  const auto& nc = nccl();
+  s.nccl = nc.api != nullptr;
+  s.nccl_library = nc.path;
+  if (nc.api) nc.api->GetVersion(&s.nccl_version);
+  else s.why_no_nccl = nc.why_not;
+  return s;
+}
+
+int local_device() {
+  Status s = status();
+  if (!s.usable()) throw ConfigError(s.why_no_gpu);
+  int wanted = 0;
+  std::string from = "default";
+  if (auto v = env::get_raw("COHORT_LOCAL_GPU")) {
+    wanted = static_cast<int>(env::parse_int("COHORT_LOCAL_GPU", *v));
+    from = "COHORT_LOCAL_GPU";
+  } else if (auto l = env::get_raw("LOCAL_RANK")) {
+    wanted = static_cast<int>(env::parse_int("LOCAL_RANK", *l));
+    from = "LOCAL_RANK";
+  }
+  if (wanted < 0) throw ConfigError(fmt::format("{}={}: expected a device number >= 0", from, wanted));
+  if (from == "COHORT_LOCAL_GPU" && wanted >= s.devices)
+    throw ConfigError(fmt::format("COHORT_LOCAL_GPU={}: this process sees {} GPU{}", wanted, s.devices,
+                                  s.devices == 1 ? "" : "s"));
+  return wanted % s.devices;
+}
+
+std::shared_ptr<Communicator> make_device_communicator(std::shared_ptr<Communicator> host, DeviceOptions options) {
+  if (!host) throw InvalidArgument("make_device_communicator: host communicator is null");
+  Status s = status();
+  if (!s.usable()) throw ConfigError(fmt::format("rank {}: GPU communicator: {}", host->rank(), s.why_no_gpu));
+  const std::string path_text = kGpuPath.get();
+  if (path_text == "nccl") options.path = DevicePath::kNccl;
+  else if (path_text == "staged") options.path = DevicePath::kStaged;
+  else if (path_text != "auto")
+    throw ConfigError(fmt::format("COHORT_GPU_PATH={}: expected auto, nccl or staged", path_text));
+  const int device = options.device >= 0 ? options.device : local_device();
+  if (device >= s.devices)
+    throw ConfigError(fmt::format("rank {}: GPU {} asked for, but this process sees {}", host->rank(), device, s.devices));
+  auto comm = std::make_shared<DeviceCommunicator>(std::move(host), device);
+  comm->init(options.path);
+  return comm;
+}
+
+std::string device_path_of(const Communicator& comm) {
+  auto* d = dynamic_cast<const DeviceCommunicator*>(&comm);
+  if (!d) return "host (not a GPU communicator)";
+  return d->path_name() + ": " + d->why();
+}
+
+std::shared_ptr<void> allocate_device(size_t bytes, int device) {
+  DeviceGuard guard(device);
+  void* p = nullptr;
+  check_cuda(cuda().Malloc(&p, std::max<size_t>(bytes, 1)), fmt::format("cudaMalloc of {} bytes on GPU {}", bytes, device));
+  return std::shared_ptr<void>(p, [](void* q) { cuda().Free(q); });
+}
+
+void copy_memory(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  check_cuda(cuda().Memcpy(dst, src, bytes, kCudaMemcpyDefault), fmt::format("cudaMemcpy of {} bytes", bytes));
+}
+
+bool is_device_pointer(const void* ptr) {
+  const auto& rt = cuda_runtime();
+  if (!rt.api || !ptr) return false;
+  CudaPointerAttributes a;
+  if (rt.api->PointerGetAttributes(&a, ptr) != kCudaSuccess) {
+    rt.api->GetLastError();
+    return false;
+  }
+  return a.type == kCudaMemoryDevice || a.type == kCudaMemoryManaged;
+}
+
+}  // namespace cohort::gpu
