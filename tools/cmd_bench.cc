@@ -27,6 +27,7 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "cohort/gpu.h"
 #include "cohort/types.h"
 #include "command.h"
 #include "common/env.h"
@@ -55,6 +56,8 @@ struct Options {
   double min_time = 0.5;
   std::string csv;
   std::string plot;
+  std::string device = "cpu";    // cpu | cuda
+  std::string gpu_path = "auto";  // with cuda: auto | nccl | staged
 };
 
 double bus_factor(Kind k, int n) {
@@ -85,11 +88,13 @@ bool close(double have, double want, DataType t) {
   return std::fabs(have - want) <= tol * std::max(1.0, std::fabs(want));
 }
 
-// One benchmark size: buffers and the operation on them.
+// One benchmark size: buffers and the operation on them. With --device cuda the operation runs on
+// GPU copies of the buffers (`device` >= 0); the host vectors then only carry --check's values.
 class Case {
  public:
-  Case(Communicator& comm, Kind kind, const Options& o, size_t bytes)
-      : comm_(comm), kind_(kind), o_(o), n_(comm.size()), r_(comm.rank()), esize_(dtype_size(o.dtype)) {
+  Case(Communicator& comm, Kind kind, const Options& o, size_t bytes, int device = -1)
+      : comm_(comm), kind_(kind), o_(o), n_(comm.size()), r_(comm.rank()), esize_(dtype_size(o.dtype)),
+        device_(device) {
     const size_t n = static_cast<size_t>(n_);
     count_ = bytes / esize_;
     if (kind == Kind::kAllgather || kind == Kind::kReduceScatter || kind == Kind::kAlltoall) {
@@ -106,28 +111,35 @@ class Case {
       case Kind::kAlltoall: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
       case Kind::kSendrecv: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
     }
+    if (device_ >= 0) {
+      dsend_ = gpu::allocate_device(send_.size(), device_);
+      if (!recv_.empty()) drecv_ = gpu::allocate_device(recv_.size(), device_);
+      to_device();
+    }
   }
   size_t bytes() const { return count_ * esize_; }
   size_t count() const { return count_; }
   bool empty() const { return count_ == 0; }
 
   void run() {
+    void* s = send_buf();
+    void* r = recv_buf();
     switch (kind_) {
-      case Kind::kAllreduce: comm_.allreduce(send_.data(), send_.data(), count_, o_.dtype, o_.op); break;
-      case Kind::kBroadcast: comm_.broadcast(send_.data(), count_, o_.dtype, o_.root); break;
-      case Kind::kAllgather: comm_.allgather(send_.data(), recv_.data(), per_rank_, o_.dtype); break;
-      case Kind::kReduceScatter:
-        comm_.reduce_scatter(send_.data(), recv_.data(), per_rank_, o_.dtype, o_.op);
-        break;
-      case Kind::kAlltoall: comm_.alltoall(send_.data(), recv_.data(), per_rank_, o_.dtype); break;
-      case Kind::kSendrecv: sendrecv(); break;
+      case Kind::kAllreduce: comm_.allreduce(s, s, count_, o_.dtype, o_.op); break;
+      case Kind::kBroadcast: comm_.broadcast(s, count_, o_.dtype, o_.root); break;
+      case Kind::kAllgather: comm_.allgather(s, r, per_rank_, o_.dtype); break;
+      case Kind::kReduceScatter: comm_.reduce_scatter(s, r, per_rank_, o_.dtype, o_.op); break;
+      case Kind::kAlltoall: comm_.alltoall(s, r, per_rank_, o_.dtype); break;
+      case Kind::kSendrecv: sendrecv(s, r); break;
     }
   }
 
   // Fills rank-dependent inputs, runs once, counts wrong elements on this rank; leaves zeros.
   int64_t check() {
     fill_inputs();
+    to_device();
     run();
+    from_device();
     int64_t wrong = 0;
     auto expect = [&](const void* buf, size_t i, double want) {
       if (!close(load_element(buf, i, o_.dtype), want, o_.dtype)) ++wrong;
@@ -158,10 +170,22 @@ class Case {
     (void)n;
     std::fill(send_.begin(), send_.end(), 0);
     std::fill(recv_.begin(), recv_.end(), 0);
+    to_device();
     return wrong;
   }
 
  private:
+  void* send_buf() { return dsend_ ? dsend_.get() : send_.data(); }
+  void* recv_buf() { return drecv_ ? drecv_.get() : recv_.data(); }
+  void to_device() {
+    if (dsend_) gpu::copy_memory(dsend_.get(), send_.data(), send_.size());
+    if (drecv_) gpu::copy_memory(drecv_.get(), recv_.data(), recv_.size());
+  }
+  void from_device() {
+    if (dsend_) gpu::copy_memory(send_.data(), dsend_.get(), send_.size());
+    if (drecv_) gpu::copy_memory(recv_.data(), drecv_.get(), recv_.size());
+  }
+
   void fill_inputs() {
     // Inputs hold this rank's values (broadcast: only the root's matter; the others start at zero).
     const size_t n_in = kind_ == Kind::kAllgather ? per_rank_ : count_;
@@ -176,19 +200,20 @@ class Case {
   // exchange is ordered to avoid a cycle: with an even world, even ranks send first and odd ranks
   // receive first (both directions of every pair run at once); with an odd world, rank 0 starts a
   // chain. (--check verifies the data.)
-  void sendrecv() {
+  void sendrecv(void* s, void* r) {
     if (n_ == 1) {
-      std::memcpy(recv_.data(), send_.data(), send_.size());
+      if (dsend_) gpu::copy_memory(r, s, send_.size());
+      else std::memcpy(r, s, send_.size());
       return;
     }
     const int right = (r_ + 1) % n_, left = (r_ + n_ - 1) % n_;
     const bool send_first = (n_ % 2 == 0) ? (r_ % 2 == 0) : (r_ == 0);
     if (send_first) {
-      comm_.send(send_.data(), count_, o_.dtype, right);
-      comm_.recv(recv_.data(), count_, o_.dtype, left);
+      comm_.send(s, count_, o_.dtype, right);
+      comm_.recv(r, count_, o_.dtype, left);
     } else {
-      comm_.recv(recv_.data(), count_, o_.dtype, left);
-      comm_.send(send_.data(), count_, o_.dtype, right);
+      comm_.recv(r, count_, o_.dtype, left);
+      comm_.send(s, count_, o_.dtype, right);
     }
   }
 
@@ -199,6 +224,8 @@ class Case {
   size_t esize_;
   size_t count_ = 0, per_rank_ = 0;
   std::vector<char> send_, recv_;
+  int device_ = -1;
+  std::shared_ptr<void> dsend_, drecv_;  // GPU copies (--device cuda)
 };
 
 double max_over_ranks(Communicator& comm, double v) {
@@ -250,6 +277,10 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   app.add_option("--min-time", o.min_time, "seconds each trial should last when -n is 0")->capture_default_str();
   app.add_option("--csv", o.csv, "also write the table as CSV to this file (rank 0)");
   app.add_option("--plot", o.plot, "also draw busbw against size into this PNG file (rank 0)");
+  app.add_option("--device", o.device, "cpu, or cuda: buffers in GPU memory, moved by NCCL (one GPU per rank)")
+      ->capture_default_str();
+  app.add_option("--gpu-path", o.gpu_path, "with --device cuda: auto, nccl, or staged (through host memory)")
+      ->capture_default_str();
   try {
     std::reverse(argv.begin(), argv.end());
     app.parse(argv);
@@ -257,24 +288,40 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
     fmt::print("{}", app.help());
     return 0;
   } catch (const CLI::ParseError& e) {
-    throw InvalidArgument(fmt::format("cohort {}: {}", name, e.what()));
+    throw InvalidArgument(e.what());
   }
   o.min_bytes = env::parse_bytes("-b", min_s);
   o.max_bytes = env::parse_bytes("-e", max_s);
   auto dt = parse_dtype(dtype_s);
-  if (!dt) throw InvalidArgument(fmt::format("cohort {}: unknown datatype '{}'", name, dtype_s));
+  if (!dt) throw InvalidArgument(fmt::format("unknown datatype '{}'", dtype_s));
   o.dtype = *dt;
   auto op = parse_reduce_op(op_s);
-  if (!op) throw InvalidArgument(fmt::format("cohort {}: unknown op '{}'", name, op_s));
+  if (!op) throw InvalidArgument(fmt::format("unknown op '{}'", op_s));
   o.op = *op;
   if (reduces(kind) && !op_supported(o.dtype, o.op)) {
-    throw InvalidArgument(fmt::format("cohort {}: op {} is not defined on {}", name, op_s, dtype_s));
+    throw InvalidArgument(fmt::format("op {} is not defined on {}", op_s, dtype_s));
   }
   if (o.factor <= 1.0 && o.min_bytes != o.max_bytes) throw InvalidArgument("-f must be > 1");
   if (o.min_bytes > o.max_bytes) throw InvalidArgument("-b must not exceed -e");
   if (o.trials < 1 || o.warmup < 0 || o.iters < 0) throw InvalidArgument("--trials >= 1, -w >= 0, -n >= 0");
 
-  auto comm = Communicator::from_env();
+  if (o.device != "cpu" && o.device != "cuda")
+    throw InvalidArgument(fmt::format("--device {}: expected cpu or cuda", o.device));
+  if (o.gpu_path != "auto" && o.gpu_path != "nccl" && o.gpu_path != "staged")
+    throw InvalidArgument(fmt::format("--gpu-path {}: expected auto, nccl or staged", o.gpu_path));
+  std::shared_ptr<Communicator> comm = Communicator::from_env();
+  int device = -1;
+  std::string device_line = "host memory";
+  if (o.device == "cuda") {
+    gpu::DeviceOptions d;
+    d.path = o.gpu_path == "nccl" ? gpu::DevicePath::kNccl
+             : o.gpu_path == "staged" ? gpu::DevicePath::kStaged
+                                      : gpu::DevicePath::kAuto;
+    d.device = gpu::local_device();
+    device = d.device;
+    comm = gpu::make_device_communicator(comm, d);
+    device_line = fmt::format("GPU memory (device {} of rank 0; {})", device, gpu::device_path_of(*comm));
+  }
   const int n = comm->size();
   if (o.root < 0 || o.root >= n) throw InvalidArgument(fmt::format("root {} out of range (0..{})", o.root, n - 1));
   const bool leader = comm->rank() == 0;
@@ -285,6 +332,7 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
                o.iters ? fmt::format("{} iterations per trial", o.iters)
                        : fmt::format("iterations per trial: smallest count taking >= {} s", o.min_time),
                o.trials);
+    fmt::print("# buffers: {}\n", device_line);
     fmt::print("#\n# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type", "redop",
                "root", "time", "algbw", "busbw", "#wrong");
     fmt::print("# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "(B)", "(elements)", "", "", "", "(us)",
@@ -294,7 +342,7 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   std::vector<Row> rows;
   for (double sz = static_cast<double>(o.min_bytes); sz <= static_cast<double>(o.max_bytes) * (1 + 1e-9);
        sz = o.factor > 1 ? sz * o.factor : sz + 1) {
-    Case c(*comm, kind, o, static_cast<size_t>(sz));
+    Case c(*comm, kind, o, static_cast<size_t>(sz), device);
     if (c.empty()) {
       if (o.factor <= 1) break;
       continue;

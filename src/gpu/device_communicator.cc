@@ -75,6 +75,10 @@ class DeviceGuard {
   bool restore_ = false;
 };
 
+void check_nccl_call(int rc, const char* what) {
+  if (rc != kNcclSuccess) throw Error(std::string(what) + ": " + nccl_error_text(rc));
+}
+
 class DoneWork final : public Work {
  public:
   void wait(Millis) override {}
@@ -649,7 +653,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
       }
     }
     if (wanted == DevicePath::kStaged) {
-      why_ = "COHORT_GPU_PATH=staged or asked for";
+      why_ = "the staged path was asked for (COHORT_GPU_PATH or the program)";
       return DevicePath::kStaged;
     }
     if (blocker.empty()) {
@@ -797,6 +801,91 @@ Status status() {
   if (nc.api) nc.api->GetVersion(&s.nccl_version);
   else s.why_no_nccl = nc.why_not;
   return s;
+}
+
+LocalGpuCheck check_local_gpus(Millis timeout) {
+  LocalGpuCheck out;
+  out.status = status();
+  if (!out.status.usable()) {
+    out.nccl_allreduce = "skipped: " + out.status.why_no_gpu;
+    return out;
+  }
+  const CudaApi& c = cuda();
+  const int n = out.status.devices;
+  for (int d = 0; d < n; ++d) {
+    char bus[64] = {};
+    c.DeviceGetPCIBusId(bus, sizeof bus - 1, d);
+    out.bus_ids.push_back(bus);
+  }
+  if (!out.status.nccl) {
+    out.nccl_allreduce = "skipped: NCCL not found (" + out.status.why_no_nccl + ")";
+    return out;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  // Everything on a helper thread: ncclCommInitAll and the kernels have no deadline of their own, and
+  // a hung GPU must not hang the doctor. The thread owns its state; a late finish only frees it.
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::string result;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([state, n] {
+    std::string result;
+    const CudaApi& c = cuda();
+    const NcclApi& nc = nccl_api();
+    std::vector<void*> comms(static_cast<size_t>(n)), streams(static_cast<size_t>(n)), bufs(static_cast<size_t>(n));
+    std::vector<int> devices(static_cast<size_t>(n));
+    for (int d = 0; d < n; ++d) devices[d] = d;
+    int rc = nc.CommInitAll(comms.data(), n, devices.data());
+    if (rc != kNcclSuccess) {
+      result = "FAIL: ncclCommInitAll over " + std::to_string(n) + " GPUs: " + nccl_error_text(rc);
+    } else {
+      try {
+        const float one = 1.0f;
+        for (int d = 0; d < n; ++d) {
+          check_cuda(c.SetDevice(d), fmt::format("cudaSetDevice({})", d));
+          check_cuda(c.StreamCreateWithFlags(&streams[d], 0), "cudaStreamCreateWithFlags");
+          check_cuda(c.Malloc(&bufs[d], sizeof(float)), "cudaMalloc");
+          check_cuda(c.Memcpy(bufs[d], &one, sizeof one, kCudaMemcpyDefault), "cudaMemcpy");
+        }
+        check_nccl_call(nc.GroupStart(), "ncclGroupStart");
+        for (int d = 0; d < n; ++d)
+          check_nccl_call(nc.AllReduce(bufs[d], bufs[d], 1, kNcclFloat32, kNcclSum, comms[d], streams[d]), "ncclAllReduce");
+        check_nccl_call(nc.GroupEnd(), "ncclGroupEnd");
+        for (int d = 0; d < n; ++d) {
+          check_cuda(c.SetDevice(d), fmt::format("cudaSetDevice({})", d));
+          check_cuda(c.StreamSynchronize(streams[d]), fmt::format("GPU {}: the allreduce", d));
+          float v = 0;
+          check_cuda(c.Memcpy(&v, bufs[d], sizeof v, kCudaMemcpyDefault), "cudaMemcpy");
+          if (v != static_cast<float>(n))
+            throw Error(fmt::format("GPU {} holds {} after summing 1.0 over {} GPUs", d, v, n));
+        }
+      } catch (const std::exception& e) {
+        result = std::string("FAIL: ") + e.what();
+      }
+      for (int d = 0; d < n; ++d) {
+        if (comms[d]) nc.CommDestroy(comms[d]);
+        if (bufs[d]) c.Free(bufs[d]);
+        if (streams[d]) c.StreamDestroy(streams[d]);
+      }
+    }
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->done = true;
+    state->result = std::move(result);
+    state->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mu);
+  if (!state->cv.wait_for(lock, timeout, [&] { return state->done; })) {
+    out.nccl_allreduce = fmt::format("FAIL: no result within {} ms (a GPU or NCCL hangs)", timeout.count());
+    return out;
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.nccl_allreduce = state->result.empty()
+                           ? fmt::format("ok: {} GPU{} summed 1 float each in {:.2f} s", n, n == 1 ? "" : "s", s)
+                           : state->result;
+  return out;
 }
 
 int local_device() {

@@ -205,6 +205,53 @@ std::vector<DoctorHost> parse_hostfile(const std::string& path, int default_slot
   return hosts;
 }
 
+// The GPU table and its findings, when any host has a GPU: GPUs per host equal everywhere, the same
+// driver, NCCL present, and the tiny NCCL allreduce over each host's GPUs.
+static void judge_gpus(const std::vector<HostReport>& reports, std::vector<Finding>& findings) {
+  bool any = false;
+  for (const auto& r : reports) any = any || (r.facts && r.facts->gpus > 0);
+  if (!any) {
+    std::string why = "no GPU on any host";
+    if (!reports.empty() && reports[0].facts && !reports[0].facts->gpu_note.empty())
+      why += " (" + reports[0].host.name + ": " + reports[0].facts->gpu_note + ")";
+    fmt::print("gpus: {}\n\n", why);
+    return;
+  }
+  fmt::print("{:<22} {:<5} {:<8} {:<8} {:<8} {}\n", "host", "gpus", "driver", "runtime", "nccl", "nccl allreduce (local GPUs)");
+  std::map<int, std::vector<std::string>> by_count;
+  std::map<std::string, std::vector<std::string>> by_driver;
+  for (const auto& r : reports) {
+    if (!r.facts) continue;
+    const HostFacts& f = *r.facts;
+    fmt::print("{:<22} {:<5} {:<8} {:<8} {:<8} {}\n", r.host.name, f.gpus, f.cuda_driver.empty() ? "-" : f.cuda_driver,
+               f.cuda_runtime.empty() ? "-" : f.cuda_runtime, f.nccl_version.empty() ? "none" : f.nccl_version,
+               f.nccl_allreduce);
+    by_count[f.gpus].push_back(r.host.name);
+    if (!f.cuda_driver.empty()) by_driver[f.cuda_driver].push_back(r.host.name);
+    if (f.gpus > 0 && f.nccl_version.empty())
+      findings.push_back({Status::kWarn, r.host.name, "GPUs but no NCCL (" + f.nccl_note + "); GPU buffers would be "
+                                                      "staged through host memory",
+                          "install NCCL (e.g. the nvidia-nccl wheel torch uses) or set COHORT_NCCL_LIBRARY"});
+    if (str::starts_with(f.nccl_allreduce, "FAIL"))
+      findings.push_back({Status::kFail, r.host.name, "NCCL allreduce over the local GPUs: " + f.nccl_allreduce.substr(6),
+                          "run with NCCL_DEBUG=INFO to see where NCCL stops"});
+  }
+  fmt::print("\n");
+  if (by_count.size() > 1) {
+    std::vector<std::string> parts;
+    for (const auto& [count, hosts] : by_count) parts.push_back(fmt::format("{} on {}", count, str::join(hosts, ", ")));
+    findings.push_back({Status::kFail, "gpus", "GPUs per host differ: " + str::join(parts, "; ") +
+                                                   " (--gpus-per-node auto would give the hosts different rank counts)",
+                        fmt::format("pass --gpus-per-node {} (the smallest count) or fix the hosts", by_count.begin()->first)});
+  }
+  if (by_driver.size() > 1) {
+    std::vector<std::string> parts;
+    for (const auto& [driver, hosts] : by_driver) parts.push_back(fmt::format("{} on {}", driver, str::join(hosts, ", ")));
+    findings.push_back({Status::kWarn, "gpus", "CUDA drivers differ: " + str::join(parts, "; "),
+                        "install the same NVIDIA driver on every host"});
+  }
+}
+
 int run_doctor(const DoctorOptions& o) {
   const std::string cohort = o.remote_cohort.empty() ? self_path() : o.remote_cohort;
   const int nodes = static_cast<int>(o.hosts.size());
@@ -348,6 +395,7 @@ int run_doctor(const DoctorOptions& o) {
 
   for (auto& row : host_rows) fmt::print("{}\n", row);
   fmt::print("\n");
+  judge_gpus(reports, findings);
   for (auto& row : link_rows) fmt::print("{}\n", row);
   fmt::print("\n");
   std::fflush(stdout);

@@ -14,7 +14,9 @@
 #include <fstream>
 
 #include "cohort/error.h"
+#include "cohort/gpu.h"
 #include "cohort/version.h"
+#include "gpu/runtime.h"
 #include "common/socket.h"
 
 namespace cohort::doctor {
@@ -87,7 +89,11 @@ nlohmann::json HostFacts::to_json() const {
           {"nofile_soft", nofile_soft},  {"nofile_hard", nofile_hard},
           {"port_range_low", port_range_low}, {"port_range_high", port_range_high},
           {"ports_checked", ports_checked},   {"ports_free", ports_free},
-          {"probe_port", probe_port}};
+          {"probe_port", probe_port},
+          {"gpus", gpus},                     {"gpu_bus_ids", gpu_bus_ids},
+          {"cuda_driver", cuda_driver},       {"cuda_runtime", cuda_runtime},
+          {"nccl_version", nccl_version},     {"gpu_note", gpu_note},
+          {"nccl_note", nccl_note},           {"nccl_allreduce", nccl_allreduce}};
 }
 
 HostFacts HostFacts::from_json(const nlohmann::json& j) {
@@ -103,6 +109,15 @@ HostFacts HostFacts::from_json(const nlohmann::json& j) {
   f.ports_checked = j.at("ports_checked").get<std::vector<int>>();
   f.ports_free = j.at("ports_free").get<std::vector<bool>>();
   f.probe_port = j.at("probe_port").get<int>();
+  // GPU facts came later: a host running an older cohort simply has none (its version differs anyway).
+  f.gpus = j.value("gpus", 0);
+  f.gpu_bus_ids = j.value("gpu_bus_ids", std::vector<std::string>{});
+  f.cuda_driver = j.value("cuda_driver", "");
+  f.cuda_runtime = j.value("cuda_runtime", "");
+  f.nccl_version = j.value("nccl_version", "");
+  f.gpu_note = j.value("gpu_note", "");
+  f.nccl_note = j.value("nccl_note", "");
+  f.nccl_allreduce = j.value("nccl_allreduce", "");
   return f;
 }
 
@@ -132,6 +147,15 @@ HostFacts collect_host_facts(const std::vector<int>& ports_to_check) {
     f.ports_checked.push_back(p);
     f.ports_free.push_back(port_is_free(p));
   }
+  auto g = gpu::check_local_gpus(std::chrono::seconds(30));
+  f.gpus = g.status.devices;
+  f.gpu_bus_ids = g.bus_ids;
+  if (g.status.driver_version > 0) f.cuda_driver = gpu::cuda_version_text(g.status.driver_version);
+  if (g.status.runtime_version > 0) f.cuda_runtime = gpu::cuda_version_text(g.status.runtime_version);
+  if (g.status.nccl) f.nccl_version = gpu::nccl_version_text(g.status.nccl_version);
+  f.gpu_note = g.status.why_no_gpu;
+  f.nccl_note = g.status.why_no_nccl;
+  f.nccl_allreduce = g.nccl_allreduce;
   return f;
 }
 

@@ -33,6 +33,13 @@ struct HostFacts {
   std::vector<int> ports_checked; // ports asked about, and whether each could be bound on 0.0.0.0
   std::vector<bool> ports_free;
   int probe_port = 0;             // where --serve-probe listens (0 when not serving)
+  // GPUs (cohort/gpu.h's check_local_gpus): count, PCI bus ids, versions ("" unknown), why none or
+  // no NCCL, and the tiny NCCL allreduce over the host's GPUs ("ok: ...", "FAIL: ...", "skipped: ...").
+  int gpus = 0;
+  std::vector<std::string> gpu_bus_ids;
+  std::string cuda_driver, cuda_runtime, nccl_version;
+  std::string gpu_note, nccl_note;
+  std::string nccl_allreduce;
 
   nlohmann::json to_json() const;
   static HostFacts from_json(const nlohmann::json& j);
