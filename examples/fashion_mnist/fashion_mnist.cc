@@ -20,6 +20,7 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
 #include "store/memory_store.h"
 
@@ -110,7 +111,7 @@ std::string progress_bar(int64_t done, int64_t total, int width = 30) {
 uint64_t weights_digest(nn::Module& m) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes of every parameter
   for (auto& p : m.parameters()) {
-    auto c = p.detach().contiguous();
+    auto c = p.detach().to(torch::kCPU).contiguous();
     auto* b = static_cast<const unsigned char*>(c.data_ptr());
     for (size_t i = 0; i < static_cast<size_t>(c.numel()) * c.element_size(); ++i) h = (h ^ b[i]) * 1099511628211ull;
   }
@@ -146,6 +147,7 @@ struct Args {
   bool verbose = false;
   int64_t kill_after_steps = 0;
   bool print_digest = false;
+  std::string device = "cpu";
 };
 
 int run(const Args& a) {
@@ -170,8 +172,21 @@ int run(const Args& a) {
   int threads = a.threads > 0 ? a.threads : (comm->local_size() > 1 ? 1 : torch::get_num_threads());
   torch::set_num_threads(threads);
 
+  // --device cuda: this rank's GPU (COHORT_LOCAL_GPU from `cohort run --gpus-per-node`, else LOCAL_RANK).
+  torch::Device device(torch::kCPU);
+  if (a.device == "cuda") {
+    if (!torch::cuda::is_available())
+      throw ConfigError("--device cuda: this libtorch has no CUDA, or sees no GPU (torch::cuda::is_available() is false)");
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(cohort::gpu::local_device()));
+  } else if (a.device != "cpu") {
+    throw ConfigError(fmt::format("--device must be cpu or cuda, not '{}'", a.device));
+  }
+
   torch::manual_seed(static_cast<uint64_t>(a.seed));
   auto model = make_model(a.model);
+  model->to(device);
+  train.x = train.x.to(device), train.y = train.y.to(device);
+  test.x = test.x.to(device), test.y = test.y.to(device);
   // (3) Wrap the model: parameters broadcast from rank 0, gradients averaged during backward.
   cohort::torch::DDPOptions ddp_options;
   ddp_options.compression = *compression;
@@ -215,7 +230,7 @@ int run(const Args& a) {
     sampler.set_epoch(epoch);
     // (4) Shard the data: this rank's indices, cut into batches.
     const auto indices = sampler.indices();
-    const auto index_tensor = torch::tensor(indices, torch::kLong);
+    const auto index_tensor = torch::tensor(indices, torch::kLong).to(device);
     for (int64_t step = (epoch == pos.epoch ? pos.step_in_epoch : 0); step < steps_per_epoch; ++step) {
       const int64_t begin = step * a.batch, len = std::min<int64_t>(a.batch, static_cast<int64_t>(indices.size()) - begin);
       auto batch = index_tensor.narrow(0, begin, len);
@@ -309,6 +324,7 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", a.checkpoint_every, "checkpoint every N steps (and at the end)")->check(kNotNegative);
   app.add_flag("--resume", a.resume, "continue from <checkpoint-dir>/checkpoint.bin");
   app.add_option("--compression", a.compression, "gradients on the wire: none, fp16 or bf16");
+  app.add_option("--device", a.device, "cpu, or cuda: the model on this rank's GPU, gradients reduced by NCCL");
   app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB")->check(kPositive);
   app.add_option("--threads", a.threads, "intra-op threads per rank (0: 1 when ranks share a host)")->check(kNotNegative);
   app.add_flag("--verbose", a.verbose, "print the setup (world, BLAS library in use, buckets)");

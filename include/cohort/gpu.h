@@ -73,11 +73,15 @@ std::shared_ptr<Communicator> make_device_communicator(std::shared_ptr<Communica
 
 // For a communicator from make_device_communicator: "nccl" or "staged", and why that path.
 std::string device_path_of(const Communicator& comm);
+// The GPU a communicator from make_device_communicator uses; -1 for any other communicator.
+int device_of(const Communicator& comm);
 
 // Device memory for tools and tests (cudaMalloc on `device`; freed with the last copy of the pointer).
 std::shared_ptr<void> allocate_device(size_t bytes, int device);
 // cudaMemcpy with the direction inferred (host <-> device, either way).
 void copy_memory(void* dst, const void* src, size_t bytes);
+// Sets `bytes` of GPU memory to zero (ordered after, and completed before returning like, cudaMemcpy).
+void zero_memory(void* ptr, size_t bytes);
 // Whether `ptr` is in GPU memory (device or managed).
 bool is_device_pointer(const void* ptr);
 

@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "cohort/error.h"
+#include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
 #include "common/log.h"
 
@@ -37,7 +38,12 @@ DataType dtype_of(const ::torch::Tensor& t, const std::string& name) {
 
 void broadcast_tensor(::torch::Tensor t, const std::string& name, Communicator& comm) {
   if (!t.defined() || t.numel() == 0) return;
-  if (!t.device().is_cpu()) throw InvalidArgument(fmt::format("DDP: tensor {} is not on the CPU", name));
+  if (t.device().is_cuda() && gpu::device_of(comm) < 0)
+    throw InvalidArgument(fmt::format("DDP: tensor {} is on {} but the communicator takes host buffers only (wrap it "
+                                      "with cohort::gpu::make_device_communicator)",
+                                      name, t.device().str()));
+  if (!t.device().is_cpu() && !t.device().is_cuda())
+    throw InvalidArgument(fmt::format("DDP: tensor {} is on {}; cohort moves CPU and CUDA tensors", name, t.device().str()));
   DataType dt = dtype_of(t, name);
   if (t.is_contiguous()) {
     comm.broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), dt, 0);
@@ -72,14 +78,35 @@ struct DistributedDataParallel::Hook : ::torch::autograd::FunctionPostHook {
 void DistributedDataParallel::init() {
   if (!comm_) throw InvalidArgument("DDP: communicator is null");
   std::vector<train::ParameterSpec> specs;
+  std::optional<::torch::Device> device;
+  std::string first_name;
   for (auto& p : module_->named_parameters(true)) {
     if (!p.value().requires_grad()) continue;  // frozen parameters are not synchronised (as in torch)
-    if (p.value().scalar_type() != ::torch::kFloat32 || !p.value().device().is_cpu())
-      throw InvalidArgument(fmt::format("DDP: parameter {} must be a float32 CPU tensor", p.key()));
+    const ::torch::Device d = p.value().device();
+    if (p.value().scalar_type() != ::torch::kFloat32 || !(d.is_cpu() || d.is_cuda()))
+      throw InvalidArgument(fmt::format("DDP: parameter {} must be a float32 tensor on the CPU or a GPU, not {} on {}",
+                                        p.key(), std::string(c10::toString(p.value().scalar_type())), d.str()));
+    if (device && *device != d)
+      throw InvalidArgument(fmt::format("DDP: parameter {} is on {} but {} is on {}: one device per model replica",
+                                        p.key(), d.str(), first_name, device->str()));
+    if (!device) device = d, first_name = p.key();
     specs.push_back({p.key(), p.value().sizes().vec()});
     params_.push_back(p.value());
   }
+  device_ = device.value_or(::torch::Device(::torch::kCPU));
   train::GradSyncOptions o;
+  if (device_.is_cuda()) {
+    // A model on a GPU: buckets in its memory, reduced by NCCL. A host communicator (what
+    // Communicator::from_env gives) is wrapped here, so the four-step conversion stays the same.
+    const int index = device_.has_index() ? device_.index() : 0;
+    if (gpu::device_of(*comm_) < 0) {
+      comm_ = gpu::make_device_communicator(comm_, {index, gpu::DevicePath::kAuto});
+    } else if (gpu::device_of(*comm_) != index) {
+      throw InvalidArgument(fmt::format("DDP: the model is on cuda:{} but the communicator uses GPU {}", index,
+                                        gpu::device_of(*comm_)));
+    }
+    o.memory = train::gpu_bucket_memory(index);
+  }
   o.bucket_cap_bytes = options_.bucket_cap_bytes;
   o.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
   o.compression = options_.compression;
@@ -158,7 +185,7 @@ void DistributedDataParallel::bind_to_bucket(size_t index) {
   if (!slot || grad.data_ptr<float>() == slot.get()) return;
   float* data = slot.get();
   grad = ::torch::from_blob(data, params_[index].sizes(), [keep = std::move(slot)](void*) mutable { keep.reset(); },
-                            ::torch::TensorOptions().dtype(::torch::kFloat32));
+                            ::torch::TensorOptions().dtype(::torch::kFloat32).device(device_));
 }
 
 bool DistributedDataParallel::gradient_is_bucket_view(size_t index) const {
@@ -172,11 +199,13 @@ void DistributedDataParallel::write_back(size_t index, const float* averaged) {
   ::torch::Tensor& param = params_[index];
   ::torch::Tensor& grad = param.mutable_grad();
   if (!grad.defined()) grad = ::torch::zeros_like(param);
-  if (grad.is_contiguous() && grad.scalar_type() == ::torch::kFloat32) {
-    if (grad.data_ptr<float>() == averaged) return;  // a bucket view: the average is already there
+  if (grad.is_contiguous() && grad.scalar_type() == ::torch::kFloat32 && grad.data_ptr<float>() == averaged) {
+    // a bucket view: the average is already there
+  } else if (grad.is_contiguous() && grad.scalar_type() == ::torch::kFloat32 && device_.is_cpu()) {
     std::memcpy(grad.data_ptr<float>(), averaged, static_cast<size_t>(grad.numel()) * sizeof(float));
   } else {
-    grad.copy_(::torch::from_blob(const_cast<float*>(averaged), grad.sizes(), ::torch::kFloat32));
+    grad.copy_(::torch::from_blob(const_cast<float*>(averaged), grad.sizes(),
+                                  ::torch::TensorOptions().dtype(::torch::kFloat32).device(device_)));
   }
   contiguous_grads_[index] = ::torch::Tensor();
 }

@@ -930,6 +930,18 @@ std::string device_path_of(const Communicator& comm) {
   return d->path_name() + ": " + d->why();
 }
 
+int device_of(const Communicator& comm) {
+  auto* d = dynamic_cast<const DeviceCommunicator*>(&comm);
+  return d ? d->device() : -1;
+}
+
+void zero_memory(void* ptr, size_t bytes) {
+  if (bytes == 0) return;
+  const CudaApi& c = cuda();
+  check_cuda(c.MemsetAsync(ptr, 0, bytes, nullptr), fmt::format("cudaMemsetAsync of {} bytes", bytes));
+  check_cuda(c.StreamSynchronize(nullptr), "cudaStreamSynchronize");
+}
+
 std::shared_ptr<void> allocate_device(size_t bytes, int device) {
   DeviceGuard guard(device);
   void* p = nullptr;

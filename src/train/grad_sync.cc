@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "cohort/gpu.h"
 #include "common/half.h"
 #include "common/log.h"
 #include "cohort/error.h"
@@ -37,6 +38,37 @@ std::string_view compression_name(WireCompression c) {
   }
   return "?";
 }
+
+namespace {
+
+// The default: memory the communicator hands out for buffers reduced again and again.
+class HostBucketMemory final : public BucketMemory {
+ public:
+  std::shared_ptr<void> allocate(Communicator& comm, size_t bytes) override { return comm.allocate_shared(bytes); }
+  void copy(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
+  bool host_accessible() const override { return true; }
+};
+
+class GpuBucketMemory final : public BucketMemory {
+ public:
+  explicit GpuBucketMemory(int device) : device_(device) {}
+  std::shared_ptr<void> allocate(Communicator&, size_t bytes) override {
+    auto p = gpu::allocate_device(bytes, device_);
+    gpu::zero_memory(p.get(), bytes);
+    return p;
+  }
+  void copy(void* dst, const void* src, size_t bytes) override { gpu::copy_memory(dst, src, bytes); }
+  void zero(void* dst, size_t bytes) override { gpu::zero_memory(dst, bytes); }
+  bool host_accessible() const override { return false; }
+
+ private:
+  int device_;
+};
+
+}  // namespace
+
+std::shared_ptr<BucketMemory> gpu_bucket_memory(int device) { return std::make_shared<GpuBucketMemory>(device); }
 
 void broadcast_from_rank0(Communicator& comm, float* data, size_t count) {
   if (comm.size() > 1 && count > 0) comm.broadcast(data, count, DataType::kFloat32, 0);
@@ -69,6 +101,11 @@ GradientSync::GradientSync(std::shared_ptr<Communicator> comm, std::vector<Param
   if (!comm_) throw InvalidArgument("GradientSync: communicator is null");
   if (options_.bucket_cap_bytes == 0 || options_.first_bucket_cap_bytes == 0)
     throw InvalidArgument("GradientSync: bucket sizes must be positive");
+  if (!options_.memory) options_.memory = std::make_shared<HostBucketMemory>();
+  if (options_.compression != WireCompression::kNone && !options_.memory->host_accessible())
+    throw InvalidArgument(fmt::format("DDP: wire compression ({}) converts buckets on the CPU; GPU buckets travel as "
+                                      "float32 through NCCL (use compression none)",
+                                      compression_name(options_.compression)));
   check_parameters_match_rank0();
   std::vector<size_t> reverse(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) reverse[i] = params_.size() - 1 - i;
@@ -126,7 +163,7 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     if (current.params.empty()) return;
     // From the communicator: on one host, memory the peers map, so the bucket's allreduce reads their
     // gradients in place instead of staging copies (every rank builds the same buckets in the same order).
-    std::shared_ptr<void> memory = comm_->allocate_shared(current.numel * sizeof(float));
+    std::shared_ptr<void> memory = options_.memory->allocate(*comm_, current.numel * sizeof(float));
     current.data = std::shared_ptr<float[]>(memory, static_cast<float*>(memory.get()));
     if (options_.compression != WireCompression::kNone) current.wire.assign(current.numel, 0);
     buckets_.push_back(std::move(current));
@@ -180,7 +217,7 @@ void GradientSync::mark_ready(size_t index, const float* grad) {
   // One rank: the average is the gradient itself, so it is neither copied nor written back.
   float* slot = b.data.get() + param_offset_[index];
   // A gradient that is a view of its slot is already in place.
-  if (comm_->size() > 1 && grad != slot) std::memcpy(slot, grad, params_[index].numel() * sizeof(float));
+  if (comm_->size() > 1 && grad != slot) options_.memory->copy(slot, grad, params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
   ++ready_count_;
@@ -193,7 +230,7 @@ void GradientSync::mark_unused(size_t index) {
     throw InvalidArgument("DDP: mark_unused needs find_unused_parameters");
   if (index >= params_.size() || ready_[index]) return;
   Bucket& b = buckets_[param_bucket_[index]];
-  std::fill_n(b.data.get() + param_offset_[index], params_[index].numel(), 0.0f);
+  options_.memory->zero(b.data.get() + param_offset_[index], params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
   ++ready_count_;

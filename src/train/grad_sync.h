@@ -43,6 +43,23 @@ enum class WireCompression { kNone, kFloat16, kBFloat16 };
 std::optional<WireCompression> parse_compression(std::string_view s);
 std::string_view compression_name(WireCompression c);
 
+// Where the buckets live and how gradients move in and out of them. The default (no BucketMemory)
+// keeps them in host memory from Communicator::allocate_shared, which same-host peers map. A model on
+// a GPU uses gpu_bucket_memory(): buckets in GPU memory, reduced by the GPU communicator (NCCL).
+class BucketMemory {
+ public:
+  virtual ~BucketMemory() = default;
+  // `bytes` of zeroed memory (every rank calls it in the same order, like allocate_shared).
+  virtual std::shared_ptr<void> allocate(Communicator& comm, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* dst, size_t bytes) = 0;
+  // Whether the CPU may read and write bucket memory (wire compression converts on the CPU).
+  virtual bool host_accessible() const = 0;
+};
+// Buckets in the memory of GPU `device` (cudaMalloc; copies with cudaMemcpy, which is ordered after the
+// work queued on the default stream). The communicator must take GPU buffers (gpu::make_device_communicator).
+std::shared_ptr<BucketMemory> gpu_bucket_memory(int device);
+
 struct GradSyncOptions {
   size_t bucket_cap_bytes = size_t{25} << 20;
   size_t first_bucket_cap_bytes = size_t{1} << 20;
@@ -50,6 +67,8 @@ struct GradSyncOptions {
   bool find_unused_parameters = false;
   // Rebuild buckets in gradient-ready order after the first synchronised iteration.
   bool rebuild_buckets = true;
+  // Null: host buckets from Communicator::allocate_shared.
+  std::shared_ptr<BucketMemory> memory;
 };
 
 struct GradSyncStats {
@@ -71,7 +90,8 @@ class GradientSync {
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;
 
-  // The gradient of parameter `index` is final for this iteration (grad points to numel floats).
+  // The gradient of parameter `index` is final for this iteration (grad points to numel floats, in the
+  // buckets' kind of memory: host, or the GPU for gpu_bucket_memory).
   // Starts the allreduce of every bucket that is now complete. No-op while sync is disabled.
   void mark_ready(size_t index, const float* grad);
   // True when every parameter of this iteration has been marked ready (or is known unused).

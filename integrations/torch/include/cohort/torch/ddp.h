@@ -25,8 +25,14 @@
 // gradient accumulator; forward() notices and moves the hook, so loading a checkpoint after
 // wrapping is fine.
 //
+// A model on a GPU (libtorch with CUDA): the buckets live in that GPU's memory and NCCL reduces them
+// (cohort/gpu.h); a host communicator passed in is wrapped with gpu::make_device_communicator, so the
+// four steps above are unchanged. NCCL runs on the communicator's blocking stream, which is ordered
+// after the backward kernels queued on the default stream; the last hook waits for the reductions.
+// docs/gpu.md has the rules.
+//
 // Not thread-safe: one backward at a time per wrapper (the CPU autograd engine runs hooks on the
-// thread that called backward()).
+// thread that called backward(); the CUDA one on its device thread, one at a time).
 
 #include <torch/torch.h>
 
@@ -136,6 +142,7 @@ class DistributedDataParallel {
   std::vector<uintptr_t> hook_keys_;
   std::unique_ptr<train::GradientSync> sync_;
   std::vector<::torch::Tensor> contiguous_grads_;  // holders for non-contiguous gradients
+  ::torch::Device device_{::torch::kCPU};          // where the parameters (and buckets) are
 };
 
 // Broadcasts every parameter and buffer of `module` from rank 0 (done by the DDP constructor).
