@@ -10,8 +10,12 @@
 // - The creator torch calls, creator(store, rank, size, timeout), wraps torch's c10d::Store in a
 //   cohort::Store adapter and builds a cohort::Communicator on it.
 // - torch 1.x subclasses c10d::ProcessGroup; torch 2.x subclasses c10d::Backend (registered
-//   with devices=["cpu"]). The two share every method signature used here, so the class body is
-//   the same; only the base class and the registration call differ (TORCH_VERSION_MAJOR).
+//   with devices=["cpu", "cuda"]). The two share every method signature used here, so the class body
+//   is the same; only the base class and the registration call differ (TORCH_VERSION_MAJOR).
+// - CUDA tensors (torch 2.x): handed to torch's own NCCL backend, built over the same store, or,
+//   without NCCL, staged through host memory (route_cuda). "cpu:cohort,cuda:nccl" is the documented
+//   form: torch then sends CUDA tensors to NCCL itself. Debian's torch 1.13 has no CUDA: a CUDA
+//   tensor there is refused in one line (check_tensor).
 // - Every operation is validated on the calling thread (bad dtype, device, shape: RuntimeError at
 //   once), then queued to one worker thread per process group that runs the blocking
 //   communicator call. One thread keeps operations in the order they were issued, which the
@@ -42,7 +46,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <tuple>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -73,6 +79,17 @@ using BaseGroup = c10d::ProcessGroup;
 #endif
 
 using Millis = std::chrono::milliseconds;
+
+// First line of each collective of the backend: CUDA tensors leave the CPU path here (torch 2.x;
+// torch 1.x from Debian has no CUDA, and check_tensor refuses non-CPU tensors in one line).
+#if TORCH_VERSION_MAJOR >= 2
+#define COHORT_ROUTE_CUDA(type, all, outputs, call)                                                  \
+  if (auto routed_ = route_cuda(                                                                      \
+          type, all, outputs, [&](BaseGroup& nccl_) { return nccl_.call; }, [&] { return this->call; })) \
+  return routed_
+#else
+#define COHORT_ROUTE_CUDA(type, all, outputs, call)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // cohort::Store on top of torch's c10d::Store (TCPStore under env:// and torchrun, PrefixStore
@@ -451,8 +468,15 @@ class SharedStorage {
 // ---------------------------------------------------------------------------------------------
 class ProcessGroupCohort : public BaseGroup {
  public:
-  ProcessGroupCohort(std::shared_ptr<cohort::Communicator> comm, int rank, int size)
-      : BaseGroup(rank, size), comm_(std::move(comm)), shared_storage_(*comm_) {
+  // `cuda_backend`: torch's own NCCL backend over the same store, for CUDA tensors (torch 2.x with
+  // CUDA and NCCL; null otherwise, and CUDA tensors are staged through host memory).
+  ProcessGroupCohort(std::shared_ptr<cohort::Communicator> comm, int rank, int size,
+                     c10::intrusive_ptr<BaseGroup> cuda_backend = {}, std::string cuda_note = "")
+      : BaseGroup(rank, size),
+        comm_(std::move(comm)),
+        shared_storage_(*comm_),
+        cuda_backend_(std::move(cuda_backend)),
+        cuda_note_(std::move(cuda_note)) {
     worker_ = std::thread([this] { worker_loop(); });
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
@@ -495,6 +519,7 @@ class ProcessGroupCohort : public BaseGroup {
   // ---- reductions ----
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::ALLREDUCE, Args().list(tensors), Args().list(tensors), allreduce(tensors, opts));
     check_single(tensors, "allreduce");
     const auto dtype = to_cohort_dtype(tensors[0], "allreduce");
     const auto op = to_cohort_op(opts.reduceOp, dtype, "allreduce");
@@ -509,6 +534,8 @@ class ProcessGroupCohort : public BaseGroup {
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::ALLREDUCE_COALESCED, Args().list(tensors), Args().list(tensors),
+                      allreduce_coalesced(tensors, opts));
     TORCH_CHECK(!tensors.empty(), "cohort backend: allreduce_coalesced needs at least one tensor");
     for (const auto& t : tensors) {
       check_tensor(t, "allreduce_coalesced");
@@ -527,6 +554,7 @@ class ProcessGroupCohort : public BaseGroup {
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::REDUCE, Args().list(tensors), Args().list(tensors), reduce(tensors, opts));
     check_single(tensors, "reduce");
     check_root(opts.rootRank, "reduce");
     TORCH_CHECK(opts.rootTensor == 0, "cohort backend: reduce: rootTensor must be 0");
@@ -544,6 +572,8 @@ class ProcessGroupCohort : public BaseGroup {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
       std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
       const c10d::ReduceScatterOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::REDUCE_SCATTER, Args().list(outputs).lists(inputs), Args().list(outputs),
+                      reduce_scatter(outputs, inputs, opts));
     check_single(outputs, "reduce_scatter");
     TORCH_CHECK(inputs.size() == 1, "cohort backend: reduce_scatter takes one input list");
     check_list(inputs[0], outputs[0], "reduce_scatter");
@@ -560,6 +590,8 @@ class ProcessGroupCohort : public BaseGroup {
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::_REDUCE_SCATTER_BASE, Args().one(output).one(input), Args().one(output),
+                      _reduce_scatter_base(output, input, opts));
     check_tensor(output, "reduce_scatter_tensor");
     check_tensor(input, "reduce_scatter_tensor");
     check_same_type(output, input, "reduce_scatter_tensor");
@@ -578,6 +610,7 @@ class ProcessGroupCohort : public BaseGroup {
   // ---- data movement ----
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::BROADCAST, Args().list(tensors), Args().list(tensors), broadcast(tensors, opts));
     check_single(tensors, "broadcast");
     check_root(opts.rootRank, "broadcast");
     TORCH_CHECK(opts.rootTensor == 0, "cohort backend: broadcast: rootTensor must be 0");
@@ -594,6 +627,8 @@ class ProcessGroupCohort : public BaseGroup {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::ALLGATHER, Args().lists(outputs).list(inputs), Args().lists(outputs),
+                      allgather(outputs, inputs, opts));
     check_single(inputs, "allgather");
     TORCH_CHECK(outputs.size() == 1, "cohort backend: allgather takes one output list");
     check_list(outputs[0], inputs[0], "allgather");
@@ -609,6 +644,8 @@ class ProcessGroupCohort : public BaseGroup {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::_ALLGATHER_BASE, Args().one(output).one(input), Args().one(output),
+                      _allgather_base(output, input, opts));
     check_tensor(output, "all_gather_into_tensor");
     check_tensor(input, "all_gather_into_tensor");
     check_same_type(output, input, "all_gather_into_tensor");
@@ -626,6 +663,8 @@ class ProcessGroupCohort : public BaseGroup {
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::GATHER, Args().lists(outputs).list(inputs), Args().lists(outputs),
+                      gather(outputs, inputs, opts));
     check_single(inputs, "gather");
     check_root(opts.rootRank, "gather");
     const int root = static_cast<int>(opts.rootRank);
@@ -654,6 +693,8 @@ class ProcessGroupCohort : public BaseGroup {
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::SCATTER, Args().list(outputs).lists(inputs), Args().list(outputs),
+                      scatter(outputs, inputs, opts));
     check_single(outputs, "scatter");
     check_root(opts.rootRank, "scatter");
     const int root = static_cast<int>(opts.rootRank);
@@ -681,6 +722,8 @@ class ProcessGroupCohort : public BaseGroup {
                                                std::vector<int64_t>& output_splits,
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::ALLTOALL_BASE, Args().one(output).one(input), Args().one(output),
+                      alltoall_base(output, input, output_splits, input_splits, opts));
     check_tensor(output, "all_to_all_single");
     check_tensor(input, "all_to_all_single");
     check_same_type(output, input, "all_to_all_single");
@@ -709,6 +752,8 @@ class ProcessGroupCohort : public BaseGroup {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::ALLTOALL, Args().list(outputs).list(inputs), Args().list(outputs),
+                      alltoall(outputs, inputs, opts));
     TORCH_CHECK(static_cast<int>(inputs.size()) == size_ &&
                     static_cast<int>(outputs.size()) == size_,
                 "cohort backend: all_to_all takes world_size (", size_,
@@ -744,6 +789,7 @@ class ProcessGroupCohort : public BaseGroup {
   // ---- point to point ----
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                       int tag) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::SEND, Args().list(tensors), Args(), send(tensors, dst, tag));
     check_single(tensors, "send");
     check_peer(dst, "send");
     const auto dtype = to_cohort_dtype(tensors[0], "send");
@@ -755,6 +801,7 @@ class ProcessGroupCohort : public BaseGroup {
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::RECV, Args().list(tensors), Args().list(tensors), recv(tensors, src, tag));
     check_single(tensors, "recv");
     check_peer(src, "recv");
     const auto dtype = to_cohort_dtype(tensors[0], "recv");
@@ -819,6 +866,65 @@ class ProcessGroupCohort : public BaseGroup {
     std::vector<size_t> displs(counts.size(), 0);
     for (size_t i = 1; i < counts.size(); ++i) displs[i] = displs[i - 1] + counts[i - 1];
     return displs;
+  }
+
+  // ---- CUDA tensors (torch 2.x; see route_cuda) ----
+  // The tensors of one call, by reference: route_cuda may swap them for host copies and back.
+  struct Args {
+    std::vector<at::Tensor*> tensors;
+    Args& one(at::Tensor& t) {
+      tensors.push_back(&t);
+      return *this;
+    }
+    Args& list(std::vector<at::Tensor>& l) {
+      for (auto& t : l) tensors.push_back(&t);
+      return *this;
+    }
+    Args& lists(std::vector<std::vector<at::Tensor>>& ls) {
+      for (auto& l : ls) list(l);
+      return *this;
+    }
+    bool any_cuda() const {
+      return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor* t) { return t->defined() && t->is_cuda(); });
+    }
+  };
+
+  // CUDA tensors go to torch's NCCL backend when there is one (it orders them on CUDA streams like
+  // ProcessGroupNCCL does for any script); otherwise they are staged: copied to the host, run through
+  // cohort's collectives, copied back, and the returned Work is already complete. Returns null for a
+  // call without CUDA tensors (the CPU path runs).
+  template <typename Delegate, typename OnHost>
+  c10::intrusive_ptr<c10d::Work> route_cuda(c10d::OpType type, Args all, Args outputs, Delegate&& delegate,
+                                            OnHost&& on_host) {
+    if (!all.any_cuda()) return {};
+    if (cuda_backend_) return delegate(*cuda_backend_);
+    TORCH_WARN_ONCE("cohort backend: CUDA tensors are copied to host memory for each collective (", cuda_note_,
+                    "); pass backend=\"cpu:cohort,cuda:nccl\" where torch has NCCL");
+    std::vector<at::Tensor> originals;
+    for (at::Tensor* t : all.tensors) {
+      originals.push_back(*t);
+      if (t->defined() && t->is_cuda()) *t = t->to(at::kCPU).contiguous();
+    }
+    struct Restore {
+      Args& all;
+      std::vector<at::Tensor>& originals;
+      ~Restore() {
+        for (size_t i = 0; i < all.tensors.size(); ++i) *all.tensors[i] = originals[i];
+      }
+    } restore{all, originals};
+    auto work = on_host();
+    work->wait();
+    std::vector<at::Tensor> results;
+    for (at::Tensor* out : outputs.tensors) {
+      for (size_t i = 0; i < all.tensors.size(); ++i) {
+        if (all.tensors[i] != out) continue;
+        if (originals[i].defined() && originals[i].is_cuda()) originals[i].copy_(*out);
+        results.push_back(originals[i]);
+      }
+    }
+    auto done = c10::make_intrusive<CohortWork>(rank_, type, std::move(results));
+    done->complete(nullptr);
+    return done;
   }
 
   struct Pending {
@@ -904,6 +1010,8 @@ class ProcessGroupCohort : public BaseGroup {
 
   std::shared_ptr<cohort::Communicator> comm_;
   SharedStorage shared_storage_;  // used by the worker thread only
+  c10::intrusive_ptr<BaseGroup> cuda_backend_;  // torch's NCCL backend for CUDA tensors, or null
+  std::string cuda_note_;                       // why CUDA tensors are staged (no NCCL backend)
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> queue_;
@@ -918,6 +1026,31 @@ class ProcessGroupCohort : public BaseGroup {
   std::optional<std::chrono::steady_clock::time_point> running_deadline_;
   std::thread watchdog_;
 };
+
+#if TORCH_VERSION_MAJOR >= 2
+// For CUDA tensors, torch's own NCCL backend over the same store (keys under "cohort_nccl/"), when
+// this torch has CUDA, sees a GPU and was built with NCCL. Building it talks to nobody: NCCL's
+// communicator is made at the first CUDA collective, by every rank alike. Otherwise: null, and why.
+std::pair<c10::intrusive_ptr<BaseGroup>, std::string> make_cuda_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                                        int rank, int size, Millis timeout) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_ torch_cuda = py::module_::import("torch.cuda");
+    py::module_ dist = py::module_::import("torch.distributed");
+    if (!torch_cuda.attr("is_available")().cast<bool>()) return {{}, "this torch sees no GPU"};
+    if (!dist.attr("is_nccl_available")().cast<bool>()) return {{}, "this torch was built without NCCL"};
+    py::object prefixed = dist.attr("PrefixStore")("cohort_nccl/", py::cast(store));
+    py::object nccl_class = dist.attr("ProcessGroupNCCL");
+    py::object options = nccl_class.attr("Options")();
+    options.attr("_timeout") = timeout;
+    py::object backend = nccl_class(prefixed, rank, size, options);
+    return {backend.cast<c10::intrusive_ptr<BaseGroup>>(), ""};
+  } catch (const std::exception& e) {
+    // A broken CUDA set-up must not break CPU training: CUDA tensors are staged, with the reason.
+    return {{}, std::string("torch's NCCL backend could not be made: ") + e.what()};
+  }
+}
+#endif
 
 // torch calls creator(store, rank, size, timeout) from init_process_group / new_group.
 c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
@@ -934,7 +1067,13 @@ c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
                                          "of {} failed: {}",
                                          rank, size, e.what()));
   }
-  return c10::make_intrusive<ProcessGroupCohort>(std::move(comm), rank, size);
+  c10::intrusive_ptr<BaseGroup> cuda_backend;
+  std::string cuda_note;
+#if TORCH_VERSION_MAJOR >= 2
+  std::tie(cuda_backend, cuda_note) = make_cuda_backend(store, rank, size, timeout);
+#endif
+  return c10::make_intrusive<ProcessGroupCohort>(std::move(comm), rank, size, std::move(cuda_backend),
+                                                 std::move(cuda_note));
 }
 
 }  // namespace cohort_torch
@@ -963,8 +1102,10 @@ PYBIND11_MODULE(cohort_torch, m) {
   // A second import (or a reload) must not register twice: torch asserts on duplicates.
   if (!py::hasattr(backend, "COHORT")) {
 #if TORCH_VERSION_MAJOR >= 2
+    // CPU and CUDA: CUDA tensors go on to torch's NCCL backend (or are staged), so plain
+    // backend="cohort" works for a GPU script; "cpu:cohort,cuda:nccl" gives CUDA to NCCL directly.
     backend.attr("register_backend")("cohort", m.attr("create_process_group"),
-                                     py::arg("devices") = std::vector<std::string>{"cpu"});
+                                     py::arg("devices") = std::vector<std::string>{"cpu", "cuda"});
 #else
     backend.attr("register_backend")("cohort", m.attr("create_process_group"));
 #endif
