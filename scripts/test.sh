@@ -8,4 +8,9 @@ scripts/setup.sh
 build_dir=${COHORT_BUILD_DIR:-build}
 cd "$build_dir"
 # Two cores: run two tests at a time; every test has its own timeout.
-ctest --output-on-failure -j 2 "$@"
+rc=0
+ctest --output-on-failure -j 2 "$@" || rc=$?
+# GPU tests skip themselves without a GPU: say which, and why.
+cd - >/dev/null
+scripts/skipped_tests.sh "$build_dir"
+exit $rc

@@ -1031,14 +1031,21 @@ class ProcessGroupCohort : public BaseGroup {
 // For CUDA tensors, torch's own NCCL backend over the same store (keys under "cohort_nccl/"), when
 // this torch has CUDA, sees a GPU and was built with NCCL. Building it talks to nobody: NCCL's
 // communicator is made at the first CUDA collective, by every rank alike. Otherwise: null, and why.
+// NCCL needs a GPU of its own per rank: when this host's ranks outnumber its GPUs (two ranks on a
+// one-GPU machine), CUDA tensors are staged instead.
 std::pair<c10::intrusive_ptr<BaseGroup>, std::string> make_cuda_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                                        int rank, int size, Millis timeout) {
+                                                                        int rank, int size, int local_size,
+                                                                        Millis timeout) {
   py::gil_scoped_acquire gil;
   try {
     py::module_ torch_cuda = py::module_::import("torch.cuda");
     py::module_ dist = py::module_::import("torch.distributed");
     if (!torch_cuda.attr("is_available")().cast<bool>()) return {{}, "this torch sees no GPU"};
     if (!dist.attr("is_nccl_available")().cast<bool>()) return {{}, "this torch was built without NCCL"};
+    const int gpus = torch_cuda.attr("device_count")().cast<int>();
+    if (local_size > gpus)
+      return {{}, fmt::format("{} ranks on this host share {} GPU{}; NCCL needs one per rank", local_size, gpus,
+                              gpus == 1 ? "" : "s")};
     py::object prefixed = dist.attr("PrefixStore")("cohort_nccl/", py::cast(store));
     py::object nccl_class = dist.attr("ProcessGroupNCCL");
     py::object options = nccl_class.attr("Options")();
@@ -1070,7 +1077,7 @@ c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
   c10::intrusive_ptr<BaseGroup> cuda_backend;
   std::string cuda_note;
 #if TORCH_VERSION_MAJOR >= 2
-  std::tie(cuda_backend, cuda_note) = make_cuda_backend(store, rank, size, timeout);
+  std::tie(cuda_backend, cuda_note) = make_cuda_backend(store, rank, size, comm->local_size(), timeout);
 #endif
   return c10::make_intrusive<ProcessGroupCohort>(std::move(comm), rank, size, std::move(cuda_backend),
                                                  std::move(cuda_note));
