@@ -114,11 +114,13 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
  public:
   DeviceCommunicator(std::shared_ptr<Communicator> host, int device) : host_(std::move(host)), device_(device) {}
   ~DeviceCommunicator() override {
-    if (staging_) cuda().FreeHost(staging_);
-    if (comm_) {
-      // A failed communicator was aborted already; a healthy one is destroyed (flushes its work).
-      if (!failed_) nccl_api().CommDestroy(comm_);
+    if (comm_ && !failed_) {
+      // ncclCommDestroy flushes outstanding work and would wait forever for a peer that is gone:
+      // give queued work a bounded time (no more than 10 s) and abort instead when it does not end.
+      if (stream_drained(std::min<Millis>(options().timeout, std::chrono::seconds(10)))) nccl_api().CommDestroy(comm_);
+      else nccl_api().CommAbort(comm_);
     }
+    if (staging_) cuda().FreeHost(staging_);
     if (stream_) cuda().StreamDestroy(stream_);
   }
 
@@ -582,6 +584,28 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     if (bytes == 0) return kNcclSuccess;
     int rc = cuda().MemcpyAsync(dst, src, bytes, kCudaMemcpyDefault, stream);
     return rc == kCudaSuccess ? kNcclSuccess : 1;  // ncclUnhandledCudaError
+  }
+
+  // True when everything queued on the stream has run within `limit`; never throws (destructor).
+  bool stream_drained(Millis limit) {
+    void* event = nullptr;
+    const CudaApi& c = cuda();
+    if (c.EventCreateWithFlags(&event, kCudaEventDisableTiming) != kCudaSuccess) return false;
+    bool done = false;
+    if (c.EventRecord(event, stream_) == kCudaSuccess) {
+      const Deadline deadline = Deadline::after(limit);
+      for (;;) {
+        int rc = c.EventQuery(event);
+        if (rc == kCudaSuccess) {
+          done = true;
+          break;
+        }
+        if (rc != kCudaErrorNotReady || deadline.expired()) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    }
+    c.EventDestroy(event);
+    return done;
   }
 
   // Blocks until everything queued on the stream so far has run (bounded like any wait).
