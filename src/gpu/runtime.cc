@@ -141,7 +141,7 @@ Loaded<NcclApi> load_nccl() {
   bind(h, "ncclGroupStart", api.GroupStart, missing);
   bind(h, "ncclGroupEnd", api.GroupEnd, missing);
   if (!missing.empty()) {
-    out.why_not = fmt::format("{} lacks {} (NCCL 2.7 or newer is needed)", out.path, str::join(missing, ", "));
+    out.why_not = fmt::format("{} lacks {} (cohort needs NCCL 2.10 or newer)", out.path, str::join(missing, ", "));
     return out;
   }
   // bfloat16 and ncclAvg came with NCCL 2.10: refuse older ones rather than fail per call.

@@ -475,15 +475,19 @@ std::vector<std::vector<int>> core_blocks(size_t n, std::vector<std::vector<int>
   return out;
 }
 
-// The cores (as in physical_cores) restricted to `cpus`.
-std::vector<std::vector<int>> cores_within(const std::vector<std::vector<int>>& cores, const std::vector<int>& cpus) {
+// `cpus` restricted to `allowed`, in order.
+std::vector<int> within(const std::vector<int>& cpus, const std::vector<int>& allowed) {
+  std::vector<int> kept;
+  for (int c : cpus)
+    if (std::find(allowed.begin(), allowed.end(), c) != allowed.end()) kept.push_back(c);
+  return kept;
+}
+
+// Each set (a core's CPUs, a NUMA node's) restricted to `allowed`; sets left empty are dropped.
+std::vector<std::vector<int>> sets_within(const std::vector<std::vector<int>>& sets, const std::vector<int>& allowed) {
   std::vector<std::vector<int>> out;
-  for (const auto& core : cores) {
-    std::vector<int> kept;
-    for (int c : core)
-      if (std::find(cpus.begin(), cpus.end(), c) != cpus.end()) kept.push_back(c);
-    if (!kept.empty()) out.push_back(kept);
-  }
+  for (const auto& set : sets)
+    if (auto kept = within(set, allowed); !kept.empty()) out.push_back(std::move(kept));
   return out;
 }
 
@@ -495,16 +499,14 @@ std::vector<std::vector<int>> gpu_near_bindings(int nproc, const std::vector<int
   if (near_cpus.size() != static_cast<size_t>(nproc)) return {};
   std::map<std::vector<int>, std::vector<int>> groups;  // usable near CPUs -> local ranks
   for (int l = 0; l < nproc; ++l) {
-    std::vector<int> usable;
-    for (int c : near_cpus[l])
-      if (std::find(allowed.begin(), allowed.end(), c) != allowed.end()) usable.push_back(c);
+    std::vector<int> usable = within(near_cpus[l], allowed);
     if (usable.empty()) return {};
     groups[usable].push_back(l);
   }
   std::vector<std::vector<int>> out(static_cast<size_t>(nproc));
   for (const auto& [cpus, ranks] : groups) {
     if (ranks.size() > cpus.size()) return {};
-    auto blocks = core_blocks(ranks.size(), cores_within(cores, cpus));
+    auto blocks = core_blocks(ranks.size(), sets_within(cores, cpus));
     for (size_t i = 0; i < ranks.size(); ++i) out[ranks[i]] = blocks[i];
   }
   return out;
@@ -540,13 +542,7 @@ std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int n
     return out;
   }
   // numa: the NUMA nodes that have CPUs this process may use, round-robin over local ranks.
-  std::vector<std::vector<int>> usable;
-  for (const auto& node : numa_nodes) {
-    std::vector<int> cpus;
-    for (int c : node)
-      if (std::find(allowed.begin(), allowed.end(), c) != allowed.end()) cpus.push_back(c);
-    if (!cpus.empty()) usable.push_back(cpus);
-  }
+  std::vector<std::vector<int>> usable = sets_within(numa_nodes, allowed);
   if (usable.empty()) usable.push_back(allowed);
   for (int i = 0; i < nproc; ++i) out[i] = usable[static_cast<size_t>(i) % usable.size()];
   return out;

@@ -10,6 +10,7 @@
 #include "cohort/error.h"
 #include "launch/gpus.h"
 #include "launch/plan.h"
+#include "launch_test_util.h"
 
 namespace cohort::launch {
 namespace {
@@ -21,22 +22,6 @@ const char* kFourGpus =
     "GPU 2: NVIDIA H100 80GB HBM3 (UUID: GPU-2c2c2c2c-1111-2222-3333-444444444444)\n"
     "GPU 3: NVIDIA A100-SXM4-40GB (UUID: GPU-3d3d3d3d-1111-2222-3333-444444444444)\n"
     "  MIG 1g.5gb      Device  0: (UUID: MIG-5e5e5e5e-1111-2222-3333-444444444444)\n";
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-std::string env_value(const std::vector<std::pair<std::string, std::string>>& env, const std::string& k) {
-  for (const auto& [name, v] : env)
-    if (name == k) return v;
-  return "(unset)";
-}
 
 TEST(Gpus, ParsesNvidiaSmiList) {
   auto gpus = parse_nvidia_smi_list(kFourGpus);

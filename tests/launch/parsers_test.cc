@@ -4,19 +4,10 @@
 
 #include "cohort/error.h"
 #include "launch/parsers.h"
+#include "launch_test_util.h"
 
 namespace cohort::launch {
 namespace {
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 TEST(Hostfile, OpenMpiAndDeepSpeedForms) {
   auto hosts = parse_hostfile(

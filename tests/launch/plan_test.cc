@@ -3,6 +3,7 @@
 
 #include "cohort/error.h"
 #include "launch/plan.h"
+#include "launch_test_util.h"
 
 namespace cohort::launch {
 namespace {
@@ -22,22 +23,6 @@ Options with_program() {
   Options o;
   o.program = {"train", "--lr", "0.1"};
   return o;
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-std::string env_value(const std::vector<std::pair<std::string, std::string>>& env, const std::string& k) {
-  for (const auto& [name, v] : env)
-    if (name == k) return v;
-  return "(unset)";
 }
 
 TEST(Plan, LocalDefaultsToOneWorkerAndOsPort) {
