@@ -898,8 +898,9 @@ class ProcessGroupCohort : public BaseGroup {
                                             OnHost&& on_host) {
     if (!all.any_cuda()) return {};
     if (cuda_backend_) return delegate(*cuda_backend_);
-    TORCH_WARN_ONCE("cohort backend: CUDA tensors are copied to host memory for each collective (", cuda_note_,
-                    "); pass backend=\"cpu:cohort,cuda:nccl\" where torch has NCCL");
+    if (!warned_staging_.exchange(true))
+      TORCH_WARN("cohort backend: CUDA tensors are copied to host memory for each collective (", cuda_note_,
+                 "); pass backend=\"cpu:cohort,cuda:nccl\" where torch has NCCL");
     std::vector<at::Tensor> originals;
     for (at::Tensor* t : all.tensors) {
       originals.push_back(*t);
@@ -1012,6 +1013,7 @@ class ProcessGroupCohort : public BaseGroup {
   SharedStorage shared_storage_;  // used by the worker thread only
   c10::intrusive_ptr<BaseGroup> cuda_backend_;  // torch's NCCL backend for CUDA tensors, or null
   std::string cuda_note_;                       // why CUDA tensors are staged (no NCCL backend)
+  std::atomic<bool> warned_staging_{false};     // the staging warning is given once per group
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> queue_;
