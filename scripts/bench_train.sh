@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Side-by-side training benchmark (docs/perf-train.md): cohort's fashion_mnist vs the PyTorch DDP peer
-# (/work/shared/peers/ddp_train.py, gloo) on the same model, data and batch, 1 intra-op thread per rank.
+# (../shared/peers/ddp_train.py, gloo) on the same model, data and batch, 1 intra-op thread per rank.
 #   scripts/bench_train.sh [model ...]      default: seed mlp; REPS=N repetitions (default 1)
 # The 2-rank cohort run goes through `cohort run`, as the main job does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${COHORT_BUILD_DIR:-build}/examples/fashion_mnist/fashion_mnist
 cohort=${COHORT_BUILD_DIR:-build}/tools/cohort
-peers=${PEERS_DIR:-/work/shared/peers}
+peers=${PEERS_DIR:-../shared/peers}  # relative to the repository root (this script cd-s there)
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo
 port=$((29800 + RANDOM % 1000))
 models=("$@"); ((${#models[@]})) || models=(seed mlp)
