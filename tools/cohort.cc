@@ -29,6 +29,21 @@ void print_usage(FILE* out) {
   fmt::print(out, "\n'cohort <command> --help' describes each command; 'cohort --version' prints the version.\n");
 }
 
+// The commands of a group ("bench", "store"), or none when `word` is not the first word of a
+// two-word command.
+std::vector<std::string> group_commands(const std::string& word) {
+  std::vector<std::string> names;
+  for (const auto& [name, e] : commands())
+    if (name.rfind(word + " ", 0) == 0) names.push_back(name);
+  return names;
+}
+
+void print_group_usage(FILE* out, const std::string& group) {
+  fmt::print(out, "usage: cohort {} <command> [options]\n\ncommands:\n", group);
+  for (const auto& name : group_commands(group)) fmt::print(out, "  {:<20} {}\n", name, commands()[name].summary);
+  fmt::print(out, "\n'cohort {} <command> --help' describes each one.\n", group);
+}
+
 }  // namespace
 
 Registration::Registration(std::string name, std::string summary, CommandFn fn) {
@@ -57,6 +72,12 @@ int main(int argc, char** argv) {
   } else if (commands().count(args[0])) {
     name = args[0];
     consumed = 1;
+  } else if (!group_commands(args[0]).empty()) {
+    // A group word alone, with --help, or with a second word that is not one of its commands.
+    const bool help = args.size() >= 2 && (args[1] == "-h" || args[1] == "--help" || args[1] == "help");
+    if (args.size() >= 2 && !help) fmt::print(stderr, "cohort {}: unknown command '{}'\n", args[0], args[1]);
+    print_group_usage(help ? stdout : stderr, args[0]);
+    return help ? 0 : 2;
   } else {
     fmt::print(stderr, "cohort: unknown command '{}'\n", args[0]);
     print_usage(stderr);

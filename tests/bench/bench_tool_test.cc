@@ -68,6 +68,24 @@ TEST(BenchTool, NcclTestsSpellingsAndBadFlags) {
   EXPECT_EQ(size.exit_code, 2) << size.err;
 }
 
+// Every command group answers for itself: its commands with --help, a usage error without one.
+TEST(BenchTool, CommandGroupsPrintTheirOwnHelp) {
+  auto help = test::run_process({test::cohort_tool(), "bench", "--help"}, {}, 30);
+  EXPECT_EQ(help.exit_code, 0) << help.err;
+  EXPECT_NE(help.out.find("usage: cohort bench <command> [options]"), std::string::npos) << help.out;
+  for (const char* cmd : {"bench allreduce", "bench memcpy", "bench store"})
+    EXPECT_NE(help.out.find(cmd), std::string::npos) << cmd << "\n" << help.out;
+  auto store = test::run_process({test::cohort_tool(), "store", "-h"}, {}, 30);
+  EXPECT_EQ(store.exit_code, 0);
+  EXPECT_NE(store.out.find("store serve"), std::string::npos) << store.out;
+  auto bare = test::run_process({test::cohort_tool(), "bench"}, {}, 30);
+  EXPECT_EQ(bare.exit_code, 2);
+  EXPECT_NE(bare.err.find("usage: cohort bench <command>"), std::string::npos) << bare.err;
+  auto wrong = test::run_process({test::cohort_tool(), "bench", "allreduse"}, {}, 30);
+  EXPECT_EQ(wrong.exit_code, 2);
+  EXPECT_EQ(wrong.err.rfind("cohort bench: unknown command 'allreduse'\n", 0), 0u) << wrong.err;
+}
+
 TEST(BenchTool, MemcpyPrintsBandwidth) {
   auto r = test::run_process({test::cohort_tool(), "bench", "memcpy", "-b", "1K", "-e", "64K", "--min-time", "0.01"},
                              {}, 30);
