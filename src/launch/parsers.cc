@@ -120,6 +120,10 @@ std::vector<HostSlots> parse_host_list(const std::string& text, const std::strin
   return hosts;
 }
 
+// More nodes than any Slurm cluster has: a list that expands past it is an error, not an allocation
+// of gigabytes ("n[0-99999]r[0-99999]" is 10^10 names; found by fuzz/launch_parsers_fuzz.cc).
+constexpr size_t kMaxListedNodes = 100000;
+
 std::vector<std::string> expand_slurm_nodelist(const std::string& text) {
   // Split at top-level commas (commas inside [...] belong to a range list).
   std::vector<std::string> items;
@@ -166,6 +170,8 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& text) {
         size_t width = lo_s.size();
         for (long long v = lo; v <= hi; ++v) suffixes.push_back(fmt::format("{:0{}}", v, width));
       }
+      if (names.size() * suffixes.size() + out.size() > kMaxListedNodes)
+        throw ConfigError(fmt::format("Slurm node list '{}': expands to more than {} nodes", text, kMaxListedNodes));
       std::vector<std::string> next;
       for (const auto& n : names)
         for (const auto& s : suffixes) next.push_back(n + s);
@@ -188,6 +194,8 @@ std::vector<int> expand_slurm_counts(const std::string& text, const std::string&
       item.resize(paren);
     }
     int v = parse_int_at_least(item, what, 0);
+    if (out.size() + static_cast<size_t>(repeat) > kMaxListedNodes)
+      throw ConfigError(fmt::format("{}={}: more than {} entries", what, text, kMaxListedNodes));
     for (int i = 0; i < repeat; ++i) out.push_back(v);
   }
   return out;
@@ -351,6 +359,10 @@ SchedulerInfo read_scheduler_env(const EnvMap& env) {
             "TF_CONFIG (first cluster entry)", "master port");
     note("TF_CONFIG");
   }
+  // Found by the launcher parsers' fuzz target: MASTER_PORT=2959500 went through to the workers.
+  if (info.master_port && info.master_port->value > 65535)
+    throw ConfigError(fmt::format("{}: port {} is not between 1 and 65535", info.master_port->source,
+                                  info.master_port->value));
   if (info.node_rank && info.nnodes && info.node_rank->value >= info.nnodes->value)
     throw ConfigError(fmt::format("node rank {} ({}) is not below the node count {} ({})", info.node_rank->value,
                                   info.node_rank->source, info.nnodes->value, info.nnodes->source));

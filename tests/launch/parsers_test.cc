@@ -134,5 +134,24 @@ TEST(SchedulerEnv, ConflictsNameBothSources) {
   EXPECT_EQ(error_of([] { read_scheduler_env({{"WORLD_SIZE", "two"}}); }), "WORLD_SIZE=two: expected an integer >= 1");
 }
 
+// Found by fuzz/launch_parsers_fuzz.cc: lists that expand to billions of entries were built in memory.
+TEST(Slurm, ExpansionBombsAreRefused) {
+  EXPECT_EQ(error_of([] { expand_slurm_nodelist("n[0-99999]r[0-99999]"); }),
+            "Slurm node list 'n[0-99999]r[0-99999]': expands to more than 100000 nodes");
+  EXPECT_EQ(expand_slurm_nodelist("n[0-99999]").size(), 100000u);
+  EXPECT_EQ(error_of([] { expand_slurm_counts("1(x1000000000)", "SLURM_TASKS_PER_NODE"); }),
+            "SLURM_TASKS_PER_NODE=1(x1000000000): more than 100000 entries");
+}
+
+// Found by fuzz/launch_parsers_fuzz.cc: a port above 65535 from the environment was accepted.
+TEST(SchedulerEnv, PortOutOfRangeIsOneLine) {
+  EXPECT_EQ(error_of([] { read_scheduler_env({{"MASTER_ADDR", "m"}, {"MASTER_PORT", "2959500"}}); }),
+            "MASTER_PORT: port 2959500 is not between 1 and 65535");
+  EXPECT_EQ(error_of([] {
+              read_scheduler_env({{"TF_CONFIG", R"({"cluster":{"worker":["h0:70000"]},"task":{"type":"worker","index":0}})"}});
+            }),
+            "TF_CONFIG (first cluster entry): port 70000 is not between 1 and 65535");
+}
+
 }  // namespace
 }  // namespace cohort::launch
