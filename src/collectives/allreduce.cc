@@ -135,7 +135,7 @@ void allreduce(Context& ctx, const void* send, void* recv, size_t count, DataTyp
     if (send != recv) std::memcpy(recv, send, bytes);
     return;
   }
-  switch (select_algorithm(CollOp::kAllreduce, p, bytes, algo)) {
+  switch (select_algorithm(OpKind::kAllreduce, p, bytes, algo)) {
     case Algorithm::kRecursiveDoubling: rd_allreduce(ctx, send, recv, count, dtype, op); break;
     case Algorithm::kHalvingDoubling: rhd_allreduce(ctx, send, recv, count, dtype, op); break;
     default: ring_allreduce(ctx, send, recv, count, dtype, op); break;
@@ -150,7 +150,7 @@ void reduce_scatter(Context& ctx, const void* send, void* recv, size_t recv_coun
   const size_t esize = dtype_size(dtype);
   const size_t block_bytes = recv_count * esize;
   if (recv_count == 0) return;
-  select_algorithm(CollOp::kReduceScatter, p, block_bytes * static_cast<size_t>(p), algo);  // validates
+  select_algorithm(OpKind::kReduceScatter, p, block_bytes * static_cast<size_t>(p), algo);  // validates
   const bool in_place = send == recv;
   if (p == 1) {
     if (!in_place) std::memcpy(recv, send, block_bytes);

@@ -49,7 +49,7 @@ void allgather(Context& ctx, const void* send, void* recv, size_t count, DataTyp
   char* own = static_cast<char*>(recv) + static_cast<size_t>(r) * block_bytes;
   const bool in_place = send == recv;
   const void* own_input = in_place ? own : send;
-  if (p > 1 && select_algorithm(CollOp::kAllgather, p, block_bytes * static_cast<size_t>(p), algo) ==
+  if (p > 1 && select_algorithm(OpKind::kAllgather, p, block_bytes * static_cast<size_t>(p), algo) ==
                    Algorithm::kBruck) {
     bruck_allgather(ctx, own_input, recv, block_bytes);
     return;
@@ -70,7 +70,7 @@ void allgatherv(Context& ctx, const void* send, size_t send_count, void* recv, c
     displs[static_cast<size_t>(b)] = total;
     total += recv_counts[b];
   }
-  select_algorithm(CollOp::kAllgatherv, p, total * esize, algo);  // validates a forced choice
+  select_algorithm(OpKind::kAllgatherv, p, total * esize, algo);  // validates a forced choice
   char* own = static_cast<char*>(recv) + displs[static_cast<size_t>(r)] * esize;
   if (send != recv && send_count) std::memcpy(own, send, send_count * esize);
   if (total == 0) return;
@@ -83,7 +83,7 @@ void gather(Context& ctx, const void* send, void* recv, size_t count, DataType d
   const int r = ctx.rank();
   const size_t block_bytes = count * dtype_size(dtype);
   if (count == 0) return;
-  select_algorithm(CollOp::kGather, p, block_bytes * static_cast<size_t>(p), algo);
+  select_algorithm(OpKind::kGather, p, block_bytes * static_cast<size_t>(p), algo);
   if (r != root) {
     ctx.wait(ctx.isend(root, send, block_bytes));
     return;
@@ -101,7 +101,7 @@ void scatter(Context& ctx, const void* send, void* recv, size_t count, DataType 
   const int r = ctx.rank();
   const size_t block_bytes = count * dtype_size(dtype);
   if (count == 0) return;
-  select_algorithm(CollOp::kScatter, p, block_bytes * static_cast<size_t>(p), algo);
+  select_algorithm(OpKind::kScatter, p, block_bytes * static_cast<size_t>(p), algo);
   if (r != root) {
     ctx.wait(ctx.irecv(root, recv, block_bytes));
     return;
@@ -121,7 +121,7 @@ void alltoallv(Context& ctx, const void* send, const size_t* send_counts, const 
   const size_t esize = dtype_size(dtype);
   size_t send_total = 0;
   for (int b = 0; b < p; ++b) send_total = std::max(send_total, (send_displs[b] + send_counts[b]) * esize);
-  select_algorithm(CollOp::kAlltoallv, p, send_total, algo);
+  select_algorithm(OpKind::kAlltoallv, p, send_total, algo);
   const void* input = send;
   if (send == recv) {
     // In place: the input is overwritten while it is still being sent, so send from a copy.
@@ -147,7 +147,7 @@ void alltoall(Context& ctx, const void* send, void* recv, size_t count, DataType
   const size_t block_bytes = count * dtype_size(dtype);
   const size_t total = block_bytes * static_cast<size_t>(p);
   if (count == 0) return;
-  select_algorithm(CollOp::kAlltoall, p, total, algo);
+  select_algorithm(OpKind::kAlltoall, p, total, algo);
   const void* input = send;
   if (send == recv) {
     void* copy = ctx.scratch(total, 1);
@@ -168,7 +168,7 @@ void alltoall(Context& ctx, const void* send, void* recv, size_t count, DataType
 void barrier(Context& ctx, Algorithm algo) {
   const int p = ctx.size();
   const int r = ctx.rank();
-  select_algorithm(CollOp::kBarrier, p, 0, algo);
+  select_algorithm(OpKind::kBarrier, p, 0, algo);
   const char token = 1;
   char got = 0;
   for (int dist = 1; dist < p; dist <<= 1) {

@@ -33,31 +33,33 @@ const env::StringSetting kAlgoAlltoall("COHORT_ALGO_ALLTOALL", "auto", "force th
 const env::StringSetting kAlgoAlltoallv("COHORT_ALGO_ALLTOALLV", "auto", "force the alltoallv algorithm: pairwise");
 const env::StringSetting kAlgoBarrier("COHORT_ALGO_BARRIER", "auto", "force the barrier algorithm: dissemination");
 
-const env::StringSetting& setting_for(CollOp op) {
+const env::StringSetting& setting_for(OpKind op) {
   switch (op) {
-    case CollOp::kAllreduce: return kAlgoAllreduce;
-    case CollOp::kReduce: return kAlgoReduce;
-    case CollOp::kBroadcast: return kAlgoBroadcast;
-    case CollOp::kAllgather: return kAlgoAllgather;
-    case CollOp::kAllgatherv: return kAlgoAllgatherv;
-    case CollOp::kGather: return kAlgoGather;
-    case CollOp::kScatter: return kAlgoScatter;
-    case CollOp::kReduceScatter: return kAlgoReduceScatter;
-    case CollOp::kAlltoall: return kAlgoAlltoall;
-    case CollOp::kAlltoallv: return kAlgoAlltoallv;
-    case CollOp::kBarrier: return kAlgoBarrier;
+    case OpKind::kAllreduce: return kAlgoAllreduce;
+    case OpKind::kReduce: return kAlgoReduce;
+    case OpKind::kBroadcast: return kAlgoBroadcast;
+    case OpKind::kAllgather: return kAlgoAllgather;
+    case OpKind::kAllgatherv: return kAlgoAllgatherv;
+    case OpKind::kGather: return kAlgoGather;
+    case OpKind::kScatter: return kAlgoScatter;
+    case OpKind::kReduceScatter: return kAlgoReduceScatter;
+    case OpKind::kAlltoall: return kAlgoAlltoall;
+    case OpKind::kAlltoallv: return kAlgoAlltoallv;
+    case OpKind::kBarrier:
+    case OpKind::kNone:
+    case OpKind::kSendRecv:
+    case OpKind::kSplit: break;  // only collectives are asked for (env_override)
   }
   return kAlgoBarrier;
 }
 
-constexpr int kNumOps = 11;
 
 // The environment override of each op, parsed once (kAuto when unset).
-Algorithm env_override(CollOp op) {
-  static const std::array<Algorithm, kNumOps> overrides = [] {
-    std::array<Algorithm, kNumOps> out{};
-    for (int i = 0; i < kNumOps; ++i) {
-      const auto o = static_cast<CollOp>(i);
+Algorithm env_override(OpKind op) {
+  static const std::array<Algorithm, kNumCollectives> overrides = [] {
+    std::array<Algorithm, kNumCollectives> out{};
+    for (int i = 0; i < kNumCollectives; ++i) {
+      const auto o = static_cast<OpKind>(int(OpKind::kAllreduce) + i);
       const auto& s = setting_for(o);
       const std::string value = s.get();
       auto a = parse_algorithm(value);
@@ -74,7 +76,7 @@ Algorithm env_override(CollOp op) {
     }
     return out;
   }();
-  return overrides[static_cast<size_t>(op)];
+  return overrides[static_cast<size_t>(int(op) - int(OpKind::kAllreduce))];
 }
 
 }  // namespace
@@ -105,69 +107,59 @@ std::optional<Algorithm> parse_algorithm(std::string_view name) {
   return std::nullopt;
 }
 
-std::string_view coll_op_name(CollOp op) {
-  switch (op) {
-    case CollOp::kAllreduce: return "allreduce";
-    case CollOp::kReduce: return "reduce";
-    case CollOp::kBroadcast: return "broadcast";
-    case CollOp::kAllgather: return "allgather";
-    case CollOp::kAllgatherv: return "allgatherv";
-    case CollOp::kGather: return "gather";
-    case CollOp::kScatter: return "scatter";
-    case CollOp::kReduceScatter: return "reduce_scatter";
-    case CollOp::kAlltoall: return "alltoall";
-    case CollOp::kAlltoallv: return "alltoallv";
-    case CollOp::kBarrier: return "barrier";
-  }
-  return "?";
-}
-
-bool algorithm_supported(CollOp op, Algorithm a) {
+bool algorithm_supported(OpKind op, Algorithm a) {
   if (a == Algorithm::kAuto) return true;
   switch (op) {
-    case CollOp::kAllreduce:
+    case OpKind::kAllreduce:
       return a == Algorithm::kRing || a == Algorithm::kHalvingDoubling || a == Algorithm::kRecursiveDoubling;
-    case CollOp::kReduce: return a == Algorithm::kBinomial || a == Algorithm::kRing;
-    case CollOp::kBroadcast: return a == Algorithm::kBinomial || a == Algorithm::kScatterAllgather;
-    case CollOp::kAllgather: return a == Algorithm::kRing || a == Algorithm::kBruck;
-    case CollOp::kAllgatherv: return a == Algorithm::kRing;
-    case CollOp::kGather:
-    case CollOp::kScatter: return a == Algorithm::kLinear;
-    case CollOp::kReduceScatter: return a == Algorithm::kRing;
-    case CollOp::kAlltoall:
-    case CollOp::kAlltoallv: return a == Algorithm::kPairwise;
-    case CollOp::kBarrier: return a == Algorithm::kDissemination;
+    case OpKind::kReduce: return a == Algorithm::kBinomial || a == Algorithm::kRing;
+    case OpKind::kBroadcast: return a == Algorithm::kBinomial || a == Algorithm::kScatterAllgather;
+    case OpKind::kAllgather: return a == Algorithm::kRing || a == Algorithm::kBruck;
+    case OpKind::kAllgatherv: return a == Algorithm::kRing;
+    case OpKind::kGather:
+    case OpKind::kScatter: return a == Algorithm::kLinear;
+    case OpKind::kReduceScatter: return a == Algorithm::kRing;
+    case OpKind::kAlltoall:
+    case OpKind::kAlltoallv: return a == Algorithm::kPairwise;
+    case OpKind::kBarrier: return a == Algorithm::kDissemination;
+    case OpKind::kNone:
+    case OpKind::kSendRecv:
+    case OpKind::kSplit: return false;  // not collectives: no algorithms
   }
   return false;
 }
 
-Algorithm default_algorithm(CollOp op, int world, size_t bytes) {
+Algorithm default_algorithm(OpKind op, int world, size_t bytes) {
   switch (op) {
-    case CollOp::kAllreduce:
+    case OpKind::kAllreduce:
       if (bytes <= kAllreduceRecursiveDoublingMax) return Algorithm::kRecursiveDoubling;
       // With 2 ranks halving-doubling is the ring without pipelining; the ring is never worse.
       if (world > 2 && bytes <= kAllreduceHalvingDoublingMax) return Algorithm::kHalvingDoubling;
       return Algorithm::kRing;
-    case CollOp::kReduce:
+    case OpKind::kReduce:
       return (world <= 2 || bytes <= kReduceBinomialMax) ? Algorithm::kBinomial : Algorithm::kRing;
-    case CollOp::kBroadcast:
+    case OpKind::kBroadcast:
       return (world <= 3 || bytes <= kBroadcastBinomialMax) ? Algorithm::kBinomial : Algorithm::kScatterAllgather;
-    case CollOp::kAllgather: return bytes <= kAllgatherBruckMax ? Algorithm::kBruck : Algorithm::kRing;
-    case CollOp::kAllgatherv: return Algorithm::kRing;
-    case CollOp::kGather:
-    case CollOp::kScatter: return Algorithm::kLinear;
-    case CollOp::kReduceScatter: return Algorithm::kRing;
-    case CollOp::kAlltoall:
-    case CollOp::kAlltoallv: return Algorithm::kPairwise;
-    case CollOp::kBarrier: return Algorithm::kDissemination;
+    case OpKind::kAllgather: return bytes <= kAllgatherBruckMax ? Algorithm::kBruck : Algorithm::kRing;
+    case OpKind::kAllgatherv: return Algorithm::kRing;
+    case OpKind::kGather:
+    case OpKind::kScatter: return Algorithm::kLinear;
+    case OpKind::kReduceScatter: return Algorithm::kRing;
+    case OpKind::kAlltoall:
+    case OpKind::kAlltoallv: return Algorithm::kPairwise;
+    case OpKind::kBarrier: return Algorithm::kDissemination;
+    case OpKind::kNone:
+    case OpKind::kSendRecv:
+    case OpKind::kSplit: break;  // select_algorithm refuses them
   }
-  return Algorithm::kRing;
+  return Algorithm::kAuto;
 }
 
-Algorithm select_algorithm(CollOp op, int world, size_t bytes, Algorithm requested) {
+Algorithm select_algorithm(OpKind op, int world, size_t bytes, Algorithm requested) {
+  if (!is_collective(op)) throw InvalidArgument(fmt::format("{} is not a collective: it has no algorithms", op_kind_name(op)));
   if (requested != Algorithm::kAuto) {
     if (!algorithm_supported(op, requested)) {
-      throw InvalidArgument(fmt::format("{} has no algorithm '{}'", coll_op_name(op), algorithm_name(requested)));
+      throw InvalidArgument(fmt::format("{} has no algorithm '{}'", op_kind_name(op), algorithm_name(requested)));
     }
     return requested;
   }

@@ -6,27 +6,14 @@
 #include <string_view>
 
 #include "collectives/collectives.h"
+#include "collectives/op_kind.h"
 
 namespace cohort::coll {
 
-enum class CollOp : uint8_t {
-  kAllreduce,
-  kReduce,
-  kBroadcast,
-  kAllgather,
-  kAllgatherv,
-  kGather,
-  kScatter,
-  kReduceScatter,
-  kAlltoall,
-  kAlltoallv,
-  kBarrier,
-};
 
-std::string_view coll_op_name(CollOp op);  // "allreduce", "reduce_scatter", ...
-
-// Whether `algo` implements `op` (kAuto always does).
-bool algorithm_supported(CollOp op, Algorithm algo);
+// Whether `algo` implements `op` (kAuto always does; an operation that is not a collective has no
+// algorithms).
+bool algorithm_supported(OpKind op, Algorithm algo);
 
 // The algorithm for `op` on `world` ranks moving a message of `bytes` bytes:
 //   allreduce/reduce/broadcast: the whole vector; allgather(v)/gather: the gathered output;
@@ -34,10 +21,10 @@ bool algorithm_supported(CollOp op, Algorithm algo);
 //   alltoall(v): one rank's send buffer.
 // `requested` other than kAuto wins (InvalidArgument if `op` has no such algorithm); otherwise
 // COHORT_ALGO_<OP> (ConfigError if bad); otherwise the size rules.
-Algorithm select_algorithm(CollOp op, int world, size_t bytes, Algorithm requested = Algorithm::kAuto);
+Algorithm select_algorithm(OpKind op, int world, size_t bytes, Algorithm requested = Algorithm::kAuto);
 
 // The rules alone, without the environment override (for tests and the docs' table).
-Algorithm default_algorithm(CollOp op, int world, size_t bytes);
+Algorithm default_algorithm(OpKind op, int world, size_t bytes);
 
 // Pipelining parameters of the ring and tree algorithms (COHORT_COLL_CHUNK, COHORT_COLL_SLOTS),
 // read once.

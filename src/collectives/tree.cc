@@ -128,7 +128,7 @@ void broadcast(Context& ctx, void* buf, size_t count, DataType dtype, int root, 
   const int p = ctx.size();
   const size_t bytes = count * dtype_size(dtype);
   if (count == 0 || p == 1) return;
-  if (select_algorithm(CollOp::kBroadcast, p, bytes, algo) == Algorithm::kScatterAllgather) {
+  if (select_algorithm(OpKind::kBroadcast, p, bytes, algo) == Algorithm::kScatterAllgather) {
     scatter_allgather_broadcast(ctx, buf, count, dtype, root);
   } else {
     binomial_broadcast(ctx, buf, bytes, root);
@@ -144,7 +144,7 @@ void reduce(Context& ctx, const void* send, void* recv, size_t count, DataType d
     if (send != recv) std::memcpy(recv, send, bytes);
     return;
   }
-  if (select_algorithm(CollOp::kReduce, p, bytes, algo) == Algorithm::kRing) {
+  if (select_algorithm(OpKind::kReduce, p, bytes, algo) == Algorithm::kRing) {
     ring_reduce(ctx, send, recv, count, dtype, op, root);
   } else {
     binomial_reduce(ctx, send, recv, count, dtype, op, root);

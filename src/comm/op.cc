@@ -4,30 +4,10 @@
 
 namespace cohort::comm {
 
-const char* op_kind_name(OpKind k) {
-  switch (k) {
-    case OpKind::kNone: return "none";
-    case OpKind::kAllreduce: return "allreduce";
-    case OpKind::kReduce: return "reduce";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kAllgather: return "allgather";
-    case OpKind::kAllgatherv: return "allgatherv";
-    case OpKind::kGather: return "gather";
-    case OpKind::kScatter: return "scatter";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kAlltoall: return "alltoall";
-    case OpKind::kAlltoallv: return "alltoallv";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kSendRecv: return "send/recv";
-    case OpKind::kSplit: return "split";
-  }
-  return "unknown";
-}
-
 std::string describe_signature(const transport::Signature& s) {
   auto kind = OpKind(s.op);
   std::string name = op_kind_name(kind);
-  if (s.op > uint8_t(OpKind::kSplit)) name = fmt::format("op {}", s.op);
+  if (s.op > uint8_t(coll::kLastOpKind)) name = fmt::format("op {}", s.op);
   auto dtype = s.dtype < kNumDataTypes ? std::string(dtype_name(DataType(s.dtype))) : fmt::format("dtype {}", s.dtype);
   switch (kind) {
     case OpKind::kBarrier: return "barrier";

@@ -6,28 +6,15 @@
 #include <string>
 
 #include "cohort/types.h"
+#include "collectives/op_kind.h"
 #include "transport/transport.h"
 
 namespace cohort::comm {
 
-enum class OpKind : uint8_t {
-  kNone = 0,
-  kAllreduce,
-  kReduce,
-  kBroadcast,
-  kAllgather,
-  kAllgatherv,
-  kGather,
-  kScatter,
-  kReduceScatter,
-  kAlltoall,
-  kAlltoallv,
-  kBarrier,
-  kSendRecv,  // point to point
-  kSplit,     // the exchange inside split()
-};
-
-const char* op_kind_name(OpKind k);
+// The operation kinds are the collectives layer's (collectives/op_kind.h): one enum for algorithm
+// selection and for the communicator.
+using coll::OpKind;
+using coll::op_kind_name;
 
 // One operation as its caller described it.
 struct OpDesc {

@@ -499,20 +499,20 @@ TEST_P(Worlds, MixedSequenceReusesState) {
 }
 
 TEST(Selection, SizeRulesAndOverrides) {
-  using coll::CollOp;
-  EXPECT_EQ(coll::default_algorithm(CollOp::kAllreduce, 2, 8), Algorithm::kRecursiveDoubling);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kAllreduce, 2, 64 << 20), Algorithm::kRing);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kAllreduce, 2, 256 << 10), Algorithm::kRing);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kAllreduce, 6, 256 << 10), Algorithm::kHalvingDoubling);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kAllreduce, 6, 64 << 20), Algorithm::kRing);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kBroadcast, 8, 8), Algorithm::kBinomial);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kBroadcast, 8, 64 << 20), Algorithm::kScatterAllgather);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kAllgather, 5, 100), Algorithm::kBruck);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kAllgather, 5, 16 << 20), Algorithm::kRing);
-  EXPECT_EQ(coll::default_algorithm(CollOp::kBarrier, 5, 0), Algorithm::kDissemination);
+  using coll::OpKind;
+  EXPECT_EQ(coll::default_algorithm(OpKind::kAllreduce, 2, 8), Algorithm::kRecursiveDoubling);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kAllreduce, 2, 64 << 20), Algorithm::kRing);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kAllreduce, 2, 256 << 10), Algorithm::kRing);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kAllreduce, 6, 256 << 10), Algorithm::kHalvingDoubling);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kAllreduce, 6, 64 << 20), Algorithm::kRing);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kBroadcast, 8, 8), Algorithm::kBinomial);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kBroadcast, 8, 64 << 20), Algorithm::kScatterAllgather);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kAllgather, 5, 100), Algorithm::kBruck);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kAllgather, 5, 16 << 20), Algorithm::kRing);
+  EXPECT_EQ(coll::default_algorithm(OpKind::kBarrier, 5, 0), Algorithm::kDissemination);
   // A forced algorithm the operation does not have is rejected before anything is sent.
-  EXPECT_THROW(coll::select_algorithm(CollOp::kAllreduce, 4, 8, Algorithm::kBruck), InvalidArgument);
-  EXPECT_EQ(coll::select_algorithm(CollOp::kAllreduce, 4, 8, Algorithm::kRing), Algorithm::kRing);
+  EXPECT_THROW(coll::select_algorithm(OpKind::kAllreduce, 4, 8, Algorithm::kBruck), InvalidArgument);
+  EXPECT_EQ(coll::select_algorithm(OpKind::kAllreduce, 4, 8, Algorithm::kRing), Algorithm::kRing);
   for (int k = 0; k <= static_cast<int>(Algorithm::kDissemination); ++k) {
     auto a = static_cast<Algorithm>(k);
     EXPECT_EQ(coll::parse_algorithm(coll::algorithm_name(a)), a);
@@ -527,8 +527,8 @@ TEST(Selection, SizeRulesAndOverrides) {
 // Selection.EnvironmentOverrideParent (disabled here: ctest never runs it on its own).
 TEST(Selection, DISABLED_EnvironmentOverrideChild) {
   ASSERT_NE(std::getenv("COHORT_TEST_ALGO_CHILD"), nullptr);
-  EXPECT_EQ(coll::select_algorithm(coll::CollOp::kAllreduce, 2, 8), Algorithm::kRing);
-  EXPECT_EQ(coll::select_algorithm(coll::CollOp::kAllgather, 2, 8), Algorithm::kRing);
+  EXPECT_EQ(coll::select_algorithm(coll::OpKind::kAllreduce, 2, 8), Algorithm::kRing);
+  EXPECT_EQ(coll::select_algorithm(coll::OpKind::kAllgather, 2, 8), Algorithm::kRing);
 }
 
 TEST(Selection, EnvironmentOverrideParent) {
