@@ -29,6 +29,7 @@
 #include "common/log.h"
 #include "common/strings.h"
 #include "transport/matching.h"
+#include "transport/transport_base.h"
 
 namespace cohort::transport {
 namespace {
@@ -165,10 +166,11 @@ bool recv_hello(int sock, Hello* h, UniqueFd* memfd, UniqueFd* eventfd) {
   return true;
 }
 
-class ShmTransport final : public Transport {
+class ShmTransport final : public TransportBase {
  public:
   explicit ShmTransport(const TransportOptions& o)
-      : rank_(o.rank), size_(o.size), scope_(scope_hash(o.job_scope)), ring_bytes_(round_up_pow2(kRingBytes.get())),
+      : TransportBase(o.rank, o.size, "shm", kUnexpectedPoolBytes), scope_(scope_hash(o.job_scope)),
+        ring_bytes_(round_up_pow2(kRingBytes.get())),
         ring_mask_(ring_bytes_ - 1), spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
         peers_(static_cast<size_t>(o.size)), info_(static_cast<size_t>(o.size)), last_seen_(static_cast<size_t>(o.size)) {
     shm_key_ = local_host_identity().shm_key();
@@ -346,22 +348,13 @@ class ShmTransport final : public Transport {
   }
 
   RequestId isend(int peer, const Envelope& env, const void* data, size_t bytes) override {
-    check_peer(peer);
-    if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = m_.alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
+    bool to_self = false;
+    uint32_t idx = start_send(peer, env, data, bytes, to_self);
+    if (to_self) return m_.id(idx);
     Request& r = m_[idx];
-    if (peer == rank_) {
-      deliver_local(r);
-      r.done = true;
-      return m_.id(idx);
-    }
     Peer& p = peers_[size_t(peer)];
     if (!p.used || !p.out) throw InvalidArgument(fmt::format("shm transport does not serve rank {}", peer));
-    if (p.bye || p.closed) {
-      fail(std::make_exception_ptr(PeerLostError(
-          fmt::format("rank {} ({}) left (destroyed its communicator); cannot send to it", peer, host(peer)))));
-      std::rethrow_exception(failed_);
-    }
+    if (p.bye || p.closed) fail_peer_left(peer, "send to");
     SendItem item{};
     item.header = MsgHeader{kMsgMagic, env.tag, env.sub, env.signature, bytes};
     item.payload = r.data;
@@ -374,33 +367,22 @@ class ShmTransport final : public Transport {
   }
 
   RequestId irecv(int peer, const Envelope& env, void* data, size_t bytes) override {
-    check_peer(peer);
-    if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = m_.alloc(false, peer, static_cast<char*>(data), bytes, env);
+    bool matched = false;
+    uint32_t idx = start_recv(peer, env, data, bytes, matched);
+    if (matched) return m_.id(idx);
     Request& r = m_[idx];
-    if (Unexpected* u = m_.find_unexpected(r)) {
-      check_match(peer, u->signature, u->total, r);
-      m_.adopt(idx, *u);
-      return m_.id(idx);
-    }
     if (peer != rank_ && (peers_[size_t(peer)].bye || peers_[size_t(peer)].closed)) {
       // What it sent before leaving is in the ring: take it first.
       read_ring(peer);
       if (failed_) std::rethrow_exception(failed_);
       if (r.done) return m_.id(idx);
-      if (!m_.find_unexpected(r)) {
-        fail(std::make_exception_ptr(PeerLostError(
-            fmt::format("rank {} ({}) left (destroyed its communicator); cannot receive from it", peer, host(peer)))));
-        std::rethrow_exception(failed_);
-      }
+      if (!m_.find_unexpected(r)) fail_peer_left(peer, "receive from");
       return irecv_after_drain(idx);
     }
     m_.post(idx);
     return m_.id(idx);
   }
 
-  bool test(RequestId id) override { return m_.test(id, failed_); }
-  bool peek(RequestId id) const override { return m_.peek(id); }
 
   bool poll(int timeout_ms) override {
     if (failed_ || !connected_) return false;
@@ -455,7 +437,6 @@ class ShmTransport final : public Transport {
     }
     m_.clear();
   }
-  std::exception_ptr error() const override { return failed_; }
   bool failed_by_notice() const override { return failed_by_notice_; }
 
   void notify_peers(ErrorClass cls, const std::string& message) override {
@@ -469,7 +450,6 @@ class ShmTransport final : public Transport {
       (void)::send(p.sock.get(), rec.data(), rec.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     }
   }
-  void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }
   PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
 
  private:
@@ -782,24 +762,8 @@ class ShmTransport final : public Transport {
     }
   }
 
-  void check_peer(int peer) const {
-    if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("peer rank {} out of range [0, {})", peer, size_));
-  }
+  std::string peer_host(int peer) const override { return host(peer); }
 
-  // Fails the transport (and throws) when a message does not match its receive.
-  void check_match(int peer, const Signature& theirs, size_t total, const Request& r) {
-    std::string msg = Matching::mismatch(peer, host(peer), theirs, total, r, mismatch_formatter_);
-    if (msg.empty()) return;
-    fail(std::make_exception_ptr(MismatchError(msg)));
-    std::rethrow_exception(failed_);
-  }
-
-  void deliver_local(const Request& s) {
-    m_.deliver_local(s, [&](const Request& r) { check_match(rank_, s.env.signature, s.bytes, r); });
-  }
-
-  int rank_;
-  int size_;
   uint64_t scope_;
   size_t ring_bytes_;
   size_t ring_mask_;
@@ -814,13 +778,10 @@ class ShmTransport final : public Transport {
   bool connected_ = false;
   std::vector<Peer> peers_;
   std::vector<PeerInfo> info_;
-  Matching m_{"shm", kUnexpectedPoolBytes};  // requests, posted receives, early messages
   std::vector<PeerProgress> last_seen_;
-  std::exception_ptr failed_;
   bool failed_by_notice_ = false;
   Deadline::Clock::time_point last_socket_check_{};
   uint64_t stats_messages_ = 0, stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;
-  MismatchFormatter mismatch_formatter_;
 };
 
 }  // namespace

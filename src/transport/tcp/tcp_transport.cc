@@ -26,6 +26,7 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "transport/matching.h"
+#include "transport/transport_base.h"
 
 namespace cohort::transport {
 namespace {
@@ -130,10 +131,11 @@ std::string loopback_key() {
   return h.boot_id + "/" + h.net_ns;
 }
 
-class TcpTransport final : public Transport {
+class TcpTransport final : public TransportBase {
  public:
   explicit TcpTransport(const TransportOptions& o)
-      : rank_(o.rank), size_(o.size), scope_(scope_hash(o.job_scope)), connections_(int(std::max<int64_t>(1, kConnections.get()))),
+      : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get())), scope_(scope_hash(o.job_scope)),
+        connections_(int(std::max<int64_t>(1, kConnections.get()))),
         split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())), last_seen_(static_cast<size_t>(o.size)),
         peers_(static_cast<size_t>(o.size)) {
     if (connections_ > 64) throw ConfigError(fmt::format("COHORT_TCP_CONNECTIONS={}: expected 1 to 64", connections_));
@@ -231,21 +233,12 @@ class TcpTransport final : public Transport {
   }
 
   RequestId isend(int peer, const Envelope& env, const void* data, size_t bytes) override {
-    check_peer(peer);
-    if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = m_.alloc(true, peer, const_cast<char*>(static_cast<const char*>(data)), bytes, env);
+    bool to_self = false;
+    uint32_t idx = start_send(peer, env, data, bytes, to_self);
+    if (to_self) return m_.id(idx);
     Request& r = m_[idx];
-    if (peer == rank_) {
-      deliver_local(r);
-      r.done = true;
-      return m_.id(idx);
-    }
     auto& pc = conns_[size_t(peer)];
-    if (peer_left(peer)) {
-      fail(std::make_exception_ptr(PeerLostError(fmt::format(
-          "rank {} ({}) left (destroyed its communicator); cannot send to it", peer, peers_[size_t(peer)].host))));
-      std::rethrow_exception(failed_);
-    }
+    if (peer_left(peer)) fail_peer_left(peer, "send to");
     if (pc.empty()) throw InvalidArgument(fmt::format("tcp transport does not serve rank {}", peer));
     size_t nfrag = 1;
     if (bytes >= split_bytes_ && pc.size() > 1) nfrag = pc.size();
@@ -278,27 +271,14 @@ class TcpTransport final : public Transport {
   }
 
   RequestId irecv(int peer, const Envelope& env, void* data, size_t bytes) override {
-    check_peer(peer);
-    if (failed_) std::rethrow_exception(failed_);
-    uint32_t idx = m_.alloc(false, peer, static_cast<char*>(data), bytes, env);
-    Request& r = m_[idx];
-    r.remaining = bytes;
-    if (Unexpected* u = m_.find_unexpected(r)) {
-      check_match(peer, u->signature, u->total, r);
-      m_.adopt(idx, *u);
-      return m_.id(idx);
-    }
-    if (peer != rank_ && peer_left(peer)) {
-      fail(std::make_exception_ptr(PeerLostError(fmt::format(
-          "rank {} ({}) left (destroyed its communicator); cannot receive from it", peer, peers_[size_t(peer)].host))));
-      std::rethrow_exception(failed_);
-    }
+    bool matched = false;
+    uint32_t idx = start_recv(peer, env, data, bytes, matched);
+    if (matched) return m_.id(idx);
+    if (peer != rank_ && peer_left(peer)) fail_peer_left(peer, "receive from");
     m_.post(idx);
     return m_.id(idx);
   }
 
-  bool test(RequestId id) override { return m_.test(id, failed_); }
-  bool peek(RequestId id) const override { return m_.peek(id); }
 
   bool poll(int timeout_ms) override {
     if (failed_) return false;
@@ -325,7 +305,6 @@ class TcpTransport final : public Transport {
     }
     m_.clear();
   }
-  std::exception_ptr error() const override { return failed_; }
 
   bool failed_by_notice() const override { return failed_by_notice_; }
 
@@ -350,25 +329,10 @@ class TcpTransport final : public Transport {
       }
     }
   }
-  void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }
   PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
 
  private:
-  void check_peer(int peer) const {
-    if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("peer rank {} out of range [0, {})", peer, size_));
-  }
-
-  // Fails the transport (and throws) when a message does not match its receive.
-  void check_match(int peer, const Signature& theirs, size_t total, const Request& r) {
-    std::string msg = Matching::mismatch(peer, peers_[size_t(peer)].host, theirs, total, r, mismatch_formatter_);
-    if (msg.empty()) return;
-    fail(std::make_exception_ptr(MismatchError(msg)));
-    std::rethrow_exception(failed_);
-  }
-
-  void deliver_local(const Request& s) {
-    m_.deliver_local(s, [&](const Request& r) { check_match(rank_, s.env.signature, s.bytes, r); });
-  }
+  std::string peer_host(int peer) const override { return peers_[size_t(peer)].host; }
 
   net::Address choose_address(int peer) {
     const std::string& d = peers_[size_t(peer)].descriptor;
@@ -680,8 +644,6 @@ class TcpTransport final : public Transport {
     if (u->received == u->total) m_.unexpected_arrived(c.target_key, *u);
   }
 
-  int rank_;
-  int size_;
   uint64_t scope_;
   int connections_;
   size_t split_bytes_;
@@ -690,13 +652,10 @@ class TcpTransport final : public Transport {
   UniqueFd epoll_;
   std::vector<std::vector<std::unique_ptr<Conn>>> conns_;
   std::vector<size_t> rr_;
-  Matching m_{"tcp", size_t(kPoolBytes.get())};  // requests, posted receives, early messages
   std::vector<PeerProgress> last_seen_;
   std::vector<PeerInfo> peers_;
-  std::exception_ptr failed_;
   bool failed_by_notice_ = false;
   uint64_t stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;  // messages buffered before their receive
-  MismatchFormatter mismatch_formatter_;
 };
 
 }  // namespace
