@@ -90,76 +90,92 @@ namespace {
       case DataType::kBFloat16: return divide_loop<BF16>(data, n, divisor);                             \
       default: return 0;                                                                                \
     }                                                                                                   \
+  }                                                                                                     \
+  size_t reduce(void* d, const void* a, const void* b, size_t n, DataType t, ReduceOp op) {            \
+    switch (t) {                                                                                        \
+      case DataType::kInt8: return loop<I8>(d, a, b, n, op);                                            \
+      case DataType::kUInt8: return loop<U8>(d, a, b, n, op);                                           \
+      case DataType::kInt32: return loop<I32>(d, a, b, n, op);                                          \
+      case DataType::kInt64: return loop<I64>(d, a, b, n, op);                                          \
+      case DataType::kFloat16: return loop<F16>(d, a, b, n, op);                                        \
+      case DataType::kBFloat16: return loop<BF16>(d, a, b, n, op);                                      \
+      case DataType::kFloat32: return loop<F32>(d, a, b, n, op);                                        \
+      case DataType::kFloat64: return loop<F64>(d, a, b, n, op);                                        \
+    }                                                                                                   \
+    return 0;                                                                                           \
   }
+
+// The lane types whose intrinsics differ between AVX2 and AVX-512 only by their prefix P (_mm256,
+// _mm512) and integer suffix SI (si256, si512): registers FR/DR/IR of W bytes. 64-bit integers and the
+// 16-bit floats' conversions really differ between the two, and each family writes those itself.
+#define COHORT_DEFINE_PREFIXED_LANES(P, SI, FR, DR, IR, W)                                              \
+  struct F32 {                                                                                          \
+    using T = float;                                                                                    \
+    using R = FR;                                                                                       \
+    static constexpr size_t kLanes = W / 4;                                                             \
+    static R load(const float* p) { return P##_loadu_ps(p); }                                           \
+    static void store(float* p, R v) { P##_storeu_ps(p, v); }                                           \
+    static R add(R a, R b) { return P##_add_ps(a, b); }                                                 \
+    static R mul(R a, R b) { return P##_mul_ps(a, b); }                                                 \
+    static R min(R a, R b) { return P##_min_ps(b, a); }                                                 \
+    static R max(R a, R b) { return P##_max_ps(b, a); }                                                 \
+    static R div(R a, R b) { return P##_div_ps(a, b); }                                                 \
+    static R splat(int v) { return P##_set1_ps(static_cast<float>(v)); }                               \
+  };                                                                                                    \
+  struct F64 {                                                                                          \
+    using T = double;                                                                                   \
+    using R = DR;                                                                                       \
+    static constexpr size_t kLanes = W / 8;                                                             \
+    static R load(const double* p) { return P##_loadu_pd(p); }                                          \
+    static void store(double* p, R v) { P##_storeu_pd(p, v); }                                          \
+    static R add(R a, R b) { return P##_add_pd(a, b); }                                                 \
+    static R mul(R a, R b) { return P##_mul_pd(a, b); }                                                 \
+    static R min(R a, R b) { return P##_min_pd(b, a); }                                                 \
+    static R max(R a, R b) { return P##_max_pd(b, a); }                                                 \
+    static R div(R a, R b) { return P##_div_pd(a, b); }                                                 \
+    static R splat(int v) { return P##_set1_pd(static_cast<double>(v)); }                              \
+  };                                                                                                    \
+  template <typename Elem>                                                                              \
+  struct IntBase {                                                                                      \
+    using T = Elem;                                                                                     \
+    using R = IR;                                                                                       \
+    static constexpr size_t kLanes = W / sizeof(Elem);                                                  \
+    static R load(const T* p) { return P##_loadu_##SI(reinterpret_cast<const IR*>(p)); }               \
+    static void store(T* p, R v) { P##_storeu_##SI(reinterpret_cast<IR*>(p), v); }                     \
+  };                                                                                                    \
+  /* Low 8 bits of each byte product, from two 16-bit multiplies (even bytes, odd bytes). */            \
+  inline IR mul_bytes(IR a, IR b) {                                                                     \
+    IR even = P##_mullo_epi16(a, b);                                                                    \
+    IR odd = P##_mullo_epi16(P##_srli_epi16(a, 8), P##_srli_epi16(b, 8));                               \
+    return P##_or_##SI(P##_and_##SI(even, P##_set1_epi16(0xff)), P##_slli_epi16(odd, 8));               \
+  }                                                                                                     \
+  struct I8 : IntBase<int8_t> {                                                                         \
+    static R add(R a, R b) { return P##_add_epi8(a, b); }                                               \
+    static R mul(R a, R b) { return mul_bytes(a, b); }                                                  \
+    static R min(R a, R b) { return P##_min_epi8(a, b); }                                               \
+    static R max(R a, R b) { return P##_max_epi8(a, b); }                                               \
+  };                                                                                                    \
+  struct U8 : IntBase<uint8_t> {                                                                        \
+    static R add(R a, R b) { return P##_add_epi8(a, b); }                                               \
+    static R mul(R a, R b) { return mul_bytes(a, b); }                                                  \
+    static R min(R a, R b) { return P##_min_epu8(a, b); }                                               \
+    static R max(R a, R b) { return P##_max_epu8(a, b); }                                               \
+  };                                                                                                    \
+  struct I32 : IntBase<int32_t> {                                                                       \
+    static R add(R a, R b) { return P##_add_epi32(a, b); }                                              \
+    static R mul(R a, R b) { return P##_mullo_epi32(a, b); }                                            \
+    static R min(R a, R b) { return P##_min_epi32(a, b); }                                              \
+    static R max(R a, R b) { return P##_max_epi32(a, b); }                                              \
+  };
 
 // ---------------------------------------------------------------------------------------------- AVX2
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
 namespace avx2 {
 
-struct F32 {
-  using T = float;
-  using R = __m256;
-  static constexpr size_t kLanes = 8;
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
-  static R add(R a, R b) { return _mm256_add_ps(a, b); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R min(R a, R b) { return _mm256_min_ps(b, a); }
-  static R max(R a, R b) { return _mm256_max_ps(b, a); }
-  static R div(R a, R b) { return _mm256_div_ps(a, b); }
-  static R splat(int v) { return _mm256_set1_ps(static_cast<float>(v)); }
-};
+COHORT_DEFINE_PREFIXED_LANES(_mm256, si256, __m256, __m256d, __m256i, 32)
 
-struct F64 {
-  using T = double;
-  using R = __m256d;
-  static constexpr size_t kLanes = 4;
-  static R load(const double* p) { return _mm256_loadu_pd(p); }
-  static void store(double* p, R v) { _mm256_storeu_pd(p, v); }
-  static R add(R a, R b) { return _mm256_add_pd(a, b); }
-  static R mul(R a, R b) { return _mm256_mul_pd(a, b); }
-  static R min(R a, R b) { return _mm256_min_pd(b, a); }
-  static R max(R a, R b) { return _mm256_max_pd(b, a); }
-  static R div(R a, R b) { return _mm256_div_pd(a, b); }
-  static R splat(int v) { return _mm256_set1_pd(static_cast<double>(v)); }
-};
-
-template <typename Elem, size_t Lanes>
-struct IntBase {
-  using T = Elem;
-  using R = __m256i;
-  static constexpr size_t kLanes = Lanes;
-  static R load(const T* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static void store(T* p, R v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-};
-
-// Low 8 bits of each byte product, from two 16-bit multiplies (even bytes, odd bytes).
-inline __m256i mul_bytes(__m256i a, __m256i b) {
-  __m256i even = _mm256_mullo_epi16(a, b);
-  __m256i odd = _mm256_mullo_epi16(_mm256_srli_epi16(a, 8), _mm256_srli_epi16(b, 8));
-  return _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi16(0xff)), _mm256_slli_epi16(odd, 8));
-}
-
-struct I8 : IntBase<int8_t, 32> {
-  static R add(R a, R b) { return _mm256_add_epi8(a, b); }
-  static R mul(R a, R b) { return mul_bytes(a, b); }
-  static R min(R a, R b) { return _mm256_min_epi8(a, b); }
-  static R max(R a, R b) { return _mm256_max_epi8(a, b); }
-};
-struct U8 : IntBase<uint8_t, 32> {
-  static R add(R a, R b) { return _mm256_add_epi8(a, b); }
-  static R mul(R a, R b) { return mul_bytes(a, b); }
-  static R min(R a, R b) { return _mm256_min_epu8(a, b); }
-  static R max(R a, R b) { return _mm256_max_epu8(a, b); }
-};
-struct I32 : IntBase<int32_t, 8> {
-  static R add(R a, R b) { return _mm256_add_epi32(a, b); }
-  static R mul(R a, R b) { return _mm256_mullo_epi32(a, b); }
-  static R min(R a, R b) { return _mm256_min_epi32(a, b); }
-  static R max(R a, R b) { return _mm256_max_epi32(a, b); }
-};
-struct I64 : IntBase<int64_t, 4> {
+struct I64 : IntBase<int64_t> {
   static R add(R a, R b) { return _mm256_add_epi64(a, b); }
   static R mul(R a, R b) {  // (ah*2^32 + al)(bh*2^32 + bl) mod 2^64 = al*bl + (al*bh + ah*bl) << 32
     __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)),
@@ -204,20 +220,6 @@ struct BF16 : F32 {
 
 COHORT_DEFINE_VECTOR_LOOPS
 
-size_t reduce(void* d, const void* a, const void* b, size_t n, DataType t, ReduceOp op) {
-  switch (t) {
-    case DataType::kInt8: return loop<I8>(d, a, b, n, op);
-    case DataType::kUInt8: return loop<U8>(d, a, b, n, op);
-    case DataType::kInt32: return loop<I32>(d, a, b, n, op);
-    case DataType::kInt64: return loop<I64>(d, a, b, n, op);
-    case DataType::kFloat16: return loop<F16>(d, a, b, n, op);
-    case DataType::kBFloat16: return loop<BF16>(d, a, b, n, op);
-    case DataType::kFloat32: return loop<F32>(d, a, b, n, op);
-    case DataType::kFloat64: return loop<F64>(d, a, b, n, op);
-  }
-  return 0;
-}
-
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -226,68 +228,9 @@ size_t reduce(void* d, const void* a, const void* b, size_t n, DataType t, Reduc
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c")
 namespace avx512 {
 
-struct F32 {
-  using T = float;
-  using R = __m512;
-  static constexpr size_t kLanes = 16;
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
-  static R add(R a, R b) { return _mm512_add_ps(a, b); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R min(R a, R b) { return _mm512_min_ps(b, a); }
-  static R max(R a, R b) { return _mm512_max_ps(b, a); }
-  static R div(R a, R b) { return _mm512_div_ps(a, b); }
-  static R splat(int v) { return _mm512_set1_ps(static_cast<float>(v)); }
-};
+COHORT_DEFINE_PREFIXED_LANES(_mm512, si512, __m512, __m512d, __m512i, 64)
 
-struct F64 {
-  using T = double;
-  using R = __m512d;
-  static constexpr size_t kLanes = 8;
-  static R load(const double* p) { return _mm512_loadu_pd(p); }
-  static void store(double* p, R v) { _mm512_storeu_pd(p, v); }
-  static R add(R a, R b) { return _mm512_add_pd(a, b); }
-  static R mul(R a, R b) { return _mm512_mul_pd(a, b); }
-  static R min(R a, R b) { return _mm512_min_pd(b, a); }
-  static R max(R a, R b) { return _mm512_max_pd(b, a); }
-  static R div(R a, R b) { return _mm512_div_pd(a, b); }
-  static R splat(int v) { return _mm512_set1_pd(static_cast<double>(v)); }
-};
-
-template <typename Elem, size_t Lanes>
-struct IntBase {
-  using T = Elem;
-  using R = __m512i;
-  static constexpr size_t kLanes = Lanes;
-  static R load(const T* p) { return _mm512_loadu_si512(p); }
-  static void store(T* p, R v) { _mm512_storeu_si512(p, v); }
-};
-
-inline __m512i mul_bytes(__m512i a, __m512i b) {
-  __m512i even = _mm512_mullo_epi16(a, b);
-  __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(a, 8), _mm512_srli_epi16(b, 8));
-  return _mm512_or_si512(_mm512_and_si512(even, _mm512_set1_epi16(0xff)), _mm512_slli_epi16(odd, 8));
-}
-
-struct I8 : IntBase<int8_t, 64> {
-  static R add(R a, R b) { return _mm512_add_epi8(a, b); }
-  static R mul(R a, R b) { return mul_bytes(a, b); }
-  static R min(R a, R b) { return _mm512_min_epi8(a, b); }
-  static R max(R a, R b) { return _mm512_max_epi8(a, b); }
-};
-struct U8 : IntBase<uint8_t, 64> {
-  static R add(R a, R b) { return _mm512_add_epi8(a, b); }
-  static R mul(R a, R b) { return mul_bytes(a, b); }
-  static R min(R a, R b) { return _mm512_min_epu8(a, b); }
-  static R max(R a, R b) { return _mm512_max_epu8(a, b); }
-};
-struct I32 : IntBase<int32_t, 16> {
-  static R add(R a, R b) { return _mm512_add_epi32(a, b); }
-  static R mul(R a, R b) { return _mm512_mullo_epi32(a, b); }
-  static R min(R a, R b) { return _mm512_min_epi32(a, b); }
-  static R max(R a, R b) { return _mm512_max_epi32(a, b); }
-};
-struct I64 : IntBase<int64_t, 8> {
+struct I64 : IntBase<int64_t> {
   static R add(R a, R b) { return _mm512_add_epi64(a, b); }
   static R mul(R a, R b) { return _mm512_mullo_epi64(a, b); }
   static R min(R a, R b) { return _mm512_min_epi64(a, b); }
@@ -324,20 +267,6 @@ struct BF16 : F32 {
 };
 
 COHORT_DEFINE_VECTOR_LOOPS
-
-size_t reduce(void* d, const void* a, const void* b, size_t n, DataType t, ReduceOp op) {
-  switch (t) {
-    case DataType::kInt8: return loop<I8>(d, a, b, n, op);
-    case DataType::kUInt8: return loop<U8>(d, a, b, n, op);
-    case DataType::kInt32: return loop<I32>(d, a, b, n, op);
-    case DataType::kInt64: return loop<I64>(d, a, b, n, op);
-    case DataType::kFloat16: return loop<F16>(d, a, b, n, op);
-    case DataType::kBFloat16: return loop<BF16>(d, a, b, n, op);
-    case DataType::kFloat32: return loop<F32>(d, a, b, n, op);
-    case DataType::kFloat64: return loop<F64>(d, a, b, n, op);
-  }
-  return 0;
-}
 
 }  // namespace avx512
 #pragma GCC pop_options
