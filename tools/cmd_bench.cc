@@ -252,7 +252,7 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   Options o;
   std::string min_s = "8", max_s = "64M", dtype_s = "float", op_s = "sum";
   // nccl-tests spells "-c 1" / "-c 0"; accept that as well as a bare -c / --check.
-  std::vector<std::string> argv;
+  std::vector<std::string> argv{args[0]};
   for (size_t i = 1; i < args.size(); ++i) {
     if ((args[i] == "-c" || args[i] == "--check") && i + 1 < args.size() && (args[i + 1] == "0" || args[i + 1] == "1")) {
       if (args[i + 1] == "1") argv.push_back("--check");
@@ -281,15 +281,7 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
       ->capture_default_str();
   app.add_option("--gpu-path", o.gpu_path, "with --device cuda: auto, nccl, or staged (through host memory)")
       ->capture_default_str();
-  try {
-    std::reverse(argv.begin(), argv.end());
-    app.parse(argv);
-  } catch (const CLI::CallForHelp&) {
-    fmt::print("{}", app.help());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    throw InvalidArgument(e.what());
-  }
+  if (!parse_command_line(app, argv)) return 0;
   o.min_bytes = env::parse_bytes("-b", min_s);
   o.max_bytes = env::parse_bytes("-e", max_s);
   auto dt = parse_dtype(dtype_s);
@@ -415,16 +407,7 @@ int run_memcpy(std::vector<std::string> args) {
   app.add_option("-e,--maxbytes", max_s)->capture_default_str();
   app.add_option("-f,--stepfactor", factor)->capture_default_str();
   app.add_option("--min-time", min_time, "seconds per size")->capture_default_str();
-  std::vector<std::string> argv(args.begin() + 1, args.end());
-  try {
-    std::reverse(argv.begin(), argv.end());
-    app.parse(argv);
-  } catch (const CLI::CallForHelp&) {
-    fmt::print("{}", app.help());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    throw InvalidArgument(fmt::format("cohort bench memcpy: {}", e.what()));
-  }
+  if (!parse_command_line(app, args)) return 0;
   const uint64_t lo = env::parse_bytes("-b", min_s), hi = env::parse_bytes("-e", max_s);
   if (factor <= 1 || lo == 0 || lo > hi) throw InvalidArgument("need 0 < -b <= -e and -f > 1");
   fmt::print("# memcpy, 1 thread; GB/s = bytes copied per second (read+write traffic is twice that)\n");

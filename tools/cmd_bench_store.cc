@@ -440,14 +440,6 @@ void raise_nofile(uint64_t needed) {
   }
 }
 
-std::string read_token_file(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw ConfigError(fmt::format("--token-file {}: cannot read the file", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return std::string(str::trim(ss.str()));
-}
-
 std::string hex(const std::string& bytes) {
   std::string out;
   for (unsigned char b : bytes) out += fmt::format("{:02x}", b);
@@ -479,17 +471,7 @@ int run_bench_store(std::vector<std::string> args) {
   app.add_option("--timeout", timeout_s, "seconds one repetition may take");
   app.add_option("--server", server_mode, "where the local server runs: process (a child `cohort store serve`) or thread")
       ->check(CLI::IsMember({"process", "thread"}));
-  std::vector<std::string> rest(args.begin() + 1, args.end());
-  std::reverse(rest.begin(), rest.end());
-  try {
-    app.parse(rest);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) {
-      fmt::print("{}", app.help());
-      return 0;
-    }
-    throw ConfigError(fmt::format("cohort bench store: {}", e.what()));
-  }
+  if (!parse_command_line(app, args)) return 0;
   std::vector<int> counts = str::parse_int_list(clients_text, "--clients");
   if (counts.empty() || reps < 1 || threads < 1 || window < 1) {
     throw ConfigError("cohort bench store: --clients, --reps, --threads and --window must be positive");
@@ -499,11 +481,7 @@ int run_bench_store(std::vector<std::string> args) {
 
   std::string token;
   if (!addr.empty()) {
-    if (!token_file.empty()) {
-      token = read_token_file(token_file);
-    } else if (const char* t = std::getenv("COHORT_JOB_TOKEN")) {
-      token = t;
-    }
+    token = job_token(token_file);
   } else {
     token = hex(store_auth::make_nonce());  // a job token, as the launcher would make one
   }

@@ -44,13 +44,7 @@ int run_doctor_command(std::vector<std::string> args) {
   app.add_option("--check-ports", check_ports, "(remote helper) ports --serve-probe checks are free");
   app.add_option("--probe-connect", probe_connect, "(remote helper) measure the link to a --serve-probe at host:port");
 
-  std::vector<std::string> rest(args.rbegin(), args.rend() - 1);  // CLI11 wants them reversed
-  try {
-    app.parse(rest);
-  } catch (const CLI::ParseError& e) {
-    int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (!parse_command_line(app, args)) return 0;
   uint64_t probe_bytes = env::parse_bytes("--probe-bytes", probe_bytes_text);
 
   if (serve) {

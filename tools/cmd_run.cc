@@ -96,16 +96,8 @@ int run_run(std::vector<std::string> args) {
     }
   }
   o.program.assign(args.begin() + static_cast<long>(i), args.end());
-  std::vector<std::string> reversed(opts.rbegin(), opts.rend());
-  try {
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    fmt::print("{}\nusage: cohort run [options] PROGRAM [ARGS...]\n", app.help());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string what = e.what();
-    throw ConfigError(what + " (cohort run --help lists the flags)");
-  }
+  opts.insert(opts.begin(), args[0]);
+  if (!parse_command_line(app, opts, "\nusage: cohort run [options] PROGRAM [ARGS...]\n")) return 0;
   if (!nproc.empty()) o.nproc_per_node = nproc;
   if (app.count("--gpus-per-node")) o.gpus_per_node = gpus_per_node;
   if (app.count("-n")) o.np = np;

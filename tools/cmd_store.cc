@@ -18,16 +18,6 @@
 namespace cohort::tools {
 namespace {
 
-std::string read_token_file(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw ConfigError(fmt::format("--token-file {}: cannot read the file", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  std::string token(str::trim(ss.str()));
-  if (token.empty()) throw ConfigError(fmt::format("--token-file {}: the file is empty", path));
-  return token;
-}
-
 int run_store_serve(std::vector<std::string> args) {
   CLI::App app("Runs a cohort rendezvous store server until SIGINT/SIGTERM. The job token comes from "
                "--token-file or COHORT_JOB_TOKEN; without one, any client is accepted.",
@@ -41,24 +31,10 @@ int run_store_serve(std::vector<std::string> args) {
   app.add_option("--token-file", token_file, "file holding the job token");
   app.add_option("--backlog", options.backlog, "listen backlog (capped by net.core.somaxconn)");
   app.add_option("--handshake-timeout", handshake_s, "seconds a new connection has to authenticate");
-  std::vector<std::string> rest(args.begin() + 1, args.end());
-  std::reverse(rest.begin(), rest.end());
-  try {
-    app.parse(rest);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) {
-      fmt::print("{}", app.help());
-      return 0;
-    }
-    throw ConfigError(fmt::format("cohort store serve: {}", e.what()));
-  }
+  if (!parse_command_line(app, args)) return 0;
   options.port = static_cast<uint16_t>(port);
   options.handshake_timeout = Millis(static_cast<int64_t>(handshake_s * 1000));
-  if (!token_file.empty()) {
-    options.token = read_token_file(token_file);
-  } else if (const char* t = std::getenv("COHORT_JOB_TOKEN"); t != nullptr && *t != '\0') {
-    options.token = t;
-  }
+  options.token = job_token(token_file);
   // A store serves one connection per process of the job: use every descriptor the hard limit allows.
   rlimit rl{};
   if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 namespace cohort::tools {
 
 // argv[0] is the command name (e.g. "bench store"); the rest are its arguments.
@@ -19,5 +21,15 @@ using CommandFn = std::function<int(std::vector<std::string> args)>;
 struct Registration {
   Registration(std::string name, std::string summary, CommandFn fn);
 };
+
+// Parses a command's arguments (`args[0]` is its name, as a CommandFn receives them) with `app`.
+// Returns false when --help was asked for: the help (and `after_help`) is printed and the command
+// returns 0. A bad flag throws ConfigError "<what CLI11 says> (cohort <name> --help lists the flags)",
+// which main prints as one line and exits with 2.
+bool parse_command_line(CLI::App& app, const std::vector<std::string>& args, const std::string& after_help = "");
+
+// The job token for a store: the trimmed contents of `token_file` when one is given (ConfigError
+// naming the file when it cannot be read or is empty), else COHORT_JOB_TOKEN, else "".
+std::string job_token(const std::string& token_file);
 
 }  // namespace cohort::tools
