@@ -1,0 +1,265 @@
+// The store protocol of a job's end (docs/launcher.md, "Multi-node coordination"): the head hosts the
+// job's store and the others join it; a watcher thread waits for every node and then for the attempt's
+// "end" record; the first node to fail claims the root cause with compare_set (a reported consequence
+// gives way to the failure it reports); nodes count themselves done and exited.
+#include <thread>
+
+#include "store/memory_store.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "common/log.h"
+#include "common/socket.h"
+#include "common/strings.h"
+#include "launch/job_internal.h"
+
+namespace cohort::launch::job_detail {
+
+std::string end_to_string(const EndInfo& e) { return nlohmann::json(e).dump(); }
+
+EndInfo end_from_string(const std::string& s) {
+  try {
+    return nlohmann::json::parse(s).get<EndInfo>();
+  } catch (const std::exception&) {
+    return EndInfo{"lost", 1, "malformed end record in the store: " + s};
+  }
+}
+
+bool is_consequence(const EndInfo& e) {
+  return e.kind == "failure" && e.summary.find(" exited with code ") != std::string::npos &&
+         (e.summary.find("lost rank ") != std::string::npos || e.summary.find(") failed: ") != std::string::npos);
+}
+
+bool is_root_cause_of(const EndInfo& e, const EndInfo& current) {
+  return e.kind == "failure" && !is_consequence(e) && is_consequence(current);
+}
+
+void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
+                  std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt) {
+  try {
+    auto started = Clock::now();
+    auto deadline =
+        started + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(p.join_timeout_s));
+    std::vector<std::string> keys;
+    for (int r = 0; r < p.nnodes; ++r) keys.push_back(node_key(r));
+    auto missing_nodes = [&] {
+      std::vector<int> missing;
+      for (int r = 0; r < p.nnodes; ++r)
+        if (!store->check({node_key(r)})) missing.push_back(r);
+      return missing;
+    };
+    for (;;) {
+      if (*stop) return;
+      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      if (left <= Millis(0)) {
+        events->push({WatchEvent::kJoinTimeout,
+                      fmt::format("node ranks {} did not join within {} s (--join-timeout; store at {})",
+                                  str::format_ranges(missing_nodes()), p.join_timeout_s, p.store_addr),
+                      attempt});
+        return;
+      }
+      try {
+        store->wait(keys, std::min(left, Millis(3000)));
+        break;
+      } catch (const TimeoutError&) {
+        auto missing = missing_nodes();
+        if (!missing.empty() && !*stop)
+          say(fmt::format("{}waiting for node ranks {} to join ({:.0f} s of {} s){}",
+                          p.this_node >= 0 ? fmt::format("node {}: ", p.this_node) : "",
+                          str::format_ranges(missing), std::chrono::duration<double>(Clock::now() - started).count(),
+                          p.join_timeout_s, attempt > 0 ? fmt::format(", restart {}", attempt) : ""));
+      }
+    }
+    events->push({WatchEvent::kJoined, "", attempt});
+    for (;;) {
+      if (*stop) return;
+      try {
+        store->wait({"end"}, Millis(1000));
+        events->push({WatchEvent::kEnd, store->get("end"), attempt});
+        return;
+      } catch (const TimeoutError&) {
+      }
+    }
+  } catch (const Error& e) {
+    if (!*stop) events->push({WatchEvent::kLost, e.what(), attempt});
+  }
+}
+
+void Job::start_store() {
+  // The port workers hand to torch's env:// (its rank 0 hosts a TCPStore there) must differ from
+  // the cohort store's port, so the store host picks a second free port.
+  auto pick_free_port = [](const std::string& host) {
+    auto fd = net::listen_tcp(host, 0, 1, false);
+    return static_cast<int>(net::local_address(fd.get()).port());
+  };
+  bool local = plan_.mode == Mode::kLocal;
+  if (plan_.host_store) {
+    StoreServerOptions so;
+    so.host = local ? "127.0.0.1" : "";
+    so.port = static_cast<uint16_t>(plan_.master_port);
+    so.token = ctx_.token;
+    try {
+      server_ = StoreServer::start(so);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("cannot host the job's store: {}; leave --master-port (and MASTER_PORT) unset to "
+                                    "let the OS choose a free port",
+                                    e.what()));
+    }
+    store_addr_ = fmt::format("{}:{}", plan_.master_addr, server_->port());
+    plan_.master_port = server_->port();
+    torch_port_ = pick_free_port(local ? "127.0.0.1" : "");
+  } else {
+    store_addr_ = fmt::format("{}:{}", plan_.master_addr, plan_.master_port);
+    torch_port_ = ctx_.torch_port;
+  }
+  if (!distributed_) {
+    base_store_ = make_memory_store();
+    return;
+  }
+  StoreClientOptions co;
+  co.host = plan_.master_addr;
+  co.port = static_cast<uint16_t>(plan_.master_port);
+  co.token = ctx_.token;
+  if (plan_.host_store) co.host = "127.0.0.1";  // our own server listens on every interface
+  // Joining nodes may start long before node 0: keep trying for the join timeout, saying so.
+  auto deadline = Deadline::after(std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::duration<double>(plan_.join_timeout_s)));
+  auto started = Clock::now();
+  for (;;) {
+    co.timeout = std::min<Millis>(Millis(5000), deadline.remaining());
+    try {
+      base_store_ = connect_tcp_store(co);
+      watch_base_ = connect_tcp_store(co);
+      break;
+    } catch (const AuthError&) {
+      throw;
+    } catch (const Error& e) {
+      if (deadline.expired())
+        throw TimeoutError(fmt::format("node {}: the job's store at {} (node 0) did not answer within {} s "
+                                       "(--join-timeout): {}",
+                                       plan_.this_node, store_addr_, plan_.join_timeout_s, e.what()));
+      say(fmt::format("node {}: waiting for node 0's store at {} ({:.0f} s of {} s)", plan_.this_node, store_addr_,
+                      std::chrono::duration<double>(Clock::now() - started).count(), plan_.join_timeout_s));
+    }
+  }
+  co.timeout = Millis(60000);
+  client_options_ = co;
+  base_client_ = base_store_;
+  base_store_->set_timeout(Millis(60000));
+  watch_base_->set_timeout(Millis(60000));
+  base_store_ = make_prefix_store(base_store_, "cohort/launch/" + plan_.job_id);
+  watch_base_ = make_prefix_store(watch_base_, "cohort/launch/" + plan_.job_id);
+  if (plan_.mode == Mode::kPerNode) {
+    if (plan_.host_store) base_store_->set("torch_port", std::to_string(torch_port_));
+    else torch_port_ = std::stoi(base_store_->get("torch_port"));
+  }
+}
+
+void Job::publish_end(const EndInfo& e) {
+  if (end_) return;
+  if (distributed_ && !head_lost_) {
+    try {
+      // Another node may have won the race: theirs is the root cause, unless it only reports ours.
+      adopt_end(end_from_string(claim_root_cause("end", e)));
+      return;
+    } catch (const Error& err) {
+      log::warn("could not publish the job's end to the store: {}", err.what());
+    }
+  }
+  adopt_end(e);
+}
+
+std::string Job::claim_root_cause(const std::string& key, const EndInfo& e) {
+  const std::string mine = end_to_string(e);
+  auto now = attempt_store_->compare_set(key, "", mine);
+  // Compared with what the store holds (not a re-serialised copy), so a lost race is seen as such.
+  if (now != mine && is_root_cause_of(e, end_from_string(now))) now = attempt_store_->compare_set(key, now, mine);
+  return now;
+}
+
+void Job::upgrade_end(const EndInfo& e) {
+  // Only in the report window: no worker here has been signalled, so a death by signal is genuine.
+  if (!end_ || !reporting_ || !is_root_cause_of(e, *end_)) return;
+  if (distributed_ && !head_lost_) {
+    try {
+      end_ = end_from_string(claim_root_cause("end", e));  // ours, or another node's root cause that came first
+      return;
+    } catch (const Error& err) {
+      log::warn("could not publish the job's root cause to the store: {}", err.what());
+    }
+  }
+  end_ = e;
+}
+
+void Job::adopt_end(const EndInfo& e) {
+  if (end_) return;
+  end_ = e;
+  end_seen_ = Clock::now();
+  *watcher_stop_ = true;
+  if (e.kind != "done") begin_stop();
+  if (!agents_.empty() && plan_.host_store) {
+    // Remote agents stop their workers on their own (they watch the store); give them the grace
+    // plus a margin before the head kills the ssh connections.
+    if (!stopping_ || running_workers() == 0) arm_timer(plan_.kill_grace_s + 10);
+  }
+}
+
+void Job::report_node_done() {
+  if (!distributed_) {
+    if (!end_) adopt_end(first_failure_ ? EndInfo{"done", first_failure_->code, first_failure_->summary}
+                                        : EndInfo{"done", 0, ""});
+  } else if (!end_ && !head_lost_) {
+    try {
+      int64_t finished = attempt_store_->add("done", 1);
+      if (finished == plan_.nnodes) {
+        EndInfo done{"done", 0, ""};
+        std::vector<std::string> ff{"first_failure"};
+        if (attempt_store_->check(ff)) {
+          auto f = end_from_string(attempt_store_->get("first_failure"));
+          done = EndInfo{"done", f.code, f.summary};
+        }
+        publish_end(done);
+      }
+    } catch (const Error& err) {
+      adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
+    }
+  }
+}
+
+void Job::settle_end_with_store() {
+  // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
+  if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
+    try {
+      if (attempt_store_->add("exited", 1) == plan_.nnodes) attempt_store_->set("all_exited", "1");
+      // Nodes that never joined (or a lost store) will not report: do not wait for them.
+      if (plan_.host_store && end_->kind != "lost" && end_->kind != "join")
+        attempt_store_->wait({"all_exited"}, Millis(static_cast<int64_t>((plan_.kill_grace_s + 10) * 1000)));
+    } catch (const Error& e) {
+      log::warn("not every node reported its workers stopped: {}", e.what());
+    }
+  }
+  // Another node may have replaced a reported consequence with its root cause after this node
+  // adopted the end (upgrade_end): the summary and exit code follow the store's last word.
+  if (distributed_ && !head_lost_ && is_consequence(*end_)) {
+    try {
+      std::vector<std::string> key{"end"};
+      if (attempt_store_->check(key)) {
+        EndInfo last = end_from_string(attempt_store_->get("end"));
+        if (is_root_cause_of(last, *end_)) end_ = last;
+      }
+    } catch (const Error& err) {
+      log::warn("could not read the job's root cause from the store: {}", err.what());
+    }
+  }
+}
+
+}  // namespace cohort::launch::job_detail

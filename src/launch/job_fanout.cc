@@ -1,0 +1,183 @@
+// Fan-out over ssh (-H / --hostfile): the head starts `cohort agent` on every other host with the
+// plan on its stdin, which then stays the control channel (signals forwarded as "sig N" lines; EOF
+// means the head is gone); an agent that ends before the job is a failure of its host.
+#include <poll.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "common/log.h"
+#include "common/socket.h"
+#include "common/strings.h"
+#include "launch/job_internal.h"
+
+namespace cohort::launch::job_detail {
+
+void Job::start_agents() {
+  // Fan-out: every host but this one runs `cohort agent` through the ssh command; the plan (with the
+  // token, never on a command line) goes over the agent's stdin, which then stays open as the
+  // control channel: "sig N" lines forward signals, EOF means the head is gone.
+  auto ssh = str::split(plan_.ssh_command, ' ');
+  if (ssh.empty()) throw ConfigError("--ssh-command is empty");
+  for (const auto& node : plan_.nodes) {
+    if (node.local) continue;
+    AgentChild a;
+    a.node = node;
+    Plan remote = plan_;
+    remote.this_node = node.node_rank;
+    remote.host_store = false;
+    for (auto& n : remote.nodes) n.local = n.node_rank == node.node_rank;
+    nlohmann::json msg = {{"plan", nlohmann::json::parse(plan_to_json(remote))},
+                          {"token", ctx_.token},
+                          {"torch_port", torch_port_}};
+    std::string line = msg.dump() + "\n";
+    std::vector<std::string> argv = ssh;
+    argv.push_back(node.host);
+    argv.push_back(ctx_.self_exe);
+    argv.push_back("agent");
+    int in[2], out[2], err[2];
+    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC))
+      throw Error(net::errno_string("pipe2", errno));
+    std::vector<char*> args;
+    for (auto& s : argv) args.push_back(s.data());
+    args.push_back(nullptr);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) throw Error(net::errno_string("fork", errno));
+    if (pid == 0) {
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(1);
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      signal(SIGPIPE, SIG_DFL);
+      dup2(in[0], 0);
+      dup2(out[1], 1);
+      dup2(err[1], 2);
+      execvp(args[0], args.data());
+      dprintf(2, "cannot run ssh command '%s': %s\n", args[0], strerror(errno));
+      _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    close(err[1]);
+    a.pid = pid;
+    a.running = true;
+    a.in.reset(in[1]);
+    a.out.reset(out[0]);
+    a.err.reset(err[0]);
+    // drain() reads until EAGAIN: blocking pipes would stall the event loop (and with it SIGTERM
+    // handling) as soon as an agent's ssh session prints anything (found by tests/multihost).
+    net::set_nonblocking(a.out.get(), true);
+    net::set_nonblocking(a.err.get(), true);
+    write_fully(a.in.get(), line.data(), line.size());
+    OutputTargets t;
+    t.line_mode = true;
+    a.sink = std::make_unique<OutputSink>(std::move(t), 5);
+    epoll_add(a.out.get());
+    epoll_add(a.err.get());
+    agents_.push_back(std::move(a));
+  }
+}
+
+int Job::running_agents() const {
+  int n = 0;
+  for (const auto& a : agents_) n += a.running;
+  return n;
+}
+
+void Job::on_agent_exit(AgentChild& a, int status) {
+  a.running = false;
+  a.status = status;
+  if (a.err) drain(a.err.get(), *a.sink, true, a.err);
+  if (a.out) drain(a.out.get(), *a.sink, false, a.out);
+  if (!end_) {
+    std::string s = fmt::format("the agent for host {} (node {}, ranks {}-{}) {} before the job ended", a.node.host,
+                                a.node.node_rank, a.node.first_rank, a.node.first_rank + a.node.nproc - 1,
+                                describe_status(status));
+    auto tail = a.sink->stderr_tail();
+    if (!tail.empty()) s += "; its last stderr lines:";
+    for (const auto& l : tail) s += "\n    | " + l;
+    int code = exit_code_of(status);
+    publish_end(EndInfo{"agent", code == 0 ? 1 : code, s});
+  }
+}
+
+void Job::on_control_input() {
+  char buf[4096];
+  for (;;) {
+    ssize_t n = ::read(0, buf, sizeof buf);
+    if (n > 0) {
+      control_buf_.append(buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) break;
+    // EOF: the head launcher (or the ssh connection to it) is gone. Stop everything here.
+    epoll_del(0);
+    control_open_ = false;
+    head_lost_ = true;
+    if (!end_) adopt_end(EndInfo{"lost", 1, fmt::format("node {}: lost the connection to the head launcher; stopping "
+                                                        "this node's workers",
+                                                        plan_.this_node)});
+    begin_stop();
+    break;
+  }
+  size_t nl;
+  while ((nl = control_buf_.find('\n')) != std::string::npos) {
+    std::string line = control_buf_.substr(0, nl);
+    control_buf_.erase(0, nl + 1);
+    if (line.rfind("sig ", 0) == 0) {
+      int sig = std::atoi(line.c_str() + 4);
+      for (int s : kForwarded)
+        if (s == sig) on_signal(sig);
+    }
+  }
+}
+
+}  // namespace cohort::launch::job_detail
+
+namespace cohort::launch {
+
+int run_agent_from_stdin() {
+  // The first line of stdin is the head's message; the rest of stdin stays the control channel.
+  std::string line;
+  char c;
+  pollfd pfd{0, POLLIN, 0};
+  auto deadline = Deadline::after(std::chrono::seconds(60));
+  while (true) {
+    if (poll(&pfd, 1, deadline.poll_ms()) <= 0) throw TimeoutError("agent: no plan from the head launcher within 60 s");
+    ssize_t n = ::read(0, &c, 1);
+    if (n <= 0) throw PeerLostError("agent: the head launcher closed the connection before sending the plan");
+    if (c == '\n') break;
+    line += c;
+  }
+  nlohmann::json msg;
+  try {
+    msg = nlohmann::json::parse(line);
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("agent: malformed message from the head launcher ({})", e.what()));
+  }
+  JobContext ctx;
+  ctx.plan = plan_from_json(msg.at("plan").dump());
+  ctx.token = msg.value("token", "");
+  ctx.torch_port = msg.value("torch_port", 0);
+  ctx.agent_mode = true;
+  ctx.env = current_env();
+  // The program is resolved again here: this host's PATH decides.
+  ctx.plan.program_path = resolve_program(ctx.plan.program.at(0));
+  log::set_identity(fmt::format("agent node {}", ctx.plan.this_node));
+  return run_job(std::move(ctx));
+}
+
+}  // namespace cohort::launch

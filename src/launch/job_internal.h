@@ -1,0 +1,214 @@
+#pragma once
+// The launcher's job, inside: the Job class that job.h's run_job drives, and what its parts share.
+// The class is one object; its member functions live in one file per responsibility:
+//   job.cc           supervision: the event loop, signals, timers, attempts and restarts
+//   job_workers.cc   this node's workers: starting them (environment, CPUs, GPU), stopping, their exits
+//   job_end.cc       the store protocol of a job's end: hosting or joining the store, the watcher thread,
+//                    publishing and adopting the end record, the root cause, nodes done and exited
+//   job_fanout.cc    fan-out over ssh: the head's agents, and `cohort agent`'s control channel
+//   job_output.cc    output routing (draining workers' and agents' pipes) and the failure summary
+// docs/launcher.md describes the protocol and the failure policy; nothing here is used outside launch/.
+
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/fd.h"
+#include "launch/job.h"
+#include "launch/output.h"
+#include "store/tcp_store.h"
+
+namespace cohort::launch::job_detail {
+
+using Clock = std::chrono::steady_clock;
+inline constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+
+// The default deadline of the main thread's store calls once the job runs: each is one small request
+// (publish the end or a failure, count finished nodes) to a store that answers thousands of clients in
+// about a second. A node cut off from the head must not sit out a long default in one of them: while
+// the call blocks, the main loop cannot see its control channel close and stop its workers.
+inline constexpr Millis kStoreCallTimeout{5000};
+
+inline bool is_terminating(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT; }
+
+std::string signal_name(int sig);
+// One line on stderr, "cohort run: <line>".
+void say(const std::string& line);
+
+// How an attempt ended, as every node agrees through the store key "end".
+struct EndInfo {
+  std::string kind;  // "done" (all workers finished), "failure", "interrupted", "lost", "agent", "join"
+  int code = 0;      // the launcher's exit code
+  std::string summary;
+  bool restartable() const { return (kind == "failure" || kind == "done") && code != 0; }
+};
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EndInfo, kind, code, summary)
+
+std::string end_to_string(const EndInfo& e);
+// A failure that only reports another one: the worker's communicator lost a peer ("lost rank N
+// (host)") or heard a peer's failure notice ("rank N (host) failed: ..."), and it exited with an error
+// code. When a peer is killed, its neighbours' errors can reach the launcher before the kill itself;
+// the kill, not their report of it, is the job's root cause (summary and exit code).
+bool is_consequence(const EndInfo& e);
+// Whether `e` should replace `current` as the root cause.
+bool is_root_cause_of(const EndInfo& e, const EndInfo& current);
+
+EndInfo end_from_string(const std::string& s);
+
+struct Worker {
+  int rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  Clock::time_point started, ended;
+  UniqueFd out, err;  // read ends (invalid when not piped or at EOF)
+  std::unique_ptr<OutputSink> sink;
+};
+
+struct AgentChild {
+  NodePlan node;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  UniqueFd in, out, err;
+  std::unique_ptr<OutputSink> sink;
+};
+
+// Events from the store watcher thread to the loop.
+struct WatchEvent {
+  enum Kind { kJoined, kEnd, kLost, kJoinTimeout } kind;
+  std::string text;
+  int attempt = 0;
+};
+
+class EventQueue {
+ public:
+  EventQueue() : fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+  int fd() const { return fd_.get(); }
+  void push(WatchEvent e) {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      q_.push_back(std::move(e));
+    }
+    uint64_t one = 1;
+    [[maybe_unused]] auto r = ::write(fd_.get(), &one, sizeof one);
+  }
+  std::deque<WatchEvent> take() {
+    uint64_t v;
+    [[maybe_unused]] auto r = ::read(fd_.get(), &v, sizeof v);
+    std::lock_guard<std::mutex> g(m_);
+    return std::exchange(q_, {});
+  }
+
+ private:
+  UniqueFd fd_;
+  std::mutex m_;
+  std::deque<WatchEvent> q_;
+};
+
+inline std::string node_key(int r) { return "node/" + std::to_string(r); }
+
+struct WatchParams {
+  int nnodes = 1;
+  int this_node = 0;
+  double join_timeout_s = 300;
+  std::string store_addr;
+};
+
+// Multi-node: waits for every node to register (saying every few seconds who is missing), then for
+// the attempt's "end" record, on its own store connection. It is detached: it owns everything it
+// touches, and a stop flag ends it within one wait slice without the loop ever waiting for it.
+void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
+                  std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt);
+
+class Job {
+ public:
+  explicit Job(JobContext ctx) : ctx_(std::move(ctx)), plan_(ctx_.plan) {}
+  int run();
+
+ private:
+  // Set-up
+  void setup_signals();
+  void start_store();
+  void start_agents();
+  // One attempt
+  EndInfo run_attempt(int attempt);
+  void spawn_workers(int attempt);
+  void spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
+                    const GpuAssignment& gpu);
+  // Loop handlers
+  void on_signal(int sig);
+  void reap();
+  void on_worker_exit(Worker& w, int status);
+  void on_agent_exit(AgentChild& a, int status);
+  void on_control_input();
+  // job_end.cc: the end record and the nodes' counts in the store.
+  void publish_end(const EndInfo& e);
+  void adopt_end(const EndInfo& e);
+  void upgrade_end(const EndInfo& e);
+  // Sets store key `key` to `e` unless another node set it first, and replaces theirs when it only
+  // reports `e` (is_consequence). Returns what the key holds afterwards. Throws on a store error.
+  std::string claim_root_cause(const std::string& key, const EndInfo& e);
+  // This node's workers have all exited: a local job ends; in a distributed one the node counts itself
+  // done in the store and the last node publishes "done" (with the first failure, if any).
+  void report_node_done();
+  // After an attempt: per-node jobs keep node 0's store up until every node saw the end, and the
+  // summary follows the store's last word on the root cause.
+  void settle_end_with_store();
+  void begin_stop();
+  void send_stop_signal();
+  void kill_all(int sig);
+  void drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder);
+  void arm_timer(double seconds);
+  void disarm_timer();
+  void epoll_add(int fd);
+  void epoll_del(int fd);
+  std::string failure_summary(const Worker& w);
+  int running_workers() const;
+  int running_agents() const;
+
+  JobContext ctx_;
+  Plan& plan_;
+  std::vector<GpuAssignment> gpus_;  // per local rank (empty: not a GPU job)
+  bool distributed_ = false;
+  UniqueFd epoll_, signal_fd_, timer_fd_;
+  std::unique_ptr<StoreServer> server_;
+  std::string store_addr_;
+  int torch_port_ = 0;
+  std::shared_ptr<Store> base_store_;   // coordination (main thread)
+  std::shared_ptr<Store> base_client_;  // the TCP client under base_store_ (its default timeout)
+  std::shared_ptr<Store> watch_base_;   // the watcher thread's own connection
+  std::shared_ptr<Store> attempt_store_;
+  StoreClientOptions client_options_;
+  // Shared with the (detached) watcher threads, which may outlive an attempt by one wait slice.
+  std::shared_ptr<EventQueue> events_ = std::make_shared<EventQueue>();
+  std::shared_ptr<std::atomic<bool>> watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
+  std::vector<Worker> workers_;
+  std::vector<AgentChild> agents_;
+  // Attempt state
+  bool stopping_ = false;
+  bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)
+  bool killed_ = false;
+  bool done_reported_ = false;
+  bool joined_ = false;
+  std::optional<EndInfo> end_;
+  std::optional<EndInfo> first_failure_;  // --no-abort-on-failure
+  Clock::time_point end_seen_;
+  bool head_lost_ = false;
+  std::string control_buf_;
+  bool control_open_ = false;
+};
+
+
+}  // namespace cohort::launch::job_detail

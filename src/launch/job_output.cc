@@ -1,0 +1,67 @@
+// Output: draining the workers' and agents' pipes into their sinks (launch/output.h: tags, per-rank
+// files, the stderr tail), and the one-screen failure summary built from a worker's last stderr lines.
+#include <errno.h>
+#include <sys/epoll.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/core.h>
+
+#include "common/socket.h"
+#include "launch/job_internal.h"
+
+namespace cohort::launch::job_detail {
+
+void Job::drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder) {
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n > 0) {
+      sink.on_data(is_stderr, buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    // EOF or error: this stream is finished.
+    sink.on_eof(is_stderr);
+    epoll_del(fd);
+    holder.reset();
+    return;
+  }
+}
+
+std::string Job::failure_summary(const Worker& w) {
+  double secs = std::chrono::duration<double>(w.ended - w.started).count();
+  std::string s = fmt::format("rank {} on {} (pid {}) {} after {:.2f} s", w.rank, plan_.node(plan_.this_node)->host,
+                              w.pid, describe_status(w.status), secs);
+  auto tail = w.sink->stderr_tail();
+  if (tail.empty()) {
+    s += "; it wrote nothing to stderr";
+  } else {
+    s += plan_.merge_stderr ? "; last lines of its output (stderr merged):" : "; last lines of its stderr:";
+    for (const auto& l : tail) s += "\n    | " + l;
+  }
+  return s;
+}
+
+}  // namespace cohort::launch::job_detail
+
+namespace cohort::launch {
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    return fmt::format("was killed by {}{}", job_detail::signal_name(sig),
+                       sig == SIGKILL ? " (possibly the out-of-memory killer: see dmesg)" : "");
+  }
+  return "ended";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+}  // namespace cohort::launch

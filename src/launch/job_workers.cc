@@ -1,0 +1,248 @@
+// This node's workers: started with the plan's environment, CPU binding and GPU, stopped (report
+// window, SIGTERM, SIGKILL after the grace), and their exits turned into the job's end.
+#include <sched.h>
+
+#include <filesystem>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "common/log.h"
+#include "common/socket.h"
+#include "common/strings.h"
+#include "launch/job_internal.h"
+
+extern char** environ;
+
+namespace cohort::launch::job_detail {
+
+void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
+                       const GpuAssignment& gpu) {
+  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu};
+  auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
+  // Environment: the launcher's, with cohort's variables replacing any of the same name.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) {
+    std::string_view kv(*e);
+    auto name = kv.substr(0, kv.find('='));
+    bool replaced = false;
+    for (const auto& v : vars)
+      if (v.first == name) replaced = true;
+    if (!replaced) env_strings.emplace_back(kv);
+  }
+  for (const auto& [k, v] : vars) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp, argv;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = plan_.program;
+  for (auto& s : args) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::string path = plan_.program_path;
+
+  OutputTargets t;
+  t.tag = plan_.tag_output ? fmt::format("[{}:{}] ", node.host, w.rank) : "";
+  t.merge_stderr = plan_.merge_stderr;
+  t.to_console = plan_.all_ranks_to_console || std::find(plan_.ranks_to_console.begin(), plan_.ranks_to_console.end(),
+                                                          w.rank) != plan_.ranks_to_console.end();
+  if (!plan_.output_dir.empty()) {
+    std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, w.rank);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
+    auto open_file = [&](const char* name) {
+      std::string p = dir + "/" + name;
+      UniqueFd fd(::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644));
+      if (!fd) throw ConfigError(net::errno_string("--output-filename: open " + p, errno));
+      return fd;
+    };
+    t.file_out = open_file("stdout");
+    if (!plan_.merge_stderr) t.file_err = open_file("stderr");
+  }
+  // stdout goes straight to the console when nothing needs to see it; stderr is always piped for
+  // the failure summary's last lines.
+  // With --merge-stderr-to-stdout both descriptors share one pipe, so the order of lines is kept.
+  bool merge = plan_.merge_stderr;
+  bool pipe_stdout = merge || plan_.tag_output || t.file_out || !t.to_console;
+  int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_err[2] = {-1, -1};
+  if ((pipe_stdout && pipe2(out, O_CLOEXEC)) || (!merge && pipe2(err, O_CLOEXEC)) || pipe2(exec_err, O_CLOEXEC))
+    throw Error(net::errno_string("pipe2", errno));
+  cpu_set_t cpuset;
+  CPU_ZERO(&cpuset);
+  for (int c : cpus) CPU_SET(c, &cpuset);
+  bool stdin_null = ctx_.agent_mode;
+  pid_t parent = getpid();
+
+  pid_t pid = fork();
+  if (pid < 0) throw Error(net::errno_string("fork", errno));
+  if (pid == 0) {
+    // Child: only async-signal-safe calls until exec.
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);  // the launcher died before prctl took effect
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    signal(SIGPIPE, SIG_DFL);
+    if (!cpus.empty()) sched_setaffinity(0, sizeof cpuset, &cpuset);
+    if (stdin_null) {
+      int devnull = ::open("/dev/null", O_RDONLY);
+      if (devnull >= 0) dup2(devnull, 0);
+    }
+    if (out[1] >= 0) dup2(out[1], 1);
+    dup2(merge ? out[1] : err[1], 2);
+    execve(path.c_str(), argv.data(), envp.data());
+    int e = errno;
+    [[maybe_unused]] auto r = ::write(exec_err[1], &e, sizeof e);
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also from the parent: no window where a signal to the group misses it
+  if (out[1] >= 0) close(out[1]);
+  if (err[1] >= 0) close(err[1]);
+  close(exec_err[1]);
+  int child_errno = 0;
+  ssize_t got;
+  do got = ::read(exec_err[0], &child_errno, sizeof child_errno);
+  while (got < 0 && errno == EINTR);
+  close(exec_err[0]);
+  w.pid = pid;
+  w.running = true;
+  w.started = Clock::now();
+  if (out[0] >= 0) w.out.reset(out[0]);
+  if (err[0] >= 0) w.err.reset(err[0]);
+  w.sink = std::make_unique<OutputSink>(std::move(t));
+  if (got == static_cast<ssize_t>(sizeof child_errno)) {
+    // exec failed: the child exits 127 at once; the summary says why.
+    std::string msg = fmt::format("cannot run {}: {}\n", path, strerror(child_errno));
+    w.sink->on_data(true, msg.data(), msg.size());
+  }
+  if (w.out) {
+    net::set_nonblocking(w.out.get(), true);
+    epoll_add(w.out.get());
+  }
+  if (w.err) {
+    net::set_nonblocking(w.err.get(), true);
+    epoll_add(w.err.get());
+  }
+}
+
+void Job::spawn_workers(int attempt) {
+  const NodePlan* node = plan_.node(plan_.this_node);
+  if (!node) return;
+  const std::vector<int> cpus = allowed_cpus();
+  auto bindings = compute_bindings(plan_.bind_to, node->nproc, cpus, numa_node_cpus(), physical_cores(cpus),
+                                   near_cpus_of(gpus_));
+  // Per-rank output folders first: a folder that cannot be made stops the job before any worker runs.
+  if (!plan_.output_dir.empty()) {
+    for (int l = 0; l < node->nproc; ++l) {
+      std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, node->first_rank + l);
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
+    }
+  }
+  workers_.clear();
+  workers_.resize(static_cast<size_t>(node->nproc));
+  for (int l = 0; l < node->nproc; ++l) {
+    workers_[l].rank = node->first_rank + l;
+    workers_[l].local_rank = l;
+  }
+  for (int l = 0; l < node->nproc; ++l) {
+    if (end_) break;  // a signal arrived meanwhile
+    spawn_worker(workers_[l], *node, attempt, bindings[l], gpus_.empty() ? GpuAssignment{} : gpus_[l]);
+  }
+}
+
+int Job::running_workers() const {
+  int n = 0;
+  for (const auto& w : workers_) n += w.running;
+  return n;
+}
+
+void Job::kill_all(int sig) {
+  for (auto& w : workers_)
+    if (w.running) kill(-w.pid, sig);
+}
+
+// How long workers get to notice a lost peer and say so themselves before the launcher signals
+// them. Their communicators see a closed connection within milliseconds and fail with a message
+// naming the lost rank and host; a SIGTERM sent at the same moment would usually win the race and
+// leave only the launcher's summary. Capped by --kill-grace (0 keeps "SIGKILL at once").
+constexpr double kReportWindowS = 1.0;
+
+void Job::begin_stop() {
+  if (stopping_) return;
+  stopping_ = true;
+  if (running_workers() == 0) return;
+  if (plan_.kill_grace_s <= 0) {
+    kill_all(SIGKILL);
+    killed_ = true;
+    return;
+  }
+  // A failure elsewhere (a worker, an agent, the store): the workers here are most likely blocked on
+  // the lost peer and about to fail on their own, naming it. An interruption is signalled at once.
+  if (end_ && end_->kind != "interrupted" && end_->kind != "done") {
+    reporting_ = true;
+    arm_timer(std::min(kReportWindowS, plan_.kill_grace_s));
+    return;
+  }
+  send_stop_signal();
+}
+
+void Job::send_stop_signal() {
+  reporting_ = false;
+  kill_all(SIGTERM);
+  arm_timer(plan_.kill_grace_s);
+}
+
+void Job::on_worker_exit(Worker& w, int status) {
+  w.running = false;
+  w.status = status;
+  w.ended = Clock::now();
+  // Collect what the worker wrote before it died (the summary needs its last stderr lines).
+  if (w.err) drain(w.err.get(), *w.sink, true, w.err);
+  if (w.out) drain(w.out.get(), *w.sink, false, w.out);
+  bool failed = status != 0;
+  if (failed && end_ && plan_.abort_on_failure) upgrade_end(EndInfo{"failure", exit_code_of(status), failure_summary(w)});
+  if (failed && !stopping_ && !end_) {
+    EndInfo e{"failure", exit_code_of(status), failure_summary(w)};
+    if (plan_.abort_on_failure) {
+      publish_end(e);
+    } else {
+      say(fmt::format("{} (--no-abort-on-failure: the others run on)", e.summary));
+      // The first failure, unless it only reports this one (see is_consequence).
+      if (!first_failure_ || is_root_cause_of(e, *first_failure_)) {
+        first_failure_ = e;
+        if (distributed_) {
+          try {
+            claim_root_cause("first_failure", e);
+          } catch (const Error& err) {
+            // The store is unreachable: this node is cut off from the job and stops.
+            adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
+          }
+        }
+      }
+    }
+  }
+  if (running_workers() == 0) {
+    reporting_ = false;
+    if (stopping_) {
+      if (running_agents() > 0 && plan_.host_store) arm_timer(plan_.kill_grace_s + 10);
+      else disarm_timer();
+    }
+    if (!done_reported_) {
+      done_reported_ = true;
+      report_node_done();
+    }
+  }
+}
+
+}  // namespace cohort::launch::job_detail
