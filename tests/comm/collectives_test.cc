@@ -12,47 +12,25 @@
 #include "common/elements.h"
 #include "common/half.h"
 #include "store/memory_store.h"
+#include "support/reduce_values.h"
 #include "support/test_support.h"
 
 namespace cohort {
 namespace {
 
 using test::run_ranks;
+using test::input_for;
+using test::input_value;
+using test::kAllOps;
+using test::kAllTypes;
+using test::reference;
+using test::tolerance;
 
-// Value of element i on rank r: small integers so every dtype and op has an exact reference
-// (prod stays small, int8 does not overflow).
-double input_value(int r, size_t i, ReduceOp op) {
-  if (op == ReduceOp::kProd) return double(((r + i) % 3) + 1) * (((r + 2 * i) % 5 == 0) ? -1 : 1);
-  return double(int((r * 7 + i * 3) % 11) - 5);
-}
-
-double input_for(int r, size_t i, DataType t, ReduceOp op) {
-  double v = input_value(r, i, op);
-  if (t == DataType::kUInt8) v = std::fabs(v);
-  return v;
-}
-
-double reference(int world, size_t i, DataType t, ReduceOp op) {
-  return fold_reference(world, op, [&](int r) { return input_for(r, i, t, op); });
-}
-
-double tolerance(DataType t, double expected) {
-  if (t == DataType::kFloat16) return 2e-3 * std::max(1.0, std::fabs(expected)) + 1e-3;
-  if (t == DataType::kBFloat16) return 1e-2 * std::max(1.0, std::fabs(expected)) + 1e-2;
-  if (t == DataType::kFloat32) return 1e-5 * std::max(1.0, std::fabs(expected));
-  return 1e-9;
-}
-
-// Wraps integer results the way fixed-width arithmetic does (int8 sums of 8 ranks stay in range).
 std::shared_ptr<Communicator> make(std::shared_ptr<Store> store, int rank, int world) {
   CommOptions o;
   o.timeout = std::chrono::seconds(30);
   return Communicator::create(store, rank, world, o);
 }
-
-const DataType kAllTypes[] = {DataType::kInt8,     DataType::kUInt8,     DataType::kInt32,   DataType::kInt64,
-                              DataType::kFloat16,  DataType::kBFloat16,  DataType::kFloat32, DataType::kFloat64};
-const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kAvg};
 
 TEST(Collectives, AllreduceEveryDtypeOpAndWorld) {
   for (int world = 1; world <= 8; ++world) {

@@ -15,6 +15,7 @@
 #include "common/half.h"
 #include "common/host_identity.h"
 #include "store/memory_store.h"
+#include "support/reduce_values.h"
 #include "support/test_support.h"
 
 namespace cohort {
@@ -27,6 +28,12 @@ const bool kShmCollectivesOff = [] {
 }();
 
 using test::run_ranks;
+using test::input_for;
+using test::input_value;
+using test::kAllOps;
+using test::kAllTypes;
+using test::reference;
+using test::tolerance;
 
 struct Mode {
   const char* name;
@@ -43,32 +50,6 @@ std::shared_ptr<Communicator> make(const Mode& m, std::shared_ptr<Store> store, 
   o.transport = m.transport;
   return Communicator::create(store, rank, world, o);
 }
-
-double input_value(int r, size_t i, ReduceOp op) {
-  if (op == ReduceOp::kProd) return double(((r + i) % 3) + 1) * (((r + 2 * i) % 5 == 0) ? -1 : 1);
-  return double(int((r * 7 + i * 3) % 11) - 5);
-}
-double input_for(int r, size_t i, DataType t, ReduceOp op) {
-  double v = input_value(r, i, op);
-  return t == DataType::kUInt8 ? std::fabs(v) : v;
-}
-double reference(int world, size_t i, DataType t, ReduceOp op) {
-  double acc = fold_reference(world, op, [&](int r) { return input_for(r, i, t, op); });
-  // Integer products wrap like the element type.
-  if (t == DataType::kUInt8 && op == ReduceOp::kProd) acc = double(uint8_t(int64_t(acc)));
-  if (t == DataType::kInt8 && op == ReduceOp::kProd) acc = double(int8_t(int64_t(acc)));
-  return acc;
-}
-double tolerance(DataType t, double expected) {
-  if (t == DataType::kFloat16) return 2e-3 * std::max(1.0, std::fabs(expected)) + 1e-3;
-  if (t == DataType::kBFloat16) return 1e-2 * std::max(1.0, std::fabs(expected)) + 1e-2;
-  if (t == DataType::kFloat32) return 1e-5 * std::max(1.0, std::fabs(expected));
-  return 1e-9;
-}
-
-const DataType kAllTypes[] = {DataType::kInt8,    DataType::kUInt8,    DataType::kInt32,   DataType::kInt64,
-                              DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32, DataType::kFloat64};
-const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kAvg};
 
 int64_t val(int rank, size_t i) { return int64_t(rank) * 1000003 + int64_t(i); }
 
