@@ -74,20 +74,7 @@ double bus_factor(Kind k, int n) {
 
 bool reduces(Kind k) { return k == Kind::kAllreduce || k == Kind::kReduceScatter; }
 
-// ---- element access for --check ----
-// Rank-dependent inputs whose reductions are exact in every dtype for any reasonable world size.
-double value(int rank, size_t i, ReduceOp op) {
-  if (op == ReduceOp::kProd) return rank == 0 ? static_cast<double>(i % 3 + 1) : ((i + rank) % 4 == 0 ? 2.0 : 1.0) ;
-  return static_cast<double>((i * 7 + static_cast<size_t>(rank) * 3) % 5);
-}
-double reduced(int world, size_t i, ReduceOp op) {
-  return fold_reference(world, op, [&](int r) { return value(r, i, op); });
-}
-bool close(double have, double want, DataType t) {
-  double tol = t == DataType::kFloat16 || t == DataType::kBFloat16 ? 1e-2 : is_floating(t) ? 1e-6 : 0;
-  return std::fabs(have - want) <= tol * std::max(1.0, std::fabs(want));
-}
-
+// ---- --check: common/elements.h's inputs and references (the test suites use the same) ----
 // One benchmark size: buffers and the operation on them. With --device cuda the operation runs on
 // GPU copies of the buffers (`device` >= 0); the host vectors then only carry --check's values.
 class Case {
@@ -142,29 +129,29 @@ class Case {
     from_device();
     int64_t wrong = 0;
     auto expect = [&](const void* buf, size_t i, double want) {
-      if (!close(load_element(buf, i, o_.dtype), want, o_.dtype)) ++wrong;
+      if (std::fabs(load_element(buf, i, o_.dtype) - want) > check_tolerance(o_.dtype, want)) ++wrong;
     };
     const size_t n = static_cast<size_t>(n_);
     switch (kind_) {
       case Kind::kAllreduce:
-        for (size_t i = 0; i < count_; ++i) expect(send_.data(), i, reduced(n_, i, o_.op));
+        for (size_t i = 0; i < count_; ++i) expect(send_.data(), i, check_expected(n_, i, o_.dtype, o_.op));
         break;
       case Kind::kBroadcast:
-        for (size_t i = 0; i < count_; ++i) expect(send_.data(), i, value(o_.root, i, o_.op));
+        for (size_t i = 0; i < count_; ++i) expect(send_.data(), i, check_input(o_.root, i, o_.dtype, o_.op));
         break;
       case Kind::kAllgather:
-        for (size_t i = 0; i < count_; ++i) expect(recv_.data(), i, value(static_cast<int>(i / per_rank_), i % per_rank_, o_.op));
+        for (size_t i = 0; i < count_; ++i) expect(recv_.data(), i, check_input(static_cast<int>(i / per_rank_), i % per_rank_, o_.dtype, o_.op));
         break;
       case Kind::kReduceScatter:
-        for (size_t i = 0; i < per_rank_; ++i) expect(recv_.data(), i, reduced(n_, static_cast<size_t>(r_) * per_rank_ + i, o_.op));
+        for (size_t i = 0; i < per_rank_; ++i) expect(recv_.data(), i, check_expected(n_, static_cast<size_t>(r_) * per_rank_ + i, o_.dtype, o_.op));
         break;
       case Kind::kAlltoall:
         for (size_t i = 0; i < count_; ++i) {
-          expect(recv_.data(), i, value(static_cast<int>(i / per_rank_), static_cast<size_t>(r_) * per_rank_ + i % per_rank_, o_.op));
+          expect(recv_.data(), i, check_input(static_cast<int>(i / per_rank_), static_cast<size_t>(r_) * per_rank_ + i % per_rank_, o_.dtype, o_.op));
         }
         break;
       case Kind::kSendrecv:
-        for (size_t i = 0; i < count_; ++i) expect(recv_.data(), i, value((r_ + n_ - 1) % n_, i, o_.op));
+        for (size_t i = 0; i < count_; ++i) expect(recv_.data(), i, check_input((r_ + n_ - 1) % n_, i, o_.dtype, o_.op));
         break;
     }
     (void)n;
@@ -190,7 +177,7 @@ class Case {
     // Inputs hold this rank's values (broadcast: only the root's matter; the others start at zero).
     const size_t n_in = kind_ == Kind::kAllgather ? per_rank_ : count_;
     for (size_t i = 0; i < n_in; ++i) {
-      double v = value(r_, i, o_.op);
+      double v = check_input(r_, i, o_.dtype, o_.op);
       if (kind_ == Kind::kBroadcast && r_ != o_.root) v = 0;
       store_element(send_.data(), i, o_.dtype, v);
     }

@@ -1,7 +1,7 @@
 #pragma once
-// Element access by data type, through double, and a reduction computed in double: what the checks
-// that compare a collective's result with a reference need (the test suites, `cohort bench --check`).
-// One switch per element: not for hot paths.
+// Element access by data type, through double, a reduction computed in double, and the inputs the
+// checked collectives use: what compares a collective's result with a reference (the test suites,
+// `cohort bench --check`). One switch per element: not for hot paths.
 
 #include <algorithm>
 #include <cstddef>
@@ -31,5 +31,15 @@ double fold_reference(int world, ReduceOp op, Value value) {
   }
   return op == ReduceOp::kAvg ? acc / world : acc;
 }
+
+// Element i on rank `rank` of a checked collective: small integers, so that every dtype and op has an
+// exact result for the world sizes a test or bench uses (sums of up to ~20 ranks stay inside int8;
+// a product has at most one factor of 3 and one factor of 2 per four ranks, and signs).
+double check_input(int rank, size_t i, DataType t, ReduceOp op);
+// The exact result at element i of `op` over ranks 0..world-1 of check_input (int8/uint8 products wrap
+// as the element type does; kAvg divides in double).
+double check_expected(int world, size_t i, DataType t, ReduceOp op);
+// How far a result may be from check_expected: the rounding of the 16-bit floats and of kAvg.
+double check_tolerance(DataType t, double expected);
 
 }  // namespace cohort

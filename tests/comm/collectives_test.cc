@@ -20,7 +20,6 @@ namespace {
 
 using test::run_ranks;
 using test::input_for;
-using test::input_value;
 using test::kAllOps;
 using test::kAllTypes;
 using test::reference;

@@ -29,7 +29,6 @@ const bool kShmCollectivesOff = [] {
 
 using test::run_ranks;
 using test::input_for;
-using test::input_value;
 using test::kAllOps;
 using test::kAllTypes;
 using test::reference;
