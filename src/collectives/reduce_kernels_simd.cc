@@ -105,9 +105,26 @@ namespace {
     return 0;                                                                                           \
   }
 
+// bfloat16: widened to fp32 lanes (a 16-bit shift), combined as fp32, rounded to nearest even on store
+// with the reference's integer arithmetic; a NaN stays a quiet NaN of the same sign. Each family
+// supplies widen_u16, select_nan and store_low_u16, the steps whose intrinsics differ.
+#define COHORT_DEFINE_BF16(P, SI)                                                                       \
+  struct BF16 : F32 {                                                                                   \
+    using T = uint16_t;                                                                                 \
+    static R load(const uint16_t* p) { return P##_cast##SI##_ps(P##_slli_epi32(widen_u16(p), 16)); }    \
+    static void store(uint16_t* p, R v) {                                                               \
+      auto bits = P##_castps_##SI(v);                                                                   \
+      auto high = P##_srli_epi32(bits, 16);                                                             \
+      auto bias = P##_add_epi32(P##_set1_epi32(0x7fff), P##_and_##SI(high, P##_set1_epi32(1)));         \
+      auto rounded = P##_srli_epi32(P##_add_epi32(bits, bias), 16);                                     \
+      auto quiet_nan = P##_or_##SI(high, P##_set1_epi32(0x40));                                         \
+      store_low_u16(p, select_nan(v, rounded, quiet_nan));                                              \
+    }                                                                                                   \
+  };
+
 // The lane types whose intrinsics differ between AVX2 and AVX-512 only by their prefix P (_mm256,
-// _mm512) and integer suffix SI (si256, si512): registers FR/DR/IR of W bytes. 64-bit integers and the
-// 16-bit floats' conversions really differ between the two, and each family writes those itself.
+// _mm512) and integer suffix SI (si256, si512): registers FR/DR/IR of W bytes. 64-bit integers and
+// float16's conversions really differ between the two, and each family writes those itself.
 #define COHORT_DEFINE_PREFIXED_LANES(P, SI, FR, DR, IR, W)                                              \
   struct F32 {                                                                                          \
     using T = float;                                                                                    \
@@ -200,23 +217,19 @@ struct F16 : F32 {
   }
 };
 
-struct BF16 : F32 {
-  using T = uint16_t;
-  static R load(const uint16_t* p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  static void store(uint16_t* p, R v) {
-    __m256i bits = _mm256_castps_si256(v);
-    __m256i high = _mm256_srli_epi32(bits, 16);
-    __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-    __m256i quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
-    __m256i r = _mm256_blendv_epi8(rounded, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // qwords 0 and 2
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-  }
-};
+// bfloat16's ISA-specific steps (COHORT_DEFINE_BF16 does the rest): widen 8 values to 32-bit lanes,
+// pick b where v is NaN, and store the low 16 bits of each lane.
+inline __m256i widen_u16(const uint16_t* p) {
+  return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i select_nan(__m256 v, __m256i a, __m256i b) {
+  return _mm256_blendv_epi8(a, b, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline void store_low_u16(uint16_t* p, __m256i r) {
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // qwords 0 and 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+COHORT_DEFINE_BF16(_mm256, si256)
 
 COHORT_DEFINE_VECTOR_LOOPS
 
@@ -249,22 +262,16 @@ struct F16 : F32 {
   }
 };
 
-struct BF16 : F32 {
-  using T = uint16_t;
-  static R load(const uint16_t* p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-  static void store(uint16_t* p, R v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i high = _mm512_srli_epi32(bits, 16);
-    __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-    __m512i quiet_nan = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-    __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet_nan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-  }
-};
+inline __m512i widen_u16(const uint16_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i select_nan(__m512 v, __m512i a, __m512i b) {
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), a, b);
+}
+inline void store_low_u16(uint16_t* p, __m512i r) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+COHORT_DEFINE_BF16(_mm512, si512)
 
 COHORT_DEFINE_VECTOR_LOOPS
 

@@ -12,6 +12,7 @@
 
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "cohort/error.h"
 #include "transport/matching.h"
@@ -24,11 +25,12 @@ class TransportBase : public Transport {
   bool test(RequestId id) override { return m_.test(id, failed_); }
   bool peek(RequestId id) const override { return m_.peek(id); }
   std::exception_ptr error() const override { return failed_; }
+  PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
   void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }
 
  protected:
   TransportBase(int rank, int size, const char* name, size_t unexpected_pool_bytes)
-      : rank_(rank), size_(size), m_(name, unexpected_pool_bytes) {}
+      : rank_(rank), size_(size), m_(name, unexpected_pool_bytes), last_seen_(static_cast<size_t>(size)) {}
 
   // Host name of `peer`, for messages.
   virtual std::string peer_host(int peer) const = 0;
@@ -79,6 +81,15 @@ class TransportBase : public Transport {
     m_.deliver_local(s, [&](const Request& r) { check_match(rank_, s.env.signature, s.bytes, r); });
   }
 
+  // A message from `peer` began to arrive (what slow-rank warnings report as its last progress).
+  void note_arrival(int peer, uint64_t tag, const Signature& signature, uint64_t total) {
+    PeerProgress& p = last_seen_[size_t(peer)];
+    p.seen = true;
+    p.tag = tag;
+    p.signature = signature;
+    p.bytes = total;
+  }
+
   // `peer` destroyed its communicator: fail the transport naming it, and throw.
   [[noreturn]] void fail_peer_left(int peer, const char* what) {
     fail(std::make_exception_ptr(PeerLostError(
@@ -91,6 +102,7 @@ class TransportBase : public Transport {
   Matching m_;  // requests, posted receives, early messages
   std::exception_ptr failed_;
   MismatchFormatter mismatch_formatter_;
+  std::vector<PeerProgress> last_seen_;  // per peer
 };
 
 }  // namespace cohort::transport

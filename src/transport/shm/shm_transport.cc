@@ -172,7 +172,7 @@ class ShmTransport final : public TransportBase {
       : TransportBase(o.rank, o.size, "shm", kUnexpectedPoolBytes), scope_(scope_hash(o.job_scope)),
         ring_bytes_(round_up_pow2(kRingBytes.get())),
         ring_mask_(ring_bytes_ - 1), spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
-        peers_(static_cast<size_t>(o.size)), info_(static_cast<size_t>(o.size)), last_seen_(static_cast<size_t>(o.size)) {
+        peers_(static_cast<size_t>(o.size)), info_(static_cast<size_t>(o.size)) {
     shm_key_ = local_host_identity().shm_key();
     std::random_device rd;
     uint64_t rnd = (uint64_t(rd()) << 32) ^ rd();
@@ -450,7 +450,6 @@ class ShmTransport final : public TransportBase {
       (void)::send(p.sock.get(), rec.data(), rec.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     }
   }
-  PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
 
  private:
   static bool parse_descriptor(const std::string& d, std::string* key, std::string* name) {
@@ -605,11 +604,7 @@ class ShmTransport final : public TransportBase {
     const MsgHeader& h = p.hdr;
     MessageKey k{peer, h.tag, h.sub};
     ++stats_messages_;
-    PeerProgress& ls = last_seen_[size_t(peer)];
-    ls.seen = true;
-    ls.tag = h.tag;
-    ls.signature = h.signature;
-    ls.bytes = h.total;
+    note_arrival(peer, h.tag, h.signature, h.total);
     p.msg_total = h.total;
     p.dst_left = h.total;
     p.target_key = k;
@@ -778,7 +773,6 @@ class ShmTransport final : public TransportBase {
   bool connected_ = false;
   std::vector<Peer> peers_;
   std::vector<PeerInfo> info_;
-  std::vector<PeerProgress> last_seen_;
   bool failed_by_notice_ = false;
   Deadline::Clock::time_point last_socket_check_{};
   uint64_t stats_messages_ = 0, stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;

@@ -136,7 +136,7 @@ class TcpTransport final : public TransportBase {
   explicit TcpTransport(const TransportOptions& o)
       : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get())), scope_(scope_hash(o.job_scope)),
         connections_(int(std::max<int64_t>(1, kConnections.get()))),
-        split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())), last_seen_(static_cast<size_t>(o.size)),
+        split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())),
         peers_(static_cast<size_t>(o.size)) {
     if (connections_ > 64) throw ConfigError(fmt::format("COHORT_TCP_CONNECTIONS={}: expected 1 to 64", connections_));
     listener_ = net::listen_tcp("", 0, std::max(128, size_ * connections_), /*nonblocking=*/false);
@@ -329,7 +329,6 @@ class TcpTransport final : public TransportBase {
       }
     }
   }
-  PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
 
  private:
   std::string peer_host(int peer) const override { return peers_[size_t(peer)].host; }
@@ -576,11 +575,7 @@ class TcpTransport final : public TransportBase {
 
   void begin_fragment(Conn& c, const WireHeader& h) {
     MessageKey k{c.peer, h.tag, h.sub};
-    PeerProgress& p = last_seen_[size_t(c.peer)];
-    p.seen = true;
-    p.tag = h.tag;
-    p.signature = h.signature;
-    p.bytes = h.total;
+    note_arrival(c.peer, h.tag, h.signature, h.total);
     c.frag_bytes = h.frag_bytes;
     c.dst_left = h.frag_bytes;
     c.target_key = k;
@@ -652,7 +647,6 @@ class TcpTransport final : public TransportBase {
   UniqueFd epoll_;
   std::vector<std::vector<std::unique_ptr<Conn>>> conns_;
   std::vector<size_t> rr_;
-  std::vector<PeerProgress> last_seen_;
   std::vector<PeerInfo> peers_;
   bool failed_by_notice_ = false;
   uint64_t stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;  // messages buffered before their receive
