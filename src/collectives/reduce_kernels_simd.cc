@@ -122,36 +122,29 @@ namespace {
     }                                                                                                   \
   };
 
+// A floating-point lane type: Name holds L values of Type in register R, intrinsics P_op_S (S: ps, pd).
+// min/max take (b, a) for the reference's NaN and signed-zero choice (see the top of this file).
+#define COHORT_DEFINE_FLOAT_LANES(P, Name, Type, Reg, S, L)                                             \
+  struct Name {                                                                                         \
+    using T = Type;                                                                                     \
+    using R = Reg;                                                                                      \
+    static constexpr size_t kLanes = L;                                                                 \
+    static R load(const T* p) { return P##_loadu_##S(p); }                                              \
+    static void store(T* p, R v) { P##_storeu_##S(p, v); }                                              \
+    static R add(R a, R b) { return P##_add_##S(a, b); }                                                \
+    static R mul(R a, R b) { return P##_mul_##S(a, b); }                                                \
+    static R min(R a, R b) { return P##_min_##S(b, a); }                                                \
+    static R max(R a, R b) { return P##_max_##S(b, a); }                                                \
+    static R div(R a, R b) { return P##_div_##S(a, b); }                                                \
+    static R splat(int v) { return P##_set1_##S(static_cast<T>(v)); }                                   \
+  };
+
 // The lane types whose intrinsics differ between AVX2 and AVX-512 only by their prefix P (_mm256,
 // _mm512) and integer suffix SI (si256, si512): registers FR/DR/IR of W bytes. 64-bit integers and
 // float16's conversions really differ between the two, and each family writes those itself.
 #define COHORT_DEFINE_PREFIXED_LANES(P, SI, FR, DR, IR, W)                                              \
-  struct F32 {                                                                                          \
-    using T = float;                                                                                    \
-    using R = FR;                                                                                       \
-    static constexpr size_t kLanes = W / 4;                                                             \
-    static R load(const float* p) { return P##_loadu_ps(p); }                                           \
-    static void store(float* p, R v) { P##_storeu_ps(p, v); }                                           \
-    static R add(R a, R b) { return P##_add_ps(a, b); }                                                 \
-    static R mul(R a, R b) { return P##_mul_ps(a, b); }                                                 \
-    static R min(R a, R b) { return P##_min_ps(b, a); }                                                 \
-    static R max(R a, R b) { return P##_max_ps(b, a); }                                                 \
-    static R div(R a, R b) { return P##_div_ps(a, b); }                                                 \
-    static R splat(int v) { return P##_set1_ps(static_cast<float>(v)); }                               \
-  };                                                                                                    \
-  struct F64 {                                                                                          \
-    using T = double;                                                                                   \
-    using R = DR;                                                                                       \
-    static constexpr size_t kLanes = W / 8;                                                             \
-    static R load(const double* p) { return P##_loadu_pd(p); }                                          \
-    static void store(double* p, R v) { P##_storeu_pd(p, v); }                                          \
-    static R add(R a, R b) { return P##_add_pd(a, b); }                                                 \
-    static R mul(R a, R b) { return P##_mul_pd(a, b); }                                                 \
-    static R min(R a, R b) { return P##_min_pd(b, a); }                                                 \
-    static R max(R a, R b) { return P##_max_pd(b, a); }                                                 \
-    static R div(R a, R b) { return P##_div_pd(a, b); }                                                 \
-    static R splat(int v) { return P##_set1_pd(static_cast<double>(v)); }                              \
-  };                                                                                                    \
+  COHORT_DEFINE_FLOAT_LANES(P, F32, float, FR, ps, W / 4)                                               \
+  COHORT_DEFINE_FLOAT_LANES(P, F64, double, DR, pd, W / 8)                                              \
   template <typename Elem>                                                                              \
   struct IntBase {                                                                                      \
     using T = Elem;                                                                                     \

@@ -20,6 +20,17 @@
 
 namespace cohort::transport {
 
+// A message (or a fragment of one) queued for sending on a connection or ring: the transport's own
+// wire header, then `length` payload bytes; `written` counts both.
+template <typename Header>
+struct PendingSend {
+  Header header;
+  const char* payload;
+  size_t length;
+  size_t written;
+  uint32_t request;
+};
+
 class TransportBase : public Transport {
  public:
   bool test(RequestId id) override { return m_.test(id, failed_); }

@@ -90,13 +90,7 @@ static_assert(sizeof(MsgHeader) == 48, "ring message header layout");
 // sends chunks ahead of the receiver's posted window.
 constexpr size_t kUnexpectedPoolBytes = size_t(64) << 20;
 
-struct SendItem {
-  MsgHeader header;
-  const char* payload;
-  size_t length;
-  size_t written;  // of header + payload
-  uint32_t request;
-};
+using SendItem = PendingSend<MsgHeader>;
 
 struct Mapping {
   void* p = nullptr;

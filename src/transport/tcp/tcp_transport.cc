@@ -72,13 +72,7 @@ struct Hello {
 const env::BytesSetting kPoolBytes("COHORT_TCP_POOL_BYTES", 64 << 20,
                                    "memory kept for reuse by messages that arrive before their receive");
 
-struct SendItem {
-  WireHeader header;
-  const char* payload;
-  size_t length;
-  size_t written;  // of header + payload
-  uint32_t request;
-};
+using SendItem = PendingSend<WireHeader>;
 
 struct Conn {
   UniqueFd fd;
