@@ -86,6 +86,16 @@ struct Event {
   bool ready = true;  // an event never recorded counts as complete, as in CUDA
 };
 
+// Handles are the objects' addresses; the registries own them, and queued work holds its own
+// reference, so a handle destroyed with work pending (as CUDA and NCCL allow) outlives that work.
+std::mutex g_handles_mu;
+std::map<void*, std::shared_ptr<Event>> g_events;
+std::shared_ptr<Event> event_of(void* h) {
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  auto it = g_events.find(h);
+  return it == g_events.end() ? nullptr : it->second;
+}
+
 // ---- memory ----
 struct Allocation {
   size_t bytes;
@@ -127,6 +137,7 @@ struct Contribution {
 };
 
 struct Clique {
+  std::string id;  // the unique id it was made from (its g_cliques key until everyone joined)
   int n = 0;
   int joined = 0;
   std::mutex mu;
@@ -149,6 +160,12 @@ struct Comm {
 
 std::mutex g_cliques_mu;
 std::map<std::string, std::shared_ptr<Clique>> g_cliques;
+std::map<void*, std::shared_ptr<Comm>> g_comms;  // under g_handles_mu
+std::shared_ptr<Comm> comm_of(void* h) {
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  auto it = g_comms.find(h);
+  return it == g_comms.end() ? nullptr : it->second;
+}
 
 size_t dtype_size(int t) {
   switch (t) {
@@ -197,14 +214,14 @@ void average(void* acc, size_t n, int dtype, int by) {
 
 // An operation cut short because the clique was aborted or a peer destroyed its communicator: what
 // NCCL reports when a peer vanishes from the network.
-void peer_gone(Comm* comm) {
+void peer_gone(const std::shared_ptr<Comm>& comm) {
   comm->error = kRemoteError;
   comm->clique->last_error = "a peer's communicator was aborted or destroyed";
 }
 
 // Runs on rank `me`'s stream thread: waits for all ranks' collective number `seq`, computes this
 // rank's output into a temporary, waits until everybody has read the inputs, then writes it.
-void run_collective(Comm* comm, uint64_t seq, Contribution mine) {
+void run_collective(const std::shared_ptr<Comm>& comm, uint64_t seq, Contribution mine) {
   auto& c = *comm->clique;
   std::unique_lock<std::mutex> lock(c.mu);
   auto& slot = c.slots[seq];
@@ -259,7 +276,7 @@ void run_collective(Comm* comm, uint64_t seq, Contribution mine) {
 }
 
 int queue_collective(void* comm_ptr, void* stream, Contribution c) {
-  auto* comm = static_cast<Comm*>(comm_ptr);
+  auto comm = comm_of(comm_ptr);
   if (!comm) return kInvalidArgument;
   if ((c.kind == 0 || c.kind == 2 || c.kind == 4) && !reducible(c.dtype)) return kInvalidArgument;
   const uint64_t seq = comm->next_collective++;
@@ -337,11 +354,15 @@ int cudaStreamQuery(void* stream) {
 }
 int cudaStreamWaitEvent(void*, void*, unsigned) { return 0; }
 int cudaEventCreateWithFlags(void** event, unsigned) {
-  *event = new Event();
+  auto e = std::make_shared<Event>();
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  *event = e.get();
+  g_events[e.get()] = std::move(e);
   return 0;
 }
 int cudaEventRecord(void* event, void* stream) {
-  auto* e = static_cast<Event*>(event);
+  auto e = event_of(event);
+  if (!e) return 400;  // cudaErrorInvalidResourceHandle
   {
     std::lock_guard<std::mutex> lock(e->mu);
     e->ready = false;
@@ -353,19 +374,14 @@ int cudaEventRecord(void* event, void* stream) {
   return 0;
 }
 int cudaEventQuery(void* event) {
-  auto* e = static_cast<Event*>(event);
+  auto e = event_of(event);
+  if (!e) return 400;
   std::lock_guard<std::mutex> lock(e->mu);
   return e->ready ? 0 : 600;
 }
 int cudaEventDestroy(void* event) {
-  // A recorded event may still be pending on a stream that was aborted: leak it rather than race.
-  auto* e = static_cast<Event*>(event);
-  bool ready;
-  {
-    std::lock_guard<std::mutex> lock(e->mu);
-    ready = e->ready;
-  }
-  if (ready) delete e;
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  g_events.erase(event);  // a recording still queued keeps its own reference
   return 0;
 }
 struct Attributes {
@@ -429,6 +445,7 @@ int ncclCommInitRank(void** out, int nranks, UniqueId id, int rank) {
     auto& c = g_cliques[std::string(id.internal)];
     if (!c) {
       c = std::make_shared<Clique>();
+      c->id = id.internal;
       c->n = nranks;
     }
     clique = c;
@@ -440,41 +457,53 @@ int ncclCommInitRank(void** out, int nranks, UniqueId id, int rank) {
   // NCCL waits for every rank; the fake gives up after a minute so a broken test cannot hang CI.
   if (!clique->cv.wait_for(lock, std::chrono::seconds(60), [&] { return clique->joined == clique->n; }))
     return kRemoteError;
-  auto* comm = new Comm();
+  lock.unlock();
+  {
+    std::lock_guard<std::mutex> g(g_cliques_mu);
+    g_cliques.erase(clique->id);  // everyone is in: the id is spent
+  }
+  auto comm = std::make_shared<Comm>();
   comm->clique = clique;
   comm->rank = rank;
   comm->device = t_device;
-  *out = comm;
+  std::lock_guard<std::mutex> g(g_handles_mu);
+  *out = comm.get();
+  g_comms[comm.get()] = std::move(comm);
   return 0;
 }
 int ncclCommInitAll(void** comms, int ndev, const int* devices) {
   auto clique = std::make_shared<Clique>();
   clique->n = clique->joined = ndev;
+  std::lock_guard<std::mutex> g(g_handles_mu);
   for (int i = 0; i < ndev; ++i) {
-    auto* c = new Comm();
+    auto c = std::make_shared<Comm>();
     c->clique = clique;
     c->rank = i;
     c->device = devices ? devices[i] : i;
-    comms[i] = c;
+    comms[i] = c.get();
+    g_comms[c.get()] = std::move(c);
   }
   return 0;
 }
 int ncclCommAbort(void* comm_ptr) {
-  auto* comm = static_cast<Comm*>(comm_ptr);
+  auto comm = comm_of(comm_ptr);
+  if (!comm) return kInvalidArgument;
   {
     std::lock_guard<std::mutex> lock(comm->clique->mu);
     comm->clique->aborted = true;
   }
   comm->clique->cv.notify_all();
+  std::lock_guard<std::mutex> g(g_handles_mu);
+  g_comms.erase(comm_ptr);  // queued work keeps its own reference
   return 0;
 }
 int ncclCommDestroy(void* comm_ptr) {
   // Peers of an aborted clique would wait forever: treat destroy like abort for the waiting ones.
-  ncclCommAbort(comm_ptr);
-  return 0;
+  return ncclCommAbort(comm_ptr);
 }
 int ncclCommGetAsyncError(void* comm_ptr, int* error) {
-  auto* comm = static_cast<Comm*>(comm_ptr);
+  auto comm = comm_of(comm_ptr);
+  if (!comm) return kInvalidArgument;
   std::lock_guard<std::mutex> lock(comm->clique->mu);
   *error = comm->error;
   return 0;
@@ -489,8 +518,12 @@ const char* ncclGetErrorString(int r) {
   return "fake NCCL error";
 }
 const char* ncclGetLastError(void* comm_ptr) {
-  if (!comm_ptr) return "";
-  return static_cast<Comm*>(comm_ptr)->clique->last_error.c_str();
+  auto comm = comm_of(comm_ptr);
+  if (!comm) return "";
+  static thread_local std::string last;
+  std::lock_guard<std::mutex> lock(comm->clique->mu);
+  last = comm->clique->last_error;
+  return last.c_str();
 }
 int ncclAllReduce(const void* s, void* r, size_t n, int t, int op, void* comm, void* stream) {
   return queue_collective(comm, stream, {0, s, r, n, t, op, -1});
@@ -508,7 +541,8 @@ int ncclReduceScatter(const void* s, void* r, size_t n, int t, int op, void* com
   return queue_collective(comm, stream, {4, s, r, n, t, op, -1});
 }
 int ncclSend(const void* buf, size_t n, int t, int peer, void* comm_ptr, void* stream) {
-  auto* comm = static_cast<Comm*>(comm_ptr);
+  auto comm = comm_of(comm_ptr);
+  if (!comm) return kInvalidArgument;
   const size_t bytes = n * dtype_size(t);
   enqueue(stream, [comm, buf, bytes, peer] {
     auto& c = *comm->clique;
@@ -520,7 +554,8 @@ int ncclSend(const void* buf, size_t n, int t, int peer, void* comm_ptr, void* s
   return 0;
 }
 int ncclRecv(void* buf, size_t n, int t, int peer, void* comm_ptr, void* stream) {
-  auto* comm = static_cast<Comm*>(comm_ptr);
+  auto comm = comm_of(comm_ptr);
+  if (!comm) return kInvalidArgument;
   const size_t bytes = n * dtype_size(t);
   enqueue(stream, [comm, buf, bytes, peer] {
     auto& c = *comm->clique;

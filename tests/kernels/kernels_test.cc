@@ -101,8 +101,10 @@ TEST_P(KernelFamilies, MatchesScalarReferenceForEveryTypeOpAndLength) {
           // Misaligned copies: the kernels must not assume alignment (element alignment is kept for
           // misalign 0, broken on purpose otherwise: memcpy-based callers may hand any address).
           std::vector<uint8_t> sa(bytes + 8), sb(bytes + 8), sd(bytes + 8), want(bytes);
-          std::memcpy(sa.data() + misalign, a.data(), bytes);
-          std::memcpy(sb.data() + misalign, b.data(), bytes);
+          if (bytes) {  // a.data() is null for n = 0, and memcpy's arguments must not be
+            std::memcpy(sa.data() + misalign, a.data(), bytes);
+            std::memcpy(sb.data() + misalign, b.data(), bytes);
+          }
           reduce_to_scalar(want.data(), a.data(), b.data(), n, t, op);
           reduce_to_family(family, sd.data() + misalign, sa.data() + misalign, sb.data() + misalign, n, t, op);
           const std::string what = std::string(family_name(family)) + " " + std::string(dtype_name(t)) + " " +
@@ -154,7 +156,7 @@ TEST_P(KernelFamilies, AverageMatchesScalarReference) {
           fill(a, t, n, rng, /*specials=*/true);
           const size_t bytes = n * dtype_size(t);
           std::vector<uint8_t> want(a), got(bytes + 8);
-          std::memcpy(got.data() + misalign, a.data(), bytes);
+          if (bytes) std::memcpy(got.data() + misalign, a.data(), bytes);  // a.data() is null for n = 0
           finish_average_scalar(want.data(), n, t, divisor);
           finish_average_family(family, got.data() + misalign, n, t, divisor);
           expect_same(t, got.data() + misalign, want.data(), n,

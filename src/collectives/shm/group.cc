@@ -211,7 +211,7 @@ void Group::allreduce(const void* in, void* out, size_t count, DataType dtype, R
       "allreduce",
       [&] {
         if (size_ == 1) {
-          if (in != out) std::memmove(out, in, bytes);
+          if (in != out && bytes) std::memmove(out, in, bytes);  // 0 bytes may come with null pointers
           return;
         }
         if (shared) allreduce_shared(*shared, offset, count, dtype, op);
@@ -224,7 +224,7 @@ void Group::allreduce(const void* in, void* out, size_t count, DataType dtype, R
 void Group::allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) {
   const size_t bytes = count * dtype_size(dtype);
   const unsigned p = next_parity();
-  std::memcpy(slot(rank_, p), in, bytes);
+  if (bytes) std::memcpy(slot(rank_, p), in, bytes);  // a 0-element call may pass null (found by UBSan)
   sync_.post();
   wait_all("allreduce");
   kernels::reduce_to(out, slot(0, p), slot(1, p), count, dtype, op);
