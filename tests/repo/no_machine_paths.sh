@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fails when a file of the project names a path that exists on one machine only: the workplace's own
-# folders (/work/..., /farm/...), a home directory. Peer scripts are named ../shared/peers/... relative
+# top-level work and farm folders, a home directory (see `pattern`). Peer scripts are named ../shared/peers/... relative
 # to the repository root; data comes from Debian packages at their packaged paths. Raw benchmark
 # output (*.txt under bench/results and docs) is a record of where a run happened and is not checked.
 #   tests/repo/no_machine_paths.sh [source dir]
