@@ -31,6 +31,10 @@ inline constexpr OpKind kLastOpKind = OpKind::kSplit;
 const char* op_kind_name(OpKind k);
 
 constexpr bool is_collective(OpKind k) { return k >= OpKind::kAllreduce && k <= OpKind::kBarrier; }
+// The collectives with a root rank.
+constexpr bool is_rooted(OpKind k) {
+  return k == OpKind::kReduce || k == OpKind::kBroadcast || k == OpKind::kGather || k == OpKind::kScatter;
+}
 inline constexpr int kNumCollectives = int(OpKind::kBarrier) - int(OpKind::kAllreduce) + 1;
 
 }  // namespace cohort::coll

@@ -249,6 +249,7 @@ void CommunicatorImpl::bootstrap() {
     }
   }
   topology_ = Topology::build(rank_, ids);
+  if (!child_) recorder_.set_identity(rank_, size_, host_of(rank_));
   // Route every peer through the first transport (by priority) that both sides have and that
   // accepts the peer's descriptor.
   route_.assign(static_cast<size_t>(size_), transports_.front().get());
@@ -411,6 +412,7 @@ void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
       first = true;
     }
   }
+  if (first) recorder_.dump_on_failure(message);
   // A failure that started here (not one a peer told us about) is passed on to the peers.
   bool from_peer = false;
   for (auto& t : transports_) from_peer = from_peer || t->failed_by_notice();
@@ -449,11 +451,19 @@ void CommunicatorImpl::execute_locked(const OpDesc& desc, const Body& body) {
   send_index_.clear();
   recv_index_.clear();
   pending_.clear();
+  trace::OpBegin rec{comm_id_, desc.kind == OpKind::kSendRecv ? 0 : seq_, desc.kind, uint8_t(desc.dtype),
+                     uint8_t(desc.redop), desc.kind == OpKind::kSendRecv ? desc.peer : coll::is_rooted(desc.kind) ? desc.root : -1,
+                     desc.count, desc.bytes, desc.queued_ns,
+                     std::chrono::duration_cast<std::chrono::nanoseconds>(op_start_.time_since_epoch()).count()};
+  trace::Recorder::Handle recorded = recorder_.op_begin(rec);
   try {
     body();
+    recorder_.op_end(recorded, rec, true);
   } catch (const InvalidArgument&) {
+    recorder_.op_end(recorded, rec, false);
     throw;
   } catch (...) {
+    recorder_.op_end(recorded, rec, false);
     fail_and_throw(std::current_exception());
   }
 }
@@ -484,8 +494,9 @@ void CommunicatorImpl::run_blocking(const OpDesc& desc, const Body& body) {
   execute_locked(desc, body);
 }
 
-std::shared_ptr<Work> CommunicatorImpl::run_async(const OpDesc& desc, Body body) {
+std::shared_ptr<Work> CommunicatorImpl::run_async(OpDesc desc, Body body) {
   check_usable();
+  if (recorder_.timing()) desc.queued_ns = trace::monotonic_ns();
   auto work = std::make_shared<WorkImpl>(options_.timeout, [this] {
     std::unique_lock<std::mutex> g(drive_, std::try_to_lock);
     if (g.owns_lock()) drain_queue_locked();
@@ -806,7 +817,7 @@ void CommunicatorImpl::send(const void* buf, size_t count, DataType dtype, int p
   validate_dtype_op(dtype, ReduceOp::kSum, false);
   if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("send: peer {} out of range [0, {})", peer, size_));
   validate_buffer(buf, count, "send");
-  OpDesc d{OpKind::kSendRecv, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype)};
+  OpDesc d{OpKind::kSendRecv, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype), peer};
   run_blocking(d, [&] {
     transport::Transport* t = route(peer);
     uint32_t index = p2p_send_index_[(uint64_t(uint32_t(peer)) << 32) | tag]++;
@@ -821,7 +832,7 @@ void CommunicatorImpl::recv(void* buf, size_t count, DataType dtype, int peer, u
   validate_dtype_op(dtype, ReduceOp::kSum, false);
   if (peer < 0 || peer >= size_) throw InvalidArgument(fmt::format("recv: peer {} out of range [0, {})", peer, size_));
   validate_buffer(buf, count, "recv");
-  OpDesc d{OpKind::kSendRecv, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype)};
+  OpDesc d{OpKind::kSendRecv, dtype, ReduceOp::kSum, 0, count, count * dtype_size(dtype), peer};
   run_blocking(d, [&] {
     transport::Transport* t = route(peer);
     uint32_t index = p2p_recv_index_[(uint64_t(uint32_t(peer)) << 32) | tag]++;

@@ -30,6 +30,7 @@
 #include "comm/topology.h"
 #include "common/deadline.h"
 #include "transport/shm/sync.h"
+#include "trace/recorder.h"
 #include "transport/transport.h"
 
 namespace cohort::shm {
@@ -126,7 +127,7 @@ class CommunicatorImpl final : public Communicator,
   // Runs one operation on the calling thread (blocking API).
   void run_blocking(const OpDesc& desc, const Body& body);
   // Queues one operation for the progress thread (async API).
-  std::shared_ptr<Work> run_async(const OpDesc& desc, Body body);
+  std::shared_ptr<Work> run_async(OpDesc desc, Body body);
   void execute_locked(const OpDesc& desc, const Body& body);
   void drain_queue_locked();
   void progress_thread_main();
@@ -172,6 +173,7 @@ class CommunicatorImpl final : public Communicator,
   Deadline::Clock::time_point shm_next_notice_poll_{};
 
   std::vector<std::shared_ptr<void>> kept_alive_;  // destroyed last (declared first)
+  trace::Recorder& recorder_ = trace::Recorder::instance();  // the flight recorder and timeline
   // identity and settings
   std::shared_ptr<Store> root_store_;
   std::shared_ptr<Store> store_;  // prefixed

@@ -7,6 +7,8 @@
 
 #include "cohort/types.h"
 #include "collectives/op_kind.h"
+#include "common/strings.h"
+#include "trace/describe.h"
 #include "transport/transport.h"
 
 namespace cohort::comm {
@@ -24,6 +26,8 @@ struct OpDesc {
   int root = 0;
   uint64_t count = 0;  // elements (0 where ranks may legitimately differ, e.g. alltoallv)
   uint64_t bytes = 0;  // this rank's payload, for messages
+  int peer = -1;       // send/recv: the other rank (not part of the signature: the two sides differ)
+  int64_t queued_ns = 0;  // *_async: when it was queued (CLOCK_MONOTONIC), for the flight recorder
 
   transport::Signature signature() const {
     transport::Signature s;
@@ -36,9 +40,9 @@ struct OpDesc {
   }
 };
 
-// "allreduce(count=1024, float, sum)" from a signature.
-std::string describe_signature(const transport::Signature& s);
-// "1.5 KiB"
-std::string format_bytes(uint64_t bytes);
+// How operations are described in messages: one wording for the communicator's errors and the flight
+// recorder's reports (trace/describe.h).
+using trace::describe_signature;
+using str::format_bytes;
 
 }  // namespace cohort::comm

@@ -76,4 +76,11 @@ std::string format_ranges(const std::vector<int>& v) {
   return out;
 }
 
+std::string format_bytes(uint64_t b) {
+  if (b >= (uint64_t(1) << 30)) return fmt::format("{:.1f} GiB", double(b) / double(1 << 30));
+  if (b >= (uint64_t(1) << 20)) return fmt::format("{:.1f} MiB", double(b) / double(1 << 20));
+  if (b >= 1024) return fmt::format("{:.1f} KiB", double(b) / 1024.0);
+  return fmt::format("{} B", b);
+}
+
 }  // namespace cohort::str

@@ -1,6 +1,7 @@
 #pragma once
 // String utilities used by parsers across layers.
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,5 +16,7 @@ std::string join(const std::vector<std::string>& parts, std::string_view sep);
 std::vector<int> parse_int_list(std::string_view s, std::string_view what);
 // Compresses a sorted list of ints to "0-3,5,7-9" (for "ranks 0-3,5 are missing" messages).
 std::string format_ranges(const std::vector<int>& sorted_values);
+// "1.5 KiB", "64.0 MiB", "8 B"
+std::string format_bytes(uint64_t bytes);
 
 }  // namespace cohort::str

@@ -11,6 +11,7 @@
 #include "cohort/gpu.h"
 #include "common/half.h"
 #include "common/log.h"
+#include "trace/recorder.h"
 #include "cohort/error.h"
 
 namespace cohort::train {
@@ -220,7 +221,9 @@ void GradientSync::mark_ready(size_t index, const float* grad) {
   if (comm_->size() > 1 && grad != slot) options_.memory->copy(slot, grad, params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
-  ++ready_count_;
+  if (ready_count_++ == 0) first_ready_ns_ = trace::monotonic_ns();
+  if (ready_count_ == params_.size() && recorder_.timeline_on())
+    recorder_.span("backward", -1, first_ready_ns_, trace::monotonic_ns());
   if (--b.pending == 0) launch_complete_buckets();
 }
 
@@ -243,6 +246,7 @@ void GradientSync::launch_complete_buckets() {
 
 void GradientSync::launch(Bucket& b) {
   ++stats_.allreduces;
+  if (recorder_.timeline_on()) recorder_.instant("bucket ready", int(&b - buckets_.data()), trace::monotonic_ns());
   if (comm_->size() == 1) return;  // the average of one rank is its own gradient
   switch (options_.compression) {
     case WireCompression::kNone:
@@ -305,7 +309,18 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
       b.work.reset();
     }
   }
-  stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto t1 = std::chrono::steady_clock::now();
+  stats_.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+  // The flight recorder's step counters (live stats): a step is the time since the previous one
+  // ended (forward, backward, optimizer and all), of which this wait is the communication not hidden.
+  {
+    int64_t wait_start = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+    int64_t wait_end = std::chrono::duration_cast<std::chrono::nanoseconds>(t1.time_since_epoch()).count();
+    int64_t step_start = last_finish_ns_ > 0 ? last_finish_ns_ : first_ready_ns_;
+    recorder_.add_step(wait_end - step_start, wait_end - wait_start);
+    if (recorder_.timeline_on()) recorder_.span("wait for buckets", -1, wait_start, wait_end);
+    last_finish_ns_ = wait_end;
+  }
   for (auto& b : buckets_) {
     if (comm_->size() == 1) continue;  // gradients are already final in the framework's tensors
     {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cohort/communicator.h"
+#include "trace/recorder.h"
 
 namespace cohort::train {
 
@@ -155,6 +156,11 @@ class GradientSync {
   std::vector<char> ready_;
   std::vector<size_t> ready_order_;
   size_t ready_count_ = 0;
+  // Timeline and live stats (trace/recorder.h): when this iteration's first gradient arrived and when
+  // the previous iteration's wait ended (CLOCK_MONOTONIC ns).
+  int64_t first_ready_ns_ = 0;
+  int64_t last_finish_ns_ = 0;
+  trace::Recorder& recorder_ = trace::Recorder::instance();
   size_t next_launch_ = 0;
   bool sync_enabled_ = true;
   bool rebuilt_ = false;

@@ -1,0 +1,223 @@
+#include "trace/flight_ring.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "cohort/types.h"
+#include "common/strings.h"
+#include "trace/describe.h"
+
+namespace cohort::trace {
+
+const char* op_state_name(OpState s) {
+  switch (s) {
+    case OpState::kEmpty: return "empty";
+    case OpState::kQueued: return "queued";
+    case OpState::kRunning: return "running";
+    case OpState::kDone: return "done";
+    case OpState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+size_t ring_bytes(uint32_t capacity) { return sizeof(RingHeader) + size_t(capacity) * sizeof(RingEntry); }
+
+std::string describe(const OpRecord& r) {
+  if (r.kind == coll::OpKind::kSendRecv)
+    return fmt::format("send/recv with rank {} ({})", r.peer, str::format_bytes(r.bytes));
+  transport::Signature s;
+  s.op = uint8_t(r.kind);
+  s.dtype = r.dtype;
+  s.redop = r.redop;
+  s.root = uint32_t(std::max(r.peer, 0));
+  s.count = r.count;
+  return fmt::format("#{} {} ({})", r.seq, describe_signature(s), str::format_bytes(r.bytes));
+}
+
+uint64_t ring_append(RingHeader& h, const OpBegin& op) {
+  uint64_t i = h.next.fetch_add(1, std::memory_order_relaxed);
+  auto* entries = reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(&h) + sizeof(RingHeader));
+  RingEntry& e = entries[i % h.capacity];
+  uint32_t v = e.version.load(std::memory_order_relaxed);
+  e.version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  e.seq = op.seq;
+  e.comm = op.comm;
+  e.peer = op.peer;
+  e.kind = op.kind;
+  e.dtype = op.dtype;
+  e.redop = op.redop;
+  e.state = OpState::kRunning;
+  e.index_low = uint32_t(i);
+  e.count = op.count;
+  e.bytes = op.bytes;
+  e.t_queued = op.t_queued;
+  e.t_start = op.t_start;
+  e.t_end = 0;
+  e.version.store(v + 2, std::memory_order_release);
+  return i + 1;
+}
+
+void ring_finish(RingHeader& h, uint64_t handle, const OpBegin& op, bool ok, int64_t t_end) {
+  // The live counters take a plain load and store, not a locked add: they only feed live stats, and
+  // two threads finishing operations at the same instant may lose one count, which costs less than
+  // three locked instructions per operation for everyone.
+  auto bump = [](std::atomic<uint64_t>& a, uint64_t d) { a.store(a.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); };
+  auto& c = h.counters;
+  bump(c.ops, 1);
+  bump(c.bytes, op.bytes);
+  if (t_end > 0) bump(c.op_ns, uint64_t(t_end - op.t_start));
+  uint64_t i = handle - 1;
+  auto* entries = reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(&h) + sizeof(RingHeader));
+  RingEntry& e = entries[i % h.capacity];
+  if (e.index_low != uint32_t(i)) return;  // the ring went round during this operation
+  uint32_t v = e.version.load(std::memory_order_relaxed);
+  e.version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  e.state = ok ? OpState::kDone : OpState::kFailed;
+  e.t_end = t_end;
+  e.version.store(v + 2, std::memory_order_release);
+}
+
+Ring Ring::create(uint32_t capacity, int rank, int world, const std::string& host, bool timing) {
+  if (capacity == 0) throw InvalidArgument("flight recorder ring of 0 entries");
+  Ring ring;
+  ring.fd_ = memfd_create(fmt::format("cohort-flight-recorder-rank{}", rank).c_str(), 0);  // inherited by the worker
+  if (ring.fd_ < 0) throw Error(fmt::format("memfd_create for the flight recorder: {}", strerror(errno)));
+  ring.bytes_ = ring_bytes(capacity);
+  if (ftruncate(ring.fd_, off_t(ring.bytes_)) != 0)
+    throw Error(fmt::format("sizing the flight recorder ({} bytes): {}", ring.bytes_, strerror(errno)));
+  ring.base_ = mmap(nullptr, ring.bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, ring.fd_, 0);
+  if (ring.base_ == MAP_FAILED) {
+    ring.base_ = nullptr;
+    throw Error(fmt::format("mapping the flight recorder: {}", strerror(errno)));
+  }
+  ring.header_ = static_cast<RingHeader*>(ring.base_);
+  ring.entries_ = reinterpret_cast<RingEntry*>(static_cast<char*>(ring.base_) + sizeof(RingHeader));
+  // The pages are zero (ftruncate): every counter and entry starts empty.
+  auto& h = *ring.header_;
+  std::memcpy(h.magic, kRingMagic, sizeof h.magic);
+  h.capacity = capacity;
+  h.timing = timing ? 1 : 0;
+  h.rank = rank;
+  h.world = world;
+  std::snprintf(h.host, sizeof h.host, "%s", host.c_str());
+  return ring;
+}
+
+Ring Ring::adopt(int fd) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || size_t(st.st_size) < sizeof(RingHeader))
+    throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER_FD={}: not a flight recorder ring (set by cohort run; "
+                                  "unset it to record in this process only)",
+                                  fd));
+  Ring ring;
+  ring.fd_ = fd;
+  ring.bytes_ = size_t(st.st_size);
+  ring.base_ = mmap(nullptr, ring.bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (ring.base_ == MAP_FAILED) {
+    ring.base_ = nullptr;
+    throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER_FD={}: cannot map it: {}", fd, strerror(errno)));
+  }
+  ring.header_ = static_cast<RingHeader*>(ring.base_);
+  ring.entries_ = reinterpret_cast<RingEntry*>(static_cast<char*>(ring.base_) + sizeof(RingHeader));
+  if (std::memcmp(ring.header_->magic, kRingMagic, sizeof kRingMagic) != 0 ||
+      ring_bytes(ring.header_->capacity) != ring.bytes_)
+    throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER_FD={}: not a flight recorder ring", fd));
+  return ring;
+}
+
+Ring::Ring(Ring&& o) noexcept { *this = std::move(o); }
+
+Ring& Ring::operator=(Ring&& o) noexcept {
+  if (this != &o) {
+    unmap();
+    close_fd();
+    fd_ = std::exchange(o.fd_, -1);
+    base_ = std::exchange(o.base_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+    header_ = std::exchange(o.header_, nullptr);
+    entries_ = std::exchange(o.entries_, nullptr);
+  }
+  return *this;
+}
+
+Ring::~Ring() {
+  unmap();
+  close_fd();
+}
+
+void Ring::close_fd() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+void Ring::unmap() {
+  if (base_) munmap(base_, bytes_);
+  base_ = nullptr;
+  header_ = nullptr;
+  entries_ = nullptr;
+}
+
+RankSnapshot Ring::snapshot(size_t max) const { return snapshot_of(*header_, max); }
+
+RankSnapshot snapshot_of(const RingHeader& h, size_t max) {
+  RankSnapshot s;
+  const auto* entries = reinterpret_cast<const RingEntry*>(reinterpret_cast<const char*>(&h) + sizeof(RingHeader));
+  s.rank = h.rank;
+  s.world = h.world;
+  s.host = std::string(h.host, strnlen(h.host, sizeof h.host));
+  s.pid = h.pid.load(std::memory_order_acquire);
+  s.started = s.pid != 0;
+  s.taken_at = monotonic_ns();
+  const auto& c = h.counters;
+  s.counters = {c.ops.load(std::memory_order_relaxed),   c.bytes.load(std::memory_order_relaxed),
+                c.op_ns.load(std::memory_order_relaxed), c.steps.load(std::memory_order_relaxed),
+                c.step_ns.load(std::memory_order_relaxed), c.wait_ns.load(std::memory_order_relaxed)};
+  uint64_t next = h.next.load(std::memory_order_acquire);
+  s.total = next;
+  uint64_t n = std::min<uint64_t>({next, h.capacity, max});
+  for (uint64_t i = next - n; i < next; ++i) {
+    const RingEntry& e = entries[i % h.capacity];
+    uint32_t v1 = e.version.load(std::memory_order_acquire);
+    if (v1 & 1) continue;  // being written: its older contents are gone, its newer are not there yet
+    OpRecord r;
+    r.index = i;
+    uint32_t index_low = e.index_low;
+    r.seq = e.seq;
+    r.comm = e.comm;
+    r.peer = e.peer;
+    r.kind = e.kind;
+    r.dtype = e.dtype;
+    r.redop = e.redop;
+    r.state = e.state;
+    r.count = e.count;
+    r.bytes = e.bytes;
+    r.t_queued = e.t_queued;
+    r.t_start = e.t_start;
+    r.t_end = e.t_end;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (e.version.load(std::memory_order_relaxed) != v1 || r.state == OpState::kEmpty) continue;
+    if (index_low != uint32_t(i)) continue;  // overwritten by a later operation meanwhile
+    s.entries.push_back(r);
+  }
+  return s;
+}
+
+}  // namespace cohort::trace

@@ -1,0 +1,92 @@
+#pragma once
+// The process's recorder: what the communicators and the data-parallel layer of this process did,
+// written where people can read it (docs/observability.md).
+//
+// * Flight recorder (on by default): every communicator operation goes into a ring of the last
+//   COHORT_FLIGHT_RECORDER (2,000) operations. Under `cohort run` the ring is the launcher's memfd
+//   (COHORT_FLIGHT_RECORDER_FD), so the launcher reads it live (stall inspector, live stats) and after
+//   a failure (the failure summary and the dumps). Without the launcher it is this process's memory,
+//   written to COHORT_TRACE_DIR when a communicator fails.
+// * Timeline (off by default): with COHORT_TIMELINE_RANK_FILE (set by `cohort run --timeline`) or
+//   COHORT_TIMELINE (without the launcher), every operation and training span is kept as an event and
+//   written as JSON lines at exit; the launcher merges the ranks into one Chrome-trace file.
+//
+// Cost: recording one operation is a handful of plain stores into one cache line of the ring and
+// one atomic increment; the end time (a clock read) is only taken when the timeline or live stats
+// want it. With COHORT_FLIGHT_RECORDER=0 and no timeline every call is one predictable branch.
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "collectives/op_kind.h"
+#include "trace/flight_ring.h"
+
+namespace cohort::trace {
+
+class Recorder {
+ public:
+  // The process's recorder, configured from the environment on first use.
+  static Recorder& instance();
+
+  // Handle of a recorded operation (0: not recorded).
+  using Handle = uint64_t;
+  Handle op_begin(const OpBegin& op) {
+    return ring_ ? ring_append(*ring_, op) : 0;
+  }
+  // `op` is what op_begin was given.
+  void op_end(Handle h, const OpBegin& op, bool ok) {
+    if (h) end_slow(h, op, ok);
+  }
+  // Whether spans and end times are measured (the timeline or live stats are on): callers skip
+  // their clock reads otherwise.
+  bool timing() const { return timing_; }
+  bool timeline_on() const { return timeline_ != nullptr; }
+
+  // A training span ("backward", "allreduce bucket 3", ...) on the training track; `name` must be a
+  // string literal (kept by pointer), `index` >= 0 is appended to it ("bucket 3").
+  void span(const char* name, int index, int64_t t0, int64_t t1);
+  // A moment on the training track ("bucket 3 ready").
+  void instant(const char* name, int index, int64_t t);
+  // One data-parallel step: its length and the part spent waiting for communication (live stats).
+  void add_step(int64_t step_ns, int64_t wait_ns);
+
+  // Who this process is, once its first communicator knows (the timeline's header, a dump's name).
+  void set_identity(int rank, int world, const std::string& host);
+  // Writes the timeline events so far (also done at exit).
+  void flush_timeline();
+  // Without the launcher: writes the ring to COHORT_TRACE_DIR/rank<N>.json when set (communicator
+  // failure). Under the launcher this does nothing: the launcher reads the ring itself.
+  void dump_on_failure(const std::string& why);
+
+  // This process's ring as a snapshot (tests, dumps).
+  RankSnapshot snapshot() const;
+
+  ~Recorder();
+  Recorder(const Recorder&) = delete;
+  Recorder& operator=(const Recorder&) = delete;
+
+ private:
+  Recorder();
+  void end_slow(Handle h, const OpBegin& op, bool ok);
+  struct Timeline;
+
+  Ring shared_ring_;            // the launcher's (empty without it)
+  std::unique_ptr<RingHeader, void (*)(RingHeader*)> own_ring_{nullptr, nullptr};  // without the launcher
+  // Whichever of the two is used; null: flight recorder off (the timeline keeps a small ring of its
+  // own, since its events are taken from the entries when operations end).
+  RingHeader* ring_ = nullptr;
+  RingEntry* entries_ = nullptr;
+  bool under_launcher_ = false;
+  bool timing_ = false;
+  std::unique_ptr<Timeline> timeline_;
+  mutable std::mutex mutex_;  // identity
+  int rank_ = -1;
+  int world_ = 0;
+  std::string host_;
+  std::string trace_dir_;
+};
+
+}  // namespace cohort::trace
