@@ -76,6 +76,9 @@ int run_run(std::vector<std::string> args) {
   app.add_flag("--no-abort-on-failure", no_abort, "a failed worker does not stop the others (the exit code still reports it)");
   app.add_option("--max-restarts,--max_restarts", o.max_restarts, "restart every worker up to K times after a failure");
   app.add_flag("--dry-run", o.dry_run, "print the plan (nodes, ranks, where each setting came from, worker environment) and exit");
+  app.add_option("--timeline", o.timeline, "record every rank's operations and training steps and merge them into this Chrome-trace/Perfetto JSON file (COHORT_TIMELINE)");
+  app.add_flag("--stats", o.stats, "print live per-rank stats every second: operations, bytes, busbw, time in communication, DDP wait share (a table on a terminal, JSON lines otherwise)");
+  app.add_option("--trace-dir", o.trace_dir, "where flight recorder dumps and timeline rank files go (COHORT_TRACE_DIR; default $TMPDIR/cohort-<job id>)");
   app.add_option("--run-id,--run_id,--rdzv-id,--rdzv_id", run_id, "job id (default: random; per-node: from the store address)");
 
   // Split at PROGRAM: everything from the first positional argument on is the program's, untouched.

@@ -139,6 +139,7 @@ EndInfo Job::run_attempt(int attempt) {
   stopping_ = reporting_ = killed_ = done_reported_ = false;
   end_.reset();
   first_failure_.reset();
+  stop_inspector();
   workers_.clear();
   watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
   if (distributed_) {
@@ -228,6 +229,7 @@ EndInfo Job::run_attempt(int attempt) {
   }
   disarm_timer();
   *watcher_stop_ = true;
+  stop_inspector();
   // Whatever the workers left behind in their process groups goes too.
   for (auto& w : workers_) {
     kill(-w.pid, SIGKILL);
@@ -235,6 +237,7 @@ EndInfo Job::run_attempt(int attempt) {
     if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   }
   settle_end_with_store();
+  if (end_->code != 0) record_failure(attempt);
   return *end_;
 }
 
@@ -277,6 +280,10 @@ int Job::run() {
       else
         say(fmt::format("job stopped (exit {}): {}", e.code, e.summary));
     }
+    // The flight recorders' account, from every node (an agent's lines reach the head's console).
+    if (e.code != 0)
+      for (const auto& line : diagnosis_) say("flight recorder: " + line);
+    merge_timeline();
     if (!agents_.empty()) {
       for (auto& a : agents_) a.in.reset();
     }

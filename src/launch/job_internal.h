@@ -7,6 +7,8 @@
 //                    publishing and adopting the end record, the root cause, nodes done and exited
 //   job_fanout.cc    fan-out over ssh: the head's agents, and `cohort agent`'s control channel
 //   job_output.cc    output routing (draining workers' and agents' pipes) and the failure summary
+//   job_trace.cc     observability: the workers' flight recorder rings, the inspector thread (stall
+//                    warnings, live stats), dumps and diagnosis of a failed attempt, the merged timeline
 // docs/launcher.md describes the protocol and the failure policy; nothing here is used outside launch/.
 
 #include <signal.h>
@@ -24,9 +26,11 @@
 #include <vector>
 
 #include "common/fd.h"
+#include "launch/inspector.h"
 #include "launch/job.h"
 #include "launch/output.h"
 #include "store/tcp_store.h"
+#include "trace/flight_ring.h"
 
 namespace cohort::launch::job_detail {
 
@@ -74,6 +78,7 @@ struct Worker {
   Clock::time_point started, ended;
   UniqueFd out, err;  // read ends (invalid when not piped or at EOF)
   std::unique_ptr<OutputSink> sink;
+  trace::Ring ring;  // its flight recorder (invalid when off); outlives the process for the diagnosis
 };
 
 struct AgentChild {
@@ -175,6 +180,13 @@ class Job {
   void epoll_add(int fd);
   void epoll_del(int fd);
   std::string failure_summary(const Worker& w);
+  // job_trace.cc
+  void prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars);
+  void start_inspector();
+  void stop_inspector();
+  void record_failure(int attempt);  // dumps and diagnosis_ of a failed attempt
+  void merge_timeline();
+  std::string timeline_rank_dir() const;
   int running_workers() const;
   int running_agents() const;
 
@@ -196,6 +208,8 @@ class Job {
   std::shared_ptr<std::atomic<bool>> watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
   std::vector<Worker> workers_;
   std::vector<AgentChild> agents_;
+  std::unique_ptr<Inspector> inspector_;  // reads workers_' rings: stopped before workers_ changes
+  std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
   // Attempt state
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)

@@ -29,6 +29,8 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
                        const GpuAssignment& gpu) {
   WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu};
   auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
+  prepare_trace(w, node, vars);
+  int ring_fd = w.ring.valid() ? w.ring.fd() : -1;
   // Environment: the launcher's, with cohort's variables replacing any of the same name.
   std::vector<std::string> env_strings;
   for (char** e = environ; *e; ++e) {
@@ -93,6 +95,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     sigprocmask(SIG_SETMASK, &none, nullptr);
     signal(SIGPIPE, SIG_DFL);
     if (!cpus.empty()) sched_setaffinity(0, sizeof cpuset, &cpuset);
+    if (ring_fd >= 0) fcntl(ring_fd, F_SETFD, 0);  // the one descriptor the worker inherits on purpose
     if (stdin_null) {
       int devnull = ::open("/dev/null", O_RDONLY);
       if (devnull >= 0) dup2(devnull, 0);
@@ -105,6 +108,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     _exit(127);
   }
   setpgid(pid, pid);  // also from the parent: no window where a signal to the group misses it
+  w.ring.close_fd();  // the worker has it; the launcher keeps its mapping
   if (out[1] >= 0) close(out[1]);
   if (err[1] >= 0) close(err[1]);
   close(exec_err[1]);
@@ -149,6 +153,7 @@ void Job::spawn_workers(int attempt) {
       if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
     }
   }
+  stop_inspector();
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
   for (int l = 0; l < node->nproc; ++l) {
@@ -159,6 +164,7 @@ void Job::spawn_workers(int attempt) {
     if (end_) break;  // a signal arrived meanwhile
     spawn_worker(workers_[l], *node, attempt, bindings[l], gpus_.empty() ? GpuAssignment{} : gpus_[l]);
   }
+  start_inspector();
 }
 
 int Job::running_workers() const {
@@ -200,6 +206,7 @@ void Job::begin_stop() {
 void Job::send_stop_signal() {
   reporting_ = false;
   kill_all(SIGTERM);
+  kill_all(SIGCONT);  // a stopped worker (SIGSTOP, ^Z) handles its SIGTERM now, not at the SIGKILL
   arm_timer(plan_.kill_grace_s);
 }
 

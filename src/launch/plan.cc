@@ -12,9 +12,11 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <filesystem>
 #include <thread>
 
 #include "cohort/error.h"
+#include "common/env.h"
 #include "common/socket.h"
 #include "common/strings.h"
 
@@ -26,7 +28,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    set_omp_threads, tag_output, output_dir, merge_stderr, ranks_to_console,
                                    all_ranks_to_console, bind_to, device_per_rank, gpus_per_node_spec, gpus_per_node,
                                    gpu_share, abort_on_failure, max_restarts,
-                                   join_timeout_s, kill_grace_s, ssh_command, program_path, program)
+                                   join_timeout_s, kill_grace_s, ssh_command, timeline_path, stats, trace_dir,
+                                   stall_warn_s, flight_recorder, program_path, program)
 
 const char* mode_name(Mode m) {
   switch (m) {
@@ -136,6 +139,40 @@ int parse_nproc(const std::string& text, const MachineFacts& machine, std::strin
   if (v < 1 || v > 100000)
     throw ConfigError(fmt::format("--nproc-per-node {}: expected a positive number or 'auto'", text));
   return static_cast<int>(v);
+}
+
+}  // namespace
+
+namespace {
+
+// --timeline, --stats, --trace-dir and the flight recorder's settings (docs/observability.md). The
+// launcher reads COHORT_FLIGHT_RECORDER itself: it sizes the rings it hands to the workers.
+void set_observability(Plan& p, const Options& o, const EnvMap& env) {
+  auto get = [&](const char* name) -> std::string {
+    auto it = env.find(name);
+    return it == env.end() ? std::string() : it->second;
+  };
+  auto absolute = [](const std::string& path) {
+    return path.empty() ? path : std::filesystem::absolute(path).lexically_normal().string();
+  };
+  p.timeline_path = absolute(!o.timeline.empty() ? o.timeline : get("COHORT_TIMELINE"));
+  p.stats = o.stats;
+  std::string dir = !o.trace_dir.empty() ? o.trace_dir : get("COHORT_TRACE_DIR");
+  if (dir.empty()) {
+    std::string tmp = get("TMPDIR");
+    dir = fmt::format("{}/cohort-{}", tmp.empty() ? "/tmp" : tmp, p.job_id);
+  }
+  p.trace_dir = absolute(dir);
+  if (std::string v = get("COHORT_STALL_WARN_S"); !v.empty()) {
+    p.stall_warn_s = env::parse_seconds("COHORT_STALL_WARN_S", v);
+    if (p.stall_warn_s < 0) throw ConfigError(fmt::format("COHORT_STALL_WARN_S={}: expected seconds >= 0 (0: off)", v));
+  }
+  if (std::string v = get("COHORT_FLIGHT_RECORDER"); !v.empty()) {
+    int64_t n = env::parse_int("COHORT_FLIGHT_RECORDER", v);
+    if (n < 0 || n > (int64_t(1) << 24))
+      throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER={}: expected 0 (off) to 16777216 entries", v));
+    p.flight_recorder = int(n);
+  }
 }
 
 }  // namespace
@@ -314,6 +351,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     source("job id", "random");
   }
   p.token_from_env = env.count("COHORT_JOB_TOKEN") && !env.at("COHORT_JOB_TOKEN").empty();
+  set_observability(p, o, env);
 
   for (const auto& x : o.export_env) {
     auto eq = x.find('=');

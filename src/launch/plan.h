@@ -39,6 +39,9 @@ struct Options {
   int max_restarts = 0;
   bool dry_run = false;
   std::optional<std::string> run_id;
+  std::string timeline;   // --timeline PATH (default COHORT_TIMELINE)
+  bool stats = false;     // --stats
+  std::string trace_dir;  // --trace-dir DIR (default COHORT_TRACE_DIR, else $TMPDIR/cohort-<job id>)
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
 
@@ -101,6 +104,14 @@ struct Plan {
   double join_timeout_s = 300;
   double kill_grace_s = 5;
   std::string ssh_command;
+  // Observability (docs/observability.md): the merged timeline's path ("" = off), live stats, where
+  // flight recorder dumps and timeline rank files go, the stall inspector's threshold (0 = off) and
+  // each rank's ring size (0 = flight recorder off).
+  std::string timeline_path;
+  bool stats = false;
+  std::string trace_dir;
+  double stall_warn_s = 60;
+  int flight_recorder = 2000;
   std::string program_path;          // resolved PROGRAM
   std::vector<std::string> program;  // PROGRAM ARGS... as given (argv)
 

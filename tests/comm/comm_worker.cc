@@ -5,14 +5,21 @@
 //     once      one allreduce, prints the sum
 //     loop      allreduce `bytes` (default 4096) forever; prints "ready" after the first one
 //     mismatch  rank 1 calls allreduce with a different count than the others
+//     skip      10 allreduces, but rank 1 skips the 5th: it finishes one early and exits 0 while the
+//               others wait in their 10th (the flight recorder names rank 1)
+//     timed     allreduces for 3 s, then exits 0 (live stats)
+//     stop      allreduces 20 ms apart; rank 1 stops itself (SIGSTOP) after the 6th (stall inspector)
 //     bench     allreduce latency/bandwidth table (rank 0 prints)
 //
 // Errors print "ERROR <class>: <message>" on stderr and exit with 3.
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cohort/communicator.h"
@@ -75,7 +82,7 @@ void bench(Communicator& comm) {
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: comm_worker <loop|mismatch|bench> <store file> <rank> <size> [bytes]\n");
+    std::fprintf(stderr, "usage: comm_worker <once|loop|mismatch|skip|stop|bench> <store file> <rank> <size> [bytes]\n");
     return 2;
   }
   std::string mode = argv[1];
@@ -88,6 +95,7 @@ int main(int argc, char** argv) {
     } else {
       comm = Communicator::create(make_file_store(argv[2]), rank, size);
     }
+    rank = comm->rank();  // from the environment in "env" mode
     if (mode == "bench") {
       bench(*comm);
       return 0;
@@ -103,6 +111,30 @@ int main(int argc, char** argv) {
       comm->allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
       std::printf("no error\n");
       return 0;
+    }
+    if (mode == "skip") {
+      for (int i = 1; i <= 10; ++i)
+        if (!(rank == 1 && i == 5)) comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      std::printf("rank %d done\n", rank);
+      return 0;
+    }
+    if (mode == "timed") {
+      // Every rank stops at the same operation: rank 0's clock decides, every 256 allreduces.
+      double end = now_s() + 3.0;
+      for (int32_t stop = 0; !stop;) {
+        for (int i = 0; i < 256; ++i)
+          comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+        stop = now_s() >= end;
+        comm->broadcast(&stop, 1, DataType::kInt32, 0);
+      }
+      return 0;
+    }
+    if (mode == "stop") {
+      for (int i = 1;; ++i) {
+        comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+        if (rank == 1 && i == 6) raise(SIGSTOP);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
     }
     comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
     std::printf("ready\n");

@@ -1,0 +1,170 @@
+#include "launch/inspector.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "common/env.h"
+#include "common/socket.h"
+#include "launch/output.h"
+#include "trace/diagnose.h"
+
+namespace cohort::launch {
+namespace {
+
+// Declared here so that `cohort run --help-env` lists it; the plan reads it from the launcher's
+// environment (launch/plan.cc), which tests can inject.
+const env::SecondsSetting kStallWarn(
+    "COHORT_STALL_WARN_S", 60.0,
+    "cohort run warns once when some ranks have waited this long in an operation that others have not "
+    "entered (0: off)");
+
+// Bus bandwidth factor of nccl-tests: bytes each rank must move per byte of the operation.
+double bus_factor(coll::OpKind k, int n) {
+  if (n <= 1) return 0;
+  switch (k) {
+    case coll::OpKind::kAllreduce: return 2.0 * (n - 1) / n;
+    case coll::OpKind::kAllgather:
+    case coll::OpKind::kAllgatherv:
+    case coll::OpKind::kReduceScatter:
+    case coll::OpKind::kAlltoall:
+    case coll::OpKind::kAlltoallv: return double(n - 1) / n;
+    case coll::OpKind::kBarrier: return 0;
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+std::string process_state(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  if (!std::getline(in, line)) return "exited";
+  // pid (comm) S ...: comm may hold spaces and parentheses; the state follows the last ')'.
+  auto close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return "unknown";
+  switch (line[close + 2]) {
+    case 'T': return "stopped (SIGSTOP)";
+    case 't': return "stopped by a debugger";
+    case 'Z': return "exited (not yet reaped)";
+    case 'D': return "in uninterruptible sleep (disk or kernel wait)";
+    default: return "running";
+  }
+}
+
+Inspector::Inspector(std::vector<InspectedRank> ranks, int world, double stall_warn_s, bool stats, int stats_fd,
+                     Say say)
+    : ranks_(std::move(ranks)),
+      world_(world),
+      stall_warn_s_(stall_warn_s),
+      stats_(stats),
+      stats_fd_(stats_fd),
+      stats_tty_(isatty(stats_fd) == 1),
+      say_(std::move(say)) {
+  if (stall_warn_s_ > 0 || stats_) thread_ = std::thread([this] { run(); });
+}
+
+Inspector::~Inspector() {
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Inspector::run() {
+  // Ticks: once a second, or faster for a short stall threshold (tests use 1 s or less).
+  auto period = std::chrono::milliseconds(1000);
+  if (stall_warn_s_ > 0 && stall_warn_s_ < 2) period = std::chrono::milliseconds(int64_t(stall_warn_s_ * 250) + 1);
+  std::unique_lock<std::mutex> g(mutex_);
+  while (!cv_.wait_for(g, period, [this] { return stop_; })) {
+    g.unlock();
+    inspect(trace::monotonic_ns());
+    g.lock();
+  }
+}
+
+std::vector<trace::RankSnapshot> Inspector::snapshots() const {
+  std::vector<trace::RankSnapshot> out;
+  for (const auto& r : ranks_) {
+    trace::RankSnapshot s = r.ring->snapshot();
+    s.process_state = process_state(r.pid);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+void Inspector::inspect(int64_t now) {
+  auto snaps = snapshots();
+  if (stall_warn_s_ > 0) {
+    if (auto m = trace::find_mismatch(snaps); m && warned_.insert({m->comm, m->a.seq | 0x80000000u}).second)
+      say_(fmt::format("error: {}", m->text()));
+    if (auto st = trace::find_stall(snaps, now, stall_warn_s_); st && warned_.insert({st->comm, st->op.seq}).second)
+      say_(fmt::format("warning: {} (COHORT_STALL_WARN_S={:g}; the job goes on until the communicators' deadline, "
+                       "COHORT_TIMEOUT)",
+                       st->text(), stall_warn_s_));
+  }
+  if (stats_) print_stats(snaps, now);
+}
+
+void Inspector::print_stats(const std::vector<trace::RankSnapshot>& snaps, int64_t now) {
+  if (last_time_ == 0) {
+    first_time_ = last_time_ = now;
+    for (const auto& s : snaps) last_counters_[s.rank] = s.counters;
+    return;
+  }
+  double dt = double(now - last_time_) / 1e9;
+  if (dt <= 0) return;
+  std::vector<nlohmann::json> rows;
+  for (const auto& s : snaps) {
+    const auto& c = s.counters;
+    const auto& p = last_counters_[s.rank];
+    // Bus bytes: the interval's bytes weighed by the kinds of the operations in the ring (the ring
+    // holds the last ones, not necessarily all of the interval's).
+    double weighted = 0, plain = 0;
+    for (const auto& e : s.entries)
+      if (e.state == trace::OpState::kDone) weighted += double(e.bytes) * bus_factor(e.kind, world_), plain += double(e.bytes);
+    double bus_bytes = plain > 0 ? double(c.bytes - p.bytes) * weighted / plain : 0;
+    double steps = double(c.steps - p.steps);
+    double step_ns = double(c.step_ns - p.step_ns);
+    nlohmann::json row = {{"t", double(now - first_time_) / 1e9},
+                          {"rank", s.rank},
+                          {"host", s.host},
+                          {"ops_per_s", double(c.ops - p.ops) / dt},
+                          {"bytes_per_s", double(c.bytes - p.bytes) / dt},
+                          {"busbw_GBps", bus_bytes / dt / 1e9},
+                          {"comm_share", double(c.op_ns - p.op_ns) / (dt * 1e9)},
+                          {"steps_per_s", steps / dt},
+                          {"ddp_wait_share", step_ns > 0 ? double(c.wait_ns - p.wait_ns) / step_ns : 0.0},
+                          {"state", s.process_state}};
+    rows.push_back(std::move(row));
+    last_counters_[s.rank] = c;
+  }
+  last_time_ = now;
+  std::string out;
+  if (!stats_tty_) {
+    for (auto& r : rows) out += nlohmann::json{{"cohort_stats", r}}.dump() + "\n";
+  } else {
+    // A table refreshed in place: move up over the previous one.
+    if (table_lines_ > 0) out += fmt::format("\x1b[{}F\x1b[J", table_lines_);
+    out += fmt::format("cohort stats, {:.0f} s\n", rows.empty() ? 0.0 : rows[0]["t"].get<double>());
+    out += fmt::format("{:>5} {:<16} {:>9} {:>11} {:>11} {:>7} {:>8} {:>9}\n", "rank", "host", "ops/s", "MB/s",
+                       "busbw GB/s", "comm %", "steps/s", "DDP wait%");
+    for (auto& r : rows)
+      out += fmt::format("{:>5} {:<16.16} {:>9.0f} {:>11.1f} {:>11.2f} {:>7.1f} {:>8.1f} {:>9.1f}\n",
+                         r["rank"].get<int>(), r["host"].get<std::string>(), r["ops_per_s"].get<double>(),
+                         r["bytes_per_s"].get<double>() / 1e6, r["busbw_GBps"].get<double>(),
+                         100 * r["comm_share"].get<double>(), r["steps_per_s"].get<double>(),
+                         100 * r["ddp_wait_share"].get<double>());
+    table_lines_ = int(rows.size()) + 2;
+  }
+  write_fully(stats_fd_, out.data(), out.size());
+}
+
+}  // namespace cohort::launch

@@ -1,0 +1,75 @@
+#pragma once
+// The launcher's live view of its workers' flight recorders (docs/observability.md):
+//  * the stall inspector: an operation that some ranks entered and others have not, for
+//    COHORT_STALL_WARN_S, gets one warning naming the missing ranks and the operation (once per
+//    operation; the job goes on, and ends at the communicators' own deadline if it stays stuck);
+//    ranks at the same operation number with different operations get one error line naming both;
+//  * live stats (--stats): per rank and second, operations, bytes, bus bandwidth, the share of time
+//    spent in communication and, for data-parallel training, the share of step time waiting for it.
+//
+// It runs on a thread of its own that reads the rings (shared memory) once a second: the
+// supervision loop never waits for it, and the workers never notice it.
+
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "trace/flight_ring.h"
+
+namespace cohort::launch {
+
+// "running", "stopped (SIGSTOP)", "exited", ... from /proc/<pid>/stat (live processes only).
+std::string process_state(pid_t pid);
+
+struct InspectedRank {
+  int rank = 0;
+  pid_t pid = -1;
+  const trace::Ring* ring = nullptr;  // owned by the launcher's worker record, alive while inspected
+};
+
+class Inspector {
+ public:
+  using Say = std::function<void(const std::string&)>;
+  // `stats_out`: where live stats go (a terminal gets a refreshed table, anything else JSON lines).
+  Inspector(std::vector<InspectedRank> ranks, int world, double stall_warn_s, bool stats, int stats_fd, Say say);
+  ~Inspector();  // stops and joins the thread (at once: it waits on a condition variable)
+  Inspector(const Inspector&) = delete;
+  Inspector& operator=(const Inspector&) = delete;
+
+  // One inspection at `now` (the thread calls this every second; tests call it directly).
+  void inspect(int64_t now);
+  // Snapshots of every inspected rank, with their process states.
+  std::vector<trace::RankSnapshot> snapshots() const;
+
+ private:
+  void run();
+  void print_stats(const std::vector<trace::RankSnapshot>& snaps, int64_t now);
+
+  std::vector<InspectedRank> ranks_;
+  int world_;
+  double stall_warn_s_;
+  bool stats_;
+  int stats_fd_;
+  bool stats_tty_;
+  Say say_;
+  std::set<std::pair<uint32_t, uint32_t>> warned_;  // (communicator, operation) already reported
+  // Live stats: the previous reading per rank.
+  std::map<int, trace::CounterSnapshot> last_counters_;
+  int64_t last_time_ = 0;
+  int64_t first_time_ = 0;
+  int table_lines_ = 0;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace cohort::launch

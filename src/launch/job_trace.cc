@@ -1,0 +1,123 @@
+// Observability of this node's workers (docs/observability.md): each worker's flight recorder ring
+// (created here, handed over by descriptor), the inspector thread (stall warnings, live stats), the
+// dumps and diagnosis when an attempt fails, and the merged timeline when the job ends.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "common/log.h"
+#include "common/strings.h"
+#include "launch/inspector.h"
+#include "launch/job_internal.h"
+#include "trace/diagnose.h"
+#include "trace/dump.h"
+#include "trace/timeline.h"
+
+namespace cohort::launch::job_detail {
+
+std::string Job::timeline_rank_dir() const { return plan_.trace_dir + "/timeline"; }
+
+void Job::prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars) {
+  bool timeline = !plan_.timeline_path.empty();
+  if (plan_.flight_recorder > 0 || plan_.stats) {
+    // With the recorder off but live stats on, a small ring still carries the counters.
+    uint32_t capacity = plan_.flight_recorder > 0 ? uint32_t(plan_.flight_recorder) : 64;
+    w.ring = trace::Ring::create(capacity, w.rank, plan_.world_size, node.host, plan_.stats);
+    // The worker inherits the descriptor across exec (the child clears close-on-exec on it).
+    vars.emplace_back("COHORT_FLIGHT_RECORDER_FD", std::to_string(w.ring.fd()));
+  }
+  if (timeline) {
+    std::error_code ec;
+    std::filesystem::create_directories(timeline_rank_dir(), ec);
+    if (ec) throw ConfigError(fmt::format("--timeline: cannot create {}: {}", timeline_rank_dir(), ec.message()));
+    std::string file = fmt::format("{}/rank{}.timeline", timeline_rank_dir(), w.rank);
+    std::filesystem::remove(file, ec);  // an earlier attempt's
+    vars.emplace_back("COHORT_TIMELINE_RANK_FILE", file);
+  }
+}
+
+void Job::start_inspector() {
+  std::vector<InspectedRank> ranks;
+  for (const auto& w : workers_)
+    if (w.ring.valid() && w.pid > 0) ranks.push_back({w.rank, w.pid, &w.ring});
+  if (ranks.empty()) return;
+  double stall = plan_.flight_recorder > 0 ? plan_.stall_warn_s : 0;
+  inspector_ = std::make_unique<Inspector>(std::move(ranks), plan_.world_size, stall, plan_.stats, 2,
+                                           [](const std::string& line) { say(line); });
+}
+
+void Job::stop_inspector() { inspector_.reset(); }
+
+void Job::record_failure(int attempt) {
+  diagnosis_.clear();
+  if (plan_.flight_recorder <= 0) return;
+  std::vector<trace::RankSnapshot> snaps;
+  for (const auto& w : workers_) {
+    if (!w.ring.valid()) continue;
+    trace::RankSnapshot s = w.ring.snapshot();
+    s.process_state = w.running ? "running" : describe_status(w.status);
+    snaps.push_back(std::move(s));
+  }
+  if (snaps.empty()) return;
+  std::string dir = attempt == 0 ? plan_.trace_dir : fmt::format("{}/attempt{}", plan_.trace_dir, attempt);
+  try {
+    std::filesystem::create_directories(dir);
+    for (const auto& s : snaps) trace::write_dump(fmt::format("{}/rank{}.json", dir, s.rank), s);
+  } catch (const std::exception& e) {
+    diagnosis_.push_back(fmt::format("flight recorder dumps not written to {}: {}", dir, e.what()));
+    dir.clear();
+  }
+  for (auto& line : trace::diagnose(snaps)) diagnosis_.push_back(std::move(line));
+  if (!dir.empty())
+    diagnosis_.push_back(fmt::format("dumps of {} in {} (`cohort trace show {}`)",
+                                     plan_.nnodes > 1 ? std::string("this node's ranks") : "every rank", dir, dir));
+}
+
+void Job::merge_timeline() {
+  if (plan_.timeline_path.empty() || !plan_.node(plan_.this_node)) return;
+  auto files = trace::timeline_rank_files(timeline_rank_dir());
+  std::vector<std::string> usable;
+  std::vector<int> missing;
+  for (const auto& w : workers_) {
+    std::string f = fmt::format("{}/rank{}.timeline", timeline_rank_dir(), w.rank);
+    std::error_code ec;
+    if (std::filesystem::file_size(f, ec) > 0 && !ec) usable.push_back(f);
+    else missing.push_back(w.rank);
+  }
+  if (usable.empty()) {
+    say(fmt::format("--timeline: no rank wrote a timeline (a rank writes it when it exits normally); nothing "
+                    "written to {}",
+                    plan_.timeline_path));
+    return;
+  }
+  try {
+    std::string tmp = plan_.timeline_path + ".tmp";
+    trace::MergeSummary merged;
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      if (!out) throw Error(fmt::format("cannot write {}", tmp));
+      merged = trace::merge_timelines(usable, out);
+    }
+    std::filesystem::rename(tmp, plan_.timeline_path);
+    std::string note = missing.empty() ? "" : fmt::format(" (no timeline from rank(s) {}: killed before exit?)",
+                                                          str::format_ranges(missing));
+    if (!merged.truncated_ranks.empty())
+      note += fmt::format(" (rank(s) {} reached COHORT_TIMELINE_MAX_EVENTS: later events dropped)",
+                          str::format_ranges(merged.truncated_ranks));
+    say(fmt::format("timeline of {} rank(s), {} events, written to {}{}", usable.size(), merged.events,
+                    plan_.timeline_path, note));
+    for (const auto& f : usable) std::filesystem::remove(f);
+    std::error_code ec;
+    std::filesystem::remove(timeline_rank_dir(), ec);  // only when empty
+    std::filesystem::remove(plan_.trace_dir, ec);
+  } catch (const std::exception& e) {
+    say(fmt::format("--timeline: {}", e.what()));
+  }
+}
+
+}  // namespace cohort::launch::job_detail
