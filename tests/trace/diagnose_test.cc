@@ -1,0 +1,238 @@
+// The flight recorder's ring, the diagnosis read from several rings, dumps and the timeline merge:
+// unit tests with rings written by hand the way the communicator writes them.
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cohort/error.h"
+#include "cohort/types.h"
+#include "support/test_support.h"
+#include "trace/diagnose.h"
+#include "trace/dump.h"
+#include "trace/timeline.h"
+
+namespace cohort::trace {
+namespace {
+
+using coll::OpKind;
+constexpr uint32_t kWorld = 0xabcd1234;
+constexpr int64_t kSecond = 1000000000;
+
+OpBegin allreduce(uint32_t seq, uint64_t count, int64_t t_start) {
+  return OpBegin{kWorld, seq, OpKind::kAllreduce, uint8_t(DataType::kFloat32), uint8_t(ReduceOp::kSum), -1, count,
+                 count * 4, 0, t_start};
+}
+
+// `world` rings; rank r runs allreduces 1..done[r] to completion, then starts running[r] (0: none).
+struct Job {
+  std::vector<Ring> rings;
+  Job(const std::vector<uint32_t>& done, const std::vector<uint32_t>& running, int64_t t0 = kSecond) {
+    int world = int(done.size());
+    for (int r = 0; r < world; ++r) {
+      rings.push_back(Ring::create(16, r, world, "host" + std::to_string(r), false));
+      for (uint32_t s = 1; s <= done[r]; ++s) {
+        auto op = allreduce(s, 1024, t0 + s * 1000);
+        ring_finish(rings[r].header(), ring_append(rings[r].header(), op), op, true, 0);
+      }
+      if (running[r]) ring_append(rings[r].header(), allreduce(running[r], 1024, t0 + running[r] * 1000));
+    }
+  }
+  std::vector<RankSnapshot> snapshots(int64_t taken_at) const {
+    std::vector<RankSnapshot> out;
+    for (const auto& r : rings) {
+      auto s = r.snapshot();
+      s.taken_at = taken_at;
+      s.process_state = "running";
+      out.push_back(s);
+    }
+    return out;
+  }
+};
+
+TEST(FlightRing, KeepsTheLastEntriesInOrderAndCountsThem) {
+  Ring ring = Ring::create(4, 3, 8, "node-a", false);
+  for (uint32_t s = 1; s <= 10; ++s) {
+    auto op = allreduce(s, 8, s);
+    ring_finish(ring.header(), ring_append(ring.header(), op), op, true, 0);
+  }
+  auto snap = ring.snapshot();
+  EXPECT_EQ(snap.rank, 3);
+  EXPECT_EQ(snap.world, 8);
+  EXPECT_EQ(snap.host, "node-a");
+  EXPECT_EQ(snap.total, 10u);
+  ASSERT_EQ(snap.entries.size(), 4u);
+  EXPECT_EQ(snap.entries.front().seq, 7u);
+  EXPECT_EQ(snap.entries.back().seq, 10u);
+  EXPECT_EQ(snap.counters.ops, 10u);
+  EXPECT_EQ(snap.counters.bytes, 10u * 32);
+  EXPECT_EQ(describe(snap.entries.back()), "#10 allreduce(count=8, float, sum) (32 B)");
+}
+
+TEST(FlightRing, AFinishAfterTheRingWentRoundLeavesTheNewerEntry) {
+  Ring ring = Ring::create(2, 0, 1, "h", false);
+  auto first = allreduce(1, 8, 1);
+  auto old = ring_append(ring.header(), first);
+  for (uint32_t s = 2; s <= 3; ++s) ring_append(ring.header(), allreduce(s, 8, s));
+  ring_finish(ring.header(), old, first, true, 0);
+  for (const auto& e : ring.snapshot().entries) EXPECT_EQ(e.state, OpState::kRunning) << describe(e);
+  EXPECT_EQ(ring.header().counters.ops.load(), 1u);  // still counted
+}
+
+TEST(FlightRing, ConcurrentWritersAndAReaderNeverSeeATornEntry) {
+  Ring ring = Ring::create(64, 0, 1, "h", false);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> writers;
+  for (uint32_t w = 0; w < 2; ++w)
+    writers.emplace_back([&, w] {
+      for (uint32_t s = 1; s <= 20000; ++s) {
+        OpBegin op = allreduce(s, s, s);
+        op.comm = w;  // count == seq in every entry: a torn copy breaks it
+        ring_finish(ring.header(), ring_append(ring.header(), op), op, true, 0);
+      }
+    });
+  std::thread reader([&] {
+    while (!stop.load())
+      for (const auto& e : ring.snapshot().entries) ASSERT_EQ(e.count, e.seq);
+  });
+  for (auto& t : writers) t.join();
+  stop = true;
+  reader.join();
+  // The counters may lose a count to a concurrent finish (by design), never gain one.
+  EXPECT_LE(ring.header().counters.ops.load(), 40000u);
+  EXPECT_GT(ring.header().counters.ops.load(), 20000u);
+}
+
+TEST(Diagnose, NamesTheRankThatStoppedFirstAndWhoWaitedForIt) {
+  // Rank 1 finished #9 and went no further; ranks 0 and 2 are inside #10.
+  Job job({9, 9, 9}, {10, 0, 10});
+  auto lines = diagnose(job.snapshots(kSecond + 3 * kSecond));
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("rank 1 stopped first, at #9 allreduce(count=1024, float, sum)"), std::string::npos)
+      << lines[0];
+  EXPECT_NE(lines[0].find("ranks 0,2 waited for it in #10 allreduce"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("for 3.0 s"), std::string::npos) << lines[0];
+}
+
+TEST(Diagnose, EveryRankInTheSameOperationSaysHowEachLeftIt) {
+  Job job({4, 4}, {5, 5});
+  auto snaps = job.snapshots(2 * kSecond);
+  snaps[1].process_state = "was killed by SIGKILL";
+  auto lines = diagnose(snaps);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("every rank reached #5 allreduce"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("rank 1 running after 1.0 s, process was killed by SIGKILL"), std::string::npos) << lines[0];
+}
+
+TEST(Diagnose, StallNamesTheMissingRanksOnlyAfterTheThreshold) {
+  Job job({6, 6, 6, 6}, {7, 0, 7, 0});
+  int64_t entered = kSecond + 7 * 1000;
+  EXPECT_FALSE(find_stall(job.snapshots(entered), entered + kSecond / 2, 1.0));
+  auto snaps = job.snapshots(entered + 2 * kSecond);
+  snaps[3].process_state = "stopped (SIGSTOP)";
+  auto st = find_stall(snaps, entered + 2 * kSecond, 1.0);
+  ASSERT_TRUE(st);
+  EXPECT_EQ(st->waiting, (std::vector<int>{0, 2}));
+  EXPECT_EQ(st->missing, (std::vector<int>{1, 3}));
+  EXPECT_NE(st->text().find("ranks 0,2 entered #7 allreduce"), std::string::npos) << st->text();
+  EXPECT_NE(st->text().find("ranks 1,3 not"), std::string::npos) << st->text();
+  EXPECT_NE(st->text().find("rank 3 last #6 allreduce(count=1024, float, sum) (4.0 KiB) done, process stopped (SIGSTOP)"),
+            std::string::npos)
+      << st->text();
+  // In step: nothing to report.
+  Job steady({5, 5}, {0, 0});
+  EXPECT_FALSE(find_stall(steady.snapshots(100 * kSecond), 100 * kSecond, 1.0));
+}
+
+TEST(Diagnose, MismatchNamesBothSides) {
+  Job job({2, 2, 2}, {0, 0, 0});
+  Ring& r2 = job.rings[2];
+  ring_append(r2.header(), allreduce(3, 512, 5));
+  ring_append(job.rings[0].header(), allreduce(3, 1024, 5));
+  auto m = find_mismatch(job.snapshots(0));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->text(),
+            "mismatch at operation #3: rank 0 called #3 allreduce(count=1024, float, sum) (4.0 KiB) but rank 2 called "
+            "#3 allreduce(count=512, float, sum) (2.0 KiB)");
+}
+
+TEST(Dump, RoundTripsThroughJsonAndReadsADirectory) {
+  Job job({3, 2}, {0, 3});
+  test::TempDir dir;
+  auto snaps = job.snapshots(42);
+  for (const auto& s : snaps) write_dump(dir.file("rank" + std::to_string(s.rank) + ".json"), s);
+  auto back = read_dump_dir(dir.path());
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(to_json(back[1]), to_json(snaps[1]));
+  EXPECT_EQ(diagnose(back), diagnose(snaps));
+  test::write_file(dir.file("rank7.json"), "{\"format\": \"something else\"}");
+  try {
+    read_dump_dir(dir.path());
+    FAIL() << "a foreign file was read as a dump";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank7.json: not a cohort flight recorder dump"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Timeline, MergesRanksIntoAChromeTraceWithMonotoneTracks) {
+  test::TempDir dir;
+  for (int r = 0; r < 2; ++r) {
+    TimelineWriter w(dir.file("rank{rank}.timeline"));
+    w.set_identity(r, 2, "host");
+    int64_t t = monotonic_ns();
+    w.add_span("backward", -1, t, t + 5000);
+    w.add_instant("bucket ready", 0, t + 1000);
+    for (uint32_t s = 3; s >= 1; --s) {  // written out of order on purpose
+      OpRecord op;
+      op.kind = OpKind::kAllreduce;
+      op.comm = kWorld;
+      op.seq = s;
+      op.state = OpState::kDone;
+      op.t_start = t + s * 2000;
+      op.t_end = op.t_start + 1500;
+      w.add_op(op);
+    }
+    w.flush();
+  }
+  auto files = timeline_rank_files(dir.path());
+  ASSERT_EQ(files.size(), 2u);
+  std::stringstream text;
+  auto summary = merge_timelines(files, text);
+  EXPECT_EQ(summary.ranks, 2);
+  EXPECT_EQ(summary.events, 10u);
+  auto trace = nlohmann::json::parse(text.str());
+  ASSERT_TRUE(trace["traceEvents"].is_array());
+  std::map<std::pair<int, int>, double> last_ts;
+  std::set<int> pids;
+  int complete = 0;
+  for (const auto& e : trace["traceEvents"]) {
+    ASSERT_TRUE(e.contains("ph") && e.contains("pid") && e.contains("tid") && e.contains("name")) << e;
+    std::string ph = e["ph"];
+    if (ph == "M") {
+      ASSERT_TRUE(e["args"].contains("name") || e["args"].contains("sort_index")) << e;
+      continue;
+    }
+    ASSERT_TRUE(e["ts"].is_number()) << e;
+    if (ph == "X") {
+      ASSERT_TRUE(e["dur"].is_number() && e["dur"].get<double>() >= 0) << e;
+      ++complete;
+    }
+    auto key = std::make_pair(e["pid"].get<int>(), e["tid"].get<int>());
+    double ts = e["ts"];
+    if (last_ts.count(key)) {
+      EXPECT_GE(ts, last_ts[key]) << e;
+    }
+    last_ts[key] = ts;
+    pids.insert(key.first);
+  }
+  EXPECT_EQ(pids, (std::set<int>{0, 1}));
+  EXPECT_EQ(complete, 8);
+}
+
+}  // namespace
+}  // namespace cohort::trace

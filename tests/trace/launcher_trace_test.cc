@@ -1,0 +1,94 @@
+// The flight recorder, stall inspector, live stats and timeline through `cohort run`, with real
+// processes: comm_worker ranks (tests/comm/comm_worker.cc) that skip an operation, stop themselves,
+// call with a different size, or just work.
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support/test_support.h"
+#include "trace/dump.h"
+
+namespace cohort::test {
+namespace {
+
+std::vector<std::string> run_workers(int n, const std::string& mode, std::vector<std::string> flags = {}) {
+  std::vector<std::string> argv{cohort_tool(), "run", "-n", std::to_string(n)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  for (std::string a : {std::string(COHORT_COMM_WORKER), mode, std::string("env"), std::string("0"), std::string("0")})
+    argv.push_back(a);
+  return argv;
+}
+
+TEST(LauncherTrace, ASkippedAllreduceNamesTheRankAndTheSequenceNumber) {
+  TempDir dir;
+  auto r = run_process(run_workers(3, "skip", {"--trace-dir", dir.path()}), {"COHORT_TIMEOUT=20"}, 60);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  // Rank 1 did 9 allreduces and left; ranks 0 and 2 were in their 10th.
+  EXPECT_TRUE(std::regex_search(
+      r.err, std::regex(R"(flight recorder: rank 1 stopped first, at #9 allreduce\(count=1024, float, sum\) \(4\.0 KiB\) \(rank 1: done, process exited with code 0\); ranks 0,2 waited for it in #10 allreduce)")))
+      << r.err;
+  EXPECT_NE(r.err.find("flight recorder: dumps of every rank in " + dir.path()), std::string::npos) << r.err;
+  // The dumps say the same offline.
+  auto show = run_process({cohort_tool(), "trace", "show", dir.path()}, {}, 30);
+  EXPECT_EQ(show.exit_code, 0) << show.err;
+  EXPECT_NE(show.out.find("rank 1 stopped first, at #9 allreduce"), std::string::npos) << show.out;
+  auto dumps = trace::read_dump_dir(dir.path());
+  ASSERT_EQ(dumps.size(), 3u);
+  EXPECT_EQ(dumps[1].entries.back().seq, 9u);
+}
+
+TEST(LauncherTrace, AStoppedRankGetsOneStallWarningAndTheJobEndsAtItsDeadlineWithDumps) {
+  TempDir dir;
+  auto r = run_process(run_workers(3, "stop", {"--trace-dir", dir.path()}),
+                       {"COHORT_STALL_WARN_S=1", "COHORT_TIMEOUT=4", "COHORT_SLOW_WARNING=30"}, 60);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  std::regex warning(R"(warning: stall: ranks 0,2 entered #7 allreduce\S* .* ago; rank 1 not: rank 1 last #6 allreduce.* done, process stopped \(SIGSTOP\))");
+  EXPECT_TRUE(std::regex_search(r.err, warning)) << r.err;
+  // Once, not every second.
+  size_t first = r.err.find("warning: stall:");
+  EXPECT_EQ(r.err.find("warning: stall:", first + 1), std::string::npos) << r.err;
+  // The deadline (4 s), not the stall warning, ended it; the dumps are there.
+  EXPECT_GE(r.seconds, 4.0);
+  EXPECT_LT(r.seconds, 20.0);
+  EXPECT_NE(r.err.find("timed out"), std::string::npos) << r.err;
+  EXPECT_EQ(trace::read_dump_dir(dir.path()).size(), 3u);
+}
+
+TEST(LauncherTrace, ASizeMismatchIsNamedWithBothSides) {
+  TempDir dir;
+  auto r = run_process(run_workers(3, "mismatch", {"--trace-dir", dir.path()}), {"COHORT_TIMEOUT=20"}, 60);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(std::regex_search(
+      r.err, std::regex(R"(flight recorder: mismatch at operation #1: rank \d called #1 allreduce\(count=(1024|512), .* but rank \d called #1 allreduce\(count=(512|1024))")))
+      << r.err;
+}
+
+TEST(LauncherTrace, TimelineOfEveryRankMergedIntoOneChromeTrace) {
+  TempDir dir;
+  std::string path = dir.file("trace.json");
+  auto r = run_process(run_workers(2, "skip", {"--timeline", path, "--trace-dir", dir.file("tmp")}), {}, 60);
+  // (mode skip fails the job; the ranks that ended normally still wrote their timelines)
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << r.err;
+  auto trace = nlohmann::json::parse(in);
+  std::set<int> ranks;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X") ranks.insert(e["pid"].get<int>());
+  EXPECT_TRUE(ranks.count(1)) << r.err;  // rank 1 exited normally
+  EXPECT_NE(r.err.find("timeline of"), std::string::npos) << r.err;
+}
+
+TEST(LauncherTrace, LiveStatsAreJsonLinesWhenNotATerminal) {
+  auto r = run_process(run_workers(2, "timed", {"--stats"}), {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  std::regex line(R"(\{"cohort_stats":\{[^\n]*"ops_per_s":([0-9.e+]+)[^\n]*"rank":0)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.err, m, line)) << r.err;
+  EXPECT_GT(std::stod(m[1]), 0.0) << m[0];
+}
+
+}  // namespace
+}  // namespace cohort::test
