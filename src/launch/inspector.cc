@@ -13,6 +13,7 @@
 #include "common/socket.h"
 #include "launch/output.h"
 #include "trace/diagnose.h"
+#include "trace/dump.h"
 
 namespace cohort::launch {
 namespace {
@@ -41,6 +42,33 @@ double bus_factor(coll::OpKind k, int n) {
 
 }  // namespace
 
+std::string node_trace_key(int node) { return "trace/node/" + std::to_string(node); }
+std::string node_final_trace_key(int node) { return "trace/final/" + std::to_string(node); }
+
+std::string publish_snapshots(const std::vector<trace::RankSnapshot>& snaps, size_t entries) {
+  nlohmann::json all = nlohmann::json::array();
+  for (auto s : snaps) {
+    if (s.entries.size() > entries) s.entries.erase(s.entries.begin(), s.entries.end() - long(entries));
+    all.push_back(trace::to_json(s));
+  }
+  return all.dump();
+}
+
+std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_t now) {
+  std::vector<trace::RankSnapshot> out;
+  for (const auto& j : nlohmann::json::parse(text)) {
+    trace::RankSnapshot s = trace::snapshot_from_json(j);
+    int64_t shift = now - s.taken_at;
+    for (auto& e : s.entries) {
+      for (int64_t* t : {&e.t_queued, &e.t_start, &e.t_end})
+        if (*t > 0) *t += shift;
+    }
+    s.taken_at = now;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 std::string process_state(pid_t pid) {
   std::ifstream in(fmt::format("/proc/{}/stat", pid));
   std::string line;
@@ -58,15 +86,22 @@ std::string process_state(pid_t pid) {
 }
 
 Inspector::Inspector(std::vector<InspectedRank> ranks, int world, double stall_warn_s, bool stats, int stats_fd,
-                     Say say)
+                     Say say, InspectorSharing sharing)
     : ranks_(std::move(ranks)),
       world_(world),
       stall_warn_s_(stall_warn_s),
       stats_(stats),
       stats_fd_(stats_fd),
       stats_tty_(isatty(stats_fd) == 1),
-      say_(std::move(say)) {
-  if (stall_warn_s_ > 0 || stats_) thread_ = std::thread([this] { run(); });
+      say_(std::move(say)),
+      sharing_(std::move(sharing)) {
+  // Ticks: once a second, or faster for a short stall threshold (tests use 1 s or less).
+  if (stall_warn_s_ > 0 && stall_warn_s_ < 2) tick_ = std::chrono::milliseconds(int64_t(stall_warn_s_ * 250) + 1);
+  // Several nodes: a node that is not the head publishes its ranks for the head's inspection (at the
+  // same pace) and warns about nothing itself.
+  if (sharing_.nnodes > 1 && !sharing_.head) stall_warn_s_ = 0;
+  bool publishing = sharing_.store && sharing_.nnodes > 1 && !ranks_.empty();
+  if (stall_warn_s > 0 || stats_ || publishing) thread_ = std::thread([this] { run(); });
 }
 
 Inspector::~Inspector() {
@@ -79,11 +114,8 @@ Inspector::~Inspector() {
 }
 
 void Inspector::run() {
-  // Ticks: once a second, or faster for a short stall threshold (tests use 1 s or less).
-  auto period = std::chrono::milliseconds(1000);
-  if (stall_warn_s_ > 0 && stall_warn_s_ < 2) period = std::chrono::milliseconds(int64_t(stall_warn_s_ * 250) + 1);
   std::unique_lock<std::mutex> g(mutex_);
-  while (!cv_.wait_for(g, period, [this] { return stop_; })) {
+  while (!cv_.wait_for(g, tick_, [this] { return stop_; })) {
     g.unlock();
     inspect(trace::monotonic_ns());
     g.lock();
@@ -102,6 +134,20 @@ std::vector<trace::RankSnapshot> Inspector::snapshots() const {
 
 void Inspector::inspect(int64_t now) {
   auto snaps = snapshots();
+  if (stats_) print_stats(snaps, now);
+  if (sharing_.store && sharing_.nnodes > 1) {
+    // Recent operations are enough to compare sequence numbers; 16 keep the value small.
+    try {
+      if (!snaps.empty()) sharing_.store->set(node_trace_key(sharing_.node), publish_snapshots(snaps, 16));
+      if (!sharing_.head) return;
+      for (int n = 0; n < sharing_.nnodes; ++n) {
+        if (n == sharing_.node || !sharing_.store->check({node_trace_key(n)})) continue;
+        for (auto& s : adopt_snapshots(sharing_.store->get(node_trace_key(n)), now)) snaps.push_back(std::move(s));
+      }
+    } catch (const std::exception&) {
+      return;  // the store is gone or slow: the supervision loop reports that; skip this tick
+    }
+  }
   if (stall_warn_s_ > 0) {
     if (auto m = trace::find_mismatch(snaps); m && warned_.insert({m->comm, m->a.seq | 0x80000000u}).second)
       say_(fmt::format("error: {}", m->text()));

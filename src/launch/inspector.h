@@ -12,6 +12,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -21,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/store.h"
 #include "trace/flight_ring.h"
 
 namespace cohort::launch {
@@ -34,11 +36,29 @@ struct InspectedRank {
   const trace::Ring* ring = nullptr;  // owned by the launcher's worker record, alive while inspected
 };
 
+// Several nodes: every node's inspector publishes its ranks' recent operations to the job's store
+// once a tick (key "trace/node/<n>" of the attempt); the head's reads the others' and inspects the
+// whole job. Only the head warns about stalls and mismatches then, so each is reported once.
+struct InspectorSharing {
+  std::shared_ptr<Store> store;  // the attempt's prefix, on a connection of the inspector's own
+  int node = 0;
+  int nnodes = 1;
+  bool head = false;
+};
+// The key a node's ranks are published under, live and (trace/final/<n>) after a failed attempt.
+std::string node_trace_key(int node);
+std::string node_final_trace_key(int node);
+// Snapshots as published (the last `entries` operations of each) and read back: the remote clock is
+// moved onto this host's by the age of the snapshot (the error is the publishing delay, under a tick).
+std::string publish_snapshots(const std::vector<trace::RankSnapshot>& snaps, size_t entries);
+std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_t now);
+
 class Inspector {
  public:
   using Say = std::function<void(const std::string&)>;
   // `stats_out`: where live stats go (a terminal gets a refreshed table, anything else JSON lines).
-  Inspector(std::vector<InspectedRank> ranks, int world, double stall_warn_s, bool stats, int stats_fd, Say say);
+  Inspector(std::vector<InspectedRank> ranks, int world, double stall_warn_s, bool stats, int stats_fd, Say say,
+            InspectorSharing sharing = {});
   ~Inspector();  // stops and joins the thread (at once: it waits on a condition variable)
   Inspector(const Inspector&) = delete;
   Inspector& operator=(const Inspector&) = delete;
@@ -59,6 +79,8 @@ class Inspector {
   int stats_fd_;
   bool stats_tty_;
   Say say_;
+  InspectorSharing sharing_;
+  std::chrono::milliseconds tick_{1000};
   std::set<std::pair<uint32_t, uint32_t>> warned_;  // (communicator, operation) already reported
   // Live stats: the previous reading per rank.
   std::map<int, trace::CounterSnapshot> last_counters_;

@@ -154,6 +154,7 @@ EndInfo Job::run_attempt(int attempt) {
     joined_ = false;
     WatchParams params{plan_.nnodes, plan_.this_node, plan_.join_timeout_s, store_addr_};
     std::thread(watcher_main, watch_store, events_, watcher_stop_, params, attempt).detach();
+    if (!plan_.node(plan_.this_node)) start_inspector(attempt);  // a fan-out head: the other nodes' rings
   } else {
     joined_ = true;
     spawn_workers(attempt);
@@ -236,6 +237,7 @@ EndInfo Job::run_attempt(int attempt) {
     if (w.out) drain(w.out.get(), *w.sink, false, w.out);
     if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   }
+  if (end_->code != 0) publish_final_trace();
   settle_end_with_store();
   if (end_->code != 0) record_failure(attempt);
   return *end_;
@@ -280,8 +282,8 @@ int Job::run() {
       else
         say(fmt::format("job stopped (exit {}): {}", e.code, e.summary));
     }
-    // The flight recorders' account, from every node (an agent's lines reach the head's console).
-    if (e.code != 0)
+    // The flight recorders' account: the head's covers every node (it gathered their rings).
+    if (print && e.code != 0)
       for (const auto& line : diagnosis_) say("flight recorder: " + line);
     merge_timeline();
     if (!agents_.empty()) {

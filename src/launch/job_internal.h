@@ -182,8 +182,10 @@ class Job {
   std::string failure_summary(const Worker& w);
   // job_trace.cc
   void prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars);
-  void start_inspector();
+  void start_inspector(int attempt);
   void stop_inspector();
+  std::vector<trace::RankSnapshot> final_snapshots() const;  // this node's rings, with process states
+  void publish_final_trace();        // several nodes: this node's rings for the head's diagnosis
   void record_failure(int attempt);  // dumps and diagnosis_ of a failed attempt
   void merge_timeline();
   std::string timeline_rank_dir() const;

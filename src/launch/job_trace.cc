@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -12,6 +13,7 @@
 #include "cohort/error.h"
 #include "common/log.h"
 #include "common/strings.h"
+#include "store/tcp_store.h"
 #include "launch/inspector.h"
 #include "launch/job_internal.h"
 #include "trace/diagnose.h"
@@ -19,6 +21,8 @@
 #include "trace/timeline.h"
 
 namespace cohort::launch::job_detail {
+
+constexpr Millis kInspectorStoreTimeout{2000};
 
 std::string Job::timeline_rank_dir() const { return plan_.trace_dir + "/timeline"; }
 
@@ -41,21 +45,35 @@ void Job::prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<s
   }
 }
 
-void Job::start_inspector() {
+void Job::start_inspector(int attempt) {
   std::vector<InspectedRank> ranks;
   for (const auto& w : workers_)
     if (w.ring.valid() && w.pid > 0) ranks.push_back({w.rank, w.pid, &w.ring});
-  if (ranks.empty()) return;
+  InspectorSharing sharing;
+  if (distributed_ && plan_.nnodes > 1 && plan_.flight_recorder > 0) {
+    // The inspector thread talks to the store on a connection of its own (clients are not shared
+    // between threads), under this attempt's prefix, with a short deadline: its calls are small, and
+    // the end of an attempt joins the thread, which must not sit in a call to a store cut off from
+    // this node.
+    try {
+      StoreClientOptions co = client_options_;
+      co.timeout = kInspectorStoreTimeout;
+      auto base = make_prefix_store(connect_tcp_store(co), "cohort/launch/" + plan_.job_id);
+      sharing = {make_prefix_store(base, fmt::format("attempt/{}", attempt)), plan_.this_node, plan_.nnodes,
+                 plan_.host_store};
+    } catch (const std::exception& e) {
+      log::warn("stall inspector: no store connection ({}); it covers this node's ranks only", e.what());
+    }
+  }
+  if (ranks.empty() && !(sharing.store && sharing.head)) return;
   double stall = plan_.flight_recorder > 0 ? plan_.stall_warn_s : 0;
   inspector_ = std::make_unique<Inspector>(std::move(ranks), plan_.world_size, stall, plan_.stats, 2,
-                                           [](const std::string& line) { say(line); });
+                                           [](const std::string& line) { say(line); }, std::move(sharing));
 }
 
 void Job::stop_inspector() { inspector_.reset(); }
 
-void Job::record_failure(int attempt) {
-  diagnosis_.clear();
-  if (plan_.flight_recorder <= 0) return;
+std::vector<trace::RankSnapshot> Job::final_snapshots() const {
   std::vector<trace::RankSnapshot> snaps;
   for (const auto& w : workers_) {
     if (!w.ring.valid()) continue;
@@ -63,7 +81,47 @@ void Job::record_failure(int attempt) {
     s.process_state = w.running ? "running" : describe_status(w.status);
     snaps.push_back(std::move(s));
   }
+  return snaps;
+}
+
+void Job::publish_final_trace() {
+  // Several nodes: the head's diagnosis needs this node's rings. Published before this node counts
+  // itself exited, so the head (which waits for that) finds it.
+  if (plan_.flight_recorder <= 0 || !distributed_ || plan_.nnodes <= 1 || !attempt_store_ || head_lost_) return;
+  auto snaps = final_snapshots();
   if (snaps.empty()) return;
+  try {
+    attempt_store_->set(node_final_trace_key(plan_.this_node), publish_snapshots(snaps, 64));
+  } catch (const std::exception& e) {
+    log::warn("flight recorder: could not publish this node's rings to the store: {}", e.what());
+  }
+}
+
+void Job::record_failure(int attempt) {
+  diagnosis_.clear();
+  if (plan_.flight_recorder <= 0) return;
+  auto snaps = final_snapshots();
+  bool whole_job = !distributed_ || plan_.nnodes <= 1;
+  if (!whole_job && plan_.host_store && attempt_store_) {
+    // The head gathers the other nodes' rings (published as they stopped; a node that never joined
+    // or lost the store has none).
+    int64_t now = trace::monotonic_ns();
+    int found = 0;
+    for (const auto& node : plan_.nodes) {
+      if (node.node_rank == plan_.this_node) continue;
+      try {
+        auto key = node_final_trace_key(node.node_rank);
+        attempt_store_->wait({key}, Millis(2000));
+        for (auto& s : adopt_snapshots(attempt_store_->get(key), now)) snaps.push_back(std::move(s));
+        ++found;
+      } catch (const std::exception&) {
+        diagnosis_.push_back(fmt::format("node {} ({}) published no flight recorder", node.node_rank, node.host));
+      }
+    }
+    whole_job = found == int(plan_.nodes.size()) - (plan_.node(plan_.this_node) ? 1 : 0);
+  }
+  if (snaps.empty()) return;
+  std::sort(snaps.begin(), snaps.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   std::string dir = attempt == 0 ? plan_.trace_dir : fmt::format("{}/attempt{}", plan_.trace_dir, attempt);
   try {
     std::filesystem::create_directories(dir);
@@ -75,7 +133,7 @@ void Job::record_failure(int attempt) {
   for (auto& line : trace::diagnose(snaps)) diagnosis_.push_back(std::move(line));
   if (!dir.empty())
     diagnosis_.push_back(fmt::format("dumps of {} in {} (`cohort trace show {}`)",
-                                     plan_.nnodes > 1 ? std::string("this node's ranks") : "every rank", dir, dir));
+                                     whole_job ? "every rank" : "this node's ranks", dir, dir));
 }
 
 void Job::merge_timeline() {

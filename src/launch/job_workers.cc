@@ -164,7 +164,7 @@ void Job::spawn_workers(int attempt) {
     if (end_) break;  // a signal arrived meanwhile
     spawn_worker(workers_[l], *node, attempt, bindings[l], gpus_.empty() ? GpuAssignment{} : gpus_[l]);
   }
-  start_inspector();
+  start_inspector(attempt);
 }
 
 int Job::running_workers() const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <fmt/core.h>
 
@@ -93,6 +94,7 @@ std::string Stall::text() const {
   }
   return fmt::format("stall: {} entered {} {:.1f} s ago; {} not: {}", ranks_text(waiting), describe(op),
                      waited_s, ranks_text(missing), str::join(missing_last, "; "));
+
 }
 
 std::string Mismatch::text() const {
@@ -140,6 +142,13 @@ std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t 
         }
       }
     }
+    // A rank whose process is stopped or stuck in the kernel is the likeliest cause: name it first.
+    std::vector<std::tuple<bool, int, std::string>> order;
+    for (size_t i = 0; i < st.missing.size(); ++i)
+      order.emplace_back(process_note(find_rank(ranks, st.missing[i])).empty(), st.missing[i], st.missing_last[i]);
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
+    for (size_t i = 0; i < order.size(); ++i) st.missing_last[i] = std::get<2>(order[i]);
     return st;
   }
   return std::nullopt;
@@ -193,27 +202,40 @@ std::vector<std::string> diagnose(const std::vector<RankSnapshot>& ranks) {
     lines.push_back(fmt::format("every rank reached {}: {}", describe(*op), str::join(parts, "; ")));
     return lines;
   }
-  // The ranks furthest behind stopped first; the ones at the newest operation waited for them.
-  std::vector<int> behind, ahead;
+  // The ranks furthest behind stopped first; the ones at the newest operation waited for them. Among
+  // the ranks behind, one still inside its operation when the job ended never noticed anything (it was
+  // stopped, or stuck in user code inside a callback) while the others there failed waiting: the
+  // former are the cause when both kinds are there (a hierarchical allreduce holds back its group).
+  std::vector<int> behind, stuck, ahead;
   const OpRecord *behind_op = nullptr, *ahead_op = nullptr;
   double waited = 0;
   for (auto& [rank, r] : v.last) {
     const RankSnapshot* s = find_rank(ranks, rank);
-    if (r->seq == lo) behind.push_back(rank), behind_op = behind_op ? behind_op : r;
+    if (r->seq == lo) {
+      behind.push_back(rank);
+      if (r->state == OpState::kRunning) stuck.push_back(rank);
+      behind_op = behind_op ? behind_op : r;
+    }
     if (r->seq == hi) {
       ahead.push_back(rank);
       ahead_op = ahead_op ? ahead_op : r;
       if (r->state != OpState::kDone) waited = std::max(waited, seconds(running_ns(*r, *s)));
     }
   }
+  std::vector<int> first = !stuck.empty() && stuck.size() < behind.size() ? stuck : behind;
+  std::vector<int> also;
+  for (int rank : behind)
+    if (std::find(first.begin(), first.end(), rank) == first.end()) also.push_back(rank);
   std::vector<std::string> notes;
-  for (int rank : behind) {
+  for (int rank : first) {
     const RankSnapshot* s = find_rank(ranks, rank);
     notes.push_back(fmt::format("rank {}: {}{}", rank, op_state_name(v.last.at(rank)->state), process_note(s)));
   }
-  lines.push_back(fmt::format("{} stopped first, at {} ({}); {} waited for it in {} for {:.1f} s", ranks_text(behind),
-                              describe(*behind_op), str::join(notes, "; "), ranks_text(ahead), describe(*ahead_op),
-                              waited));
+  std::string line = fmt::format("{} stopped first, at {} ({}); {} waited for it in {} for {:.1f} s", ranks_text(first),
+                                 describe(*behind_op), str::join(notes, "; "), ranks_text(ahead), describe(*ahead_op),
+                                 waited);
+  if (!also.empty()) line += fmt::format("; {} failed in #{} waiting too", ranks_text(also), lo);
+  lines.push_back(std::move(line));
   return lines;
 }
 
