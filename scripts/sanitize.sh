@@ -4,7 +4,8 @@
 #   ASan + UBSan: every unit and multi-process test (all but python, torch_integration, fuzz, multihost,
 #                 gpu and repo, which need torch, clang's fuzzing runtime, namespaces or a GPU, or check
 #                 the tree rather than the code);
-#   TSan:         the transport, comm and store tests (the threads that share state live there).
+#   TSan:         the transport, comm and store tests (the threads that share state live there), and
+#                 the flight recorder ring under concurrent writers and a reader (FlightRing.*).
 # Both build without the PyTorch integrations and the benchmarks, at -O1 -g1: about half the compile
 # time of -O2 -g on the 2-core CI machine, with line numbers in every report.
 #   scripts/sanitize.sh [address] [thread]      default: both, into build-asan/ and build-tsan/
@@ -27,10 +28,11 @@ for kind in "${kinds[@]}"; do
       ;;
     thread)
       dir=$base-tsan
-      echo "sanitize: TSan build in $dir (transport, comm and store tests)"
+      echo "sanitize: TSan build in $dir (transport, comm and store tests; the flight recorder ring's)"
       cmake -S . -B "$dir" "${common[@]}" -DCOHORT_SANITIZE=thread >/dev/null
-      cmake --build "$dir" -j "$(nproc)" --target transport_tests comm_tests comm_worker store_tests cohort
+      cmake --build "$dir" -j "$(nproc)" --target transport_tests comm_tests comm_worker store_tests trace_tests cohort
       (cd "$dir" && ctest --output-on-failure -j 2 -L 'transport|comm|store') || rc=1
+      (cd "$dir" && ctest --output-on-failure -R '^FlightRing\.') || rc=1
       ;;
     *) echo "sanitize: unknown sanitizer '$kind' (address or thread)" >&2; exit 2 ;;
   esac

@@ -50,26 +50,45 @@ std::string describe(const OpRecord& r) {
   return fmt::format("#{} {} ({})", r.seq, describe_signature(s), str::format_bytes(r.bytes));
 }
 
+namespace {
+
+// Entry fields are written and read through relaxed atomic accesses (plain moves on x86): a slot the
+// ring reuses while an old operation finishes, or a reader copying an entry being written, is then a
+// value the seqlock rejects, not undefined behaviour.
+template <typename T>
+void put(T& field, T value) {
+  std::atomic_ref<T>(field).store(value, std::memory_order_relaxed);
+}
+template <typename T>
+T get(const T& field) {
+  return std::atomic_ref<T>(const_cast<T&>(field)).load(std::memory_order_relaxed);
+}
+
+RingEntry* entries_of(RingHeader& h) {
+  return reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(&h) + sizeof(RingHeader));
+}
+
+}  // namespace
+
 uint64_t ring_append(RingHeader& h, const OpBegin& op) {
   uint64_t i = h.next.fetch_add(1, std::memory_order_relaxed);
-  auto* entries = reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(&h) + sizeof(RingHeader));
-  RingEntry& e = entries[i % h.capacity];
+  RingEntry& e = entries_of(h)[i % h.capacity];
   uint32_t v = e.version.load(std::memory_order_relaxed);
   e.version.store(v + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  e.seq = op.seq;
-  e.comm = op.comm;
-  e.peer = op.peer;
-  e.kind = op.kind;
-  e.dtype = op.dtype;
-  e.redop = op.redop;
-  e.state = OpState::kRunning;
-  e.index_low = uint32_t(i);
-  e.count = op.count;
-  e.bytes = op.bytes;
-  e.t_queued = op.t_queued;
-  e.t_start = op.t_start;
-  e.t_end = 0;
+  put(e.seq, op.seq);
+  put(e.comm, op.comm);
+  put(e.peer, op.peer);
+  put(e.kind, op.kind);
+  put(e.dtype, op.dtype);
+  put(e.redop, op.redop);
+  put(e.state, OpState::kRunning);
+  put(e.index_low, uint32_t(i));
+  put(e.count, op.count);
+  put(e.bytes, op.bytes);
+  put(e.t_queued, op.t_queued);
+  put(e.t_start, op.t_start);
+  put(e.t_end, int64_t(0));
   e.version.store(v + 2, std::memory_order_release);
   return i + 1;
 }
@@ -84,14 +103,13 @@ void ring_finish(RingHeader& h, uint64_t handle, const OpBegin& op, bool ok, int
   bump(c.bytes, op.bytes);
   if (t_end > 0) bump(c.op_ns, uint64_t(t_end - op.t_start));
   uint64_t i = handle - 1;
-  auto* entries = reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(&h) + sizeof(RingHeader));
-  RingEntry& e = entries[i % h.capacity];
-  if (e.index_low != uint32_t(i)) return;  // the ring went round during this operation
+  RingEntry& e = entries_of(h)[i % h.capacity];
+  if (get(e.index_low) != uint32_t(i)) return;  // the ring went round during this operation
   uint32_t v = e.version.load(std::memory_order_relaxed);
   e.version.store(v + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  e.state = ok ? OpState::kDone : OpState::kFailed;
-  e.t_end = t_end;
+  put(e.state, ok ? OpState::kDone : OpState::kFailed);
+  put(e.t_end, t_end);
   e.version.store(v + 2, std::memory_order_release);
 }
 
@@ -199,19 +217,19 @@ RankSnapshot snapshot_of(const RingHeader& h, size_t max) {
     if (v1 & 1) continue;  // being written: its older contents are gone, its newer are not there yet
     OpRecord r;
     r.index = i;
-    uint32_t index_low = e.index_low;
-    r.seq = e.seq;
-    r.comm = e.comm;
-    r.peer = e.peer;
-    r.kind = e.kind;
-    r.dtype = e.dtype;
-    r.redop = e.redop;
-    r.state = e.state;
-    r.count = e.count;
-    r.bytes = e.bytes;
-    r.t_queued = e.t_queued;
-    r.t_start = e.t_start;
-    r.t_end = e.t_end;
+    uint32_t index_low = get(e.index_low);
+    r.seq = get(e.seq);
+    r.comm = get(e.comm);
+    r.peer = get(e.peer);
+    r.kind = get(e.kind);
+    r.dtype = get(e.dtype);
+    r.redop = get(e.redop);
+    r.state = get(e.state);
+    r.count = get(e.count);
+    r.bytes = get(e.bytes);
+    r.t_queued = get(e.t_queued);
+    r.t_start = get(e.t_start);
+    r.t_end = get(e.t_end);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (e.version.load(std::memory_order_relaxed) != v1 || r.state == OpState::kEmpty) continue;
     if (index_low != uint32_t(i)) continue;  // overwritten by a later operation meanwhile

@@ -28,13 +28,11 @@ constexpr const char* kTimelineMagic = "COHORT-TIMELINE-1";
 // Events a track may be out of time order by, in the file (see merge_timelines).
 constexpr size_t kReorderWindow = 4096;
 
-// Flush to the file in the middle of a run once this many events wait (a long job's memory).
-constexpr size_t kFlushEvents = 1 << 18;
 
 const env::IntSetting kMaxEvents(
     "COHORT_TIMELINE_MAX_EVENTS", 1000000,
-    "events each rank records into the timeline at most (about 100 bytes each on disk); later ones are "
-    "dropped and the merged trace says which ranks were cut");
+    "events each rank records into the timeline at most (88 bytes each, kept in memory until the rank "
+    "exits); later ones are dropped and the merged trace says which ranks were cut");
 
 int64_t realtime_ns() {
   timespec ts;
@@ -51,9 +49,7 @@ std::string replace_rank(std::string path, int rank) {
 }  // namespace
 
 TimelineWriter::TimelineWriter(std::string path)
-    : path_(std::move(path)), max_events_(uint64_t(std::max<int64_t>(0, kMaxEvents.get()))) {
-  events_.reserve(4096);
-}
+    : path_(std::move(path)), max_events_(uint64_t(std::max<int64_t>(0, kMaxEvents.get()))) {}
 
 void TimelineWriter::set_identity(int rank, int world, const std::string& host) {
   std::lock_guard<std::mutex> g(mutex_);
@@ -68,8 +64,11 @@ void TimelineWriter::add_locked(const TimelineRecord& r) {
     return;
   }
   ++recorded_;
-  events_.push_back(r);
-  if (events_.size() >= kFlushEvents) flush_locked();
+  if (blocks_.empty() || used_ == kBlockRecords) {
+    blocks_.push_back(std::make_unique_for_overwrite<Block>());
+    used_ = 0;
+  }
+  blocks_.back()->records[used_++] = r;
 }
 
 void TimelineWriter::add_op(const OpRecord& op) {
@@ -119,7 +118,7 @@ void TimelineWriter::flush() {
 
 void TimelineWriter::flush_locked() {
   bool note = dropped_ > 0 && !truncation_noted_;
-  if (events_.empty() && header_written_ && !note) return;
+  if (blocks_.empty() && header_written_ && !note) return;
   std::string path = replace_rank(path_, rank_);
   std::ofstream out(path, header_written_ ? std::ios::app | std::ios::binary : std::ios::trunc | std::ios::binary);
   if (!out) throw Error(fmt::format("cannot write the timeline to {}", path));
@@ -136,11 +135,15 @@ void TimelineWriter::flush_locked() {
     TimelineRecord r{};
     r.type = TimelineRecord::kTruncated;
     r.bytes = dropped_;  // counted until this flush (the exit's, as a rule)
-    events_.push_back(r);
+    out.write(reinterpret_cast<const char*>(&r), sizeof r);
     truncation_noted_ = true;
   }
-  out.write(reinterpret_cast<const char*>(events_.data()), std::streamsize(events_.size() * sizeof(TimelineRecord)));
-  events_.clear();
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    size_t n = b + 1 == blocks_.size() ? used_ : kBlockRecords;
+    out.write(reinterpret_cast<const char*>(blocks_[b]->records), std::streamsize(n * sizeof(TimelineRecord)));
+  }
+  blocks_.clear();
+  used_ = 0;
   out.flush();
   if (!out) throw Error(fmt::format("writing the timeline to {} failed", path));
 }

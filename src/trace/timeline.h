@@ -14,6 +14,7 @@
 // well as their hosts' realtime clocks agree (NTP/PTP: typically < 1 ms on a LAN).
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <ostream>
 #include <string>
@@ -58,7 +59,8 @@ class TimelineWriter {
   void add_op(const OpRecord& op);
   void add_span(const char* name, int index, int64_t t0, int64_t t1);
   void add_instant(const char* name, int index, int64_t t);
-  // Appends the events so far to the file (its two header lines first) and forgets them.
+  // Appends the events so far to the file (its two header lines first) and forgets them. The recorder
+  // calls it when the process exits.
   void flush();
 
  private:
@@ -72,7 +74,15 @@ class TimelineWriter {
   int rank_ = -1, world_ = 0;
   std::string host_;
   bool header_written_ = false;
-  std::vector<TimelineRecord> events_;
+  // Events wait in memory until the rank exits (or flush() is called): writing them as they come
+  // put a file write in the middle of a tight loop of small operations. Blocks, not one vector, so
+  // that growing never copies what is there.
+  static constexpr size_t kBlockRecords = 8192;
+  struct Block {
+    TimelineRecord records[kBlockRecords];
+  };
+  std::vector<std::unique_ptr<Block>> blocks_;
+  size_t used_ = 0;  // records in the last block
 };
 
 // Merges rank files (written by TimelineWriter) into one Chrome-trace JSON document written to `out`:
