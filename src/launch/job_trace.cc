@@ -120,7 +120,12 @@ void Job::record_failure(int attempt) {
     }
     whole_job = found == int(plan_.nodes.size()) - (plan_.node(plan_.this_node) ? 1 : 0);
   }
-  if (snaps.empty()) return;
+  // A job that failed before any rank communicated (a bad program, an import error) has nothing to say.
+  bool recorded = std::any_of(snaps.begin(), snaps.end(), [](const auto& s) { return s.total > 0; });
+  if (!recorded) {
+    diagnosis_.clear();
+    return;
+  }
   std::sort(snaps.begin(), snaps.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   std::string dir = attempt == 0 ? plan_.trace_dir : fmt::format("{}/attempt{}", plan_.trace_dir, attempt);
   try {
