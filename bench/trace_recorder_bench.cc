@@ -66,15 +66,7 @@ void BM_Timeline(benchmark::State& state) {
     uint64_t h = ring_append(ring.header(), op);
     int64_t t_end = monotonic_ns();
     ring_finish(ring.header(), h, op, true, t_end);
-    OpRecord r;
-    r.kind = op.kind;
-    r.seq = op.seq;
-    r.comm = op.comm;
-    r.bytes = op.bytes;
-    r.count = op.count;
-    r.state = OpState::kDone;
-    r.t_start = op.t_start;
-    r.t_end = t_end;
+    OpRecord r = finished_record(op, true, t_end);
     writer.add_op(r);
   }
   writer.flush();

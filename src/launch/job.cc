@@ -89,6 +89,9 @@ void Job::on_signal(int sig) {
   // Forward to every worker's process group, and to remote agents over their control channel.
   for (auto& w : workers_)
     if (w.running) kill(-w.pid, stopping_ && !reporting_ && is_terminating(sig) && sig == SIGINT ? SIGKILL : sig);
+  // The forwarded signal is the workers' stop signal: the stop that follows must not send a second
+  // one (a shell that traps TERM would run its trap twice).
+  if (is_terminating(sig)) stop_signal_sent_ = true;
   std::string line = fmt::format("sig {}\n", sig);
   for (auto& a : agents_)
     if (a.running && a.in) write_fully(a.in.get(), line.data(), line.size());
@@ -136,7 +139,7 @@ void Job::reap() {
 }
 
 EndInfo Job::run_attempt(int attempt) {
-  stopping_ = reporting_ = killed_ = done_reported_ = false;
+  stopping_ = reporting_ = killed_ = done_reported_ = stop_signal_sent_ = false;
   end_.reset();
   first_failure_.reset();
   stop_inspector();

@@ -216,6 +216,7 @@ class Job {
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)
   bool killed_ = false;
+  bool stop_signal_sent_ = false;  // the workers got their SIGTERM (forwarded, or the stop's own)
   bool done_reported_ = false;
   bool joined_ = false;
   std::optional<EndInfo> end_;

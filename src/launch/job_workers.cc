@@ -205,8 +205,13 @@ void Job::begin_stop() {
 
 void Job::send_stop_signal() {
   reporting_ = false;
-  kill_all(SIGTERM);
-  kill_all(SIGCONT);  // a stopped worker (SIGSTOP, ^Z) handles its SIGTERM now, not at the SIGKILL
+  if (!stop_signal_sent_) kill_all(SIGTERM);
+  stop_signal_sent_ = true;
+  // A stopped worker (SIGSTOP, ^Z) handles its SIGTERM only once continued: without this it would hold
+  // the job until the SIGKILL after the grace. Only stopped ones: a running shell that traps TERM
+  // and also sees a SIGCONT may run its trap twice.
+  for (auto& w : workers_)
+    if (w.running && process_state(w.pid).rfind("stopped", 0) == 0) kill(-w.pid, SIGCONT);
   arm_timer(plan_.kill_grace_s);
 }
 

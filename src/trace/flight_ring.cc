@@ -93,6 +93,23 @@ uint64_t ring_append(RingHeader& h, const OpBegin& op) {
   return i + 1;
 }
 
+OpRecord finished_record(const OpBegin& op, bool ok, int64_t t_end) {
+  OpRecord r;
+  r.seq = op.seq;
+  r.comm = op.comm;
+  r.peer = op.peer;
+  r.kind = op.kind;
+  r.dtype = op.dtype;
+  r.redop = op.redop;
+  r.state = ok ? OpState::kDone : OpState::kFailed;
+  r.count = op.count;
+  r.bytes = op.bytes;
+  r.t_queued = op.t_queued;
+  r.t_start = op.t_start;
+  r.t_end = t_end;
+  return r;
+}
+
 void ring_finish(RingHeader& h, uint64_t handle, const OpBegin& op, bool ok, int64_t t_end) {
   // The live counters take a plain load and store, not a locked add: they only feed live stats, and
   // two threads finishing operations at the same instant may lose one count, which costs less than

@@ -153,6 +153,8 @@ struct OpBegin {
   int64_t t_start = 0;
 };
 uint64_t ring_append(RingHeader& h, const OpBegin& op);  // a handle (entry position + 1)
+// The record of a finished operation (what the timeline keeps).
+OpRecord finished_record(const OpBegin& op, bool ok, int64_t t_end);
 // `op` is what was appended (the counters take its bytes and start even when the slot was reused).
 void ring_finish(RingHeader& h, uint64_t handle, const OpBegin& op, bool ok, int64_t t_end);
 

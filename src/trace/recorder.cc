@@ -110,19 +110,7 @@ void Recorder::end_slow(Handle h, const OpBegin& op, bool ok) {
   int64_t t_end = timing_ || !ok ? monotonic_ns() : 0;
   ring_finish(*ring_, h, op, ok, t_end);
   if (!timeline_) return;
-  OpRecord r;
-  r.seq = op.seq;
-  r.comm = op.comm;
-  r.peer = op.peer;
-  r.kind = op.kind;
-  r.dtype = op.dtype;
-  r.redop = op.redop;
-  r.state = ok ? OpState::kDone : OpState::kFailed;
-  r.count = op.count;
-  r.bytes = op.bytes;
-  r.t_queued = op.t_queued;
-  r.t_start = op.t_start;
-  r.t_end = t_end;
+  OpRecord r = finished_record(op, ok, t_end);
   timeline_->writer.add_op(r);
 }
 

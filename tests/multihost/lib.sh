@@ -102,6 +102,17 @@ pids_matching() {
   done
   return 0
 }
+# rank_pid HOST RANK PATTERN: pid of the `cohort` worker process on HOST whose command line contains
+# PATTERN and whose environment has RANK=<RANK>; wait_rank_pid tries for 15 s.
+rank_pid() {
+  local p
+  for p in $(pids_matching "$1" "$3"); do
+    [[ $(cat "/proc/$p/comm" 2>/dev/null) == cohort ]] || continue
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$2" && { echo "$p"; return 0; }
+  done
+  return 1
+}
+wait_rank_pid() { local i; for ((i = 0; i < 300; i++)); do rank_pid "$@" && return 0; sleep 0.05; done; return 1; }
 # wait_for_pid HOST PATTERN SECONDS: echoes the first matching pid, fails the test if none appears.
 wait_for_pid() {
   local deadline=$((SECONDS + $3)) p

@@ -7,16 +7,6 @@ require_command run
 require_command "bench allreduce"
 LONG=("$COHORT" bench allreduce -b 256K -e 256K -n 1000000 -w 1 --trials 1)
 
-# rank_pid HOST RANK: pid of the worker process with that RANK on that host.
-rank_pid() {
-  local p
-  for p in $(pids_matching "$1" "bench allreduce"); do
-    [[ $(cat "/proc/$p/comm" 2>/dev/null) == cohort ]] || continue
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$2" && { echo "$p"; return 0; }
-  done
-  return 1
-}
-wait_rank_pid() { local i; for ((i = 0; i < 300; i++)); do rank_pid "$1" "$2" && return 0; sleep 0.05; done; return 1; }
 start_job() {  # OUTFILE extra-run-args...
   local outf=$1; shift
   on_host 0 timeout -k 5 60 "$COHORT" run -H h0:2,h1:2,h2:2,h3:2 --ssh-command "$COHORT_CLUSTER_SSH" \
@@ -33,7 +23,7 @@ survivors_name() {  # NAME OUTPUT TEXT RANKS...: each listed rank's error line c
 
 # 1. SIGKILL of rank 5 (h2) mid-allreduce.
 start_job "$MH_TMP/1.out" --no-abort-on-failure -x COHORT_TIMEOUT=10
-victim=$(wait_rank_pid 2 5) || fail "rank 5 not found on h2"
+victim=$(wait_rank_pid 2 5 "bench allreduce") || fail "rank 5 not found on h2"
 sleep 2   # well inside the allreduce loop
 t0=$(now_ms); kill -KILL "$victim"
 rc=0; wait "$JOB" || rc=$?; dt=$(($(now_ms) - t0))
@@ -53,7 +43,7 @@ expect_no_job_processes 3
 
 # 2. Default policy: the launcher's summary names the root cause (rank 5 on h2, SIGKILL).
 start_job "$MH_TMP/2.out" -x COHORT_TIMEOUT=10
-victim=$(wait_rank_pid 2 5) || fail "rank 5 not found on h2"
+victim=$(wait_rank_pid 2 5 "bench allreduce") || fail "rank 5 not found on h2"
 sleep 2
 t0=$(now_ms); kill -KILL "$victim"
 rc=0; wait "$JOB" || rc=$?; dt=$(($(now_ms) - t0))
@@ -71,7 +61,7 @@ expect_no_job_processes 3
 
 # 3. SIGKILL of the agent on h3 mid-allreduce: its workers go with it; the others name the lost ranks.
 start_job "$MH_TMP/3.out" --no-abort-on-failure -x COHORT_TIMEOUT=10
-wait_rank_pid 3 7 >/dev/null || fail "rank 7 not found on h3"
+wait_rank_pid 3 7 "bench allreduce" >/dev/null || fail "rank 7 not found on h3"
 agent=""; for p in $(pids_matching 3 "cohort agent"); do agent=$p; done
 sleep 2
 t0=$(now_ms); kill -KILL "$agent"
@@ -93,7 +83,7 @@ expect_no_job_processes 3
 # 4. h3's link cut mid-allreduce, COHORT_TIMEOUT=3: survivors give up by their deadline naming h3's
 # ranks; the launcher notices h3's ssh session is gone (keep-alive 2 s x 3).
 start_job "$MH_TMP/4.out" --no-abort-on-failure -x COHORT_TIMEOUT=3
-wait_rank_pid 3 7 >/dev/null || fail "rank 7 not found on h3"
+wait_rank_pid 3 7 "bench allreduce" >/dev/null || fail "rank 7 not found on h3"
 sleep 2
 t0=$(now_ms); cluster cut "$COHORT_CLUSTER_DIR" 3
 rc=0; wait "$JOB" || rc=$?; dt=$(($(now_ms) - t0))

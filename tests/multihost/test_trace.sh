@@ -1,5 +1,5 @@
 # The flight recorder across hosts (4 hosts x 2 ranks, fan-out): rank 5 on h2 is stopped (SIGSTOP)
-# between two allreduces. The head's stall inspector, which reads every node's rings through the
+# in the middle of an allreduce loop. The head's stall inspector, which reads every node's rings through the
 # store, names rank 5 and its stopped process once; the job ends at the communicators' deadline, and
 # the head's failure summary (from every node's rings) says rank 5 stopped first, with every rank's
 # dump in the head's trace directory.
@@ -8,22 +8,12 @@ require_command run
 require_command "bench allreduce"
 LONG=("$COHORT" bench allreduce -b 4K -e 4K -n 1000000 -w 1 --trials 1)
 
-rank_pid() {  # HOST RANK
-  local p
-  for p in $(pids_matching "$1" "bench allreduce"); do
-    [[ $(cat "/proc/$p/comm" 2>/dev/null) == cohort ]] || continue
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$2" && { echo "$p"; return 0; }
-  done
-  return 1
-}
-wait_rank_pid() { local i; for ((i = 0; i < 300; i++)); do rank_pid "$1" "$2" && return 0; sleep 0.05; done; return 1; }
-
 DUMPS="$MH_TMP/dumps"
 on_host 0 env COHORT_STALL_WARN_S=1 timeout -k 5 60 "$COHORT" run -H h0:2,h1:2,h2:2,h3:2 \
   --ssh-command "$COHORT_CLUSTER_SSH" --kill-grace 1 --trace-dir "$DUMPS" -x COHORT_TIMEOUT=6 \
   -x COHORT_SLOW_WARNING=60 "${LONG[@]}" >"$MH_TMP/out" 2>&1 &
 JOB=$!
-victim=$(wait_rank_pid 2 5) || fail "rank 5 not found on h2"
+victim=$(wait_rank_pid 2 5 "bench allreduce") || fail "rank 5 not found on h2"
 sleep 2   # well inside the allreduce loop
 kill -STOP "$victim"
 rc=0; wait "$JOB" || rc=$?
