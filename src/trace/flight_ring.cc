@@ -133,7 +133,8 @@ void ring_finish(RingHeader& h, uint64_t handle, const OpBegin& op, bool ok, int
 Ring Ring::create(uint32_t capacity, int rank, int world, const std::string& host, bool timing) {
   if (capacity == 0) throw InvalidArgument("flight recorder ring of 0 entries");
   Ring ring;
-  ring.fd_ = memfd_create(fmt::format("cohort-flight-recorder-rank{}", rank).c_str(), 0);  // inherited by the worker
+  // Close-on-exec like every descriptor of the launcher: the worker's child clears it on this one.
+  ring.fd_ = memfd_create(fmt::format("cohort-flight-recorder-rank{}", rank).c_str(), MFD_CLOEXEC);
   if (ring.fd_ < 0) throw Error(fmt::format("memfd_create for the flight recorder: {}", strerror(errno)));
   ring.bytes_ = ring_bytes(capacity);
   if (ftruncate(ring.fd_, off_t(ring.bytes_)) != 0)
@@ -162,8 +163,7 @@ Ring Ring::adopt(int fd) {
     throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER_FD={}: not a flight recorder ring (set by cohort run; "
                                   "unset it to record in this process only)",
                                   fd));
-  Ring ring;
-  ring.fd_ = fd;
+  Ring ring;  // takes the descriptor only once it is known to be a ring (a failure must not close it)
   ring.bytes_ = size_t(st.st_size);
   ring.base_ = mmap(nullptr, ring.bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (ring.base_ == MAP_FAILED) {
@@ -175,6 +175,7 @@ Ring Ring::adopt(int fd) {
   if (std::memcmp(ring.header_->magic, kRingMagic, sizeof kRingMagic) != 0 ||
       ring_bytes(ring.header_->capacity) != ring.bytes_)
     throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER_FD={}: not a flight recorder ring", fd));
+  ring.fd_ = fd;
   return ring;
 }
 

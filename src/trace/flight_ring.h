@@ -111,7 +111,7 @@ struct RankSnapshot {
 // A ring the launcher created: the memfd (inherited by the worker) and the launcher's mapping.
 class Ring {
  public:
-  // Creates and maps a ring of `capacity` entries for `rank` (the memfd is not close-on-exec).
+  // Creates and maps a ring of `capacity` entries for `rank` (a close-on-exec memfd).
   static Ring create(uint32_t capacity, int rank, int world, const std::string& host, bool timing);
   // Maps the ring behind an inherited descriptor (the worker side); throws ConfigError when it is not one.
   static Ring adopt(int fd);

@@ -77,9 +77,18 @@ Recorder::Recorder() {
   int fd = int(kFlightRecorderFd.get());
   if (fd >= 0) {
     // The launcher's ring: it was sized by COHORT_FLIGHT_RECORDER there. Close the descriptor so that
-    // processes this worker starts do not hold the ring too; the mapping stays.
-    shared_ring_ = Ring::adopt(fd);
-    shared_ring_.close_fd();
+    // processes this worker starts do not hold the ring too; the mapping stays. A process that
+    // inherited the variable but not the descriptor (a worker's own child, started after the worker
+    // mapped it) keeps a ring of its own instead.
+    try {
+      shared_ring_ = Ring::adopt(fd);
+      shared_ring_.close_fd();
+    } catch (const ConfigError& e) {
+      log::debug("flight recorder: {}; keeping it in this process", e.what());
+      fd = -1;
+    }
+  }
+  if (fd >= 0) {
     ring_ = &shared_ring_.header();
     under_launcher_ = true;
     ring_->pid.store(int32_t(getpid()), std::memory_order_release);

@@ -1,5 +1,8 @@
 // The flight recorder's ring, the diagnosis read from several rings, dumps and the timeline merge:
 // unit tests with rings written by hand the way the communicator writes them.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <fstream>
 #include <map>
@@ -72,6 +75,24 @@ TEST(FlightRing, KeepsTheLastEntriesInOrderAndCountsThem) {
   EXPECT_EQ(snap.counters.ops, 10u);
   EXPECT_EQ(snap.counters.bytes, 10u * 32);
   EXPECT_EQ(describe(snap.entries.back()), "#10 allreduce(count=8, float, sum) (32 B)");
+}
+
+TEST(FlightRing, AWorkerAdoptsTheLaunchersRingAndRefusesAnythingElse) {
+  // What the worker side sees: the launcher's ring through an inherited descriptor.
+  Ring made = Ring::create(8, 1, 2, "h", false);
+  Ring adopted = Ring::adopt(dup(made.fd()));
+  auto op = allreduce(1, 8, 1);
+  ring_finish(adopted.header(), ring_append(adopted.header(), op), op, true, 0);
+  EXPECT_EQ(made.snapshot().total, 1u);
+  // A descriptor that is something else (a child that inherited only the variable) is refused, and
+  // left open: it belongs to someone else.
+  test::TempDir dir;
+  test::write_file(dir.file("other"), std::string(4096, 'x'));
+  int fd = ::open(dir.file("other").c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  EXPECT_THROW(Ring::adopt(fd), ConfigError);
+  EXPECT_GE(fcntl(fd, F_GETFD), 0);
+  ::close(fd);
 }
 
 TEST(FlightRing, AFinishAfterTheRingWentRoundLeavesTheNewerEntry) {
