@@ -181,6 +181,7 @@ CommunicatorImpl::~CommunicatorImpl() {
   }
   queue_cv_.notify_all();
   if (progress_.joinable()) progress_.join();
+  recorder_.close_run(timeline_run_);
 }
 
 void CommunicatorImpl::bootstrap() {
@@ -458,12 +459,12 @@ void CommunicatorImpl::execute_locked(const OpDesc& desc, const Body& body) {
   trace::Recorder::Handle recorded = recorder_.op_begin(rec);
   try {
     body();
-    recorder_.op_end(recorded, rec, true);
+    recorder_.op_end(recorded, rec, true, timeline_run_);
   } catch (const InvalidArgument&) {
-    recorder_.op_end(recorded, rec, false);
+    recorder_.op_end(recorded, rec, false, timeline_run_);
     throw;
   } catch (...) {
-    recorder_.op_end(recorded, rec, false);
+    recorder_.op_end(recorded, rec, false, timeline_run_);
     fail_and_throw(std::current_exception());
   }
 }

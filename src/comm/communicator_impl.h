@@ -198,6 +198,7 @@ class CommunicatorImpl final : public Communicator,
   // the drive lock and the current operation (guarded by drive_)
   std::mutex drive_;
   uint32_t seq_ = 0;
+  trace::OpRun timeline_run_;  // the timeline's run of identical short operations (trace/recorder.h)
   OpDesc op_;
   transport::Signature op_sig_;
   Deadline op_deadline_ = Deadline::never();

@@ -39,6 +39,9 @@ const env::StringSetting kTraceDir(
     "(default: a directory under $TMPDIR named after the job); a process without the launcher writes its own "
     "ring there when a communicator fails");
 
+// The longest start-to-start period an operation may have to join a run (OpRun).
+constexpr int64_t kRunMaxPeriodNs = 20000;
+
 // The timeline keeps a ring of its own when the flight recorder is off: events are taken from the
 // entries as operations end, so a few in flight at once is all it needs.
 constexpr uint32_t kTimelineOnlyRing = 64;
@@ -102,7 +105,8 @@ Recorder::Recorder() {
     ring_->pid.store(int32_t(getpid()), std::memory_order_relaxed);
   }
   if (ring_) entries_ = reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(ring_) + sizeof(RingHeader));
-  timing_ = timeline_ != nullptr || (ring_ && ring_->timing != 0);
+  stats_ = ring_ && ring_->timing != 0;
+  timing_ = timeline_ != nullptr || stats_;
   if (timeline_ && rank_ >= 0) timeline_->writer.set_identity(rank_, world_, host_);
 }
 
@@ -114,13 +118,49 @@ Recorder::~Recorder() {
   }
 }
 
-void Recorder::end_slow(Handle h, const OpBegin& op, bool ok) {
+bool OpRun::extends(const OpBegin& op) const {
+  if (n == 0 || failed || op.t_queued != 0) return false;
+  const OpBegin& f = first;
+  if (op.kind != f.kind || op.comm != f.comm || op.dtype != f.dtype || op.redop != f.redop || op.count != f.count ||
+      op.peer != f.peer)
+    return false;
+  int64_t length = first_end - f.t_start;
+  int64_t period = op.t_start - last_start;
+  return period >= 0 && period <= kRunMaxPeriodNs && period <= length + std::max<int64_t>(2 * length, 1000);
+}
+
+void Recorder::end_slow(Handle h, const OpBegin& op, bool ok, OpRun& run) {
+  if (timeline_ && ok && !stats_ && run.extends(op)) {
+    // Inside a run: no end time (see OpRun).
+    ring_finish(*ring_, h, op, ok, 0);
+    ++run.n;
+    run.last_start = op.t_start;
+    run.last_seq = op.seq;
+    return;
+  }
   // A failure is timed always: "waited N s" in the failure summary is its length.
   int64_t t_end = timing_ || !ok ? monotonic_ns() : 0;
   ring_finish(*ring_, h, op, ok, t_end);
   if (!timeline_) return;
-  OpRecord r = finished_record(op, ok, t_end);
-  timeline_->writer.add_op(r);
+  close_run(run);
+  run.first = op;
+  run.first_end = t_end;
+  run.last_start = op.t_start;
+  run.last_seq = op.seq;
+  run.n = 1;
+  run.failed = !ok;
+}
+
+void Recorder::close_run(OpRun& run) {
+  if (!timeline_ || run.n == 0) return;
+  OpRecord r = finished_record(run.first, !run.failed, run.first_end);
+  if (run.n > 1) {
+    // The run ends one mean period after its last operation started.
+    int64_t period = (run.last_start - run.first.t_start) / int64_t(run.n - 1);
+    r.t_end = run.last_start + period;
+  }
+  timeline_->writer.add_op(r, run.n, run.last_seq);
+  run.n = 0;
 }
 
 void Recorder::span(const char* name, int index, int64_t t0, int64_t t1) {

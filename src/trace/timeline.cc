@@ -71,8 +71,10 @@ void TimelineWriter::add_locked(const TimelineRecord& r) {
   blocks_.back()->records[used_++] = r;
 }
 
-void TimelineWriter::add_op(const OpRecord& op) {
+void TimelineWriter::add_op(const OpRecord& op, uint32_t repeat, uint32_t last_seq) {
   TimelineRecord r{};
+  r.repeat = repeat;
+  r.last_seq = repeat > 1 ? last_seq : op.seq;
   r.type = TimelineRecord::kOp;
   r.kind = op.kind;
   r.dtype = op.dtype;
@@ -272,13 +274,21 @@ MergeSummary merge_timelines(const std::vector<std::string>& rank_files, std::os
         std::string op = coll::op_kind_name(rec.kind);
         nlohmann::json args = {{"seq", rec.seq}, {"bytes", rec.bytes}, {"count", rec.count},
                                {"ok", rec.state == OpState::kDone}};
+        std::string name = op;
+        if (rec.repeat > 1) {
+          // A run of identical short operations (trace::OpRun): one slice, its mean in the args.
+          name = fmt::format("{} x{}", op, rec.repeat);
+          args["repeat"] = rec.repeat;
+          args["last_seq"] = rec.last_seq;
+          args["mean_us"] = dur / rec.repeat;
+        }
         if (rec.dtype < kNumDataTypes) args["dtype"] = dtype_name(DataType(rec.dtype));
         if ((rec.kind == coll::OpKind::kAllreduce || rec.kind == coll::OpKind::kReduce ||
              rec.kind == coll::OpKind::kReduceScatter) && rec.redop < kNumReduceOps)
           args["redop"] = reduce_op_name(ReduceOp(rec.redop));
         if (rec.peer >= 0) args["peer"] = rec.peer;
         if (rec.t_queued > 0) args["queued_us"] = double(rec.t0 - rec.t_queued) / 1000.0;
-        emit({{"ph", "X"}, {"name", op}, {"cat", op == "send/recv" ? "p2p" : "collective"}, {"pid", pid},
+        emit({{"ph", "X"}, {"name", name}, {"cat", op == "send/recv" ? "p2p" : "collective"}, {"pid", pid},
               {"tid", it->second}, {"ts", ts}, {"dur", dur}, {"args", args}});
       } else if (rec.type == TimelineRecord::kSpan) {
         emit({{"ph", "X"}, {"name", record_name(rec)}, {"cat", "ddp"}, {"pid", pid}, {"tid", kTrainingTrackId},

@@ -41,13 +41,14 @@ struct TimelineRecord {
   uint32_t seq;
   uint32_t comm;
   int32_t peer;   // kOp: root or peer (-1: none); spans and instants: the index appended to the name
-  uint32_t reserved2;
+  uint32_t repeat;  // kOp: operations in this slice (a run, see trace::OpRun; their numbers seq..last_seq)
   uint64_t count;
   uint64_t bytes;  // kTruncated: the events dropped
   int64_t t_queued;
   int64_t t0;
   int64_t t1;
-  char name[24];   // spans and instants (NUL-terminated)
+  uint32_t last_seq;  // kOp: the number of the run's last operation
+  char name[20];   // spans and instants (NUL-terminated)
 };
 static_assert(sizeof(TimelineRecord) == 88);
 
@@ -56,7 +57,8 @@ class TimelineWriter {
   // `path` may hold "{rank}", replaced by the rank once known.
   explicit TimelineWriter(std::string path);
   void set_identity(int rank, int world, const std::string& host);
-  void add_op(const OpRecord& op);
+  // `repeat` operations of the same call, numbered op.seq .. last_seq, drawn as one slice.
+  void add_op(const OpRecord& op, uint32_t repeat = 1, uint32_t last_seq = 0);
   void add_span(const char* name, int index, int64_t t0, int64_t t1);
   void add_instant(const char* name, int index, int64_t t);
   // Appends the events so far to the file (its two header lines first) and forgets them. The recorder

@@ -18,6 +18,7 @@
 #include "support/test_support.h"
 #include "trace/diagnose.h"
 #include "trace/dump.h"
+#include "trace/recorder.h"
 #include "trace/timeline.h"
 
 namespace cohort::trace {
@@ -200,6 +201,30 @@ TEST(Dump, RoundTripsThroughJsonAndReadsADirectory) {
   }
 }
 
+TEST(Timeline, ARunOfBackToBackIdenticalShortOperationsIsOneSlice) {
+  OpRun run;
+  OpBegin first = allreduce(1, 2, 1000000);
+  run.first = first;
+  run.first_end = first.t_start + 300;  // 0.3 us long
+  run.last_start = first.t_start;
+  run.n = 1;
+  OpBegin next = allreduce(2, 2, first.t_start + 350);
+  EXPECT_TRUE(run.extends(next));            // back to back
+  next.t_start = first.t_start + 5000;
+  EXPECT_FALSE(run.extends(next));           // 5 us later: work in between, drawn on its own
+  next.t_start = first.t_start + 350;
+  next.count = 3;
+  EXPECT_FALSE(run.extends(next));           // another call
+  next.count = 2;
+  next.t_queued = 1;
+  EXPECT_FALSE(run.extends(next));           // async: its queue time is worth seeing
+  // A long operation never starts a run of slices 20 us apart.
+  run.first_end = first.t_start + 50000;
+  next.t_queued = 0;
+  next.t_start = first.t_start + 60000;
+  EXPECT_FALSE(run.extends(next));
+}
+
 TEST(Timeline, MergesRanksIntoAChromeTraceWithMonotoneTracks) {
   test::TempDir dir;
   for (int r = 0; r < 2; ++r) {
@@ -218,6 +243,14 @@ TEST(Timeline, MergesRanksIntoAChromeTraceWithMonotoneTracks) {
       op.t_end = op.t_start + 1500;
       w.add_op(op);
     }
+    OpRecord loop;  // a run of 1000 (OpRun), after the three above
+    loop.kind = OpKind::kAllreduce;
+    loop.comm = kWorld;
+    loop.seq = 4;
+    loop.state = OpState::kDone;
+    loop.t_start = t + 10000;
+    loop.t_end = t + 10000 + 300000;
+    w.add_op(loop, 1000, 1003);
     w.flush();
   }
   auto files = timeline_rank_files(dir.path());
@@ -225,7 +258,7 @@ TEST(Timeline, MergesRanksIntoAChromeTraceWithMonotoneTracks) {
   std::stringstream text;
   auto summary = merge_timelines(files, text);
   EXPECT_EQ(summary.ranks, 2);
-  EXPECT_EQ(summary.events, 10u);
+  EXPECT_EQ(summary.events, 12u);
   auto trace = nlohmann::json::parse(text.str());
   ASSERT_TRUE(trace["traceEvents"].is_array());
   std::map<std::pair<int, int>, double> last_ts;
@@ -252,7 +285,16 @@ TEST(Timeline, MergesRanksIntoAChromeTraceWithMonotoneTracks) {
     pids.insert(key.first);
   }
   EXPECT_EQ(pids, (std::set<int>{0, 1}));
-  EXPECT_EQ(complete, 8);
+  EXPECT_EQ(complete, 10);
+  bool run_seen = false;
+  for (const auto& e : trace["traceEvents"])
+    if (e["name"] == "allreduce x1000") {
+      run_seen = true;
+      EXPECT_EQ(e["args"]["repeat"], 1000);
+      EXPECT_EQ(e["args"]["last_seq"], 1003);
+      EXPECT_DOUBLE_EQ(e["args"]["mean_us"].get<double>(), 0.3);
+    }
+  EXPECT_TRUE(run_seen);
 }
 
 }  // namespace
