@@ -3,13 +3,18 @@
 //   BM_RecorderOff        the flight recorder off (COHORT_FLIGHT_RECORDER=0): the null-ring branch
 //   BM_FlightRecorder     the default: append to the ring, mark it done
 //   BM_RecorderWithClock  ... and the end time (what live stats add)
-//   BM_Timeline           ... and the timeline's record (what --timeline adds), written to a file
+//   BM_Timeline           ... and the timeline's record of each operation (an operation that does not
+//                         join a run: the first of a loop, or one with work around it)
+//   BM_TimelineLoop       --timeline in a tight loop of identical small operations, through the
+//                         process's Recorder: the operations join one run (trace::OpRun), no clock read
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "trace/flight_ring.h"
+#include "trace/recorder.h"
 #include "trace/timeline.h"
 
 namespace cohort::trace {
@@ -73,6 +78,25 @@ void BM_Timeline(benchmark::State& state) {
   std::remove(path.c_str());
 }
 BENCHMARK(BM_Timeline);
+
+// Last: it configures the process's Recorder (timeline on) through the environment.
+void BM_TimelineLoop(benchmark::State& state) {
+  setenv("COHORT_TIMELINE_RANK_FILE", "/tmp/cohort-trace-recorder-bench-loop.timeline", 1);
+  Recorder& recorder = Recorder::instance();
+  OpRun run;
+  // Starts 300 ns apart, as an 8-byte allreduce loop's (the communicator reads each start anyway).
+  int64_t base = monotonic_ns();
+  uint32_t seq = 0;
+  for (auto _ : state) {
+    ++seq;
+    OpBegin op{0x1234, seq, coll::OpKind::kAllreduce, 7, 0, -1, 2, 8, 0, base + int64_t(seq) * 300};
+    recorder.op_end(recorder.op_begin(op), op, true, run);
+  }
+  recorder.close_run(run);
+  recorder.flush_timeline();
+  std::remove("/tmp/cohort-trace-recorder-bench-loop.timeline");
+}
+BENCHMARK(BM_TimelineLoop);
 
 }  // namespace
 }  // namespace cohort::trace
