@@ -4,6 +4,7 @@
 # (--timeline), interleaved round by round with fresh processes, every round printed.
 #
 #   bench/trace_overhead.sh [build_dir] [rounds] [out_file]      (about 4 minutes with 5 rounds)
+#   JOBS=8B bench/trace_overhead.sh ...                            (only the 8 B allreduce; also 64MiB, main)
 #
 # Jobs: `cohort bench allreduce` at 8 B (5 trials of 100,000 iterations) and at 64 MiB (5 trials of 20),
 # the median trial; and the main job (fashion_mnist --model mlp, 1 epoch: samples/s as it prints it).
@@ -38,8 +39,10 @@ train_sps() {  # mode -> samples/s
 
 echo "# trace overhead, $ROUNDS interleaved rounds, $(date -u +%Y-%m-%dT%H:%MZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# round  job                   off   recorder   timeline"
+JOBS=${JOBS:-8B 64MiB main}
 for round in $(seq 1 "$ROUNDS"); do
   for job in "allreduce 8B (us)" "allreduce 64MiB (us)" "main job (samples/s)"; do
+    [[ " $JOBS " == *" $(echo "$job" | awk '{print $1 == "main" ? "main" : $2}') "* ]] || continue
     line="$round  $(printf '%-20s' "$job")"
     for mode in off recorder timeline; do
       case $job in

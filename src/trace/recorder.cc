@@ -64,20 +64,28 @@ struct Recorder::Timeline {
 };
 
 Recorder& Recorder::instance() {
-  static Recorder recorder;
+  static Recorder recorder(Settings::from_env());
   return recorder;
 }
 
-Recorder::Recorder() {
-  int64_t capacity = kFlightRecorder.get();
-  if (capacity < 0 || capacity > (int64_t(1) << 24))
-    throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER={}: expected 0 (off) to 16777216 entries", capacity));
-  trace_dir_ = kTraceDir.get();
-  std::string timeline_path = kTimelineRankFile.get();
-  if (timeline_path.empty() && !kTimeline.get().empty()) timeline_path = kTimeline.get() + ".rank{rank}.timeline";
-  if (!timeline_path.empty()) timeline_ = std::make_unique<Timeline>(timeline_path);
+Recorder::Settings Recorder::Settings::from_env() {
+  Settings s;
+  s.capacity = kFlightRecorder.get();
+  if (s.capacity < 0 || s.capacity > (int64_t(1) << 24))
+    throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER={}: expected 0 (off) to 16777216 entries", s.capacity));
+  s.trace_dir = kTraceDir.get();
+  s.timeline_path = kTimelineRankFile.get();
+  if (s.timeline_path.empty() && !kTimeline.get().empty()) s.timeline_path = kTimeline.get() + ".rank{rank}.timeline";
+  s.ring_fd = int(kFlightRecorderFd.get());
+  return s;
+}
 
-  int fd = int(kFlightRecorderFd.get());
+Recorder::Recorder(const Settings& settings) {
+  int64_t capacity = settings.capacity;
+  trace_dir_ = settings.trace_dir;
+  if (!settings.timeline_path.empty()) timeline_ = std::make_unique<Timeline>(settings.timeline_path);
+
+  int fd = settings.ring_fd;
   if (fd >= 0) {
     // The launcher's ring: it was sized by COHORT_FLIGHT_RECORDER there. Close the descriptor so that
     // processes this worker starts do not hold the ring too; the mapping stays. A process that
@@ -118,15 +126,18 @@ Recorder::~Recorder() {
   }
 }
 
-bool OpRun::extends(const OpBegin& op) const {
-  if (n == 0 || failed || op.t_queued != 0) return false;
-  const OpBegin& f = first;
-  if (op.kind != f.kind || op.comm != f.comm || op.dtype != f.dtype || op.redop != f.redop || op.count != f.count ||
-      op.peer != f.peer)
-    return false;
-  int64_t length = first_end - f.t_start;
-  int64_t period = op.t_start - last_start;
-  return period >= 0 && period <= kRunMaxPeriodNs && period <= length + std::max<int64_t>(2 * length, 1000);
+void OpRun::start(const OpBegin& op, int64_t t_end, bool ok) {
+  first = op;
+  first_end = t_end;
+  last_start = op.t_start;
+  last_seq = op.seq;
+  n = 1;
+  this->ok = ok;
+  call = call_of(op);
+  // Nothing joins a failed operation or an async one (its queue time is worth seeing on its own).
+  int64_t length = t_end - op.t_start;
+  max_period = !ok || op.t_queued != 0 ? -1
+                                       : std::min<int64_t>(kRunMaxPeriodNs, length + std::max<int64_t>(2 * length, 1000));
 }
 
 void Recorder::end_slow(Handle h, const OpBegin& op, bool ok, OpRun& run) {
@@ -143,17 +154,12 @@ void Recorder::end_slow(Handle h, const OpBegin& op, bool ok, OpRun& run) {
   ring_finish(*ring_, h, op, ok, t_end);
   if (!timeline_) return;
   close_run(run);
-  run.first = op;
-  run.first_end = t_end;
-  run.last_start = op.t_start;
-  run.last_seq = op.seq;
-  run.n = 1;
-  run.failed = !ok;
+  run.start(op, t_end, ok);
 }
 
 void Recorder::close_run(OpRun& run) {
   if (!timeline_ || run.n == 0) return;
-  OpRecord r = finished_record(run.first, !run.failed, run.first_end);
+  OpRecord r = finished_record(run.first, run.ok, run.first_end);
   if (run.n > 1) {
     // The run ends one mean period after its last operation started.
     int64_t period = (run.last_start - run.first.t_start) / int64_t(run.n - 1);

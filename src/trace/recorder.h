@@ -40,14 +40,37 @@ struct OpRun {
   int64_t last_start = 0;   // the latest operation's start
   uint32_t last_seq = 0;
   uint32_t n = 0;           // operations in the run (0: none)
-  bool failed = false;
-  bool extends(const OpBegin& op) const;
+  bool ok = true;           // the first operation succeeded
+  // Set by start(), so that extends() is a few compares (it runs once per operation of a loop).
+  uint64_t call = 0;        // the first operation's communicator, kind, dtype and op, packed
+  int64_t max_period = -1;  // the longest start-to-start period that joins (-1: nothing joins)
+
+  static uint64_t call_of(const OpBegin& op) {
+    return uint64_t(op.comm) << 32 | uint64_t(op.kind) << 16 | uint64_t(op.dtype) << 8 | op.redop;
+  }
+  // `op` (measured to end at `t_end`, `ok` or not) begins a new run.
+  void start(const OpBegin& op, int64_t t_end, bool ok);
+  bool extends(const OpBegin& op) const {
+    int64_t period = op.t_start - last_start;
+    return call_of(op) == call && op.count == first.count && op.peer == first.peer && op.t_queued == 0 &&
+           period >= 0 && period <= max_period;
+  }
 };
 
 class Recorder {
  public:
   // The process's recorder, configured from the environment on first use.
   static Recorder& instance();
+
+  // What a recorder records. A process uses instance(); benchmarks build their own.
+  struct Settings {
+    int64_t capacity = 2000;    // flight recorder entries (0: off)
+    std::string timeline_path;  // "" = no timeline
+    int ring_fd = -1;           // the launcher's ring
+    std::string trace_dir;      // dumps without the launcher
+    static Settings from_env();
+  };
+  explicit Recorder(const Settings& settings);
 
   // Handle of a recorded operation (0: not recorded).
   using Handle = uint64_t;
@@ -90,7 +113,6 @@ class Recorder {
   Recorder& operator=(const Recorder&) = delete;
 
  private:
-  Recorder();
   void end_slow(Handle h, const OpBegin& op, bool ok, OpRun& run);
   struct Timeline;
 

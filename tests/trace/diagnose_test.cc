@@ -204,10 +204,7 @@ TEST(Dump, RoundTripsThroughJsonAndReadsADirectory) {
 TEST(Timeline, ARunOfBackToBackIdenticalShortOperationsIsOneSlice) {
   OpRun run;
   OpBegin first = allreduce(1, 2, 1000000);
-  run.first = first;
-  run.first_end = first.t_start + 300;  // 0.3 us long
-  run.last_start = first.t_start;
-  run.n = 1;
+  run.start(first, first.t_start + 300, true);  // 0.3 us long
   OpBegin next = allreduce(2, 2, first.t_start + 350);
   EXPECT_TRUE(run.extends(next));            // back to back
   next.t_start = first.t_start + 5000;
@@ -219,9 +216,13 @@ TEST(Timeline, ARunOfBackToBackIdenticalShortOperationsIsOneSlice) {
   next.t_queued = 1;
   EXPECT_FALSE(run.extends(next));           // async: its queue time is worth seeing
   // A long operation never starts a run of slices 20 us apart.
-  run.first_end = first.t_start + 50000;
+  run.start(first, first.t_start + 50000, true);
   next.t_queued = 0;
   next.t_start = first.t_start + 60000;
+  EXPECT_FALSE(run.extends(next));
+  // Nothing joins a failed operation.
+  run.start(first, first.t_start + 300, false);
+  next.t_start = first.t_start + 350;
   EXPECT_FALSE(run.extends(next));
 }
 
