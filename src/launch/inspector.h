@@ -56,7 +56,7 @@ std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_
 class Inspector {
  public:
   using Say = std::function<void(const std::string&)>;
-  // `stats_out`: where live stats go (a terminal gets a refreshed table, anything else JSON lines).
+  // `stats_fd`: where live stats go (a terminal gets a refreshed table, anything else JSON lines).
   Inspector(std::vector<InspectedRank> ranks, int world, double stall_warn_s, bool stats, int stats_fd, Say say,
             InspectorSharing sharing = {});
   ~Inspector();  // stops and joins the thread (at once: it waits on a condition variable)

@@ -28,7 +28,7 @@ const env::IntSetting kFlightRecorderFd(
     "set by cohort run: the descriptor of this rank's ring, which the launcher reads (do not set it yourself)");
 const env::StringSetting kTimelineRankFile(
     "COHORT_TIMELINE_RANK_FILE", "",
-    "set by cohort run --timeline: where this rank writes its timeline events (JSON lines) at exit");
+    "set by cohort run --timeline: where this rank writes its timeline records at exit");
 const env::StringSetting kTimeline(
     "COHORT_TIMELINE", "",
     "record a timeline: `cohort run` merges the ranks into this Chrome-trace file; a process started without "
@@ -112,7 +112,6 @@ Recorder::Recorder(const Settings& settings) {
     ring_ = own_ring_.get();
     ring_->pid.store(int32_t(getpid()), std::memory_order_relaxed);
   }
-  if (ring_) entries_ = reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(ring_) + sizeof(RingHeader));
   stats_ = ring_ && ring_->timing != 0;
   timing_ = timeline_ != nullptr || stats_;
   if (timeline_ && rank_ >= 0) timeline_->writer.set_identity(rank_, world_, host_);

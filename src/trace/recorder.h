@@ -8,8 +8,9 @@
 //   a failure (the failure summary and the dumps). Without the launcher it is this process's memory,
 //   written to COHORT_TRACE_DIR when a communicator fails.
 // * Timeline (off by default): with COHORT_TIMELINE_RANK_FILE (set by `cohort run --timeline`) or
-//   COHORT_TIMELINE (without the launcher), every operation and training span is kept as an event and
-//   written as JSON lines at exit; the launcher merges the ranks into one Chrome-trace file.
+//   COHORT_TIMELINE (without the launcher), every operation (or run of operations, see OpRun) and
+//   training span is kept as a record and written to a rank file at exit (trace/timeline.h); the
+//   launcher merges the ranks into one Chrome-trace file.
 //
 // Cost: recording one operation is a handful of plain stores into one cache line of the ring and
 // one atomic increment; the end time (a clock read) is only taken when the timeline or live stats
@@ -118,10 +119,9 @@ class Recorder {
 
   Ring shared_ring_;            // the launcher's (empty without it)
   std::unique_ptr<RingHeader, void (*)(RingHeader*)> own_ring_{nullptr, nullptr};  // without the launcher
-  // Whichever of the two is used; null: flight recorder off (the timeline keeps a small ring of its
-  // own, since its events are taken from the entries when operations end).
+  // Whichever of the two is used; null: flight recorder off (with the timeline on, a small ring of its
+  // own stays: op_end works on the handles op_begin returns).
   RingHeader* ring_ = nullptr;
-  RingEntry* entries_ = nullptr;
   bool under_launcher_ = false;
   bool timing_ = false;
   bool stats_ = false;  // live stats want every operation's end
