@@ -11,6 +11,7 @@
 #include <fmt/core.h>
 
 #include "cohort/error.h"
+#include "common/deadline.h"
 #include "common/log.h"
 #include "common/strings.h"
 #include "store/tcp_store.h"
@@ -105,13 +106,15 @@ void Job::record_failure(int attempt) {
   if (!whole_job && plan_.host_store && attempt_store_) {
     // The head gathers the other nodes' rings (published as they stopped; a node that never joined
     // or lost the store has none).
+    // One deadline for the whole gather, not one per node: nodes that never publish must not add up.
     int64_t now = trace::monotonic_ns();
+    Deadline gather = Deadline::after(std::chrono::seconds(2));
     int found = 0;
     for (const auto& node : plan_.nodes) {
       if (node.node_rank == plan_.this_node) continue;
       try {
         auto key = node_final_trace_key(node.node_rank);
-        attempt_store_->wait({key}, Millis(2000));
+        attempt_store_->wait({key}, std::max(gather.remaining(), Millis(1)));
         for (auto& s : adopt_snapshots(attempt_store_->get(key), now)) snaps.push_back(std::move(s));
         ++found;
       } catch (const std::exception&) {
