@@ -3,6 +3,7 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "cohort/ps.h"
 #include "cohort/store.h"
 #include "cohort/types.h"
 #include "cohort/version.h"

@@ -167,7 +167,8 @@ CommunicatorImpl::CommunicatorImpl(CommSetup s)
       spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
       progress_spin_(std::chrono::microseconds(std::max<int64_t>(0, kProgressSpinUs.get()))),
       world_ranks_(std::move(s.world_ranks)),
-      child_(s.child) {
+      child_(s.child),
+      connections_only_(s.connections_only) {
   if (!world_ranks_.empty() && world_ranks_.size() != size_t(size_))
     throw std::logic_error("CommSetup::world_ranks must name every rank");
   store_->set_timeout(options_.timeout);
@@ -290,6 +291,7 @@ void CommunicatorImpl::bootstrap() {
                          describe_signature(theirs), where, rank_, describe_signature(ours));
     });
   }
+  if (connections_only_) return;
   const bool shm_collectives =
       kShmCollectives.get() && options_.transport != "tcp";
   if (size_ > 1 && topology_.all_local() && shm_collectives) {

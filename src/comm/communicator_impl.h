@@ -52,6 +52,9 @@ struct CommSetup {
   // cross-host communicators): world_ranks[child rank] = rank in the world. Empty: ranks are world ranks.
   std::vector<int> world_ranks;
   bool child = false;  // made by split/subgroup/the hierarchical path (not the communicator a user created)
+  // Connections only (the parameter server's messages): no shared-memory collective group and no
+  // hierarchical sub-communicators, whose set-up is collective and would tie the ranks' lifetimes.
+  bool connections_only = false;
 };
 
 class CommunicatorImpl final : public Communicator,
@@ -121,6 +124,13 @@ class CommunicatorImpl final : public Communicator,
   Communicator* cross_host() const { return cross_host_.get(); }
   // The current operation's number and signature, as the shm group publishes them (comm/shm_path.h).
   shm::CallSignature shm_call() const;
+
+  // For a layer above that exchanges its own messages over this communicator's connections instead
+  // of running collectives on it (the parameter server, src/ps/): the transport serving each peer,
+  // and all of them (to poll). Only for a communicator made for that purpose and never used for
+  // collectives, so that nothing else drives its transports (docs/thread_model.md).
+  transport::Transport* transport_to(int peer) const { return route_[size_t(peer)]; }
+  const std::vector<std::unique_ptr<transport::Transport>>& transports() const { return transports_; }
 
  private:
   using Body = std::function<void()>;
@@ -193,6 +203,7 @@ class CommunicatorImpl final : public Communicator,
   std::unique_ptr<shm::Group> host_group_;    // several hosts: this host's ranks (hierarchical allreduce)
   std::vector<int> world_ranks_;  // see CommSetup::world_ranks
   bool child_ = false;
+  bool connections_only_ = false;  // CommSetup::connections_only
   std::shared_ptr<Communicator> cross_host_;  // several hosts: same local rank on every host
 
   // the drive lock and the current operation (guarded by drive_)

@@ -1,0 +1,472 @@
+// The worker side: splits each call by server, sends one request per server, and assembles the
+// replies. All state is guarded by one mutex; whoever holds it drives the connections (a blocking
+// call, or a handle's wait/done), so asynchronous calls progress whenever the client is used.
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <list>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "cohort/error.h"
+#include "common/log.h"
+#include "ps/client.h"
+#include "ps/config_json.h"
+#include "ps/wire.h"
+
+namespace cohort::ps {
+
+namespace {
+
+// One request to one server and its reply.
+struct Call {
+  int server = 0;
+  uint64_t seq = 0;
+  RequestHeader hdr;
+  std::vector<uint8_t> payload;
+  ReplyHeader reply;
+  std::vector<uint8_t> reply_payload;
+  Posted hdr_send, payload_send, reply_recv, reply_payload_recv;
+  bool have_reply = false;
+  bool done = false;
+};
+
+class ClientImpl;
+
+// A call on several servers; `finish` runs once every reply is in (under the client's lock).
+struct Operation {
+  std::vector<std::unique_ptr<Call>> calls;
+  std::function<void(Operation&)> finish;
+  std::string what;  // "pull of 'emb'" (for timeouts)
+  bool background = false;  // step(): nobody waits for it; its error surfaces on a later call
+  bool done = false;
+  std::exception_ptr error;
+};
+
+class HandleImpl final : public Handle {
+ public:
+  HandleImpl(ClientImpl* client, std::shared_ptr<Operation> op) : client_(client), op_(std::move(op)) {}
+  void wait() override;
+  bool done() override;
+
+ private:
+  ClientImpl* client_;
+  std::shared_ptr<Operation> op_;
+};
+
+class ClientImpl final : public Client {
+ public:
+  ClientImpl(std::shared_ptr<Store> store, const std::string& prefix, int worker, const Roles& roles,
+             std::chrono::milliseconds timeout)
+      : roles_(roles),
+        worker_(worker),
+        timeout_(timeout),
+        ep_(std::move(store), prefix, roles.worker_rank(worker), roles.size(), timeout) {
+    next_seq_.assign(size_t(roles_.num_servers), 0);
+    std::lock_guard<std::mutex> g(mu_);
+    auto op = start_all(Op::kHello, "", {}, "hello");
+    run_locked(*op);
+    auto j = nlohmann::json::parse(op->calls.front()->reply_payload);
+    mode_ = ConsistencyMode::parse(j.at("mode").get<std::string>());
+    max_request_ = j.at("max_request").get<uint64_t>();
+  }
+
+  ~ClientImpl() override {
+    // Tell every server this worker is done (a server stops once all workers have), then wait for
+    // the acknowledgements so that none of our sends is cut off; bounded like everything else.
+    try {
+      std::lock_guard<std::mutex> g(mu_);
+      if (broken_) return;  // a server is lost: the error was reported, nobody to say bye to
+      auto op = start_all(Op::kBye, "", {}, "bye");
+      run_locked(*op);
+    } catch (const std::exception& e) {
+      log::warn("parameter-server client of worker {}: closing: {}", worker_, e.what());
+    }
+  }
+
+  int worker_index() const override { return worker_; }
+  int num_workers() const override { return roles_.num_workers; }
+  int num_servers() const override { return roles_.num_servers; }
+  ConsistencyMode mode() const override { return mode_; }
+  uint64_t clock() const override { return clock_; }
+
+  void create_table(const std::string& name, const TableConfig& config) override {
+    validate(name, config);
+    std::lock_guard<std::mutex> g(mu_);
+    std::string text = config_to_json(config).dump();
+    auto op = start_all(Op::kCreate, name, std::vector<uint8_t>(text.begin(), text.end()),
+                        fmt::format("create_table '{}'", name));
+    run_locked(*op);
+    tables_[name] = config;
+  }
+
+  TableConfig table(const std::string& name) override {
+    std::lock_guard<std::mutex> g(mu_);
+    return table_locked(name);
+  }
+
+  void pull(const std::string& table, const uint64_t* ids, size_t n, float* rows) override {
+    pull_async(table, ids, n, rows)->wait();
+  }
+
+  void push(const std::string& table, const uint64_t* ids, size_t n, const float* grads) override {
+    push_async(table, ids, n, grads)->wait();
+  }
+
+  std::shared_ptr<Handle> pull_async(const std::string& table, const uint64_t* ids, size_t n, float* rows) override {
+    std::lock_guard<std::mutex> g(mu_);
+    TableConfig c = table_locked(table);
+    return std::make_shared<HandleImpl>(this, start_pull_push(Op::kPull, table, c, nullptr, 0, nullptr, ids, n, rows));
+  }
+
+  std::shared_ptr<Handle> push_async(const std::string& table, const uint64_t* ids, size_t n,
+                                     const float* grads) override {
+    std::lock_guard<std::mutex> g(mu_);
+    TableConfig c = table_locked(table);
+    return std::make_shared<HandleImpl>(this,
+                                        start_pull_push(Op::kPush, table, c, ids, n, grads, nullptr, 0, nullptr));
+  }
+
+  void push_pull(const std::string& table, const uint64_t* push_ids, size_t n, const float* grads,
+                 const uint64_t* pull_ids, size_t m, float* rows) override {
+    std::shared_ptr<Operation> op;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      TableConfig c = table_locked(table);
+      op = start_pull_push(Op::kPushPull, table, c, push_ids, n, grads, pull_ids, m, rows);
+    }
+    HandleImpl(this, op).wait();
+  }
+
+  void step() override {
+    std::lock_guard<std::mutex> g(mu_);
+    ++clock_;
+    // Every server must know (each holds its share of the step's pushes); nothing to wait for:
+    // the acknowledgements are collected by later calls.
+    auto op = start_all(Op::kClock, "", {}, "step");
+    op->background = true;
+    reap_background_locked();
+  }
+
+  void save(const std::string& dir) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto op = start_all(Op::kSave, "", std::vector<uint8_t>(dir.begin(), dir.end()), fmt::format("save to {}", dir));
+    run_locked(*op);
+    nlohmann::json tables = nlohmann::json::object();
+    for (auto& c : op->calls) {
+      auto j = nlohmann::json::parse(c->reply_payload);
+      for (auto& [k, v] : j.items()) tables[k] = v;
+    }
+    nlohmann::json manifest{{"format", "cohort-ps-1"}, {"servers", roles_.num_servers}, {"tables", tables}};
+    std::string path = dir + "/manifest.json", tmp = path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << manifest.dump(2) << '\n';
+      if (!out) throw InvalidArgument(fmt::format("save: cannot write {}", tmp));
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) throw InvalidArgument(fmt::format("save: cannot rename {}: {}", tmp, ec.message()));
+  }
+
+  void load(const std::string& dir) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto op = start_all(Op::kLoad, "", std::vector<uint8_t>(dir.begin(), dir.end()), fmt::format("load from {}", dir));
+    run_locked(*op);
+    tables_.clear();  // re-learned on next use
+  }
+
+  TableStats stats(const std::string& table) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto op = start_all(Op::kStats, table, {}, fmt::format("stats of '{}'", table));
+    run_locked(*op);
+    TableStats s;
+    for (auto& c : op->calls) {
+      uint64_t v[3];
+      std::memcpy(v, c->reply_payload.data(), sizeof v);
+      s.rows += v[0];
+      s.bytes += v[1];
+      s.applied_pushes += v[2];
+    }
+    return s;
+  }
+
+  // ---- driving (mu_ held) ----
+
+  void run_locked(Operation& op) {
+    auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (!progress_locked(op)) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::vector<std::string> who;
+        for (auto& c : op.calls)
+          if (!c->done) who.push_back(fmt::format("server {} ({})", c->server, ep_.host_of(roles_.server_rank(c->server))));
+        throw TimeoutError(fmt::format("parameter-server worker {}: {} got no answer from {} within {:.0f} s "
+                                       "(COHORT_TIMEOUT){}",
+                                       worker_, op.what, fmt::join(who, ", "),
+                                       std::chrono::duration<double>(timeout_).count(),
+                                       mode_.mode == Mode::kAsync ? "" : "; in bsp/stale mode a pull waits for the slowest worker's step()"));
+      }
+      ep_.poll(10);
+    }
+    reap_background_locked();
+    if (op.error) std::rethrow_exception(op.error);
+  }
+
+  // True when `op` is complete.
+  bool progress_locked(Operation& op) {
+    if (op.done) return true;
+    try {
+      bool all = true;
+      for (auto& c : op.calls) {
+        try {
+          all &= progress_call(*c);
+        } catch (const InvalidArgument&) {
+          throw;
+        } catch (const Error& e) {
+          throw_lost(op.what, c->server, e);
+        }
+      }
+      if (!all) return false;
+      for (auto& c : op.calls)
+        if (c->reply.status != Status::kOk) throw InvalidArgument(std::string(c->reply.message));
+      if (op.finish) op.finish(op);
+    } catch (const InvalidArgument&) {
+      op.error = std::current_exception();
+    }
+    op.done = true;
+    return true;
+  }
+
+  [[noreturn]] void throw_lost(const std::string& what, int server, const Error& e) {
+    broken_ = true;
+    throw PeerLostError(fmt::format("parameter-server worker {}: {} failed: parameter server {} ({}): {}", worker_,
+                                    what, server, ep_.host_of(roles_.server_rank(server)), e.what()));
+  }
+
+  bool progress_call(Call& c) {
+    if (c.done) return true;
+    ep_.test(c.hdr_send);
+    if (c.payload_send) ep_.test(c.payload_send);
+    if (!c.have_reply) {
+      if (!ep_.test(c.reply_recv)) return false;
+      if (c.reply.magic != kReplyMagic)
+        throw Error(fmt::format("server {} sent a malformed reply", c.server));
+      c.have_reply = true;
+      if (c.reply.payload > 0) {
+        c.reply_payload.resize(c.reply.payload);
+        c.reply_payload_recv = ep_.irecv(roles_.server_rank(c.server), Msg::kReplyPayload, c.seq,
+                                         c.reply_payload.data(), c.reply_payload.size());
+      }
+    }
+    if (c.reply_payload_recv && !ep_.test(c.reply_payload_recv)) return false;
+    // A reply implies the server read our request; our sends completed (tcp/shm report send
+    // completion when the bytes left our buffer).
+    if (!ep_.test(c.hdr_send) || (c.payload_send && !ep_.test(c.payload_send))) return false;
+    c.done = true;
+    return true;
+  }
+
+  // Every started operation stays here until complete, so that its buffers outlive the transport's
+  // use of them even when the caller drops its handle.
+  void reap_background_locked() {
+    for (auto it = inflight_.begin(); it != inflight_.end();) {
+      if (!progress_locked(**it)) {
+        ++it;
+        continue;
+      }
+      auto op = *it;
+      it = inflight_.erase(it);
+      if (op->background && op->error) std::rethrow_exception(op->error);
+    }
+  }
+
+  Call& post(Operation& op, int server, Op kind, const std::string& table, std::vector<uint8_t> payload,
+             const std::function<void(RequestHeader&)>& fill = {}) {
+    auto c = std::make_unique<Call>();
+    if (!table.empty()) set_table_name(c->hdr, table);  // may throw: before the request is numbered
+    c->server = server;
+    c->seq = next_seq_[size_t(server)]++;
+    c->hdr.op = kind;
+    c->hdr.clock = clock_;
+    c->payload = std::move(payload);
+    c->hdr.payload = c->payload.size();
+    if (fill) fill(c->hdr);
+    const int peer = roles_.server_rank(server);
+    try {
+      c->hdr_send = ep_.isend(peer, Msg::kRequest, c->seq, &c->hdr, sizeof c->hdr);
+      if (!c->payload.empty())
+        c->payload_send = ep_.isend(peer, Msg::kRequestPayload, c->seq, c->payload.data(), c->payload.size());
+      c->reply_recv = ep_.irecv(peer, Msg::kReply, c->seq, &c->reply, sizeof c->reply);
+    } catch (const InvalidArgument&) {
+      throw;
+    } catch (const Error& e) {
+      throw_lost(fmt::format("{} of '{}'", op_name(kind), table), server, e);
+    }
+    op.calls.push_back(std::move(c));
+    return *op.calls.back();
+  }
+
+  std::shared_ptr<Operation> start_all(Op kind, const std::string& table, const std::vector<uint8_t>& payload,
+                                       std::string what) {
+    auto op = std::make_shared<Operation>();
+    op->what = std::move(what);
+    for (int s = 0; s < roles_.num_servers; ++s) post(*op, s, kind, table, payload);
+    inflight_.push_back(op);
+    return op;
+  }
+
+  TableConfig table_locked(const std::string& name) {
+    auto it = tables_.find(name);
+    if (it != tables_.end()) return it->second;
+    auto op = std::make_shared<Operation>();
+    op->what = fmt::format("describe '{}'", name);
+    post(*op, 0, Op::kDescribe, name, {});
+    inflight_.push_back(op);
+    run_locked(*op);
+    TableConfig c = config_from_json(nlohmann::json::parse(op->calls.front()->reply_payload));
+    tables_[name] = c;
+    return c;
+  }
+
+  int owner(const TableConfig& c, uint64_t id) const {
+    return c.dense ? (id < c.rows ? shard_of_row(id, c.rows, roles_.num_servers) : 0)
+                   : shard_of_id(id, roles_.num_servers);
+  }
+
+  // pull (push_ids null), push (pull_ids null) or push_pull. Duplicate ids are merged here: a
+  // pulled row is asked once and copied to every position; pushed gradients of one id are summed.
+  std::shared_ptr<Operation> start_pull_push(Op kind, const std::string& table, const TableConfig& c,
+                                             const uint64_t* push_ids, size_t n, const float* grads,
+                                             const uint64_t* pull_ids, size_t m, float* rows) {
+    const size_t d = c.dim;
+    const int S = roles_.num_servers;
+    auto op = std::make_shared<Operation>();
+    op->what = fmt::format("{} of '{}'", op_name(kind), table);
+
+    // Push side: unique ids per server with summed gradients.
+    std::vector<std::vector<uint64_t>> push_by(static_cast<size_t>(S));
+    std::vector<std::vector<float>> grads_by(static_cast<size_t>(S));
+    if (push_ids) {
+      std::unordered_map<uint64_t, std::pair<int, size_t>> where;  // id -> (server, index there)
+      where.reserve(n * 2);
+      for (size_t i = 0; i < n; ++i) {
+        int s = owner(c, push_ids[i]);
+        auto [it, fresh] = where.try_emplace(push_ids[i], s, push_by[size_t(s)].size());
+        if (fresh) {
+          push_by[size_t(s)].push_back(push_ids[i]);
+          grads_by[size_t(s)].insert(grads_by[size_t(s)].end(), grads + i * d, grads + (i + 1) * d);
+        } else {
+          float* g = grads_by[size_t(s)].data() + it->second.second * d;
+          for (size_t j = 0; j < d; ++j) g[j] += grads[i * d + j];
+        }
+      }
+    }
+    // Pull side: unique ids per server, and for each position where its row comes from.
+    std::vector<std::vector<uint64_t>> pull_by(static_cast<size_t>(S));
+    auto from = std::make_shared<std::vector<std::pair<int, size_t>>>(m);
+    if (pull_ids) {
+      std::unordered_map<uint64_t, std::pair<int, size_t>> where;
+      where.reserve(m * 2);
+      for (size_t i = 0; i < m; ++i) {
+        int s = owner(c, pull_ids[i]);
+        auto [it, fresh] = where.try_emplace(pull_ids[i], s, pull_by[size_t(s)].size());
+        if (fresh) pull_by[size_t(s)].push_back(pull_ids[i]);
+        (*from)[i] = it->second;
+      }
+    }
+
+    // Every server's request is built and checked before any is sent: a refused call leaves
+    // nothing in flight.
+    if (!table.empty()) {
+      RequestHeader probe;
+      set_table_name(probe, table);
+    }
+    std::vector<std::vector<uint8_t>> payloads(static_cast<size_t>(S));
+    for (int s = 0; s < S; ++s) {
+      const auto& pi = push_by[size_t(s)];
+      const auto& qi = pull_by[size_t(s)];
+      std::vector<uint8_t>& payload = payloads[size_t(s)];
+      payload.resize(pi.size() * 8 + pi.size() * d * 4 + qi.size() * 8);
+      uint8_t* p = payload.data();
+      std::memcpy(p, pi.data(), pi.size() * 8);
+      p += pi.size() * 8;
+      std::memcpy(p, grads_by[size_t(s)].data(), pi.size() * d * 4);
+      p += pi.size() * d * 4;
+      std::memcpy(p, qi.data(), qi.size() * 8);
+      if (payload.size() > max_request_ || qi.size() * d * 4 > max_request_)
+        throw InvalidArgument(fmt::format("{} of '{}': {} ids make a request of {} bytes to server {}, more than "
+                                          "the servers' limit of {} bytes (COHORT_PS_MAX_REQUEST); split the call",
+                                          op_name(kind), table, pi.size() + qi.size(),
+                                          std::max(payload.size(), qi.size() * d * 4), s, max_request_));
+    }
+    std::vector<int> call_of(static_cast<size_t>(S), -1);
+    for (int s = 0; s < S; ++s) {
+      const auto& pi = push_by[size_t(s)];
+      const auto& qi = pull_by[size_t(s)];
+      // push_pull goes to every server: each must hear that the step ended.
+      if (kind != Op::kPushPull && pi.empty() && qi.empty()) continue;
+      call_of[size_t(s)] = int(op->calls.size());
+      Call& call = post(*op, s, kind, table, std::move(payloads[size_t(s)]), [&](RequestHeader& h) {
+        h.dim = c.dim;
+        h.n = kind == Op::kPull ? qi.size() : pi.size();
+        h.m = kind == Op::kPushPull ? qi.size() : 0;
+      });
+      (void)call;
+    }
+    if (kind == Op::kPushPull) ++clock_;
+    inflight_.push_back(op);
+    if (pull_ids) {
+      op->finish = [from, call_of, rows, d](Operation& o) {
+        for (size_t i = 0; i < from->size(); ++i) {
+          auto [s, k] = (*from)[i];
+          const Call& c = *o.calls[size_t(call_of[size_t(s)])];
+          std::memcpy(rows + i * d, c.reply_payload.data() + k * d * 4, d * 4);
+        }
+      };
+    }
+    return op;
+  }
+
+  Roles roles_;
+  int worker_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  Endpoint ep_;
+  ConsistencyMode mode_;
+  uint64_t max_request_ = 0;
+  uint64_t clock_ = 0;
+  bool broken_ = false;  // a server was lost
+  std::vector<uint64_t> next_seq_;
+  std::map<std::string, TableConfig> tables_;
+  std::list<std::shared_ptr<Operation>> inflight_;
+
+  friend class HandleImpl;
+};
+
+void HandleImpl::wait() {
+  std::lock_guard<std::mutex> g(client_->mu_);
+  client_->run_locked(*op_);
+}
+
+bool HandleImpl::done() {
+  std::lock_guard<std::mutex> g(client_->mu_);
+  client_->ep_.poll(0);
+  if (!client_->progress_locked(*op_)) return false;
+  if (op_->error) std::rethrow_exception(op_->error);
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<Client> make_client(std::shared_ptr<Store> store, const std::string& prefix, int worker,
+                                    const Roles& roles, std::chrono::milliseconds timeout) {
+  return std::make_unique<ClientImpl>(std::move(store), prefix, worker, roles, timeout);
+}
+
+}  // namespace cohort::ps

@@ -1,0 +1,482 @@
+// The parameter server: one thread, one loop over the PS world's connections.
+//
+// The loop keeps one posted header receive per worker (the worker's next request number), reads
+// the payload the header announces, handles the request and posts its reply; replies in flight
+// are kept until their sends complete. Nothing here blocks except Endpoint::poll, bounded to 100 ms
+// so that slow-warnings come on time. A lost worker fails the transport: serve() throws, the
+// process exits non-zero and the launcher ends the job naming it.
+//
+// Consistency (include/cohort/ps.h): the server knows each worker's clock (its step() count, sent
+// with every request). bsp holds a step's pushes until every worker has ended the step; pulls that
+// may not be answered yet (bsp, stale:K) wait in `deferred_` and are retried whenever a clock moves.
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <unordered_map>
+
+#include "cohort/error.h"
+#include "common/log.h"
+#include "ps/config_json.h"
+#include "ps/server.h"
+#include "ps/table.h"
+#include "ps/wire.h"
+
+namespace cohort::ps {
+
+namespace {
+
+constexpr uint64_t kDone = UINT64_MAX;  // the clock of a worker that said bye
+
+struct Inbox {
+  RequestHeader hdr;
+  std::vector<uint8_t> payload;
+  Posted hdr_recv, payload_recv;
+  uint64_t seq = 0;
+  bool reading_payload = false;
+  bool bye = false;
+};
+
+struct Outgoing {
+  int worker = 0;
+  ReplyHeader hdr;
+  std::vector<uint8_t> payload;
+  Posted hdr_send, payload_send;
+};
+
+struct Deferred {
+  int worker = 0;
+  uint64_t seq = 0;
+  std::string table;
+  uint32_t dim = 0;
+  uint64_t clock = 0;
+  std::vector<uint64_t> ids;
+  std::chrono::steady_clock::time_point since;
+  bool warned = false;
+};
+
+struct HeldPush {
+  std::string table;
+  std::vector<uint64_t> ids;
+  std::vector<float> grads;
+};
+
+template <typename T>
+const T* at(const std::vector<uint8_t>& buf, size_t offset) {
+  return reinterpret_cast<const T*>(buf.data() + offset);
+}
+
+class Server {
+ public:
+  Server(std::shared_ptr<Store> store, const std::string& prefix, int index, const Roles& roles, ConsistencyMode mode,
+         std::chrono::milliseconds timeout, uint64_t max_request)
+      : roles_(roles),
+        index_(index),
+        mode_(mode),
+        max_request_(max_request),
+        ep_(std::move(store), prefix, roles.server_rank(index), roles.size(), timeout) {
+    inbox_.resize(size_t(roles_.num_workers));
+    clock_.assign(size_t(roles_.num_workers), 0);
+    log::debug("parameter server {} of {}: {} workers, mode {}", index_, roles_.num_servers, roles_.num_workers,
+               mode_.to_string());
+  }
+
+  void run() {
+    for (int w = 0; w < roles_.num_workers; ++w) post_header(w);
+    int open = roles_.num_workers;
+    while (open > 0 || !sending_.empty()) {
+      ep_.poll(100);
+      for (int w = 0; w < roles_.num_workers; ++w) {
+        Inbox& in = inbox_[size_t(w)];
+        if (in.bye) continue;
+        // Several requests of one worker may be waiting: take them all.
+        for (;;) {
+          if (!in.reading_payload) {
+            if (!ep_.test(in.hdr_recv)) break;
+            if (in.hdr.magic != kRequestMagic)
+              throw Error(fmt::format("parameter server {}: worker {} sent a malformed request (magic {:#x})", index_,
+                                      w, in.hdr.magic));
+            if (in.hdr.payload > 0) {
+              // Oversized requests are refused by the client against the limit this server
+              // announced; one that comes anyway is read (the transport needs it consumed) and refused.
+              in.payload.resize(in.hdr.payload);
+              in.payload_recv = ep_.irecv(roles_.worker_rank(w), Msg::kRequestPayload, in.seq, in.payload.data(),
+                                          in.payload.size());
+              in.reading_payload = true;
+            }
+          }
+          if (in.reading_payload && !ep_.test(in.payload_recv)) break;
+          in.reading_payload = false;
+          handle(w);
+          if (in.bye) {
+            --open;
+            break;
+          }
+          ++in.seq;
+          post_header(w);
+        }
+      }
+      while (!sending_.empty() && sent(*sending_.front())) sending_.pop_front();
+      // Sends complete in order per peer; a long reply to one worker must not keep the others'
+      // buffers: drop any completed one.
+      if (sending_.size() > 64)
+        std::erase_if(sending_, [this](const std::unique_ptr<Outgoing>& o) { return sent(*o); });
+      warn_deferred();
+    }
+  }
+
+ private:
+  void post_header(int w) {
+    Inbox& in = inbox_[size_t(w)];
+    in.hdr_recv = ep_.irecv(roles_.worker_rank(w), Msg::kRequest, in.seq, &in.hdr, sizeof in.hdr);
+  }
+
+  bool sent(Outgoing& o) { return ep_.test(o.hdr_send) && (!o.payload_send || ep_.test(o.payload_send)); }
+
+  void reply(int w, uint64_t seq, std::vector<uint8_t> payload = {}) {
+    auto o = std::make_unique<Outgoing>();
+    o->worker = w;
+    o->payload = std::move(payload);
+    o->hdr.payload = o->payload.size();
+    o->hdr_send = ep_.isend(roles_.worker_rank(w), Msg::kReply, seq, &o->hdr, sizeof o->hdr);
+    if (!o->payload.empty())
+      o->payload_send = ep_.isend(roles_.worker_rank(w), Msg::kReplyPayload, seq, o->payload.data(), o->payload.size());
+    sending_.push_back(std::move(o));
+  }
+
+  void reply_error(int w, uint64_t seq, const std::string& message) {
+    auto o = std::make_unique<Outgoing>();
+    o->worker = w;
+    o->hdr.status = Status::kInvalid;
+    std::snprintf(o->hdr.message, sizeof o->hdr.message, "%s", message.c_str());
+    o->hdr_send = ep_.isend(roles_.worker_rank(w), Msg::kReply, seq, &o->hdr, sizeof o->hdr);
+    sending_.push_back(std::move(o));
+  }
+
+  void handle(int w) {
+    Inbox& in = inbox_[size_t(w)];
+    const RequestHeader& h = in.hdr;
+    try {
+      if (h.payload > max_request_)
+        throw InvalidArgument(fmt::format("{} request of {} bytes exceeds this server's limit of {} bytes "
+                                          "(COHORT_PS_MAX_REQUEST)", op_name(h.op), h.payload, max_request_));
+      switch (h.op) {
+        case Op::kHello: {
+          nlohmann::json j{{"mode", mode_.to_string()}, {"max_request", max_request_}};
+          return reply(w, in.seq, bytes_of(j.dump()));
+        }
+        case Op::kCreate: return create(w, in);
+        case Op::kDescribe: {
+          TableShard& t = table(h, false);
+          return reply(w, in.seq, bytes_of(config_to_json(t.config()).dump()));
+        }
+        case Op::kPull: {
+          TableShard& t = table(h, true);
+          check_size(h, h.n * 8);
+          const uint64_t* ids = at<uint64_t>(in.payload, 0);
+          check_ids(t, ids, h.n);
+          return pull_or_defer(w, in.seq, t, h.clock, ids, h.n);
+        }
+        case Op::kPush:
+        case Op::kPushPull: {
+          TableShard& t = table(h, true);
+          const size_t push_bytes = h.n * 8 + h.n * t.dim() * 4;
+          check_size(h, push_bytes + (h.op == Op::kPushPull ? h.m * 8 : 0));
+          const uint64_t* ids = at<uint64_t>(in.payload, 0);
+          const float* grads = at<float>(in.payload, h.n * 8);
+          check_ids(t, ids, h.n);
+          const uint64_t* pull_ids = at<uint64_t>(in.payload, push_bytes);
+          if (h.op == Op::kPushPull) check_ids(t, pull_ids, h.m);
+          push(w, t, h.clock, ids, h.n, grads);
+          if (h.op == Op::kPush) return reply(w, in.seq);
+          advance_clock(w, h.clock + 1);
+          return pull_or_defer(w, in.seq, t, h.clock + 1, pull_ids, h.m);
+        }
+        case Op::kClock:
+          reply(w, in.seq);
+          return advance_clock(w, h.clock);
+        case Op::kSave: return reply(w, in.seq, bytes_of(save(std::string(in.payload.begin(), in.payload.end()))));
+        case Op::kLoad:
+          load(std::string(in.payload.begin(), in.payload.end()));
+          return reply(w, in.seq);
+        case Op::kStats: {
+          TableShard& t = table(h, false);
+          uint64_t s[3] = {t.rows(), t.bytes(), t.applied()};
+          std::vector<uint8_t> out(sizeof s);
+          std::memcpy(out.data(), s, sizeof s);
+          return reply(w, in.seq, std::move(out));
+        }
+        case Op::kBye:
+          in.bye = true;
+          reply(w, in.seq);
+          return advance_clock(w, kDone);
+      }
+      throw InvalidArgument(fmt::format("unknown request type {}", int(h.op)));
+    } catch (const InvalidArgument& e) {
+      // The worker's mistake: it gets the reason; everyone else is served on.
+      reply_error(w, in.seq, fmt::format("parameter server {}: {}", index_, e.what()));
+    }
+  }
+
+  static std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+  void check_size(const RequestHeader& h, size_t expected) {
+    if (h.payload != expected)
+      throw InvalidArgument(fmt::format("{} of '{}': payload of {} bytes, expected {} for {} ids of dim {}",
+                                        op_name(h.op), table_name(h), h.payload, expected, h.n, h.dim));
+  }
+
+  TableShard& table(const RequestHeader& h, bool check_dim) {
+    auto name = table_name(h);
+    auto it = tables_.find(name);
+    if (it == tables_.end()) {
+      std::vector<std::string> names;
+      for (auto& [n, t] : tables_) names.push_back("'" + n + "'");
+      throw InvalidArgument(fmt::format("no table '{}' (tables: {})", name,
+                                        names.empty() ? "none; call create_table first" : fmt::format("{}", fmt::join(names, ", "))));
+    }
+    if (check_dim && h.dim != it->second->dim())
+      throw InvalidArgument(fmt::format("table '{}' has rows of dim {}; this {} was built for dim {}", name,
+                                        it->second->dim(), op_name(h.op), h.dim));
+    return *it->second;
+  }
+
+  void check_ids(const TableShard& t, const uint64_t* ids, uint64_t n) {
+    const TableConfig& c = t.config();
+    for (uint64_t i = 0; i < n; ++i) {
+      if (c.dense && ids[i] >= c.rows)
+        throw InvalidArgument(fmt::format("table '{}': row {} is outside the dense table's {} rows", t.name(), ids[i],
+                                          c.rows));
+      int owner = c.dense ? shard_of_row(ids[i], c.rows, roles_.num_servers) : shard_of_id(ids[i], roles_.num_servers);
+      if (owner != index_)
+        throw InvalidArgument(fmt::format("table '{}': id {} belongs to server {}, not {} (does the worker see {} servers?)",
+                                          t.name(), ids[i], owner, index_, roles_.num_servers));
+    }
+  }
+
+  void create(int w, Inbox& in) {
+    auto name = table_name(in.hdr);
+    TableConfig c;
+    try {
+      c = config_from_json(nlohmann::json::parse(in.payload.begin(), in.payload.end()));
+    } catch (const nlohmann::json::exception& e) {
+      throw InvalidArgument(fmt::format("create_table '{}': unreadable configuration ({})", name, e.what()));
+    }
+    validate(name, c);
+    auto it = tables_.find(name);
+    if (it != tables_.end()) {
+      std::string diff = config_difference(it->second->config(), c);
+      if (!diff.empty())
+        throw InvalidArgument(fmt::format("create_table '{}': the table exists with {}", name, diff));
+      return reply(w, in.seq);
+    }
+    tables_.emplace(name, make_shard(name, c));
+    reply(w, in.seq);
+  }
+
+  std::unique_ptr<TableShard> make_shard(const std::string& name, const TableConfig& c) {
+    if (!c.dense) return std::make_unique<TableShard>(name, c);
+    // Dense: this server's contiguous range (shard_of_row).
+    uint64_t per = (c.rows + uint64_t(roles_.num_servers) - 1) / uint64_t(roles_.num_servers);
+    uint64_t first = std::min(c.rows, per * uint64_t(index_));
+    uint64_t last = std::min(c.rows, first + per);
+    return std::make_unique<TableShard>(name, c, first, last - first);
+  }
+
+  bool may_answer(uint64_t clock) const {
+    if (mode_.mode == Mode::kAsync) return true;
+    uint64_t lag = mode_.mode == Mode::kBsp ? 0 : uint64_t(mode_.staleness);
+    return clock <= lag || min_clock() >= clock - lag;
+  }
+
+  uint64_t min_clock() const { return *std::min_element(clock_.begin(), clock_.end()); }
+
+  void pull_or_defer(int w, uint64_t seq, TableShard& t, uint64_t clock, const uint64_t* ids, uint64_t n) {
+    if (may_answer(clock)) return answer_pull(w, seq, t, ids, n);
+    deferred_.push_back(Deferred{w, seq, t.name(), t.dim(), clock, std::vector<uint64_t>(ids, ids + n),
+                                 std::chrono::steady_clock::now(), false});
+  }
+
+  void answer_pull(int w, uint64_t seq, TableShard& t, const uint64_t* ids, uint64_t n) {
+    std::vector<uint8_t> rows(n * t.dim() * 4);
+    t.read(ids, n, reinterpret_cast<float*>(rows.data()));
+    reply(w, seq, std::move(rows));
+  }
+
+  void push(int w, TableShard& t, uint64_t clock, const uint64_t* ids, uint64_t n, const float* grads) {
+    if (mode_.mode != Mode::kBsp) return t.apply(ids, n, grads);
+    held_[clock].resize(size_t(roles_.num_workers));
+    held_[clock][size_t(w)].push_back(
+        HeldPush{t.name(), std::vector<uint64_t>(ids, ids + n), std::vector<float>(grads, grads + n * t.dim())});
+  }
+
+  void advance_clock(int w, uint64_t clock) {
+    uint64_t before = min_clock();
+    clock_[size_t(w)] = std::max(clock_[size_t(w)], clock);
+    uint64_t now = min_clock();
+    if (now == before) return;
+    // bsp: every worker has ended the steps below `now`: apply what they pushed in them.
+    while (!held_.empty() && held_.begin()->first < now) {
+      apply_step(held_.begin()->second);
+      held_.erase(held_.begin());
+    }
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      if (!may_answer(it->clock)) {
+        ++it;
+        continue;
+      }
+      auto t = tables_.find(it->table);
+      if (t == tables_.end())  // replaced by a load meanwhile
+        reply_error(it->worker, it->seq, fmt::format("parameter server {}: table '{}' is gone", index_, it->table));
+      else
+        answer_pull(it->worker, it->seq, *t->second, it->ids.data(), it->ids.size());
+      it = deferred_.erase(it);
+    }
+  }
+
+  // Sums one step's pushes per row, in worker order (reproducible), and applies each row once.
+  void apply_step(std::vector<std::vector<HeldPush>>& per_worker) {
+    struct Sum {
+      std::unordered_map<uint64_t, size_t> at;
+      std::vector<uint64_t> ids;
+      std::vector<float> grads;
+    };
+    std::map<std::string, Sum> sums;
+    for (auto& pushes : per_worker) {
+      for (auto& p : pushes) {
+        auto t = tables_.find(p.table);
+        if (t == tables_.end()) continue;
+        const size_t d = t->second->dim();
+        Sum& s = sums[p.table];
+        for (size_t i = 0; i < p.ids.size(); ++i) {
+          auto [pos, fresh] = s.at.try_emplace(p.ids[i], s.ids.size());
+          if (fresh) {
+            s.ids.push_back(p.ids[i]);
+            s.grads.insert(s.grads.end(), p.grads.begin() + long(i * d), p.grads.begin() + long((i + 1) * d));
+          } else {
+            for (size_t j = 0; j < d; ++j) s.grads[pos->second * d + j] += p.grads[i * d + j];
+          }
+        }
+      }
+    }
+    for (auto& [name, s] : sums) tables_[name]->apply(s.ids.data(), s.ids.size(), s.grads.data());
+  }
+
+  void warn_deferred() {
+    auto now = std::chrono::steady_clock::now();
+    for (auto& d : deferred_) {
+      if (d.warned || now - d.since < std::chrono::seconds(10)) continue;
+      d.warned = true;
+      std::vector<int> behind;
+      uint64_t lag = mode_.mode == Mode::kBsp ? 0 : uint64_t(mode_.staleness);
+      for (int w = 0; w < roles_.num_workers; ++w)
+        if (clock_[size_t(w)] + lag < d.clock) behind.push_back(w);
+      log::warn("parameter server {}: worker {}'s pull of '{}' in step {} has waited 10 s for worker(s) {} to end "
+                "step {} ({} mode)",
+                index_, d.worker, d.table, d.clock, fmt::join(behind, ","), d.clock - lag - 1, mode_.to_string());
+    }
+  }
+
+  // ---- save and load (docs/parameter-server.md: file format) ----
+
+  std::string shard_path(const std::string& dir, const std::string& table, int k, int n) const {
+    return fmt::format("{}/{}.shard-{}-of-{}", dir, table, k, n);
+  }
+
+  std::string save(const std::string& dir) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw InvalidArgument(fmt::format("save: cannot create directory {}: {}", dir, ec.message()));
+    nlohmann::json saved = nlohmann::json::object();
+    for (auto& [name, t] : tables_) {
+      std::string path = shard_path(dir, name, index_, roles_.num_servers);
+      std::string tmp = path + ".tmp";
+      {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        if (!out) throw InvalidArgument(fmt::format("save: cannot write {}", tmp));
+        nlohmann::json head{{"table", name}, {"config", config_to_json(t->config())}, {"rows", t->rows()},
+                            {"server", index_}, {"servers", roles_.num_servers}, {"state_floats", state_floats(t->config())}};
+        out << head.dump() << '\n';
+        const size_t d = t->dim(), sf = state_floats(t->config());
+        t->for_each([&](uint64_t id, const float* values, const float* state) {
+          out.write(reinterpret_cast<const char*>(&id), 8);
+          out.write(reinterpret_cast<const char*>(values), std::streamsize(d * 4));
+          out.write(reinterpret_cast<const char*>(state), std::streamsize(sf * 4));
+        });
+        out.flush();
+        if (!out) throw InvalidArgument(fmt::format("save: writing {} failed", tmp));
+      }
+      fs::rename(tmp, path, ec);  // atomic: a reader sees the old shard or the whole new one
+      if (ec) throw InvalidArgument(fmt::format("save: cannot rename {}: {}", tmp, ec.message()));
+      saved[name] = config_to_json(t->config());
+    }
+    return saved.dump();
+  }
+
+  void load(const std::string& dir) {
+    std::ifstream mf(dir + "/manifest.json");
+    if (!mf) throw InvalidArgument(fmt::format("load: {}/manifest.json not found (was the directory written by save?)", dir));
+    nlohmann::json manifest;
+    try {
+      manifest = nlohmann::json::parse(mf);
+    } catch (const std::exception& e) {
+      throw InvalidArgument(fmt::format("load: {}/manifest.json is not valid JSON ({})", dir, e.what()));
+    }
+    const int saved_servers = manifest.value("servers", 0);
+    std::map<std::string, std::unique_ptr<TableShard>> loaded;
+    for (auto& [name, cj] : manifest.at("tables").items()) {
+      TableConfig c = config_from_json(cj);
+      auto shard = make_shard(name, c);
+      const size_t d = c.dim, sf = state_floats(c);
+      std::vector<float> values(d), state(sf);
+      for (int k = 0; k < saved_servers; ++k) {
+        std::string path = shard_path(dir, name, k, saved_servers);
+        std::ifstream in(path, std::ios::binary);
+        if (!in) throw InvalidArgument(fmt::format("load: {} is missing", path));
+        std::string head_line;
+        std::getline(in, head_line);
+        auto head = nlohmann::json::parse(head_line);
+        uint64_t rows = head.at("rows").get<uint64_t>();
+        for (uint64_t r = 0; r < rows; ++r) {
+          uint64_t id;
+          in.read(reinterpret_cast<char*>(&id), 8);
+          in.read(reinterpret_cast<char*>(values.data()), std::streamsize(d * 4));
+          in.read(reinterpret_cast<char*>(state.data()), std::streamsize(sf * 4));
+          if (!in) throw InvalidArgument(fmt::format("load: {} ends after {} of {} rows", path, r, rows));
+          int owner = c.dense ? shard_of_row(id, c.rows, roles_.num_servers) : shard_of_id(id, roles_.num_servers);
+          if (owner == index_) shard->put(id, values.data(), state.data());
+        }
+      }
+      loaded[name] = std::move(shard);
+    }
+    for (auto& [name, shard] : loaded) tables_[name] = std::move(shard);
+  }
+
+  Roles roles_;
+  int index_;
+  ConsistencyMode mode_;
+  uint64_t max_request_;
+  Endpoint ep_;
+  std::map<std::string, std::unique_ptr<TableShard>> tables_;
+  std::vector<Inbox> inbox_;
+  std::vector<uint64_t> clock_;
+  std::deque<std::unique_ptr<Outgoing>> sending_;
+  std::deque<Deferred> deferred_;
+  std::map<uint64_t, std::vector<std::vector<HeldPush>>> held_;
+};
+
+}  // namespace
+
+void run_server(std::shared_ptr<Store> store, const std::string& prefix, int index, const Roles& roles,
+                ConsistencyMode mode, std::chrono::milliseconds timeout, uint64_t max_request) {
+  Server(std::move(store), prefix, index, roles, mode, timeout, max_request).run();
+}
+
+}  // namespace cohort::ps

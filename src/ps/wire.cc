@@ -1,0 +1,90 @@
+#include "ps/wire.h"
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "comm/communicator_impl.h"
+#include "comm/settings.h"
+
+namespace cohort::ps {
+
+namespace {
+// The PS world's communicator carries nothing else, so any tag space works; a recognisable one
+// helps when reading a transport trace. The signature is constant: the header says what it is.
+constexpr uint64_t kTagBase = 0x5053000000000000ull;  // "PS"
+constexpr transport::Signature kSignature{0xF5, 0, 0, 0, 0, 0};
+}  // namespace
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kHello: return "hello";
+    case Op::kCreate: return "create_table";
+    case Op::kDescribe: return "describe";
+    case Op::kPull: return "pull";
+    case Op::kPush: return "push";
+    case Op::kPushPull: return "push_pull";
+    case Op::kClock: return "step";
+    case Op::kSave: return "save";
+    case Op::kLoad: return "load";
+    case Op::kStats: return "stats";
+    case Op::kBye: return "bye";
+  }
+  return "?";
+}
+
+void set_table_name(RequestHeader& h, const std::string& name) {
+  if (name.empty() || name.size() > kMaxTableName)
+    throw InvalidArgument(fmt::format("table name '{}': expected 1 to {} characters", name, kMaxTableName));
+  std::memset(h.table, 0, sizeof h.table);
+  std::memcpy(h.table, name.data(), name.size());
+}
+
+std::string table_name(const RequestHeader& h) { return std::string(h.table, strnlen(h.table, sizeof h.table)); }
+
+Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, int size,
+                   std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size) {
+  CommOptions options;
+  options.timeout = timeout;
+  comm::apply_env_overrides(options);  // COHORT_TRANSPORT, COHORT_TIMEOUT
+  // A child communicator: it does not take over the process's flight-recorder identity (the
+  // worker's own communicator keeps it) and runs no collectives.
+  comm::CommSetup s{std::move(store), prefix, rank, size, options, {}, true};
+  s.connections_only = true;
+  comm_ = std::make_shared<comm::CommunicatorImpl>(std::move(s));
+  comm_->bootstrap();
+}
+
+Endpoint::~Endpoint() = default;
+
+std::string Endpoint::host_of(int rank) const { return comm_->host_of(rank); }
+
+Posted Endpoint::isend(int peer, Msg kind, uint64_t sub, const void* data, size_t bytes) {
+  transport::Transport* t = comm_->transport_to(peer);
+  transport::Envelope env{kTagBase | uint64_t(kind), sub, kSignature};
+  return Posted{t, t->isend(peer, env, data, bytes), false};
+}
+
+Posted Endpoint::irecv(int peer, Msg kind, uint64_t sub, void* data, size_t bytes) {
+  transport::Transport* t = comm_->transport_to(peer);
+  transport::Envelope env{kTagBase | uint64_t(kind), sub, kSignature};
+  return Posted{t, t->irecv(peer, env, data, bytes), false};
+}
+
+bool Endpoint::test(Posted& p) {
+  if (!p.done && p.t) p.done = p.t->test(p.id);
+  return p.done;
+}
+
+bool Endpoint::poll(int timeout_ms) {
+  const auto& ts = comm_->transports();
+  if (ts.size() == 1) return ts.front()->poll(timeout_ms);
+  bool progress = false;
+  for (const auto& t : ts) progress |= t->poll(0);
+  // Several transports (shm inside the host, tcp across): sleep in short slices on one of them so
+  // that the other is polled again soon.
+  if (!progress && timeout_ms > 0) progress = ts.front()->poll(std::min(timeout_ms, 1));
+  return progress;
+}
+
+}  // namespace cohort::ps

@@ -1,0 +1,113 @@
+#pragma once
+// The parameter server's messages, and the endpoint that moves them.
+//
+// Every request is a fixed-size RequestHeader message, then (when header.payload > 0) one payload
+// message; every request gets a ReplyHeader and (when reply.payload > 0) one payload message. They
+// travel over the transports of a communicator made for the PS world (tcp across hosts, shm on one
+// host), matched by (peer, tag, sub): the tag says which of the four messages it is, `sub` is the
+// request's number in the worker -> server stream. Numbers are per (worker, server) pair and
+// consecutive, so the server reads each worker's requests in the order they were sent and
+// answers them under the same number; a reply is found by its number, whatever arrives first.
+//
+// Payloads (all little-endian, ids u64, values f32):
+//   hello     -> reply: JSON {"mode", "max_request"}
+//   create    name, JSON config          -> -
+//   describe  name                       -> reply: JSON config
+//   pull      n ids                      -> reply: n rows
+//   push      n ids, n rows of gradients -> -
+//   push_pull n ids, n gradient rows, m ids (pull) -> reply: m rows
+//   clock     (header.clock = the worker's new clock) -> -
+//   save/load directory path             -> save: JSON {table: config} of what was written
+//   stats     name                       -> reply: u64 rows, bytes, applied pushes
+//   bye       (the worker closes; the server stops when every worker has) -> -
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/store.h"
+#include "transport/transport.h"
+
+namespace cohort::comm {
+class CommunicatorImpl;
+}
+
+namespace cohort::ps {
+
+enum class Op : uint8_t { kHello, kCreate, kDescribe, kPull, kPush, kPushPull, kClock, kSave, kLoad, kStats, kBye };
+const char* op_name(Op op);
+
+inline constexpr uint32_t kRequestMagic = 0x31515350;  // "PSQ1"
+inline constexpr uint32_t kReplyMagic = 0x31525350;    // "PSR1"
+inline constexpr size_t kMaxTableName = 63;
+
+struct RequestHeader {
+  uint32_t magic = kRequestMagic;
+  Op op = Op::kHello;
+  uint8_t pad[3] = {};
+  uint32_t dim = 0;      // the row width the worker built the request for (checked by the server)
+  uint32_t pad2 = 0;
+  uint64_t clock = 0;    // the worker's clock (steps it has ended) when it sent this
+  uint64_t n = 0;        // ids pulled (pull) or pushed (push, push_pull)
+  uint64_t m = 0;        // ids pulled after the push (push_pull)
+  uint64_t payload = 0;  // bytes of the payload message (0: none follows)
+  char table[kMaxTableName + 1] = {};
+};
+static_assert(sizeof(RequestHeader) == 112);
+
+enum class Status : uint8_t { kOk = 0, kInvalid = 1 };
+
+struct ReplyHeader {
+  uint32_t magic = kReplyMagic;
+  Status status = Status::kOk;
+  uint8_t pad[3] = {};
+  uint64_t payload = 0;
+  char message[496] = {};  // kInvalid: why, one line
+};
+static_assert(sizeof(ReplyHeader) == 512);
+
+void set_table_name(RequestHeader& h, const std::string& name);  // throws InvalidArgument if too long
+std::string table_name(const RequestHeader& h);
+
+// Message kinds within the PS tag space.
+enum class Msg : uint64_t { kRequest = 1, kRequestPayload = 2, kReply = 3, kReplyPayload = 4 };
+
+// One posted send or receive.
+struct Posted {
+  transport::Transport* t = nullptr;
+  transport::RequestId id = 0;
+  bool done = false;
+  explicit operator bool() const { return t != nullptr; }
+};
+
+// The PS world's connections: one communicator's transports, driven directly by the one thread that
+// holds the owner's lock (server loop or client mutex).
+class Endpoint {
+ public:
+  // Collective over the PS world: publishes under `prefix` of `store`, waits for every rank (bounded
+  // by `timeout`), connects.
+  Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, int size,
+           std::chrono::milliseconds timeout);
+  ~Endpoint();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::string host_of(int rank) const;
+
+  Posted isend(int peer, Msg kind, uint64_t sub, const void* data, size_t bytes);
+  Posted irecv(int peer, Msg kind, uint64_t sub, void* data, size_t bytes);
+  // True once complete (then stays true); rethrows the transport's error.
+  bool test(Posted& p);
+  // Drives every transport; waits up to timeout_ms when nothing is ready. True on progress.
+  bool poll(int timeout_ms);
+
+ private:
+  std::shared_ptr<comm::CommunicatorImpl> comm_;
+  int rank_ = 0;
+  int size_ = 0;
+};
+
+}  // namespace cohort::ps

@@ -1,0 +1,441 @@
+// The parameter server with servers and workers as threads of one process (real transports over
+// loopback and shared memory, a memory store): sharding, initializers, optimizers, the three
+// consistency modes, save/load across server counts, memory per row, and refused requests.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "cohort/error.h"
+#include "cohort/ps.h"
+#include "ps/table.h"
+#include "store/memory_store.h"
+#include "support/test_support.h"
+
+namespace cohort::ps {
+namespace {
+
+constexpr std::chrono::milliseconds kTimeout{30000};
+
+// Runs `servers` servers and `workers` workers as threads; body(client) runs on each worker.
+void run_job(int servers, int workers, ConsistencyMode mode, const std::function<void(Client&)>& body,
+             std::shared_ptr<Store> store = nullptr) {
+  if (!store) store = make_memory_store();
+  Roles roles{servers, workers};
+  test::run_ranks(servers + workers, [&](int r) {
+    if (r < servers) return serve(store, r, roles, mode, kTimeout);
+    auto client = Client::create(store, r - servers, roles, kTimeout);
+    body(*client);
+  });
+}
+
+std::vector<float> pull_rows(Client& c, const std::string& t, const std::vector<uint64_t>& ids) {
+  std::vector<float> rows(ids.size() * c.table(t).dim);
+  c.pull(t, ids.data(), ids.size(), rows.data());
+  return rows;
+}
+
+TEST(PsSharding, EveryIdAndRowHasExactlyOneServer) {
+  for (int servers : {1, 2, 3, 7}) {
+    std::vector<int> count(size_t(servers), 0);
+    for (uint64_t id = 0; id < 70000; ++id) {
+      int s = shard_of_id(id * 0x10001 + 17, servers);
+      ASSERT_GE(s, 0);
+      ASSERT_LT(s, servers);
+      ++count[size_t(s)];
+    }
+    for (int c : count) EXPECT_NEAR(c, 70000 / servers, 70000 / servers / 10) << servers << " servers";
+    for (uint64_t rows : {1ull, 5ull, 100ull, 1001ull}) {
+      int last = 0;
+      std::vector<int> held(size_t(servers), 0);
+      for (uint64_t r = 0; r < rows; ++r) {
+        int s = shard_of_row(r, rows, servers);
+        ASSERT_GE(s, last);  // contiguous ranges in order
+        ASSERT_LT(s, servers);
+        last = s;
+        ++held[size_t(s)];
+      }
+      int total = 0;
+      for (int h : held) total += h;
+      EXPECT_EQ(total, int(rows));
+    }
+  }
+}
+
+TEST(PsTable, PullOfUntouchedIdReturnsTheInitializersRowWhateverTheServerCount) {
+  TableConfig cfg;
+  cfg.dim = 8;
+  cfg.init = Initializer::kUniform;
+  cfg.init_a = -0.5f;
+  cfg.init_b = 0.5f;
+  cfg.seed = 42;
+  std::vector<uint64_t> ids = {0, 1, 12345678901234ull, 7, 1ull << 40};
+  std::vector<float> by_servers[2];
+  for (int servers : {1, 3}) {
+    std::vector<float> got;
+    run_job(servers, 1, {}, [&](Client& c) {
+      c.create_table("emb", cfg);
+      got = pull_rows(c, "emb", ids);
+    });
+    for (float v : got) {
+      EXPECT_GE(v, -0.5f);
+      EXPECT_LT(v, 0.5f);
+    }
+    by_servers[servers == 1 ? 0 : 1] = got;
+  }
+  EXPECT_EQ(by_servers[0], by_servers[1]);
+  EXPECT_NE(by_servers[0][0], by_servers[0][8]);  // rows differ
+  cfg.init = Initializer::kConstant;
+  cfg.init_a = 0.25f;
+  run_job(2, 1, {}, [&](Client& c) {
+    c.create_table("c", cfg);
+    for (float v : pull_rows(c, "c", ids)) EXPECT_EQ(v, 0.25f);
+  });
+}
+
+// async: every push is applied exactly once, whatever the interleaving of workers and servers.
+TEST(PsAsync, NoUpdateIsLostSgdWithLrOneSumsEveryPush) {
+  constexpr int kWorkers = 3, kServers = 2, kSteps = 40;
+  constexpr uint32_t kDim = 4;
+  TableConfig cfg;
+  cfg.dim = kDim;
+  cfg.lr = 1.0f;
+  // Each worker pushes small integers (exact in float) and keeps its own sum per id.
+  std::vector<std::map<uint64_t, std::vector<double>>> sums(kWorkers);
+  std::vector<float> final_rows;
+  std::vector<uint64_t> all_ids;
+  for (uint64_t i = 0; i < 300; ++i) all_ids.push_back(i * 7919);
+  std::atomic<int> done{0};
+  run_job(kServers, kWorkers, {}, [&](Client& c) {
+    c.create_table("w", cfg);
+    std::mt19937_64 rng(uint64_t(c.worker_index()) + 1);
+    auto& mine = sums[size_t(c.worker_index())];
+    for (int s = 0; s < kSteps; ++s) {
+      std::vector<uint64_t> ids(64);
+      for (auto& id : ids) id = all_ids[rng() % all_ids.size()];  // duplicates on purpose
+      std::vector<float> g(ids.size() * kDim);
+      for (auto& x : g) x = float(int(rng() % 9) - 4);
+      if (s % 2) {
+        c.push("w", ids.data(), ids.size(), g.data());
+      } else {
+        auto h = c.push_async("w", ids.data(), ids.size(), g.data());
+        h->wait();
+      }
+      for (size_t i = 0; i < ids.size(); ++i) {
+        auto& acc = mine[ids[i]];
+        acc.resize(kDim);
+        for (uint32_t j = 0; j < kDim; ++j) acc[j] += g[i * kDim + j];
+      }
+      c.step();
+    }
+    ++done;  // worker 0 reads the table once every worker's pushes are acknowledged
+    while (done.load() < kWorkers) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (c.worker_index() == 0) final_rows = pull_rows(c, "w", all_ids);
+  });
+  for (size_t i = 0; i < all_ids.size(); ++i) {
+    for (uint32_t j = 0; j < kDim; ++j) {
+      double expected = 0;
+      for (auto& m : sums)
+        if (auto it = m.find(all_ids[i]); it != m.end()) expected -= it->second[j];
+      ASSERT_EQ(final_rows[i * kDim + j], float(expected)) << "id " << all_ids[i] << " column " << j;
+    }
+  }
+}
+
+// bsp: the table equals a single-process reference that applies each step's summed pushes; every
+// pull of step c sees exactly the steps before it (checked at every step, on every worker).
+TEST(PsBsp, SameTablesAsASingleProcessReferenceAtEveryStep) {
+  constexpr int kWorkers = 2, kServers = 2, kSteps = 12;
+  TableConfig cfg;
+  cfg.dim = 3;
+  cfg.optimizer = Optimizer::kAdam;
+  cfg.lr = 0.05f;
+  cfg.init = Initializer::kUniform;
+  cfg.init_a = -1;
+  cfg.init_b = 1;
+  cfg.seed = 9;
+  const std::vector<uint64_t> universe = {3, 5, 8, 13, 21, 34, 55, 89};
+  // The fixed sequence: worker w at step s pushes ids[(w + s + k) % 8] for k < 5 (a duplicate
+  // included), gradients a function of (w, s, k).
+  auto step_ids = [&](int w, int s) {
+    std::vector<uint64_t> ids;
+    for (int k = 0; k < 5; ++k) ids.push_back(universe[size_t((w + s + k) % 8)]);
+    ids.push_back(ids[0]);
+    return ids;
+  };
+  auto step_grads = [&](int w, int s) {
+    std::vector<float> g;
+    for (int k = 0; k < 6; ++k)
+      for (int j = 0; j < 3; ++j) g.push_back(std::sin(float(w * 100 + s * 10 + k + j * 0.3)));
+    return g;
+  };
+  // Reference after each step: the same float operations in the same order (duplicates summed on
+  // the worker in push order, then workers summed in worker order, then one Adam update per row).
+  std::vector<std::vector<float>> reference;  // [step] -> rows of `universe`
+  {
+    TableShard t("ref", cfg);
+    for (int s = 0; s <= kSteps; ++s) {
+      std::vector<float> rows(universe.size() * 3);
+      t.read(universe.data(), universe.size(), rows.data());
+      reference.push_back(rows);
+      if (s == kSteps) break;
+      std::vector<uint64_t> ids;
+      std::vector<float> sum;
+      std::unordered_map<uint64_t, size_t> at;
+      for (int w = 0; w < kWorkers; ++w) {
+        auto wid = step_ids(w, s);
+        auto g = step_grads(w, s);
+        std::vector<uint64_t> uid;
+        std::vector<float> ug;
+        std::unordered_map<uint64_t, size_t> wat;
+        for (size_t i = 0; i < wid.size(); ++i) {
+          auto [it, fresh] = wat.try_emplace(wid[i], uid.size());
+          if (fresh) {
+            uid.push_back(wid[i]);
+            ug.insert(ug.end(), g.begin() + long(i * 3), g.begin() + long(i * 3 + 3));
+          } else {
+            for (int j = 0; j < 3; ++j) ug[it->second * 3 + size_t(j)] += g[i * 3 + size_t(j)];
+          }
+        }
+        for (size_t i = 0; i < uid.size(); ++i) {
+          auto [it, fresh] = at.try_emplace(uid[i], ids.size());
+          if (fresh) {
+            ids.push_back(uid[i]);
+            sum.insert(sum.end(), ug.begin() + long(i * 3), ug.begin() + long(i * 3 + 3));
+          } else {
+            for (int j = 0; j < 3; ++j) sum[it->second * 3 + size_t(j)] += ug[i * 3 + size_t(j)];
+          }
+        }
+      }
+      t.apply(ids.data(), ids.size(), sum.data());
+    }
+  }
+  run_job(kServers, kWorkers, ConsistencyMode::parse("bsp"), [&](Client& c) {
+    c.create_table("emb", cfg);
+    EXPECT_EQ(c.mode().mode, Mode::kBsp);
+    const int w = c.worker_index();
+    for (int s = 0; s < kSteps; ++s) {
+      // Worker 1 dawdles: bsp must still hold worker 0's pull until worker 1's step is in.
+      if (w == 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      ASSERT_EQ(pull_rows(c, "emb", universe), reference[size_t(s)]) << "worker " << w << " step " << s;
+      auto ids = step_ids(w, s);
+      auto g = step_grads(w, s);
+      if (s % 3 == 2) {
+        std::vector<float> rows(universe.size() * 3);
+        c.push_pull("emb", ids.data(), ids.size(), g.data(), universe.data(), universe.size(), rows.data());
+        ASSERT_EQ(rows, reference[size_t(s) + 1]) << "push_pull, worker " << w << " step " << s;
+      } else {
+        c.push("emb", ids.data(), ids.size(), g.data());
+        c.step();
+      }
+    }
+    EXPECT_EQ(c.clock(), uint64_t(kSteps));
+    ASSERT_EQ(pull_rows(c, "emb", universe), reference[kSteps]);
+  });
+}
+
+// stale:K: no worker's pull runs more than K steps ahead of the slowest worker.
+TEST(PsStale, APullWaitsWhileAnotherWorkerIsMoreThanKStepsBehind) {
+  constexpr int K = 2;
+  std::atomic<int> slow_steps{0};
+  TableConfig cfg;
+  cfg.dim = 2;
+  run_job(1, 2, ConsistencyMode::parse("stale:2"), [&](Client& c) {
+    c.create_table("t", cfg);
+    std::vector<uint64_t> ids = {1, 2};
+    std::vector<float> rows(4);
+    if (c.worker_index() == 1) {
+      for (int s = 0; s < 6; ++s) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        slow_steps = s + 1;  // before the server can know
+        c.step();
+      }
+      return;
+    }
+    for (int s = 0; s < 6; ++s) {
+      c.pull("t", ids.data(), ids.size(), rows.data());
+      // A pull in step s may run once every worker has ended s - K steps.
+      EXPECT_GE(slow_steps.load(), s - K) << "pull in step " << s;
+      c.step();
+    }
+  });
+}
+
+TEST(PsTable, DuplicateIdsArePulledAsOneRowAndTheirGradientsSummed) {
+  TableConfig cfg;
+  cfg.dim = 2;
+  cfg.lr = 1.0f;
+  run_job(2, 1, {}, [&](Client& c) {
+    c.create_table("t", cfg);
+    std::vector<uint64_t> ids = {5, 9, 5, 5};
+    std::vector<float> g = {1, 2, 10, 20, 100, 200, 1000, 2000};
+    c.push("t", ids.data(), ids.size(), g.data());
+    auto rows = pull_rows(c, "t", ids);
+    EXPECT_EQ(rows, (std::vector<float>{-1101, -2202, -10, -20, -1101, -2202, -1101, -2202}));
+    auto h = c.pull_async("t", ids.data(), ids.size(), rows.data());
+    while (!h->done()) {
+    }
+    EXPECT_EQ(rows[0], -1101);
+  });
+}
+
+TEST(PsTable, DenseTablesAreRangeShardedAndRefuseRowsOutside) {
+  TableConfig cfg;
+  cfg.dim = 2;
+  cfg.dense = true;
+  cfg.rows = 10;
+  cfg.lr = 1.0f;
+  run_job(3, 1, {}, [&](Client& c) {
+    c.create_table("d", cfg);
+    std::vector<uint64_t> ids = {0, 3, 4, 9};
+    std::vector<float> g(8, 1.0f);
+    c.push("d", ids.data(), ids.size(), g.data());
+    EXPECT_EQ(pull_rows(c, "d", ids), std::vector<float>(8, -1.0f));
+    EXPECT_EQ(c.stats("d").rows, 10u);
+    std::vector<uint64_t> bad = {2, 10};
+    try {
+      pull_rows(c, "d", bad);
+      FAIL() << "row 10 of a 10-row table was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("row 10 is outside the dense table's 10 rows"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(pull_rows(c, "d", {9}), std::vector<float>(2, -1.0f));  // still serving
+  });
+}
+
+TEST(PsErrors, BadNamesDimensionsAndOversizedRequestsAreRefusedAndTheServerServesOn) {
+  // Settings are read once per process: ctest runs each test in a process of its own.
+  ::setenv("COHORT_PS_MAX_REQUEST", "65536", 1);
+  TableConfig cfg;
+  cfg.dim = 8;
+  run_job(2, 2, {}, [&](Client& c) {
+    c.create_table("emb", cfg);
+    try {
+      pull_rows(c, "nope", {1});
+      FAIL() << "unknown table accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("no table 'nope'"), std::string::npos) << e.what();
+    }
+    TableConfig other = cfg;
+    other.dim = 16;
+    try {
+      c.create_table("emb", other);
+      FAIL() << "a second declaration with another dim was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("dim 8 (asked: 16)"), std::string::npos) << e.what();
+    }
+    std::vector<uint64_t> many(20000);
+    for (size_t i = 0; i < many.size(); ++i) many[i] = i;
+    std::vector<float> rows(many.size() * 8);
+    try {
+      c.pull("emb", many.data(), many.size(), rows.data());
+      FAIL() << "an oversized request was sent";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("COHORT_PS_MAX_REQUEST"), std::string::npos) << e.what();
+    }
+    try {
+      c.create_table(std::string(80, 'x'), cfg);
+      FAIL() << "an 80-character name was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("1 to 63 characters"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(pull_rows(c, "emb", {1, 2}), std::vector<float>(16, 0.0f));  // still serving
+  });
+  ::unsetenv("COHORT_PS_MAX_REQUEST");
+}
+
+TEST(PsMemory, BytesPerRowAreAsStated) {
+  for (auto storage : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16}) {
+    TableConfig cfg;
+    cfg.dim = 16;
+    cfg.optimizer = Optimizer::kAdagrad;
+    cfg.storage = storage;
+    run_job(2, 1, {}, [&](Client& c) {
+      c.create_table("m", cfg);
+      std::vector<uint64_t> ids(100000);
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = i * 2654435761ull;
+      std::vector<float> g(ids.size() * 16, 0.5f);
+      for (size_t off = 0; off < ids.size(); off += 25000)
+        c.push("m", ids.data() + off, 25000, g.data() + off * 16);
+      TableStats s = c.stats("m");
+      EXPECT_EQ(s.rows, ids.size());
+      EXPECT_EQ(s.applied_pushes, ids.size());
+      // The arena's last chunk is partly empty: allow 5 %.
+      double per_row = double(s.bytes) / double(s.rows);
+      EXPECT_LE(per_row, 1.05 * double(bytes_per_row(cfg))) << "storage " << int(storage);
+      EXPECT_GE(per_row, double(bytes_per_row(cfg) - 32));
+      // fp16 rows round-trip to within fp16's precision.
+      auto rows = pull_rows(c, "m", {ids[7]});
+      EXPECT_NEAR(rows[0], -0.01f, storage == DataType::kFloat32 ? 1e-6 : 1e-3);
+    });
+  }
+}
+
+TEST(PsSaveLoad, RoundTripFromOneServerToTwoKeepsRowsAndOptimizerState) {
+  test::TempDir dir;
+  TableConfig cfg;
+  cfg.dim = 4;
+  cfg.optimizer = Optimizer::kAdagrad;
+  cfg.lr = 0.1f;
+  TableConfig dense = cfg;
+  dense.dense = true;
+  dense.rows = 50;
+  dense.optimizer = Optimizer::kAdam;
+  std::vector<uint64_t> ids;
+  for (uint64_t i = 0; i < 200; ++i) ids.push_back(i * 1000003);
+  std::vector<uint64_t> rows50;
+  for (uint64_t i = 0; i < 50; ++i) rows50.push_back(i);
+  std::vector<float> g(ids.size() * 4), g2(ids.size() * 4);
+  for (size_t i = 0; i < g.size(); ++i) {
+    g[i] = std::cos(float(i));
+    g2[i] = std::sin(float(i));
+  }
+  std::vector<float> after_a, dense_a;
+  run_job(1, 1, {}, [&](Client& c) {
+    c.create_table("sparse", cfg);
+    c.create_table("dense", dense);
+    c.push("sparse", ids.data(), ids.size(), g.data());
+    c.push("dense", rows50.data(), 50, g.data());
+    c.save(dir.path());
+    // What the next step gives with the state as saved:
+    c.push("sparse", ids.data(), ids.size(), g2.data());
+    c.push("dense", rows50.data(), 50, g2.data());
+    after_a = pull_rows(c, "sparse", ids);
+    dense_a = pull_rows(c, "dense", rows50);
+  });
+  ASSERT_TRUE(std::filesystem::exists(dir.file("manifest.json")));
+  ASSERT_TRUE(std::filesystem::exists(dir.file("sparse.shard-0-of-1")));
+  run_job(2, 1, {}, [&](Client& c) {
+    c.load(dir.path());
+    EXPECT_EQ(c.stats("sparse").rows, ids.size());
+    c.push("sparse", ids.data(), ids.size(), g2.data());
+    c.push("dense", rows50.data(), 50, g2.data());
+    EXPECT_EQ(pull_rows(c, "sparse", ids), after_a);
+    EXPECT_EQ(pull_rows(c, "dense", rows50), dense_a);
+  });
+}
+
+TEST(PsMode, ParsesTheThreeModesAndRefusesOthers) {
+  EXPECT_EQ(ConsistencyMode::parse("async").mode, Mode::kAsync);
+  EXPECT_EQ(ConsistencyMode::parse("bsp").mode, Mode::kBsp);
+  auto s = ConsistencyMode::parse("stale:3");
+  EXPECT_EQ(s.mode, Mode::kStale);
+  EXPECT_EQ(s.staleness, 3);
+  EXPECT_EQ(s.to_string(), "stale:3");
+  EXPECT_EQ(ConsistencyMode::parse("stale:0").mode, Mode::kBsp);
+  EXPECT_THROW(ConsistencyMode::parse("sync"), ConfigError);
+  EXPECT_THROW(ConsistencyMode::parse("stale:-1"), ConfigError);
+  EXPECT_THROW(ConsistencyMode::parse("stale:x"), ConfigError);
+}
+
+}  // namespace
+}  // namespace cohort::ps
