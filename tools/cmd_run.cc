@@ -79,6 +79,11 @@ int run_run(std::vector<std::string> args) {
   app.add_option("--timeline", o.timeline, "record every rank's operations and training steps and merge them into this Chrome-trace/Perfetto JSON file (COHORT_TIMELINE)");
   app.add_flag("--stats", o.stats, "print live per-rank stats every second: operations, bytes, busbw, time in communication, DDP wait share (a table on a terminal, JSON lines otherwise)");
   app.add_option("--trace-dir", o.trace_dir, "where flight recorder dumps and timeline rank files go (COHORT_TRACE_DIR; default $TMPDIR/cohort-<job id>)");
+  int ps_servers = 0;
+  std::string ps_mode;
+  app.add_option("--ps", ps_servers, "parameter-server job: start N servers besides the workers (docs/parameter-server.md)");
+  app.add_option("--ps-mode", ps_mode, "parameter-server consistency: async (default), bsp or stale:K (COHORT_PS_MODE)");
+  app.add_option("--ps-server", o.ps_server, "what servers run: builtin (cohort ps serve, default) or program (PROGRAM itself, which calls cohort::ps::serve_from_env() when COHORT_ROLE=server)");
   app.add_option("--run-id,--run_id,--rdzv-id,--rdzv_id", run_id, "job id (default: random; per-node: from the store address)");
 
   // Split at PROGRAM: everything from the first positional argument on is the program's, untouched.
@@ -133,6 +138,8 @@ int run_run(std::vector<std::string> args) {
   if (app.count("--ranks-to-console")) o.ranks_to_console = ranks_to_console;
   o.abort_on_failure = !no_abort;
   if (app.count("--run-id")) o.run_id = run_id;
+  if (app.count("--ps")) o.ps = ps_servers;
+  if (app.count("--ps-mode")) o.ps_mode = ps_mode;
 
   auto env = launch::current_env();
   launch::MachineFacts machine = launch::this_machine(o.gpus_per_node.has_value());

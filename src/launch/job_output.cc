@@ -32,7 +32,7 @@ void Job::drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder) {
 
 std::string Job::failure_summary(const Worker& w) {
   double secs = std::chrono::duration<double>(w.ended - w.started).count();
-  std::string s = fmt::format("rank {} on {} (pid {}) {} after {:.2f} s", w.rank, plan_.node(plan_.this_node)->host,
+  std::string s = fmt::format("{} on {} (pid {}) {} after {:.2f} s", plan_.process_name(w.rank), plan_.node(plan_.this_node)->host,
                               w.pid, describe_status(w.status), secs);
   auto tail = w.sink->stderr_tail();
   if (tail.empty()) {

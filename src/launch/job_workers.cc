@@ -29,7 +29,9 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
                        const GpuAssignment& gpu) {
   WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu};
   auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
-  prepare_trace(w, node, vars);
+  const ProcessRole role = plan_.role_of(w.rank);
+  const bool builtin_server = role.server && !plan_.ps_server_program;
+  if (!role.server) prepare_trace(w, node, vars);  // a server runs no collectives to record
   int ring_fd = w.ring.valid() ? w.ring.fd() : -1;
   // Environment: the launcher's, with cohort's variables replacing any of the same name.
   std::vector<std::string> env_strings;
@@ -46,17 +48,24 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
   std::vector<std::string> args = plan_.program;
+  std::string path = plan_.program_path;
+  if (builtin_server) {
+    // The built-in server is this very tool (the same build as the launcher).
+    std::error_code ec;
+    path = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    if (ec) throw Error(fmt::format("cannot find the cohort executable for the parameter server: {}", ec.message()));
+    args = {"cohort", "ps", "serve"};
+  }
   for (auto& s : args) argv.push_back(s.data());
   argv.push_back(nullptr);
-  std::string path = plan_.program_path;
 
   OutputTargets t;
-  t.tag = plan_.tag_output ? fmt::format("[{}:{}] ", node.host, w.rank) : "";
+  t.tag = plan_.tag_output ? fmt::format("[{}:{}] ", node.host, plan_.process_tag(w.rank)) : "";
   t.merge_stderr = plan_.merge_stderr;
   t.to_console = plan_.all_ranks_to_console || std::find(plan_.ranks_to_console.begin(), plan_.ranks_to_console.end(),
                                                           w.rank) != plan_.ranks_to_console.end();
   if (!plan_.output_dir.empty()) {
-    std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, w.rank);
+    std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, plan_.process_tag(w.rank));
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
@@ -147,7 +156,7 @@ void Job::spawn_workers(int attempt) {
   // Per-rank output folders first: a folder that cannot be made stops the job before any worker runs.
   if (!plan_.output_dir.empty()) {
     for (int l = 0; l < node->nproc; ++l) {
-      std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, node->first_rank + l);
+      std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, plan_.process_tag(node->first_rank + l));
       std::error_code ec;
       std::filesystem::create_directories(dir, ec);
       if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));

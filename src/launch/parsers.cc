@@ -225,6 +225,16 @@ TfConfig parse_tf_config(const std::string& text) {
     if (std::string(role) != "worker") chiefs = cfg.nodes.size();
   }
   if (cfg.nodes.empty()) throw ConfigError("TF_CONFIG: cluster has no chief or worker entries");
+  const size_t workers_end = cfg.nodes.size();
+  if (j["cluster"].contains("ps")) {
+    const auto& list = j["cluster"]["ps"];
+    if (!list.is_array()) throw ConfigError("TF_CONFIG: cluster.ps must be a list of \"host:port\"");
+    for (const auto& e : list) {
+      if (!e.is_string()) throw ConfigError("TF_CONFIG: cluster.ps must be a list of \"host:port\"");
+      cfg.nodes.push_back(e.get<std::string>());
+    }
+    cfg.ps_nodes = static_cast<int>(cfg.nodes.size() - workers_end);
+  }
   std::string type = j["task"]["type"].get<std::string>();
   int index = 0;
   if (j["task"].contains("index")) {
@@ -235,12 +245,19 @@ TfConfig parse_tf_config(const std::string& text) {
     cfg.node_rank = index;
   } else if (type == "worker") {
     cfg.node_rank = static_cast<int>(chiefs) + index;
+  } else if (type == "ps") {
+    cfg.node_rank = static_cast<int>(workers_end) + index;
   } else {
-    throw ConfigError(fmt::format("TF_CONFIG: task.type '{}' is not launched by cohort (expected worker or chief)", type));
+    throw ConfigError(
+        fmt::format("TF_CONFIG: task.type '{}' is not launched by cohort (expected chief, worker or ps)", type));
   }
-  if (index < 0 || cfg.node_rank >= static_cast<int>(cfg.nodes.size()))
+  const size_t entries = type == "ps" ? static_cast<size_t>(cfg.ps_nodes)
+                         : type == "worker" ? workers_end - chiefs
+                                            : chiefs;
+  const size_t first = type == "ps" ? workers_end : type == "worker" ? chiefs : 0;
+  if (index < 0 || static_cast<size_t>(cfg.node_rank) >= first + entries)
     throw ConfigError(fmt::format("TF_CONFIG: task {} index {} is outside cluster.{} ({} entries)", type, index, type,
-                                  cfg.nodes.size()));
+                                  entries));
   return cfg;
 }
 
@@ -352,6 +369,7 @@ SchedulerInfo read_scheduler_env(const EnvMap& env) {
     auto cfg = parse_tf_config(*tf);
     merge(info.nnodes, static_cast<int>(cfg.nodes.size()), "TF_CONFIG (cluster size)", "node count");
     merge(info.node_rank, cfg.node_rank, "TF_CONFIG (task)", "node rank");
+    if (cfg.ps_nodes > 0) info.ps_nodes = Sourced<int>{cfg.ps_nodes, "TF_CONFIG (cluster.ps)"};
     merge(info.master_addr, host_of(cfg.nodes.front()), "TF_CONFIG (first cluster entry)", "master address");
     const std::string& first = cfg.nodes.front();
     if (auto colon = first.rfind(':'); colon != std::string::npos && first.back() != ']')

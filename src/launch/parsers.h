@@ -38,8 +38,9 @@ std::vector<int> expand_slurm_counts(const std::string& text, const std::string&
 // TF_CONFIG (worker role): nodes are cluster.chief then cluster.worker; this node is task.index
 // within its type.
 struct TfConfig {
-  std::vector<std::string> nodes;  // "host:port" each
+  std::vector<std::string> nodes;  // "host:port" each: chief/master, workers, then ps entries
   int node_rank = 0;
+  int ps_nodes = 0;  // the last ps_nodes entries are parameter servers (cluster.ps)
 };
 TfConfig parse_tf_config(const std::string& json);
 
@@ -59,6 +60,7 @@ struct SchedulerInfo {
   std::optional<Sourced<std::string>> master_addr;
   std::optional<Sourced<int>> master_port;
   std::optional<Sourced<std::string>> job_id;
+  std::optional<Sourced<int>> ps_nodes;  // TF_CONFIG's cluster.ps: the last N nodes run one server each
   std::vector<std::string> scheduler_names;  // "Slurm", "Open MPI", ... (for the plan printout)
 };
 SchedulerInfo read_scheduler_env(const EnvMap& env);

@@ -22,14 +22,15 @@
 
 namespace cohort::launch {
 
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, nodes, host_store, master_addr,
                                    master_port, job_id, token_from_env, sources, schedulers, extra_env,
                                    set_omp_threads, tag_output, output_dir, merge_stderr, ranks_to_console,
                                    all_ranks_to_console, bind_to, device_per_rank, gpus_per_node_spec, gpus_per_node,
                                    gpu_share, abort_on_failure, max_restarts,
                                    join_timeout_s, kill_grace_s, ssh_command, timeline_path, stats, trace_dir,
-                                   stall_warn_s, flight_recorder, program_path, program)
+                                   stall_warn_s, flight_recorder, program_path, program, ps_servers,
+                                   num_workers, ps_mode, ps_server_program)
 
 const char* mode_name(Mode m) {
   switch (m) {
@@ -44,6 +45,43 @@ const NodePlan* Plan::node(int rank) const {
   for (const auto& n : nodes)
     if (n.node_rank == rank) return &n;
   return nullptr;
+}
+
+const NodePlan* Plan::node_of_process(int process) const {
+  for (const auto& n : nodes)
+    if (process >= n.first_rank && process < n.first_rank + n.nproc) return &n;
+  return nullptr;
+}
+
+ProcessRole Plan::role_of(int process) const {
+  ProcessRole r;
+  const NodePlan* n = node_of_process(process);
+  if (!n || ps_servers == 0) {
+    r.index = process;
+    r.local_index = n ? process - n->first_rank : 0;
+    r.local_count = n ? n->nproc : 1;
+    return r;
+  }
+  const int local = process - n->first_rank, workers_here = n->nproc - n->nservers;
+  // Indices count the earlier nodes' workers / servers.
+  int workers_before = 0, servers_before = 0;
+  for (const auto& m : nodes) {
+    if (m.first_rank >= n->first_rank) continue;
+    workers_before += m.nproc - m.nservers;
+    servers_before += m.nservers;
+  }
+  if (local < workers_here) return ProcessRole{false, workers_before + local, local, workers_here};
+  return ProcessRole{true, servers_before + local - workers_here, local - workers_here, n->nservers};
+}
+
+std::string Plan::process_name(int process) const {
+  ProcessRole r = role_of(process);
+  return r.server ? fmt::format("parameter server {}", r.index) : fmt::format("rank {}", r.index);
+}
+
+std::string Plan::process_tag(int process) const {
+  ProcessRole r = role_of(process);
+  return r.server ? fmt::format("ps{}", r.index) : std::to_string(r.index);
 }
 
 std::string Plan::source_of(const std::string& setting) const {
@@ -177,6 +215,62 @@ void set_observability(Plan& p, const Options& o, const EnvMap& env) {
 
 }  // namespace
 
+namespace {
+
+// Parameter-server mode: adds the servers to the nodes (after each node's workers) and renumbers
+// the processes. --ps N puts server k on node k mod nnodes (every node of a per-node job computes
+// the same layout); TF_CONFIG's cluster.ps entries are nodes that run one server and no worker.
+void place_parameter_servers(Plan& p, const Options& o, const EnvMap& env,
+                             const std::optional<Sourced<int>>& tf_ps_nodes) {
+  p.num_workers = p.world_size;
+  if (o.ps_server != "builtin" && o.ps_server != "program")
+    throw ConfigError(fmt::format("--ps-server {}: expected builtin (cohort ps serve) or program", o.ps_server));
+  if (!o.ps && !tf_ps_nodes) {
+    if (o.ps_mode) throw ConfigError("--ps-mode needs --ps N (a parameter-server job)");
+    if (o.ps_server != "builtin") throw ConfigError("--ps-server needs --ps N (a parameter-server job)");
+    return;
+  }
+  if (o.ps && *o.ps < 1) throw ConfigError(fmt::format("--ps {}: expected a positive number of servers", *o.ps));
+  if (tf_ps_nodes) {
+    if (o.ps && *o.ps != tf_ps_nodes->value)
+      throw ConfigError(fmt::format("--ps {} disagrees with {} ({} servers)", *o.ps, tf_ps_nodes->source,
+                                    tf_ps_nodes->value));
+    const int first_ps = p.nnodes - tf_ps_nodes->value;
+    if (first_ps < 1) throw ConfigError(fmt::format("{}: a job needs at least one worker node", tf_ps_nodes->source));
+    for (auto& n : p.nodes)
+      if (n.node_rank >= first_ps) {
+        n.nproc = 0;
+        n.nservers = 1;
+      }
+    p.sources.emplace_back("parameter servers", tf_ps_nodes->source);
+  } else {
+    for (int k = 0; k < *o.ps; ++k) p.nodes[static_cast<size_t>(k % p.nnodes)].nservers++;
+    p.sources.emplace_back("parameter servers", "--ps");
+  }
+  p.ps_servers = 0;
+  int workers = 0, first = 0;
+  for (auto& n : p.nodes) {
+    workers += n.nproc;
+    p.ps_servers += n.nservers;
+    n.nproc += n.nservers;
+    n.first_rank = first;
+    first += n.nproc;
+  }
+  p.num_workers = workers;
+  p.world_size = first;
+  if (workers < 1) throw ConfigError("a parameter-server job needs at least one worker");
+  std::string mode = o.ps_mode ? *o.ps_mode : env.count("COHORT_PS_MODE") ? env.at("COHORT_PS_MODE") : "async";
+  p.sources.emplace_back("ps mode", o.ps_mode ? "--ps-mode" : env.count("COHORT_PS_MODE") ? "COHORT_PS_MODE" : "default");
+  bool ok = mode == "async" || mode == "bsp";
+  if (mode.rfind("stale:", 0) == 0 && mode.size() > 6)
+    ok = mode.find_first_not_of("0123456789", 6) == std::string::npos && mode.size() < 16;
+  if (!ok) throw ConfigError(fmt::format("--ps-mode {}: expected async, bsp or stale:K (K >= 0)", mode));
+  p.ps_mode = mode;
+  p.ps_server_program = o.ps_server == "program";
+}
+
+}  // namespace
+
 Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine) {
   Plan p;
   auto source = [&](const std::string& setting, const std::string& from) { p.sources.emplace_back(setting, from); };
@@ -221,6 +315,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   p.ssh_command = o.ssh_command;
 
   std::optional<Sourced<std::string>> sched_job_id;
+  std::optional<Sourced<int>> sched_ps_nodes;
   if (o.hosts || o.hostfile) {
     // One launcher fans out to every host (mpirun / DeepSpeed style).
     if (o.hosts && o.hostfile) throw ConfigError("both -H and --hostfile given; use one of them");
@@ -273,6 +368,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     if (!o.nnodes) sched = read_scheduler_env(env);
     p.schedulers = sched.scheduler_names;
     sched_job_id = sched.job_id;
+    sched_ps_nodes = sched.ps_nodes;
     p.nnodes = o.nnodes ? *o.nnodes : sched.nnodes ? sched.nnodes->value : 1;
     source("nnodes", o.nnodes ? "--nnodes" : sched.nnodes ? sched.nnodes->source : "default");
     if (p.nnodes < 1) throw ConfigError(fmt::format("--nnodes {}: expected a positive number", p.nnodes));
@@ -335,6 +431,8 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     }
     p.host_store = node_rank == 0;
   }
+
+  place_parameter_servers(p, o, env, sched_ps_nodes);
 
   // Job id: the same on every node (per-node mode cannot share a random one).
   if (o.run_id) {
@@ -400,15 +498,25 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   // Host part of "host:port" / "[v6]:port" (the port may still be a placeholder in --dry-run).
   std::string store_host = store_addr.substr(0, store_addr.rfind(':'));
   if (store_host.size() > 2 && store_host.front() == '[') store_host = store_host.substr(1, store_host.size() - 2);
-  set("RANK", std::to_string(s.rank));
-  set("LOCAL_RANK", std::to_string(s.local_rank));
-  set("WORLD_SIZE", std::to_string(plan.world_size));
-  set("LOCAL_WORLD_SIZE", std::to_string(s.local_world));
+  // In a parameter-server job RANK/WORLD_SIZE/LOCAL_* count the process's own role (the workers'
+  // data-parallel group is the workers), and COHORT_ROLE* say which role (docs/parameter-server.md).
+  int rank = s.rank, world = plan.world_size, local_rank = s.local_rank, local_world = s.local_world;
+  if (plan.ps_servers > 0) {
+    ProcessRole role = plan.role_of(s.rank);
+    rank = role.index;
+    world = role.server ? plan.ps_servers : plan.num_workers;
+    local_rank = role.local_index;
+    local_world = role.local_count;
+  }
+  set("RANK", std::to_string(rank));
+  set("LOCAL_RANK", std::to_string(local_rank));
+  set("WORLD_SIZE", std::to_string(world));
+  set("LOCAL_WORLD_SIZE", std::to_string(local_world));
   set("GROUP_RANK", std::to_string(s.node_rank));
   set("GROUP_WORLD_SIZE", std::to_string(plan.nnodes));
-  set("ROLE_RANK", std::to_string(s.rank));
-  set("ROLE_WORLD_SIZE", std::to_string(plan.world_size));
-  set("ROLE_NAME", "default");
+  set("ROLE_RANK", std::to_string(rank));
+  set("ROLE_WORLD_SIZE", std::to_string(world));
+  set("ROLE_NAME", plan.ps_servers > 0 ? (plan.role_of(s.rank).server ? "server" : "worker") : "default");
   set("NODE_RANK", std::to_string(s.node_rank));
   set("MASTER_ADDR", store_host);
   // torch's env:// makes rank 0 host its own TCPStore at MASTER_PORT: a port distinct from cohort's
@@ -420,10 +528,17 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   set("COHORT_STORE_ADDR", store_addr);
   set("COHORT_JOB_ID", plan.job_id);
   set("COHORT_JOB_TOKEN", token);
-  set("COHORT_RANK", std::to_string(s.rank));
-  set("COHORT_WORLD_SIZE", std::to_string(plan.world_size));
-  set("COHORT_LOCAL_RANK", std::to_string(s.local_rank));
-  set("COHORT_LOCAL_WORLD_SIZE", std::to_string(s.local_world));
+  set("COHORT_RANK", std::to_string(rank));
+  set("COHORT_WORLD_SIZE", std::to_string(world));
+  set("COHORT_LOCAL_RANK", std::to_string(local_rank));
+  set("COHORT_LOCAL_WORLD_SIZE", std::to_string(local_world));
+  if (plan.ps_servers > 0) {
+    set("COHORT_ROLE", plan.role_of(s.rank).server ? "server" : "worker");
+    set("COHORT_ROLE_INDEX", std::to_string(rank));
+    set("COHORT_NUM_SERVERS", std::to_string(plan.ps_servers));
+    set("COHORT_NUM_WORKERS", std::to_string(plan.num_workers));
+    set("COHORT_PS_MODE", plan.ps_mode);
+  }
   set("COHORT_NODE_RANK", std::to_string(s.node_rank));
   set("COHORT_NNODES", std::to_string(plan.nnodes));
   set("COHORT_RESTART_COUNT", std::to_string(restart_count));
@@ -598,10 +713,16 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                    p.mode == Mode::kFanOut ? p.source_of("hosts") : p.source_of("nnodes"));
   if (p.mode != Mode::kFanOut) {
     s += fmt::format("  this node rank  {}  [{}]\n", p.this_node, p.source_of("node rank"));
-    s += fmt::format("  nproc per node  {}  [{}]\n", p.nodes.front().nproc, p.source_of("nproc per node"));
+    s += fmt::format("  nproc per node  {}  [{}]\n", p.nodes.front().nproc - p.nodes.front().nservers,
+                     p.source_of("nproc per node"));
   }
   s += fmt::format("  world size      {}{}\n", p.world_size,
                    p.mode == Mode::kFanOut ? "  [" + p.source_of("world size") + "]" : "");
+  if (p.ps_servers > 0)
+    s += fmt::format("  roles           {} workers, {} parameter servers [{}] running {}; mode {} [{}]\n",
+                     p.num_workers, p.ps_servers, p.source_of("parameter servers"),
+                     p.ps_server_program ? "the program (--ps-server program)" : "cohort ps serve", p.ps_mode,
+                     p.source_of("ps mode"));
   s += fmt::format("  store           {}  [address: {}; port: {}]; hosted by {}\n", store_addr,
                    p.source_of("store address"), p.source_of("store port"),
                    p.mode == Mode::kPerNode ? "node 0's launcher" : "this launcher");
@@ -637,7 +758,7 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
       auto vars = worker_env(p, slot, store_addr, 0, "<token>", 0, env);
       std::vector<std::string> kv;
       for (const auto& [k, v] : vars) kv.push_back(k + "=" + v);
-      s += fmt::format("  rank {} (local {}){} cpus {}: {}\n", slot.rank, l,
+      s += fmt::format("  {} (local {}){} cpus {}: {}\n", p.process_name(slot.rank), l,
                        assigned[l].device >= 0 ? " " + assigned[l].description + "," : "",
                        bindings[l].empty() ? "any" : str::format_ranges(bindings[l]), str::join(kv, " "));
     }

@@ -42,6 +42,11 @@ struct Options {
   std::string timeline;   // --timeline PATH (default COHORT_TIMELINE)
   bool stats = false;     // --stats
   std::string trace_dir;  // --trace-dir DIR (default COHORT_TRACE_DIR, else $TMPDIR/cohort-<job id>)
+  // Parameter-server mode (docs/parameter-server.md): --ps N servers besides the workers,
+  // --ps-mode, and whether servers run the built-in `cohort ps serve` or the program itself.
+  std::optional<int> ps;
+  std::optional<std::string> ps_mode;
+  std::string ps_server = "builtin";
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
 
@@ -68,8 +73,18 @@ struct NodePlan {
   int node_rank = 0;
   std::string host;  // name used in tags and, for fan-out, the ssh target
   bool local = true;  // started by this launcher (in-process) rather than over ssh
-  int first_rank = 0;
-  int nproc = 1;
+  int first_rank = 0;  // processes of this node: first_rank .. first_rank + nproc - 1
+  int nproc = 1;       // all of them: its workers, then its parameter servers (nservers)
+  int nservers = 0;
+};
+
+// What a process of the job is: a worker (index among the workers, local index among its node's
+// workers) or, in a parameter-server job, a server (index among the servers).
+struct ProcessRole {
+  bool server = false;
+  int index = 0;
+  int local_index = 0;
+  int local_count = 1;
 };
 
 struct Plan {
@@ -114,8 +129,21 @@ struct Plan {
   int flight_recorder = 2000;
   std::string program_path;          // resolved PROGRAM
   std::vector<std::string> program;  // PROGRAM ARGS... as given (argv)
+  // Parameter-server mode: servers in the job (0: not a PS job), workers, the consistency mode,
+  // and whether servers run the program (else `cohort ps serve`).
+  int ps_servers = 0;
+  int num_workers = 1;
+  std::string ps_mode;
+  bool ps_server_program = false;
 
   const NodePlan* node(int rank) const;
+  // The node that runs process `process`, and its role there.
+  const NodePlan* node_of_process(int process) const;
+  ProcessRole role_of(int process) const;
+  // "rank 3" for workers, "parameter server 0" for servers (messages), and the short tag used in
+  // output prefixes and folders: "3" / "ps0".
+  std::string process_name(int process) const;
+  std::string process_tag(int process) const;
   std::string source_of(const std::string& setting) const;
 };
 
