@@ -76,9 +76,34 @@ TEST(TfConfig, WorkerAndChief) {
             0);
   EXPECT_NE(error_of([] { parse_tf_config("{not json"); }).find("TF_CONFIG: not valid JSON"), std::string::npos);
   EXPECT_EQ(error_of([] { parse_tf_config(R"({"cluster":{"worker":["a:1"]},"task":{"type":"ps","index":0}})"); }),
-            "TF_CONFIG: task.type 'ps' is not launched by cohort (expected worker or chief)");
+            "TF_CONFIG: task ps index 0 is outside cluster.ps (0 entries)");
+  EXPECT_EQ(
+      error_of([] { parse_tf_config(R"({"cluster":{"worker":["a:1"]},"task":{"type":"evaluator","index":0}})"); }),
+      "TF_CONFIG: task.type 'evaluator' is not launched by cohort (expected chief, worker or ps)");
   EXPECT_EQ(error_of([] { parse_tf_config(R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":3}})"); }),
             "TF_CONFIG: task worker index 3 is outside cluster.worker (1 entries)");
+}
+
+// Parameter-server clusters (docs/parameter-server.md): ps entries are nodes after the workers.
+TEST(TfConfig, PsEntriesAreServerNodesAfterTheWorkers) {
+  auto ps = parse_tf_config(
+      R"({"cluster":{"chief":["c:1"],"worker":["w0:1"],"ps":["p0:1","p1:1"]},"task":{"type":"ps","index":1}})");
+  EXPECT_EQ(ps.nodes, (std::vector<std::string>{"c:1", "w0:1", "p0:1", "p1:1"}));
+  EXPECT_EQ(ps.ps_nodes, 2);
+  EXPECT_EQ(ps.node_rank, 3);
+  auto w = parse_tf_config(R"({"cluster":{"worker":["w0:1","w1:1"],"ps":["p0:1"]},"task":{"type":"worker","index":1}})");
+  EXPECT_EQ(w.node_rank, 1);
+  EXPECT_EQ(w.ps_nodes, 1);
+  EXPECT_EQ(error_of([] { parse_tf_config(R"({"cluster":{"worker":["a:1"],"ps":["p:1"]},"task":{"type":"ps","index":1}})"); }),
+            "TF_CONFIG: task ps index 1 is outside cluster.ps (1 entries)");
+  EXPECT_EQ(error_of([] { parse_tf_config(R"({"cluster":{"worker":["a:1"],"ps":[7]},"task":{"type":"worker"}})"); }),
+            "TF_CONFIG: cluster.ps must be a list of \"host:port\"");
+  auto info = read_scheduler_env(
+      {{"TF_CONFIG", R"({"cluster":{"worker":["w0:1","w1:1"],"ps":["p0:1"]},"task":{"type":"ps","index":0}})"}});
+  ASSERT_TRUE(info.ps_nodes);
+  EXPECT_EQ(info.ps_nodes->value, 1);
+  EXPECT_EQ(info.nnodes->value, 3);
+  EXPECT_EQ(info.node_rank->value, 2);
 }
 
 TEST(SchedulerEnv, Slurm) {
