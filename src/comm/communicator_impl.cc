@@ -168,7 +168,10 @@ CommunicatorImpl::CommunicatorImpl(CommSetup s)
       progress_spin_(std::chrono::microseconds(std::max<int64_t>(0, kProgressSpinUs.get()))),
       world_ranks_(std::move(s.world_ranks)),
       child_(s.child),
-      connections_only_(s.connections_only) {
+      connections_only_(s.connections_only),
+      connect_to_(std::move(s.connect_to)) {
+  if (!connect_to_.empty() && connect_to_.size() != size_t(size_))
+    throw std::logic_error("CommSetup::connect_to must name every rank");
   if (!world_ranks_.empty() && world_ranks_.size() != size_t(size_))
     throw std::logic_error("CommSetup::world_ranks must name every rank");
   store_->set_timeout(options_.timeout);
@@ -280,7 +283,7 @@ void CommunicatorImpl::bootstrap() {
       peers[size_t(r)].host = ids[size_t(r)].hostname;
       auto& tr = published[size_t(r)]["transports"];
       if (tr.contains(t->name())) peers[size_t(r)].descriptor = tr[t->name()].get<std::string>();
-      use[size_t(r)] = r != rank_ && route_[size_t(r)] == t.get();
+      use[size_t(r)] = r != rank_ && route_[size_t(r)] == t.get() && (connect_to_.empty() || connect_to_[size_t(r)]);
     }
     t->connect(peers, use, deadline);
     t->set_mismatch_formatter([this](int peer, const transport::Signature& theirs, const transport::Signature& ours,

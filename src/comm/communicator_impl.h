@@ -55,6 +55,9 @@ struct CommSetup {
   // Connections only (the parameter server's messages): no shared-memory collective group and no
   // hierarchical sub-communicators, whose set-up is collective and would tie the ranks' lifetimes.
   bool connections_only = false;
+  // With connections_only: the peers to connect to (empty: all). The parameter server's world
+  // connects workers to servers only, never workers to workers.
+  std::vector<bool> connect_to;
 };
 
 class CommunicatorImpl final : public Communicator,
@@ -204,6 +207,7 @@ class CommunicatorImpl final : public Communicator,
   std::vector<int> world_ranks_;  // see CommSetup::world_ranks
   bool child_ = false;
   bool connections_only_ = false;  // CommSetup::connections_only
+  std::vector<bool> connect_to_;    // CommSetup::connect_to
   std::shared_ptr<Communicator> cross_host_;  // several hosts: same local rank on every host
 
   // the drive lock and the current operation (guarded by drive_)

@@ -35,8 +35,12 @@ EndInfo end_from_string(const std::string& s) {
 }
 
 bool is_consequence(const EndInfo& e) {
+  // A worker that only reports a lost peer (communicator: "lost rank N"; parameter-server jobs name
+  // roles: "lost parameter server N", "lost worker N") or a peer's failure notice.
   return e.kind == "failure" && e.summary.find(" exited with code ") != std::string::npos &&
-         (e.summary.find("lost rank ") != std::string::npos || e.summary.find(") failed: ") != std::string::npos);
+         (e.summary.find("lost rank ") != std::string::npos || e.summary.find(") failed: ") != std::string::npos ||
+          e.summary.find("lost parameter server ") != std::string::npos ||
+          e.summary.find("lost worker ") != std::string::npos);
 }
 
 bool is_root_cause_of(const EndInfo& e, const EndInfo& current) {

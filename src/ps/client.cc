@@ -60,6 +60,13 @@ class HandleImpl final : public Handle {
   std::shared_ptr<Operation> op_;
 };
 
+// A worker connects to the servers only.
+std::vector<bool> servers_only(const Roles& roles) {
+  std::vector<bool> peers(size_t(roles.size()), false);
+  for (int s = 0; s < roles.num_servers; ++s) peers[size_t(roles.server_rank(s))] = true;
+  return peers;
+}
+
 class ClientImpl final : public Client {
  public:
   ClientImpl(std::shared_ptr<Store> store, const std::string& prefix, int worker, const Roles& roles,
@@ -67,7 +74,7 @@ class ClientImpl final : public Client {
       : roles_(roles),
         worker_(worker),
         timeout_(timeout),
-        ep_(std::move(store), prefix, roles.worker_rank(worker), roles.size(), timeout) {
+        ep_(std::move(store), prefix, roles.worker_rank(worker), servers_only(roles), timeout) {
     next_seq_.assign(size_t(roles_.num_servers), 0);
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kHello, "", {}, "hello");
@@ -229,7 +236,7 @@ class ClientImpl final : public Client {
         } catch (const InvalidArgument&) {
           throw;
         } catch (const Error& e) {
-          throw_lost(op.what, c->server, e);
+          throw_lost(op.what, e);
         }
       }
       if (!all) return false;
@@ -243,10 +250,12 @@ class ClientImpl final : public Client {
     return true;
   }
 
-  [[noreturn]] void throw_lost(const std::string& what, int server, const Error& e) {
+  // The connections failed (a server lost, or a failure notice): the transport's message names the
+  // peer that caused it, whichever server this call was waiting for.
+  [[noreturn]] void throw_lost(const std::string& what, const Error& e) {
     broken_ = true;
-    throw PeerLostError(fmt::format("parameter-server worker {}: {} failed: parameter server {} ({}): {}", worker_,
-                                    what, server, ep_.host_of(roles_.server_rank(server)), e.what()));
+    throw PeerLostError(fmt::format("parameter-server worker {}: {} failed: {}", worker_, what,
+                                    name_roles(e.what(), roles_.num_servers)));
   }
 
   bool progress_call(Call& c) {
@@ -306,7 +315,7 @@ class ClientImpl final : public Client {
     } catch (const InvalidArgument&) {
       throw;
     } catch (const Error& e) {
-      throw_lost(fmt::format("{} of '{}'", op_name(kind), table), server, e);
+      throw_lost(fmt::format("{} of '{}'", op_name(kind), table), e);
     }
     op.calls.push_back(std::move(c));
     return *op.calls.back();

@@ -72,6 +72,13 @@ const T* at(const std::vector<uint8_t>& buf, size_t offset) {
   return reinterpret_cast<const T*>(buf.data() + offset);
 }
 
+// A server connects to the workers only.
+std::vector<bool> workers_only(const Roles& roles) {
+  std::vector<bool> peers(size_t(roles.size()), false);
+  for (int w = 0; w < roles.num_workers; ++w) peers[size_t(roles.worker_rank(w))] = true;
+  return peers;
+}
+
 class Server {
  public:
   Server(std::shared_ptr<Store> store, const std::string& prefix, int index, const Roles& roles, ConsistencyMode mode,
@@ -80,7 +87,7 @@ class Server {
         index_(index),
         mode_(mode),
         max_request_(max_request),
-        ep_(std::move(store), prefix, roles.server_rank(index), roles.size(), timeout) {
+        ep_(std::move(store), prefix, roles.server_rank(index), workers_only(roles), timeout) {
     inbox_.resize(size_t(roles_.num_workers));
     clock_.assign(size_t(roles_.num_workers), 0);
     log::debug("parameter server {} of {}: {} workers, mode {}", index_, roles_.num_servers, roles_.num_workers,
@@ -476,7 +483,17 @@ class Server {
 
 void run_server(std::shared_ptr<Store> store, const std::string& prefix, int index, const Roles& roles,
                 ConsistencyMode mode, std::chrono::milliseconds timeout, uint64_t max_request) {
-  Server(std::move(store), prefix, index, roles, mode, timeout, max_request).run();
+  try {
+    Server(std::move(store), prefix, index, roles, mode, timeout, max_request).run();
+  } catch (const PeerLostError& e) {
+    throw PeerLostError(fmt::format("parameter server {}: {}", index, name_roles(e.what(), roles.num_servers)));
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(fmt::format("parameter server {}: {}", index, name_roles(e.what(), roles.num_servers)));
+  } catch (const InvalidArgument&) {
+    throw;
+  } catch (const Error& e) {
+    throw Error(fmt::format("parameter server {}: {}", index, name_roles(e.what(), roles.num_servers)));
+  }
 }
 
 }  // namespace cohort::ps

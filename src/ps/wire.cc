@@ -2,6 +2,8 @@
 
 #include <fmt/core.h>
 
+#include <regex>
+
 #include "cohort/error.h"
 #include "comm/communicator_impl.h"
 #include "comm/settings.h"
@@ -39,18 +41,34 @@ void set_table_name(RequestHeader& h, const std::string& name) {
   std::memcpy(h.table, name.data(), name.size());
 }
 
+std::string name_roles(const std::string& text, int num_servers) {
+  static const std::regex kPeer(R"(\brank (\d+) \()");
+  std::string out;
+  auto last = text.cbegin();
+  for (std::sregex_iterator it(text.cbegin(), text.cend(), kPeer), end; it != end; ++it) {
+    const std::smatch& m = *it;
+    out.append(last, m[0].first);
+    const long r = std::stol(m[1].str());
+    out += r < num_servers ? fmt::format("parameter server {} (", r) : fmt::format("worker {} (", r - num_servers);
+    last = m[0].second;
+  }
+  out.append(last, text.cend());
+  return out;
+}
+
 std::string table_name(const RequestHeader& h) { return std::string(h.table, strnlen(h.table, sizeof h.table)); }
 
-Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, int size,
+Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, const std::vector<bool>& peers,
                    std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size) {
+    : rank_(rank), size_(int(peers.size())) {
   CommOptions options;
   options.timeout = timeout;
   comm::apply_env_overrides(options);  // COHORT_TRANSPORT, COHORT_TIMEOUT
   // A child communicator: it does not take over the process's flight-recorder identity (the
   // worker's own communicator keeps it) and runs no collectives.
-  comm::CommSetup s{std::move(store), prefix, rank, size, options, {}, true};
+  comm::CommSetup s{std::move(store), prefix, rank, size_, options, {}, true};
   s.connections_only = true;
+  s.connect_to = peers;
   comm_ = std::make_shared<comm::CommunicatorImpl>(std::move(s));
   comm_->bootstrap();
 }

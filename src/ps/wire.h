@@ -89,7 +89,8 @@ class Endpoint {
  public:
   // Collective over the PS world: publishes under `prefix` of `store`, waits for every rank (bounded
   // by `timeout`), connects.
-  Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, int size,
+  // Only `peers` (true for each rank to connect to) are connected: workers to servers.
+  Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, const std::vector<bool>& peers,
            std::chrono::milliseconds timeout);
   ~Endpoint();
 
@@ -109,5 +110,9 @@ class Endpoint {
   int rank_ = 0;
   int size_ = 0;
 };
+
+// The transports name peers "rank N (host)" in PS-world ranks; this names their roles instead:
+// "parameter server N (host)" / "worker N (host)".
+std::string name_roles(const std::string& text, int num_servers);
 
 }  // namespace cohort::ps
