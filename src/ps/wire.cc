@@ -2,6 +2,7 @@
 
 #include <fmt/core.h>
 
+#include <map>
 #include <regex>
 
 #include "cohort/error.h"
@@ -71,6 +72,12 @@ Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int 
   s.connect_to = peers;
   comm_ = std::make_shared<comm::CommunicatorImpl>(std::move(s));
   comm_->bootstrap();
+  std::map<transport::Transport*, int> served;
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_ && peers[size_t(r)]) ++served[comm_->transport_to(r)];
+  sleeper_ = comm_->transports().front().get();
+  for (auto [t, n] : served)
+    if (n > served[sleeper_]) sleeper_ = t;
 }
 
 Endpoint::~Endpoint() = default;
@@ -99,9 +106,9 @@ bool Endpoint::poll(int timeout_ms) {
   if (ts.size() == 1) return ts.front()->poll(timeout_ms);
   bool progress = false;
   for (const auto& t : ts) progress |= t->poll(0);
-  // Several transports (shm inside the host, tcp across): sleep in short slices on one of them so
-  // that the other is polled again soon.
-  if (!progress && timeout_ms > 0) progress = ts.front()->poll(std::min(timeout_ms, 1));
+  // Several transports (shm inside the host, tcp across): sleep in short slices in the one that
+  // serves most peers, so that the others are polled again soon.
+  if (!progress && timeout_ms > 0) progress = sleeper_->poll(std::min(timeout_ms, 1));
   return progress;
 }
 

@@ -107,6 +107,7 @@ class Endpoint {
 
  private:
   std::shared_ptr<comm::CommunicatorImpl> comm_;
+  transport::Transport* sleeper_ = nullptr;  // the transport that serves most peers: poll sleeps in it
   int rank_ = 0;
   int size_ = 0;
 };
