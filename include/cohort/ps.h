@@ -25,7 +25,12 @@
 //     summed over the workers (in worker order, so results are reproducible) and applied once per
 //     row; a pull in step c+1 returns only after that.
 //   stale:K (bounded staleness): pushes are applied on arrival; a pull in step c waits until every
-//     worker has ended step c-K-1 (no worker runs more than K steps ahead of the slowest).
+//     worker has ended step c-K (no worker runs more than K steps ahead of the slowest). stale:0
+//     is bsp (a pull would wait for the same steps; bsp also makes their order reproducible).
+// save() in bsp and stale modes waits, like a pull with K = 0, until every worker has ended the
+// saving worker's steps, so the files hold every push of those steps.
+// A worker must close (destroy) its client before it exits: servers take a worker that vanishes
+// without saying so for a lost one, and fail the job.
 // Errors: a request the server refuses (unknown table, wrong dimension, id outside a dense table,
 // oversized request) throws cohort::InvalidArgument on that worker; the server keeps serving. A lost
 // server throws PeerLostError naming it; every wait is bounded by COHORT_TIMEOUT.
@@ -93,7 +98,8 @@ struct Roles {
 struct TableStats {
   uint64_t rows = 0;    // rows held (summed over servers)
   uint64_t bytes = 0;   // bytes held for them: storage, optimizer state, index (summed over servers)
-  uint64_t applied_pushes = 0;
+  uint64_t applied_rows = 0;  // row updates applied: one per id of each applied push (a bsp step's
+                              // summed rows count once)
 };
 
 class Handle {

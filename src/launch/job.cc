@@ -265,8 +265,8 @@ int Job::run() {
   start_store();
   if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
   if (plan_.set_omp_threads && plan_.this_node >= 0 && !ctx_.agent_mode)
-    say(fmt::format("setting OMP_NUM_THREADS=1 for each worker (it was unset and {} workers share a node); set it "
-                    "yourself to choose another value",
+    say(fmt::format("setting OMP_NUM_THREADS=1 for each worker (it was unset and {} processes share a node); set "
+                    "it yourself to choose another value",
                     plan_.node(plan_.this_node)->nproc));
   int attempt = 0;
   for (;;) {

@@ -199,7 +199,7 @@ class ClientImpl final : public Client {
       std::memcpy(v, c->reply_payload.data(), sizeof v);
       s.rows += v[0];
       s.bytes += v[1];
-      s.applied_pushes += v[2];
+      s.applied_rows += v[2];
     }
     return s;
   }

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <unordered_map>
@@ -50,14 +51,15 @@ struct Outgoing {
   Posted hdr_send, payload_send;
 };
 
+// A request that may not be answered yet (bsp/stale pulls, bsp/stale saves): answered once every
+// worker has ended step clock - lag.
 struct Deferred {
   int worker = 0;
-  uint64_t seq = 0;
-  std::string table;
-  uint32_t dim = 0;
   uint64_t clock = 0;
-  std::vector<uint64_t> ids;
-  std::chrono::steady_clock::time_point since;
+  uint64_t lag = 0;
+  std::string what;  // "pull of 'emb'", for the slow warning
+  std::function<void()> answer;
+  std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
   bool warned = false;
 };
 
@@ -208,7 +210,22 @@ class Server {
         case Op::kClock:
           reply(w, in.seq);
           return advance_clock(w, h.clock);
-        case Op::kSave: return reply(w, in.seq, bytes_of(save(std::string(in.payload.begin(), in.payload.end()))));
+        case Op::kSave: {
+          // bsp/stale: the files hold every push of the steps the saving worker has ended (held bsp
+          // sums included), whatever order the workers' messages arrive in.
+          std::string dir(in.payload.begin(), in.payload.end());
+          const uint64_t seq = in.seq;
+          auto answer = [this, w, seq, dir] {
+            try {
+              reply(w, seq, bytes_of(save(dir)));
+            } catch (const InvalidArgument& e) {
+              reply_error(w, seq, fmt::format("parameter server {}: {}", index_, e.what()));
+            }
+          };
+          if (mode_.mode == Mode::kAsync || may_answer(h.clock, 0)) return answer();
+          deferred_.push_back(Deferred{w, h.clock, 0, fmt::format("save to {}", dir), answer});
+          return;
+        }
         case Op::kLoad:
           load(std::string(in.payload.begin(), in.payload.end()));
           return reply(w, in.seq);
@@ -296,18 +313,23 @@ class Server {
     return std::make_unique<TableShard>(name, c, first, last - first);
   }
 
-  bool may_answer(uint64_t clock) const {
-    if (mode_.mode == Mode::kAsync) return true;
-    uint64_t lag = mode_.mode == Mode::kBsp ? 0 : uint64_t(mode_.staleness);
-    return clock <= lag || min_clock() >= clock - lag;
-  }
+  // A pull in step `clock` may be answered (include/cohort/ps.h: consistency).
+  uint64_t pull_lag() const { return mode_.mode == Mode::kStale ? uint64_t(mode_.staleness) : 0; }
+  bool may_pull(uint64_t clock) const { return mode_.mode == Mode::kAsync || may_answer(clock, pull_lag()); }
+  bool may_answer(uint64_t clock, uint64_t lag) const { return clock <= lag || min_clock() >= clock - lag; }
 
   uint64_t min_clock() const { return *std::min_element(clock_.begin(), clock_.end()); }
 
   void pull_or_defer(int w, uint64_t seq, TableShard& t, uint64_t clock, const uint64_t* ids, uint64_t n) {
-    if (may_answer(clock)) return answer_pull(w, seq, t, ids, n);
-    deferred_.push_back(Deferred{w, seq, t.name(), t.dim(), clock, std::vector<uint64_t>(ids, ids + n),
-                                 std::chrono::steady_clock::now(), false});
+    if (may_pull(clock)) return answer_pull(w, seq, t, ids, n);
+    auto answer = [this, w, seq, table = t.name(), kept = std::vector<uint64_t>(ids, ids + n)] {
+      auto it = tables_.find(table);
+      if (it == tables_.end())  // replaced by a load meanwhile
+        reply_error(w, seq, fmt::format("parameter server {}: table '{}' is gone", index_, table));
+      else
+        answer_pull(w, seq, *it->second, kept.data(), kept.size());
+    };
+    deferred_.push_back(Deferred{w, clock, pull_lag(), fmt::format("pull of '{}'", t.name()), answer});
   }
 
   void answer_pull(int w, uint64_t seq, TableShard& t, const uint64_t* ids, uint64_t n) {
@@ -333,17 +355,15 @@ class Server {
       apply_step(held_.begin()->second);
       held_.erase(held_.begin());
     }
+    // In arrival order: a worker's deferred requests are answered in the order it sent them.
     for (auto it = deferred_.begin(); it != deferred_.end();) {
-      if (!may_answer(it->clock)) {
+      if (!may_answer(it->clock, it->lag)) {
         ++it;
         continue;
       }
-      auto t = tables_.find(it->table);
-      if (t == tables_.end())  // replaced by a load meanwhile
-        reply_error(it->worker, it->seq, fmt::format("parameter server {}: table '{}' is gone", index_, it->table));
-      else
-        answer_pull(it->worker, it->seq, *t->second, it->ids.data(), it->ids.size());
+      auto answer = std::move(it->answer);
       it = deferred_.erase(it);
+      answer();
     }
   }
 
@@ -381,12 +401,11 @@ class Server {
       if (d.warned || now - d.since < std::chrono::seconds(10)) continue;
       d.warned = true;
       std::vector<int> behind;
-      uint64_t lag = mode_.mode == Mode::kBsp ? 0 : uint64_t(mode_.staleness);
       for (int w = 0; w < roles_.num_workers; ++w)
-        if (clock_[size_t(w)] + lag < d.clock) behind.push_back(w);
-      log::warn("parameter server {}: worker {}'s pull of '{}' in step {} has waited 10 s for worker(s) {} to end "
-                "step {} ({} mode)",
-                index_, d.worker, d.table, d.clock, fmt::join(behind, ","), d.clock - lag - 1, mode_.to_string());
+        if (clock_[size_t(w)] + d.lag < d.clock) behind.push_back(w);
+      log::warn("parameter server {}: worker {}'s {} in step {} has waited 10 s for worker(s) {} to end step {} ({} "
+                "mode)",
+                index_, d.worker, d.what, d.clock, fmt::join(behind, ","), d.clock - d.lag - 1, mode_.to_string());
     }
   }
 

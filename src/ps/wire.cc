@@ -67,7 +67,13 @@ Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int 
   comm::apply_env_overrides(options);  // COHORT_TRANSPORT, COHORT_TIMEOUT
   // A child communicator: it does not take over the process's flight-recorder identity (the
   // worker's own communicator keeps it) and runs no collectives.
-  comm::CommSetup s{std::move(store), prefix, rank, size_, options, {}, true};
+  comm::CommSetup s;
+  s.root_store = std::move(store);
+  s.prefix = prefix;
+  s.rank = rank;
+  s.size = size_;
+  s.options = options;
+  s.child = true;
   s.connections_only = true;
   s.connect_to = peers;
   comm_ = std::make_shared<comm::CommunicatorImpl>(std::move(s));

@@ -3,6 +3,7 @@
 // server killed mid-job.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,22 @@ TEST(PsLaunch, KilledServerFailsEveryWorkerNamingIt) {
   int ms = std::stoi(r.out.substr(at + 14));
   EXPECT_LE(ms, 2000) << r.out;
 }
+
+#ifdef COHORT_PS_CTR
+// examples/ps_ctr: the sparse wide model on hashed Fashion-MNIST features reaches its stated accuracy
+// (docs/parameter-server.md: 0.83 measured; 0.82 asserted).
+TEST(PsExample, CtrTrainsToItsStatedAccuracy) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist"))
+    GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  auto r = run_process(cohort_run({"--ps", "1", "--nproc-per-node", "2", COHORT_PS_CTR}), {}, 110);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("step 10 "), std::string::npos) << "loss every 10 steps\n" << r.out;
+  auto at = r.out.find("test accuracy: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  double accuracy = std::stod(r.out.substr(at + 15));
+  EXPECT_GE(accuracy, 0.82) << r.out;
+}
+#endif
 
 }  // namespace
 }  // namespace cohort::test
