@@ -4,8 +4,9 @@
 #   ASan + UBSan: every unit and multi-process test (all but python, torch_integration, fuzz, multihost,
 #                 gpu and repo, which need torch, clang's fuzzing runtime, namespaces or a GPU, or check
 #                 the tree rather than the code);
-#   TSan:         the transport, comm and store tests (the threads that share state live there), and
-#                 the flight recorder ring under concurrent writers and a reader (FlightRing.*).
+#   TSan:         the transport, comm, store and parameter-server tests (the threads that share state
+#                 live there), and the flight recorder ring under concurrent writers and a reader
+#                 (FlightRing.*).
 # Both build without the PyTorch integrations and the benchmarks, at -O1 -g1: about half the compile
 # time of -O2 -g on the 2-core CI machine, with line numbers in every report.
 #   scripts/sanitize.sh [address] [thread]      default: both, into build-asan/ and build-tsan/
@@ -28,10 +29,11 @@ for kind in "${kinds[@]}"; do
       ;;
     thread)
       dir=$base-tsan
-      echo "sanitize: TSan build in $dir (transport, comm and store tests; the flight recorder ring's)"
+      echo "sanitize: TSan build in $dir (transport, comm, store and ps tests; the flight recorder ring's)"
       cmake -S . -B "$dir" "${common[@]}" -DCOHORT_SANITIZE=thread >/dev/null
-      cmake --build "$dir" -j "$(nproc)" --target transport_tests comm_tests comm_worker store_tests trace_tests cohort
-      (cd "$dir" && ctest --output-on-failure -j 2 -L 'transport|comm|store') || rc=1
+      cmake --build "$dir" -j "$(nproc)" --target transport_tests comm_tests comm_worker store_tests trace_tests \
+        ps_tests ps_worker cohort
+      (cd "$dir" && ctest --output-on-failure -j 2 -L 'transport|comm|store|ps') || rc=1
       (cd "$dir" && ctest --output-on-failure -R '^FlightRing\.') || rc=1
       ;;
     *) echo "sanitize: unknown sanitizer '$kind' (address or thread)" >&2; exit 2 ;;
