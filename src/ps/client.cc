@@ -29,9 +29,9 @@ struct Call {
   int server = 0;
   uint64_t seq = 0;
   RequestHeader hdr;
-  std::vector<uint8_t> payload;
+  Buffer payload;
   ReplyHeader reply;
-  std::vector<uint8_t> reply_payload;
+  Buffer reply_payload;
   Posted hdr_send, payload_send, reply_recv, reply_payload_recv;
   bool have_reply = false;
   bool done = false;
@@ -45,6 +45,7 @@ struct Operation {
   std::function<void(Operation&)> finish;
   std::string what;  // "pull of 'emb'" (for timeouts)
   bool background = false;  // step(): nobody waits for it; its error surfaces on a later call
+  bool recycle = false;     // pull/push: its buffers go back to the pool once complete
   bool done = false;
   std::exception_ptr error;
 };
@@ -79,7 +80,7 @@ class ClientImpl final : public Client {
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kHello, "", {}, "hello");
     run_locked(*op);
-    auto j = nlohmann::json::parse(op->calls.front()->reply_payload);
+    auto j = nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end());
     mode_ = ConsistencyMode::parse(j.at("mode").get<std::string>());
     max_request_ = j.at("max_request").get<uint64_t>();
   }
@@ -107,7 +108,7 @@ class ClientImpl final : public Client {
     validate(name, config);
     std::lock_guard<std::mutex> g(mu_);
     std::string text = config_to_json(config).dump();
-    auto op = start_all(Op::kCreate, name, std::vector<uint8_t>(text.begin(), text.end()),
+    auto op = start_all(Op::kCreate, name, text,
                         fmt::format("create_table '{}'", name));
     run_locked(*op);
     tables_[name] = config;
@@ -163,11 +164,11 @@ class ClientImpl final : public Client {
 
   void save(const std::string& dir) override {
     std::lock_guard<std::mutex> g(mu_);
-    auto op = start_all(Op::kSave, "", std::vector<uint8_t>(dir.begin(), dir.end()), fmt::format("save to {}", dir));
+    auto op = start_all(Op::kSave, "", dir, fmt::format("save to {}", dir));
     run_locked(*op);
     nlohmann::json tables = nlohmann::json::object();
     for (auto& c : op->calls) {
-      auto j = nlohmann::json::parse(c->reply_payload);
+      auto j = nlohmann::json::parse(c->reply_payload.begin(), c->reply_payload.end());
       for (auto& [k, v] : j.items()) tables[k] = v;
     }
     nlohmann::json manifest{{"format", "cohort-ps-1"}, {"servers", roles_.num_servers}, {"tables", tables}};
@@ -184,7 +185,7 @@ class ClientImpl final : public Client {
 
   void load(const std::string& dir) override {
     std::lock_guard<std::mutex> g(mu_);
-    auto op = start_all(Op::kLoad, "", std::vector<uint8_t>(dir.begin(), dir.end()), fmt::format("load from {}", dir));
+    auto op = start_all(Op::kLoad, "", dir, fmt::format("load from {}", dir));
     run_locked(*op);
     tables_.clear();  // re-learned on next use
   }
@@ -247,6 +248,14 @@ class ClientImpl final : public Client {
       op.error = std::current_exception();
     }
     op.done = true;
+    // Every byte has been sent and read: the buffers serve the next calls. (Replies that callers
+    // read after completion — hello, describe, save, stats — are read before the next call.)
+    if (op.recycle) {
+      for (auto& c : op.calls) {
+        pool_.give(std::move(c->payload));
+        pool_.give(std::move(c->reply_payload));
+      }
+    }
     return true;
   }
 
@@ -268,7 +277,7 @@ class ClientImpl final : public Client {
         throw Error(fmt::format("server {} sent a malformed reply", c.server));
       c.have_reply = true;
       if (c.reply.payload > 0) {
-        c.reply_payload.resize(c.reply.payload);
+        c.reply_payload = pool_.take(c.reply.payload);
         c.reply_payload_recv = ep_.irecv(roles_.server_rank(c.server), Msg::kReplyPayload, c.seq,
                                          c.reply_payload.data(), c.reply_payload.size());
       }
@@ -295,7 +304,7 @@ class ClientImpl final : public Client {
     }
   }
 
-  Call& post(Operation& op, int server, Op kind, const std::string& table, std::vector<uint8_t> payload,
+  Call& post(Operation& op, int server, Op kind, const std::string& table, Buffer payload,
              const std::function<void(RequestHeader&)>& fill = {}) {
     auto c = std::make_unique<Call>();
     if (!table.empty()) set_table_name(c->hdr, table);  // may throw: before the request is numbered
@@ -321,11 +330,11 @@ class ClientImpl final : public Client {
     return *op.calls.back();
   }
 
-  std::shared_ptr<Operation> start_all(Op kind, const std::string& table, const std::vector<uint8_t>& payload,
+  std::shared_ptr<Operation> start_all(Op kind, const std::string& table, const std::string& payload,
                                        std::string what) {
     auto op = std::make_shared<Operation>();
     op->what = std::move(what);
-    for (int s = 0; s < roles_.num_servers; ++s) post(*op, s, kind, table, payload);
+    for (int s = 0; s < roles_.num_servers; ++s) post(*op, s, kind, table, buffer_of(payload));
     inflight_.push_back(op);
     return op;
   }
@@ -338,7 +347,7 @@ class ClientImpl final : public Client {
     post(*op, 0, Op::kDescribe, name, {});
     inflight_.push_back(op);
     run_locked(*op);
-    TableConfig c = config_from_json(nlohmann::json::parse(op->calls.front()->reply_payload));
+    TableConfig c = config_from_json(nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end()));
     tables_[name] = c;
     return c;
   }
@@ -396,12 +405,12 @@ class ClientImpl final : public Client {
       RequestHeader probe;
       set_table_name(probe, table);
     }
-    std::vector<std::vector<uint8_t>> payloads(static_cast<size_t>(S));
+    std::vector<Buffer> payloads(static_cast<size_t>(S));
     for (int s = 0; s < S; ++s) {
       const auto& pi = push_by[size_t(s)];
       const auto& qi = pull_by[size_t(s)];
-      std::vector<uint8_t>& payload = payloads[size_t(s)];
-      payload.resize(pi.size() * 8 + pi.size() * d * 4 + qi.size() * 8);
+      Buffer& payload = payloads[size_t(s)];
+      payload = pool_.take(pi.size() * 8 + pi.size() * d * 4 + qi.size() * 8);
       uint8_t* p = payload.data();
       std::memcpy(p, pi.data(), pi.size() * 8);
       p += pi.size() * 8;
@@ -429,6 +438,7 @@ class ClientImpl final : public Client {
       (void)call;
     }
     if (kind == Op::kPushPull) ++clock_;
+    op->recycle = true;
     inflight_.push_back(op);
     if (pull_ids) {
       op->finish = [from, call_of, rows, d](Operation& o) {
@@ -454,6 +464,7 @@ class ClientImpl final : public Client {
   std::vector<uint64_t> next_seq_;
   std::map<std::string, TableConfig> tables_;
   std::list<std::shared_ptr<Operation>> inflight_;
+  BufferPool pool_;
 
   friend class HandleImpl;
 };

@@ -37,7 +37,7 @@ constexpr uint64_t kDone = UINT64_MAX;  // the clock of a worker that said bye
 
 struct Inbox {
   RequestHeader hdr;
-  std::vector<uint8_t> payload;
+  Buffer payload;
   Posted hdr_recv, payload_recv;
   uint64_t seq = 0;
   bool reading_payload = false;
@@ -47,7 +47,7 @@ struct Inbox {
 struct Outgoing {
   int worker = 0;
   ReplyHeader hdr;
-  std::vector<uint8_t> payload;
+  Buffer payload;
   Posted hdr_send, payload_send;
 };
 
@@ -70,7 +70,7 @@ struct HeldPush {
 };
 
 template <typename T>
-const T* at(const std::vector<uint8_t>& buf, size_t offset) {
+const T* at(const Buffer& buf, size_t offset) {
   return reinterpret_cast<const T*>(buf.data() + offset);
 }
 
@@ -131,9 +131,12 @@ class Server {
           post_header(w);
         }
       }
-      while (!sending_.empty() && sent(*sending_.front())) sending_.pop_front();
-      // Sends complete in order per peer; a long reply to one worker must not keep the others'
-      // buffers: drop any completed one.
+      // Sent replies give their buffers back. Sends complete in order per peer; a long reply to one
+      // worker must not keep the others' buffers: past a few, any completed one goes.
+      while (!sending_.empty() && sent(*sending_.front())) {
+        pool_.give(std::move(sending_.front()->payload));
+        sending_.pop_front();
+      }
       if (sending_.size() > 64)
         std::erase_if(sending_, [this](const std::unique_ptr<Outgoing>& o) { return sent(*o); });
       warn_deferred();
@@ -148,7 +151,7 @@ class Server {
 
   bool sent(Outgoing& o) { return ep_.test(o.hdr_send) && (!o.payload_send || ep_.test(o.payload_send)); }
 
-  void reply(int w, uint64_t seq, std::vector<uint8_t> payload = {}) {
+  void reply(int w, uint64_t seq, Buffer payload = {}) {
     auto o = std::make_unique<Outgoing>();
     o->worker = w;
     o->payload = std::move(payload);
@@ -178,12 +181,12 @@ class Server {
       switch (h.op) {
         case Op::kHello: {
           nlohmann::json j{{"mode", mode_.to_string()}, {"max_request", max_request_}};
-          return reply(w, in.seq, bytes_of(j.dump()));
+          return reply(w, in.seq, buffer_of(j.dump()));
         }
         case Op::kCreate: return create(w, in);
         case Op::kDescribe: {
           TableShard& t = table(h, false);
-          return reply(w, in.seq, bytes_of(config_to_json(t.config()).dump()));
+          return reply(w, in.seq, buffer_of(config_to_json(t.config()).dump()));
         }
         case Op::kPull: {
           TableShard& t = table(h, true);
@@ -217,7 +220,7 @@ class Server {
           const uint64_t seq = in.seq;
           auto answer = [this, w, seq, dir] {
             try {
-              reply(w, seq, bytes_of(save(dir)));
+              reply(w, seq, buffer_of(save(dir)));
             } catch (const InvalidArgument& e) {
               reply_error(w, seq, fmt::format("parameter server {}: {}", index_, e.what()));
             }
@@ -232,7 +235,8 @@ class Server {
         case Op::kStats: {
           TableShard& t = table(h, false);
           uint64_t s[3] = {t.rows(), t.bytes(), t.applied()};
-          std::vector<uint8_t> out(sizeof s);
+          Buffer out;
+          out.resize(sizeof s);
           std::memcpy(out.data(), s, sizeof s);
           return reply(w, in.seq, std::move(out));
         }
@@ -247,8 +251,6 @@ class Server {
       reply_error(w, in.seq, fmt::format("parameter server {}: {}", index_, e.what()));
     }
   }
-
-  static std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
   void check_size(const RequestHeader& h, size_t expected) {
     if (h.payload != expected)
@@ -333,7 +335,7 @@ class Server {
   }
 
   void answer_pull(int w, uint64_t seq, TableShard& t, const uint64_t* ids, uint64_t n) {
-    std::vector<uint8_t> rows(n * t.dim() * 4);
+    Buffer rows = pool_.take(n * t.dim() * 4);
     t.read(ids, n, reinterpret_cast<float*>(rows.data()));
     reply(w, seq, std::move(rows));
   }
@@ -494,6 +496,7 @@ class Server {
   std::vector<Inbox> inbox_;
   std::vector<uint64_t> clock_;
   std::deque<std::unique_ptr<Outgoing>> sending_;
+  BufferPool pool_;
   std::deque<Deferred> deferred_;
   std::map<uint64_t, std::vector<std::vector<HeldPush>>> held_;
 };

@@ -3,7 +3,11 @@
 #include <fmt/core.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <new>
+
+#include <sys/mman.h>
 
 #include "cohort/error.h"
 #include "common/half.h"
@@ -45,6 +49,7 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   value_bytes_ = size_t(config_.dim) * storage_bytes(config_.storage);
   state_count_ = state_floats(config_);
   row_bytes_ = align8(8 + state_count_ * 4 + value_bytes_);
+  rows_per_chunk_ = std::max<uint64_t>(1, kChunkBytes / row_bytes_);
   if (config_.dense) {
     for (uint64_t i = 0; i < num_rows; ++i) new_slot(first_row + i);
   } else {
@@ -54,15 +59,11 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   }
 }
 
-uint8_t* TableShard::slot_values(uint64_t s) const {
-  return chunks_[s / kChunkRows].get() + (s % kChunkRows) * row_bytes_ + 8 + state_count_ * 4;
-}
-float* TableShard::slot_state(uint64_t s) const {
-  return reinterpret_cast<float*>(chunks_[s / kChunkRows].get() + (s % kChunkRows) * row_bytes_ + 8);
-}
+uint8_t* TableShard::slot_values(uint64_t s) const { return row_at(s) + 8 + state_count_ * 4; }
+float* TableShard::slot_state(uint64_t s) const { return reinterpret_cast<float*>(row_at(s) + 8); }
 uint64_t TableShard::slot_id(uint64_t s) const {
   uint64_t id;
-  std::memcpy(&id, chunks_[s / kChunkRows].get() + (s % kChunkRows) * row_bytes_, 8);
+  std::memcpy(&id, row_at(s), 8);
   return id;
 }
 
@@ -127,8 +128,14 @@ void TableShard::init_row(uint64_t id, uint8_t* values) {
 uint32_t TableShard::new_slot(uint64_t id) {
   uint64_t s = num_rows_used_;
   if (s >= UINT32_MAX - 1) throw InvalidArgument(fmt::format("table '{}': more than 2^32 rows on one server", name_));
-  if (s / kChunkRows >= chunks_.size()) chunks_.emplace_back(new uint8_t[kChunkRows * row_bytes_]);
-  uint8_t* row = chunks_[s / kChunkRows].get() + (s % kChunkRows) * row_bytes_;
+  if (s / rows_per_chunk_ >= chunks_.size()) {
+    const size_t bytes = (rows_per_chunk_ * row_bytes_ + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(kChunkBytes, bytes));
+    if (!p) throw std::bad_alloc();
+    (void)::madvise(p, bytes, MADV_HUGEPAGE);  // a hint: where huge pages are off, 4 KiB pages serve
+    chunks_.emplace_back(p);
+  }
+  uint8_t* row = row_at(s);
   std::memcpy(row, &id, 8);
   std::memset(row + 8, 0, state_count_ * 4);
   float* st = reinterpret_cast<float*>(row + 8);
@@ -178,15 +185,50 @@ uint32_t TableShard::slot_of(uint64_t id) {
   return s;
 }
 
+namespace {
+// How far ahead the batch loops prefetch: enough misses in flight to hide memory latency, few
+// enough that the prefetched lines are still in L1/L2 when their turn comes.
+constexpr size_t kAhead = 16;
+}  // namespace
+
+void TableShard::slots_of(const uint64_t* ids, size_t n, std::vector<uint32_t>& out) {
+  out.resize(n);
+  if (config_.dense) {
+    for (size_t i = 0; i < n; ++i) out[i] = slot_of(ids[i]);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const uint64_t b = index_hash(ids[i + kAhead]) & mask_;
+      __builtin_prefetch(&keys_[b]);
+      __builtin_prefetch(&slots_[b]);
+    }
+    out[i] = slot_of(ids[i]);  // may grow the index: the prefetches are hints only
+  }
+}
+
 void TableShard::read(const uint64_t* ids, size_t n, float* out) {
-  for (size_t i = 0; i < n; ++i) to_float(slot_values(slot_of(ids[i])), out + i * config_.dim);
+  slots_of(ids, n, slot_buf_);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const uint8_t* v = slot_values(slot_buf_[i + kAhead]);
+      for (size_t off = 0; off < value_bytes_; off += 64) __builtin_prefetch(v + off);
+    }
+    to_float(slot_values(slot_buf_[i]), out + i * config_.dim);
+  }
 }
 
 void TableShard::apply(const uint64_t* ids, size_t n, const float* grads) {
   const uint32_t d = config_.dim;
   std::vector<float> w(d);
+  slots_of(ids, n, slot_buf_);
+  const size_t touched = row_bytes_ - 8;  // state and values
   for (size_t i = 0; i < n; ++i) {
-    uint32_t s = slot_of(ids[i]);
+    if (i + kAhead < n) {
+      const uint8_t* r = row_at(slot_buf_[i + kAhead]) + 8;
+      for (size_t off = 0; off < touched; off += 64) __builtin_prefetch(r + off, 1);
+    }
+    uint32_t s = slot_buf_[i];
     const float* g = grads + i * d;
     uint8_t* values = slot_values(s);
     to_float(values, w.data());
@@ -228,7 +270,8 @@ void TableShard::put(uint64_t id, const float* values, const float* state) {
 }
 
 uint64_t TableShard::bytes() const {
-  return chunks_.size() * kChunkRows * row_bytes_ + keys_.capacity() * 8 + slots_.capacity() * 4;
+  const uint64_t chunk = (rows_per_chunk_ * row_bytes_ + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
+  return chunks_.size() * chunk + keys_.capacity() * 8 + slots_.capacity() * 4;
 }
 
 }  // namespace cohort::ps

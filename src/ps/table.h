@@ -6,13 +6,21 @@
 // allocation per new row; ids are 8 bytes and rows are a few hundred. The index is two flat
 // arrays (keys, row slots: 12 bytes per bucket) with linear probing, grown by doubling at 3/4 load,
 // so a sparse row costs at most 12 / (3/8) = 32 bytes of index on top of its values and state
-// (bytes_per_row() in include/cohort/ps.h). Rows never move (the arena grows in chunks), so a
+// (bytes_per_row() in include/cohort/ps.h). Rows never move (the arena grows in 2 MiB chunks), so a
 // row's slot is stable for the life of the table.
+//
+// Speed: a pull or push of a few thousand random ids is bound by memory latency (an index bucket
+// and a row per id, each a cache and TLB miss in a table of hundreds of MB), not by copying. So
+// read() and apply() work in batches: hash every id, then probe the index while prefetching the
+// buckets a few ids ahead, then touch the rows while prefetching rows ahead, keeping many misses in
+// flight; and the arena's chunks are 2 MiB-aligned and asked for as transparent huge pages, so a
+// row costs no page walk.
 //
 // Not thread-safe: a server's loop thread owns its tables.
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,9 +80,19 @@ class TableShard {
   size_t value_bytes_ = 0;   // per row
   size_t state_count_ = 0;   // floats per row
   size_t row_bytes_ = 0;     // id + values + state, 8-byte aligned
-  // Arena: chunks of kChunkRows rows, each row = [id u64][state floats][values].
-  static constexpr uint64_t kChunkRows = 4096;
-  std::vector<std::unique_ptr<uint8_t[]>> chunks_;
+  // Arena: 2 MiB chunks of rows_per_chunk_ rows, each row = [id u64][state floats][values].
+  static constexpr size_t kChunkBytes = 2u << 20;
+  struct FreeChunk {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::vector<std::unique_ptr<uint8_t, FreeChunk>> chunks_;
+  uint64_t rows_per_chunk_ = 1;
+  uint8_t* row_at(uint64_t s) const {
+    return chunks_[s / rows_per_chunk_].get() + (s % rows_per_chunk_) * row_bytes_;
+  }
+  // Slots of ids[0..n) (created where new), with the index probes prefetched ahead.
+  void slots_of(const uint64_t* ids, size_t n, std::vector<uint32_t>& out);
+  std::vector<uint32_t> slot_buf_;
   uint64_t num_rows_used_ = 0;
   // Sparse index: capacity a power of two; slot UINT32_MAX = empty.
   std::vector<uint64_t> keys_;

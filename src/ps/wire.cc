@@ -2,6 +2,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <map>
 #include <regex>
 
@@ -57,6 +58,37 @@ std::string name_roles(const std::string& text, int num_servers) {
   return out;
 }
 
+Buffer BufferPool::take(size_t n) {
+  size_t best = kept_.size();
+  for (size_t i = 0; i < kept_.size(); ++i)
+    if (kept_[i].capacity() >= n && (best == kept_.size() || kept_[i].capacity() < kept_[best].capacity())) best = i;
+  Buffer b;
+  if (best < kept_.size()) {
+    b = std::move(kept_[best]);
+    kept_.erase(kept_.begin() + long(best));
+  }
+  b.resize(n);
+  return b;
+}
+
+void BufferPool::give(Buffer b) {
+  if (b.capacity() == 0) return;
+  if (kept_.size() == kKeep) {  // keep the larger ones
+    auto smallest = std::min_element(kept_.begin(), kept_.end(),
+                                     [](const Buffer& x, const Buffer& y) { return x.capacity() < y.capacity(); });
+    if (smallest->capacity() >= b.capacity()) return;
+    kept_.erase(smallest);
+  }
+  kept_.push_back(std::move(b));
+}
+
+Buffer buffer_of(const std::string& text) {
+  Buffer b;
+  b.resize(text.size());
+  if (!text.empty()) std::memcpy(b.data(), text.data(), text.size());
+  return b;
+}
+
 std::string table_name(const RequestHeader& h) { return std::string(h.table, strnlen(h.table, sizeof h.table)); }
 
 Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, const std::vector<bool>& peers,
@@ -81,7 +113,12 @@ Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int 
   std::map<transport::Transport*, int> served;
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && peers[size_t(r)]) ++served[comm_->transport_to(r)];
-  sleeper_ = comm_->transports().front().get();
+  // Only transports that serve a peer are polled: an idle one would add a system call per poll
+  // (tcp's epoll_wait) and turn waits into the several-transports path below.
+  for (const auto& t : comm_->transports())
+    if (served.count(t.get())) active_.push_back(t.get());
+  if (active_.empty()) active_.push_back(comm_->transports().front().get());
+  sleeper_ = active_.front();
   for (auto [t, n] : served)
     if (n > served[sleeper_]) sleeper_ = t;
 }
@@ -108,10 +145,9 @@ bool Endpoint::test(Posted& p) {
 }
 
 bool Endpoint::poll(int timeout_ms) {
-  const auto& ts = comm_->transports();
-  if (ts.size() == 1) return ts.front()->poll(timeout_ms);
+  if (active_.size() == 1) return active_.front()->poll(timeout_ms);
   bool progress = false;
-  for (const auto& t : ts) progress |= t->poll(0);
+  for (auto* t : active_) progress |= t->poll(0);
   // Several transports (shm inside the host, tcp across): sleep in short slices in the one that
   // serves most peers, so that the others are polled again soon.
   if (!progress && timeout_ms > 0) progress = sleeper_->poll(std::min(timeout_ms, 1));

@@ -72,6 +72,47 @@ static_assert(sizeof(ReplyHeader) == 512);
 void set_table_name(RequestHeader& h, const std::string& name);  // throws InvalidArgument if too long
 std::string table_name(const RequestHeader& h);
 
+// A message buffer. Unlike std::vector it never zero-fills: every byte is written by a copy or a
+// receive. Buffers of a megabyte come and go with every pull and push; recycling them through a
+// BufferPool spares the page faults and clearing of fresh memory, which cost more than the copies.
+class Buffer {
+ public:
+  Buffer() = default;
+  uint8_t* data() { return p_.get(); }
+  const uint8_t* data() const { return p_.get(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  size_t capacity() const { return cap_; }
+  uint8_t* begin() { return p_.get(); }
+  uint8_t* end() { return p_.get() + size_; }
+  const uint8_t* begin() const { return p_.get(); }
+  const uint8_t* end() const { return p_.get() + size_; }
+  // The contents are not kept when it grows.
+  void resize(size_t n) {
+    if (n > cap_) {
+      p_.reset(new uint8_t[n]);
+      cap_ = n;
+    }
+    size_ = n;
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> p_;
+  size_t size_ = 0, cap_ = 0;
+};
+
+class BufferPool {
+ public:
+  // A buffer of n bytes: the smallest kept one that is large enough, else a new one.
+  Buffer take(size_t n);
+  void give(Buffer b);
+
+ private:
+  static constexpr size_t kKeep = 16;
+  std::vector<Buffer> kept_;
+};
+Buffer buffer_of(const std::string& text);
+
 // Message kinds within the PS tag space.
 enum class Msg : uint64_t { kRequest = 1, kRequestPayload = 2, kReply = 3, kReplyPayload = 4 };
 
@@ -107,7 +148,8 @@ class Endpoint {
 
  private:
   std::shared_ptr<comm::CommunicatorImpl> comm_;
-  transport::Transport* sleeper_ = nullptr;  // the transport that serves most peers: poll sleeps in it
+  std::vector<transport::Transport*> active_;  // the transports that serve at least one peer
+  transport::Transport* sleeper_ = nullptr;     // the one that serves most peers: poll sleeps in it
   int rank_ = 0;
   int size_ = 0;
 };

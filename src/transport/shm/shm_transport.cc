@@ -408,7 +408,9 @@ class ShmTransport final : public TransportBase {
       }
       int ms = kSliceMs;
       if (timeout_ms >= 0) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - Deadline::Clock::now()).count();
+        // Rounded up: a truncated "0 ms left" would turn the rest of the wait into a loop of
+        // poll(2) calls that return at once (found with the parameter server's 1 ms slices).
+        auto left = std::chrono::ceil<std::chrono::milliseconds>(end - Deadline::Clock::now()).count();
         ms = int(std::clamp<long>(left, 0, kSliceMs));
       }
       bool woke = check_sockets(ms);
