@@ -48,7 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
   try {
-    switch (data[0] % 6) {
+    switch (data[0] % 7) {
       case 0: check_hosts(parse_hostfile(text, "fuzz-hostfile")); break;
       case 1: check_hosts(parse_host_list(text)); break;
       case 2: {
@@ -74,6 +74,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (info.nnodes && info.node_rank) check(info.node_rank->value >= 0 && info.node_rank->value < info.nnodes->value);
         if (info.nproc_per_node) check(info.nproc_per_node->value >= 1);
         if (info.master_port) check(info.master_port->value >= 1 && info.master_port->value <= 65535);
+        break;
+      }
+      case 6: {
+        auto table = parse_rank_table(text, "fuzz-rank-table");
+        size_t ranks = 0;
+        check(!table.servers.empty());
+        for (const auto& server : table.servers) {
+          check(!server.server_id.empty() && !server.devices.empty());
+          for (const auto& d : server.devices) check(d.rank_id >= 0 && d.rank_id < table.rank_size && d.device_id >= 0);
+          ranks += server.devices.size();
+        }
+        check(ranks == static_cast<size_t>(table.rank_size));
         break;
       }
     }

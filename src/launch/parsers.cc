@@ -1,5 +1,8 @@
 #include "launch/parsers.h"
 
+#include <fstream>
+#include <sstream>
+
 #include <fmt/core.h>
 
 #include <cctype>
@@ -201,6 +204,127 @@ std::vector<int> expand_slurm_counts(const std::string& text, const std::string&
   return out;
 }
 
+namespace {
+// A rank table field that is a decimal string ("3") or a number (3).
+int table_int(const nlohmann::json& j, const std::string& field, const std::string& where) {
+  if (!j.is_object() || !j.contains(field))
+    throw ConfigError(fmt::format("{}: missing \"{}\"", where, field));
+  const auto& v = j.at(field);
+  if (v.is_number_integer() && v.get<long long>() >= 0 && v.get<long long>() <= 1 << 24) return v.get<int>();
+  if (v.is_string()) {
+    const std::string& s = v.get_ref<const std::string&>();
+    if (!s.empty() && s.size() <= 8 && s.find_first_not_of("0123456789") == std::string::npos) return std::stoi(s);
+  }
+  throw ConfigError(fmt::format("{}.{}: {} is not a number >= 0", where, field, v.dump()));
+}
+std::string table_string(const nlohmann::json& j, const std::string& field, const std::string& where) {
+  if (!j.is_object() || !j.contains(field) || !j.at(field).is_string() || j.at(field).get_ref<const std::string&>().empty())
+    throw ConfigError(fmt::format("{}: missing \"{}\" (a non-empty string)", where, field));
+  return j.at(field).get<std::string>();
+}
+const nlohmann::json& table_list(const nlohmann::json& j, const std::string& field, const std::string& where) {
+  if (!j.is_object() || !j.contains(field) || !j.at(field).is_array() || j.at(field).empty())
+    throw ConfigError(fmt::format("{}: missing \"{}\" (a non-empty list)", where, field));
+  return j.at(field);
+}
+}  // namespace
+
+RankTable parse_rank_table(const std::string& text, const std::string& origin) {
+  const std::string top = "RANK_TABLE_FILE " + origin;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("{}: not valid JSON ({})", top, e.what()));
+  }
+  if (!j.is_object()) throw ConfigError(fmt::format("{}: expected an object with server_list or group_list", top));
+  RankTable t;
+  auto add_device = [&](RankTableServer& server, const nlohmann::json& d, int rank_id, const std::string& where) {
+    RankTableDevice dev;
+    dev.device_id = table_int(d, "device_id", where);
+    if (d.contains("device_ip") && d.at("device_ip").is_string()) dev.device_ip = d.at("device_ip").get<std::string>();
+    dev.rank_id = rank_id;
+    for (const auto& other : server.devices)
+      if (other.device_id == dev.device_id)
+        throw ConfigError(fmt::format("{}.device_id: device {} appears twice on server {}", where, dev.device_id,
+                                      server.server_id));
+    server.devices.push_back(dev);
+  };
+  if (j.contains("server_list")) {
+    t.layout = "1.0";
+    const auto& list = table_list(j, "server_list", top);
+    for (size_t s = 0; s < list.size(); ++s) {
+      const std::string where = fmt::format("{}: server_list[{}]", top, s);
+      RankTableServer server;
+      server.server_id = table_string(list[s], "server_id", where);
+      const auto& devices = table_list(list[s], "device", where);
+      for (size_t d = 0; d < devices.size(); ++d) {
+        const std::string dw = fmt::format("{}.device[{}]", where, d);
+        add_device(server, devices[d], table_int(devices[d], "rank_id", dw), dw);
+      }
+      t.servers.push_back(std::move(server));
+    }
+    if (j.contains("server_count")) {
+      int count = table_int(j, "server_count", top);
+      if (count != static_cast<int>(t.servers.size()))
+        throw ConfigError(fmt::format("{}: server_count {} but server_list has {} entries", top, count,
+                                      t.servers.size()));
+    }
+  } else if (j.contains("group_list")) {
+    // 0.x: one instance per rank, each naming its server; instances of one server become its devices.
+    t.layout = "0.x";
+    const auto& groups = table_list(j, "group_list", top);
+    if (groups.size() != 1)
+      throw ConfigError(fmt::format("{}: group_list has {} groups; cohort reads the one world group", top,
+                                    groups.size()));
+    const std::string gw = top + ": group_list[0]";
+    const auto& instances = table_list(groups[0], "instance_list", gw);
+    for (size_t i = 0; i < instances.size(); ++i) {
+      const std::string where = fmt::format("{}.instance_list[{}]", gw, i);
+      std::string server_id = table_string(instances[i], "server_id", where);
+      int rank_id = table_int(instances[i], "rank_id", where);
+      const auto& devices = table_list(instances[i], "devices", where);
+      if (devices.size() != 1)
+        throw ConfigError(fmt::format("{}.devices: {} entries; an instance is one rank on one device", where,
+                                      devices.size()));
+      auto it = std::find_if(t.servers.begin(), t.servers.end(),
+                             [&](const RankTableServer& s) { return s.server_id == server_id; });
+      if (it == t.servers.end()) {
+        t.servers.push_back(RankTableServer{server_id, {}});
+        it = t.servers.end() - 1;
+      }
+      add_device(*it, devices[0], rank_id, where + ".devices[0]");
+    }
+    if (groups[0].contains("instance_count")) {
+      int count = table_int(groups[0], "instance_count", gw);
+      if (count != static_cast<int>(instances.size()))
+        throw ConfigError(fmt::format("{}: instance_count {} but instance_list has {} entries", gw, count,
+                                      instances.size()));
+    }
+  } else {
+    throw ConfigError(fmt::format("{}: expected server_list (version 1.0) or group_list (0.x)", top));
+  }
+  // Rank ids: 0..N-1, each once.
+  for (const auto& s : t.servers) t.rank_size += static_cast<int>(s.devices.size());
+  std::vector<int> seen(static_cast<size_t>(t.rank_size), 0);
+  for (const auto& s : t.servers)
+    for (const auto& d : s.devices) {
+      if (d.rank_id >= t.rank_size)
+        throw ConfigError(fmt::format("{}: rank_id {} on server {} is not below the {} ranks of the table", top,
+                                      d.rank_id, s.server_id, t.rank_size));
+      if (seen[static_cast<size_t>(d.rank_id)]++)
+        throw ConfigError(fmt::format("{}: rank_id {} appears twice", top, d.rank_id));
+    }
+  return t;
+}
+
+int rank_table_node(const RankTable& table, const std::vector<std::string>& addresses) {
+  for (size_t s = 0; s < table.servers.size(); ++s)
+    for (const auto& a : addresses)
+      if (table.servers[s].server_id == a) return static_cast<int>(s);
+  return -1;
+}
+
 TfConfig parse_tf_config(const std::string& text) {
   nlohmann::json j;
   try {
@@ -293,7 +417,7 @@ std::string host_of(const std::string& host_port) {
 
 }  // namespace
 
-SchedulerInfo read_scheduler_env(const EnvMap& env) {
+SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::string>& addresses) {
   SchedulerInfo info;
   auto note = [&](const char* name) {
     if (info.scheduler_names.empty() || info.scheduler_names.back() != name) info.scheduler_names.push_back(name);
@@ -363,6 +487,38 @@ SchedulerInfo read_scheduler_env(const EnvMap& env) {
     merge(info.master_addr, hosts.front().host, "NODE_LIST (first host)", "master address");
     int_var(info.node_rank, "INDEX", 0, "node rank", "TI-ONE");
     note("TI-ONE");
+  }
+
+  if (const auto* path = find(env, "RANK_TABLE_FILE")) {
+    // Ascend: the table lists every server and its devices; this node is the server with one of
+    // this host's addresses, unless another variable says which node this is.
+    std::ifstream in(*path);
+    if (!in) throw ConfigError(fmt::format("RANK_TABLE_FILE {}: cannot read it", *path));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    RankTable t = parse_rank_table(ss.str(), *path);
+    const std::string src = "RANK_TABLE_FILE";
+    merge(info.nnodes, static_cast<int>(t.servers.size()), src + " (server_list)", "node count");
+    merge(info.master_addr, t.servers.front().server_id, src + " (first server_id)", "master address");
+    const size_t per = t.servers.front().devices.size();
+    for (const auto& s : t.servers)
+      if (s.devices.size() != per)
+        throw ConfigError(fmt::format("RANK_TABLE_FILE {}: server {} has {} devices but server {} has {}; cohort "
+                                      "starts the same number of workers on every node",
+                                      *path, s.server_id, s.devices.size(), t.servers.front().server_id, per));
+    merge(info.nproc_per_node, static_cast<int>(per), src + " (devices per server)", "processes per node");
+    const int node = rank_table_node(t, addresses);
+    if (node >= 0) {
+      merge(info.node_rank, node, src + " (server_id of this host)", "node rank");
+    } else if (!info.node_rank && t.servers.size() > 1) {
+      std::vector<std::string> ids;
+      for (const auto& s : t.servers) ids.push_back(s.server_id);
+      throw ConfigError(fmt::format("RANK_TABLE_FILE {}: no server_id is an address of this host ({}); servers: "
+                                    "{} (or give --node-rank)",
+                                    *path, str::join(addresses, ", "), str::join(ids, ", ")));
+    }
+    info.rank_table = std::move(t);
+    note("Ascend rank table");
   }
 
   if (const auto* tf = find(env, "TF_CONFIG")) {

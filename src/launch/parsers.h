@@ -35,6 +35,32 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& text);
 // Slurm "2(x3),1" counts (SLURM_TASKS_PER_NODE, SLURM_JOB_CPUS_PER_NODE) -> {2,2,2,1}.
 std::vector<int> expand_slurm_counts(const std::string& text, const std::string& what);
 
+// Ascend HCCL rank table (RANK_TABLE_FILE), both layouts:
+//   1.0: {"version": "1.0", "server_count": "2", "server_list": [{"server_id": "10.0.0.1",
+//         "device": [{"device_id": "0", "device_ip": "192.168.100.1", "rank_id": "0"}, ...]}, ...]}
+//   0.x: {"group_count": "1", "group_list": [{"instance_count": "16", "instance_list":
+//         [{"server_id": "10.0.0.1", "rank_id": "0", "devices": [{"device_id": "0", "device_ip": ...}]}, ...]}]}
+// Numbers may be strings or numbers. Checked: server_count agrees with the list, every server has
+// devices, rank ids are 0..N-1 once each, device ids are unique per server. Errors name the file and
+// the field ("RANK_TABLE_FILE t.json: server_list[1].device[0].rank_id: 3 appears twice").
+struct RankTableDevice {
+  int device_id = 0;
+  std::string device_ip;
+  int rank_id = 0;
+};
+struct RankTableServer {
+  std::string server_id;  // the host's address (how a node finds itself)
+  std::vector<RankTableDevice> devices;
+};
+struct RankTable {
+  std::string layout;  // "1.0" or "0.x"
+  std::vector<RankTableServer> servers;
+  int rank_size = 0;
+};
+RankTable parse_rank_table(const std::string& json, const std::string& origin);
+// The server whose server_id is one of `addresses` (this host's names and addresses), or -1.
+int rank_table_node(const RankTable& table, const std::vector<std::string>& addresses);
+
 // TF_CONFIG (worker role): nodes are cluster.chief then cluster.worker; this node is task.index
 // within its type.
 struct TfConfig {
@@ -61,9 +87,11 @@ struct SchedulerInfo {
   std::optional<Sourced<int>> master_port;
   std::optional<Sourced<std::string>> job_id;
   std::optional<Sourced<int>> ps_nodes;  // TF_CONFIG's cluster.ps: the last N nodes run one server each
+  std::optional<RankTable> rank_table;   // RANK_TABLE_FILE (read and checked)
   std::vector<std::string> scheduler_names;  // "Slurm", "Open MPI", ... (for the plan printout)
 };
-SchedulerInfo read_scheduler_env(const EnvMap& env);
+// `addresses`: this host's names and IP addresses (a rank table's node is the server listing one).
+SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::string>& addresses = {});
 
 // "3" -> 3, with a ConfigError "<what>=<text>: expected an integer >= min" otherwise.
 int parse_int_at_least(const std::string& text, const std::string& what, int min);

@@ -4,6 +4,9 @@
 #include <fmt/core.h>
 #include <openssl/rand.h>
 #include <sched.h>
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,7 +33,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    gpu_share, abort_on_failure, max_restarts,
                                    join_timeout_s, kill_grace_s, ssh_command, timeline_path, stats, trace_dir,
                                    stall_warn_s, flight_recorder, program_path, program, ps_servers,
-                                   num_workers, ps_mode, ps_server_program)
+                                   num_workers, ps_mode, ps_server_program, rank_table_slots,
+                                   rank_table_size)
 
 const char* mode_name(Mode m) {
   switch (m) {
@@ -130,6 +134,19 @@ MachineFacts this_machine(bool with_gpus) {
   m.cpu_count = static_cast<int>(allowed_cpus().size());
   if (m.cpu_count <= 0) m.cpu_count = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   m.resolve_program = &resolve_program;
+  m.addresses = {m.hostname};
+  struct ifaddrs* list = nullptr;
+  if (getifaddrs(&list) == 0) {
+    for (auto* a = list; a; a = a->ifa_next) {
+      if (!a->ifa_addr || (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6)) continue;
+      char text[INET6_ADDRSTRLEN] = {};
+      const void* raw = a->ifa_addr->sa_family == AF_INET
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr);
+      if (inet_ntop(a->ifa_addr->sa_family, raw, text, sizeof text)) m.addresses.push_back(text);
+    }
+    freeifaddrs(list);
+  }
   if (with_gpus) {
     EnvMap env;
     if (const char* v = getenv("CUDA_VISIBLE_DEVICES")) env["CUDA_VISIBLE_DEVICES"] = v;
@@ -365,7 +382,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   } else {
     // Per-node (torchrun style) or local. The scheduler environment fills what flags leave open.
     SchedulerInfo sched;
-    if (!o.nnodes) sched = read_scheduler_env(env);
+    if (!o.nnodes) sched = read_scheduler_env(env, machine.addresses);
     p.schedulers = sched.scheduler_names;
     sched_job_id = sched.job_id;
     sched_ps_nodes = sched.ps_nodes;
@@ -401,6 +418,12 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     source("nproc per node", nproc_source);
     p.world_size = nproc * p.nnodes;
     p.this_node = node_rank;
+    if (sched.rank_table && sched.rank_table->servers.size() == size_t(p.nnodes) &&
+        sched.rank_table->servers.front().devices.size() == size_t(nproc)) {
+      for (const auto& server : sched.rank_table->servers)
+        for (const auto& d : server.devices) p.rank_table_slots.emplace_back(d.device_id, d.rank_id);
+      p.rank_table_size = sched.rank_table->rank_size;
+    }
     for (int i = 0; i < p.nnodes; ++i)
       p.nodes.push_back(NodePlan{i, i == node_rank ? machine.hostname : fmt::format("node{}", i), i == node_rank,
                                  i * nproc, nproc});
@@ -532,6 +555,12 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   set("COHORT_WORLD_SIZE", std::to_string(world));
   set("COHORT_LOCAL_RANK", std::to_string(local_rank));
   set("COHORT_LOCAL_WORLD_SIZE", std::to_string(local_world));
+  if (!plan.rank_table_slots.empty() && size_t(s.rank) < plan.rank_table_slots.size()) {
+    // As the Ascend launch scripts set them for each process of a rank table.
+    set("DEVICE_ID", std::to_string(plan.rank_table_slots[size_t(s.rank)].first));
+    set("RANK_ID", std::to_string(plan.rank_table_slots[size_t(s.rank)].second));
+    set("RANK_SIZE", std::to_string(plan.rank_table_size));
+  }
   if (plan.ps_servers > 0) {
     set("COHORT_ROLE", plan.role_of(s.rank).server ? "server" : "worker");
     set("COHORT_ROLE_INDEX", std::to_string(rank));

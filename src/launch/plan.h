@@ -57,6 +57,8 @@ struct MachineFacts {
   int gpu_count = 0;  // visible GPUs (--nproc-per-node auto)
   // This node's GPUs, detected only when the plan needs them (--gpus-per-node); see launch/gpus.h.
   GpuInventory gpus;
+  // This host's name and IP addresses (an Ascend rank table's node is the server listing one).
+  std::vector<std::string> addresses;
   // Resolves PROGRAM to an executable path, or throws ConfigError; tests pass a fake.
   std::string (*resolve_program)(const std::string&) = nullptr;
 };
@@ -131,6 +133,10 @@ struct Plan {
   std::vector<std::string> program;  // PROGRAM ARGS... as given (argv)
   // Parameter-server mode: servers in the job (0: not a PS job), workers, the consistency mode,
   // and whether servers run the program (else `cohort ps serve`).
+  // Ascend rank table (RANK_TABLE_FILE): per global rank, the table's device id and rank id, and
+  // the table's rank count; workers get DEVICE_ID, RANK_ID and RANK_SIZE. Empty without a table.
+  std::vector<std::pair<int, int>> rank_table_slots;
+  int rank_table_size = 0;
   int ps_servers = 0;
   int num_workers = 1;
   std::string ps_mode;
