@@ -77,7 +77,8 @@ LaunchEnv resolve_launch_env(const GetEnv& get) {
     e.store_port = port;
     std::string job = get("COHORT_JOB_ID").value_or("default");
     std::string attempt = get("COHORT_RESTART_COUNT").value_or("0");
-    e.prefix = fmt::format("cohort/job/{}/attempt/{}/comm", job, attempt);
+    e.job_prefix = fmt::format("cohort/job/{}/attempt/{}/comm", job, attempt);
+    e.prefix = get("COHORT_ROLE").value_or("") == "server" ? e.job_prefix + "/servers" : e.job_prefix;
     return e;
   }
   if (std::string(chosen->source) == "cohort run") {
@@ -95,6 +96,7 @@ LaunchEnv resolve_launch_env(const GetEnv& get) {
   e.store_port = uint16_t(port);
   e.host_store = e.rank == 0;
   e.prefix = "cohort/world/comm";
+  e.job_prefix = e.prefix;
   return e;
 }
 

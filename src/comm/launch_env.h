@@ -18,6 +18,10 @@ struct LaunchEnv {
   bool host_store = false;   // this rank starts the store server (rank 0 without a launcher)
   std::string token;         // COHORT_JOB_TOKEN, may be empty
   std::string prefix;        // job-scoped key prefix of the world communicator
+  // The job's prefix whatever the process's role. In a parameter-server job (COHORT_ROLE) the
+  // world communicator is the role's: servers meet under prefix = job_prefix + "/servers", so a
+  // server that builds one never meets the workers' (docs/parameter-server.md).
+  std::string job_prefix;
 };
 
 using GetEnv = std::function<std::optional<std::string>(const std::string&)>;

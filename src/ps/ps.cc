@@ -55,7 +55,7 @@ LaunchedJob launched(const char* want_role) {
   co.port = e.store_port;
   co.token = e.token;
   co.timeout = options.timeout;
-  LaunchedJob j{connect_tcp_store(co), e.prefix + "/ps", options.timeout, 0};
+  LaunchedJob j{connect_tcp_store(co), e.job_prefix + "/ps", options.timeout, 0};
   auto idx = env::get_raw("COHORT_ROLE_INDEX");
   j.index = idx ? std::stoi(*idx) : 0;
   return j;

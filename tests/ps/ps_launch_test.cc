@@ -36,6 +36,8 @@ TEST(PsLaunch, TwoServersBspModeAndAProgramThatServesItself) {
                        {}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_EQ(count(r.out, "ok (2 servers, mode bsp"), 2u) << r.out;
+  // Servers that build a world communicator meet each other, not the workers.
+  EXPECT_EQ(count(r.out, "of 2: 2 servers met"), 2u) << r.out;
 }
 
 TEST(PsLaunch, DryRunShowsTheRolesAndTheirEnvironment) {

@@ -2,13 +2,15 @@
 // `cohort run --ps N ... ps_worker MODE`:
 //   basic  create a table, push known gradients, check what a pull returns, print "worker I ok"
 //   loop   pull and push until something fails (the test kills a server meanwhile)
-//   serve  for --ps-server program: a server runs cohort::ps::serve_from_env(), a worker runs basic
+//   serve  for --ps-server program: a server meets the other servers through its own world
+//          communicator, then runs cohort::ps::serve_from_env(); a worker runs basic
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "cohort/communicator.h"
 #include "cohort/error.h"
 #include "cohort/ps.h"
 
@@ -62,6 +64,12 @@ int main(int argc, char** argv) {
   try {
     const char* role = std::getenv("COHORT_ROLE");
     if (mode == "serve" && role && std::strcmp(role, "server") == 0) {
+      // The servers' own world (RANK/WORLD_SIZE count servers): it must not meet the workers'.
+      auto servers = cohort::Communicator::from_env();
+      int one = 1, count = 0;
+      servers->allreduce(&one, &count, 1, cohort::DataType::kInt32, cohort::ReduceOp::kSum);
+      std::printf("server %d of %d: %d servers met\n", servers->rank(), servers->size(), count);
+      std::fflush(stdout);
       cohort::ps::serve_from_env();
       return 0;
     }
