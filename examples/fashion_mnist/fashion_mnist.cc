@@ -9,7 +9,6 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
-#include <zlib.h>
 
 #include <csignal>
 #include <chrono>
@@ -23,69 +22,23 @@
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
 #include "store/memory_store.h"
+#include "dataset/fashion_mnist_files.h"
 
 namespace nn = torch::nn;
 using cohort::ConfigError;
 
 namespace {
 
-// ---- data: gzip idx files as shipped by Debian's dataset-fashion-mnist ----
-std::string read_gzip(const std::string& path) {
-  if (!std::filesystem::exists(path))
-    throw ConfigError(fmt::format("cannot read {}: no such file (install dataset-fashion-mnist, or pass --data-dir)", path));
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (!f) throw ConfigError(fmt::format("cannot open {}", path));
-  std::string out;
-  char buf[1 << 16];
-  for (;;) {
-    int n = gzread(f, buf, sizeof buf);
-    if (n < 0) {
-      int err = 0;
-      std::string msg = gzerror(f, &err);
-      gzclose(f);
-      throw ConfigError(fmt::format("cannot read {}: {}", path, msg));
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  gzclose(f);
-  return out;
-}
-
-uint32_t big_endian(const std::string& b, size_t at) {
-  return (uint32_t(uint8_t(b[at])) << 24) | (uint32_t(uint8_t(b[at + 1])) << 16) | (uint32_t(uint8_t(b[at + 2])) << 8) |
-         uint32_t(uint8_t(b[at + 3]));
-}
-
-// Returns the uint8 payload of an idx file with `ndim` dimensions and its dimensions.
-std::pair<std::string, std::vector<int64_t>> read_idx(const std::string& path, int ndim) {
-  std::string raw = read_gzip(path);
-  const size_t header = 4 + 4 * static_cast<size_t>(ndim);
-  if (raw.size() < header || big_endian(raw, 0) != (0x800u | static_cast<uint32_t>(ndim)))
-    throw ConfigError(fmt::format("{} is not an idx file of unsigned bytes with {} dimensions", path, ndim));
-  std::vector<int64_t> dims;
-  size_t expect = 1;
-  for (int i = 0; i < ndim; ++i) {
-    dims.push_back(big_endian(raw, 4 + 4 * static_cast<size_t>(i)));
-    expect *= static_cast<size_t>(dims.back());
-  }
-  if (raw.size() - header != expect)
-    throw ConfigError(fmt::format("{} is truncated: {} bytes of data, header says {}", path, raw.size() - header, expect));
-  return {raw.substr(header), dims};
-}
-
+// ---- data: examples/dataset/fashion_mnist_files.h ----
 struct Split {
   torch::Tensor x;  // N,1,28,28 float in [0,1] (like torchvision's ToTensor)
   torch::Tensor y;  // N int64
 };
 
 Split load_split(const std::string& dir, const std::string& prefix) {
-  auto [pixels, idims] = read_idx(dir + "/" + prefix + "-images-idx3-ubyte.gz", 3);
-  auto [labels, ldims] = read_idx(dir + "/" + prefix + "-labels-idx1-ubyte.gz", 1);
-  if (idims[0] != ldims[0])
-    throw ConfigError(fmt::format("{}/{}: {} images but {} labels", dir, prefix, idims[0], ldims[0]));
-  auto x = torch::from_blob(pixels.data(), {idims[0], 1, idims[1], idims[2]}, torch::kUInt8).to(torch::kFloat32).div_(255.0);
-  auto y = torch::from_blob(labels.data(), {ldims[0]}, torch::kUInt8).to(torch::kLong);
+  auto split = cohort::examples::read_fashion_mnist(dir, prefix);
+  auto x = torch::from_blob(split.pixels.data(), {split.count, 1, 28, 28}, torch::kUInt8).to(torch::kFloat32).div_(255.0);
+  auto y = torch::from_blob(split.labels.data(), {split.count}, torch::kUInt8).to(torch::kLong);
   return {x, y};
 }
 
@@ -135,7 +88,7 @@ struct Args {
   int64_t batch = 32;
   double lr = 0.01;
   int64_t epochs = 1;
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string data_dir = cohort::examples::kFashionMnistDir;
   uint64_t seed = 0;
   int64_t train_samples = 0;
   std::string checkpoint_dir;

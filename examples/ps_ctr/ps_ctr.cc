@@ -28,7 +28,6 @@
 // 4 s of training on a 2-core machine; bsp results are the same whatever the server count.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <chrono>
@@ -48,6 +47,7 @@
 #include "cohort/error.h"
 #include "cohort/ps.h"
 #include "store/memory_store.h"
+#include "dataset/fashion_mnist_files.h"
 
 namespace ps = cohort::ps;
 using cohort::ConfigError;
@@ -57,51 +57,7 @@ namespace {
 constexpr int kClasses = 10;
 constexpr int kPixels = 28 * 28;
 
-// ---- data: gzip idx files as shipped by Debian's dataset-fashion-mnist (as examples/fashion_mnist) ----
-std::string read_gzip(const std::string& path) {
-  if (!std::filesystem::exists(path))
-    throw ConfigError(fmt::format("cannot read {}: no such file (install dataset-fashion-mnist, or pass --data-dir)", path));
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (!f) throw ConfigError(fmt::format("cannot open {}", path));
-  std::string out;
-  char buf[1 << 16];
-  for (;;) {
-    int n = gzread(f, buf, sizeof buf);
-    if (n < 0) {
-      int err = 0;
-      std::string msg = gzerror(f, &err);
-      gzclose(f);
-      throw ConfigError(fmt::format("cannot read {}: {}", path, msg));
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  gzclose(f);
-  return out;
-}
-
-uint32_t big_endian(const std::string& b, size_t at) {
-  return (uint32_t(uint8_t(b[at])) << 24) | (uint32_t(uint8_t(b[at + 1])) << 16) | (uint32_t(uint8_t(b[at + 2])) << 8) |
-         uint32_t(uint8_t(b[at + 3]));
-}
-
-// The uint8 payload of an idx file with `ndim` dimensions, and its dimensions.
-std::pair<std::string, std::vector<size_t>> read_idx(const std::string& path, int ndim) {
-  std::string raw = read_gzip(path);
-  const size_t header = 4 + 4 * static_cast<size_t>(ndim);
-  if (raw.size() < header || big_endian(raw, 0) != (0x800u | static_cast<uint32_t>(ndim)))
-    throw ConfigError(fmt::format("{} is not an idx file of unsigned bytes with {} dimensions", path, ndim));
-  std::vector<size_t> dims;
-  size_t expect = 1;
-  for (int i = 0; i < ndim; ++i) {
-    dims.push_back(big_endian(raw, 4 + 4 * static_cast<size_t>(i)));
-    expect *= dims.back();
-  }
-  if (raw.size() - header != expect)
-    throw ConfigError(fmt::format("{} is truncated: {} bytes of data, header says {}", path, raw.size() - header, expect));
-  return {raw.substr(header), dims};
-}
-
+// ---- data: examples/dataset/fashion_mnist_files.h ----
 struct Split {
   std::string pixels;  // n * 784 intensities
   std::string labels;  // n labels 0..9
@@ -111,13 +67,8 @@ struct Split {
 };
 
 Split load_split(const std::string& dir, const std::string& prefix) {
-  auto [pixels, idims] = read_idx(dir + "/" + prefix + "-images-idx3-ubyte.gz", 3);
-  auto [labels, ldims] = read_idx(dir + "/" + prefix + "-labels-idx1-ubyte.gz", 1);
-  if (idims[0] != ldims[0])
-    throw ConfigError(fmt::format("{}/{}: {} images but {} labels", dir, prefix, idims[0], ldims[0]));
-  if (idims[1] * idims[2] != kPixels)
-    throw ConfigError(fmt::format("{}/{}: images are {}x{}, expected 28x28", dir, prefix, idims[1], idims[2]));
-  return {std::move(pixels), std::move(labels)};
+  auto split = cohort::examples::read_fashion_mnist(dir, prefix);
+  return {std::move(split.pixels), std::move(split.labels)};
 }
 
 // ---- features ----
@@ -262,7 +213,7 @@ struct Args {
   bool cumulative = false;
   std::string optimizer = "adagrad";
   std::string storage = "float32";
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string data_dir = cohort::examples::kFashionMnistDir;
   uint64_t seed = 0;
   size_t train_samples = 0;
   int log_every = 10;
