@@ -411,12 +411,15 @@ class ClientImpl final : public Client {
       const auto& qi = pull_by[size_t(s)];
       Buffer& payload = payloads[size_t(s)];
       payload = pool_.take(pi.size() * 8 + pi.size() * d * 4 + qi.size() * 8);
+      // (memcpy is skipped for empty parts: their pointers may be null, which memcpy may not get.)
       uint8_t* p = payload.data();
-      std::memcpy(p, pi.data(), pi.size() * 8);
-      p += pi.size() * 8;
-      std::memcpy(p, grads_by[size_t(s)].data(), pi.size() * d * 4);
-      p += pi.size() * d * 4;
-      std::memcpy(p, qi.data(), qi.size() * 8);
+      if (!pi.empty()) {
+        std::memcpy(p, pi.data(), pi.size() * 8);
+        p += pi.size() * 8;
+        std::memcpy(p, grads_by[size_t(s)].data(), pi.size() * d * 4);
+        p += pi.size() * d * 4;
+      }
+      if (!qi.empty()) std::memcpy(p, qi.data(), qi.size() * 8);
       if (payload.size() > max_request_ || qi.size() * d * 4 > max_request_)
         throw InvalidArgument(fmt::format("{} of '{}': {} ids make a request of {} bytes to server {}, more than "
                                           "the servers' limit of {} bytes (COHORT_PS_MAX_REQUEST); split the call",
