@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <functional>
@@ -203,12 +204,14 @@ class Server {
           const uint64_t* ids = at<uint64_t>(in.payload, 0);
           const float* grads = at<float>(in.payload, h.n * 8);
           check_ids(t, ids, h.n);
-          const uint64_t* pull_ids = at<uint64_t>(in.payload, push_bytes);
-          if (h.op == Op::kPushPull) check_ids(t, pull_ids, h.m);
+          // The pull ids follow dim * n floats: not 8-byte aligned for an odd dim, so copied out.
+          std::vector<uint64_t> pull_ids(h.op == Op::kPushPull ? h.m : 0);
+          if (!pull_ids.empty()) std::memcpy(pull_ids.data(), in.payload.data() + push_bytes, h.m * 8);
+          if (h.op == Op::kPushPull) check_ids(t, pull_ids.data(), h.m);
           push(w, t, h.clock, ids, h.n, grads);
           if (h.op == Op::kPush) return reply(w, in.seq);
           advance_clock(w, h.clock + 1);
-          return pull_or_defer(w, in.seq, t, h.clock + 1, pull_ids, h.m);
+          return pull_or_defer(w, in.seq, t, h.clock + 1, pull_ids.data(), h.m);
         }
         case Op::kClock:
           reply(w, in.seq);
