@@ -41,6 +41,7 @@
 
 #include "cohort/error.h"
 #include "cohort/ps.h"
+#include "ps/config_json.h"
 #include "cohort/types.h"
 
 namespace py = pybind11;
@@ -105,53 +106,10 @@ FloatArray rows_out(const py::object& out, size_t n, uint32_t dim) {
 }
 
 // ---- table configuration <-> Python ----
-cohort::DataType parse_storage(const std::string& s) {
-  auto t = cohort::parse_dtype(s);
-  if (!t || (*t != cohort::DataType::kFloat32 && *t != cohort::DataType::kFloat16 && *t != cohort::DataType::kBFloat16))
-    throw py::value_error("storage must be 'float32', 'float16' or 'bfloat16', not '" + s + "'");
-  return *t;
-}
-
-ps::Optimizer parse_optimizer(const std::string& s) {
-  if (s == "sgd") return ps::Optimizer::kSgd;
-  if (s == "adagrad") return ps::Optimizer::kAdagrad;
-  if (s == "adam") return ps::Optimizer::kAdam;
-  throw py::value_error("optimizer must be 'sgd', 'adagrad' or 'adam', not '" + s + "'");
-}
-
-ps::Initializer parse_init(const std::string& s) {
-  if (s == "zeros") return ps::Initializer::kZeros;
-  if (s == "constant") return ps::Initializer::kConstant;
-  if (s == "uniform") return ps::Initializer::kUniform;
-  throw py::value_error("init must be 'zeros', 'constant' or 'uniform', not '" + s + "'");
-}
-
-const char* optimizer_name(ps::Optimizer o) {
-  switch (o) {
-    case ps::Optimizer::kSgd: return "sgd";
-    case ps::Optimizer::kAdagrad: return "adagrad";
-    case ps::Optimizer::kAdam: return "adam";
-  }
-  return "?";
-}
-
-const char* init_name(ps::Initializer i) {
-  switch (i) {
-    case ps::Initializer::kZeros: return "zeros";
-    case ps::Initializer::kConstant: return "constant";
-    case ps::Initializer::kUniform: return "uniform";
-  }
-  return "?";
-}
-
-std::string storage_name(cohort::DataType t) {
-  switch (t) {
-    case cohort::DataType::kFloat16: return "float16";
-    case cohort::DataType::kBFloat16: return "bfloat16";
-    case cohort::DataType::kFloat32: return "float32";
-    default: return std::string(cohort::dtype_name(t));
-  }
-}
+// Names: one home, src/ps/config_json.h (InvalidArgument arrives in Python as a ValueError).
+using ps::init_name;
+using ps::optimizer_name;
+using ps::storage_name;
 
 // A float as Python should show it: 0.01, not 0.009999999776482582.
 double shortest(float f) { return std::stod(fmt::format("{}", f)); }
@@ -401,14 +359,14 @@ PYBIND11_MODULE(cohort_ps, m) {
             config.dim = dim;
             config.dense = dense;
             config.rows = rows;
-            config.storage = cohort_ps::parse_storage(storage);
-            config.optimizer = cohort_ps::parse_optimizer(optimizer);
+            config.storage = ps::storage_from_name(storage);
+            config.optimizer = ps::optimizer_from_name(optimizer);
             config.lr = lr;
             config.beta1 = beta1;
             config.beta2 = beta2;
             config.eps = eps;
             config.initial_accumulator = initial_accumulator;
-            config.init = cohort_ps::parse_init(init);
+            config.init = ps::init_from_name(init);
             config.init_a = init_a;
             config.init_b = init_b;
             config.seed = seed;

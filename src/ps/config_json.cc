@@ -8,7 +8,6 @@
 
 namespace cohort::ps {
 
-namespace {
 const char* optimizer_name(Optimizer o) {
   switch (o) {
     case Optimizer::kSgd: return "sgd";
@@ -33,7 +32,27 @@ const char* storage_name(DataType t) {
     default: return "?";
   }
 }
-}  // namespace
+
+Optimizer optimizer_from_name(const std::string& o) {
+  if (o == "sgd") return Optimizer::kSgd;
+  if (o == "adagrad") return Optimizer::kAdagrad;
+  if (o == "adam") return Optimizer::kAdam;
+  throw InvalidArgument(fmt::format("optimizer '{}': expected sgd, adagrad or adam", o));
+}
+
+Initializer init_from_name(const std::string& i) {
+  if (i == "zeros") return Initializer::kZeros;
+  if (i == "constant") return Initializer::kConstant;
+  if (i == "uniform") return Initializer::kUniform;
+  throw InvalidArgument(fmt::format("init '{}': expected zeros, constant or uniform", i));
+}
+
+DataType storage_from_name(const std::string& s) {
+  if (s == "float32") return DataType::kFloat32;
+  if (s == "float16") return DataType::kFloat16;
+  if (s == "bfloat16") return DataType::kBFloat16;
+  throw InvalidArgument(fmt::format("storage '{}': expected float32, float16 or bfloat16", s));
+}
 
 nlohmann::json config_to_json(const TableConfig& c) {
   return nlohmann::json{{"dim", c.dim},
@@ -57,25 +76,14 @@ TableConfig config_from_json(const nlohmann::json& j) {
   c.dim = j.at("dim").get<uint32_t>();
   c.dense = j.at("dense").get<bool>();
   c.rows = j.at("rows").get<uint64_t>();
-  std::string s = j.at("storage").get<std::string>();
-  c.storage = s == "float16" ? DataType::kFloat16 : s == "bfloat16" ? DataType::kBFloat16 : DataType::kFloat32;
-  if (s != "float32" && s != "float16" && s != "bfloat16")
-    throw InvalidArgument(fmt::format("storage '{}': expected float32, float16 or bfloat16", s));
-  std::string o = j.at("optimizer").get<std::string>();
-  if (o == "sgd") c.optimizer = Optimizer::kSgd;
-  else if (o == "adagrad") c.optimizer = Optimizer::kAdagrad;
-  else if (o == "adam") c.optimizer = Optimizer::kAdam;
-  else throw InvalidArgument(fmt::format("optimizer '{}': expected sgd, adagrad or adam", o));
+  c.storage = storage_from_name(j.at("storage").get<std::string>());
+  c.optimizer = optimizer_from_name(j.at("optimizer").get<std::string>());
   c.lr = j.at("lr").get<float>();
   c.beta1 = j.at("beta1").get<float>();
   c.beta2 = j.at("beta2").get<float>();
   c.eps = j.at("eps").get<float>();
   c.initial_accumulator = j.at("initial_accumulator").get<float>();
-  std::string i = j.at("init").get<std::string>();
-  if (i == "zeros") c.init = Initializer::kZeros;
-  else if (i == "constant") c.init = Initializer::kConstant;
-  else if (i == "uniform") c.init = Initializer::kUniform;
-  else throw InvalidArgument(fmt::format("init '{}': expected zeros, constant or uniform", i));
+  c.init = init_from_name(j.at("init").get<std::string>());
   c.init_a = j.at("init_a").get<float>();
   c.init_b = j.at("init_b").get<float>();
   c.seed = j.at("seed").get<uint64_t>();

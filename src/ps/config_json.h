@@ -9,6 +9,14 @@
 
 namespace cohort::ps {
 
+// The names used in JSON, in the Python module and in messages; *_from_name throws InvalidArgument.
+const char* optimizer_name(Optimizer o);
+const char* init_name(Initializer i);
+const char* storage_name(DataType t);
+Optimizer optimizer_from_name(const std::string& name);
+Initializer init_from_name(const std::string& name);
+DataType storage_from_name(const std::string& name);
+
 nlohmann::json config_to_json(const TableConfig& c);
 TableConfig config_from_json(const nlohmann::json& j);  // throws nlohmann::json::exception
 // Throws InvalidArgument naming the first bad field.
