@@ -11,12 +11,27 @@ build_dir=${COHORT_BUILD_DIR:-build}
 cd "$build_dir"
 # Two cores: run two tests at a time; every test has its own timeout.
 rc=0
+rm -f Testing/Temporary/LastTestsFailed.log
 ctest --output-on-failure -j 2 "$@" || rc=$?
+ordinary_rc=$rc
 # GPU tests skip themselves without a GPU: say which, and why.
 cd - >/dev/null
 scripts/skipped_tests.sh "$build_dir"
 # The same code under ASan + UBSan and TSan (the whole suite only: a filtered run is a quick look).
 if [[ $# -eq 0 && ${COHORT_SANITIZERS:-1} != 0 ]]; then
   scripts/sanitize.sh || rc=1
+fi
+# The ordinary suite's failures again, last: its own report scrolled away under the sanitizer stages,
+# and a CI log is often read from its tail.
+failed_log=$build_dir/Testing/Temporary/LastTestsFailed.log
+if [[ $ordinary_rc != 0 && -s $failed_log ]]; then
+  echo "the ordinary suite's failed tests (ctest number:name; details above, and in $build_dir/Testing/Temporary/LastTest.log):"
+  sed 's/^/  /' "$failed_log"
+  # The last lines each failed test printed.
+  while IFS=: read -r _ name; do
+    echo "--- last lines of $name:"
+    awk -v t="$name" '$0 ~ /^[0-9]+\/[0-9]+ Test: / { on = ($3 == t) } on' "$build_dir/Testing/Temporary/LastTest.log" |
+      sed -n '/^Output:/,/^<end of output>/p' | tail -n 25
+  done <"$failed_log"
 fi
 exit $rc
