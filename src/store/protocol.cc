@@ -24,7 +24,7 @@ void store_u32(char* p, uint32_t v) {
 
 bool is_request(Op op) {
   auto v = static_cast<uint8_t>(op);
-  return v >= static_cast<uint8_t>(Op::kSet) && v <= static_cast<uint8_t>(Op::kWait);
+  return v >= static_cast<uint8_t>(Op::kSet) && v <= static_cast<uint8_t>(Op::kLease);
 }
 
 const char* op_name(Op op) {
@@ -43,6 +43,7 @@ const char* op_name(Op op) {
     case Op::kMultiGet: return "multi_get";
     case Op::kMultiSet: return "multi_set";
     case Op::kWait: return "wait";
+    case Op::kLease: return "lease";
     case Op::kOk: return "ok";
     case Op::kTimedOut: return "timed_out";
     case Op::kError: return "error";
@@ -202,6 +203,9 @@ bool parse_request(const FrameView& frame, Request* out, std::string* error) {
       for (uint32_t i = 0; i < n && r.ok(); ++i) out->keys.push_back(r.bytes());
       break;
     }
+    case Op::kLease:
+      out->timeout_ms = r.u32();
+      [[fallthrough]];
     case Op::kMultiSet: {
       uint32_t n = r.count(8);
       out->keys.reserve(n);
@@ -298,6 +302,14 @@ void encode_multi_set(std::string& out, uint32_t id, const std::vector<std::stri
                       const std::vector<std::string>& values) {
   Writer w(out);
   w.begin(Op::kMultiSet, id).u32(static_cast<uint32_t>(keys.size()));
+  for (size_t i = 0; i < keys.size(); ++i) w.bytes(keys[i]).bytes(values[i]);
+  w.end();
+}
+
+void encode_lease(std::string& out, uint32_t id, uint32_t lease_ms, const std::vector<std::string>& keys,
+                  const std::vector<std::string>& values) {
+  Writer w(out);
+  w.begin(Op::kLease, id).u32(lease_ms).u32(static_cast<uint32_t>(keys.size()));
   for (size_t i = 0; i < keys.size(); ++i) w.bytes(keys[i]).bytes(values[i]);
   w.end();
 }

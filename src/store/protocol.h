@@ -45,6 +45,11 @@ enum class Op : uint8_t {
   kMultiGet = 23,    // timeout_ms u32, keys            -> Ok(values) | TimedOut
   kMultiSet = 24,    // count u32, (key, value)*        -> Ok()
   kWait = 25,        // timeout_ms u32, keys            -> Ok() | TimedOut
+  // The connection's lease (docs/store.md, "Leases"): replaces its wills and its silence limit.
+  // When the connection ends (closed, reset, or silent for longer than lease_ms when that is not
+  // 0), the server sets each will's key that does not exist by then. An empty list is an orderly
+  // release.
+  kLease = 26,       // lease_ms u32, count u32, (key, value)*  -> Ok()
   // Replies (server -> client), carrying the request's id.
   kOk = 64,        // op-specific payload above
   kTimedOut = 65,  // waited_ms u32, missing keys
@@ -117,7 +122,7 @@ class Writer {
 struct Request {
   Op op = Op::kOk;
   uint32_t id = 0;
-  uint32_t timeout_ms = 0;
+  uint32_t timeout_ms = 0;  // get, multi_get, wait; lease: the lease's silence limit
   int64_t delta = 0;
   std::string_view key, value, expected;
   std::vector<std::string_view> keys, values;
@@ -156,6 +161,8 @@ void encode_keys(std::string& out, Op op, uint32_t id, const std::vector<std::st
                  uint32_t timeout_ms);  // check (timeout ignored), multi_get, wait
 void encode_multi_set(std::string& out, uint32_t id, const std::vector<std::string>& keys,
                       const std::vector<std::string>& values);
+void encode_lease(std::string& out, uint32_t id, uint32_t lease_ms, const std::vector<std::string>& keys,
+                  const std::vector<std::string>& values);
 // A reply whose payload is one string (kRefused, kError, kClosing, or Ok(value)).
 void encode_string_reply(std::string& out, Op op, uint32_t id, std::string_view text);
 

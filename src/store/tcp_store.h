@@ -4,8 +4,11 @@
 // communicator bootstrap, tools); docs/store.md describes the wire protocol.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cohort/store.h"
 
@@ -48,6 +51,25 @@ struct StoreClientOptions {
 // up yet is normal) and authenticates. Throws AuthError when refused, TimeoutError/PeerLostError
 // naming "store at host:port unreachable".
 std::shared_ptr<Store> connect_tcp_store(const StoreClientOptions& options);
+
+// A store connection whose end the store announces (docs/store.md, "Leases"). Its holder names
+// wills: keys the server sets, unless they exist by then, when the connection ends (closed, reset,
+// or silent for longer than the lease). A thread sends a small request every lease / 4, so only a
+// dead or frozen process, a dead host or a cut link lets the lease run out; `on_lost` is called once
+// (on that thread) when this side sees the connection fail. The launcher's elastic agents hold one
+// each, so that the others learn within the lease that an agent is gone.
+class StoreLease {
+ public:
+  // Connects with `options` (address, token, connect deadline). Throws like connect_tcp_store.
+  static std::unique_ptr<StoreLease> open(const StoreClientOptions& options, Millis lease,
+                                          std::function<void(const std::string&)> on_lost = {});
+  // An orderly release: the wills are dropped first, so they do not fire.
+  virtual ~StoreLease() = default;
+  // Replaces the wills (full keys: no prefix applies). Throws when the store cannot be reached.
+  virtual void set_wills(const std::vector<std::pair<std::string, std::string>>& wills) = 0;
+  // "" while the lease holds; otherwise why it was lost.
+  virtual std::string lost() const = 0;
+};
 
 // Connects to "host:port" with the job token from COHORT_JOB_TOKEN (if set) and `timeout`.
 std::shared_ptr<Store> connect_tcp_store(const std::string& address, Millis timeout);

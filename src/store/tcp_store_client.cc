@@ -6,7 +6,9 @@
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -140,6 +142,14 @@ class TcpStore : public Store {
     uint32_t id = begin();
     proto::encode_multi_set(out_, id, keys, values);
     expect_ok(call(id, Deadline::after(timeout()), "multi_set"), "multi_set", timeout());
+  }
+
+  // The connection's lease (proto::Op::kLease): wills and silence limit, replacing earlier ones.
+  void lease(Millis limit, const std::vector<std::string>& keys, const std::vector<std::string>& values) {
+    std::lock_guard<std::mutex> g(mutex_);
+    uint32_t id = begin();
+    proto::encode_lease(out_, id, proto::clamp_timeout_ms(limit.count()), keys, values);
+    expect_ok(call(id, Deadline::after(timeout()), "lease"), "lease", timeout());
   }
 
   // Same keys and messages as Store::barrier, but set + add + wait travel in one write, and the
@@ -447,7 +457,98 @@ class TcpStore : public Store {
   std::map<uint32_t, Reply> early_;
 };
 
+// StoreLease: one TcpStore connection with a lease, and a thread that keeps it alive.
+class TcpStoreLease : public StoreLease {
+ public:
+  TcpStoreLease(const StoreClientOptions& options, Millis limit, std::function<void(const std::string&)> on_lost)
+      : store_(std::make_shared<TcpStore>(options)), limit_(limit), on_lost_(std::move(on_lost)) {
+    // Each heartbeat must come back well inside the lease, or the lease is as good as lost.
+    store_->set_timeout(std::max(Millis(1), limit_ / 2));
+    store_->lease(limit_, {}, {});
+    thread_ = std::thread([this] { keep_alive(); });
+  }
+
+  ~TcpStoreLease() override {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    // An orderly release: the wills are dropped, so ending this connection announces nothing.
+    if (lost_.empty()) {
+      try {
+        store_->lease(Millis(0), {}, {});
+      } catch (const Error&) {
+      }
+    }
+  }
+
+  void set_wills(const std::vector<std::pair<std::string, std::string>>& wills) override {
+    std::vector<std::string> keys, values;
+    for (const auto& [k, v] : wills) keys.push_back(k), values.push_back(v);
+    try {
+      store_->lease(limit_, keys, values);
+    } catch (const Error& e) {
+      mark_lost(e.what());
+      throw;
+    }
+  }
+
+  std::string lost() const override {
+    std::lock_guard<std::mutex> g(m_);
+    return lost_;
+  }
+
+ private:
+  void keep_alive() {
+    const Millis period = std::max(Millis(1), limit_ / 4);
+    std::unique_lock<std::mutex> lk(m_);
+    while (!stop_ && lost_.empty()) {
+      cv_.wait_for(lk, period, [&] { return stop_; });
+      if (stop_) break;
+      lk.unlock();
+      try {
+        store_->check({});  // any request renews the lease
+      } catch (const Error& e) {
+        lk.lock();
+        if (!stop_) {
+          lk.unlock();
+          mark_lost(e.what());
+          lk.lock();
+        }
+        break;
+      }
+      lk.lock();
+    }
+  }
+
+  void mark_lost(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      if (!lost_.empty()) return;
+      lost_ = why;
+    }
+    if (on_lost_) on_lost_(why);
+  }
+
+  std::shared_ptr<TcpStore> store_;
+  Millis limit_;
+  std::function<void(const std::string&)> on_lost_;
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::string lost_;
+  std::thread thread_;
+};
+
 }  // namespace
+
+std::unique_ptr<StoreLease> StoreLease::open(const StoreClientOptions& options, Millis lease,
+                                             std::function<void(const std::string&)> on_lost) {
+  if (lease.count() <= 0) throw InvalidArgument("store lease: the silence limit must be positive");
+  return std::make_unique<TcpStoreLease>(options, lease, std::move(on_lost));
+}
 
 std::shared_ptr<Store> connect_tcp_store(const StoreClientOptions& options) {
   return std::make_shared<TcpStore>(options);

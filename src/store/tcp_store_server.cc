@@ -6,6 +6,11 @@
 // a wait, get or multi_get for a missing key registers its id under each missing key (`waiting_`),
 // and creating a key wakes exactly the waiters filed under it. A barrier's release is one set
 // that wakes every participant. docs/store.md has the protocol.
+//
+// Leases: a connection may hold wills (keys to set when it ends) and a silence limit. Its end (EOF,
+// an error, or silence past the limit, which closes it) queues the wills, and the loop sets them once
+// the current event is handled: setting a key wakes waiters and may close other connections, which
+// must not happen under the feet of the code that is closing this one.
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -16,6 +21,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <queue>
 #include <thread>
 #include <unordered_map>
@@ -53,6 +59,10 @@ struct Conn {
   size_t out_sent = 0;
   Clock::time_point partial_since{};  // when an incomplete frame started waiting in `in`
   std::vector<uint64_t> waiters;       // ids of this connection's parked waits
+  // Its lease (kLease): wills set when it ends, and the silence that ends it (0: none).
+  std::vector<std::pair<std::string, std::string>> wills;
+  std::chrono::milliseconds lease{0};
+  Clock::time_point last_frame{};
 };
 
 struct Waiter {
@@ -65,7 +75,7 @@ struct Waiter {
   Clock::time_point deadline{};
 };
 
-enum class TimerKind : uint8_t { kHandshake, kPartialFrame, kWaiter, kRearmListen };
+enum class TimerKind : uint8_t { kHandshake, kPartialFrame, kWaiter, kRearmListen, kLease };
 
 struct Timer {
   Clock::time_point at;
@@ -141,6 +151,7 @@ class TcpStoreServer : public StoreServer {
         if (ev & (EPOLLIN | EPOLLHUP | EPOLLERR)) on_readable(c);
       }
       run_timers();
+      fire_wills();
     }
     shutdown_all();
   }
@@ -261,7 +272,13 @@ class TcpStoreServer : public StoreServer {
       off += r.consumed;
       if (!handle_frame(c, frame)) return false;
     }
-    if (off > 0) c.in.erase(0, off);
+    if (off > 0) {
+      c.in.erase(0, off);
+      if (c.lease.count() > 0) {
+        c.last_frame = Clock::now();
+        timers_.push({c.last_frame + c.lease, TimerKind::kLease, c.id});
+      }
+    }
     if (c.in.empty()) {
       c.partial_since = {};
     } else if (c.partial_since == Clock::time_point{}) {
@@ -409,6 +426,17 @@ class TcpStoreServer : public StoreServer {
         for (size_t i = 0; i < r.keys.size(); ++i) put(r.keys[i], r.values[i]);
         reply_ok(c, r.id);
         break;
+      case Op::kLease:
+        if (r.keys.size() != r.values.size()) {
+          proto::encode_string_reply(c.out, Op::kError, r.id, "store lease: keys and values differ in number");
+          break;
+        }
+        c.wills.clear();
+        for (size_t i = 0; i < r.keys.size(); ++i) c.wills.emplace_back(r.keys[i], r.values[i]);
+        c.lease = std::chrono::milliseconds(r.timeout_ms);
+        // process_frames arms the silence timer from this frame on.
+        reply_ok(c, r.id);
+        break;
       default:
         break;  // parse_request admits requests only
     }
@@ -526,6 +554,11 @@ class TcpStoreServer : public StoreServer {
         return !waiters_.count(t.id);
       case TimerKind::kRearmListen:
         return false;
+      case TimerKind::kLease: {
+        // Stale when a later frame armed a later timer (or the lease was dropped).
+        auto it = conns_.find(t.id);
+        return it == conns_.end() || it->second->lease.count() == 0 || it->second->last_frame + it->second->lease > t.at;
+      }
     }
     return true;
   }
@@ -572,7 +605,26 @@ class TcpStoreServer : public StoreServer {
         case TimerKind::kRearmListen:
           add_fd(listen_fd_.get(), kListenId, EPOLLIN);
           break;
+        case TimerKind::kLease: {
+          auto it = conns_.find(t.id);
+          close_conn(t.id,
+                     fmt::format("its lease ran out: no request for {} ms (the holder is frozen or cut off)",
+                                 it->second->lease.count()),
+                     log::Level::kInfo, true);
+          break;
+        }
       }
+    }
+  }
+
+  // Sets the wills of connections that ended (see the file comment: never inside close_conn).
+  void fire_wills() {
+    while (!pending_wills_.empty()) {
+      auto [key, value] = std::move(pending_wills_.front());
+      pending_wills_.pop_front();
+      key_scratch_.assign(key);
+      if (data_.count(key_scratch_)) continue;  // a will never overwrites what was set explicitly
+      put(key, value);
     }
   }
 
@@ -623,6 +675,7 @@ class TcpStoreServer : public StoreServer {
       (void)ignored;
     }
     for (uint64_t wid : c.waiters) waiters_.erase(wid);
+    for (auto& will : c.wills) pending_wills_.push_back(std::move(will));
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
     conns_.erase(it);
   }
@@ -658,6 +711,7 @@ class TcpStoreServer : public StoreServer {
   std::unordered_map<std::string, std::vector<uint64_t>> waiting_;  // missing key -> waiter ids
   std::unordered_map<uint64_t, std::unique_ptr<Waiter>> waiters_;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
+  std::deque<std::pair<std::string, std::string>> pending_wills_;  // of connections that ended
   uint64_t processing_ = 0;   // connection whose frames are being handled (0: none)
   char scratch_[kReadChunk];  // receive buffer shared by all connections
   proto::Request request_;    // reused: keeps its vectors' capacity

@@ -16,6 +16,7 @@ TEST(StoreProtocol, EncodedRequestsDecodeBack) {
   proto::encode_keys(buf, Op::kWait, 8, {"a", "bb", ""}, 1234);
   proto::encode_multi_set(buf, 9, {"x", "y"}, {"1", "2"});
   proto::encode_add(buf, 10, "n", -5);
+  proto::encode_lease(buf, 11, 2000, {"gone/a"}, {"lost a"});
 
   proto::FrameView f;
   proto::Request r;
@@ -49,6 +50,15 @@ TEST(StoreProtocol, EncodedRequestsDecodeBack) {
   d = proto::decode_frame(buf.data() + off, buf.size() - off, proto::kDefaultMaxFrame, &f);
   ASSERT_TRUE(proto::parse_request(f, &r, &err)) << err;
   EXPECT_EQ(r.delta, -5);
+  off += d.consumed;
+
+  d = proto::decode_frame(buf.data() + off, buf.size() - off, proto::kDefaultMaxFrame, &f);
+  ASSERT_TRUE(proto::parse_request(f, &r, &err)) << err;
+  EXPECT_EQ(r.op, Op::kLease);
+  EXPECT_EQ(r.timeout_ms, 2000u);
+  ASSERT_EQ(r.keys.size(), 1u);
+  EXPECT_EQ(r.keys[0], "gone/a");
+  EXPECT_EQ(r.values[0], "lost a");
   EXPECT_EQ(off + d.consumed, buf.size());
 }
 

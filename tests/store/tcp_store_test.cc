@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "cohort/error.h"
@@ -397,6 +399,100 @@ TEST(TcpStoreMalformed, ClientVanishingWhileWaitingDoesNotDisturbOthers) {
   auto s = connect(*server);
   s->set("gone", "1");  // wakes nobody alive; must not touch the closed connection
   EXPECT_EQ(s->get("gone"), "1");
+}
+
+// ---- leases: wills set when a connection ends -----------------------------------------------
+
+std::string lease_frame(uint32_t lease_ms, const std::vector<std::string>& keys, const std::vector<std::string>& values) {
+  std::string out = hello_frame();
+  proto::encode_lease(out, 1, lease_ms, keys, values);
+  return out;
+}
+
+TEST(TcpStoreLease, AConnectionThatEndsWithoutReleaseSetsItsWills) {
+  auto server = start_server();
+  auto s = connect(*server);
+  {
+    Raw raw(*server);
+    raw.send(lease_frame(0, {"gone/a", "end"}, {"agent a", "lost agent a"}));
+    std::this_thread::sleep_for(50ms);
+    EXPECT_FALSE(s->check({"gone/a"}));  // nothing while it is connected
+  }  // closed without a release (a killed process looks the same to the server)
+  auto start = Clock::now();
+  s->wait({"gone/a", "end"}, 3s);
+  EXPECT_LT(seconds_since(start), 1.0);
+  EXPECT_EQ(s->get("gone/a"), "agent a");
+  EXPECT_EQ(s->get("end"), "lost agent a");
+}
+
+TEST(TcpStoreLease, AWillNeverOverwritesAKeySetBefore) {
+  auto server = start_server();
+  auto s = connect(*server);
+  {
+    Raw raw(*server);
+    raw.send(lease_frame(0, {"end", "gone/b"}, {"lost agent b", "b"}));
+    std::this_thread::sleep_for(50ms);
+    s->set("end", "failure of rank 3");
+  }
+  s->wait({"gone/b"}, 3s);
+  EXPECT_EQ(s->get("end"), "failure of rank 3");
+}
+
+TEST(TcpStoreLease, ASilentHolderLosesItsLeaseAndItsWillsFire) {
+  auto server = start_server();
+  auto s = connect(*server);
+  Raw raw(*server);
+  auto start = Clock::now();
+  raw.send(lease_frame(300, {"gone/c"}, {"c"}));
+  s->wait({"gone/c"}, 5s);  // no request for 300 ms: a frozen holder or a cut link
+  double took = seconds_since(start);
+  EXPECT_GE(took, 0.25);
+  EXPECT_LT(took, 2.0);
+  std::string got = raw.until_closed(2s);
+  ASSERT_NE(got, "<open>");
+  EXPECT_NE(got.find("lease ran out"), std::string::npos);
+}
+
+TEST(TcpStoreLease, AHeldLeaseStaysAndAReleasedOneAnnouncesNothing) {
+  auto server = start_server();
+  auto s = connect(*server);
+  StoreClientOptions o;
+  o.host = "127.0.0.1";
+  o.port = server->port();
+  o.timeout = 5s;
+  std::atomic<int> lost_calls{0};
+  {
+    auto lease = StoreLease::open(o, Millis(200), [&](const std::string&) { ++lost_calls; });
+    lease->set_wills({{"gone/d", "d"}});
+    // Several lease periods: the lease's own thread keeps it alive.
+    EXPECT_THROW(s->wait({"gone/d"}, Millis(900)), TimeoutError);
+    EXPECT_EQ(lease->lost(), "");
+  }  // released
+  EXPECT_THROW(s->wait({"gone/d"}, Millis(500)), TimeoutError);
+  EXPECT_EQ(lost_calls.load(), 0);
+}
+
+TEST(TcpStoreLease, TheHolderHearsWhenTheStoreGoes) {
+  auto server = start_server();
+  StoreClientOptions o;
+  o.host = "127.0.0.1";
+  o.port = server->port();
+  o.timeout = 5s;
+  std::mutex m;
+  std::condition_variable cv;
+  std::string why;
+  auto lease = StoreLease::open(o, Millis(200), [&](const std::string& w) {
+    std::lock_guard<std::mutex> g(m);
+    why = w;
+    cv.notify_all();
+  });
+  auto start = Clock::now();
+  server->stop();
+  std::unique_lock<std::mutex> lk(m);
+  ASSERT_TRUE(cv.wait_for(lk, 3s, [&] { return !why.empty(); }));
+  EXPECT_LT(seconds_since(start), 1.0);
+  EXPECT_NE(why.find("store at 127.0.0.1"), std::string::npos) << why;
+  EXPECT_EQ(lease->lost(), why);
 }
 
 // ---- the command-line tools ------------------------------------------------------------------
