@@ -1,0 +1,115 @@
+#pragma once
+// Elastic membership (`cohort run --nnodes MIN:MAX`, docs/launcher.md "Elastic jobs"): the agents of a
+// job meet in numbered generations through the job's store, and each generation's workers run with
+// ranks numbered densely over that generation's nodes.
+//
+// The protocol, all under the job's launch prefix (cohort/launch/<job id>/):
+//   rdzv/config                   "MIN:MAX" of the first agent; an agent with other bounds is refused
+//   rdzv/current                  the newest closed generation
+//   rdzv/gen/<g>/count            arrivals in round g (add)
+//   rdzv/gen/<g>/agent/<i>        the i-th arrival's AgentInfo (JSON)
+//   rdzv/gen/<g>/closed           generation g's membership (JSON), written once (compare_set: the
+//                                 first closer wins, everyone reads the winner's)
+//   rdzv/gone/<agent id>          a will of the agent's store lease: set when the agent is gone
+//                                 (killed, frozen or cut off longer than the lease)
+//   attempt/<g>/end               how generation g ended (job_end.cc); a round waits for it
+// A round closes when MAX live agents joined, or when at least MIN did and either every live member
+// of the previous generation is back or the last call (--rdzv-last-call) has passed since MIN were
+// there. It never closes while the previous generation still runs: a newcomer first ends that
+// generation (`end_generation`), when there is room for it. Below MIN the round fails after the
+// rendezvous timeout, naming who joined and who did not come back.
+//
+// Node order: the previous generation's members keep their relative order, newcomers follow in order
+// of arrival, so rank 0 stays on the same host for as long as that host stays.
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cohort/error.h"
+#include "cohort/store.h"
+
+namespace cohort::launch {
+
+struct AgentInfo {
+  std::string id;    // unique per agent process (host, pid and random bits)
+  std::string host;  // for messages, output tags and MASTER_ADDR
+  int nproc = 1;     // workers it runs
+};
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(AgentInfo, id, host, nproc)
+
+struct Membership {
+  int generation = 0;
+  std::vector<AgentInfo> nodes;  // node rank = index
+  int this_node = -1;            // this agent's node rank (-1: not a member)
+  int world_size() const;
+  int first_rank(int node) const;
+  // "h0, h1, h3"
+  std::string hosts() const;
+};
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Membership, generation, nodes)
+
+struct RendezvousSettings {
+  int min_nodes = 1;
+  int max_nodes = 1;
+  double timeout_s = 300;   // below MIN: how long a round waits before it fails
+  double last_call_s = 5;   // after MIN joined: how long to wait for more (unless all expected are back)
+  Millis slice{100};        // how often a waiting agent looks at the round again
+};
+
+// An agent the job does not admit: it was dropped (its lease ended: the job went on without it), or
+// it was started with other --nnodes bounds than the job's.
+class RendezvousRefused : public Error {
+ public:
+  using Error::Error;
+};
+
+// Key names (relative to the job's launch prefix).
+std::string gone_key(const std::string& agent_id);
+std::string attempt_end_key(int generation);
+
+class Rendezvous {
+ public:
+  // `store`: the job's launch prefix. `end_generation(g, why)` ends the running generation g so that a
+  // newcomer can be admitted (the job writes g's end record); it is called at most once per round.
+  Rendezvous(std::shared_ptr<Store> store, AgentInfo self, RendezvousSettings settings,
+             std::function<void(int generation, const std::string& why)> end_generation);
+
+  // Refuses an agent with other bounds than the job's, or one that was dropped. Throws
+  // RendezvousRefused.
+  void check_admission();
+  // The round a fresh agent joins: one past the newest closed generation (0 for the first agent).
+  int first_open_generation();
+  // Joins round `gen` and blocks until this agent is a member of a closed generation (a late agent,
+  // or one beyond MAX, moves on to later rounds) or `stop` is set (nullopt). Throws TimeoutError
+  // below MIN after the timeout, RendezvousRefused for a dropped agent, store errors as they come.
+  std::optional<Membership> join(int gen, const std::atomic<bool>& stop);
+  // The first member of `m` (other than this agent) whose lease ended, described; nullopt if none.
+  std::optional<std::string> gone_member(const Membership& m);
+
+  // Where "generation 3: 2 of 2..4 nodes here (h0, h1); waiting for h2" lines go (every 3 s of waiting).
+  void on_progress(std::function<void(const std::string&)> f) { on_progress_ = std::move(f); }
+
+  const AgentInfo& self() const { return self_; }
+  const RendezvousSettings& settings() const { return settings_; }
+
+ private:
+  struct Round;
+  std::optional<Membership> closed(int gen);
+  bool is_gone(const std::string& id);
+  bool generation_ended(int gen);
+  // Looks at round `r` once; closes it when the rule says so. Throws TimeoutError below MIN.
+  void evaluate(Round& r);
+
+  std::shared_ptr<Store> store_;
+  AgentInfo self_;
+  RendezvousSettings settings_;
+  std::function<void(int, const std::string&)> end_generation_;
+  std::function<void(const std::string&)> on_progress_;
+};
+
+}  // namespace cohort::launch

@@ -1,0 +1,222 @@
+// Elastic membership (launch/rendezvous.h): agents as threads meeting in rounds through a real TCP
+// store. A gone agent is what its lease's will writes (the store's lease tests cover the will itself).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+
+#include "cohort/error.h"
+#include "launch/rendezvous.h"
+#include "store/tcp_store.h"
+#include "support/test_support.h"
+
+namespace cohort::launch {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+struct Cluster {
+  std::unique_ptr<StoreServer> server;
+  Cluster() {
+    StoreServerOptions o;
+    o.host = "127.0.0.1";
+    server = StoreServer::start(o);
+  }
+  std::shared_ptr<Store> client() const {
+    StoreClientOptions o;
+    o.host = "127.0.0.1";
+    o.port = server->port();
+    o.timeout = 5s;
+    return make_prefix_store(connect_tcp_store(o), "cohort/launch/job");
+  }
+};
+
+AgentInfo agent(const std::string& name, int nproc = 2) { return AgentInfo{"id-" + name, name, nproc}; }
+
+RendezvousSettings bounds(int min, int max, double timeout_s = 10, double last_call_s = 10) {
+  RendezvousSettings s;
+  s.min_nodes = min;
+  s.max_nodes = max;
+  s.timeout_s = timeout_s;
+  s.last_call_s = last_call_s;
+  s.slice = Millis(20);
+  return s;
+}
+
+std::vector<std::string> hosts_of(const Membership& m) {
+  std::vector<std::string> h;
+  for (const auto& a : m.nodes) h.push_back(a.host);
+  return h;
+}
+
+// Every agent of `names` joins generation `gen` on a thread of its own; their memberships by name.
+std::map<std::string, Membership> join_all(const Cluster& c, const std::vector<std::string>& names, int gen,
+                                           RendezvousSettings s,
+                                           std::function<void(int, const std::string&)> end_generation = {}) {
+  std::map<std::string, Membership> out;
+  std::mutex m;
+  std::atomic<bool> stop{false};
+  test::run_ranks(static_cast<int>(names.size()), [&](int i) {
+    Rendezvous r(c.client(), agent(names[static_cast<size_t>(i)]), s, end_generation);
+    auto got = r.join(gen, stop);
+    ASSERT_TRUE(got.has_value());
+    std::lock_guard<std::mutex> g(m);
+    out[names[static_cast<size_t>(i)]] = *got;
+  });
+  return out;
+}
+
+void end(const Cluster& c, int gen) { c.client()->set(attempt_end_key(gen), "{\"kind\":\"failure\"}"); }
+void drop(const Cluster& c, const std::string& name) { c.client()->set(gone_key("id-" + name), name); }
+
+TEST(Rendezvous, MaxAgentsCloseTheFirstRoundAtOnceWithDenseRanks) {
+  Cluster c;
+  auto start = Clock::now();
+  auto got = join_all(c, {"h0", "h1", "h2", "h3"}, 0, bounds(2, 4));
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0);  // not the 10 s last call
+  const Membership& m = got["h0"];
+  ASSERT_EQ(m.nodes.size(), 4u);
+  EXPECT_EQ(m.world_size(), 8);
+  std::set<int> nodes;
+  for (const auto& [name, mine] : got) {
+    EXPECT_EQ(hosts_of(mine), hosts_of(m)) << "every agent sees the same membership";
+    EXPECT_EQ(mine.nodes[static_cast<size_t>(mine.this_node)].host, name);
+    EXPECT_EQ(mine.first_rank(mine.this_node), 2 * mine.this_node);
+    nodes.insert(mine.this_node);
+  }
+  EXPECT_EQ(nodes, (std::set<int>{0, 1, 2, 3}));
+}
+
+TEST(Rendezvous, BelowMaxTheFirstRoundClosesAfterTheLastCall) {
+  Cluster c;
+  auto start = Clock::now();
+  auto got = join_all(c, {"h0", "h1"}, 0, bounds(2, 4, 10, 0.3));
+  double took = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_GE(took, 0.3);
+  EXPECT_LT(took, 5.0);
+  EXPECT_EQ(got["h0"].nodes.size(), 2u);
+}
+
+TEST(Rendezvous, SurvivorsOfALossCloseAtOnceInTheirOldOrder) {
+  Cluster c;
+  auto first = join_all(c, {"h0", "h1", "h2", "h3"}, 0, bounds(2, 4));
+  const auto order = hosts_of(first["h0"]);
+  drop(c, order[1]);  // its agent's lease ended
+  end(c, 0);
+  auto start = Clock::now();
+  auto next = join_all(c, {order[3], order[0], order[2]}, 1, bounds(2, 4));  // back in another order
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0);  // no last call after a generation
+  const Membership& m = next[order[0]];
+  EXPECT_EQ(m.generation, 1);
+  EXPECT_EQ(hosts_of(m), (std::vector<std::string>{order[0], order[2], order[3]}));
+  EXPECT_EQ(m.world_size(), 6);
+}
+
+TEST(Rendezvous, ANewcomerEndsTheRunningGenerationAndIsAdmittedToTheNext) {
+  Cluster c;
+  auto first = join_all(c, {"h0", "h1"}, 0, bounds(2, 3, 10, 0.1));
+  ASSERT_EQ(first["h0"].nodes.size(), 2u);
+  std::atomic<int> ended{-1};
+  std::string why;
+  std::thread newcomer([&] {
+    std::atomic<bool> stop{false};
+    Rendezvous r(c.client(), agent("h9"), bounds(2, 3, 10, 0.1), [&](int gen, const std::string& w) {
+      why = w;
+      ended = gen;
+      end(c, gen);  // what the job does: write generation gen's end record
+    });
+    EXPECT_EQ(r.first_open_generation(), 1);
+    auto m = r.join(r.first_open_generation(), stop);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->this_node, 2);
+  });
+  while (ended < 0) std::this_thread::sleep_for(5ms);  // the running members notice the end record...
+  EXPECT_EQ(ended.load(), 0);
+  EXPECT_NE(why.find("h9 joins the job"), std::string::npos) << why;
+  auto next = join_all(c, {"h1", "h0"}, 1, bounds(2, 3, 10, 0.1));  // ... and meet it at generation 1
+  newcomer.join();
+  EXPECT_EQ(hosts_of(next["h0"]), (std::vector<std::string>{first["h0"].nodes[0].host, first["h0"].nodes[1].host, "h9"}));
+}
+
+TEST(Rendezvous, BeyondMaxAnAgentWaitsForAPlaceAndSaysSoAtTheTimeout) {
+  Cluster c;
+  join_all(c, {"h0", "h1"}, 0, bounds(1, 2));
+  std::atomic<bool> stop{false};
+  bool asked = false;
+  Rendezvous r(c.client(), agent("h2"), bounds(1, 2, 0.4), [&](int, const std::string&) { asked = true; });
+  try {
+    r.join(r.first_open_generation(), stop);
+    FAIL() << "expected a timeout";
+  } catch (const TimeoutError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("runs generation 0 with 2 of at most 2 nodes"), std::string::npos) << m;
+    EXPECT_NE(m.find("waits for a place"), std::string::npos) << m;
+  }
+  EXPECT_FALSE(asked) << "a full generation is not ended for a newcomer";
+}
+
+TEST(Rendezvous, BelowMinTheRoundFailsAtTheTimeoutNamingWhoCameAndWhoIsGone) {
+  Cluster c;
+  auto first = join_all(c, {"h0", "h1", "h2"}, 0, bounds(3, 3));
+  drop(c, "h2");
+  end(c, 0);
+  auto start = Clock::now();
+  try {
+    join_all(c, {"h0", "h1"}, 1, bounds(3, 3, 0.5));
+    FAIL() << "expected a timeout";
+  } catch (const std::exception& e) {  // run_ranks passes the TimeoutError's text on, naming the rank
+    std::string m = e.what();
+    EXPECT_NE(m.find("generation 1: 2 of at least 3 nodes joined within 0.5 s"), std::string::npos) << m;
+    EXPECT_NE(m.find("gone since generation 0: h2"), std::string::npos) << m;
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 3.0);
+}
+
+TEST(Rendezvous, ADroppedAgentIsRefusedWithOneLine) {
+  Cluster c;
+  join_all(c, {"h0", "h1"}, 0, bounds(1, 2));
+  drop(c, "h1");
+  std::atomic<bool> stop{false};
+  Rendezvous r(c.client(), agent("h1"), bounds(1, 2), {});
+  try {
+    r.join(1, stop);
+    FAIL() << "expected a refusal";
+  } catch (const RendezvousRefused& e) {
+    EXPECT_NE(std::string(e.what()).find("the job dropped this agent (h1)"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Rendezvous, AnAgentWithOtherBoundsIsRefused) {
+  Cluster c;
+  std::atomic<bool> stop{false};
+  Rendezvous first(c.client(), agent("h0"), bounds(2, 4), {});
+  first.check_admission();
+  Rendezvous other(c.client(), agent("h1"), bounds(2, 5), {});
+  try {
+    other.join(0, stop);
+    FAIL() << "expected a refusal";
+  } catch (const RendezvousRefused& e) {
+    EXPECT_NE(std::string(e.what()).find("--nnodes 2:5 but the job's agents use --nnodes 2:4"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Rendezvous, AStopFlagEndsTheWaitAtOnce) {
+  Cluster c;
+  std::atomic<bool> stop{false};
+  Rendezvous r(c.client(), agent("h0"), bounds(2, 2), {});
+  std::thread t([&] {
+    std::this_thread::sleep_for(100ms);
+    stop = true;
+  });
+  auto start = Clock::now();
+  EXPECT_FALSE(r.join(0, stop).has_value());
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 2.0);
+  t.join();
+}
+
+}  // namespace
+}  // namespace cohort::launch
