@@ -13,6 +13,7 @@
 #include "cohort/error.h"
 #include "command.h"
 #include "common/env.h"
+#include "common/strings.h"
 #include "launch/job.h"
 #include "launch/plan.h"
 
@@ -32,6 +33,28 @@ std::string normalise(const std::string& arg) {
 
 double seconds_flag(const std::string& name, const std::string& value) { return env::parse_seconds(name, value); }
 
+// "host", "host:port", "[v6]:port" -> host and optional port.
+std::pair<std::string, std::optional<int>> split_endpoint(const std::string& text) {
+  std::string host = text;
+  std::string port;
+  if (!text.empty() && text.front() == '[') {
+    auto close = text.find(']');
+    if (close == std::string::npos) throw ConfigError(fmt::format("--rdzv-endpoint {}: missing ']'", text));
+    host = text.substr(1, close - 1);
+    if (close + 1 < text.size() && text[close + 1] == ':') port = text.substr(close + 2);
+  } else if (auto colon = text.rfind(':'); colon != std::string::npos && text.find(':') == colon) {
+    host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+  }
+  if (host.empty()) throw ConfigError(fmt::format("--rdzv-endpoint {}: expected HOST[:PORT]", text));
+  if (port.empty()) return {host, std::nullopt};
+  char* end = nullptr;
+  long v = std::strtol(port.c_str(), &end, 10);
+  if (*end != '\0' || v < 1 || v > 65535)
+    throw ConfigError(fmt::format("--rdzv-endpoint {}: expected a port between 1 and 65535", text));
+  return {host, static_cast<int>(v)};
+}
+
 std::string self_exe() {
   char buf[4096];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
@@ -45,12 +68,14 @@ int run_run(std::vector<std::string> args) {
   app.set_help_flag("-h,--help", "print this help (docs/launcher.md has the full reference)");
   std::string nproc, hosts_joined, join_timeout = "300", kill_grace = "5", ranks_to_console;
   std::vector<std::string> hosts;
-  int np = 0, nnodes = 0, node_rank = 0, master_port = 0;
+  int np = 0, node_rank = 0, master_port = 0;
+  std::string nnodes, rdzv_endpoint, rdzv_backend, rdzv_conf, rdzv_timeout;
   std::string master_addr, hostfile, run_id;
   bool tag = false, no_tag = false, no_abort = false, standalone = false;
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N or auto (GPUs, else CPU cores)");
   app.add_option("-n,--num-processes", np, "total number of workers (mpirun -n/-np)");
-  app.add_option("--nnodes", nnodes, "number of nodes; each runs this same command (torchrun)");
+  app.add_option("--nnodes", nnodes, "number of nodes, each running this same command (torchrun); MIN:MAX: an elastic "
+                 "job that survives lost nodes and admits new ones (docs/launcher.md, Elastic jobs)");
   app.add_option("--node-rank,--node_rank", node_rank, "this node's rank, 0..nnodes-1");
   app.add_option("--master-addr,--master_addr", master_addr, "address of node 0 (it hosts the job's store)");
   app.add_option("--master-port,--master_port", master_port, "port of the job's store (default: OS-chosen on one node, 29500 on several)");
@@ -60,6 +85,10 @@ int run_run(std::vector<std::string> args) {
   app.add_option("--ssh-command", o.ssh_command, "command that starts the agent on another host")->capture_default_str();
   app.add_option("-x", o.export_env, "forward VAR (or set VAR=value) for every worker; repeatable");
   app.add_option("--join-timeout", join_timeout, "seconds to wait for every node to join (default 300)");
+  app.add_option("--rdzv-timeout,--rdzv_timeout", rdzv_timeout, "elastic jobs: how long a generation waits for MIN nodes (the same setting as --join-timeout)");
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint, "HOST[:PORT] of the job's store (torchrun's name for --master-addr/--master-port)");
+  app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend, "c10d or static (torchrun's; cohort's own store serves both)");
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "torchrun's rendezvous settings: join_timeout=S,last_call_timeout=S");
   app.add_option("--kill-grace", kill_grace, "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
   app.add_flag("--tag-output", tag, "prefix each output line with [host:rank] (default with more than one worker)");
   app.add_flag("--no-tag-output", no_tag, "never prefix output lines");
@@ -109,7 +138,46 @@ int run_run(std::vector<std::string> args) {
   if (!nproc.empty()) o.nproc_per_node = nproc;
   if (app.count("--gpus-per-node")) o.gpus_per_node = gpus_per_node;
   if (app.count("-n")) o.np = np;
-  if (app.count("--nnodes")) o.nnodes = nnodes;
+  if (app.count("--nnodes")) {
+    // N, or MIN:MAX (torchrun's elastic form).
+    auto colon = nnodes.find(':');
+    auto number = [&](const std::string& text) {
+      char* end = nullptr;
+      long v = std::strtol(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0' || v < 1 || v > 100000)
+        throw ConfigError(fmt::format("--nnodes {}: expected a node count N or MIN:MAX (positive numbers)", nnodes));
+      return static_cast<int>(v);
+    };
+    if (colon == std::string::npos) {
+      o.nnodes = number(nnodes);
+    } else {
+      o.min_nodes = number(nnodes.substr(0, colon));
+      o.nnodes = number(nnodes.substr(colon + 1));
+    }
+  }
+  if (app.count("--rdzv-endpoint")) {
+    if (app.count("--master-addr") || app.count("--master-port"))
+      throw ConfigError("--rdzv-endpoint and --master-addr/--master-port both given; use one");
+    auto [host, port] = split_endpoint(rdzv_endpoint);
+    o.master_addr = host;
+    if (port) o.master_port = *port;
+  }
+  if (app.count("--rdzv-backend")) {
+    if (rdzv_backend != "c10d" && rdzv_backend != "static")
+      throw ConfigError(fmt::format("--rdzv-backend {}: cohort's own store is the rendezvous; expected c10d or static",
+                                    rdzv_backend));
+    o.rdzv_backend = rdzv_backend;
+  }
+  if (app.count("--rdzv-timeout")) join_timeout = rdzv_timeout;
+  for (const auto& item : str::split(rdzv_conf, ',')) {
+    if (item.empty()) continue;
+    auto eq = item.find('=');
+    std::string key = item.substr(0, eq), value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    if (key == "join_timeout" && !value.empty()) join_timeout = value;
+    else if (key == "last_call_timeout" && !value.empty()) o.rdzv_last_call_s = seconds_flag("--rdzv-conf last_call_timeout", value);
+    else
+      throw ConfigError(fmt::format("--rdzv-conf {}: expected join_timeout=SECONDS or last_call_timeout=SECONDS", item));
+  }
   if (standalone) {
     if (o.nnodes && *o.nnodes != 1) throw ConfigError("--standalone and --nnodes > 1 both given");
     o.nnodes = 1;

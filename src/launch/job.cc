@@ -106,10 +106,17 @@ void Job::on_signal(int sig) {
     killed_ = true;  // a second Ctrl-C: no more grace
     return;
   }
-  if (!end_)
-    publish_end(EndInfo{"interrupted", 128 + sig,
+  if (!end_) {
+    EndInfo interrupted{"interrupted", 128 + sig,
                         fmt::format("interrupted by {}{}", signal_name(sig),
-                                    plan_.nnodes > 1 ? fmt::format(" on node {}", plan_.this_node) : "")});
+                                    plan_.nnodes > 1 ? fmt::format(" on node {}", plan_.this_node) : "")};
+    if (plan_.elastic) {
+      leave_elastic_job(sig);  // this agent leaves; the job goes on without it
+      adopt_end(interrupted);
+    } else {
+      publish_end(interrupted);
+    }
+  }
   // The signal itself was the SIGTERM; SIGKILL follows after the grace.
   if (!stopping_) {
     stopping_ = true;
@@ -145,7 +152,18 @@ EndInfo Job::run_attempt(int attempt) {
   stop_inspector();
   workers_.clear();
   watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
-  if (distributed_) {
+  if (distributed_ && plan_.elastic) {
+    // The generation's round runs on the watcher thread; kJoined brings its membership.
+    attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
+    watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
+    joined_ = false;
+    RendezvousSettings settings;
+    settings.min_nodes = plan_.min_nodes;
+    settings.max_nodes = plan_.max_nodes;
+    settings.timeout_s = plan_.join_timeout_s;
+    settings.last_call_s = plan_.rdzv_last_call_s;
+    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_, settings, attempt).detach();
+  } else if (distributed_) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
     // Each attempt's watcher gets a connection of its own (the previous one may still be finishing
     // its last wait slice on the old one).
@@ -195,11 +213,33 @@ EndInfo Job::run_attempt(int attempt) {
         }
       } else if (fd == events_->fd()) {
         for (auto& ev : events_->take()) {
-          if (ev.attempt != attempt) continue;  // from an earlier attempt's watcher
+          if (ev.attempt != attempt && ev.attempt != kAnyAttempt) continue;  // from an earlier attempt's watcher
           switch (ev.kind) {
             case WatchEvent::kJoined:
+              if (end_) break;
+              if (plan_.elastic) {
+                try {
+                  apply_membership(nlohmann::json::parse(ev.text).get<Membership>());
+                } catch (const Error& e) {
+                  adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, e.what())});
+                  break;
+                }
+              }
               joined_ = true;
-              if (!end_) spawn_workers(attempt);
+              spawn_workers(plan_.elastic ? membership_->generation : attempt);
+              break;
+            case WatchEvent::kRefused:
+              adopt_end(EndInfo{"refused", 1, ev.text});
+              break;
+            case WatchEvent::kLeaseLost:
+              // The store ended this agent's lease (it was frozen or cut off): the job goes on without it.
+              // Or the store itself is gone.
+              adopt_end(EndInfo{"lost", 1,
+                                ev.text.find("lease ran out") != std::string::npos
+                                    ? fmt::format("the job dropped this agent ({}): {}; the other nodes go on without "
+                                                  "it, start a new agent to join again",
+                                                  self_.host, ev.text)
+                                    : fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
               break;
             case WatchEvent::kEnd:
               adopt_end(end_from_string(ev.text));
@@ -247,7 +287,7 @@ EndInfo Job::run_attempt(int attempt) {
 }
 
 int Job::run() {
-  distributed_ = plan_.nnodes > 1 || plan_.mode == Mode::kFanOut || ctx_.agent_mode;
+  distributed_ = plan_.nnodes > 1 || plan_.elastic || plan_.mode == Mode::kFanOut || ctx_.agent_mode;
   // A GPU job: this node's GPUs are checked before anything starts (an agent of a fan-out sees its
   // own host's GPUs here for the first time).
   if (const NodePlan* node = plan_.node(plan_.this_node); node && !plan_.gpus_per_node_spec.empty()) {
@@ -269,10 +309,26 @@ int Job::run() {
                     "it yourself to choose another value",
                     plan_.node(plan_.this_node)->nproc));
   int attempt = 0;
+  if (plan_.elastic) {
+    try {
+      attempt = first_generation();
+    } catch (const RendezvousRefused& e) {
+      say(fmt::format("job stopped (exit 1): {}", e.what()));
+      if (server_) server_->stop();
+      return 1;
+    }
+  }
   for (;;) {
     EndInfo e = run_attempt(attempt);
     bool print = !ctx_.agent_mode;
-    if (e.restartable() && attempt < plan_.max_restarts && !head_lost_) {
+    if (plan_.elastic) {
+      if (auto next = next_generation(e)) {
+        say(fmt::format("generation {} ended: {}; the agents meet again for generation {}{}", membership_->generation,
+                        e.summary, *next, e.kind == "membership" ? " (a membership change: no restart counted)" : ""));
+        attempt = *next;
+        continue;
+      }
+    } else if (e.restartable() && attempt < plan_.max_restarts && !head_lost_) {
       ++attempt;
       if (print)
         say(fmt::format("restarting every worker (restart {} of {}) after: {}", attempt, plan_.max_restarts,

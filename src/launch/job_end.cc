@@ -114,10 +114,16 @@ void Job::start_store() {
     try {
       server_ = StoreServer::start(so);
     } catch (const ConfigError& e) {
-      throw ConfigError(fmt::format("cannot host the job's store: {}; leave --master-port (and MASTER_PORT) unset to "
-                                    "let the OS choose a free port",
-                                    e.what()));
+      if (!plan_.elastic)
+        throw ConfigError(fmt::format("cannot host the job's store: {}; leave --master-port (and MASTER_PORT) unset to "
+                                      "let the OS choose a free port",
+                                      e.what()));
+      // Elastic: another agent on this host holds the port (it hosts the store); join it as a client.
+      log::info("elastic job: the store's port is taken here ({}); joining it as a client", e.what());
+      plan_.host_store = false;
     }
+  }
+  if (plan_.host_store) {
     store_addr_ = fmt::format("{}:{}", plan_.master_addr, server_->port());
     plan_.master_port = server_->port();
     torch_port_ = pick_free_port(local ? "127.0.0.1" : "");
@@ -155,17 +161,22 @@ void Job::start_store() {
                       std::chrono::duration<double>(Clock::now() - started).count(), plan_.join_timeout_s));
     }
   }
-  co.timeout = Millis(60000);
+  // An elastic agent is joined from the start: its calls are all short ones (the rendezvous waits in
+  // slices). The others wait long for node 0 while they join, then switch to kStoreCallTimeout.
+  const Millis call_timeout = plan_.elastic ? kStoreCallTimeout : Millis(60000);
+  co.timeout = call_timeout;
+  co.reply_grace = kStoreReplyGrace;
   client_options_ = co;
   base_client_ = base_store_;
-  base_store_->set_timeout(Millis(60000));
-  watch_base_->set_timeout(Millis(60000));
+  base_store_->set_timeout(call_timeout);
+  watch_base_->set_timeout(call_timeout);
   base_store_ = make_prefix_store(base_store_, "cohort/launch/" + plan_.job_id);
   watch_base_ = make_prefix_store(watch_base_, "cohort/launch/" + plan_.job_id);
   if (plan_.mode == Mode::kPerNode) {
     if (plan_.host_store) base_store_->set("torch_port", std::to_string(torch_port_));
     else torch_port_ = std::stoi(base_store_->get("torch_port"));
   }
+  if (plan_.elastic) open_lease();
 }
 
 void Job::publish_end(const EndInfo& e) {
@@ -240,6 +251,10 @@ void Job::report_node_done() {
 }
 
 void Job::settle_end_with_store() {
+  if (plan_.elastic) {
+    settle_elastic_end();
+    return;
+  }
   // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
   if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
     try {

@@ -29,6 +29,7 @@
 #include "launch/inspector.h"
 #include "launch/job.h"
 #include "launch/output.h"
+#include "launch/rendezvous.h"
 #include "store/tcp_store.h"
 #include "trace/flight_ring.h"
 
@@ -41,7 +42,10 @@ inline constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, 
 // (publish the end or a failure, count finished nodes) to a store that answers thousands of clients in
 // about a second. A node cut off from the head must not sit out a long default in one of them: while
 // the call blocks, the main loop cannot see its control channel close and stop its workers.
-inline constexpr Millis kStoreCallTimeout{5000};
+inline constexpr Millis kStoreCallTimeout{2000};
+// How long past a wait's own deadline the launcher's store clients wait for its answer: the store
+// answers in milliseconds, so no answer this long after the deadline means a cut link or a dead host.
+inline constexpr Millis kStoreReplyGrace{500};
 
 inline bool is_terminating(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT; }
 
@@ -51,10 +55,13 @@ void say(const std::string& line);
 
 // How an attempt ended, as every node agrees through the store key "end".
 struct EndInfo {
-  std::string kind;  // "done" (all workers finished), "failure", "interrupted", "lost", "agent", "join"
-  int code = 0;      // the launcher's exit code
+  // "done" (all workers finished), "failure", "interrupted", "lost", "agent", "join"; elastic jobs add
+  // "node" (a node of the generation is gone or left), "membership" (a newcomer is admitted at the
+  // next generation) and "refused" (this agent is not admitted).
+  std::string kind;
+  int code = 0;  // the launcher's exit code
   std::string summary;
-  bool restartable() const { return (kind == "failure" || kind == "done") && code != 0; }
+  bool restartable() const { return (kind == "failure" || kind == "done" || kind == "node") && code != 0; }
 };
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EndInfo, kind, code, summary)
 
@@ -90,9 +97,11 @@ struct AgentChild {
   std::unique_ptr<OutputSink> sink;
 };
 
-// Events from the store watcher thread to the loop.
+// Events from the store watcher thread to the loop. `attempt` is the attempt the watcher serves (events
+// of an earlier attempt's watcher are dropped); kAnyAttempt: news for whichever attempt runs.
+inline constexpr int kAnyAttempt = -1;
 struct WatchEvent {
-  enum Kind { kJoined, kEnd, kLost, kJoinTimeout } kind;
+  enum Kind { kJoined, kEnd, kLost, kJoinTimeout, kRefused, kLeaseLost } kind;
   std::string text;
   int attempt = 0;
 };
@@ -137,6 +146,13 @@ struct WatchParams {
 void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                   std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt);
 
+// Elastic jobs (job_elastic.cc): joins generation `generation` (or the first one that admits this
+// agent) and reports its membership (kJoined, JSON), then waits for the generation's end record like
+// watcher_main, and writes one itself when a member's lease ended. `store`: the job's launch prefix.
+void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
+                          std::shared_ptr<std::atomic<bool>> stop, AgentInfo self, RendezvousSettings settings,
+                          int generation);
+
 class Job {
  public:
   explicit Job(JobContext ctx) : ctx_(std::move(ctx)), plan_(ctx_.plan) {}
@@ -180,6 +196,14 @@ class Job {
   void epoll_add(int fd);
   void epoll_del(int fd);
   std::string failure_summary(const Worker& w);
+  // job_elastic.cc: elastic membership (plan_.elastic).
+  void open_lease();                               // the agent's store lease and its "gone" will
+  int first_generation();                          // the round a fresh agent joins
+  void apply_membership(const Membership& m);      // this generation's nodes, ranks and wills
+  std::optional<int> next_generation(const EndInfo& e) const;  // nullopt: the job is over
+  void leave_elastic_job(int sig);                 // an interrupted agent leaves; the others go on
+  void settle_elastic_end();                       // the store's host stays until the others are out
+  bool member_gone(const AgentInfo& a) const;
   // job_trace.cc
   void prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars);
   void start_inspector(int attempt);
@@ -225,6 +249,10 @@ class Job {
   bool head_lost_ = false;
   std::string control_buf_;
   bool control_open_ = false;
+  // Elastic membership: this agent, its lease, and the generation it runs (set when a round closes).
+  AgentInfo self_;
+  std::unique_ptr<StoreLease> lease_;
+  std::optional<Membership> membership_;
 };
 
 

@@ -112,6 +112,11 @@ void Job::record_failure(int attempt) {
     int found = 0;
     for (const auto& node : plan_.nodes) {
       if (node.node_rank == plan_.this_node) continue;
+      // An elastic job's gone member never publishes: waiting for it would delay the next generation.
+      if (membership_ && member_gone(membership_->nodes[static_cast<size_t>(node.node_rank)])) {
+        diagnosis_.push_back(fmt::format("node {} ({}) is gone: no flight recorder from it", node.node_rank, node.host));
+        continue;
+      }
       try {
         auto key = node_final_trace_key(node.node_rank);
         attempt_store_->wait({key}, std::max(gather.remaining(), Millis(1)));

@@ -202,9 +202,11 @@ void Job::begin_stop() {
     killed_ = true;
     return;
   }
-  // A failure elsewhere (a worker, an agent, the store): the workers here are most likely blocked on
-  // the lost peer and about to fail on their own, naming it. An interruption is signalled at once.
-  if (end_ && end_->kind != "interrupted" && end_->kind != "done") {
+  // A failure elsewhere (a worker, an agent): the workers here are most likely blocked on the lost
+  // peer and about to fail on their own, naming it. An interruption, a membership change and a lost
+  // store are signalled at once (there is nothing for the workers to name, or nobody to hear it).
+  if (end_ && end_->kind != "interrupted" && end_->kind != "done" && end_->kind != "membership" &&
+      end_->kind != "lost") {
     reporting_ = true;
     arm_timer(std::min(kReportWindowS, plan_.kill_grace_s));
     return;

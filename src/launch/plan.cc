@@ -34,7 +34,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    join_timeout_s, kill_grace_s, ssh_command, timeline_path, stats, trace_dir,
                                    stall_warn_s, flight_recorder, program_path, program, ps_servers,
                                    num_workers, ps_mode, ps_server_program, rank_table_slots,
-                                   rank_table_size)
+                                   rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s)
 
 const char* mode_name(Mode m) {
   switch (m) {
@@ -286,6 +286,28 @@ void place_parameter_servers(Plan& p, const Options& o, const EnvMap& env,
   p.ps_server_program = o.ps_server == "program";
 }
 
+// --nnodes MIN:MAX: torchrun's elastic job (the agents meet in generations, launch/rendezvous.h).
+void set_elastic(Plan& p, const Options& o, const EnvMap& env) {
+  p.elastic = true;
+  p.min_nodes = *o.min_nodes;
+  p.max_nodes = *o.nnodes;
+  if (p.min_nodes < 1 || p.max_nodes < p.min_nodes)
+    throw ConfigError(fmt::format("--nnodes {}:{}: expected 1 <= MIN <= MAX", p.min_nodes, p.max_nodes));
+  if (o.rdzv_backend && *o.rdzv_backend != "c10d")
+    throw ConfigError(fmt::format("--rdzv-backend {}: an elastic job (--nnodes MIN:MAX) meets in cohort's own store; "
+                                  "use c10d (the default) or leave the flag out",
+                                  *o.rdzv_backend));
+  if (o.rdzv_last_call_s < 0)
+    throw ConfigError(fmt::format("--rdzv-conf last_call_timeout={:g}: expected seconds >= 0", o.rdzv_last_call_s));
+  p.rdzv_last_call_s = o.rdzv_last_call_s;
+  if (auto it = env.find("COHORT_AGENT_LEASE_S"); it != env.end() && !it->second.empty()) {
+    p.agent_lease_s = env::parse_seconds("COHORT_AGENT_LEASE_S", it->second);
+    if (p.agent_lease_s < 0.2 || p.agent_lease_s > 3600)
+      throw ConfigError(fmt::format("COHORT_AGENT_LEASE_S={}: expected 0.2 to 3600 seconds", it->second));
+  }
+  p.sources.emplace_back("elastic", fmt::format("--nnodes {}:{}", p.min_nodes, p.max_nodes));
+}
+
 }  // namespace
 
 Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine) {
@@ -387,10 +409,12 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     sched_job_id = sched.job_id;
     sched_ps_nodes = sched.ps_nodes;
     p.nnodes = o.nnodes ? *o.nnodes : sched.nnodes ? sched.nnodes->value : 1;
-    source("nnodes", o.nnodes ? "--nnodes" : sched.nnodes ? sched.nnodes->source : "default");
+    source("nnodes", o.nnodes ? (o.min_nodes ? "--nnodes MIN:MAX" : "--nnodes") : sched.nnodes ? sched.nnodes->source : "default");
     if (p.nnodes < 1) throw ConfigError(fmt::format("--nnodes {}: expected a positive number", p.nnodes));
-    int node_rank = o.node_rank ? *o.node_rank : sched.node_rank ? sched.node_rank->value : 0;
-    std::string node_rank_source = o.node_rank ? "--node-rank" : sched.node_rank ? sched.node_rank->source : "default";
+    if (o.min_nodes) set_elastic(p, o, env);
+    int node_rank = p.elastic ? 0 : o.node_rank ? *o.node_rank : sched.node_rank ? sched.node_rank->value : 0;
+    std::string node_rank_source = p.elastic ? "the rendezvous, at each generation" + std::string(o.node_rank ? " (--node-rank is ignored)" : "")
+                                   : o.node_rank ? "--node-rank" : sched.node_rank ? sched.node_rank->source : "default";
     source("node rank", node_rank_source);
     if (node_rank < 0 || node_rank >= p.nnodes)
       throw ConfigError(fmt::format("node rank {} ({}) must be below the node count {} ({})", node_rank,
@@ -427,7 +451,13 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     for (int i = 0; i < p.nnodes; ++i)
       p.nodes.push_back(NodePlan{i, i == node_rank ? machine.hostname : fmt::format("node{}", i), i == node_rank,
                                  i * nproc, nproc});
-    if (p.nnodes == 1) {
+    if (p.elastic) {
+      // This node alone until the first generation closes (the job then sets the real layout).
+      p.nodes.resize(1);
+      p.nnodes = 1;
+      p.world_size = nproc;
+    }
+    if (p.nnodes == 1 && !p.elastic) {
       p.mode = Mode::kLocal;
       p.master_addr = "127.0.0.1";
       source("store address", "local job: loopback");
@@ -444,8 +474,11 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
         p.master_addr = sched.master_addr->value;
         source("store address", sched.master_addr->source);
       } else {
-        throw ConfigError(fmt::format("--nnodes {} needs --master-addr (the address of node 0) or MASTER_ADDR",
-                                      p.nnodes));
+        throw ConfigError(p.elastic ? fmt::format("--nnodes {}:{} needs --master-addr or --rdzv-endpoint (the host "
+                                                  "whose agent hosts the job's store) or MASTER_ADDR",
+                                                  p.min_nodes, p.max_nodes)
+                                    : fmt::format("--nnodes {} needs --master-addr (the address of node 0) or MASTER_ADDR",
+                                                  p.nnodes));
       }
       p.master_port = o.master_port ? *o.master_port : sched.master_port ? sched.master_port->value : 29500;
       source("store port", o.master_port ? "--master-port"
@@ -453,6 +486,16 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
                                                : "default (29500, as torchrun)");
     }
     p.host_store = node_rank == 0;
+    if (p.elastic) {
+      // The agent on the master address's host hosts the store (the first of several there to bind
+      // its port: the others find it in use and join as clients).
+      p.host_store = is_local_host(p.master_addr, machine.hostname) ||
+                     std::find(machine.addresses.begin(), machine.addresses.end(), p.master_addr) !=
+                         machine.addresses.end();
+      if (o.ps || sched_ps_nodes)
+        throw ConfigError("--nnodes MIN:MAX and a parameter-server job (--ps, TF_CONFIG ps entries) cannot be combined: "
+                          "parameter servers hold state that a new generation would lose");
+    }
   }
 
   place_parameter_servers(p, o, env, sched_ps_nodes);
@@ -500,7 +543,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
 
   // The program is checked last: flag errors come first, and nothing starts without it.
   p.program_path = machine.resolve_program ? machine.resolve_program(o.program[0]) : o.program[0];
-  p.tag_output = o.tag_output.value_or(p.world_size > 1);
+  p.tag_output = o.tag_output.value_or(p.world_size > 1 || p.elastic);
   if (o.ranks_to_console) {
     p.all_ranks_to_console = false;
     if (*o.ranks_to_console != "none" && !o.ranks_to_console->empty())
@@ -738,15 +781,25 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
   s += fmt::format("  program         {}{}\n", str::join(p.program, " "),
                    p.program_path != p.program[0] ? " (" + p.program_path + ")" : "");
   s += fmt::format("  job id          {}  [{}]\n", p.job_id, p.source_of("job id"));
-  s += fmt::format("  nodes           {}  [{}]\n", p.nnodes,
-                   p.mode == Mode::kFanOut ? p.source_of("hosts") : p.source_of("nnodes"));
+  if (p.elastic)
+    s += fmt::format("  nodes           {} to {}, elastic: agents meet in generations; a lost node ends a generation "
+                     "and the others go on, a new one joins at the next (rendezvous timeout {:g} s, last call {:g} s, "
+                     "agent lease {:g} s)  [{}]\n",
+                     p.min_nodes, p.max_nodes, p.join_timeout_s, p.rdzv_last_call_s, p.agent_lease_s,
+                     p.source_of("nnodes"));
+  else
+    s += fmt::format("  nodes           {}  [{}]\n", p.nnodes,
+                     p.mode == Mode::kFanOut ? p.source_of("hosts") : p.source_of("nnodes"));
   if (p.mode != Mode::kFanOut) {
     s += fmt::format("  this node rank  {}  [{}]\n", p.this_node, p.source_of("node rank"));
     s += fmt::format("  nproc per node  {}  [{}]\n", p.nodes.front().nproc - p.nodes.front().nservers,
                      p.source_of("nproc per node"));
   }
-  s += fmt::format("  world size      {}{}\n", p.world_size,
-                   p.mode == Mode::kFanOut ? "  [" + p.source_of("world size") + "]" : "");
+  if (p.elastic)
+    s += fmt::format("  world size      {} per node times the nodes of each generation\n", p.world_size);
+  else
+    s += fmt::format("  world size      {}{}\n", p.world_size,
+                     p.mode == Mode::kFanOut ? "  [" + p.source_of("world size") + "]" : "");
   if (p.ps_servers > 0)
     s += fmt::format("  roles           {} workers, {} parameter servers [{}] running {}; mode {} [{}]\n",
                      p.num_workers, p.ps_servers, p.source_of("parameter servers"),
@@ -754,7 +807,10 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      p.source_of("ps mode"));
   s += fmt::format("  store           {}  [address: {}; port: {}]; hosted by {}\n", store_addr,
                    p.source_of("store address"), p.source_of("store port"),
-                   p.mode == Mode::kPerNode ? "node 0's launcher" : "this launcher");
+                   p.elastic ? (p.host_store ? "this agent (the master address is this host), unless another "
+                                               "agent here holds the port first"
+                                             : "the agent on the master address's host")
+                   : p.mode == Mode::kPerNode ? "node 0's launcher" : "this launcher");
   s += fmt::format("  job token       {}\n", p.token_from_env ? "from COHORT_JOB_TOKEN"
                                           : p.mode == Mode::kPerNode ? "none (set COHORT_JOB_TOKEN on every node to "
                                                                        "authenticate the store)"

@@ -17,6 +17,8 @@ struct Options {
   std::optional<std::string> nproc_per_node;  // "N" or "auto"
   std::optional<int> np;                      // -n/-np: total number of workers
   std::optional<int> nnodes;
+  // --nnodes MIN:MAX (torchrun's elastic form): the minimum; `nnodes` holds the maximum.
+  std::optional<int> min_nodes;
   std::optional<int> node_rank;
   std::optional<std::string> master_addr;
   std::optional<int> master_port;
@@ -25,7 +27,9 @@ struct Options {
   std::string hostfile_text;            // contents of `hostfile` (read by the caller)
   std::string ssh_command = "ssh -o BatchMode=yes";
   std::vector<std::string> export_env;  // -x VAR or VAR=value
-  double join_timeout_s = 300;
+  double join_timeout_s = 300;  // also --rdzv-timeout
+  double rdzv_last_call_s = 5;  // --rdzv-conf last_call_timeout=S
+  std::optional<std::string> rdzv_backend;
   double kill_grace_s = 5;
   std::optional<bool> tag_output;
   std::string output_dir;  // --output-filename
@@ -121,6 +125,16 @@ struct Plan {
   double join_timeout_s = 300;
   double kill_grace_s = 5;
   std::string ssh_command;
+  // Elastic membership (--nnodes MIN:MAX, docs/launcher.md "Elastic jobs"): the agents meet in
+  // generations (launch/rendezvous.h); nodes, node ranks and the world size above are this node's
+  // guess until the first generation closes, and change with every generation. The store is hosted
+  // by the agent on the master address's host that binds its port first; each agent holds a store
+  // lease of agent_lease_s (COHORT_AGENT_LEASE_S) whose end tells the others it is gone.
+  bool elastic = false;
+  int min_nodes = 1;
+  int max_nodes = 1;
+  double rdzv_last_call_s = 5;
+  double agent_lease_s = 3;
   // Observability (docs/observability.md): the merged timeline's path ("" = off), live stats, where
   // flight recorder dumps and timeline rank files go, the stall inspector's threshold (0 = off) and
   // each rank's ring size (0 = flight recorder off).

@@ -136,7 +136,7 @@ void Rendezvous::evaluate(Round& r) {
                                               self_.host, r.gen - 1, r.previous->nodes.size(), max));
     }
     if (now >= r.deadline) {
-      throw TimeoutError(fmt::format(
+      throw RendezvousTimeout(fmt::format(
           "generation {} did not open within {:g} s (--rdzv-timeout): the job runs generation {} with {} of at most "
           "{} nodes ({}), and this agent waits for a place",
           r.gen, settings_.timeout_s, r.gen - 1, r.previous->nodes.size(), max, r.previous->hosts()));
@@ -178,7 +178,7 @@ void Rendezvous::evaluate(Round& r) {
         if (!gone_hosts.empty()) lost = fmt::format("; gone since generation {}: {}", r.gen - 1, str::join(gone_hosts, ", "));
         if (!missing.empty()) lost += fmt::format("; not back from generation {}: {}", r.gen - 1, str::join(missing, ", "));
       }
-      throw TimeoutError(fmt::format("generation {}: {} of at least {} nodes joined within {:g} s (--rdzv-timeout; "
+      throw RendezvousTimeout(fmt::format("generation {}: {} of at least {} nodes joined within {:g} s (--rdzv-timeout; "
                                      "--nnodes {}:{}): {}{}",
                                      r.gen, n, min, settings_.timeout_s, min, max,
                                      hosts.empty() ? "none" : str::join(hosts, ", "), lost));
@@ -207,6 +207,14 @@ void Rendezvous::evaluate(Round& r) {
   Membership m;
   m.generation = r.gen;
   m.nodes = std::move(nodes);
+  if (r.previous) {
+    std::string kind;
+    try {
+      kind = nlohmann::json::parse(store_->get(attempt_end_key(r.gen - 1))).value("kind", "");
+    } catch (const nlohmann::json::exception&) {
+    }
+    m.restarts = r.previous->restarts + (kind == "membership" ? 0 : 1);
+  }
   store_->compare_set(gen_key(r.gen, "closed"), "", nlohmann::json(m).dump());
 }
 

@@ -12,7 +12,8 @@
 //                                 first closer wins, everyone reads the winner's)
 //   rdzv/gone/<agent id>          a will of the agent's store lease: set when the agent is gone
 //                                 (killed, frozen or cut off longer than the lease)
-//   attempt/<g>/end               how generation g ended (job_end.cc); a round waits for it
+//   attempt/<g>/end               how generation g ended (job_end.cc, JSON with a "kind"); a round waits
+//                                 for it, and counts a restart unless the kind is "membership"
 // A round closes when MAX live agents joined, or when at least MIN did and either every live member
 // of the previous generation is back or the last call (--rdzv-last-call) has passed since MIN were
 // there. It never closes while the previous generation still runs: a newcomer first ends that
@@ -44,6 +45,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(AgentInfo, id, host, nproc)
 
 struct Membership {
   int generation = 0;
+  // Failure restarts before this generation: the previous one's, plus one when it ended by anything
+  // but a membership change. Every agent reads it here, so newcomers decide restarts like the others.
+  int restarts = 0;
   std::vector<AgentInfo> nodes;  // node rank = index
   int this_node = -1;            // this agent's node rank (-1: not a member)
   int world_size() const;
@@ -51,7 +55,7 @@ struct Membership {
   // "h0, h1, h3"
   std::string hosts() const;
 };
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Membership, generation, nodes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Membership, generation, restarts, nodes)
 
 struct RendezvousSettings {
   int min_nodes = 1;
@@ -66,6 +70,12 @@ struct RendezvousSettings {
 class RendezvousRefused : public Error {
  public:
   using Error::Error;
+};
+
+// A round below MIN at its deadline, or a newcomer that found no place in time.
+class RendezvousTimeout : public TimeoutError {
+ public:
+  using TimeoutError::TimeoutError;
 };
 
 // Key names (relative to the job's launch prefix).
@@ -85,7 +95,7 @@ class Rendezvous {
   // The round a fresh agent joins: one past the newest closed generation (0 for the first agent).
   int first_open_generation();
   // Joins round `gen` and blocks until this agent is a member of a closed generation (a late agent,
-  // or one beyond MAX, moves on to later rounds) or `stop` is set (nullopt). Throws TimeoutError
+  // or one beyond MAX, moves on to later rounds) or `stop` is set (nullopt). Throws RendezvousTimeout
   // below MIN after the timeout, RendezvousRefused for a dropped agent, store errors as they come.
   std::optional<Membership> join(int gen, const std::atomic<bool>& stop);
   // The first member of `m` (other than this agent) whose lease ended, described; nullopt if none.

@@ -45,6 +45,9 @@ struct StoreClientOptions {
   uint16_t port = 0;
   std::string token;                       // empty = no authentication
   Millis timeout{std::chrono::minutes(5)};  // default deadline of every call, and of connecting
+  // A waiting call's server-side deadline is its timeout; the client allows this much more for the
+  // answer to travel back before it gives up on the server (a cut link is seen this long after).
+  Millis reply_grace{2000};
 };
 
 // Connects (retrying with exponential back-off and jitter until the deadline: a server that is not

@@ -32,9 +32,6 @@ namespace {
 
 using proto::Op;
 
-// A waiting call's server-side deadline is the caller's timeout; the client allows this much more
-// for the server's answer to travel back before it gives up on the server itself.
-constexpr Millis kReplyGrace{2000};
 constexpr uint32_t kClientMaxFrame = 1u << 30;
 
 struct Reply {
@@ -297,7 +294,7 @@ class TcpStore : public Store {
 
   Deadline wait_deadline(Millis timeout) const {
     if (timeout.count() >= std::numeric_limits<uint32_t>::max()) return Deadline::never();
-    return Deadline::after(timeout + kReplyGrace);
+    return Deadline::after(timeout + options_.reply_grace);
   }
 
   [[noreturn]] void lost(const std::string& cause) {

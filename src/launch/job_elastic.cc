@@ -1,0 +1,167 @@
+// Elastic membership in the job (`cohort run --nnodes MIN:MAX`, docs/launcher.md "Elastic jobs"):
+// each attempt is a generation. Its watcher thread joins the generation's round (launch/rendezvous.h)
+// and reports the membership; the main loop then lays the generation out (nodes, dense ranks, the
+// world size), points the agent's lease wills at the generation's end record and starts the workers.
+// A generation ends like any attempt (a worker's failure, all done, an interrupt), or because a
+// member's lease ended (its will, or the watcher seeing its "gone" key), or because a newcomer asked
+// for a place ("membership"). The agents that are left meet again at the next generation; failures
+// count against --max-restarts, membership changes do not.
+#include <unistd.h>
+
+#include <thread>
+
+#include <fmt/core.h>
+
+#include "cohort/error.h"
+#include "common/log.h"
+#include "common/socket.h"
+#include "launch/job_internal.h"
+
+namespace cohort::launch::job_detail {
+
+namespace {
+
+std::string launch_prefix(const Plan& plan) { return "cohort/launch/" + plan.job_id + "/"; }
+
+RendezvousSettings settings_of(const Plan& plan) {
+  RendezvousSettings s;
+  s.min_nodes = plan.min_nodes;
+  s.max_nodes = plan.max_nodes;
+  s.timeout_s = plan.join_timeout_s;
+  s.last_call_s = plan.rdzv_last_call_s;
+  return s;
+}
+
+}  // namespace
+
+void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
+                          std::shared_ptr<std::atomic<bool>> stop, AgentInfo self, RendezvousSettings settings,
+                          int generation) {
+  try {
+    Rendezvous r(store, self, settings, [store](int g, const std::string& why) {
+      store->compare_set(attempt_end_key(g), "", end_to_string(EndInfo{"membership", 0, why}));
+    });
+    r.on_progress([](const std::string& line) { say(line); });
+    auto m = r.join(generation, *stop);
+    if (!m) return;
+    events->push({WatchEvent::kJoined, nlohmann::json(*m).dump(), generation});
+    const std::string end_key = attempt_end_key(m->generation);
+    for (;;) {
+      if (*stop) return;
+      try {
+        store->wait({end_key}, Millis(500));
+        events->push({WatchEvent::kEnd, store->get(end_key), generation});
+        return;
+      } catch (const TimeoutError&) {
+      }
+      // A member whose lease ended before its will pointed at this generation's end record (the
+      // moment between the round's closing and the wills) is seen here.
+      if (auto gone = r.gone_member(*m)) store->compare_set(end_key, "", end_to_string(EndInfo{"node", 1, "lost " + *gone}));
+    }
+  } catch (const RendezvousRefused& e) {
+    if (!*stop) events->push({WatchEvent::kRefused, e.what(), generation});
+  } catch (const RendezvousTimeout& e) {
+    if (!*stop) events->push({WatchEvent::kJoinTimeout, e.what(), generation});
+  } catch (const Error& e) {
+    if (!*stop) events->push({WatchEvent::kLost, e.what(), generation});
+  }
+}
+
+void Job::open_lease() {
+  const NodePlan* node = plan_.node(plan_.this_node);
+  self_ = AgentInfo{fmt::format("{}-{}-{}", net::hostname(), getpid(), random_token(4)), net::hostname(),
+                    node ? node->nproc : 0};
+  auto events = events_;
+  lease_ = StoreLease::open(client_options_,
+                            Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
+                            [events](const std::string& why) {
+                              events->push({WatchEvent::kLeaseLost, why, kAnyAttempt});
+                            });
+  lease_->set_wills({{launch_prefix(plan_) + gone_key(self_.id), self_.host}});
+}
+
+int Job::first_generation() {
+  Rendezvous r(base_store_, self_, settings_of(plan_), {});
+  r.check_admission();
+  return r.first_open_generation();
+}
+
+void Job::apply_membership(const Membership& joined) {
+  Membership m = joined;
+  for (size_t i = 0; i < m.nodes.size(); ++i)
+    if (m.nodes[i].id == self_.id) m.this_node = static_cast<int>(i);
+  membership_ = m;
+  plan_.nnodes = static_cast<int>(m.nodes.size());
+  plan_.this_node = m.this_node;
+  plan_.world_size = m.world_size();
+  plan_.nodes.clear();
+  for (int i = 0; i < plan_.nnodes; ++i) {
+    const AgentInfo& a = m.nodes[static_cast<size_t>(i)];
+    plan_.nodes.push_back(NodePlan{i, a.host, i == m.this_node, m.first_rank(i), a.nproc});
+  }
+  attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", m.generation));
+  // From now on this agent's end is this generation's end: the others stop at once and meet again.
+  const std::string lost = end_to_string(EndInfo{
+      "node", 1,
+      fmt::format("lost node {} ({}): its agent's store lease ended (killed, frozen or cut off)", m.this_node, self_.host)});
+  lease_->set_wills({{launch_prefix(plan_) + gone_key(self_.id), self_.host},
+                     {launch_prefix(plan_) + attempt_end_key(m.generation), lost}});
+  const int first = m.first_rank(m.this_node);
+  say(fmt::format("generation {}: {} node(s) ({}), world size {}; this is node {} with ranks {}-{}{}", m.generation,
+                  m.nodes.size(), m.hosts(), m.world_size(), m.this_node, first, first + self_.nproc - 1,
+                  m.restarts > 0 ? fmt::format(" (restart {} of {})", m.restarts, plan_.max_restarts) : ""));
+}
+
+std::optional<int> Job::next_generation(const EndInfo& e) const {
+  if (head_lost_ || !membership_) return std::nullopt;
+  if (e.kind == "membership") return membership_->generation + 1;
+  if (e.restartable() && membership_->restarts < plan_.max_restarts) return membership_->generation + 1;
+  return std::nullopt;
+}
+
+void Job::leave_elastic_job(int sig) {
+  // An interrupted agent (Ctrl-C, a scheduler's or a spot instance's SIGTERM) leaves: the others end
+  // this generation and go on without it, as they would after a loss.
+  try {
+    base_store_->set(gone_key(self_.id), self_.host + " (left)");
+    if (joined_ && membership_)
+      attempt_store_->compare_set("end", "",
+                                  end_to_string(EndInfo{"node", 1,
+                                                        fmt::format("node {} ({}) left the job: its agent got {}",
+                                                                    membership_->this_node, self_.host,
+                                                                    signal_name(sig))}));
+  } catch (const Error& e) {
+    log::warn("could not tell the job's store that this agent leaves: {}", e.what());
+  }
+}
+
+bool Job::member_gone(const AgentInfo& a) const {
+  try {
+    return base_store_->check({gone_key(a.id)});
+  } catch (const Error&) {
+    return true;  // the store is gone: nobody will report to it
+  }
+}
+
+void Job::settle_elastic_end() {
+  if (!membership_ || head_lost_ || !attempt_store_ || end_->kind == "lost") return;
+  try {
+    attempt_store_->add("exited", 1);
+    // The store's host stays until every member that is still alive has seen the end of a job that
+    // is over (their last store calls come after it); between generations nobody waits.
+    if (!plan_.host_store || next_generation(*end_)) return;
+    auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(plan_.kill_grace_s + 10));
+    while (Clock::now() < deadline) {
+      int alive = 0;
+      for (const auto& a : membership_->nodes) alive += a.id == self_.id || !member_gone(a);
+      if (attempt_store_->add("exited", 0) >= alive) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    log::warn("not every node of generation {} reported its workers stopped", membership_->generation);
+  } catch (const Error& e) {
+    log::warn("not every node reported its workers stopped: {}", e.what());
+  }
+}
+
+}  // namespace cohort::launch::job_detail
