@@ -69,7 +69,9 @@ std::map<std::string, Membership> join_all(const Cluster& c, const std::vector<s
   return out;
 }
 
-void end(const Cluster& c, int gen) { c.client()->set(attempt_end_key(gen), "{\"kind\":\"failure\"}"); }
+void end(const Cluster& c, int gen, const std::string& kind = "failure") {
+  c.client()->set(attempt_end_key(gen), "{\"kind\":\"" + kind + "\"}");
+}
 void drop(const Cluster& c, const std::string& name) { c.client()->set(gone_key("id-" + name), name); }
 
 TEST(Rendezvous, MaxAgentsCloseTheFirstRoundAtOnceWithDenseRanks) {
@@ -113,6 +115,7 @@ TEST(Rendezvous, SurvivorsOfALossCloseAtOnceInTheirOldOrder) {
   EXPECT_EQ(m.generation, 1);
   EXPECT_EQ(hosts_of(m), (std::vector<std::string>{order[0], order[2], order[3]}));
   EXPECT_EQ(m.world_size(), 6);
+  EXPECT_EQ(m.restarts, 1) << "a generation lost to a failure counts as a restart";
 }
 
 TEST(Rendezvous, ANewcomerEndsTheRunningGenerationAndIsAdmittedToTheNext) {
@@ -126,7 +129,7 @@ TEST(Rendezvous, ANewcomerEndsTheRunningGenerationAndIsAdmittedToTheNext) {
     Rendezvous r(c.client(), agent("h9"), bounds(2, 3, 10, 0.1), [&](int gen, const std::string& w) {
       why = w;
       ended = gen;
-      end(c, gen);  // what the job does: write generation gen's end record
+      end(c, gen, "membership");  // what the job does: write generation gen's end record
     });
     EXPECT_EQ(r.first_open_generation(), 1);
     auto m = r.join(r.first_open_generation(), stop);
@@ -139,6 +142,7 @@ TEST(Rendezvous, ANewcomerEndsTheRunningGenerationAndIsAdmittedToTheNext) {
   auto next = join_all(c, {"h1", "h0"}, 1, bounds(2, 3, 10, 0.1));  // ... and meet it at generation 1
   newcomer.join();
   EXPECT_EQ(hosts_of(next["h0"]), (std::vector<std::string>{first["h0"].nodes[0].host, first["h0"].nodes[1].host, "h9"}));
+  EXPECT_EQ(next["h0"].restarts, 0) << "a membership change is no restart";
 }
 
 TEST(Rendezvous, BeyondMaxAnAgentWaitsForAPlaceAndSaysSoAtTheTimeout) {
