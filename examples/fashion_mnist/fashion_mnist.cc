@@ -77,6 +77,14 @@ bool launched() {
   return false;
 }
 
+// Restarts so far: cohort run's COHORT_RESTART_COUNT (every restart, an elastic job's membership
+// changes included), else torchrun's TORCHELASTIC_RESTART_COUNT.
+int restart_count() {
+  for (const char* v : {"COHORT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"})
+    if (const char* s = std::getenv(v); s && *s) return std::atoi(s);
+  return 0;
+}
+
 int env_rank() {
   for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
     if (const char* s = std::getenv(v)) return std::atoi(s);
@@ -147,15 +155,30 @@ int run(const Args& a) {
   cohort::torch::DistributedDataParallel ddp(model, comm, ddp_options);
   torch::optim::SGD optimizer(ddp.parameters(), torch::optim::SGDOptions(a.lr));
 
-  cohort::train::TrainingPosition pos{0, 0, 0, world};
-  if (a.resume) {
+  // (2) The distributed sampler: torch.utils.data.DistributedSampler's indices.
+  cohort::torch::DistributedSampler sampler(static_cast<size_t>(train.x.size(0)), world, rank, /*shuffle=*/true, a.seed);
+
+  // Resume: with --resume, and on every restart of the job (`cohort run --max-restarts`, an elastic
+  // job's new generation, torchrun's restarts) from the newest complete checkpoint, when there is one.
+  // The world size may differ from the one that wrote it: the interrupted epoch goes on where its
+  // sample order stands, split over the ranks there are now (docs/training.md, "Resuming").
+  cohort::train::TrainingPosition pos{0, 0, 0, world, 0, world};
+  const int restart = restart_count();
+  if (a.resume || (restart > 0 && !a.checkpoint_dir.empty())) {
     auto loaded = cohort::torch::load_checkpoint(a.checkpoint_dir, *model, optimizer);
-    if (!loaded) throw ConfigError(fmt::format("--resume: no checkpoint in {}", a.checkpoint_dir));
-    if (loaded->world_size != world)
-      throw ConfigError(fmt::format("--resume: {} was written by {} ranks, this job has {} (the data split would differ)",
-                                    cohort::train::checkpoint_path(a.checkpoint_dir), loaded->world_size, world));
-    pos = *loaded;
-    if (lead) fmt::print("resuming from {} at epoch {}, step {}\n", cohort::train::checkpoint_path(a.checkpoint_dir), pos.epoch, pos.step_in_epoch);
+    if (!loaded && a.resume) throw ConfigError(fmt::format("--resume: no checkpoint in {}", a.checkpoint_dir));
+    if (loaded) {
+      pos = *loaded;
+      if (pos.epoch_cursor < 0)  // written before checkpoints kept the cursor: same batch assumed
+        pos.epoch_cursor = std::min(pos.step_in_epoch * a.batch * pos.world_size, sampler.total_size_for(pos.world_size));
+      if (lead)
+        fmt::print("resuming from {} at epoch {}, step {} (sample {} of the epoch's {}; written by {} ranks, {} now{})\n",
+                   a.checkpoint_dir, pos.epoch, pos.step_in_epoch, pos.epoch_cursor,
+                   sampler.total_size_for(pos.epoch_world), pos.world_size, world,
+                   a.resume ? "" : fmt::format("; restart {}", restart));
+    } else if (lead) {
+      fmt::print("restart {}: no checkpoint in {} yet, starting from the beginning\n", restart, a.checkpoint_dir);
+    }
   }
 
   if (lead && a.verbose) {
@@ -167,10 +190,6 @@ int run(const Args& a) {
     fmt::print("buckets: {}, compression {}\n", ddp.sync().bucket_layout().size(), cohort::train::compression_name(*compression));
   }
 
-  // (2) The distributed sampler: torch.utils.data.DistributedSampler's indices.
-  cohort::torch::DistributedSampler sampler(static_cast<size_t>(train.x.size(0)), world, rank, /*shuffle=*/true, a.seed);
-  const int64_t steps_per_epoch = (sampler.num_samples() + a.batch - 1) / a.batch;
-
   auto save = [&](const cohort::train::TrainingPosition& p) {
     if (lead && !a.checkpoint_dir.empty()) cohort::torch::save_checkpoint(a.checkpoint_dir, *model, optimizer, p);
   };
@@ -181,30 +200,43 @@ int run(const Args& a) {
   double last_loss = 0;
   for (int64_t epoch = pos.epoch; epoch < a.epochs; ++epoch) {
     sampler.set_epoch(epoch);
-    // (4) Shard the data: this rank's indices, cut into batches.
-    const auto indices = sampler.indices();
+    // (4) Shard the data: this rank's indices, cut into batches. A resumed epoch takes the rest of
+    // its order (every rank runs as many steps as the longest share: a shorter one ends with a
+    // smaller, possibly empty, batch).
+    const bool resumed = epoch == pos.epoch && pos.epoch_cursor > 0;
+    const int epoch_world = resumed ? pos.epoch_world : world;
+    const int64_t cursor0 = resumed ? pos.epoch_cursor : 0, steps_before = resumed ? pos.step_in_epoch : 0;
+    const auto indices = resumed ? sampler.indices_from(cursor0, epoch_world) : sampler.indices();
+    const int64_t share = resumed ? sampler.longest_share(cursor0, epoch_world) : sampler.num_samples();
+    const int64_t steps = (share + a.batch - 1) / a.batch, epoch_positions = sampler.total_size_for(epoch_world);
     const auto index_tensor = torch::tensor(indices, torch::kLong).to(device);
-    for (int64_t step = (epoch == pos.epoch ? pos.step_in_epoch : 0); step < steps_per_epoch; ++step) {
-      const int64_t begin = step * a.batch, len = std::min<int64_t>(a.batch, static_cast<int64_t>(indices.size()) - begin);
+    for (int64_t step = 0; step < steps; ++step) {
+      const int64_t begin = std::min<int64_t>(step * a.batch, static_cast<int64_t>(indices.size()));
+      const int64_t len = std::min<int64_t>(a.batch, static_cast<int64_t>(indices.size()) - begin);
       auto batch = index_tensor.narrow(0, begin, len);
       auto x = train.x.index_select(0, batch), y = train.y.index_select(0, batch);
 
       optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(ddp->forward(x), y);
+      auto out = ddp->forward(x);
+      // An empty batch still takes part in the step (every rank's gradients are averaged): zero loss.
+      auto loss = len > 0 ? torch::nn::functional::cross_entropy(out, y) : out.sum() * 0.0;
       loss.backward();  // gradients are averaged over all ranks when this returns
       optimizer.step();
 
       samples += len;
       ++steps_run;
       ++pos.global_step;
-      if (lead && step % 10 == 0) {
+      const int64_t shown = steps_before + step, shown_total = steps_before + steps;
+      if (lead && shown % 10 == 0) {
         last_loss = loss.item<double>();
-        fmt::print("epoch: {}, step: {}, loss is {}  {} {}/{}\n", epoch, step, loss.item<float>(),
-                   progress_bar(step + 1, steps_per_epoch), step + 1, steps_per_epoch);
+        fmt::print("epoch: {}, step: {}, loss is {}  {} {}/{}\n", epoch, shown, loss.item<float>(),
+                   progress_bar(shown + 1, shown_total), shown + 1, shown_total);
         std::fflush(stdout);
       }
-      cohort::train::TrainingPosition next{epoch, step + 1, pos.global_step, world};
-      if (next.step_in_epoch == steps_per_epoch) next = {epoch + 1, 0, pos.global_step, world};
+      // Where the epoch's order stands after this step: every rank took a.batch positions.
+      const int64_t cursor = std::min(cursor0 + (step + 1) * a.batch * world, epoch_positions);
+      cohort::train::TrainingPosition next{epoch, shown + 1, pos.global_step, world, cursor, epoch_world};
+      if (step + 1 == steps) next = {epoch + 1, 0, pos.global_step, world, 0, world};
       if (a.checkpoint_every > 0 && pos.global_step % a.checkpoint_every == 0) save(next);
       if (a.kill_after_steps > 0 && steps_run == a.kill_after_steps) {
         std::fflush(stdout);
@@ -214,7 +246,7 @@ int run(const Args& a) {
   }
   comm->barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  save({a.epochs, 0, pos.global_step, world});
+  save({a.epochs, 0, pos.global_step, world, 0, world});
 
   int64_t total_samples = samples;
   comm->allreduce(&total_samples, &total_samples, 1, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
@@ -273,9 +305,10 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", a.data_dir, "folder with the gzip idx files");
   app.add_option("--seed", a.seed, "seed of the model init and the sampler");
   app.add_option("--train-samples", a.train_samples, "use only the first N training images (0 = all)")->check(kNotNegative);
-  app.add_option("--checkpoint-dir", a.checkpoint_dir, "rank 0 writes <dir>/checkpoint.bin (atomically) here");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir,
+                 "rank 0 writes <dir>/checkpoint.bin (atomically) here; a restarted job resumes from it");
   app.add_option("--checkpoint-every", a.checkpoint_every, "checkpoint every N steps (and at the end)")->check(kNotNegative);
-  app.add_flag("--resume", a.resume, "continue from <checkpoint-dir>/checkpoint.bin");
+  app.add_flag("--resume", a.resume, "continue from the newest complete checkpoint in --checkpoint-dir (restarts do so anyway)");
   app.add_option("--compression", a.compression, "gradients on the wire: none, fp16 or bf16");
   app.add_option("--device", a.device, "cpu, or cuda: the model on this rank's GPU, gradients reduced by NCCL");
   app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB")->check(kPositive);

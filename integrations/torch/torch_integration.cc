@@ -282,16 +282,17 @@ void save_checkpoint(const std::string& dir, ::torch::nn::Module& module, ::torc
   archive.write("__cohort_optimizer", opt_archive);
   std::ostringstream out;
   archive.save_to(out);
-  train::write_file_atomically(train::checkpoint_path(dir), train::encode_checkpoint(position, out.str()));
+  train::write_checkpoint(dir, position, out.str());
 }
 
 std::optional<train::TrainingPosition> load_checkpoint(const std::string& dir, ::torch::nn::Module& module,
                                                        ::torch::optim::Optimizer& optimizer) {
-  const std::string path = train::checkpoint_path(dir);
-  auto bytes = train::read_file_if_exists(path);
-  if (!bytes) return std::nullopt;
-  std::string payload;
-  train::TrainingPosition pos = train::decode_checkpoint(*bytes, payload, path);
+  auto newest = train::newest_complete_checkpoint(dir);
+  if (!newest) return std::nullopt;
+  const std::string& path = newest->path;
+  const std::string& payload = newest->payload;
+  train::TrainingPosition pos = newest->position;
+  for (const auto& why : newest->skipped) fmt::print(stderr, "checkpoint: skipped {}\n", why);
   // Module::load replaces tensors with set_ and does not compare shapes: check them ourselves.
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   for (auto& p : module.named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());

@@ -42,7 +42,49 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int num_replicas, i
   if (num_samples_ < 0) num_samples_ = 0;
 }
 
+namespace {
+
+// Samples per rank at `world` ranks, as torch computes it.
+int64_t per_rank(int64_t n, int world, bool drop_last) {
+  int64_t k = drop_last && n % world != 0 ? (n - world + world - 1) / world : (n + world - 1) / world;
+  return k < 0 ? 0 : k;
+}
+
+}  // namespace
+
+int64_t DistributedSampler::total_size_for(int world) const {
+  if (world <= 0) throw InvalidArgument(fmt::format("DistributedSampler: world size must be > 0, got {}", world));
+  return per_rank(dataset_size_, world, drop_last_) * world;
+}
+
+std::vector<int64_t> DistributedSampler::indices_from(int64_t cursor, int epoch_world) const {
+  const int64_t total = total_size_for(epoch_world);
+  if (cursor < 0 || cursor > total)
+    throw InvalidArgument(fmt::format("DistributedSampler: cursor {} is outside the epoch's {} positions", cursor, total));
+  // The epoch's order as the world that began it saw it: its rank r's list is positions r, r + world, ...
+  DistributedSampler began(dataset_size_, epoch_world, 0, shuffle_, seed_, drop_last_, permutation_);
+  began.set_epoch(epoch_);
+  std::vector<int64_t> order = began.padded_order();
+  std::vector<int64_t> mine;
+  for (int64_t i = cursor + rank_; i < total; i += num_replicas_) mine.push_back(order[static_cast<size_t>(i)]);
+  return mine;
+}
+
+int64_t DistributedSampler::longest_share(int64_t cursor, int epoch_world) const {
+  const int64_t rest = total_size_for(epoch_world) - cursor;
+  return rest <= 0 ? 0 : (rest + num_replicas_ - 1) / num_replicas_;
+}
+
 std::vector<int64_t> DistributedSampler::indices() const {
+  const auto all = padded_order();
+  const size_t total = all.size();
+  std::vector<int64_t> mine;
+  mine.reserve(static_cast<size_t>(num_samples_));
+  for (size_t i = static_cast<size_t>(rank_); i < total; i += static_cast<size_t>(num_replicas_)) mine.push_back(all[i]);
+  return mine;
+}
+
+std::vector<int64_t> DistributedSampler::padded_order() const {
   std::vector<int64_t> all;
   if (shuffle_) {
     all = permutation_(dataset_size_, seed_ + static_cast<uint64_t>(epoch_));
@@ -60,10 +102,7 @@ std::vector<int64_t> DistributedSampler::indices() const {
   } else {
     all.resize(total);
   }
-  std::vector<int64_t> mine;
-  mine.reserve(static_cast<size_t>(num_samples_));
-  for (size_t i = static_cast<size_t>(rank_); i < total; i += static_cast<size_t>(num_replicas_)) mine.push_back(all[i]);
-  return mine;
+  return all;
 }
 
 }  // namespace cohort::train

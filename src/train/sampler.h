@@ -32,7 +32,24 @@ class DistributedSampler {
   // This rank's indices for the current epoch.
   std::vector<int64_t> indices() const;
 
+  // Resuming an epoch, possibly at another world size (docs/training.md, "Resuming"). An epoch's
+  // order is the one it began with: the permutation of (seed + epoch) padded (or cut, drop_last) for
+  // the world size `epoch_world` that began it; rank r of that world takes positions r, r + world,
+  // ...; so after S steps of B samples per rank the first S * B * world positions are consumed, a
+  // prefix. `cursor` is that count. The rest, positions [cursor, total), is split round-robin over
+  // this sampler's replicas: rank r takes rest[r], rest[r + replicas], ... No sample of the order
+  // is repeated or skipped; shares differ by at most one. With the world unchanged, each rank gets
+  // exactly the indices an uninterrupted epoch would have given it.
+  std::vector<int64_t> indices_from(int64_t cursor, int epoch_world) const;
+  // The largest share of indices_from(cursor, epoch_world) (rank 0's): the steps every rank runs.
+  int64_t longest_share(int64_t cursor, int epoch_world) const;
+  // Positions in an epoch's order for `world` ranks (num_samples * world at that world size).
+  int64_t total_size_for(int world) const;
+
  private:
+  // The epoch's permutation padded (or cut) to total_size(): rank r takes positions r, r + replicas...
+  std::vector<int64_t> padded_order() const;
+
   int64_t dataset_size_;
   int num_replicas_;
   int rank_;

@@ -77,21 +77,25 @@ TEST(FashionMnist, KillAndResumeOneProcess) {
   EXPECT_EQ(digest_of(resumed), want);
 }
 
-// Runs the job on 2 processes that meet through RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
-std::vector<ProcessResult> run_two_ranks(const std::vector<std::string>& args) {
+// Runs the job on `world` processes that meet through RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
+std::vector<ProcessResult> run_ranks(int world, const std::vector<std::string>& args,
+                                     const std::vector<std::string>& extra_env = {}) {
   const int port = cohort::test::free_port();
-  std::vector<ProcessResult> results(2);
+  std::vector<ProcessResult> results(static_cast<size_t>(world));
   std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
-      results[r] = run_process(args, {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "LOCAL_RANK=" + std::to_string(r),
-                                      "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-                                      "COHORT_TIMEOUT=30"},
-                               90);
+      std::vector<std::string> env = {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
+                                      "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(world),
+                                      "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+                                      "COHORT_TIMEOUT=30"};
+      env.insert(env.end(), extra_env.begin(), extra_env.end());
+      results[static_cast<size_t>(r)] = run_process(args, env, 90);
     });
   for (auto& t : threads) t.join();
   return results;
 }
+std::vector<ProcessResult> run_two_ranks(const std::vector<std::string>& args) { return run_ranks(2, args); }
 
 TEST(FashionMnist, KillAndResumeTwoRanks) {
   if (!kHaveData) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
@@ -115,6 +119,35 @@ TEST(FashionMnist, KillAndResumeTwoRanks) {
   ASSERT_EQ(resumed[1].exit_code, 0) << resumed[1].err;
   EXPECT_NE(resumed[0].out.find("at epoch 1, step 3"), std::string::npos) << resumed[0].out;
   EXPECT_EQ(digest_of(resumed[0]), want);
+}
+
+// An elastic job's next generation: the same checkpoint directory, another world size, no --resume
+// (a restart resumes by itself). The interrupted epoch goes on from its sample position.
+TEST(FashionMnist, ARestartResumesByItselfAtAnotherWorldSize) {
+  if (!kHaveData) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  cohort::test::TempDir tmp;
+  auto args = small_job(tmp.file("b"));
+  args.insert(args.end(), {"--kill-after-steps", "30"});  // 2 ranks: 25 steps per epoch; checkpoint at step 28
+  auto killed = run_two_ranks(args);
+  EXPECT_EQ(killed[0].exit_code, 128 + 9) << killed[0].err;
+
+  auto resumed = run_ranks(3, small_job(tmp.file("b")), {"COHORT_RESTART_COUNT=1"});
+  for (const auto& r : resumed) ASSERT_EQ(r.exit_code, 0) << r.err;
+  // Step 28 = epoch 1, step 3 of 25: 3 steps x 32 x 2 ranks = 192 of the epoch's 1600 positions.
+  EXPECT_NE(resumed[0].out.find("at epoch 1, step 3 (sample 192 of the epoch's 1600; written by 2 ranks, 3 now; "
+                                "restart 1)"),
+            std::string::npos)
+      << resumed[0].out;
+  // The rest of epoch 1 over 3 ranks: 1408 samples, 470 for rank 0, 15 steps of 32.
+  EXPECT_NE(resumed[0].out.find("epoch: 1, step: 10, loss is"), std::string::npos) << resumed[0].out;
+  EXPECT_NE(resumed[0].out.find("11/18"), std::string::npos) << resumed[0].out;  // 3 steps before, 15 now
+  EXPECT_NE(resumed[0].out.find("1408 samples on 3 ranks"), std::string::npos) << resumed[0].out;  // none twice
+  EXPECT_NE(resumed[0].out.find("test accuracy: "), std::string::npos) << resumed[0].out;
+
+  // A restart with no checkpoint yet starts from the beginning, and says so.
+  auto fresh = run_process(small_job(tmp.file("none")), {"COHORT_RESTART_COUNT=2"}, 60);
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.err;
+  EXPECT_NE(fresh.out.find("restart 2: no checkpoint in"), std::string::npos) << fresh.out;
 }
 
 }  // namespace

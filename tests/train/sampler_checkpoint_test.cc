@@ -64,6 +64,107 @@ TEST(DistributedSampler, BadArgumentsAreClear) {
   EXPECT_THROW(DistributedSampler(10, 2, 2), InvalidArgument);
 }
 
+// ---- resuming an epoch at another world size (docs/training.md, "Resuming") ----------------------
+
+// What an epoch begun by `world0` ranks consumed in `steps` steps of `batch` per rank: each rank's
+// first steps * batch indices (at most its whole list).
+std::multiset<int64_t> consumed(int64_t n, int world0, int64_t batch, int64_t steps, uint64_t seed, int64_t epoch) {
+  std::multiset<int64_t> out;
+  for (int r = 0; r < world0; ++r) {
+    DistributedSampler s(n, world0, r, true, seed);
+    s.set_epoch(epoch);
+    auto mine = s.indices();
+    for (int64_t i = 0; i < std::min<int64_t>(steps * batch, static_cast<int64_t>(mine.size())); ++i)
+      out.insert(mine[static_cast<size_t>(i)]);
+  }
+  return out;
+}
+
+TEST(DistributedSampler, AResumedEpochAtAnyWorldSizeTakesTheRestOfItsOrderOnce) {
+  const int64_t n = 103, batch = 5, epoch = 3;
+  const uint64_t seed = 7;
+  for (int world0 : {1, 2, 4}) {
+    DistributedSampler whole(n, world0, 0, true, seed);
+    const int64_t steps_per_epoch = (whole.num_samples() + batch - 1) / batch;
+    for (int64_t steps = 1; steps < steps_per_epoch; ++steps) {
+      const int64_t cursor = steps * batch * world0;
+      // The epoch's whole order, as the ranks that began it would have taken it (padding included).
+      std::multiset<int64_t> everything = consumed(n, world0, batch, steps_per_epoch, seed, epoch);
+      for (int world1 : {1, 2, 3, 4, 5, 8}) {
+        std::multiset<int64_t> seen = consumed(n, world0, batch, steps, seed, epoch);
+        std::vector<size_t> shares;
+        int64_t longest = 0;
+        for (int r = 0; r < world1; ++r) {
+          DistributedSampler s(n, world1, r, true, seed);
+          s.set_epoch(epoch);
+          auto rest = s.indices_from(cursor, world0);
+          shares.push_back(rest.size());
+          longest = s.longest_share(cursor, world0);
+          seen.insert(rest.begin(), rest.end());
+        }
+        EXPECT_EQ(seen, everything) << "world " << world0 << " -> " << world1 << " after " << steps << " steps: "
+                                    << "every sample of the order once, none skipped or repeated";
+        auto [lo, hi] = std::minmax_element(shares.begin(), shares.end());
+        EXPECT_LE(*hi - *lo, 1u) << "shares differ by at most one";
+        EXPECT_EQ(static_cast<int64_t>(*hi), longest);
+      }
+    }
+  }
+}
+
+TEST(DistributedSampler, AResumedEpochAtTheSameWorldSizeGivesEachRankWhatItWouldHaveHad) {
+  const int64_t n = 103, batch = 5, steps = 3;
+  for (int r = 0; r < 4; ++r) {
+    DistributedSampler s(n, 4, r, true, 11);
+    s.set_epoch(2);
+    auto whole = s.indices();
+    auto rest = s.indices_from(steps * batch * 4, 4);
+    EXPECT_EQ(rest, std::vector<int64_t>(whole.begin() + steps * batch, whole.end())) << "rank " << r;
+  }
+  DistributedSampler s(n, 4, 0);
+  EXPECT_THROW(s.indices_from(-1, 4), InvalidArgument);
+  EXPECT_THROW(s.indices_from(s.total_size_for(4) + 1, 4), InvalidArgument);
+  EXPECT_TRUE(s.indices_from(s.total_size_for(4), 4).empty());
+}
+
+TEST(Checkpoint, TheNewestCompleteOneIsLoadedAndAnIncompleteNewestIsSkipped) {
+  test::TempDir dir;
+  EXPECT_FALSE(newest_complete_checkpoint(dir.path()).has_value());
+  TrainingPosition first{0, 5, 5, 2, 320, 2}, second{0, 9, 9, 3, 512, 2};
+  write_checkpoint(dir.path(), first, "first");
+  write_checkpoint(dir.path(), second, "second");
+  auto got = newest_complete_checkpoint(dir.path());
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->payload, "second");
+  EXPECT_EQ(got->position.epoch_cursor, 512);
+  EXPECT_EQ(got->position.epoch_world, 2);
+  EXPECT_EQ(got->position.world_size, 3);
+  // The newest cut short (a copy that stopped, a file system without atomic rename): the one before.
+  std::string bytes = *read_file_if_exists(checkpoint_path(dir.path()));
+  test::write_file(checkpoint_path(dir.path()), bytes.substr(0, bytes.size() - 2));
+  got = newest_complete_checkpoint(dir.path());
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->payload, "first");
+  ASSERT_EQ(got->skipped.size(), 1u);
+  EXPECT_NE(got->skipped[0].find("checkpoint truncated"), std::string::npos) << got->skipped[0];
+  // A damaged payload of the right length is caught by the digest.
+  bytes.back() ^= 1;
+  test::write_file(checkpoint_path(dir.path()), bytes);
+  got = newest_complete_checkpoint(dir.path());
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->payload, "first");
+  EXPECT_NE(got->skipped.at(0).find("checkpoint damaged"), std::string::npos) << got->skipped[0];
+  // Neither complete: one error naming both.
+  test::write_file(previous_checkpoint_path(dir.path()), "garbage");
+  try {
+    newest_complete_checkpoint(dir.path());
+    ADD_FAILURE() << "expected an error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no complete checkpoint in"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("checkpoint.1.bin is not a cohort checkpoint"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Checkpoint, RoundTripAndAtomicReplace) {
   test::TempDir dir;
   const std::string path = checkpoint_path(dir.path() + "/ckpt");

@@ -160,6 +160,13 @@ class DistributedSampler : public ::torch::data::samplers::Sampler<std::vector<s
   void set_epoch(int64_t epoch);
   // This rank's indices for the current epoch (what iterating the Python sampler yields).
   std::vector<int64_t> indices() const { return sampler_.indices(); }
+  // The rest of an epoch resumed at `cursor` of the order that `epoch_world` ranks began
+  // (train::DistributedSampler::indices_from; docs/training.md, "Resuming").
+  std::vector<int64_t> indices_from(int64_t cursor, int epoch_world) const {
+    return sampler_.indices_from(cursor, epoch_world);
+  }
+  int64_t longest_share(int64_t cursor, int epoch_world) const { return sampler_.longest_share(cursor, epoch_world); }
+  int64_t total_size_for(int world) const { return sampler_.total_size_for(world); }
   int64_t num_samples() const { return sampler_.num_samples(); }
 
   void reset(c10::optional<size_t> new_size = c10::nullopt) override;
@@ -178,10 +185,12 @@ class DistributedSampler : public ::torch::data::samplers::Sampler<std::vector<s
   size_t cursor_ = 0;
 };
 
-// Checkpoints: rank 0 writes model + optimizer + position atomically to <dir>/checkpoint.bin.
+// Checkpoints: rank 0 writes model + optimizer + position atomically to <dir>/checkpoint.bin (the
+// one before is kept as checkpoint.1.bin).
 void save_checkpoint(const std::string& dir, ::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
                      const train::TrainingPosition& position);
-// Loads <dir>/checkpoint.bin into module and optimizer (every rank); nullopt when there is none.
+// Loads the newest complete checkpoint of <dir> into module and optimizer (every rank); nullopt when
+// there is none.
 std::optional<train::TrainingPosition> load_checkpoint(const std::string& dir, ::torch::nn::Module& module,
                                                        ::torch::optim::Optimizer& optimizer);
 
