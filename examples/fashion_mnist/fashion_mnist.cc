@@ -226,6 +226,12 @@ int run(const Args& a) {
       samples += len;
       ++steps_run;
       ++pos.global_step;
+      if (lead && restart > 0 && steps_run == 1) {
+        // How long a restart took, measurable from outside: the wall clock of the first step.
+        const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+        fmt::print("restart {}: first step done at {:.3f} (unix time), world size {}\n", restart, now, world);
+        std::fflush(stdout);
+      }
       const int64_t shown = steps_before + step, shown_total = steps_before + steps;
       if (lead && shown % 10 == 0) {
         last_loss = loss.item<double>();

@@ -70,7 +70,7 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
 void Job::open_lease() {
   const NodePlan* node = plan_.node(plan_.this_node);
   self_ = AgentInfo{fmt::format("{}-{}-{}", net::hostname(), getpid(), random_token(4)), net::hostname(),
-                    node ? node->nproc : 0};
+                    node ? node->nproc : 0, plan_.host_store};
   auto events = events_;
   lease_ = StoreLease::open(client_options_,
                             Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),

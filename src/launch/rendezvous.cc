@@ -196,11 +196,13 @@ void Rendezvous::evaluate(Round& r) {
     }
     return;
   }
-  // Node order: the previous generation's members as they were, then newcomers by arrival.
+  // Node order: the store's host, the previous generation's members as they were, newcomers by arrival.
   std::vector<AgentInfo> nodes;
+  for (const auto& a : live)
+    if (a.store_host) nodes.push_back(a);
   if (r.previous)
     for (const auto& a : r.previous->nodes)
-      if (live_ids.count(a.id)) nodes.push_back(a);
+      if (live_ids.count(a.id) && !a.store_host) nodes.push_back(a);
   for (const auto& a : live)
     if (std::none_of(nodes.begin(), nodes.end(), [&](const AgentInfo& b) { return b.id == a.id; })) nodes.push_back(a);
   if (static_cast<int>(nodes.size()) > max) nodes.resize(static_cast<size_t>(max));

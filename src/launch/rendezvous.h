@@ -20,8 +20,9 @@
 // generation (`end_generation`), when there is room for it. Below MIN the round fails after the
 // rendezvous timeout, naming who joined and who did not come back.
 //
-// Node order: the previous generation's members keep their relative order, newcomers follow in order
-// of arrival, so rank 0 stays on the same host for as long as that host stays.
+// Node order: the store's host first (rank 0 runs where MASTER_ADDR points), then the previous
+// generation's members in their order, then newcomers in order of arrival; so ranks move as little as
+// they can, and rank 0 stays on the store's host.
 
 #include <atomic>
 #include <functional>
@@ -38,10 +39,13 @@ namespace cohort::launch {
 
 struct AgentInfo {
   std::string id;    // unique per agent process (host, pid and random bits)
-  std::string host;  // for messages, output tags and MASTER_ADDR
+  std::string host;  // for messages and output tags
   int nproc = 1;     // workers it runs
+  // It hosts the job's store, on the master address: it is always node 0, so that rank 0 runs where
+  // MASTER_ADDR points (torch's env:// makes rank 0 host its own TCPStore there).
+  bool store_host = false;
 };
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(AgentInfo, id, host, nproc)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(AgentInfo, id, host, nproc, store_host)
 
 struct Membership {
   int generation = 0;

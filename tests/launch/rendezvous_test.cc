@@ -92,6 +92,26 @@ TEST(Rendezvous, MaxAgentsCloseTheFirstRoundAtOnceWithDenseRanks) {
   EXPECT_EQ(nodes, (std::set<int>{0, 1, 2, 3}));
 }
 
+TEST(Rendezvous, TheStoresHostIsNodeZeroWhateverTheOrderOfArrival) {
+  Cluster c;
+  std::map<std::string, Membership> got;
+  std::mutex m;
+  std::atomic<bool> stop{false};
+  test::run_ranks(3, [&](int i) {
+    // h2 hosts the store and arrives last.
+    if (i == 2) std::this_thread::sleep_for(100ms);
+    AgentInfo self = agent("h" + std::to_string(i));
+    self.store_host = i == 2;
+    Rendezvous r(c.client(), self, bounds(3, 3), {});
+    auto mine = r.join(0, stop);
+    ASSERT_TRUE(mine);
+    std::lock_guard<std::mutex> g(m);
+    got[self.host] = *mine;
+  });
+  EXPECT_EQ(got["h2"].this_node, 0);
+  EXPECT_EQ(got["h0"].nodes.front().host, "h2");
+}
+
 TEST(Rendezvous, BelowMaxTheFirstRoundClosesAfterTheLastCall) {
   Cluster c;
   auto start = Clock::now();

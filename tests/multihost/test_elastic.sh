@@ -1,0 +1,89 @@
+# cluster-hosts: 5
+# An elastic job across hosts (`cohort run --nnodes 2:4`, one agent per host, torchrun style): 4 hosts
+# x 2 ranks train the Fashion-MNIST MLP; h3's agent and workers are SIGKILLed mid-epoch; the other
+# three go on from the last checkpoint at the next generation (world 6); a 5th host started then is
+# admitted at the generation after (world 8). The final test accuracy must be within 1 point of the
+# same job uninterrupted, every surviving agent exits 0, and nothing of the job is left on any host
+# (no process, no /dev/shm entry). Prints the time from the kill to the first step of generation 1
+# (docs/performance.md, "Elastic jobs").
+source "$(dirname "$0")/lib.sh"
+require_command run
+TRAIN=${COHORT_BUILD_DIR:-}/examples/fashion_mnist/fashion_mnist
+if [[ ! -x $TRAIN ]]; then echo "SKIP: $TRAIN not built (libtorch missing)"; exit 77; fi
+if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
+  echo "SKIP: dataset-fashion-mnist is not installed"; exit 77
+fi
+((COHORT_CLUSTER_K >= 5)) || { echo "FAIL: needs 5 hosts, the cluster has $COHORT_CLUSTER_K" >&2; exit 1; }
+shm_before=$(ls /dev/shm | sort)
+# 2 epochs at lr 0.2 (global batch 256 on 8 ranks): far enough into training that a world size
+# changing mid-run moves the final accuracy by well under a point (0.82-0.83 either way).
+ARGS=(--model mlp --lr 0.2 --epochs 2 --checkpoint-every 25)
+agent() {  # agent HOST-INDEX PORT CHECKPOINT-DIR: one host's `cohort run`
+  on_host "$1" timeout -k 5 170 "$COHORT" run --nnodes 2:4 --nproc-per-node 2 --master-addr h0 --master-port "$2" \
+    --max-restarts 3 --kill-grace 2 --rdzv-conf last_call_timeout=5 --ranks-to-console 0 \
+    "$TRAIN" "${ARGS[@]}" --checkpoint-dir "$3"
+}
+accuracy() { grep -o "test accuracy: [0-9.]*" "$1" | head -1 | awk '{print $3}'; }
+# Waits up to $3 s for file $1 to contain $2.
+wait_for_line() {
+  local deadline=$((SECONDS + $3))
+  while ((SECONDS < deadline)); do grep -q -- "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done
+  return 1
+}
+
+# 1. The same job uninterrupted: the reference accuracy.
+for i in 0 1 2 3; do agent "$i" 29610 "$MH_TMP/ref" >"$MH_TMP/ref.$i.out" 2>&1 & done
+rc=0; wait || rc=$?
+ref=$(accuracy "$MH_TMP/ref.0.out")
+[[ -n $ref ]] && pass "uninterrupted run: test accuracy $ref" || { fail "uninterrupted run printed no accuracy"; tail -20 "$MH_TMP/ref.0.out" >&2; }
+expect_no_job_processes 5
+
+# 2. The same job, h3 killed mid-epoch, h4 joining afterwards.
+pids=()
+for i in 0 1 2 3; do agent "$i" 29620 "$MH_TMP/el" >"$MH_TMP/el.$i.out" 2>&1 & pids+=($!); done
+# Mid-epoch: after step 100 of epoch 0 (of 235), with checkpoints written every 25 steps.
+if ! wait_for_line "$MH_TMP/el.0.out" "epoch: 0, step: 100," 120; then
+  fail "training did not reach step 100"
+  for i in 0 1 2 3; do echo "--- h$i:"; tail -5 "$MH_TMP/el.$i.out"; done >&2
+fi
+victims=$(pids_matching 3 fashion_mnist)
+t_kill=$(date +%s.%N)
+# shellcheck disable=SC2086
+kill -KILL $victims
+wait_for_line "$MH_TMP/el.0.out" "restart 1: first step done at" 60 || fail "no first step of generation 1 on h0"
+t_first=$(grep -o "restart 1: first step done at [0-9.]*" "$MH_TMP/el.0.out" | awk '{print $7}')
+recovery=$(awk -v a="$t_kill" -v b="$t_first" 'BEGIN { printf "%.2f", b - a }')
+echo "kill of h3 -> first step of generation 1: $recovery s"
+awk -v r="$recovery" 'BEGIN { exit !(r > 0 && r < 10) }' && pass "generation 1 stepped $recovery s after the kill" ||
+  fail "generation 1's first step came $recovery s after the kill"
+# h4 joins once generation 1 has trained a while at world 6 (and checkpointed): the final weights then
+# come from both world sizes.
+wait_for_line "$MH_TMP/el.0.out" "epoch: 0, step: 160," 60 || fail "generation 1 did not reach step 160"
+agent 4 29620 "$MH_TMP/el" >"$MH_TMP/el.4.out" 2>&1 &
+pids+=($!)
+for i in 0 1 2 4; do
+  rc=0; wait "${pids[$i]}" || rc=$?
+  expect_eq "agent on h$i exits 0" "$rc" 0
+done
+wait "${pids[3]}" 2>/dev/null || true
+out=$(cat "$MH_TMP/el.0.out")
+# Node order is the order of arrival in generation 0 (survivors keep theirs; newcomers come last).
+expect_contains "h0 saw h3's node lost" "$out" "(h3): its agent's store lease ended"
+gen1=$(grep -o "generation 1: 3 node(s) ([^)]*), world size 6" <<<"$out" || true)
+[[ -n $gen1 && $gen1 != *h3* ]] && pass "generation 1 has the 3 survivors: $gen1" || fail "no generation 1 of h0-h2 at world 6"
+expect_contains "generation 1 resumed from the checkpoint" "$out" "written by 8 ranks, 6 now; restart 1"
+expect_contains "h4 was admitted at the next generation" "$out" "h4 joins the job"
+expect_contains "generation 2 has 4 nodes again, h4 last" "$out" "h4), world size 8"
+expect_contains "generation 2 resumed from generation 1's checkpoint" "$out" "written by 6 ranks, 8 now; restart 2"
+expect_contains "h4 ran in generation 2" "$(cat "$MH_TMP/el.4.out")" "generation 2: 4 node(s)"
+got=$(accuracy "$MH_TMP/el.0.out")
+if [[ -n $got && -n $ref ]] && awk -v a="$got" -v b="$ref" 'BEGIN { d = a - b; exit !(d < 0.01 && d > -0.01) }'; then
+  pass "accuracy after the kill and the join ($got) is within 1 point of the uninterrupted run ($ref)"
+else
+  fail "accuracy after the kill and the join ($got) is not within 1 point of the uninterrupted run ($ref)"
+  tail -30 "$MH_TMP/el.0.out" >&2
+fi
+expect_no_job_processes 5
+shm_after=$(ls /dev/shm | sort)
+expect_eq "no /dev/shm entry left" "$(comm -13 <(echo "$shm_before") <(echo "$shm_after") | tr '\n' ' ')" ""
+finish
