@@ -419,10 +419,10 @@ void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
     }
   }
   if (first) recorder_.dump_on_failure(message);
-  // A failure that started here (not one a peer told us about) is passed on to the peers.
-  bool from_peer = false;
-  for (auto& t : transports_) from_peer = from_peer || t->failed_by_notice();
-  if (first && !from_peer) {
+  // The root cause is passed on to every peer that did not tell it to this rank, also when it came
+  // in a peer's notice: once this rank exits, a peer that heard nothing else would see only its
+  // closed connections and name this rank instead of the one that died (each rank passes it on once).
+  if (first) {
     for (auto& t : transports_) t->notify_peers(error_class(e), message);
   }
   for (auto& t : transports_) t->fail(std::make_exception_ptr(AbortedError("communicator failed: " + root_cause_)));

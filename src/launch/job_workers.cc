@@ -203,10 +203,11 @@ void Job::begin_stop() {
     return;
   }
   // A failure elsewhere (a worker, an agent): the workers here are most likely blocked on the lost
-  // peer and about to fail on their own, naming it. An interruption, a membership change and a lost
-  // store are signalled at once (there is nothing for the workers to name, or nobody to hear it).
+  // peer and about to fail on their own, naming it. An interruption, a membership change, a lost
+  // store and an elastic job's lost node are signalled at once: there is nothing for the workers to
+  // name (the end record names the node), or nobody to hear it, and a new generation waits for them.
   if (end_ && end_->kind != "interrupted" && end_->kind != "done" && end_->kind != "membership" &&
-      end_->kind != "lost") {
+      end_->kind != "lost" && end_->kind != "node") {
     reporting_ = true;
     arm_timer(std::min(kReportWindowS, plan_.kill_grace_s));
     return;

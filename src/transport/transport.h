@@ -87,13 +87,13 @@ class Transport {
 
   // Fails every pending and future request with `error` (first error sticks).
   virtual void fail(std::exception_ptr error) = 0;
-  // Best effort, before fail(): tells every connected peer why this rank failed, so that they fail
-  // at once with that cause ("rank 1 (host) failed: ...") instead of a bare "connection closed".
-  // The peers rethrow it as the same class (see ErrorClass).
+  // Best effort: tells every connected peer why this rank failed, so that they fail at once with
+  // that cause ("rank 1 (host) failed: ...") instead of a bare "connection closed". Peers that sent
+  // this rank their own notice are skipped (the cause came from them); everyone else hears it, also
+  // when the cause came in a notice, so that no peer is left to see only this rank's connections
+  // close. The peers rethrow it as the same class (see ErrorClass).
   enum class ErrorClass : uint8_t { kOther = 0, kTimeout = 1, kPeerLost = 2, kMismatch = 3 };
   virtual void notify_peers(ErrorClass cls, const std::string& message) = 0;
-  // Whether the transport failed because a peer's notice said so (then there is nothing to pass on).
-  virtual bool failed_by_notice() const = 0;
   virtual std::exception_ptr error() const = 0;
   virtual void set_mismatch_formatter(MismatchFormatter f) = 0;
 

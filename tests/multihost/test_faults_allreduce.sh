@@ -21,24 +21,37 @@ survivors_name() {  # NAME OUTPUT TEXT RANKS...: each listed rank's error line c
   else fail "$name: ranks$missing did not report '$text'"; echo "$out" | grep -v OMP_NUM | sed 's/^/    | /' >&2; fi
 }
 
-# 1. SIGKILL of rank 5 (h2) mid-allreduce.
-start_job "$MH_TMP/1.out" --no-abort-on-failure -x COHORT_TIMEOUT=10
-victim=$(wait_rank_pid 2 5 "bench allreduce") || fail "rank 5 not found on h2"
-sleep 2   # well inside the allreduce loop
-t0=$(now_ms); kill -KILL "$victim"
-rc=0; wait "$JOB" || rc=$?; dt=$(($(now_ms) - t0))
-out=$(cat "$MH_TMP/1.out")
-[[ $rc != 0 ]] && pass "worker SIGKILL: launcher exit $rc" || fail "worker SIGKILL: launcher exit 0"
-# Every survivor names a lost rank and its host. Usually that is rank 5 (h2) for all; a survivor can
-# instead see a neighbour that has already failed and exited close its connection first ("lost
-# rank 1 (h0)"): reported to the comm owner; counted below, not failed.
-survivors_name "worker SIGKILL" "$out" "lost rank [0-9]+ \(h[0-9]\)" 0 1 2 3 4 6 7
-n5=$(grep -cE "^\[h[0-9]:[0-9]\] .*lost rank 5 \(h2\)" <<<"$out" || true)
-echo "info: $n5 of 7 survivors named rank 5 (h2) itself"
-expect_contains "worker SIGKILL: launcher summary names the killed rank" "$out" "rank 5 on h2"
-expect_contains "worker SIGKILL: launcher summary line" "$out" "cohort run: job failed"
-((dt <= 2500)) && pass "worker SIGKILL: all survivors failed and the job ended in ${dt} ms (bound 2 s + 0.5 s margin)" \
-  || fail "worker SIGKILL: ${dt} ms until the job ended"
+# 1. SIGKILL of rank 5 (h2) mid-allreduce, 20 times (COHORT_KILL_ROUNDS): in every round every
+# survivor must name rank 5 (h2). Its neighbours see its connections close; the others hear it in a
+# failure notice, passed on by every rank that fails (also by one that failed because of a notice), and
+# sent even when the connection was in the middle of a message (docs/errors.md, "Which rank a survivor
+# names"). Before that, a survivor sometimes saw a neighbour that had already failed close its
+# connection first and named it instead.
+rounds=${COHORT_KILL_ROUNDS:-20}
+right=0; slowest=0
+for ((round = 1; round <= rounds; round++)); do
+  start_job "$MH_TMP/1.out" --no-abort-on-failure -x COHORT_TIMEOUT=10
+  victim=$(wait_rank_pid 2 5 "bench allreduce") || fail "round $round: rank 5 not found on h2"
+  sleep 1   # inside the allreduce loop
+  t0=$(now_ms); kill -KILL "$victim"
+  rc=0; wait "$JOB" || rc=$?; dt=$(($(now_ms) - t0))
+  ((dt > slowest)) && slowest=$dt
+  out=$(cat "$MH_TMP/1.out")
+  [[ $rc != 0 ]] || fail "round $round: launcher exit 0"
+  wrong=""
+  for r in 0 1 2 3 4 6 7; do grep -qE "^\[h[0-9]:$r\] .*lost rank 5 \(h2\)" <<<"$out" || wrong+=" $r"; done
+  if [[ -z $wrong ]]; then
+    right=$((right + 1))
+  else
+    fail "round $round: ranks$wrong did not name rank 5 (h2)"; echo "$out" | grep -v OMP_NUM | sed 's/^/    | /' >&2
+  fi
+  ((dt <= 2500)) || fail "round $round: ${dt} ms until the job ended"
+  grep -q "rank 5 on h2" <<<"$out" || fail "round $round: the launcher's summary does not name rank 5 on h2"
+  expect_no_job_processes 3 >/dev/null
+done
+expect_eq "worker SIGKILL: rounds in which all 7 survivors named rank 5 (h2)" "$right" "$rounds"
+((slowest <= 2500)) && pass "worker SIGKILL: the slowest of $rounds rounds ended ${slowest} ms after the kill" ||
+  fail "worker SIGKILL: the slowest round took ${slowest} ms"
 expect_no_job_processes 3
 
 # 2. Default policy: the launcher's summary names the root cause (rank 5 on h2, SIGKILL).
@@ -69,14 +82,10 @@ rc=0; wait "$JOB" || rc=$?; dt=$(($(now_ms) - t0))
 out=$(cat "$MH_TMP/3.out")
 [[ $rc != 0 ]] && pass "agent SIGKILL: launcher exit $rc" || fail "agent SIGKILL: launcher exit 0"
 expect_contains "agent SIGKILL: summary names the host" "$out" "the agent for host h3 (node 3, ranks 6-7)"
-# Every survivor must name a lost rank and its host. Which one it names depends on which connection
-# broke first: a survivor whose ring neighbour failed (and exited) before h3's loss reached it names that
-# neighbour, so naming h3 itself is reported, not required (known limitation, docs/errors.md).
-# The launcher holds back its stop signal for a short report window (docs/launcher.md), so every
-# survivor gets to print its own error before it is stopped.
-survivors_name "agent SIGKILL" "$out" "lost rank [0-9]+ \(h[0-9]\)" 0 1 2 3 4 5
-n3=$(grep -cE "^\[h[0-2]:[0-5]\] .*lost rank [67] \(h3\)" <<<"$out" || true)
-echo "info: $n3 of 6 survivors named a rank of h3 itself"
+# Every survivor names a rank of h3 (its own loss, or in a failure notice passed on). The launcher
+# holds back its stop signal for a short report window (docs/launcher.md), so every survivor gets to
+# print its own error before it is stopped.
+survivors_name "agent SIGKILL" "$out" "lost rank [67] \(h3\)" 0 1 2 3 4 5
 ((dt <= 2500)) && pass "agent SIGKILL: job ended in ${dt} ms" || fail "agent SIGKILL: ${dt} ms"
 expect_no_job_processes 3
 

@@ -232,6 +232,46 @@ TEST_P(TransportConformance, IdlePollReturnsWithinItsTimeoutAndAPendingReceiveSt
   EXPECT_EQ(v, 1u);
 }
 
+// Rank 0 fails and tells rank 1; rank 1 fails by that notice and passes it on to rank 2 (not
+// connected to rank 0), but not back to rank 0. So when a rank that only heard of a failure exits, its
+// peers already know the root cause instead of seeing its connections close and naming it.
+TEST_P(TransportConformance, AFailureNoticeIsPassedOnToEveryPeerButTheOneThatToldIt) {
+  const int world = 3;
+  std::vector<std::unique_ptr<Transport>> ts(world);
+  std::vector<transport::PeerInfo> peers(world);
+  for (int r = 0; r < world; ++r) {
+    ts[size_t(r)] = GetParam().make({r, world, "passon", Deadline::after(std::chrono::seconds(20))});
+    peers[size_t(r)] = {"host-" + std::to_string(r), ts[size_t(r)]->descriptor()};
+  }
+  const std::vector<std::vector<bool>> use = {{false, true, false}, {true, false, true}, {false, true, false}};
+  run_ranks(world, [&](int r) { ts[size_t(r)]->connect(peers, use[size_t(r)], Deadline::after(std::chrono::seconds(20))); });
+  uint64_t v0 = 0, v1 = 0, v2 = 0;
+  auto r0 = ts[0]->irecv(1, env(1), &v0, 8);
+  auto r1 = ts[1]->irecv(0, env(1), &v1, 8);
+  auto r2 = ts[2]->irecv(1, env(1), &v2, 8);
+  ts[0]->notify_peers(Transport::ErrorClass::kPeerLost, "lost rank 9 (host-9): killed");
+  std::string heard;
+  try {
+    wait(*ts[1], r1, 5);
+    ADD_FAILURE() << "rank 1's receive completed";
+  } catch (const PeerLostError& e) {
+    heard = e.what();
+  }
+  EXPECT_NE(heard.find("rank 0 (host-0) failed: lost rank 9 (host-9)"), std::string::npos) << heard;
+  ts[1]->notify_peers(Transport::ErrorClass::kPeerLost, heard);
+  try {
+    wait(*ts[2], r2, 5);
+    ADD_FAILURE() << "rank 2's receive completed";
+  } catch (const PeerLostError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 (host-1) failed: rank 0 (host-0) failed: lost rank 9 (host-9)"),
+              std::string::npos)
+        << e.what();
+  }
+  // Rank 0 told rank 1: nothing comes back to it.
+  for (int i = 0; i < 10; ++i) ts[0]->poll(20);
+  EXPECT_FALSE(ts[0]->test(r0));
+}
+
 INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
                          ::testing::Values(TransportParam{"tcp", transport::make_tcp_transport}),
                          [](const auto& info) { return info.param.name; });

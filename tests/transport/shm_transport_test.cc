@@ -86,7 +86,6 @@ TEST(ShmTransport, FailureNoticeReachesThePeerWithItsClass) {
     EXPECT_NE(std::string(e.what()).find("rank 0 (host-0) failed: mismatched calls: boom"), std::string::npos) << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
-  EXPECT_TRUE(ts[1]->failed_by_notice());
 }
 
 // Reads exactly n bytes from a pipe (the test's side channel for descriptors).

@@ -128,6 +128,7 @@ struct Peer {
   // lifecycle
   bool bye = false;     // the peer destroyed its transport (orderly)
   bool closed = false;  // its socket reported end of file
+  bool told_us = false;  // it sent this rank its failure notice (it needs none back)
 };
 
 size_t round_up_pow2(uint64_t v) {
@@ -433,16 +434,16 @@ class ShmTransport final : public TransportBase {
     }
     m_.clear();
   }
-  bool failed_by_notice() const override { return failed_by_notice_; }
 
+  // Every peer hears the root cause except those that told it to this rank (see the TCP transport:
+  // a rank failed by a notice passes it on, so nobody names it once it exits).
   void notify_peers(ErrorClass cls, const std::string& message) override {
-    if (failed_by_notice_) return;
     std::string rec(sizeof(CtlRecord), '\0');
     CtlRecord h{kAbortMagic, uint32_t(cls)};
     std::memcpy(rec.data(), &h, sizeof h);
     rec += message.substr(0, 4096);
     for (auto& p : peers_) {
-      if (!p.used || !p.sock || p.closed) continue;
+      if (!p.used || !p.sock || p.closed || p.told_us) continue;
       (void)::send(p.sock.get(), rec.data(), rec.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     }
   }
@@ -719,7 +720,7 @@ class ShmTransport final : public TransportBase {
         if (failed_) return;
       } else if (h.magic == kAbortMagic) {
         std::string text(buf + sizeof h, size_t(n) - sizeof h);
-        failed_by_notice_ = !failed_;
+        p.told_us = true;
         std::string msg = fmt::format("rank {} ({}) failed: {}", q, host(q), text);
         switch (ErrorClass(h.cls)) {
           case ErrorClass::kTimeout: fail(std::make_exception_ptr(TimeoutError(msg))); break;
@@ -769,7 +770,6 @@ class ShmTransport final : public TransportBase {
   bool connected_ = false;
   std::vector<Peer> peers_;
   std::vector<PeerInfo> info_;
-  bool failed_by_notice_ = false;
   Deadline::Clock::time_point last_socket_check_{};
   uint64_t stats_messages_ = 0, stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;
 };

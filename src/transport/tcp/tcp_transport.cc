@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <set>
 #include <unordered_map>
 
 #include <fmt/core.h>
@@ -290,8 +291,14 @@ class TcpTransport final : public TransportBase {
   void fail(std::exception_ptr error) override {
     if (failed_) return;
     failed_ = error;
+    // A message cut off here would leave the stream unparseable, and then no failure notice could
+    // follow it: finish the fragment being written (its buffer is still the caller's, the operation
+    // has not returned), within a short bound. Only a connection that cannot take it stays cut off.
+    const Deadline finish = Deadline::after(std::chrono::milliseconds(200));
     for (auto& per_peer : conns_) {
       for (auto& c : per_peer) {
+        if (!c->midstream && !c->closed && !c->sendq.empty() && c->sendq.front().written != 0)
+          finish_partial(*c, finish);
         c->midstream = c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0);
         c->sendq.clear();
         c->in_payload = false;
@@ -300,19 +307,25 @@ class TcpTransport final : public TransportBase {
     m_.clear();
   }
 
-  bool failed_by_notice() const override { return failed_by_notice_; }
 
+  // Every peer hears the root cause, except those that told it to this rank: a rank that failed because
+  // of a notice passes it on too, so that nobody sees only its closed connections once it exits
+  // (and then names it instead of the rank that died).
   void notify_peers(ErrorClass cls, const std::string& message) override {
-    if (failed_by_notice_) return;
     std::string text = message.substr(0, 4096);
     WireHeader h{};
     h.magic = kAbortMagic;
     h.frag_bytes = uint32_t(text.size());
     h.signature.op = uint8_t(cls);
     h.total = text.size();
-    for (auto& per_peer : conns_) {
-      for (auto& c : per_peer) {
-        // Only on a connection that is not in the middle of a message (the stream stays parseable).
+    const Deadline finish = Deadline::after(std::chrono::milliseconds(200));
+    for (size_t peer = 0; peer < conns_.size(); ++peer) {
+      if (told_by_.count(int(peer))) continue;
+      for (auto& c : conns_[peer]) {
+        // Only on a connection that is not in the middle of a message (the stream stays parseable):
+        // a fragment being written is finished first when it can be.
+        if (!c->closed && !c->midstream && !c->sendq.empty() && c->sendq.front().written != 0)
+          finish_partial(*c, finish);
         if (c->closed || c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0)) continue;
         iovec iov[2] = {{&h, sizeof h}, {text.data(), text.size()}};
         msghdr msg{};
@@ -603,10 +616,44 @@ class TcpTransport final : public TransportBase {
     c.dst = u->buf.get() + h.offset;
   }
 
+  // Writes the rest of the fragment at the front of c's queue (header and payload), blocking in
+  // poll up to `deadline`. On success the stream ends on a message boundary.
+  void finish_partial(Conn& c, const Deadline& deadline) {
+    SendItem& item = c.sendq.front();
+    const size_t total = sizeof(WireHeader) + item.length;
+    while (item.written < total) {
+      iovec iov[2];
+      int n = 0;
+      if (item.written < sizeof(WireHeader)) {
+        iov[n++] = {reinterpret_cast<char*>(&item.header) + item.written, sizeof(WireHeader) - item.written};
+        if (item.length) iov[n++] = {const_cast<char*>(item.payload), item.length};
+      } else {
+        iov[n++] = {const_cast<char*>(item.payload) + (item.written - sizeof(WireHeader)),
+                    item.length - (item.written - sizeof(WireHeader))};
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = size_t(n);
+      ssize_t k = ::sendmsg(c.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k > 0) {
+        item.written += size_t(k);
+        continue;
+      }
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && !deadline.expired()) {
+        pollfd p{c.fd.get(), POLLOUT, 0};
+        ::poll(&p, 1, deadline.poll_ms());
+        continue;
+      }
+      return;  // the peer does not read (or is gone): this connection stays cut off
+    }
+    c.sendq.pop_front();
+  }
+
   void finish_fragment(Conn& c) {
     if (c.receiving_abort) {
       c.receiving_abort = false;
-      failed_by_notice_ = !failed_;
+      told_by_.insert(c.peer);
       std::string msg = fmt::format("rank {} ({}) failed: {}", c.peer, peers_[size_t(c.peer)].host, c.abort_text);
       switch (ErrorClass(c.abort_class)) {
         case ErrorClass::kTimeout: fail(std::make_exception_ptr(TimeoutError(msg))); break;
@@ -642,7 +689,7 @@ class TcpTransport final : public TransportBase {
   std::vector<std::vector<std::unique_ptr<Conn>>> conns_;
   std::vector<size_t> rr_;
   std::vector<PeerInfo> peers_;
-  bool failed_by_notice_ = false;
+  std::set<int> told_by_;  // peers whose failure notice this rank received (they need none back)
   uint64_t stats_unexpected_ = 0, stats_unexpected_bytes_ = 0;  // messages buffered before their receive
 };
 

@@ -1,0 +1,70 @@
+// TCP transport specifics (the common semantics are in the conformance suite): a failure notice sent
+// while a message is half written still reaches the peer (the fragment is finished first, so the
+// stream stays parseable), instead of the peer seeing only the connection close later.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cohort/error.h"
+#include "support/test_support.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace cohort::test {
+namespace {
+
+using transport::Envelope;
+using transport::Transport;
+
+Envelope env(uint64_t tag) {
+  Envelope e;
+  e.tag = tag;
+  e.signature.op = 1;
+  return e;
+}
+
+TEST(TcpTransport, ANoticeSentInTheMiddleOfAMessageStillReachesThePeer) {
+  const int world = 2;
+  std::vector<std::unique_ptr<Transport>> ts(world);
+  std::vector<transport::PeerInfo> peers(world);
+  for (int r = 0; r < world; ++r) {
+    ts[size_t(r)] = transport::make_tcp_transport({r, world, "midstream", Deadline::after(std::chrono::seconds(20))});
+    peers[size_t(r)] = {"host-" + std::to_string(r), ts[size_t(r)]->descriptor()};
+  }
+  run_ranks(world, [&](int r) {
+    ts[size_t(r)]->connect(peers, {r != 0, r != 1}, Deadline::after(std::chrono::seconds(20)));
+  });
+  // 64 MiB: far more than the socket buffers, so a few polls leave it half written.
+  const size_t bytes = size_t(64) << 20;
+  std::vector<char> out(bytes, 'x'), in(bytes);
+  auto recv = ts[1]->irecv(0, env(7), in.data(), bytes);
+  std::string heard;
+  double seconds = -1;
+  std::thread receiver([&] {
+    auto start = std::chrono::steady_clock::now();
+    try {
+      while (!ts[1]->test(recv)) {
+        if (std::chrono::steady_clock::now() - start > std::chrono::seconds(10)) throw TimeoutError("no notice in 10 s");
+        ts[1]->poll(10);
+      }
+      heard = "(the receive completed)";
+    } catch (const std::exception& e) {
+      heard = e.what();
+    }
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  });
+  auto send = ts[0]->isend(1, env(7), out.data(), bytes);
+  for (int i = 0; i < 3; ++i) ts[0]->poll(1);
+  ASSERT_FALSE(ts[0]->test(send)) << "the message went out whole; the test needs it half written";
+  ts[0]->notify_peers(Transport::ErrorClass::kPeerLost, "lost rank 5 (host-5): killed");
+  ts[0]->fail(std::make_exception_ptr(PeerLostError("lost rank 5 (host-5): killed")));
+  receiver.join();  // rank 0's transport stays up: a closed connection cannot be what rank 1 reports
+  EXPECT_NE(heard.find("rank 0 (host-0) failed: lost rank 5 (host-5)"), std::string::npos) << heard;
+  EXPECT_LT(seconds, 5.0);
+}
+
+}  // namespace
+}  // namespace cohort::test
