@@ -87,7 +87,9 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
     for (;;) {
       if (*stop) return;
       try {
-        store->wait({"end"}, Millis(1000));
+        // Short slices: the wait's answer (or its absence, kStoreReplyGrace after the slice) is how a
+        // node cut off from the store learns it within about a second.
+        store->wait({"end"}, Millis(500));
         events->push({WatchEvent::kEnd, store->get("end"), attempt});
         return;
       } catch (const TimeoutError&) {
@@ -139,6 +141,7 @@ void Job::start_store() {
   co.host = plan_.master_addr;
   co.port = static_cast<uint16_t>(plan_.master_port);
   co.token = ctx_.token;
+  co.reply_grace = kStoreReplyGrace;
   if (plan_.host_store) co.host = "127.0.0.1";  // our own server listens on every interface
   // Joining nodes may start long before node 0: keep trying for the join timeout, saying so.
   auto deadline = Deadline::after(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -165,7 +168,6 @@ void Job::start_store() {
   // slices). The others wait long for node 0 while they join, then switch to kStoreCallTimeout.
   const Millis call_timeout = plan_.elastic ? kStoreCallTimeout : Millis(60000);
   co.timeout = call_timeout;
-  co.reply_grace = kStoreReplyGrace;
   client_options_ = co;
   base_client_ = base_store_;
   base_store_->set_timeout(call_timeout);

@@ -23,7 +23,9 @@
 
 namespace cohort::launch::job_detail {
 
-constexpr Millis kInspectorStoreTimeout{2000};
+// Short: a tick's calls are small, and stopping the inspector waits for the one in flight (a store
+// that stopped answering is given up on for good after one of them).
+constexpr Millis kInspectorStoreTimeout{500};
 
 std::string Job::timeline_rank_dir() const { return plan_.trace_dir + "/timeline"; }
 
@@ -89,6 +91,7 @@ void Job::publish_final_trace() {
   // Several nodes: the head's diagnosis needs this node's rings. Published before this node counts
   // itself exited, so the head (which waits for that) finds it.
   if (plan_.flight_recorder <= 0 || !distributed_ || plan_.nnodes <= 1 || !attempt_store_ || head_lost_) return;
+  if (end_ && end_->kind == "lost") return;  // the store is unreachable: a publish would only wait out its deadline
   auto snaps = final_snapshots();
   if (snaps.empty()) return;
   try {

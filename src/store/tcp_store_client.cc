@@ -312,7 +312,10 @@ class TcpStore : public Store {
       if (!connected_) throw;
       lost(e.what());
     } catch (const TimeoutError&) {
-      throw TimeoutError(fmt::format("store at {} did not take the {} request within its deadline", address_, what));
+      if (!connected_)
+        throw TimeoutError(fmt::format("store at {} did not take the {} request within its deadline", address_, what));
+      lost(fmt::format("the {} request could not be sent within its deadline (the server, or the link to it, is gone)",
+                       what));
     }
   }
 
@@ -382,7 +385,12 @@ class TcpStore : public Store {
       pollfd p{fd_.get(), POLLIN, 0};
       int rc = ::poll(&p, 1, deadline.poll_ms(1 << 30));
       if (rc == 0) {
-        throw TimeoutError(fmt::format("store at {} did not answer {} within its deadline", address_, what));
+        // The server answers every request by its deadline (a wait's own, then TimedOut): no answer
+        // by the deadline plus the grace means the server, or the link to it, is gone. The connection
+        // is done with: a late answer would belong to a request nobody waits for any more.
+        if (!connected_)
+          throw TimeoutError(fmt::format("store at {} did not answer {} within its deadline", address_, what));
+        lost(fmt::format("no answer to {} within its deadline (the server, or the link to it, is gone)", what));
       }
     }
   }

@@ -75,4 +75,30 @@ for ((i = 1; i < 4; i++)); do
 done
 ((dt <= 10000)) && pass "store killed: every node stopped in ${dt} ms" || fail "store killed: nodes took ${dt} ms to stop"
 expect_no_job_processes 3
+# 5. Per-node job; h3's link cut: its agent is cut off from the job's store (node 0). Every store call
+# of a joined agent has a 2 s deadline, and its watcher's waits give up 0.5 s after their own 0.5 s
+# slice, so the agent sees the loss within ~1 s, stops its workers at once and exits: within 2 s of
+# the cut (measured 0.85-0.89 s).
+PN_HOSTS=4 run_per_node cut 60 "$COHORT" run --nnodes 4 --node-rank {node} --nproc-per-node 2 \
+  --master-addr h0 --master-port 29610 --kill-grace 1 sh -c "$WORKER" &
+pn=$!
+for ((i = 0; i < 200; i++)); do [[ -n $(pids_matching 3 "sleep 300") && -n $(pids_matching 0 "sleep 300") ]] && break; sleep 0.1; done
+cut_agent=""
+for p in $(pids_matching 3 "--node-rank 3"); do [[ $(cat "/proc/$p/comm" 2>/dev/null) == cohort ]] && cut_agent=$p; done
+[[ -n $cut_agent ]] || fail "h3's launcher not found"
+sleep 1
+t0=$(now_ms); cluster cut "$COHORT_CLUSTER_DIR" 3
+while [[ -d /proc/$cut_agent && $(awk '/^State:/ {print $2}' "/proc/$cut_agent/status" 2>/dev/null) != Z ]] &&
+  (($(now_ms) - t0 < 10000)); do sleep 0.02; done
+dt=$(($(now_ms) - t0))
+((dt <= 2000)) && pass "store link cut: h3's launcher stopped ${dt} ms after the cut (bound 2 s)" ||
+  fail "store link cut: h3's launcher took ${dt} ms to stop"
+[[ -z $(pids_matching 3 "sleep 300") ]] && pass "store link cut: h3's workers are gone" || fail "store link cut: workers left on h3"
+# The others are not told (a static per-node job has no leases): interrupt them.
+for ((h = 0; h < 3; h++)); do for p in $(pids_matching "$h" "--node-rank $h"); do kill -TERM "$p" 2>/dev/null; done; done
+wait "$pn" || true
+expect_contains "store link cut: h3 says it lost the job's store" "$(cat "$MH_TMP/cut.3.out")" "lost the job's store"
+expect_contains "store link cut: ... and where it was" "$(cat "$MH_TMP/cut.3.out")" "store at h0:29610 unreachable: no answer"
+expect_no_job_processes 5
+cluster heal "$COHORT_CLUSTER_DIR" 3
 finish
