@@ -144,3 +144,29 @@ def test_operation_timeout_is_kept(tmp_path):
     seconds = float(line[0].split()[1])
     assert 0.25 <= seconds < 2.0, line[0]
     assert "timeout of 300 ms" in line[0] and "ALLREDUCE" in line[0], line[0]
+
+
+def test_process_groups_of_new_generations_in_the_same_process():
+    # destroy_process_group + init_process_group, three times, each generation at its own store.
+    ports = [str(free_port()) for _ in range(3)]
+    results = run_ranks([os.path.join(HERE, "reinit_worker.py"), "generations"] + ports, 3, timeout=60)
+    assert all(rc == 0 for rc, _, _ in results), describe(results)
+    for rank, (rc, out, err) in enumerate(results):
+        assert f"OK {rank} generations=3" in out, describe(results)
+
+
+def test_after_a_lost_rank_the_survivors_destroy_the_group_and_go_on_smaller():
+    # Rank 2 dies inside generation 0: ranks 0 and 1 get the error (naming rank 2), destroy the failed
+    # group at once and build generation 1 as a world of 2 in the same processes.
+    ports = [str(free_port()) for _ in range(2)]
+    results = run_ranks([os.path.join(HERE, "reinit_worker.py"), "after_failure"] + ports, 3, timeout=60,
+                        env_extra={"COHORT_TIMEOUT": "30"})
+    assert results[2][0] == -9, describe(results)
+    for rank in (0, 1):
+        rc, out, err = results[rank]
+        assert rc == 0, describe(results)
+        line = [l for l in out.splitlines() if l.startswith(f"OK {rank} ")]
+        assert line, describe(results)
+        fields = dict(f.split("=") for f in line[0].split()[2:])
+        assert float(fields["destroy_s"]) < 2.0, line[0]
+        assert fields["named_rank_2"] == "True", describe(results)
