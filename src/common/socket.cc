@@ -76,6 +76,16 @@ Address resolve(const std::string& host, uint16_t port, bool passive) {
   return a;
 }
 
+std::string route_address_to(const std::string& host) {
+  Address to = resolve(host, 9);
+  UniqueFd fd(::socket(to.family(), SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!fd) throw Error(errno_string("socket", errno));
+  // connect() on a UDP socket sends nothing: it only chooses the route and the source address.
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&to.storage), to.length) != 0)
+    throw Error(errno_string(fmt::format("no route to {}: connect", host), errno));
+  return local_address(fd.get()).host();
+}
+
 std::pair<std::string, uint16_t> split_host_port(const std::string& s) {
   std::string host;
   std::string port;

@@ -33,6 +33,11 @@ struct Address {
 // Resolves host (name or numeric; "" means the wildcard address) and port. Throws ConfigError.
 Address resolve(const std::string& host, uint16_t port, bool passive = false);
 
+// This machine's address on the route to `host` (the source address the kernel picks for it, found
+// with an unconnected-in-practice UDP socket): where a peer that reaches `host` can reach us. Throws
+// ConfigError when `host` does not resolve, Error when there is no route.
+std::string route_address_to(const std::string& host);
+
 // "host:port" or "[v6]:port" -> (host, port). Throws ConfigError on a malformed string.
 std::pair<std::string, uint16_t> split_host_port(const std::string& s);
 

@@ -240,12 +240,15 @@ EndInfo Job::run_attempt(int attempt) {
                                                   "it, start a new agent to join again",
                                                   self_.host, ev.text)
                                     : fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
+              if (plan_.elastic && end_ && end_->summary.rfind("lost the job's store", 0) == 0) end_->kind = "store";
               break;
             case WatchEvent::kEnd:
               adopt_end(end_from_string(ev.text));
               break;
             case WatchEvent::kLost:
-              adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store (its host, node 0, is gone?): {}", ev.text)});
+              // An elastic job moves its store when it can (run(): fail_over_store).
+              adopt_end(EndInfo{plan_.elastic ? "store" : "lost", 1,
+                                fmt::format("lost the job's store (its host, node 0, is gone?): {}", ev.text)});
               break;
             case WatchEvent::kJoinTimeout:
               adopt_end(EndInfo{"join", 1, ev.text});
@@ -322,6 +325,14 @@ int Job::run() {
     EndInfo e = run_attempt(attempt);
     bool print = !ctx_.agent_mode;
     if (plan_.elastic) {
+      if (e.kind == "store" && !head_lost_ && membership_ && membership_->restarts < plan_.max_restarts) {
+        say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member", membership_->generation,
+                        e.summary));
+        if (fail_over_store()) {
+          attempt = membership_->generation + 1;
+          continue;
+        }
+      }
       if (auto next = next_generation(e)) {
         say(fmt::format("generation {} ended: {}; the agents meet again for generation {}{}", membership_->generation,
                         e.summary, *next, e.kind == "membership" ? " (a membership change: no restart counted)" : ""));

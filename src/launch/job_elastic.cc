@@ -15,6 +15,7 @@
 #include "cohort/error.h"
 #include "common/log.h"
 #include "common/socket.h"
+#include "common/strings.h"
 #include "launch/job_internal.h"
 
 namespace cohort::launch::job_detail {
@@ -70,7 +71,7 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
 void Job::open_lease() {
   const NodePlan* node = plan_.node(plan_.this_node);
   self_ = AgentInfo{fmt::format("{}-{}-{}", net::hostname(), getpid(), random_token(4)), net::hostname(),
-                    node ? node->nproc : 0, plan_.host_store};
+                    node ? node->nproc : 0, plan_.host_store, standby_address_};
   auto events = events_;
   lease_ = StoreLease::open(client_options_,
                             Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
@@ -135,6 +136,87 @@ void Job::leave_elastic_job(int sig) {
   }
 }
 
+bool Job::fail_over_store() {
+  if (!membership_) return false;
+  const Membership m = *membership_;  // the last generation this agent was a member of
+  std::vector<const AgentInfo*> lost;
+  for (const auto& a : m.nodes)
+    if (a.store_host) lost.push_back(&a);
+  // The candidates, in the generation's order (every survivor tries the same list): the first
+  // standby store that answers is the job's store from now on.
+  for (const auto& c : m.nodes) {
+    if (c.store_host || c.standby.empty()) continue;
+    const bool mine = c.id == self_.id;
+    auto [host, port] = net::split_host_port(c.standby);
+    StoreClientOptions co = client_options_;
+    co.host = mine ? "127.0.0.1" : host;
+    co.port = port;
+    co.timeout = std::chrono::milliseconds(1500);
+    std::shared_ptr<Store> base;
+    try {
+      base = connect_tcp_store(co);
+    } catch (const Error& e) {
+      say(fmt::format("the standby store of {} at {} did not answer ({}); trying the next member", c.host, c.standby,
+                      e.what()));
+      continue;
+    }
+    try {
+      co.timeout = kStoreCallTimeout;
+      base->set_timeout(kStoreCallTimeout);
+      client_options_ = co;
+      base_client_ = base;
+      base_store_ = make_prefix_store(base, "cohort/launch/" + plan_.job_id);
+      watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
+      store_addr_ = c.standby;
+      plan_.master_addr = host;
+      plan_.master_port = port;
+      if (mine) {
+        server_ = std::move(standby_);
+        plan_.host_store = true;
+        self_.store_host = true;
+        self_.standby.clear();
+        torch_port_ = pick_free_port("");
+      } else {
+        plan_.host_store = false;
+      }
+      // Seed the new store with what the lost one knew that the next round needs: the bounds, the
+      // last generation and its end, and the lost host's agents as gone. Every survivor writes the
+      // same (compare-and-set: the first one's stays).
+      base_store_->compare_set("rdzv/config", "", fmt::format("{}:{}", plan_.min_nodes, plan_.max_nodes));
+      base_store_->compare_set(closed_key(m.generation), "", nlohmann::json(m).dump());
+      std::vector<std::string> hosts;
+      for (const auto* a : lost) {
+        base_store_->set(gone_key(a->id), a->host);
+        hosts.push_back(a->host);
+      }
+      base_store_->compare_set(attempt_end_key(m.generation), "",
+                               end_to_string(EndInfo{"node", 1,
+                                                     fmt::format("lost node 0 ({}), the job's store's host",
+                                                                 str::join(hosts, ", "))}));
+      base_store_->compare_set("rdzv/current", "", std::to_string(m.generation));
+      if (mine) base_store_->set("torch_port", std::to_string(torch_port_));
+      else torch_port_ = std::stoi(base_store_->get("torch_port"));
+      // A lease on the new store (the old one went with the old store).
+      lease_.reset();
+      auto events = events_;
+      lease_ = StoreLease::open(client_options_, Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
+                                [events](const std::string& why) {
+                                  events->push({WatchEvent::kLeaseLost, why, kAnyAttempt});
+                                });
+      lease_->set_wills({{launch_prefix(plan_) + gone_key(self_.id), self_.host}});
+    } catch (const Error& e) {
+      say(fmt::format("moving the job's store to {} at {} failed: {}", c.host, c.standby, e.what()));
+      return false;
+    }
+    say(fmt::format("the job's store moved to {} ({}{}); the agents meet again for generation {}; a new agent joins "
+                    "with --rdzv-endpoint {}",
+                    c.standby, c.host, mine ? ", this agent" : "", m.generation + 1, c.standby));
+    return true;
+  }
+  say("no member's standby store answered: the job cannot go on without its store");
+  return false;
+}
+
 bool Job::member_gone(const AgentInfo& a) const {
   try {
     return base_store_->check({gone_key(a.id)});
@@ -144,7 +226,7 @@ bool Job::member_gone(const AgentInfo& a) const {
 }
 
 void Job::settle_elastic_end() {
-  if (!membership_ || head_lost_ || !attempt_store_ || end_->kind == "lost") return;
+  if (!membership_ || head_lost_ || !attempt_store_ || end_->kind == "lost" || end_->kind == "store") return;
   try {
     attempt_store_->add("exited", 1);
     // The store's host stays until every member that is still alive has seen the end of a job that

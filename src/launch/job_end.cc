@@ -100,13 +100,14 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
   }
 }
 
+int pick_free_port(const std::string& host) {
+  auto fd = net::listen_tcp(host, 0, 1, false);
+  return static_cast<int>(net::local_address(fd.get()).port());
+}
+
 void Job::start_store() {
   // The port workers hand to torch's env:// (its rank 0 hosts a TCPStore there) must differ from
   // the cohort store's port, so the store host picks a second free port.
-  auto pick_free_port = [](const std::string& host) {
-    auto fd = net::listen_tcp(host, 0, 1, false);
-    return static_cast<int>(net::local_address(fd.get()).port());
-  };
   bool local = plan_.mode == Mode::kLocal;
   if (plan_.host_store) {
     StoreServerOptions so;
@@ -177,6 +178,16 @@ void Job::start_store() {
   if (plan_.mode == Mode::kPerNode) {
     if (plan_.host_store) base_store_->set("torch_port", std::to_string(torch_port_));
     else torch_port_ = std::stoi(base_store_->get("torch_port"));
+  }
+  if (plan_.elastic && !plan_.host_store) {
+    // The standby store: idle until the store's host is lost and the survivors pick this one.
+    StoreServerOptions so;
+    so.port = 0;
+    so.token = ctx_.token;
+    standby_ = StoreServer::start(so);
+    const std::string here = net::route_address_to(plan_.master_addr);
+    standby_address_ = here.find(':') != std::string::npos ? fmt::format("[{}]:{}", here, standby_->port())
+                                                            : fmt::format("{}:{}", here, standby_->port());
   }
   if (plan_.elastic) open_lease();
 }

@@ -47,6 +47,9 @@ inline constexpr Millis kStoreCallTimeout{2000};
 // answers in milliseconds, so no answer this long after the deadline means a cut link or a dead host.
 inline constexpr Millis kStoreReplyGrace{500};
 
+// A port the OS says is free on `host` now (bind to 0, read it, close).
+int pick_free_port(const std::string& host);
+
 inline bool is_terminating(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT; }
 
 std::string signal_name(int sig);
@@ -57,7 +60,8 @@ void say(const std::string& line);
 struct EndInfo {
   // "done" (all workers finished), "failure", "interrupted", "lost", "agent", "join"; elastic jobs add
   // "node" (a node of the generation is gone or left), "membership" (a newcomer is admitted at the
-  // next generation) and "refused" (this agent is not admitted).
+  // next generation), "store" (the store's host is lost: the store moves, job_elastic.cc) and
+  // "refused" (this agent is not admitted).
   std::string kind;
   int code = 0;  // the launcher's exit code
   std::string summary;
@@ -204,6 +208,9 @@ class Job {
   void leave_elastic_job(int sig);                 // an interrupted agent leaves; the others go on
   void settle_elastic_end();                       // the store's host stays until the others are out
   bool member_gone(const AgentInfo& a) const;
+  // The store's host is lost: move the job's store to the first member whose standby store answers,
+  // seed it with the last generation and go on. False when none answers (the job is over).
+  bool fail_over_store();
   // job_trace.cc
   void prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars);
   void start_inspector(int attempt);
@@ -252,6 +259,8 @@ class Job {
   // Elastic membership: this agent, its lease, and the generation it runs (set when a round closes).
   AgentInfo self_;
   std::unique_ptr<StoreLease> lease_;
+  std::unique_ptr<StoreServer> standby_;  // this agent's standby store (not on the store's host)
+  std::string standby_address_;            // where the others reach it
   std::optional<Membership> membership_;
 };
 

@@ -207,7 +207,7 @@ void Job::begin_stop() {
   // store and an elastic job's lost node are signalled at once: there is nothing for the workers to
   // name (the end record names the node), or nobody to hear it, and a new generation waits for them.
   if (end_ && end_->kind != "interrupted" && end_->kind != "done" && end_->kind != "membership" &&
-      end_->kind != "lost" && end_->kind != "node") {
+      end_->kind != "lost" && end_->kind != "store" && end_->kind != "node") {
     reporting_ = true;
     arm_timer(std::min(kReportWindowS, plan_.kill_grace_s));
     return;

@@ -22,6 +22,7 @@ std::string gen_key(int gen, const std::string& rest) { return fmt::format("rdzv
 
 std::string gone_key(const std::string& agent_id) { return "rdzv/gone/" + agent_id; }
 std::string attempt_end_key(int generation) { return fmt::format("attempt/{}/end", generation); }
+std::string closed_key(int generation) { return gen_key(generation, "closed"); }
 
 int Membership::world_size() const {
   int n = 0;
@@ -197,14 +198,19 @@ void Rendezvous::evaluate(Round& r) {
     return;
   }
   // Node order: the store's host, the previous generation's members as they were, newcomers by arrival.
+  // Each agent as it joined this round (its flags may have changed: the store may have moved to it).
   std::vector<AgentInfo> nodes;
+  auto added = [&](const std::string& id) {
+    return std::any_of(nodes.begin(), nodes.end(), [&](const AgentInfo& b) { return b.id == id; });
+  };
   for (const auto& a : live)
     if (a.store_host) nodes.push_back(a);
   if (r.previous)
-    for (const auto& a : r.previous->nodes)
-      if (live_ids.count(a.id) && !a.store_host) nodes.push_back(a);
+    for (const auto& p : r.previous->nodes)
+      for (const auto& a : live)
+        if (a.id == p.id && !added(a.id)) nodes.push_back(a);
   for (const auto& a : live)
-    if (std::none_of(nodes.begin(), nodes.end(), [&](const AgentInfo& b) { return b.id == a.id; })) nodes.push_back(a);
+    if (!added(a.id)) nodes.push_back(a);
   if (static_cast<int>(nodes.size()) > max) nodes.resize(static_cast<size_t>(max));
   Membership m;
   m.generation = r.gen;

@@ -44,8 +44,11 @@ struct AgentInfo {
   // It hosts the job's store, on the master address: it is always node 0, so that rank 0 runs where
   // MASTER_ADDR points (torch's env:// makes rank 0 host its own TCPStore there).
   bool store_host = false;
+  // "address:port" of the store this agent keeps ready (empty on the store's host): when the store's
+  // host is lost, the survivors move the job's store to the first live member's (docs/launcher.md).
+  std::string standby;
 };
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(AgentInfo, id, host, nproc, store_host)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(AgentInfo, id, host, nproc, store_host, standby)
 
 struct Membership {
   int generation = 0;
@@ -85,6 +88,7 @@ class RendezvousTimeout : public TimeoutError {
 // Key names (relative to the job's launch prefix).
 std::string gone_key(const std::string& agent_id);
 std::string attempt_end_key(int generation);
+std::string closed_key(int generation);
 
 class Rendezvous {
  public:

@@ -187,6 +187,30 @@ TEST(Elastic, AnInterruptedAgentLeavesAndTheOthersGoOn) {
   e.expect_no_worker_left();
 }
 
+TEST(Elastic, LosingTheStoresHostMovesTheStoreToASurvivorAndTheJobGoesOn) {
+  Elastic e;
+  // a hosts the store; b and c keep standby stores. a is SIGKILLed: b and c move the store to the
+  // first of them whose standby answers and go on at generation 1 with 4 ranks.
+  auto r = e.run(e.agent("1:3", "--max-restarts 1 --rdzv-conf last_call_timeout=10") + " 2> " + e.d + "/a.err & a=$!; " +
+                 e.wait_port() + e.agent("1:3", "--max-restarts 1 --rdzv-conf last_call_timeout=10") + " 2> " + e.d +
+                 "/b.err & b=$!; " + e.agent("1:3", "--max-restarts 1 --rdzv-conf last_call_timeout=10") + " 2> " +
+                 e.d + "/c.err & c=$!; " + e.wait_files({"pid.0.0", "pid.0.1", "pid.0.2", "pid.0.3", "pid.0.4", "pid.0.5"}) +
+                 "date +%s%N > " + e.d + "/killed; kill -9 $a; wait $b; rb=$?; wait $c; echo $rb $?");
+  EXPECT_EQ(r.out, "0 0\n") << e.file("b.err") << e.file("c.err");
+  const std::string both = e.file("b.err") + e.file("c.err");
+  EXPECT_NE(both.find("moving the job's store to a surviving member"), std::string::npos) << both;
+  EXPECT_NE(both.find("the job's store moved to"), std::string::npos) << both;
+  EXPECT_NE(both.find(", this agent)"), std::string::npos) << "one of them hosts it now: " << both;
+  EXPECT_NE(both.find("generation 1: 2 node(s)"), std::string::npos) << both;
+  for (int rank = 0; rank < 4; ++rank) {
+    auto f = e.env(1, rank);
+    ASSERT_EQ(f.size(), 7u) << both;
+    EXPECT_EQ(f[1], "4");
+    EXPECT_LT((std::stod(f[6]) - std::stod(e.file("killed"))) / 1e9, 3.0) << "rank " << rank;
+  }
+  e.expect_no_worker_left();
+}
+
 TEST(Elastic, BadBoundsAndFlagsAreOneLineAndExit2) {
   struct Case {
     std::vector<std::string> args;

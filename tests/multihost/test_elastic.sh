@@ -5,7 +5,8 @@
 # admitted at the generation after (world 8). The final test accuracy must be within 1 point of the
 # same job uninterrupted, every surviving agent exits 0, and nothing of the job is left on any host
 # (no process, no /dev/shm entry). Prints the time from the kill to the first step of generation 1
-# (docs/performance.md, "Elastic jobs").
+# (docs/performance.md, "Elastic jobs"). Then the store's host itself is lost: the survivors move the
+# job's store to a standby store on h1 and go on.
 source "$(dirname "$0")/lib.sh"
 require_command run
 TRAIN=${COHORT_BUILD_DIR:-}/examples/fashion_mnist/fashion_mnist
@@ -84,6 +85,35 @@ else
   tail -30 "$MH_TMP/el.0.out" >&2
 fi
 expect_no_job_processes 5
+
+# 3. The store's host lost: h0, h1, h2 run an elastic job of sleeping workers; h0 (the store's host,
+# node 0) is SIGKILLed. h1 and h2 move the job's store to the first standby store that answers (h1's,
+# on its address) and go on at generation 1 with 4 ranks, which then finish.
+WORKER='echo "$RANK $WORLD_SIZE $COHORT_STORE_ADDR $MASTER_ADDR" > '"$MH_TMP"'/fo.$COHORT_RESTART_COUNT.$RANK; [ $COHORT_RESTART_COUNT = 0 ] && exec sleep 60; exit 0'
+fopids=()
+for i in 0 1 2; do
+  on_host "$i" timeout -k 5 60 "$COHORT" run --nnodes 1:3 --nproc-per-node 2 --master-addr h0 --master-port 29640 \
+    --max-restarts 1 --kill-grace 1 --rdzv-conf last_call_timeout=10 sh -c "$WORKER" >"$MH_TMP/fo.$i.out" 2>&1 &
+  fopids+=($!)
+done
+for ((n = 0; n < 400; n++)); do [[ -s $MH_TMP/fo.0.5 && -s $MH_TMP/fo.0.0 ]] && break; sleep 0.05; done
+# shellcheck disable=SC2046
+kill -KILL $(pids_matching 0 "--master-port 29640")
+for i in 1 2; do rc=0; wait "${fopids[$i]}" || rc=$?; expect_eq "store's host lost: the agent on h$i exits 0" "$rc" 0; done
+wait "${fopids[0]}" 2>/dev/null || true
+out=$(cat "$MH_TMP/fo.1.out" "$MH_TMP/fo.2.out")
+# The store goes to the first member of generation 0 (in its node order) whose standby answers.
+moved=$(grep -o "the job's store moved to [0-9.]*:[0-9]*" <<<"$out" | head -1 | awk '{print $6}')
+[[ ${moved%:*} == "$(addr 1)" || ${moved%:*} == "$(addr 2)" ]] && pass "store's host lost: the store moved to $moved" ||
+  fail "store's host lost: the store did not move to h1 or h2 ('$moved')"
+gen1=$(grep -o "generation 1: 2 node(s) ([^)]*), world size 4" <<<"$out" | head -1)
+[[ $gen1 == *h1* && $gen1 == *h2* ]] && pass "store's host lost: $gen1" || fail "store's host lost: no generation 1 of h1 and h2"
+read -r _ world store master <"$MH_TMP/fo.1.0" || true
+expect_eq "store's host lost: generation 1's world size" "$world" 4
+expect_eq "store's host lost: generation 1's workers use the moved store" "$store" "$moved"
+expect_eq "store's host lost: MASTER_ADDR follows it (rank 0 on the store's new host)" "$master" "${moved%:*}"
+expect_no_job_processes 5
+
 shm_after=$(ls /dev/shm | sort)
 expect_eq "no /dev/shm entry left" "$(comm -13 <(echo "$shm_before") <(echo "$shm_after") | tr '\n' ' ')" ""
 finish
