@@ -896,7 +896,7 @@ std::shared_ptr<Work> CommunicatorImpl::barrier_async() {
 
 std::shared_ptr<Communicator> CommunicatorImpl::create_child(const std::string& prefix, int rank, int size,
                                                            std::vector<int> world_ranks) {
-  CommSetup s{root_store_, prefix, rank, size, options_, std::move(world_ranks), /*child=*/true};
+  CommSetup s{root_store_, prefix, rank, size, options_, std::move(world_ranks), /*child=*/true, false, {}};
   auto child = std::make_shared<CommunicatorImpl>(std::move(s));
   child->bootstrap();
   return child;

@@ -47,6 +47,7 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
     if (!m) return;
     events->push({WatchEvent::kJoined, nlohmann::json(*m).dump(), generation});
     const std::string end_key = attempt_end_key(m->generation);
+    const auto joined = std::chrono::steady_clock::now();
     for (;;) {
       if (*stop) return;
       try {
@@ -56,8 +57,11 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
       } catch (const TimeoutError&) {
       }
       // A member whose lease ended before its will pointed at this generation's end record (the
-      // moment between the round's closing and the wills) is seen here.
-      if (auto gone = r.gone_member(*m)) store->compare_set(end_key, "", end_to_string(EndInfo{"node", 1, "lost " + *gone}));
+      // moment between the round's closing and the wills) is seen here. After the first seconds
+      // every member's will is in place, and the scan (one request per member) stops: it would cost
+      // the store members^2 requests per slice on a big job.
+      if (std::chrono::steady_clock::now() - joined < std::chrono::seconds(5))
+        if (auto gone = r.gone_member(*m)) store->compare_set(end_key, "", end_to_string(EndInfo{"node", 1, "lost " + *gone}));
     }
   } catch (const RendezvousRefused& e) {
     if (!*stop) events->push({WatchEvent::kRefused, e.what(), generation});
