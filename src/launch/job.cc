@@ -157,12 +157,8 @@ EndInfo Job::run_attempt(int attempt) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
     watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     joined_ = false;
-    RendezvousSettings settings;
-    settings.min_nodes = plan_.min_nodes;
-    settings.max_nodes = plan_.max_nodes;
-    settings.timeout_s = plan_.join_timeout_s;
-    settings.last_call_s = plan_.rdzv_last_call_s;
-    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_, settings, attempt).detach();
+    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_, rendezvous_settings(plan_), attempt)
+        .detach();
   } else if (distributed_) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
     // Each attempt's watcher gets a connection of its own (the previous one may still be finishing
@@ -232,15 +228,17 @@ EndInfo Job::run_attempt(int attempt) {
               adopt_end(EndInfo{"refused", 1, ev.text});
               break;
             case WatchEvent::kLeaseLost:
-              // The store ended this agent's lease (it was frozen or cut off): the job goes on without it.
-              // Or the store itself is gone.
-              adopt_end(EndInfo{"lost", 1,
-                                ev.text.find("lease ran out") != std::string::npos
-                                    ? fmt::format("the job dropped this agent ({}): {}; the other nodes go on without "
-                                                  "it, start a new agent to join again",
-                                                  self_.host, ev.text)
-                                    : fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
-              if (plan_.elastic && end_ && end_->summary.rfind("lost the job's store", 0) == 0) end_->kind = "store";
+              if (ev.lease != lease_number_) break;  // a lease that was replaced (the store moved)
+              if (ev.text.find("lease ran out") != std::string::npos) {
+                // The store ended this agent's lease (it was frozen or cut off): the job goes on without it.
+                adopt_end(EndInfo{"lost", 1,
+                                  fmt::format("the job dropped this agent ({}): {}; the other nodes go on without it, "
+                                              "start a new agent to join again",
+                                              self_.host, ev.text)});
+              } else {
+                // The store itself is gone: an elastic job moves it (run(): fail_over_store).
+                adopt_end(EndInfo{"store", 1, fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
+              }
               break;
             case WatchEvent::kEnd:
               adopt_end(end_from_string(ev.text));

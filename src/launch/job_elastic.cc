@@ -5,7 +5,9 @@
 // A generation ends like any attempt (a worker's failure, all done, an interrupt), or because a
 // member's lease ended (its will, or the watcher seeing its "gone" key), or because a newcomer asked
 // for a place ("membership"). The agents that are left meet again at the next generation; failures
-// count against --max-restarts, membership changes do not.
+// count against --max-restarts, membership changes do not. When the store's host itself is lost
+// ("store"), the survivors first move the job's store to the first member whose standby store answers
+// (fail_over_store) and meet there.
 #include <unistd.h>
 
 #include <thread>
@@ -24,7 +26,9 @@ namespace {
 
 std::string launch_prefix(const Plan& plan) { return "cohort/launch/" + plan.job_id + "/"; }
 
-RendezvousSettings settings_of(const Plan& plan) {
+}  // namespace
+
+RendezvousSettings rendezvous_settings(const Plan& plan) {
   RendezvousSettings s;
   s.min_nodes = plan.min_nodes;
   s.max_nodes = plan.max_nodes;
@@ -32,8 +36,6 @@ RendezvousSettings settings_of(const Plan& plan) {
   s.last_call_s = plan.rdzv_last_call_s;
   return s;
 }
-
-}  // namespace
 
 void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                           std::shared_ptr<std::atomic<bool>> stop, AgentInfo self, RendezvousSettings settings,
@@ -76,17 +78,21 @@ void Job::open_lease() {
   const NodePlan* node = plan_.node(plan_.this_node);
   self_ = AgentInfo{fmt::format("{}-{}-{}", net::hostname(), getpid(), random_token(4)), net::hostname(),
                     node ? node->nproc : 0, plan_.host_store, standby_address_};
+  take_lease();
+}
+
+void Job::take_lease() {
   auto events = events_;
-  lease_ = StoreLease::open(client_options_,
-                            Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
-                            [events](const std::string& why) {
-                              events->push({WatchEvent::kLeaseLost, why, kAnyAttempt});
+  const int number = ++lease_number_;
+  lease_ = StoreLease::open(client_options_, Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
+                            [events, number](const std::string& why) {
+                              events->push({WatchEvent::kLeaseLost, why, kAnyAttempt, number});
                             });
   lease_->set_wills({{launch_prefix(plan_) + gone_key(self_.id), self_.host}});
 }
 
 int Job::first_generation() {
-  Rendezvous r(base_store_, self_, settings_of(plan_), {});
+  Rendezvous r(base_store_, self_, rendezvous_settings(plan_), {});
   r.check_admission();
   return r.first_open_generation();
 }
@@ -143,6 +149,19 @@ void Job::leave_elastic_job(int sig) {
 bool Job::fail_over_store() {
   if (!membership_) return false;
   const Membership m = *membership_;  // the last generation this agent was a member of
+  // Only a store that is really gone is moved: if it takes a new connection, this agent lost its own
+  // connections (a hiccup, a slow answer), not the store, and the others may well be fine with it.
+  // This agent then stops; the others see its lease end and go on without it.
+  try {
+    StoreClientOptions old = client_options_;
+    old.timeout = std::chrono::milliseconds(1000);
+    connect_tcp_store(old);
+    say(fmt::format("the job's store at {} still answers: this agent lost its connection to it, not the store; "
+                    "stopping (the other nodes go on without it)",
+                    store_addr_));
+    return false;
+  } catch (const Error&) {
+  }
   std::vector<const AgentInfo*> lost;
   for (const auto& a : m.nodes)
     if (a.store_host) lost.push_back(&a);
@@ -202,12 +221,7 @@ bool Job::fail_over_store() {
       else torch_port_ = std::stoi(base_store_->get("torch_port"));
       // A lease on the new store (the old one went with the old store).
       lease_.reset();
-      auto events = events_;
-      lease_ = StoreLease::open(client_options_, Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
-                                [events](const std::string& why) {
-                                  events->push({WatchEvent::kLeaseLost, why, kAnyAttempt});
-                                });
-      lease_->set_wills({{launch_prefix(plan_) + gone_key(self_.id), self_.host}});
+      take_lease();
     } catch (const Error& e) {
       say(fmt::format("moving the job's store to {} at {} failed: {}", c.host, c.standby, e.what()));
       return false;

@@ -44,8 +44,9 @@ inline constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, 
 // the call blocks, the main loop cannot see its control channel close and stop its workers.
 inline constexpr Millis kStoreCallTimeout{2000};
 // How long past a wait's own deadline the launcher's store clients wait for its answer: the store
-// answers in milliseconds, so no answer this long after the deadline means a cut link or a dead host.
-inline constexpr Millis kStoreReplyGrace{500};
+// answers in milliseconds (and within about a second while thousands of clients join), so no answer
+// this long after the deadline means a cut link or a dead host.
+inline constexpr Millis kStoreReplyGrace{1000};
 
 // A port the OS says is free on `host` now (bind to 0, read it, close).
 int pick_free_port(const std::string& host);
@@ -108,6 +109,7 @@ struct WatchEvent {
   enum Kind { kJoined, kEnd, kLost, kJoinTimeout, kRefused, kLeaseLost } kind;
   std::string text;
   int attempt = 0;
+  int lease = 0;  // kLeaseLost: which of this agent's leases (a replaced one's loss is old news)
 };
 
 class EventQueue {
@@ -149,6 +151,9 @@ struct WatchParams {
 // touches, and a stop flag ends it within one wait slice without the loop ever waiting for it.
 void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                   std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt);
+
+// The rendezvous bounds and timings of an elastic plan.
+RendezvousSettings rendezvous_settings(const Plan& plan);
 
 // Elastic jobs (job_elastic.cc): joins generation `generation` (or the first one that admits this
 // agent) and reports its membership (kJoined, JSON), then waits for the generation's end record like
@@ -201,7 +206,8 @@ class Job {
   void epoll_del(int fd);
   std::string failure_summary(const Worker& w);
   // job_elastic.cc: elastic membership (plan_.elastic).
-  void open_lease();                               // the agent's store lease and its "gone" will
+  void open_lease();                               // this agent's identity, its lease
+  void take_lease();                               // a store lease with the agent's "gone" will
   int first_generation();                          // the round a fresh agent joins
   void apply_membership(const Membership& m);      // this generation's nodes, ranks and wills
   std::optional<int> next_generation(const EndInfo& e) const;  // nullopt: the job is over
@@ -259,6 +265,7 @@ class Job {
   // Elastic membership: this agent, its lease, and the generation it runs (set when a round closes).
   AgentInfo self_;
   std::unique_ptr<StoreLease> lease_;
+  int lease_number_ = 0;  // counts take_lease() calls
   std::unique_ptr<StoreServer> standby_;  // this agent's standby store (not on the store's host)
   std::string standby_address_;            // where the others reach it
   std::optional<Membership> membership_;

@@ -467,8 +467,9 @@ class TcpStoreLease : public StoreLease {
  public:
   TcpStoreLease(const StoreClientOptions& options, Millis limit, std::function<void(const std::string&)> on_lost)
       : store_(std::make_shared<TcpStore>(options)), limit_(limit), on_lost_(std::move(on_lost)) {
-    // Each heartbeat must come back well inside the lease, or the lease is as good as lost.
-    store_->set_timeout(std::max(Millis(1), limit_ / 2));
+    // A heartbeat is given the whole lease to come back: the server has it (the lease holds), and
+    // only an answer that never comes, or a closed connection, means the store or the link is gone.
+    store_->set_timeout(std::max(Millis(1), limit_));
     store_->lease(limit_, {}, {});
     thread_ = std::thread([this] { keep_alive(); });
   }
