@@ -77,14 +77,6 @@ bool launched() {
   return false;
 }
 
-// Restarts so far: cohort run's COHORT_RESTART_COUNT (every restart, an elastic job's membership
-// changes included), else torchrun's TORCHELASTIC_RESTART_COUNT.
-int restart_count() {
-  for (const char* v : {"COHORT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"})
-    if (const char* s = std::getenv(v); s && *s) return std::atoi(s);
-  return 0;
-}
-
 int env_rank() {
   for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
     if (const char* s = std::getenv(v)) return std::atoi(s);
@@ -163,9 +155,10 @@ int run(const Args& a) {
   // The world size may differ from the one that wrote it: the interrupted epoch goes on where its
   // sample order stands, split over the ranks there are now (docs/training.md, "Resuming").
   cohort::train::TrainingPosition pos{0, 0, 0, world, 0, world};
-  const int restart = restart_count();
+  const int restart = cohort::torch::restart_count();
   if (a.resume || (restart > 0 && !a.checkpoint_dir.empty())) {
-    auto loaded = cohort::torch::load_checkpoint(a.checkpoint_dir, *model, optimizer);
+    auto loaded = a.resume ? cohort::torch::load_checkpoint(a.checkpoint_dir, *model, optimizer)
+                           : cohort::torch::resume_after_restart(a.checkpoint_dir, *model, optimizer);
     if (!loaded && a.resume) throw ConfigError(fmt::format("--resume: no checkpoint in {}", a.checkpoint_dir));
     if (loaded) {
       pos = *loaded;

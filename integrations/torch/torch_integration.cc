@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cstring>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <unordered_set>
@@ -318,6 +319,18 @@ std::optional<train::TrainingPosition> load_checkpoint(const std::string& dir, :
     throw InvalidArgument(fmt::format("{}: cannot load into this model/optimizer: {}", path, e.what_without_backtrace()));
   }
   return pos;
+}
+
+int restart_count() {
+  for (const char* v : {"COHORT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"})
+    if (const char* s = std::getenv(v); s && *s) return std::atoi(s);
+  return 0;
+}
+
+std::optional<train::TrainingPosition> resume_after_restart(const std::string& dir, ::torch::nn::Module& module,
+                                                            ::torch::optim::Optimizer& optimizer) {
+  if (dir.empty() || restart_count() == 0) return std::nullopt;
+  return load_checkpoint(dir, module, optimizer);
 }
 
 std::string blas_in_use() {

@@ -194,6 +194,15 @@ void save_checkpoint(const std::string& dir, ::torch::nn::Module& module, ::torc
 std::optional<train::TrainingPosition> load_checkpoint(const std::string& dir, ::torch::nn::Module& module,
                                                        ::torch::optim::Optimizer& optimizer);
 
+// Restarts so far: cohort run's COHORT_RESTART_COUNT (every restart, an elastic job's membership
+// changes included), else torchrun's TORCHELASTIC_RESTART_COUNT; 0 on a first start.
+int restart_count();
+// Automatic resume (docs/training.md): on a restart (restart_count() > 0), loads the newest complete
+// checkpoint of `dir` into module and optimizer, on every rank; nullopt on a first start, when `dir`
+// is empty, or when it holds no checkpoint yet.
+std::optional<train::TrainingPosition> resume_after_restart(const std::string& dir, ::torch::nn::Module& module,
+                                                            ::torch::optim::Optimizer& optimizer);
+
 // Which BLAS library the process has mapped (from /proc/self/maps), e.g.
 // "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3", or "" when none is mapped yet.
 std::string blas_in_use();
