@@ -18,15 +18,6 @@
 namespace cohort::test {
 namespace {
 
-bool alive(int pid) {
-  if (kill(pid, 0) != 0) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string s;
-  std::getline(stat, s);
-  auto close = s.rfind(')');
-  return close != std::string::npos && close + 2 < s.size() && s[close + 2] != 'Z';
-}
-
 struct Elastic {
   TempDir dir;
   int port = free_port();
@@ -72,9 +63,9 @@ struct Elastic {
         std::string text = file("pid." + std::to_string(gen) + "." + std::to_string(rank));
         if (text.empty()) continue;
         int pid = std::stoi(text);
-        while (alive(pid) && std::chrono::steady_clock::now() < until)
+        while (process_alive(pid) && std::chrono::steady_clock::now() < until)
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        EXPECT_FALSE(alive(pid)) << "worker pid " << pid << " (generation " << gen << ", rank " << rank
+        EXPECT_FALSE(process_alive(pid)) << "worker pid " << pid << " (generation " << gen << ", rank " << rank
                                  << ") outlived the job";
       }
   }

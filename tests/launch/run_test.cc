@@ -30,16 +30,6 @@ std::vector<std::string> concat(std::vector<std::string> a, const std::vector<st
   return a;
 }
 
-// True when `pid` is a live (non-zombie) process.
-bool alive(int pid) {
-  if (kill(pid, 0) != 0) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string s;
-  std::getline(stat, s);
-  auto close = s.rfind(')');
-  return close != std::string::npos && close + 2 < s.size() && s[close + 2] != 'Z';
-}
-
 // Reads the pids the workers wrote to dir/pid.N and checks, with a short grace for the kernel to
 // deliver the last signals, that none of them is still running.
 void expect_no_process_left(const TempDir& dir, int n) {
@@ -51,9 +41,9 @@ void expect_no_process_left(const TempDir& dir, int n) {
   }
   auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
   for (int pid : pids) {
-    while (alive(pid) && std::chrono::steady_clock::now() < until)
+    while (process_alive(pid) && std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    EXPECT_FALSE(alive(pid)) << "worker pid " << pid << " outlived the job";
+    EXPECT_FALSE(process_alive(pid)) << "worker pid " << pid << " outlived the job";
   }
 }
 

@@ -66,6 +66,14 @@ check_rank_lines() {
   [[ $total == "$world" ]] || bad+=" $total rank lines, expected $world;"
   if [[ -z $bad ]]; then pass "$name: $world ranks placed as planned"; else fail "$name:$bad"; echo "$out" | sed 's/^/    | /' >&2; fi
 }
+# Sets TRAIN to the built Fashion-MNIST example, or skips (77) the test when it or its data is missing.
+require_training_example() {
+  TRAIN=${COHORT_BUILD_DIR:-}/examples/fashion_mnist/fashion_mnist
+  if [[ ! -x $TRAIN ]]; then echo "SKIP: $TRAIN not built (libtorch missing)"; exit 77; fi
+  if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
+    echo "SKIP: dataset-fashion-mnist is not installed"; exit 77
+  fi
+}
 require_command() {  # skip (77) when this build lacks a cohort sub-command that the test needs
   if ! "$COHORT" --help 2>/dev/null | grep -q "^  $1 "; then
     echo "SKIP: this cohort build has no '$1' command (branch not merged yet)"; exit 77

@@ -6,14 +6,10 @@
 # same job uninterrupted, every surviving agent exits 0, and nothing of the job is left on any host
 # (no process, no /dev/shm entry). Prints the time from the kill to the first step of generation 1
 # (docs/performance.md, "Elastic jobs"). Then the store's host itself is lost: the survivors move the
-# job's store to a standby store on h1 and go on.
+# job's store to the standby store of h1 or h2 and go on.
 source "$(dirname "$0")/lib.sh"
 require_command run
-TRAIN=${COHORT_BUILD_DIR:-}/examples/fashion_mnist/fashion_mnist
-if [[ ! -x $TRAIN ]]; then echo "SKIP: $TRAIN not built (libtorch missing)"; exit 77; fi
-if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
-  echo "SKIP: dataset-fashion-mnist is not installed"; exit 77
-fi
+require_training_example
 ((COHORT_CLUSTER_K >= 5)) || { echo "FAIL: needs 5 hosts, the cluster has $COHORT_CLUSTER_K" >&2; exit 1; }
 shm_before=$(ls /dev/shm | sort)
 # 2 epochs at lr 0.2 (global batch 256 on 8 ranks): far enough into training that a world size
@@ -87,8 +83,9 @@ fi
 expect_no_job_processes 5
 
 # 3. The store's host lost: h0, h1, h2 run an elastic job of sleeping workers; h0 (the store's host,
-# node 0) is SIGKILLed. h1 and h2 move the job's store to the first standby store that answers (h1's,
-# on its address) and go on at generation 1 with 4 ranks, which then finish.
+# node 0) is SIGKILLed. h1 and h2 move the job's store to the first standby store that answers, in
+# generation 0's node order (h1's or h2's, on its address), and go on at generation 1 with 4 ranks,
+# which then finish.
 WORKER='echo "$RANK $WORLD_SIZE $COHORT_STORE_ADDR $MASTER_ADDR" > '"$MH_TMP"'/fo.$COHORT_RESTART_COUNT.$RANK; [ $COHORT_RESTART_COUNT = 0 ] && exec sleep 60; exit 0'
 fopids=()
 for i in 0 1 2; do

@@ -5,11 +5,7 @@
 # hierarchical sum adds the ranks in another order: (r0+r1)+(r2+r3) instead of ((r0+r1)+r2)+r3.)
 source "$(dirname "$0")/lib.sh"
 require_command run
-TRAIN=${COHORT_BUILD_DIR:-}/examples/fashion_mnist/fashion_mnist
-if [[ ! -x $TRAIN ]]; then echo "SKIP: $TRAIN not built (libtorch missing)"; exit 77; fi
-if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
-  echo "SKIP: dataset-fashion-mnist is not installed"; exit 77
-fi
+require_training_example
 ARGS=(--model mlp --train-samples 3000 --verbose)
 
 out=$(on_host 0 timeout -k 5 120 "$COHORT" run -H h0:2,h1:2 --ssh-command "$COHORT_CLUSTER_SSH" -x COHORT_LOG_LEVEL=debug \

@@ -159,4 +159,13 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::vecto
   return result;
 }
 
+bool process_alive(int pid) {
+  if (kill(pid, 0) != 0) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  std::getline(stat, s);
+  auto close = s.rfind(')');
+  return close != std::string::npos && close + 2 < s.size() && s[close + 2] != 'Z';
+}
+
 }  // namespace cohort::test

@@ -43,6 +43,9 @@ std::string cohort_tool();
 void write_file(const std::string& path, const std::string& content);
 std::string read_file(const std::string& path);
 
+// True when `pid` is a live process (not a zombie).
+bool process_alive(int pid);
+
 // A TCP port that was free a moment ago (bound to 0 and released); prefer passing port 0 directly.
 int free_port();
 
