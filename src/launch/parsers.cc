@@ -469,10 +469,29 @@ SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::strin
   }
   int_var(info.master_port, "PET_MASTER_PORT", 1, "master port", "Kubeflow");
   if (const auto* n = find(env, "PET_NNODES")) {
-    // Elastic form "1:4": the upper bound is the node count cohort waits for.
+    // Elastic form "1:4" (Kubeflow's elastic PyTorchJob): an elastic job of 1 to 4 nodes.
     auto colon = n->rfind(':');
-    merge(info.nnodes, parse_int_at_least(colon == std::string::npos ? *n : n->substr(colon + 1), "PET_NNODES", 1),
-          "PET_NNODES", "node count");
+    const int max = parse_int_at_least(colon == std::string::npos ? *n : n->substr(colon + 1), "PET_NNODES", 1);
+    merge(info.nnodes, max, "PET_NNODES", "node count");
+    if (colon != std::string::npos) {
+      const int min = parse_int_at_least(n->substr(0, colon), "PET_NNODES", 1);
+      if (min > max) throw ConfigError(fmt::format("PET_NNODES={}: expected MIN:MAX with MIN <= MAX", *n));
+      if (min < max) info.min_nodes = Sourced<int>{min, "PET_NNODES"};
+    }
+    note("Kubeflow");
+  }
+  if (const auto* e = find(env, "PET_RDZV_ENDPOINT")) {
+    // host[:port] of the elastic rendezvous (torchrun's --rdzv-endpoint): cohort's store.
+    auto colon = e->rfind(':');
+    const bool has_port = colon != std::string::npos && e->find(':') == colon;
+    const std::string host = has_port ? e->substr(0, colon) : *e;
+    if (host.empty()) throw ConfigError(fmt::format("PET_RDZV_ENDPOINT={}: expected HOST[:PORT]", *e));
+    merge(info.master_addr, host, "PET_RDZV_ENDPOINT", "master address");
+    if (has_port) {
+      const int port = parse_int_at_least(e->substr(colon + 1), "PET_RDZV_ENDPOINT's port", 1);
+      if (port > 65535) throw ConfigError(fmt::format("PET_RDZV_ENDPOINT={}: the port is above 65535", *e));
+      merge(info.master_port, port, "PET_RDZV_ENDPOINT", "master port");
+    }
     note("Kubeflow");
   }
   if (const auto* p = find(env, "PET_NPROC_PER_NODE"); p && *p != "auto")

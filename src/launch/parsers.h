@@ -81,6 +81,8 @@ struct Sourced {
 // least one source gives it; two sources that disagree throw ConfigError naming both.
 struct SchedulerInfo {
   std::optional<Sourced<int>> nnodes;
+  // PET_NNODES=MIN:MAX with MIN < MAX (Kubeflow's elastic PyTorchJob): the minimum; nnodes is the maximum.
+  std::optional<Sourced<int>> min_nodes;
   std::optional<Sourced<int>> node_rank;
   std::optional<Sourced<int>> nproc_per_node;
   std::optional<Sourced<std::string>> master_addr;

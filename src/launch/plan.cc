@@ -286,11 +286,13 @@ void place_parameter_servers(Plan& p, const Options& o, const EnvMap& env,
   p.ps_server_program = o.ps_server == "program";
 }
 
-// --nnodes MIN:MAX: torchrun's elastic job (the agents meet in generations, launch/rendezvous.h).
-void set_elastic(Plan& p, const Options& o, const EnvMap& env) {
+// --nnodes MIN:MAX (or Kubeflow's PET_NNODES=MIN:MAX): torchrun's elastic job (the agents meet in
+// generations, launch/rendezvous.h).
+void set_elastic(Plan& p, const Options& o, const EnvMap& env, int min_nodes, int max_nodes,
+                 const std::string& source) {
   p.elastic = true;
-  p.min_nodes = *o.min_nodes;
-  p.max_nodes = *o.nnodes;
+  p.min_nodes = min_nodes;
+  p.max_nodes = max_nodes;
   if (p.min_nodes < 1 || p.max_nodes < p.min_nodes)
     throw ConfigError(fmt::format("--nnodes {}:{}: expected 1 <= MIN <= MAX", p.min_nodes, p.max_nodes));
   if (o.rdzv_backend && *o.rdzv_backend != "c10d")
@@ -305,7 +307,7 @@ void set_elastic(Plan& p, const Options& o, const EnvMap& env) {
     if (p.agent_lease_s < 0.2 || p.agent_lease_s > 3600)
       throw ConfigError(fmt::format("COHORT_AGENT_LEASE_S={}: expected 0.2 to 3600 seconds", it->second));
   }
-  p.sources.emplace_back("elastic", fmt::format("--nnodes {}:{}", p.min_nodes, p.max_nodes));
+  p.sources.emplace_back("elastic", source);
 }
 
 }  // namespace
@@ -411,7 +413,9 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     p.nnodes = o.nnodes ? *o.nnodes : sched.nnodes ? sched.nnodes->value : 1;
     source("nnodes", o.nnodes ? (o.min_nodes ? "--nnodes MIN:MAX" : "--nnodes") : sched.nnodes ? sched.nnodes->source : "default");
     if (p.nnodes < 1) throw ConfigError(fmt::format("--nnodes {}: expected a positive number", p.nnodes));
-    if (o.min_nodes) set_elastic(p, o, env);
+    if (o.min_nodes) set_elastic(p, o, env, *o.min_nodes, *o.nnodes, fmt::format("--nnodes {}:{}", *o.min_nodes, *o.nnodes));
+    else if (!o.nnodes && sched.min_nodes)
+      set_elastic(p, o, env, sched.min_nodes->value, p.nnodes, sched.min_nodes->source);
     int node_rank = p.elastic ? 0 : o.node_rank ? *o.node_rank : sched.node_rank ? sched.node_rank->value : 0;
     std::string node_rank_source = p.elastic ? "the rendezvous, at each generation" + std::string(o.node_rank ? " (--node-rank is ignored)" : "")
                                    : o.node_rank ? "--node-rank" : sched.node_rank ? sched.node_rank->source : "default";

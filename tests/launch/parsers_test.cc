@@ -132,6 +132,16 @@ TEST(SchedulerEnv, TorchrunKubeflowOpenMpiTione) {
   EXPECT_EQ(k.nnodes->value, 3);
   EXPECT_EQ(k.node_rank->value, 1);
   EXPECT_EQ(k.nproc_per_node->value, 2);
+  ASSERT_TRUE(k.min_nodes.has_value());  // PET_NNODES=1:3 is Kubeflow's elastic job
+  EXPECT_EQ(k.min_nodes->value, 1);
+  EXPECT_FALSE(read_scheduler_env({{"PET_NNODES", "3:3"}}).min_nodes.has_value());
+  EXPECT_FALSE(read_scheduler_env({{"PET_NNODES", "3"}}).min_nodes.has_value());
+  auto rdzv = read_scheduler_env({{"PET_NNODES", "2:4"}, {"PET_RDZV_ENDPOINT", "job-worker-0:29400"}});
+  EXPECT_EQ(rdzv.master_addr->value, "job-worker-0");
+  EXPECT_EQ(rdzv.master_port->value, 29400);
+  EXPECT_EQ(rdzv.master_port->source, "PET_RDZV_ENDPOINT");
+  EXPECT_NE(error_of([] { read_scheduler_env({{"PET_NNODES", "4:2"}}); }).find("PET_NNODES=4:2: expected MIN:MAX"),
+            std::string::npos);
   auto o = read_scheduler_env({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}});
   EXPECT_EQ(o.nnodes->source, "OMPI_COMM_WORLD_SIZE");
   EXPECT_EQ(o.node_rank->value, 1);

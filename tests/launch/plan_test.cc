@@ -268,5 +268,32 @@ TEST(Plan, JsonRoundTripAndDryRunText) {
   EXPECT_EQ(random_token().size(), 64u);
 }
 
+TEST(Plan, ElasticFromTheFlagOrFromKubeflowsElasticEnvironment) {
+  Options o = with_program();
+  o.nnodes = 4;
+  o.min_nodes = 2;
+  o.master_addr = "here";
+  o.nproc_per_node = "2";
+  auto p = build_plan(o, {}, facts());
+  EXPECT_TRUE(p.elastic);
+  EXPECT_EQ(p.min_nodes, 2);
+  EXPECT_EQ(p.max_nodes, 4);
+  EXPECT_EQ(p.mode, Mode::kPerNode);
+  EXPECT_TRUE(p.host_store) << "the master address is this host: its agent hosts the store";
+  EXPECT_EQ(p.source_of("elastic"), "--nnodes 2:4");
+  // Kubeflow's elastic PyTorchJob: PET_NNODES=MIN:MAX and the rendezvous endpoint.
+  auto k = build_plan(with_program(), {{"PET_NNODES", "1:3"}, {"PET_RDZV_ENDPOINT", "w0:29400"}, {"PET_NPROC_PER_NODE", "2"}},
+                      facts());
+  EXPECT_TRUE(k.elastic);
+  EXPECT_EQ(k.min_nodes, 1);
+  EXPECT_EQ(k.max_nodes, 3);
+  EXPECT_EQ(k.master_addr, "w0");
+  EXPECT_EQ(k.master_port, 29400);
+  EXPECT_FALSE(k.host_store) << "w0 is another host";
+  EXPECT_EQ(k.source_of("elastic"), "PET_NNODES");
+  // A fixed PET_NNODES stays a static job.
+  EXPECT_FALSE(build_plan(with_program(), {{"PET_NNODES", "3"}, {"MASTER_ADDR", "w0"}}, facts()).elastic);
+}
+
 }  // namespace
 }  // namespace cohort::launch
