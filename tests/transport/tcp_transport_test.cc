@@ -1,6 +1,7 @@
 // TCP transport specifics (the common semantics are in the conformance suite): a failure notice sent
 // while a message is half written still reaches the peer (the fragment is finished first, so the
-// stream stays parseable), instead of the peer seeing only the connection close later.
+// stream stays parseable), instead of the peer seeing only the connection close later; and a rank whose
+// send finds the peer gone reads the notice that peer left in its receive queue before naming it.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -65,6 +66,45 @@ TEST(TcpTransport, ANoticeSentInTheMiddleOfAMessageStillReachesThePeer) {
   receiver.join();  // rank 0's transport stays up: a closed connection cannot be what rank 1 reports
   EXPECT_NE(heard.find("rank 0 (host-0) failed: lost rank 5 (host-5)"), std::string::npos) << heard;
   EXPECT_LT(seconds, 5.0);
+}
+
+// Rank 0 failed because of rank 5, told rank 1 so, and exited; rank 1 had not read yet and its next
+// send meets the reset connection (EPIPE / ECONNRESET). It must still name rank 5, from the notice
+// in its receive queue, not "lost rank 0: send: Broken pipe" (seen in tests/multihost's kill rounds).
+TEST(TcpTransport, ASendToAPeerThatFailedAndExitedReadsItsNoticeFirst) {
+  const int world = 2;
+  std::vector<std::unique_ptr<Transport>> ts(world);
+  std::vector<transport::PeerInfo> peers(world);
+  for (int r = 0; r < world; ++r) {
+    ts[size_t(r)] = transport::make_tcp_transport({r, world, "sendafter", Deadline::after(std::chrono::seconds(20))});
+    peers[size_t(r)] = {"host-" + std::to_string(r), ts[size_t(r)]->descriptor()};
+  }
+  run_ranks(world, [&](int r) {
+    ts[size_t(r)]->connect(peers, {r != 0, r != 1}, Deadline::after(std::chrono::seconds(20)));
+  });
+  // Data rank 0 never reads: closing its socket with it unread sends a reset, not a plain close.
+  std::vector<char> small(4096, 's');
+  auto first = ts[1]->isend(0, env(3), small.data(), small.size());
+  ASSERT_TRUE(ts[1]->test(first));
+  ts[0]->notify_peers(Transport::ErrorClass::kPeerLost, "lost rank 5 (host-5): killed");
+  ts[0]->fail(std::make_exception_ptr(PeerLostError("lost rank 5 (host-5): killed")));
+  ts[0].reset();  // rank 0 exits
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // its reset has arrived
+  const size_t bytes = size_t(8) << 20;
+  std::vector<char> out(bytes, 'x');
+  std::string heard;
+  try {
+    auto send = ts[1]->isend(0, env(4), out.data(), bytes);
+    auto start = std::chrono::steady_clock::now();
+    while (!ts[1]->test(send)) {
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(10)) throw TimeoutError("no error in 10 s");
+      ts[1]->poll(10);
+    }
+    heard = "(the send completed)";
+  } catch (const std::exception& e) {
+    heard = e.what();
+  }
+  EXPECT_NE(heard.find("rank 0 (host-0) failed: lost rank 5 (host-5)"), std::string::npos) << heard;
 }
 
 }  // namespace

@@ -410,6 +410,16 @@ class TcpTransport final : public TransportBase {
         fmt::format("lost rank {} ({}): {}", c.peer, peers_[size_t(c.peer)].host, what))));
   }
 
+  // A send to (or a receive from) the peer failed (EPIPE, ECONNRESET: it is gone). What it sent before it went is still
+  // in this socket's receive queue (and maybe in its other connections'): its failure notice among it,
+  // when it failed because of another rank. Read that first, so that this rank names the root cause
+  // rather than the neighbour that passed it on and exited.
+  void write_failed(Conn& c, const std::string& what) {
+    for (auto& conn : conns_[size_t(c.peer)])
+      if (!conn->closed && !failed_) read_conn(*conn);
+    if (!failed_) conn_error(c, what);
+  }
+
   // The peer said goodbye and closed this connection. Once all of its connections are closed,
   // whatever this rank still expects from it can never come.
   void conn_closed_after_bye(Conn& c) {
@@ -456,7 +466,7 @@ class TcpTransport final : public TransportBase {
           set_want_out(c, true);
           return;
         }
-        conn_error(c, net::errno_string("send", errno));
+        write_failed(c, net::errno_string("send", errno));
         return;
       }
       size_t left = size_t(k);
@@ -537,7 +547,11 @@ class TcpTransport final : public TransportBase {
       }
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      conn_error(c, net::errno_string("recv", errno));
+      // ECONNRESET and the like: gone as well; its notice may be on another of its connections.
+      const std::string what = net::errno_string("recv", errno);
+      c.closed = true;
+      epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+      write_failed(c, what);
       return;
     }
   }
