@@ -289,6 +289,7 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   if (o.gpu_path != "auto" && o.gpu_path != "nccl" && o.gpu_path != "staged")
     throw InvalidArgument(fmt::format("--gpu-path {}: expected auto, nccl or staged", o.gpu_path));
   std::shared_ptr<Communicator> comm = Communicator::from_env();
+  const std::string link = comm->link_report();  // rank 0's view of the intra-host link, measured at start
   int device = -1;
   std::string device_line = "host memory";
   if (o.device == "cuda") {
@@ -312,6 +313,7 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
                        : fmt::format("iterations per trial: smallest count taking >= {} s", o.min_time),
                o.trials);
     fmt::print("# buffers: {}\n", device_line);
+    if (!link.empty()) fmt::print("# link: {}\n", link);
     fmt::print("#\n# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type", "redop",
                "root", "time", "algbw", "busbw", "#wrong");
     fmt::print("# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "(B)", "(elements)", "", "", "", "(us)",

@@ -131,6 +131,13 @@ class Communicator {
   // the same range) reads their copies directly instead of staging through copies; elsewhere it is
   // ordinary memory. Valid while the returned pointer (or a copy of it) lives.
   virtual std::shared_ptr<void> allocate_shared(size_t bytes);
+
+  // ---- diagnostics ----
+  // What the communicator decided and measured when it was created: whether its waits yield the core
+  // (docs/algorithms-shm.md, "Whether a wait yields") and, with a shared-memory group, the link between
+  // its ranks on this host (their CPUs, a round trip, cache-to-cache against own-cache copy speed; "The
+  // link probe", skipped with COHORT_SHM_PROBE=0).
+  virtual std::string link_report() const { return {}; }
 };
 
 }  // namespace cohort

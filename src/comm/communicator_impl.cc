@@ -13,6 +13,7 @@
 #include "cohort/error.h"
 #include "collectives/collectives.h"
 #include "collectives/shm/group.h"
+#include "common/affinity.h"
 #include "comm/shm_path.h"
 #include "common/env.h"
 #include "common/log.h"
@@ -44,6 +45,10 @@ const env::BoolSetting kShmCollectives(
 const env::BoolSetting kShmSharedBuffers(
     "COHORT_SHM_SHARED_BUFFERS", true,
     "allocate_shared gives memory the local peers map (DDP buckets reduced in place); 0: ordinary memory, staged");
+const env::BoolSetting kShmProbe(
+    "COHORT_SHM_PROBE", true,
+    "measure the link between the local ranks when a shared-memory group starts (well under 1 ms; "
+    "Communicator::link_report, the bench's header, debug log)");
 // The cross-host communicators of the hierarchical path are children whose errors are rewritten to
 // name world ranks (in_world_ranks), so a failure there names the lost rank as any other does.
 const env::StringSetting kHierarchical(
@@ -208,6 +213,7 @@ void CommunicatorImpl::bootstrap() {
   HostIdentity me = local_host_identity();
   nlohmann::json mine;
   mine["host"] = me.serialize();
+  mine["cpus"] = affinity::allowed_cpus();  // whether waits may yield (common/affinity.h)
   for (auto& t : transports_) mine["transports"][t->name()] = t->descriptor();
   store_->set("peer/" + std::to_string(rank_), mine.dump());
 
@@ -254,6 +260,24 @@ void CommunicatorImpl::bootstrap() {
     }
   }
   topology_ = Topology::build(rank_, ids);
+  {
+    // Waits yield only where the ranks on this machine share CPUs (an entry without "cpus": unknown,
+    // shares). This machine: the same boot id, so the hosts that tests simulate in network namespaces
+    // on one machine count together: their ranks do share its CPUs.
+    std::vector<std::vector<int>> local_sets;
+    for (int r = 0; r < size_; ++r) {
+      if (ids[size_t(r)].boot_id != ids[size_t(rank_)].boot_id) continue;
+      const auto it = published[size_t(r)].find("cpus");
+      std::vector<int> cpus;
+      if (it != published[size_t(r)].end() && it->is_array())
+        for (const auto& c : *it)
+          if (c.is_number_integer()) cpus.push_back(c.get<int>());
+      local_sets.push_back(std::move(cpus));
+    }
+    yield_choice_ = affinity::choose_yield(local_sets);
+    yield_in_waits_ = yield_choice_.yield;
+    link_report_ = yield_choice_.why;
+  }
   if (!child_) recorder_.set_identity(rank_, size_, host_of(rank_));
   // Route every peer through the first transport (by priority) that both sides have and that
   // accepts the peer's descriptor.
@@ -299,6 +323,7 @@ void CommunicatorImpl::bootstrap() {
       kShmCollectives.get() && options_.transport != "tcp";
   if (size_ > 1 && topology_.all_local() && shm_collectives) {
     shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
+    probe_link(*shm_group_);  // before the communicator's watch: no operation of its own runs yet
     install_shm_semantics(*shm_group_, topology_.hosts.front());
     log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
   }
@@ -324,6 +349,7 @@ void CommunicatorImpl::bootstrap() {
       const int host = topology_.host_of_rank[size_t(rank_)];
       host_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size,
                                        fmt::format("shm-group/host{}", host), options_.timeout);
+      probe_link(*host_group_);
       install_shm_semantics(*host_group_, topology_.hosts[size_t(host)]);
       std::vector<int> ring;  // the rank with my local rank on every host, in host order
       for (const auto& h : topology_.hosts) ring.push_back(world_rank(h[size_t(topology_.local_rank)]));
@@ -518,6 +544,9 @@ std::shared_ptr<Work> CommunicatorImpl::run_async(OpDesc desc, Body body) {
 
 void CommunicatorImpl::progress_thread_main() {
   t_progress_thread = true;
+  // Its shm waits yield even where every rank has a core of its own: the caller's compute threads
+  // run on that core too (shm::PeerSync::set_thread_always_yields).
+  shm::PeerSync::set_thread_always_yields(true);
   for (;;) {
     {
       std::unique_lock<std::mutex> lk(queue_mutex_);
@@ -586,9 +615,10 @@ void CommunicatorImpl::wait(coll::RequestId id) {
       if (progressed) {
         spin_until = Deadline::Clock::now() + budget;
       } else {
-        // Nothing ready: let another runnable thread (the peer rank, when ranks outnumber cores)
-        // have the core. With a core to itself this returns at once.
-        sched_yield();
+        // Nothing ready: let another runnable thread (the peer rank, when ranks share cores; the
+        // caller's compute threads, on the progress thread) have the core. Not where every local rank
+        // has cores of its own: the yield would hand ours to an unrelated process for its time slice.
+        if (yield_in_waits_ || t_progress_thread) sched_yield();
       }
     } else {
       auto until = std::min(op_deadline_.at(), next_warning_);
@@ -934,6 +964,17 @@ std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>&
   std::string list = str::join(parts, ",");
   int n = subgroup_counter_[list]++;
   return create_child(fmt::format("{}/sub{:08x}/{}", prefix_, hash32(list), n), new_rank, int(ranks.size()));
+}
+
+void CommunicatorImpl::probe_link(shm::Group& group) {
+  // The group saw only its own members' CPUs; the communicator saw every rank on this machine.
+  group.set_wait_policy(yield_choice_);
+  if (!kShmProbe.get()) {
+    link_report_ = fmt::format("no link probe (COHORT_SHM_PROBE=0); shm group: {}", group.wait_policy());
+    return;
+  }
+  link_report_ = fmt::format("{}; shm group: {}", shm::Group::describe(group.probe()), group.wait_policy());
+  log::debug("communicator '{}': shm link: {}", prefix_, link_report_);
 }
 
 std::shared_ptr<void> CommunicatorImpl::allocate_shared(size_t bytes) {

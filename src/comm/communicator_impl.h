@@ -29,6 +29,7 @@
 #include "comm/op.h"
 #include "comm/topology.h"
 #include "common/deadline.h"
+#include "common/affinity.h"
 #include "transport/shm/sync.h"
 #include "trace/recorder.h"
 #include "transport/transport.h"
@@ -107,6 +108,7 @@ class CommunicatorImpl final : public Communicator,
   std::shared_ptr<Communicator> subgroup(const std::vector<int>& ranks) override;
   void abort(const std::string& reason) override;
   std::shared_ptr<void> allocate_shared(size_t bytes) override;
+  std::string link_report() const override { return link_report_; }
 
   // ---- coll::Context (called by the algorithms, on the thread holding drive_) ----
   coll::RequestId isend(int peer, const void* data, size_t bytes, uint32_t slot) override;
@@ -175,6 +177,8 @@ class CommunicatorImpl final : public Communicator,
   // abort, deadline and slow warnings, failure notices, mismatch and peer names. members[local rank]
   // = communicator rank.
   void install_shm_semantics(shm::Group& group, std::vector<int> members);
+  // Runs the group's link probe (collective over the group) unless COHORT_SHM_PROBE=0; keeps its line.
+  void probe_link(shm::Group& group);
   std::string shm_waiting_text() const;
   struct ShmLagging {
     int rank;
@@ -204,6 +208,9 @@ class CommunicatorImpl final : public Communicator,
   std::vector<transport::Transport*> route_;  // per peer
   std::unique_ptr<shm::Group> shm_group_;     // all ranks on one host: collectives in shared memory
   std::unique_ptr<shm::Group> host_group_;    // several hosts: this host's ranks (hierarchical allreduce)
+  std::string link_report_;                   // the wait policy and the shm group's link probe (link_report())
+  bool yield_in_waits_ = true;                // wait()'s spin yields the core (common/affinity.h)
+  affinity::YieldChoice yield_choice_{true, "waits yield the core"};  // also given to the shm groups
   std::vector<int> world_ranks_;  // see CommSetup::world_ranks
   bool child_ = false;
   bool connections_only_ = false;  // CommSetup::connections_only

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "cohort/error.h"
+#include "common/affinity.h"
 #include "common/env.h"
 #include "common/half.h"
 #include "common/strings.h"
@@ -57,6 +58,23 @@ TEST(Env, ParsesDurationsSizesAndBooleans) {
   } catch (const ConfigError& e) {
     EXPECT_STREQ(e.what(), "COHORT_N=12x: expected an integer");
   }
+}
+
+TEST(Affinity, WaitsYieldOnlyWhereTheRanksCpuSetsOverlap) {
+  EXPECT_FALSE(affinity::allowed_cpus().empty());
+  EXPECT_TRUE(affinity::disjoint({{0}, {1}}));
+  EXPECT_TRUE(affinity::disjoint({{0, 1}, {2, 3}, {4}}));
+  EXPECT_FALSE(affinity::disjoint({{0, 1}, {1, 2}}));  // CPU 1 is shared
+  EXPECT_FALSE(affinity::disjoint({{0, 1}, {0, 1}}));  // unbound ranks: the same set
+  EXPECT_FALSE(affinity::disjoint({{0}, {}}));         // a rank that did not say: assume it shares
+  // COHORT_YIELD is unset here: auto.
+  auto own = affinity::choose_yield({{0}, {1}});
+  EXPECT_FALSE(own.yield);
+  EXPECT_NE(own.why.find("CPUs of its own"), std::string::npos) << own.why;
+  auto shared = affinity::choose_yield({{0, 1}, {0, 1}});
+  EXPECT_TRUE(shared.yield);
+  EXPECT_NE(shared.why.find("overlap"), std::string::npos) << shared.why;
+  EXPECT_FALSE(affinity::choose_yield({{0, 1}}).yield) << "alone on this machine: nobody waits for its core";
 }
 
 TEST(Strings, IntListsAndRanges) {

@@ -41,6 +41,8 @@ void run_collectives(const std::string& transport, bool expect_shm) {
     auto* impl = dynamic_cast<comm::CommunicatorImpl*>(comm.get());
     ASSERT_NE(impl, nullptr);
     EXPECT_EQ(impl->shm_group() != nullptr, expect_shm) << "transport " << transport;
+    // The link probe ran at creation where there is a shm group (COHORT_SHM_PROBE defaults to 1).
+    EXPECT_EQ(comm->link_report().find("local ranks on CPUs") != std::string::npos, expect_shm) << comm->link_report();
     const size_t n = 100003;
     std::vector<float> x(n);
     for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>((i % 7) + r);

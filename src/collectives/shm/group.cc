@@ -1,5 +1,6 @@
 #include "collectives/shm/group.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,9 +9,11 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cohort/error.h"
 #include "collectives/reduce_kernels.h"
+#include "common/affinity.h"
 #include "common/env.h"
 
 namespace cohort::shm {
@@ -75,7 +78,37 @@ std::unique_ptr<Group> Group::create_at(const std::string& address, int local_ra
   auto group = std::make_unique<Group>(std::move(segment), local_rank, local_size, timeout, options);
   group->address_ = address;
   group->sync_.start();
+  group->choose_wait_policy();
   return group;
+}
+
+void Group::choose_wait_policy() {
+  std::vector<std::vector<int>> sets(static_cast<size_t>(size_));
+  sets[static_cast<size_t>(rank_)] = affinity::allowed_cpus();
+  if (size_ > 1) {
+    // One round: every rank's CPU list ([count][cpus...], int32) through its slot.
+    const size_t most = options_.slot_bytes / sizeof(int32_t) - 1;
+    std::vector<int32_t> mine;
+    for (int c : sets[static_cast<size_t>(rank_)])
+      if (mine.size() < most) mine.push_back(c);
+    const unsigned p = next_parity();
+    const int32_t n = static_cast<int32_t>(mine.size());
+    std::memcpy(slot(rank_, p), &n, sizeof n);
+    if (n) std::memcpy(slot(rank_, p) + sizeof n, mine.data(), mine.size() * sizeof(int32_t));
+    sync_.post();
+    sync_.wait_all("the group's start");
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      int32_t k = 0;
+      std::memcpy(&k, slot(q, p), sizeof k);
+      auto& set = sets[static_cast<size_t>(q)];
+      set.resize(static_cast<size_t>(std::clamp<int32_t>(k, 0, static_cast<int32_t>(most))));
+      if (!set.empty()) std::memcpy(set.data(), slot(q, p) + sizeof k, set.size() * sizeof(int32_t));
+    }
+  }
+  const affinity::YieldChoice choice = affinity::choose_yield(sets);
+  sync_.set_yield(choice.yield);
+  wait_policy_ = choice.why;
 }
 
 Group::Group(Segment segment, int local_rank, int local_size, std::chrono::milliseconds timeout,
@@ -356,6 +389,90 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
         if (q != rank_) std::memcpy(out + static_cast<size_t>(q) * bytes + off, slot(q, p), c);
     }
   });
+}
+
+std::vector<LinkProbe> Group::probe() {
+  std::vector<LinkProbe> all(static_cast<size_t>(size_));
+  guarded("probe", [&] {
+    LinkProbe mine;
+    mine.cpu = sched_getcpu();
+    const size_t bytes = std::min<size_t>(options_.slot_bytes, 256 << 10);
+    mine.probe_bytes = static_cast<uint32_t>(bytes);
+    if (size_ == 1) {
+      all[0] = mine;
+      return;
+    }
+    using Clock = std::chrono::steady_clock;
+    auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+    std::vector<char> sink(bytes, 1);  // touched, so page faults are not timed
+    auto round = [&] {
+      next_parity();
+      sync_.post();
+      wait_all("probe");
+    };
+    round();  // absorbs the ranks' different arrival times
+    const auto start = Clock::now();
+    // The median round: one descheduled round (another process on this CPU) says nothing of the link.
+    constexpr int kRounds = 31;
+    std::vector<double> rounds(kRounds);
+    for (auto& r : rounds) {
+      const auto t = Clock::now();
+      round();
+      r = seconds(Clock::now() - t);
+    }
+    std::nth_element(rounds.begin(), rounds.begin() + kRounds / 2, rounds.end());
+    mine.round_ns = static_cast<float>(rounds[kRounds / 2] * 1e9);
+    double best_peer = 0, best_own = 0;
+    for (int rep = 0; rep < 2; ++rep) {
+      for (int w = 0; w < size_; ++w) {
+        const unsigned p = next_parity();
+        if (rank_ == w) {
+          // Fresh lines in this core's cache, modified; copying them back is the own-cache figure.
+          std::memset(slot(w, p), rep * size_ + w + 1, bytes);
+          const auto t = Clock::now();
+          std::memcpy(sink.data(), slot(w, p), bytes);
+          best_own = std::max(best_own, double(bytes) / seconds(Clock::now() - t) / 1e9);
+        }
+        sync_.post();
+        wait_all("probe");
+        if (rank_ != w) {  // the lines are in rank w's cache: this copy pulls them across
+          const auto t = Clock::now();
+          std::memcpy(sink.data(), slot(w, p), bytes);
+          best_peer = std::max(best_peer, double(bytes) / seconds(Clock::now() - t) / 1e9);
+        }
+      }
+    }
+    mine.peer_copy_gbps = static_cast<float>(best_peer);
+    mine.own_copy_gbps = static_cast<float>(best_own);
+    mine.probe_us = static_cast<float>(seconds(Clock::now() - start) * 1e6);
+    // Every rank's figures to every rank (the slot protocol of any round: write mine, post, wait, read).
+    const unsigned p = next_parity();
+    std::memcpy(slot(rank_, p), &mine, sizeof mine);
+    sync_.post();
+    wait_all("probe");
+    for (int q = 0; q < size_; ++q) std::memcpy(&all[static_cast<size_t>(q)], slot(q, p), sizeof(LinkProbe));
+  });
+  return all;
+}
+
+std::string Group::describe(const std::vector<LinkProbe>& probes) {
+  if (probes.empty()) return "no link probe";
+  std::vector<std::string> cpus;
+  double round_ns = 0, peer = 0, own = 0, took_us = 0;
+  for (const auto& p : probes) {
+    cpus.push_back(p.cpu < 0 ? std::string("?") : std::to_string(p.cpu));
+    round_ns = std::max<double>(round_ns, p.round_ns);
+    took_us = std::max<double>(took_us, p.probe_us);
+    peer += p.peer_copy_gbps;
+    own += p.own_copy_gbps;
+  }
+  const double n = double(probes.size());
+  if (probes.size() == 1) return fmt::format("one local rank (CPU {}): no link", cpus[0]);
+  return fmt::format(
+      "local ranks on CPUs {}; round trip {:.2f} us; copying {} KiB another rank just wrote: {:.1f} GB/s, "
+      "its own: {:.1f} GB/s (ratio {:.2f}; means over ranks); probe {:.2f} ms",
+      fmt::join(cpus, ","), round_ns / 1e3, probes.front().probe_bytes >> 10, peer / n, own / n,
+      own > 0 ? peer / own : 0.0, took_us / 1e3);
 }
 
 void Group::broadcast(void* data_v, size_t bytes, int root) {

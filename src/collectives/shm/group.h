@@ -34,6 +34,7 @@
 
 #include "cohort/store.h"
 #include "cohort/types.h"
+#include "common/affinity.h"
 #include "transport/shm/segment.h"
 #include "transport/shm/sync.h"
 
@@ -46,6 +47,16 @@ struct GroupOptions {
   // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
   // after its first microseconds, so an oversubscribed host still makes progress).
   static GroupOptions from_env(int local_size);
+};
+
+// What Group::probe measured on one local rank (docs/perf-shm.md, "The link probe").
+struct LinkProbe {
+  int32_t cpu = -1;            // the CPU this rank ran on during the probe (sched_getcpu)
+  float round_ns = 0;          // median of 31 rounds of every rank (post, wait for all): cache-line round trips
+  float peer_copy_gbps = 0;    // copying probe_bytes another rank has just written (cache to cache), best of 2
+  float own_copy_gbps = 0;     // copying probe_bytes this rank has just written (its own cache), best of 2
+  uint32_t probe_bytes = 0;
+  float probe_us = 0;          // the probe's own time on this rank, after the ranks met
 };
 
 class Group {
@@ -70,6 +81,23 @@ class Group {
   void allgather(const void* in, void* out, size_t bytes);
   void broadcast(void* data, size_t bytes, int root);
   void barrier();
+  // Collective: measures the link between the local ranks (well under a millisecond on an idle pair:
+  // 31 rounds, then every rank in turn writes probe_bytes into its slot and the others copy it out)
+  // and returns every rank's figures, index = local rank. The slow mode of issue 22 (cohort merely
+  // equal to Open MPI in some runs) was blamed on slow cache-to-cache transfers: this tells.
+  std::vector<LinkProbe> probe();
+  // One line for logs and the bench's header: CPUs, round trip, cache-to-cache against own-cache copy.
+  static std::string describe(const std::vector<LinkProbe>& probes);
+  // Whether this group's waits yield the core while they spin (see PeerSync::set_yield): chosen at
+  // creation from the ranks' CPU affinities, alike on all ranks (common/affinity.h, COHORT_YIELD), and why.
+  bool waits_yield() const { return sync_.yields(); }
+  // Replaces that choice (the communicator knows the CPU sets of every rank on this machine, also of
+  // other groups' ranks, e.g. hosts simulated in network namespaces). Every member must get the same.
+  void set_wait_policy(const affinity::YieldChoice& choice) {
+    sync_.set_yield(choice.yield);
+    wait_policy_ = choice.why;
+  }
+  const std::string& wait_policy() const { return wait_policy_; }
 
   // Collective (every local rank, in the same order, with the same size): `bytes` of zeroed memory that
   // the peers map too, in a segment of its own that goes away when the last holder drops it (it may
@@ -120,6 +148,9 @@ class Group {
   // sync_.wait_all, then (once per call) the signature comparison.
   void wait_all(const char* what);
   void check_calls();
+  // One round at creation: every rank publishes its CPU affinity; waits spin without yielding when the
+  // ranks' CPU sets are pairwise disjoint (each has cores of its own: nobody waits for this core).
+  void choose_wait_policy();
 
   void allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   void allreduce_large(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
@@ -140,6 +171,7 @@ class Group {
   bool compare_pending_ = false;
   MismatchFormatter mismatch_formatter_;
   std::string failure_;  // first error; later calls repeat it
+  std::string wait_policy_;
   std::chrono::milliseconds timeout_;
   std::mutex shared_mutex_;  // allocate_shared (user thread) against find_shared (progress thread)
   std::vector<std::weak_ptr<SharedRegion>> shared_;

@@ -105,12 +105,18 @@ std::string PeerSync::check_peers(int waiting_for, const char* what) {
   return {};
 }
 
+namespace {
+thread_local bool t_always_yield = false;
+}  // namespace
+
+void PeerSync::set_thread_always_yields(bool on) { t_always_yield = on; }
+
 void PeerSync::wait_slow(int q, const char* what) {
   RankControl& peer = controls_[q];
   // Phase 1: spin on the peer's cache line (reads only; the line stays shared until the peer writes).
   // The first microseconds are a pure spin: no system call when the peer is about to arrive. After
-  // that each round also yields the core: when the machine is oversubscribed (more runnable threads
-  // than cores, e.g. ranks on a busy host) the peer we wait for may be waiting for our core.
+  // that each round also yields the core (unless set_yield(false): every rank has a core of its own):
+  // when ranks share cores the peer we wait for may be waiting for ours.
   const auto spin_start = std::chrono::steady_clock::now();
   const auto pure_until = spin_start + std::min<std::chrono::nanoseconds>(spin_, kPureSpin);
   const auto spin_until = spin_start + spin_;
@@ -126,7 +132,7 @@ void PeerSync::wait_slow(int q, const char* what) {
       if (watch_) watch_(q);
       auto now = std::chrono::steady_clock::now();
       if (now >= spin_until) break;
-      yielding = now >= pure_until;
+      yielding = (yield_ || t_always_yield) && now >= pure_until;
     }
   }
   // Phase 2: futex sleeps in short slices, checking the peers and the deadline between them.

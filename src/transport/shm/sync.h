@@ -77,6 +77,16 @@ class PeerSync {
   void set_watch(std::function<void(int local_peer)> watch) { watch_ = std::move(watch); }
   // Names a local rank in error messages (e.g. "rank 3 (host-a)"); default "local rank N".
   void set_peer_namer(std::function<std::string(int local_peer)> namer) { namer_ = std::move(namer); }
+  // Whether a wait yields the core (sched_yield) after its first microsecond of spinning. Needed when
+  // the rank waited for may need this core (more runnable ranks than cores, unbound ranks); harmful
+  // when every rank has a core of its own: the yield hands this core to whatever else runs on the
+  // host, and the wait lasts that process's time slice (Group decides, docs/algorithms-shm.md).
+  void set_yield(bool yield) { yield_ = yield; }
+  bool yields() const { return yield_; }
+  // For the calling thread only: its waits always yield, whatever set_yield says. The communicator's
+  // progress thread shares its process's cores with the caller's compute threads (a bound rank: one
+  // core for both), which must get the core while it waits.
+  static void set_thread_always_yields(bool on);
   // Local ranks that have not yet posted as many steps as this rank.
   std::vector<int> lagging() const {
     std::vector<int> out;
@@ -102,6 +112,7 @@ class PeerSync {
   int size_;
   std::chrono::milliseconds timeout_;
   std::chrono::nanoseconds spin_;
+  bool yield_ = true;
   uint32_t my_step_ = 0;
   std::vector<UniqueFd> pidfds_;  // index = local rank; invalid for self and for peers in this process
   std::vector<int> pids_;
