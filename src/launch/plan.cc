@@ -645,16 +645,6 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   return e;
 }
 
-std::vector<int> allowed_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cpus;
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  return cpus;
-}
-
 std::vector<std::vector<int>> numa_node_cpus() {
   std::vector<std::vector<int>> nodes;
   for (int n = 0; n < 1024; ++n) {

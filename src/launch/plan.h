@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/affinity.h"
 #include "launch/gpus.h"
 #include "launch/parsers.h"
 
@@ -200,7 +201,8 @@ std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int n
                                                const std::vector<std::vector<int>>& near_cpus = {});
 // The allowed CPUs grouped by physical core (sysfs topology: package and core id).
 std::vector<std::vector<int>> physical_cores(const std::vector<int>& allowed);
-std::vector<int> allowed_cpus();
+// The CPUs this process may run on (common/affinity.h; here for the launcher's callers).
+using affinity::allowed_cpus;
 std::vector<std::vector<int>> numa_node_cpus();
 
 // The --dry-run text: nodes, ranks, the source of each setting, each local worker's environment.
