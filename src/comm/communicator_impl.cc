@@ -213,7 +213,9 @@ void CommunicatorImpl::bootstrap() {
   HostIdentity me = local_host_identity();
   nlohmann::json mine;
   mine["host"] = me.serialize();
-  mine["cpus"] = affinity::allowed_cpus();  // whether waits may yield (common/affinity.h)
+  // Whether waits may yield (common/affinity.h). As ranges ("0-63,128-191"): a few bytes per rank in the
+  // store, not a list of every CPU.
+  mine["cpus"] = str::format_ranges(affinity::allowed_cpus());
   for (auto& t : transports_) mine["transports"][t->name()] = t->descriptor();
   store_->set("peer/" + std::to_string(rank_), mine.dump());
 
@@ -269,9 +271,13 @@ void CommunicatorImpl::bootstrap() {
       if (ids[size_t(r)].boot_id != ids[size_t(rank_)].boot_id) continue;
       const auto it = published[size_t(r)].find("cpus");
       std::vector<int> cpus;
-      if (it != published[size_t(r)].end() && it->is_array())
-        for (const auto& c : *it)
-          if (c.is_number_integer()) cpus.push_back(c.get<int>());
+      if (it != published[size_t(r)].end() && it->is_string() && !it->get<std::string>().empty()) {
+        try {
+          cpus = str::parse_int_list(it->get<std::string>(), "cpus");
+        } catch (const std::exception&) {
+          cpus.clear();  // unreadable: counts as sharing (waits yield, as they always did)
+        }
+      }
       local_sets.push_back(std::move(cpus));
     }
     yield_choice_ = affinity::choose_yield(local_sets);

@@ -1,6 +1,8 @@
 // `cohort bench <op>` end to end: two real processes meeting through torchrun-style variables
 // (rank 0 hosts the store), with --check, CSV and PNG output. Checks correctness and the output
 // format only; the figures themselves are measured by hand (docs/perf-collectives.md).
+#include <sched.h>
+
 #include <gtest/gtest.h>
 
 #include <string>
@@ -16,16 +18,20 @@ struct TwoRanks {
   test::ProcessResult rank0, rank1;
 };
 
-TwoRanks run_two(const std::vector<std::string>& bench_args) {
+// cpus: empty, or "taskset -c" lists for rank 0 and rank 1 (each rank bound as cohort run binds).
+TwoRanks run_two(const std::vector<std::string>& bench_args, const std::vector<std::string>& extra_env = {},
+                 const std::vector<std::string>& cpus = {}) {
   const std::string port = std::to_string(test::free_port());
   TwoRanks out;
   auto run = [&](int rank, test::ProcessResult* res) {
-    std::vector<std::string> argv = {test::cohort_tool()};
+    std::vector<std::string> argv;
+    if (!cpus.empty()) argv = {"taskset", "-c", cpus[size_t(rank)]};
+    argv.push_back(test::cohort_tool());
     argv.insert(argv.end(), bench_args.begin(), bench_args.end());
-    *res = test::run_process(argv,
-                             {"MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port, "RANK=" + std::to_string(rank),
-                              "WORLD_SIZE=2", "COHORT_TIMEOUT=60"},
-                             90);
+    std::vector<std::string> env = {"MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port, "RANK=" + std::to_string(rank),
+                                    "WORLD_SIZE=2", "COHORT_TIMEOUT=60"};
+    env.insert(env.end(), extra_env.begin(), extra_env.end());
+    *res = test::run_process(argv, env, 90);
   };
   std::thread t1(run, 1, &out.rank1);
   run(0, &out.rank0);
@@ -51,6 +57,31 @@ TEST(BenchTool, EveryCollectiveChecksCleanWithCsvAndPlot) {
     const std::string image = test::read_file(png);
     ASSERT_GT(image.size(), 8u);
     EXPECT_EQ(image.substr(1, 3), "PNG");
+  }
+}
+
+// The bench's "# link:" line says how the communicator waits: without yielding where each rank is bound
+// to a CPU of its own, yielding where the ranks may share CPUs (docs/algorithms-shm.md, "Whether a wait
+// yields"); on shared memory it carries the link probe's figures too. Over TCP and over shared memory.
+TEST(BenchTool, TheLinkLineSaysWhetherWaitsYieldAndWhatTheProbeMeasured) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  std::vector<std::string> cpus;  // the first two CPUs this test may use: one for each rank
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(std::to_string(c));
+  const bool two_cpus = cpus.size() == 2;
+  for (std::string transport : {"tcp", "auto"}) {
+    const std::vector<std::string> args = {"bench", "allreduce", "-b", "8", "-e", "8", "-n", "3", "--trials", "1"};
+    auto shared = run_two(args, {"COHORT_TRANSPORT=" + transport});
+    ASSERT_EQ(shared.rank0.exit_code, 0) << shared.rank0.out << shared.rank0.err;
+    EXPECT_NE(shared.rank0.out.find("CPU sets overlap"), std::string::npos) << transport << ": " << shared.rank0.out;
+    if (transport == "auto")
+      EXPECT_NE(shared.rank0.out.find("another rank just wrote"), std::string::npos) << shared.rank0.out;
+    if (!two_cpus) continue;  // one CPU: no two ranks can have their own
+    auto bound = run_two(args, {"COHORT_TRANSPORT=" + transport}, cpus);
+    ASSERT_EQ(bound.rank0.exit_code, 0) << bound.rank0.out << bound.rank0.err;
+    EXPECT_NE(bound.rank0.out.find("every local rank has CPUs of its own"), std::string::npos)
+        << transport << ": " << bound.rank0.out;
   }
 }
 
