@@ -27,17 +27,23 @@ Envelope env(uint64_t tag) {
   return e;
 }
 
-TEST(TcpTransport, ANoticeSentInTheMiddleOfAMessageStillReachesThePeer) {
+// Ranks 0 and 1 ("host-0", "host-1"), connected over TCP.
+std::vector<std::unique_ptr<Transport>> connected_pair(const std::string& scope) {
   const int world = 2;
   std::vector<std::unique_ptr<Transport>> ts(world);
   std::vector<transport::PeerInfo> peers(world);
   for (int r = 0; r < world; ++r) {
-    ts[size_t(r)] = transport::make_tcp_transport({r, world, "midstream", Deadline::after(std::chrono::seconds(20))});
+    ts[size_t(r)] = transport::make_tcp_transport({r, world, scope, Deadline::after(std::chrono::seconds(20))});
     peers[size_t(r)] = {"host-" + std::to_string(r), ts[size_t(r)]->descriptor()};
   }
   run_ranks(world, [&](int r) {
     ts[size_t(r)]->connect(peers, {r != 0, r != 1}, Deadline::after(std::chrono::seconds(20)));
   });
+  return ts;
+}
+
+TEST(TcpTransport, ANoticeSentInTheMiddleOfAMessageStillReachesThePeer) {
+  auto ts = connected_pair("midstream");
   // 64 MiB: far more than the socket buffers, so a few polls leave it half written.
   const size_t bytes = size_t(64) << 20;
   std::vector<char> out(bytes, 'x'), in(bytes);
@@ -72,16 +78,7 @@ TEST(TcpTransport, ANoticeSentInTheMiddleOfAMessageStillReachesThePeer) {
 // send meets the reset connection (EPIPE / ECONNRESET). It must still name rank 5, from the notice
 // in its receive queue, not "lost rank 0: send: Broken pipe" (seen in tests/multihost's kill rounds).
 TEST(TcpTransport, ASendToAPeerThatFailedAndExitedReadsItsNoticeFirst) {
-  const int world = 2;
-  std::vector<std::unique_ptr<Transport>> ts(world);
-  std::vector<transport::PeerInfo> peers(world);
-  for (int r = 0; r < world; ++r) {
-    ts[size_t(r)] = transport::make_tcp_transport({r, world, "sendafter", Deadline::after(std::chrono::seconds(20))});
-    peers[size_t(r)] = {"host-" + std::to_string(r), ts[size_t(r)]->descriptor()};
-  }
-  run_ranks(world, [&](int r) {
-    ts[size_t(r)]->connect(peers, {r != 0, r != 1}, Deadline::after(std::chrono::seconds(20)));
-  });
+  auto ts = connected_pair("sendafter");
   // Data rank 0 never reads: closing its socket with it unread sends a reset, not a plain close.
   std::vector<char> small(4096, 's');
   auto first = ts[1]->isend(0, env(3), small.data(), small.size());
