@@ -972,6 +972,12 @@ std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>&
   return create_child(fmt::format("{}/sub{:08x}/{}", prefix_, hash32(list), n), new_rank, int(ranks.size()));
 }
 
+std::string CommunicatorImpl::link_report() const {
+  // The group's line changes when a slow allreduce has it probe the link again.
+  if (probed_group_) return fmt::format("{}; shm group: {}", probed_group_->link_line(), probed_group_->wait_policy());
+  return link_report_;
+}
+
 void CommunicatorImpl::probe_link(shm::Group& group) {
   // The group saw only its own members' CPUs; the communicator saw every rank on this machine.
   group.set_wait_policy(yield_choice_);
@@ -979,8 +985,9 @@ void CommunicatorImpl::probe_link(shm::Group& group) {
     link_report_ = fmt::format("no link probe (COHORT_SHM_PROBE=0); shm group: {}", group.wait_policy());
     return;
   }
-  link_report_ = fmt::format("{}; shm group: {}", shm::Group::describe(group.probe()), group.wait_policy());
-  log::debug("communicator '{}': shm link: {}", prefix_, link_report_);
+  group.probe();  // also chooses how the group writes its slots
+  probed_group_ = &group;
+  log::debug("communicator '{}': shm link: {}", prefix_, link_report());
 }
 
 std::shared_ptr<void> CommunicatorImpl::allocate_shared(size_t bytes) {

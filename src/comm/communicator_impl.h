@@ -108,7 +108,7 @@ class CommunicatorImpl final : public Communicator,
   std::shared_ptr<Communicator> subgroup(const std::vector<int>& ranks) override;
   void abort(const std::string& reason) override;
   std::shared_ptr<void> allocate_shared(size_t bytes) override;
-  std::string link_report() const override { return link_report_; }
+  std::string link_report() const override;
 
   // ---- coll::Context (called by the algorithms, on the thread holding drive_) ----
   coll::RequestId isend(int peer, const void* data, size_t bytes, uint32_t slot) override;
@@ -208,7 +208,8 @@ class CommunicatorImpl final : public Communicator,
   std::vector<transport::Transport*> route_;  // per peer
   std::unique_ptr<shm::Group> shm_group_;     // all ranks on one host: collectives in shared memory
   std::unique_ptr<shm::Group> host_group_;    // several hosts: this host's ranks (hierarchical allreduce)
-  std::string link_report_;                   // the wait policy and the shm group's link probe (link_report())
+  std::string link_report_;                   // link_report() before (or without) a probe: the wait policy
+  shm::Group* probed_group_ = nullptr;        // the group whose probe link_report() shows
   bool yield_in_waits_ = true;                // wait()'s spin yields the core (common/affinity.h)
   affinity::YieldChoice yield_choice_{true, "waits yield the core"};  // also given to the shm groups
   std::vector<int> world_ranks_;  // see CommSetup::world_ranks

@@ -75,8 +75,15 @@ TEST(BenchTool, TheLinkLineSaysWhetherWaitsYieldAndWhatTheProbeMeasured) {
     auto shared = run_two(args, {"COHORT_TRANSPORT=" + transport});
     ASSERT_EQ(shared.rank0.exit_code, 0) << shared.rank0.out << shared.rank0.err;
     EXPECT_NE(shared.rank0.out.find("CPU sets overlap"), std::string::npos) << transport << ": " << shared.rank0.out;
-    if (transport == "auto")
+    if (transport == "auto") {
       EXPECT_NE(shared.rank0.out.find("another rank just wrote"), std::string::npos) << shared.rank0.out;
+      // The probe's choice of copy into the slots, with the figures that made it.
+      EXPECT_NE(shared.rank0.out.find(" ns = write "), std::string::npos) << shared.rank0.out;
+      auto forced = run_two(args, {"COHORT_TRANSPORT=auto", "COHORT_SHM_COPY=streaming"});
+      ASSERT_EQ(forced.rank0.exit_code, 0) << forced.rank0.out << forced.rank0.err;
+      EXPECT_NE(forced.rank0.out.find("slots: streaming (COHORT_SHM_COPY=streaming)"), std::string::npos)
+          << forced.rank0.out;
+    }
     if (!two_cpus) continue;  // one CPU: no two ranks can have their own
     auto bound = run_two(args, {"COHORT_TRANSPORT=" + transport}, cpus);
     ASSERT_EQ(bound.rank0.exit_code, 0) << bound.rank0.out << bound.rank0.err;

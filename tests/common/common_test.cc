@@ -8,6 +8,7 @@
 
 #include "cohort/error.h"
 #include "common/affinity.h"
+#include "common/copy.h"
 #include "common/env.h"
 #include "common/half.h"
 #include "common/strings.h"
@@ -134,6 +135,27 @@ TEST(PrefixStore, KeepsNamespacesApart) {
   EXPECT_EQ(a->get("k"), "a");
   EXPECT_EQ(b->get("k"), "b");
   EXPECT_EQ(base->get("job1/k"), "a");
+}
+
+
+// Streaming stores need 16-byte aligned destinations: every alignment of both ends, sizes around the
+// 64-byte body, and a large copy, between guard bytes that must survive.
+TEST(Copy, StreamingCopiesEveryByteAtEveryAlignmentAndNothingElse) {
+  std::vector<unsigned char> src(70000), dst(70000 + 256);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+  auto check = [&](size_t dst_at, size_t src_at, size_t bytes) {
+    std::fill(dst.begin(), dst.end(), 0xEE);
+    copy::copy_streaming(dst.data() + dst_at, src.data() + src_at, bytes);
+    ASSERT_EQ(std::memcmp(dst.data() + dst_at, src.data() + src_at, bytes), 0)
+        << "dst+" << dst_at << " src+" << src_at << " bytes " << bytes;
+    for (size_t i = 0; i < dst_at; ++i) ASSERT_EQ(dst[i], 0xEE) << "wrote before the start: " << dst_at << "," << bytes;
+    for (size_t i = dst_at + bytes; i < dst.size(); ++i) ASSERT_EQ(dst[i], 0xEE) << "wrote past the end: " << bytes;
+  };
+  for (size_t dst_at = 0; dst_at < 20; ++dst_at)
+    for (size_t src_at = 0; src_at < 5; ++src_at)
+      for (size_t bytes : {0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 200, 1000}) check(dst_at, src_at, bytes);
+  check(3, 1, 65536 + 77);
+  check(0, 0, 65536);
 }
 
 }  // namespace

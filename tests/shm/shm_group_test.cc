@@ -17,6 +17,8 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 #include "cohort/error.h"
@@ -87,11 +89,20 @@ std::vector<std::unique_ptr<Group>> make_groups(int world, const GroupOptions& o
   return groups;
 }
 
-class ShmGroupWorld : public ::testing::TestWithParam<int> {};
+// World size, and the copy into the slots (both ways must give the same bits).
+class ShmGroupWorld : public ::testing::TestWithParam<std::tuple<int, SlotCopy>> {
+ protected:
+  int world() const { return std::get<0>(GetParam()); }
+  GroupOptions options() const {
+    GroupOptions o = tiny_options();
+    o.slot_copy = slot_copy_name(std::get<1>(GetParam()));
+    return o;
+  }
+};
 
 TEST_P(ShmGroupWorld, AllreduceEveryTypeAndOpMatchesRankOrderReference) {
-  const int world = GetParam();
-  auto groups = make_groups(world, tiny_options());
+  const int world = this->world();
+  auto groups = make_groups(world, options());
   // 0, 1, odd, just above "small", several chunks with a ragged end.
   const size_t counts[] = {0, 1, 7, 129, 3001};
   test::run_ranks(world, [&](int r) {
@@ -117,8 +128,8 @@ TEST_P(ShmGroupWorld, AllreduceEveryTypeAndOpMatchesRankOrderReference) {
 }
 
 TEST_P(ShmGroupWorld, ReduceScatterAllgatherBroadcastBarrier) {
-  const int world = GetParam();
-  auto groups = make_groups(world, tiny_options());
+  const int world = this->world();
+  auto groups = make_groups(world, options());
   test::run_ranks(world, [&](int r) {
     uint64_t salt = 1000;
     for (size_t n : {size_t{1}, size_t{5}, size_t{700}, size_t{2500}}) {
@@ -166,8 +177,8 @@ TEST_P(ShmGroupWorld, ReduceScatterAllgatherBroadcastBarrier) {
 }
 
 TEST_P(ShmGroupWorld, AllreduceInPlaceOnSharedMemoryMatchesTheReferenceAndTouchesOnlyItsRange) {
-  const int world = GetParam();
-  auto groups = make_groups(world, tiny_options());
+  const int world = this->world();
+  auto groups = make_groups(world, options());
   // Above the small limit (256 B), and long enough for several 64 KiB pieces per slice.
   const size_t counts[] = {129, 3001, 70001};
   const size_t capacity = 80000 * 8 + 256;
@@ -201,7 +212,13 @@ TEST_P(ShmGroupWorld, AllreduceInPlaceOnSharedMemoryMatchesTheReferenceAndTouche
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroupWorld, ::testing::Range(1, 9));
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroupWorld,
+                         ::testing::Combine(::testing::Range(1, 9),
+                                            ::testing::Values(SlotCopy::kCached, SlotCopy::kStreaming)),
+                         [](const auto& info) {
+                           return std::to_string(std::get<0>(info.param)) + "ranks_" +
+                                  slot_copy_name(std::get<1>(info.param));
+                         });
 
 TEST(ShmGroup, OnlyInPlaceCallsAboveTheSmallLimitOnSharedMemoryTakeTheInPlacePath) {
   auto groups = make_groups(2, tiny_options());
@@ -303,12 +320,121 @@ TEST(ShmGroup, TheLinkProbeGivesEveryRankEveryRanksFiguresAndLeavesTheSlotsUsabl
           EXPECT_GT(p.round_ns, 0.f);
           EXPECT_GT(p.peer_copy_gbps, 0.f);
           EXPECT_GT(p.own_copy_gbps, 0.f);
+          EXPECT_GT(p.cached_write_gbps, 0.f);
+          EXPECT_GT(p.streaming_write_gbps, 0.f);
+          EXPECT_GT(p.streaming_read_gbps, 0.f);
         }
       }
     }
     const std::string line = Group::describe(seen[0]);
     if (world == 1) EXPECT_NE(line.find("no link"), std::string::npos) << line;
     else EXPECT_NE(line.find("another rank just wrote"), std::string::npos) << line;
+    // The probe chose the slots' copy from the figures every rank holds: the same choice everywhere,
+    // and the one choose_slot_copy gives for them.
+    const SlotCopyChoice want = choose_slot_copy(seen[0], "auto");
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(groups[r]->slot_copy(), want.copy) << "rank " << r;
+      EXPECT_NE(groups[r]->link_line().find("slots: " + want.why), std::string::npos) << groups[r]->link_line();
+    }
+  }
+}
+
+// The figures of two links: one where cache-to-cache copies are quick (this guest's, 2026-11-25) and
+// one where they are slow, as issue 22's guest was suspected to be in its slow runs.
+LinkProbe figures(float cached_write, float cached_read, float streaming_write, float streaming_read) {
+  LinkProbe p;
+  p.cpu = 0;
+  p.cached_write_gbps = cached_write;
+  p.peer_copy_gbps = cached_read;
+  p.streaming_write_gbps = streaming_write;
+  p.streaming_read_gbps = streaming_read;
+  return p;
+}
+
+TEST(ShmSlotCopy, TheProbeFiguresChooseTheCheaperWayAndStreamingMustWinClearly) {
+  // This guest: cached 19 + 19 GB/s, streaming 5 + 11: cached.
+  const std::vector<LinkProbe> quick{figures(19, 19.3f, 5, 11), figures(19.5f, 19.4f, 5.1f, 10.8f)};
+  SlotCopyChoice c = choose_slot_copy(quick, "auto");
+  EXPECT_EQ(c.copy, SlotCopy::kCached) << c.why;
+  EXPECT_NE(c.why.find("cached"), std::string::npos) << c.why;
+  // Slow cache to cache (2 GB/s), memory fast: streaming.
+  const std::vector<LinkProbe> slow{figures(19, 2, 12, 10), figures(19, 2.2f, 12, 10)};
+  c = choose_slot_copy(slow, "auto");
+  EXPECT_EQ(c.copy, SlotCopy::kStreaming) << c.why;
+  EXPECT_EQ(c.why.rfind("streaming", 0), 0u) << c.why;
+  // Streaming 10 % cheaper only: not enough to switch (a 256 KiB probe is not that precise).
+  // cached: 1/10 + 1/10 = 0.2 s/GB; streaming: 1/11 + 1/11 = 0.18.
+  EXPECT_EQ(choose_slot_copy({figures(10, 10, 11, 11), figures(10, 10, 11, 11)}, "auto").copy, SlotCopy::kCached);
+  // The setting wins over the figures; no figures (one rank, or COHORT_SHM_PROBE=0 peers) mean cached.
+  EXPECT_EQ(choose_slot_copy(slow, "cached").copy, SlotCopy::kCached);
+  EXPECT_EQ(choose_slot_copy(quick, "streaming").copy, SlotCopy::kStreaming);
+  EXPECT_EQ(choose_slot_copy({LinkProbe{}}, "auto").copy, SlotCopy::kCached);
+  EXPECT_EQ(choose_slot_copy({}, "auto").why, "cached (no probe figures)");
+}
+
+TEST(ShmChunk, AnEighthOfTheSmallestL2AtLeast64KiBAtMostTheSlot) {
+  constexpr size_t K = 1024, M = 1024 * 1024;
+  EXPECT_EQ(choose_chunk(2 * M, 0, 1 * M).bytes, 256 * K);  // this guest: 2 MiB L2
+  EXPECT_EQ(choose_chunk(1280 * K, 0, 1 * M).bytes, 128 * K);  // a power of two at most L2/8
+  EXPECT_EQ(choose_chunk(256 * K, 0, 1 * M).bytes, 64 * K);  // never under 64 KiB
+  EXPECT_EQ(choose_chunk(64 * M, 0, 1 * M).bytes, 1 * M);    // never over the slot
+  EXPECT_EQ(choose_chunk(2 * M, 0, 4096).bytes, 4096u);
+  const ChunkChoice unknown = choose_chunk(0, 0, 1 * M);
+  EXPECT_EQ(unknown.bytes, 1 * M);
+  EXPECT_NE(unknown.why.find("unknown"), std::string::npos) << unknown.why;
+  const ChunkChoice set = choose_chunk(2 * M, 100000, 1 * M);  // COHORT_SHM_CHUNK_BYTES: whole lines
+  EXPECT_EQ(set.bytes, 100032u);
+  EXPECT_NE(set.why.find("COHORT_SHM_CHUNK_BYTES"), std::string::npos) << set.why;
+  EXPECT_EQ(choose_chunk(2 * M, 8 * M, 1 * M).bytes, 1 * M);
+}
+
+TEST(ShmChunk, EveryRankOfAGroupGetsTheSameChunkAndTheCollectivesStayRight) {
+  const int world = 3;
+  GroupOptions o = tiny_options();
+  o.slot_bytes = 1 << 20;
+  o.chunk_bytes = 100 * 1024;  // not a divisor of anything below: ragged chunks everywhere
+  auto groups = make_groups(world, o);
+  for (int r = 0; r < world; ++r) EXPECT_EQ(groups[r]->chunk_bytes(), 100u * 1024) << r;
+  test::run_ranks(world, [&](int r) {
+    const size_t n = 300007;  // about 12 chunks of floats
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 11 + r);
+    groups[r]->allreduce(x.data(), x.data(), n, DataType::kFloat32, ReduceOp::kSum);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(x[i], static_cast<float>(world * (i % 11) + 3)) << i;
+    std::vector<uint8_t> all(3 * n), mine(n, static_cast<uint8_t>(r + 1));
+    groups[r]->allgather(mine.data(), all.data(), n);
+    for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], i / n + 1) << i;
+  });
+  // The default: the rule on this machine's L2, alike on every rank.
+  auto defaults = make_groups(2, GroupOptions::from_env(2));
+  EXPECT_EQ(defaults[0]->chunk_bytes(), defaults[1]->chunk_bytes());
+  EXPECT_GE(defaults[0]->chunk_bytes(), std::min<size_t>(64 << 10, GroupOptions::from_env(2).slot_bytes));
+}
+
+TEST(ShmSlotCopy, AnAllreduceFarBelowTheFastestHasEveryRankProbeTheLinkAgainAtTheNextCheck) {
+  for (int world : {2, 3}) {
+    GroupOptions o = tiny_options();
+    o.recheck_every = 4;
+    auto groups = make_groups(world, o);
+    const size_t n = 16 * o.slot_bytes / sizeof(float);  // 16 chunks: a "large" allreduce
+    test::run_ranks(world, [&](int r) {
+      std::vector<float> x(n);
+      for (int op = 0; op < 8; ++op) {
+        for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 7 + r + op);
+        // Operation 2 waits 200 ms for rank 0: hundreds of times slower than the ones before it on
+        // every rank. Its check comes with operation 3 (the 4th large allreduce).
+        if (op == 2 && r == 0) std::this_thread::sleep_for(milliseconds(200));
+        groups[r]->allreduce(x.data(), x.data(), n, DataType::kFloat32, ReduceOp::kSum);
+        for (size_t i = 0; i < n; ++i)
+          ASSERT_EQ(x[i], static_cast<float>(world * (i % 7 + op) + world * (world - 1) / 2)) << op << " " << i;
+        if (op == 3) {
+          ASSERT_GE(groups[r]->reprobes(), 1u) << "rank " << r;
+          EXPECT_NE(groups[r]->link_line().find("probed again"), std::string::npos) << groups[r]->link_line();
+        }
+      }
+    });
+    // One decision for all: every rank probed as often as the others.
+    for (int r = 1; r < world; ++r) EXPECT_EQ(groups[r]->reprobes(), groups[0]->reprobes());
   }
 }
 

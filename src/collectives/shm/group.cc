@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -14,7 +15,9 @@
 #include "cohort/error.h"
 #include "collectives/reduce_kernels.h"
 #include "common/affinity.h"
+#include "common/copy.h"
 #include "common/env.h"
+#include "common/log.h"
 
 namespace cohort::shm {
 namespace {
@@ -26,6 +29,12 @@ static const env::BytesSetting kSmallBytes("COHORT_SHM_SMALL_BYTES", 16 << 10,
 static const env::SecondsSetting kSpin("COHORT_SHM_SPIN", 0.002,
                                        "how long an intra-host wait polls (pure spin for 1 us, then spin with "
                                        "sched_yield) before sleeping on a futex");
+static const env::BytesSetting kChunkBytes("COHORT_SHM_CHUNK_BYTES", 0,
+                                           "intra-host pipeline chunk (at most the slot); 0: an eighth of the CPUs' L2 "
+                                           "cache, at least 64 KiB");
+static const env::StringSetting kCopy("COHORT_SHM_COPY", "auto",
+                                      "how intra-host collectives write their staging slots: auto (the link probe "
+                                      "measures both and picks), cached (memcpy) or streaming (non-temporal stores)");
 
 constexpr size_t kPage = 4096;
 constexpr size_t kLine = 64;
@@ -58,7 +67,67 @@ GroupOptions GroupOptions::from_env(int local_size) {
   o.slot_bytes = std::max<size_t>(round_up(kSlotBytes.get(), kPage), kPage);
   o.small_bytes = std::min<size_t>(kSmallBytes.get(), o.slot_bytes);
   o.spin = std::chrono::nanoseconds(static_cast<int64_t>(kSpin.get() * 1e9));
+  o.chunk_bytes = kChunkBytes.get();
+  o.slot_copy = kCopy.get();
+  if (o.slot_copy != "auto" && o.slot_copy != "cached" && o.slot_copy != "streaming")
+    throw ConfigError(fmt::format("COHORT_SHM_COPY={}: expected auto, cached or streaming", o.slot_copy));
   return o;
+}
+
+size_t l2_cache_bytes() {
+  const int cpu = sched_getcpu();
+  if (cpu >= 0) {
+    // index2 is the unified L2 on x86 and arm64 alike; "2048K".
+    if (FILE* f = std::fopen(fmt::format("/sys/devices/system/cpu/cpu{}/cache/index2/size", cpu).c_str(), "r")) {
+      unsigned long kib = 0;
+      char unit = 0;
+      const int got = std::fscanf(f, "%lu%c", &kib, &unit);
+      std::fclose(f);
+      if (got >= 1 && kib > 0) return unit == 'M' ? kib << 20 : kib << 10;
+    }
+  }
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return l2 > 0 ? static_cast<size_t>(l2) : 0;
+}
+
+ChunkChoice choose_chunk(size_t smallest_l2, size_t setting, size_t slot_bytes) {
+  if (setting > 0) {
+    const size_t bytes = std::clamp<size_t>(round_up(setting, kLine), kLine, slot_bytes);
+    return {bytes, fmt::format("COHORT_SHM_CHUNK_BYTES={}", setting)};
+  }
+  if (smallest_l2 == 0) return {slot_bytes, "the slot (L2 size unknown)"};
+  // A round touches, per rank, the chunk of its input, its own slot and the peers' slices: at an eighth
+  // of the L2 that stays in it with room to spare. On this guest's 2 MiB L2 (2026-11-25, docs/perf-shm.md)
+  // 256-512 KiB chunks ran fastest, 1 MiB 8 % slower at 1 GiB and 2-4 MiB 20 % slower at every size.
+  size_t bytes = size_t{64} << 10;
+  while (bytes * 2 <= smallest_l2 / 8) bytes *= 2;
+  bytes = std::min(bytes, slot_bytes);
+  return {bytes, fmt::format("an eighth of the smallest L2 of the ranks' CPUs, {} KiB", smallest_l2 >> 10)};
+}
+
+const char* slot_copy_name(SlotCopy copy) { return copy == SlotCopy::kStreaming ? "streaming" : "cached"; }
+
+SlotCopyChoice choose_slot_copy(const std::vector<LinkProbe>& probes, const std::string& setting) {
+  if (setting == "cached") return {SlotCopy::kCached, "cached (COHORT_SHM_COPY=cached)"};
+  if (setting == "streaming") return {SlotCopy::kStreaming, "streaming (COHORT_SHM_COPY=streaming)"};
+  double cw = 0, cr = 0, sw = 0, sr = 0;
+  size_t n = 0;
+  for (const auto& p : probes) {
+    if (p.cached_write_gbps <= 0 || p.peer_copy_gbps <= 0 || p.streaming_write_gbps <= 0 ||
+        p.streaming_read_gbps <= 0)
+      continue;  // a rank with no figures (alone, or an older peer): not counted
+    cw += p.cached_write_gbps, cr += p.peer_copy_gbps, sw += p.streaming_write_gbps, sr += p.streaming_read_gbps;
+    ++n;
+  }
+  if (n == 0) return {SlotCopy::kCached, "cached (no probe figures)"};
+  cw /= double(n), cr /= double(n), sw /= double(n), sr /= double(n);
+  // Nanoseconds per KiB through a slot: written once by its owner, read by a peer.
+  const double cached = 1024 / cw + 1024 / cr, streaming = 1024 / sw + 1024 / sr;
+  const bool stream = streaming < 0.8 * cached;
+  return {stream ? SlotCopy::kStreaming : SlotCopy::kCached,
+          fmt::format("{} (per KiB through a slot: cached {:.0f} ns = write {:.1f} + read {:.1f} GB/s, streaming {:.0f} "
+                      "ns = write {:.1f} + read {:.1f} GB/s)",
+                      stream ? "streaming" : "cached", cached, cw, cr, streaming, sw, sr)};
 }
 
 std::unique_ptr<Group> Group::create(Store& store, int local_rank, int local_size, const std::string& key_prefix,
@@ -79,6 +148,7 @@ std::unique_ptr<Group> Group::create_at(const std::string& address, int local_ra
   group->address_ = address;
   group->sync_.start();
   group->choose_wait_policy();
+  group->choose_chunk_size();
   return group;
 }
 
@@ -111,6 +181,23 @@ void Group::choose_wait_policy() {
   wait_policy_ = choice.why;
 }
 
+void Group::choose_chunk_size() {
+  uint64_t smallest = l2_cache_bytes();
+  if (size_ > 1) {
+    const unsigned p = next_parity();
+    std::memcpy(slot(rank_, p), &smallest, sizeof smallest);
+    sync_.post();
+    sync_.wait_all("the group's start");
+    for (int q = 0; q < size_; ++q) {
+      uint64_t theirs = 0;
+      std::memcpy(&theirs, slot(q, p), sizeof theirs);
+      if (theirs == 0 || smallest == 0) smallest = 0;  // one unknown: no rule for all
+      else smallest = std::min(smallest, theirs);
+    }
+  }
+  chunk_ = choose_chunk(static_cast<size_t>(smallest), options_.chunk_bytes, options_.slot_bytes);
+}
+
 Group::Group(Segment segment, int local_rank, int local_size, std::chrono::milliseconds timeout,
              const GroupOptions& options)
     : segment_(std::move(segment)),
@@ -118,7 +205,21 @@ Group::Group(Segment segment, int local_rank, int local_size, std::chrono::milli
       size_(local_size),
       options_(options),
       sync_(static_cast<RankControl*>(segment_.data()), local_rank, local_size, timeout, options.spin),
-      timeout_(timeout) {}
+      timeout_(timeout) {
+  // Until a probe has measured the link, "auto" means cached: right wherever cores share a cache.
+  slot_copy_ = options.slot_copy == "streaming" ? SlotCopy::kStreaming : SlotCopy::kCached;
+  recheck_every_ = options.recheck_every;
+}
+
+void Group::write_slot(char* dst, const void* src, size_t bytes) const {
+  if (slot_copy() == SlotCopy::kStreaming) copy::copy_streaming(dst, src, bytes);
+  else copy::copy_cached(dst, src, bytes);
+}
+
+std::string Group::link_line() const {
+  std::lock_guard<std::mutex> lock(link_mutex_);
+  return link_line_;
+}
 
 uint32_t Group::shared_tag(uint32_t allocation, size_t offset) {
   uint64_t x = (uint64_t{allocation} << 40) ^ static_cast<uint64_t>(offset);
@@ -247,9 +348,15 @@ void Group::allreduce(const void* in, void* out, size_t count, DataType dtype, R
           if (in != out && bytes) std::memmove(out, in, bytes);  // 0 bytes may come with null pointers
           return;
         }
-        if (shared) allreduce_shared(*shared, offset, count, dtype, op);
-        else if (bytes <= options_.small_bytes) allreduce_small(in, out, count, dtype, op);
-        else allreduce_large(in, out, count, dtype, op);
+        if (shared) {
+          allreduce_shared(*shared, offset, count, dtype, op);
+        } else if (bytes <= options_.small_bytes) {
+          allreduce_small(in, out, count, dtype, op);
+        } else {
+          const auto start = std::chrono::steady_clock::now();
+          allreduce_large(in, out, count, dtype, op);
+          if (bytes >= chunk_.bytes) after_large_allreduce(bytes, std::chrono::steady_clock::now() - start);
+        }
       },
       shared ? shared_tag(shared->id, offset) : 0);
 }
@@ -269,7 +376,7 @@ void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataTyp
   const size_t es = dtype_size(dtype);
   const char* in = static_cast<const char*>(in_v);
   char* out = static_cast<char*>(out_v);
-  const size_t chunk_elems = options_.slot_bytes / es;
+  const size_t chunk_elems = chunk_.bytes / es;
   for (size_t off = 0; off < count; off += chunk_elems) {
     const size_t c = std::min(chunk_elems, count - off);
     const Slices sl(c, size_, es);
@@ -278,7 +385,7 @@ void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataTyp
     // Phase 1: stage the slices the peers own.
     for (int q = 0; q < size_; ++q)
       if (q != rank_ && sl.length(q) > 0)
-        std::memcpy(mine + sl.begin(q) * es, in + (off + sl.begin(q)) * es, sl.length(q) * es);
+        write_slot(mine + sl.begin(q) * es, in + (off + sl.begin(q)) * es, sl.length(q) * es);
     sync_.post();
     wait_all("allreduce");
     // Phase 2: reduce my slice into my slot (rank order), reading my input and the peers' slots.
@@ -287,11 +394,24 @@ void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataTyp
       auto source = [&](int q) -> const char* {
         return q == rank_ ? in + (off + b) * es : slot(q, p) + b * es;
       };
+      // Cached: reduce in the slot, where the peers read it from this cache, then copy to the output.
+      // Streaming: reduce in the output and stream the result to the slot. In place, the output is my
+      // input: ranks 0 and 1 may overwrite it (reduce_to reads both inputs first), a higher rank's
+      // input is read after the first step, so it accumulates aside.
+      const bool streaming = slot_copy() == SlotCopy::kStreaming;
       char* acc = mine + b * es;
+      if (streaming) {
+        acc = out + (off + b) * es;
+        if (rank_ >= 2 && in == out) {
+          if (aside_.size() < n * es) aside_.resize(n * es);
+          acc = aside_.data();
+        }
+      }
       kernels::reduce_to(acc, source(0), source(1), n, dtype, op);
       for (int q = 2; q < size_; ++q) kernels::reduce_into(acc, source(q), n, dtype, op);
       if (op == ReduceOp::kAvg) kernels::finish_average(acc, n, dtype, size_);
-      std::memcpy(out + (off + b) * es, acc, n * es);
+      if (streaming) copy::copy_streaming(mine + b * es, acc, n * es);
+      if (acc != out + (off + b) * es) std::memcpy(out + (off + b) * es, acc, n * es);
     }
     sync_.post();
     wait_all("allreduce");
@@ -348,7 +468,7 @@ void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType
     // If the output overlaps the input, our own block is staged too, so that reducing into `out`
     // never overwrites input still to be read.
     const bool stage_own = overlaps(in, block_bytes * static_cast<size_t>(size_), out, block_bytes);
-    const size_t chunk_elems = options_.slot_bytes / es / static_cast<size_t>(size_);
+    const size_t chunk_elems = std::max<size_t>(1, chunk_.bytes / es / static_cast<size_t>(size_));
     for (size_t off = 0; off < count; off += chunk_elems) {
       const size_t c = std::min(chunk_elems, count - off);
       const unsigned p = next_parity();
@@ -356,8 +476,8 @@ void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType
       // Slot layout for this round: block q's chunk at q * chunk_elems.
       for (int q = 0; q < size_; ++q)
         if (q != rank_ || stage_own)
-          std::memcpy(mine + static_cast<size_t>(q) * chunk_elems * es,
-                      in + (static_cast<size_t>(q) * count + off) * es, c * es);
+          write_slot(mine + static_cast<size_t>(q) * chunk_elems * es,
+                     in + (static_cast<size_t>(q) * count + off) * es, c * es);
       sync_.post();
       wait_all("reduce_scatter");
       auto source = [&](int q) -> const char* {
@@ -379,10 +499,10 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
     char* own = out + static_cast<size_t>(rank_) * bytes;
     if (in != own) std::memmove(own, in, bytes);
     if (size_ == 1) return;
-    for (size_t off = 0; off < bytes; off += options_.slot_bytes) {
-      const size_t c = std::min(options_.slot_bytes, bytes - off);
+    for (size_t off = 0; off < bytes; off += chunk_.bytes) {
+      const size_t c = std::min(chunk_.bytes, bytes - off);
       const unsigned p = next_parity();
-      std::memcpy(slot(rank_, p), own + off, c);
+      write_slot(slot(rank_, p), own + off, c);
       sync_.post();
       wait_all("allgather");
       for (int q = 0; q < size_; ++q)
@@ -392,67 +512,124 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
 }
 
 std::vector<LinkProbe> Group::probe() {
+  std::vector<LinkProbe> all;
+  guarded("probe", [&] { all = measure_link(); });
+  return all;
+}
+
+std::vector<LinkProbe> Group::measure_link() {
   std::vector<LinkProbe> all(static_cast<size_t>(size_));
-  guarded("probe", [&] {
-    LinkProbe mine;
-    mine.cpu = sched_getcpu();
-    const size_t bytes = std::min<size_t>(options_.slot_bytes, 256 << 10);
-    mine.probe_bytes = static_cast<uint32_t>(bytes);
-    if (size_ == 1) {
-      all[0] = mine;
-      return;
-    }
-    using Clock = std::chrono::steady_clock;
-    auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
-    std::vector<char> sink(bytes, 1);  // touched, so page faults are not timed
-    auto round = [&] {
-      next_parity();
-      sync_.post();
-      wait_all("probe");
-    };
-    round();  // absorbs the ranks' different arrival times
-    const auto start = Clock::now();
-    // The median round: one descheduled round (another process on this CPU) says nothing of the link.
-    constexpr int kRounds = 31;
-    std::vector<double> rounds(kRounds);
-    for (auto& r : rounds) {
-      const auto t = Clock::now();
-      round();
-      r = seconds(Clock::now() - t);
-    }
-    std::nth_element(rounds.begin(), rounds.begin() + kRounds / 2, rounds.end());
-    mine.round_ns = static_cast<float>(rounds[kRounds / 2] * 1e9);
-    double best_peer = 0, best_own = 0;
-    for (int rep = 0; rep < 2; ++rep) {
+  LinkProbe mine;
+  mine.cpu = sched_getcpu();
+  const size_t bytes = std::min<size_t>(options_.slot_bytes, 256 << 10);
+  mine.probe_bytes = static_cast<uint32_t>(bytes);
+  if (size_ == 1) {
+    all[0] = mine;
+    std::lock_guard<std::mutex> lock(link_mutex_);
+    link_line_ = fmt::format("{}; slots: {}", describe(all), choose_slot_copy(all, options_.slot_copy).why);
+    return all;
+  }
+  using Clock = std::chrono::steady_clock;
+  auto gbps = [bytes](Clock::time_point since) {
+    return double(bytes) / std::chrono::duration<double>(Clock::now() - since).count() / 1e9;
+  };
+  std::vector<char> sink(bytes, 1);    // touched, so page faults are not timed
+  std::vector<char> source(bytes, 2);  // what a writer copies into its slot, in its cache
+  auto round = [&] {
+    next_parity();
+    sync_.post();
+    wait_all("probe");
+  };
+  round();  // absorbs the ranks' different arrival times
+  const auto start = Clock::now();
+  // The median round: one descheduled round (another process on this CPU) says nothing of the link.
+  constexpr int kRounds = 31;
+  std::vector<double> rounds(kRounds);
+  for (auto& r : rounds) {
+    const auto t = Clock::now();
+    round();
+    r = std::chrono::duration<double>(Clock::now() - t).count();
+  }
+  std::nth_element(rounds.begin(), rounds.begin() + kRounds / 2, rounds.end());
+  mine.round_ns = static_cast<float>(rounds[kRounds / 2] * 1e9);
+  // Each rank in turn writes its slot, one way and then the other; the others copy it out.
+  double own = 0, cached_write = 0, cached_read = 0, streaming_write = 0, streaming_read = 0;
+  for (int rep = 0; rep < 2; ++rep) {
+    for (SlotCopy way : {SlotCopy::kCached, SlotCopy::kStreaming}) {
       for (int w = 0; w < size_; ++w) {
         const unsigned p = next_parity();
         if (rank_ == w) {
-          // Fresh lines in this core's cache, modified; copying them back is the own-cache figure.
-          std::memset(slot(w, p), rep * size_ + w + 1, bytes);
+          source[0] = static_cast<char>(rep * size_ + w + 1);
           const auto t = Clock::now();
-          std::memcpy(sink.data(), slot(w, p), bytes);
-          best_own = std::max(best_own, double(bytes) / seconds(Clock::now() - t) / 1e9);
+          if (way == SlotCopy::kCached) copy::copy_cached(slot(w, p), source.data(), bytes);
+          else copy::copy_streaming(slot(w, p), source.data(), bytes);
+          (way == SlotCopy::kCached ? cached_write : streaming_write) =
+              std::max(way == SlotCopy::kCached ? cached_write : streaming_write, gbps(t));
+          if (way == SlotCopy::kCached) {  // fresh lines in this core's cache: copying them back is the own figure
+            const auto t2 = Clock::now();
+            std::memcpy(sink.data(), slot(w, p), bytes);
+            own = std::max(own, gbps(t2));
+          }
         }
         sync_.post();
         wait_all("probe");
-        if (rank_ != w) {  // the lines are in rank w's cache: this copy pulls them across
+        if (rank_ != w) {  // cached: the lines are in rank w's cache; streaming: in memory
           const auto t = Clock::now();
           std::memcpy(sink.data(), slot(w, p), bytes);
-          best_peer = std::max(best_peer, double(bytes) / seconds(Clock::now() - t) / 1e9);
+          double& best = way == SlotCopy::kCached ? cached_read : streaming_read;
+          best = std::max(best, gbps(t));
         }
       }
     }
-    mine.peer_copy_gbps = static_cast<float>(best_peer);
-    mine.own_copy_gbps = static_cast<float>(best_own);
-    mine.probe_us = static_cast<float>(seconds(Clock::now() - start) * 1e6);
-    // Every rank's figures to every rank (the slot protocol of any round: write mine, post, wait, read).
-    const unsigned p = next_parity();
-    std::memcpy(slot(rank_, p), &mine, sizeof mine);
-    sync_.post();
-    wait_all("probe");
-    for (int q = 0; q < size_; ++q) std::memcpy(&all[static_cast<size_t>(q)], slot(q, p), sizeof(LinkProbe));
-  });
+  }
+  mine.peer_copy_gbps = static_cast<float>(cached_read);
+  mine.own_copy_gbps = static_cast<float>(own);
+  mine.cached_write_gbps = static_cast<float>(cached_write);
+  mine.streaming_write_gbps = static_cast<float>(streaming_write);
+  mine.streaming_read_gbps = static_cast<float>(streaming_read);
+  mine.probe_us = static_cast<float>(std::chrono::duration<double>(Clock::now() - start).count() * 1e6);
+  // Every rank's figures to every rank (the slot protocol of any round: write mine, post, wait, read).
+  const unsigned p = next_parity();
+  std::memcpy(slot(rank_, p), &mine, sizeof mine);
+  sync_.post();
+  wait_all("probe");
+  for (int q = 0; q < size_; ++q) std::memcpy(&all[static_cast<size_t>(q)], slot(q, p), sizeof(LinkProbe));
+  // Every rank has the same figures, so every rank makes the same choice.
+  const SlotCopyChoice choice = choose_slot_copy(all, options_.slot_copy);
+  slot_copy_ = choice.copy;
+  std::string line = fmt::format("{}; slots: {}; chunk {} KiB ({})", describe(all), choice.why, chunk_.bytes >> 10,
+                                 chunk_.why);
+  if (const uint32_t again = reprobes_.load()) line += fmt::format("; probed again {} time(s) after slow allreduces", again);
+  std::lock_guard<std::mutex> lock(link_mutex_);
+  link_line_ = std::move(line);
   return all;
+}
+
+void Group::after_large_allreduce(size_t bytes, std::chrono::steady_clock::duration took) {
+  const double rate = double(bytes) / std::max(1e-9, std::chrono::duration<double>(took).count()) / 1e9;
+  if (fastest_gbps_ > 0 && rate * options_.slow_factor < fastest_gbps_) slow_seen_ = true;
+  fastest_gbps_ = std::max(fastest_gbps_, rate);
+  if (recheck_every_ == 0 || ++large_allreduces_ % recheck_every_ != 0) return;
+  // Every rank counts the same large allreduces, so all of them are here together: one round in which
+  // each says whether it saw a slow one. A descheduled rank alone can be slow, so one mark is enough.
+  const unsigned p = next_parity();
+  const uint8_t mark = slow_seen_ ? 1 : 0;
+  std::memcpy(slot(rank_, p), &mark, 1);
+  sync_.post();
+  wait_all("allreduce");
+  bool any = false;
+  for (int q = 0; q < size_; ++q) any = any || *slot(q, p) != 0;
+  slow_seen_ = false;
+  if (!any) return;
+  const SlotCopy before = slot_copy();
+  reprobes_.fetch_add(1);
+  measure_link();
+  fastest_gbps_ = 0;  // the link may have changed for good: measure what is fast from now on
+  // A probe that changed nothing was a false alarm (a loaded host makes ops slow without the link
+  // changing): check half as often next time, so that the probes stay a small part of the time.
+  if (slot_copy() == before) recheck_every_ = std::min<uint64_t>(recheck_every_ * 2, 1024);
+  log::info("shm group: an allreduce ran under 1/{} of the fastest one seen; probed the link again: slots {} -> {} ({})",
+            options_.slow_factor, slot_copy_name(before), slot_copy_name(slot_copy()), link_line());
 }
 
 std::string Group::describe(const std::vector<LinkProbe>& probes) {
@@ -481,10 +658,10 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
   guarded("broadcast", [&] {
     char* data = static_cast<char*>(data_v);
     if (size_ == 1) return;
-    for (size_t off = 0; off < bytes; off += options_.slot_bytes) {
-      const size_t c = std::min(options_.slot_bytes, bytes - off);
+    for (size_t off = 0; off < bytes; off += chunk_.bytes) {
+      const size_t c = std::min(chunk_.bytes, bytes - off);
       const unsigned p = next_parity();
-      if (rank_ == root) std::memcpy(slot(root, p), data + off, c);
+      if (rank_ == root) write_slot(slot(root, p), data + off, c);
       sync_.post();
       // Everyone waits for everyone (not only for the root): a rank that writes its slot in the next
       // round relies on all peers having posted this one, i.e. having finished reading the round before.

@@ -10,10 +10,12 @@
 // Algorithms (docs/algorithms-shm.md has the bytes each one moves):
 //  * allreduce, small (<= small_bytes): each rank copies its input into its slot; after one wait every
 //    rank reduces all P slots itself, in rank order (so every rank gets the same bits).
-//  * allreduce, large: per chunk of slot_bytes, each rank copies the P-1 slices that peers own into
+//  * allreduce, large: per chunk (at most slot_bytes, see GroupOptions::chunk_bytes), each rank copies the P-1 slices that peers own into
 //    its slot; rank r reduces slice r of the chunk reading its own input and the peers' slots (rank
 //    order), writes the result into its slot, and after a second wait every rank copies the other
 //    slices' results from their owners' slots into its output.
+//    The copies into the slots are cached or streaming (common/copy.h), as the link probe found
+//    faster (SlotCopy below); an allreduce far slower than this link has shown gets it measured again.
 //  * allreduce, in place on memory from allocate_shared(): every rank's buffer is mapped by every peer,
 //    so nothing is staged: after one wait rank r reduces slice r reading the peers' buffers directly
 //    and writes the result into every rank's buffer; a second wait ends it (2 n bytes through memory
@@ -24,6 +26,7 @@
 //  * barrier: post, wait for all.
 // Reductions for kAvg divide once, by the group size, on the reduced slice.
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -40,12 +43,32 @@
 
 namespace cohort::shm {
 
+// How data is written into the staging slots that peers read next (common/copy.h).
+enum class SlotCopy : uint8_t {
+  kCached,     // memcpy: the reader pulls the lines from the writer's cache
+  kStreaming,  // non-temporal stores: the lines go to memory, the reader fetches them from there
+};
+const char* slot_copy_name(SlotCopy copy);
+
 struct GroupOptions {
   size_t slot_bytes;             // staging slot per rank (two of them); chunk size of the pipelines
   size_t small_bytes;            // allreduce up to this size uses the one-round algorithm
   std::chrono::nanoseconds spin;  // busy-poll budget of a wait before it sleeps
+  // The pipelines' chunk (at most slot_bytes). 0: an eighth of the L2 cache of the ranks' CPUs (the
+  // smallest among them), a power of two of at least 64 KiB; slot_bytes where the L2 is unknown.
+  // COHORT_SHM_CHUNK_BYTES. docs/algorithms-shm.md, "The chunk".
+  size_t chunk_bytes = 0;
+  // COHORT_SHM_COPY: "auto" (the probe chooses; cached until it has run), "cached" or "streaming".
+  std::string slot_copy = "auto";
+  // A large allreduce (>= one chunk) running at under 1/slow_factor of the fastest one this group has
+  // seen marks the link as suspect; every recheck_every large allreduces the ranks compare marks in one
+  // round, and if any rank has one they all probe the link again and choose the copy anew (a probe
+  // that changes nothing doubles the interval, up to 1024). 0: never.
+  double slow_factor = 3.0;
+  uint32_t recheck_every = 32;
   // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
-  // after its first microseconds, so an oversubscribed host still makes progress).
+  // after its first microseconds, so an oversubscribed host still makes progress), COHORT_SHM_CHUNK_BYTES,
+  // COHORT_SHM_COPY.
   static GroupOptions from_env(int local_size);
 };
 
@@ -57,7 +80,33 @@ struct LinkProbe {
   float own_copy_gbps = 0;     // copying probe_bytes this rank has just written (its own cache), best of 2
   uint32_t probe_bytes = 0;
   float probe_us = 0;          // the probe's own time on this rank, after the ranks met
+  // The two ways into a slot, end to end: this rank writing probe_bytes into its slot (from a buffer
+  // in its cache) with memcpy and with streaming stores, and copying out what another rank wrote
+  // with streaming stores (from memory). peer_copy_gbps is the read of the cached way. Best of 2.
+  float cached_write_gbps = 0;
+  float streaming_write_gbps = 0;
+  float streaming_read_gbps = 0;
 };
+
+// The copy the slots get, from every rank's probe: the way with the lower cost per byte through a
+// slot (1/write + 1/read, means over ranks); streaming must win by 20 %, since the probe moves only
+// probe_bytes and a wrong switch costs more than a missed one. `setting` "cached" or "streaming"
+// overrides. `why` says which figures decided.
+struct SlotCopyChoice {
+  SlotCopy copy = SlotCopy::kCached;
+  std::string why;
+};
+SlotCopyChoice choose_slot_copy(const std::vector<LinkProbe>& probes, const std::string& setting);
+
+// The chunk from the smallest L2 of the ranks' CPUs (bytes; 0 = unknown), as GroupOptions::chunk_bytes
+// says, and why. `setting` nonzero overrides (clamped to the slot).
+struct ChunkChoice {
+  size_t bytes = 0;
+  std::string why;
+};
+ChunkChoice choose_chunk(size_t smallest_l2, size_t setting, size_t slot_bytes);
+// The L2 cache of the CPU this thread runs on (sysfs, else sysconf); 0 if unknown.
+size_t l2_cache_bytes();
 
 class Group {
  public:
@@ -85,9 +134,16 @@ class Group {
   // 31 rounds, then every rank in turn writes probe_bytes into its slot and the others copy it out)
   // and returns every rank's figures, index = local rank. The slow mode of issue 22 (cohort merely
   // equal to Open MPI in some runs) was blamed on slow cache-to-cache transfers: this tells.
+  // Also chooses the slots' copy from the figures (choose_slot_copy, options' slot_copy).
   std::vector<LinkProbe> probe();
   // One line for logs and the bench's header: CPUs, round trip, cache-to-cache against own-cache copy.
   static std::string describe(const std::vector<LinkProbe>& probes);
+  // The copy the slots get now, and the line of the probe that chose it (with the reason and how many
+  // times a slow allreduce had the link probed again). Any thread may ask.
+  SlotCopy slot_copy() const { return slot_copy_.load(std::memory_order_relaxed); }
+  size_t chunk_bytes() const { return chunk_.bytes; }
+  std::string link_line() const;
+  uint32_t reprobes() const { return reprobes_.load(std::memory_order_relaxed); }
   // Whether this group's waits yield the core while they spin (see PeerSync::set_yield): chosen at
   // creation from the ranks' CPU affinities, alike on all ranks (common/affinity.h, COHORT_YIELD), and why.
   bool waits_yield() const { return sync_.yields(); }
@@ -151,6 +207,15 @@ class Group {
   // One round at creation: every rank publishes its CPU affinity; waits spin without yielding when the
   // ranks' CPU sets are pairwise disjoint (each has cores of its own: nobody waits for this core).
   void choose_wait_policy();
+  // One round at creation: every rank publishes its L2 size; the chunk follows the smallest.
+  void choose_chunk_size();
+
+  // The probe's rounds and the choice, inside a guarded call (probe(), or a recheck within an allreduce).
+  std::vector<LinkProbe> measure_link();
+  // Copies into this rank's slot with the chosen copy.
+  void write_slot(char* dst, const void* src, size_t bytes) const;
+  // After each large allreduce: notes a slow one; every recheck_every, one round to compare notes.
+  void after_large_allreduce(size_t bytes, std::chrono::steady_clock::duration took);
 
   void allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   void allreduce_large(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
@@ -178,6 +243,15 @@ class Group {
   uint32_t shared_allocations_ = 0;
   uint64_t shared_allreduces_ = 0;
   std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2
+  ChunkChoice chunk_;  // alike on every rank (the slices of a chunk depend on it)
+  std::atomic<SlotCopy> slot_copy_{SlotCopy::kCached};
+  mutable std::mutex link_mutex_;  // link_line_ (written by the thread running collectives, read by any)
+  std::string link_line_;
+  std::atomic<uint32_t> reprobes_{0};
+  double fastest_gbps_ = 0;     // the fastest large allreduce so far (bytes / time on this rank)
+  bool slow_seen_ = false;      // a large allreduce since the last recheck ran far below it
+  uint64_t large_allreduces_ = 0;
+  uint64_t recheck_every_ = 0;  // options' recheck_every, doubled after each probe that changed nothing
 };
 
 }  // namespace cohort::shm
