@@ -9,15 +9,15 @@
 // host moves), or where the data is far larger than the cache and would only evict useful lines.
 // docs/algorithms-shm.md, "Which copy the slots get", says how shm::Group chooses.
 #include <cstddef>
+#include <cstring>
 
 namespace cohort::copy {
 
-inline void copy_cached(void* dst, const void* src, size_t bytes);
+inline void copy_cached(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);  // 0 bytes may come with null pointers
+}
+
+// Ends with a store fence, so the data is visible to other cores before any later store (a flag).
 void copy_streaming(void* dst, const void* src, size_t bytes);
 
 }  // namespace cohort::copy
-
-#include <cstring>
-inline void cohort::copy::copy_cached(void* dst, const void* src, size_t bytes) {
-  if (bytes) std::memcpy(dst, src, bytes);
-}

@@ -12,12 +12,12 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <unordered_map>
 
 #include "cohort/error.h"
 #include "common/log.h"
 #include "ps/client.h"
 #include "ps/config_json.h"
+#include "ps/sharding.h"
 #include "ps/wire.h"
 
 namespace cohort::ps {
@@ -367,37 +367,15 @@ class ClientImpl final : public Client {
     auto op = std::make_shared<Operation>();
     op->what = fmt::format("{} of '{}'", op_name(kind), table);
 
-    // Push side: unique ids per server with summed gradients.
+    // Unique ids per server, and for every position which (server, index there) it became. The
+    // request to server s is [its push ids][their gradients, summed over duplicates][its pull ids]:
+    // the gradients are added straight into that payload, so they are copied once.
     std::vector<std::vector<uint64_t>> push_by(static_cast<size_t>(S));
-    std::vector<std::vector<float>> grads_by(static_cast<size_t>(S));
-    if (push_ids) {
-      std::unordered_map<uint64_t, std::pair<int, size_t>> where;  // id -> (server, index there)
-      where.reserve(n * 2);
-      for (size_t i = 0; i < n; ++i) {
-        int s = owner(c, push_ids[i]);
-        auto [it, fresh] = where.try_emplace(push_ids[i], s, push_by[size_t(s)].size());
-        if (fresh) {
-          push_by[size_t(s)].push_back(push_ids[i]);
-          grads_by[size_t(s)].insert(grads_by[size_t(s)].end(), grads + i * d, grads + (i + 1) * d);
-        } else {
-          float* g = grads_by[size_t(s)].data() + it->second.second * d;
-          for (size_t j = 0; j < d; ++j) g[j] += grads[i * d + j];
-        }
-      }
-    }
-    // Pull side: unique ids per server, and for each position where its row comes from.
+    std::vector<Place> push_at;
+    if (push_ids) index_ids(c, push_ids, n, push_by, push_at);
     std::vector<std::vector<uint64_t>> pull_by(static_cast<size_t>(S));
-    auto from = std::make_shared<std::vector<std::pair<int, size_t>>>(m);
-    if (pull_ids) {
-      std::unordered_map<uint64_t, std::pair<int, size_t>> where;
-      where.reserve(m * 2);
-      for (size_t i = 0; i < m; ++i) {
-        int s = owner(c, pull_ids[i]);
-        auto [it, fresh] = where.try_emplace(pull_ids[i], s, pull_by[size_t(s)].size());
-        if (fresh) pull_by[size_t(s)].push_back(pull_ids[i]);
-        (*from)[i] = it->second;
-      }
-    }
+    auto from = std::make_shared<std::vector<Place>>();
+    if (pull_ids) index_ids(c, pull_ids, m, pull_by, *from);
 
     // Every server's request is built and checked before any is sent: a refused call leaves
     // nothing in flight.
@@ -405,7 +383,16 @@ class ClientImpl final : public Client {
       RequestHeader probe;
       set_table_name(probe, table);
     }
+    for (int s = 0; s < S; ++s) {
+      const size_t k = push_by[size_t(s)].size(), q = pull_by[size_t(s)].size();
+      const size_t bytes = k * 8 + k * d * 4 + q * 8;
+      if (bytes > max_request_ || q * d * 4 > max_request_)
+        throw InvalidArgument(fmt::format("{} of '{}': {} ids make a request of {} bytes to server {}, more than "
+                                          "the servers' limit of {} bytes (COHORT_PS_MAX_REQUEST); split the call",
+                                          op_name(kind), table, k + q, std::max(bytes, q * d * 4), s, max_request_));
+    }
     std::vector<Buffer> payloads(static_cast<size_t>(S));
+    std::vector<float*> grads_at(static_cast<size_t>(S), nullptr);
     for (int s = 0; s < S; ++s) {
       const auto& pi = push_by[size_t(s)];
       const auto& qi = pull_by[size_t(s)];
@@ -413,18 +400,15 @@ class ClientImpl final : public Client {
       payload = pool_.take(pi.size() * 8 + pi.size() * d * 4 + qi.size() * 8);
       // (memcpy is skipped for empty parts: their pointers may be null, which memcpy may not get.)
       uint8_t* p = payload.data();
-      if (!pi.empty()) {
-        std::memcpy(p, pi.data(), pi.size() * 8);
-        p += pi.size() * 8;
-        std::memcpy(p, grads_by[size_t(s)].data(), pi.size() * d * 4);
-        p += pi.size() * d * 4;
-      }
-      if (!qi.empty()) std::memcpy(p, qi.data(), qi.size() * 8);
-      if (payload.size() > max_request_ || qi.size() * d * 4 > max_request_)
-        throw InvalidArgument(fmt::format("{} of '{}': {} ids make a request of {} bytes to server {}, more than "
-                                          "the servers' limit of {} bytes (COHORT_PS_MAX_REQUEST); split the call",
-                                          op_name(kind), table, pi.size() + qi.size(),
-                                          std::max(payload.size(), qi.size() * d * 4), s, max_request_));
+      if (!pi.empty()) std::memcpy(p, pi.data(), pi.size() * 8);
+      grads_at[size_t(s)] = reinterpret_cast<float*>(p + pi.size() * 8);  // 8-aligned: ids before it
+      if (!qi.empty()) std::memcpy(p + pi.size() * 8 + pi.size() * d * 4, qi.data(), qi.size() * 8);
+    }
+    for (size_t i = 0; i < push_at.size(); ++i) {
+      float* g = grads_at[push_at[i].server] + size_t(push_at[i].index) * d;
+      if (push_at[i].first) std::memcpy(g, grads + i * d, d * 4);
+      else
+        for (size_t j = 0; j < d; ++j) g[j] += grads[i * d + j];
     }
     std::vector<int> call_of(static_cast<size_t>(S), -1);
     for (int s = 0; s < S; ++s) {
@@ -446,13 +430,58 @@ class ClientImpl final : public Client {
     if (pull_ids) {
       op->finish = [from, call_of, rows, d](Operation& o) {
         for (size_t i = 0; i < from->size(); ++i) {
-          auto [s, k] = (*from)[i];
-          const Call& c = *o.calls[size_t(call_of[size_t(s)])];
-          std::memcpy(rows + i * d, c.reply_payload.data() + k * d * 4, d * 4);
+          const Place at = (*from)[i];
+          const Call& c = *o.calls[size_t(call_of[at.server])];
+          std::memcpy(rows + i * d, c.reply_payload.data() + size_t(at.index) * d * 4, d * 4);
         }
       };
     }
     return op;
+  }
+
+  // Where one position of a call's ids went: the server, the index among that server's unique ids,
+  // and whether this position is the id's first (its gradient is copied; later ones are added).
+  struct Place {
+    uint32_t server;
+    uint32_t index;
+    bool first;
+  };
+  // Dedups ids[0..n) per server into by[server] and sets at[i] for each position. The index is an
+  // open-addressing table kept between calls and stamped per call, so nothing is allocated or cleared
+  // per call once it has grown (a std::unordered_map cost a node allocation per id).
+  void index_ids(const TableConfig& c, const uint64_t* ids, size_t n, std::vector<std::vector<uint64_t>>& by,
+                 std::vector<Place>& at) {
+    size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    if (dedup_keys_.size() < cap) {
+      dedup_keys_.assign(cap, 0);
+      dedup_places_.assign(cap, Place{});
+      dedup_stamps_.assign(cap, 0);
+      dedup_stamp_ = 0;
+    }
+    cap = dedup_keys_.size();
+    if (++dedup_stamp_ == 0) {  // wrapped: no slot may look current
+      std::fill(dedup_stamps_.begin(), dedup_stamps_.end(), 0);
+      dedup_stamp_ = 1;
+    }
+    at.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t id = ids[i];
+      size_t h = mix64(id) & (cap - 1);
+      while (dedup_stamps_[h] == dedup_stamp_ && dedup_keys_[h] != id) h = (h + 1) & (cap - 1);
+      if (dedup_stamps_[h] == dedup_stamp_) {
+        at[i] = dedup_places_[h];
+        at[i].first = false;
+        continue;
+      }
+      const auto s = static_cast<uint32_t>(owner(c, id));
+      const Place place{s, static_cast<uint32_t>(by[s].size()), true};
+      by[s].push_back(id);
+      dedup_stamps_[h] = dedup_stamp_;
+      dedup_keys_[h] = id;
+      dedup_places_[h] = place;
+      at[i] = place;
+    }
   }
 
   Roles roles_;
@@ -468,6 +497,10 @@ class ClientImpl final : public Client {
   std::map<std::string, TableConfig> tables_;
   std::list<std::shared_ptr<Operation>> inflight_;
   BufferPool pool_;
+  std::vector<uint64_t> dedup_keys_;  // index_ids' table
+  std::vector<Place> dedup_places_;
+  std::vector<uint32_t> dedup_stamps_;
+  uint32_t dedup_stamp_ = 0;
 
   friend class HandleImpl;
 };
