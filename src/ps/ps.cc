@@ -18,7 +18,7 @@ namespace cohort::ps {
 namespace {
 const env::StringSetting kMode("COHORT_PS_MODE", "async",
                                "parameter-server consistency: async, bsp or stale:K (cohort run --ps-mode)");
-const env::BytesSetting kMaxRequest("COHORT_PS_MAX_REQUEST", 256ull << 20,
+const env::BytesSetting kMaxRequest("COHORT_PS_MAX_REQUEST", 256ull << 20,  // default repeated below
                                     "largest parameter-server request or reply payload (bytes)");
 
 int role_count(const char* name) {
@@ -62,7 +62,12 @@ LaunchedJob launched(const char* want_role) {
 }
 }  // namespace
 
-uint64_t max_request_setting() { return kMaxRequest.get(); }
+uint64_t max_request_setting() {
+  // Read at every server start rather than once per process (kMaxRequest.get() caches): one process
+  // may start servers with different settings one after the other, as the tests do.
+  const auto raw = env::get_raw(kMaxRequest.name());
+  return raw ? env::parse_bytes(kMaxRequest.name(), *raw) : 256ull << 20;
+}
 
 int shard_of_id(uint64_t id, int num_servers) { return int(mix64(id) % uint64_t(num_servers)); }
 
@@ -128,7 +133,7 @@ void serve_from_env() {
   if (j.index < 0 || j.index >= roles.num_servers)
     throw ConfigError(fmt::format("COHORT_ROLE_INDEX={}: outside the {} servers", j.index, roles.num_servers));
   log::set_identity(fmt::format("ps server {}", j.index));
-  run_server(j.store, j.prefix, j.index, roles, ConsistencyMode::parse(kMode.get()), j.timeout, kMaxRequest.get());
+  run_server(j.store, j.prefix, j.index, roles, ConsistencyMode::parse(kMode.get()), j.timeout, max_request_setting());
 }
 
 void serve(std::shared_ptr<Store> store, int server, const Roles& roles, ConsistencyMode mode,
@@ -136,7 +141,7 @@ void serve(std::shared_ptr<Store> store, int server, const Roles& roles, Consist
   if (!store) throw InvalidArgument("ps::serve: store is null");
   if (server < 0 || server >= roles.num_servers)
     throw InvalidArgument(fmt::format("ps::serve: server {} outside [0, {})", server, roles.num_servers));
-  run_server(std::move(store), "ps", server, roles, mode, timeout, kMaxRequest.get());
+  run_server(std::move(store), "ps", server, roles, mode, timeout, max_request_setting());
 }
 
 }  // namespace cohort::ps

@@ -313,7 +313,7 @@ TEST(PsTable, DenseTablesAreRangeShardedAndRefuseRowsOutside) {
 }
 
 TEST(PsErrors, BadNamesDimensionsAndOversizedRequestsAreRefusedAndTheServerServesOn) {
-  // Settings are read once per process: ctest runs each test in a process of its own.
+  // Read at each server start (max_request_setting), so this holds however the tests are run.
   ::setenv("COHORT_PS_MAX_REQUEST", "65536", 1);
   TableConfig cfg;
   cfg.dim = 8;
