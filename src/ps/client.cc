@@ -482,6 +482,13 @@ class ClientImpl final : public Client {
       dedup_places_[h] = place;
       at[i] = place;
     }
+    // A table for a huge call is not kept: 24 bytes a slot would stay allocated for good.
+    constexpr size_t kKeepSlots = size_t{1} << 20;
+    if (dedup_keys_.size() > kKeepSlots) {
+      dedup_keys_ = {};
+      dedup_places_ = {};
+      dedup_stamps_ = {};
+    }
   }
 
   Roles roles_;
