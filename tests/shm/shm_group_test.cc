@@ -103,6 +103,7 @@ class ShmGroupWorld : public ::testing::TestWithParam<std::tuple<int, SlotCopy>>
 TEST_P(ShmGroupWorld, AllreduceEveryTypeAndOpMatchesRankOrderReference) {
   const int world = this->world();
   auto groups = make_groups(world, options());
+  for (int r = 0; r < world; ++r) ASSERT_EQ(groups[r]->slot_copy(), std::get<1>(GetParam())) << "rank " << r;
   // 0, 1, odd, just above "small", several chunks with a ragged end.
   const size_t counts[] = {0, 1, 7, 129, 3001};
   test::run_ranks(world, [&](int r) {
