@@ -36,11 +36,14 @@ EndInfo end_from_string(const std::string& s) {
 
 bool is_consequence(const EndInfo& e) {
   // A worker that only reports a lost peer (communicator: "lost rank N"; parameter-server jobs name
-  // roles: "lost parameter server N", "lost worker N") or a peer's failure notice.
+  // roles: "lost parameter server N", "lost worker N"), a peer's failure notice, or a peer that left in
+  // order while this rank still needed it (that peer stopped because of something else: a parameter
+  // server that lost a worker to the real failure shuts down, and its other workers say it left).
   return e.kind == "failure" && e.summary.find(" exited with code ") != std::string::npos &&
          (e.summary.find("lost rank ") != std::string::npos || e.summary.find(") failed: ") != std::string::npos ||
           e.summary.find("lost parameter server ") != std::string::npos ||
-          e.summary.find("lost worker ") != std::string::npos);
+          e.summary.find("lost worker ") != std::string::npos ||
+          e.summary.find(" left (destroyed its communicator)") != std::string::npos);
 }
 
 bool is_root_cause_of(const EndInfo& e, const EndInfo& current) {
