@@ -6,7 +6,9 @@
 # BRACKET=1 runs the ceiling (two independent processes) again right after the 2-rank job, so that each
 # rep's job sits between two ceilings: this guest's speed drifts over the ~20 s between a ceiling and
 # the job, and the mean of the two brackets shows how much of a rep's share is that drift.
-# The end prints a summary per rep (2-rank job / ceiling, and / DDP).
+# The end prints a summary per rep (2-rank job / ceiling, and / DDP). The 2-rank job steps with
+# DistributedSGD (the SGD step fused with the averaging, the example's default); each rep also runs it
+# with --sgd torch (DDP's averaging, then torch's SGD step) for comparison.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${COHORT_BUILD_DIR:-build}/examples/fashion_mnist/fashion_mnist
@@ -36,6 +38,8 @@ for rep in $(seq 1 "${REPS:-1}"); do
     echo "== rep $rep model $m: cohort 2 ranks (cohort run: the main job's way, workers bound to a CPU each)"
     "$cohort" run --nproc-per-node 2 "$bin" --model "$m" --threads 1 2>&1 | grep -E "accuracy|samples/s|communication"
     [[ ${BRACKET:-0} == 1 ]] && ceiling "$rep" "$m" "ceiling again, after the job"
+    echo "== rep $rep model $m: unfused: cohort 2 ranks with --sgd torch (DDP averages during backward, then torch's SGD)"
+    "$cohort" run --nproc-per-node 2 "$bin" --model "$m" --threads 1 --sgd torch 2>&1 | grep -E "accuracy|samples/s|communication"
     echo "== rep $rep model $m: PyTorch 1 process"
     (cd "$peers" && /usr/bin/python3 ddp_train.py --model "$pm" --loader index --threads 1 | grep RESULT)
     echo "== rep $rep model $m: PyTorch DDP 2 ranks (gloo)"
@@ -65,9 +69,12 @@ for line in open(sys.argv[1]):
         r["before"] = r.get("before", 0) + float(line.split("samples/s:")[1].split()[0])
     elif "samples/s:" in line and part.startswith("cohort 2 ranks"):
         r["job"] = float(line.split("samples/s:")[1].split()[0])
+    elif "samples/s:" in line and part.startswith("unfused"):
+        r["unfused"] = float(line.split("samples/s:")[1].split()[0])
     elif "RESULT" in line and "DDP" in part:
         r["ddp"] = float(re.search(r"samples_per_s=([\d.]+)", line).group(1))
-print("# rep model  2-rank samples/s  ceiling  job/ceiling  [ceiling after  job/after  job/mean]  DDP  job/DDP")
+print("# rep model  2-rank samples/s  ceiling  job/ceiling  [ceiling after  job/after  job/mean]  DDP  job/DDP"
+      "  [--sgd torch  its /ceiling]")
 for (rep, model), r in sorted(reps.items()):
     if "job" not in r or "before" not in r:
         continue
@@ -77,6 +84,8 @@ for (rep, model), r in sorted(reps.items()):
         cols.append(f"{r['after']:>9.0f} {r['job'] / r['after']:>7.3f} {r['job'] / mean:>7.3f}")
     if "ddp" in r:
         cols.append(f"{r['ddp']:>7.0f} {r['job'] / r['ddp']:>5.2f}")
+    if "unfused" in r:
+        cols.append(f"{r['unfused']:>9.0f} {r['unfused'] / r['before']:>7.3f}")
     print("  ".join(cols))
 PY
 rm -f /tmp/bench_train_out.$$

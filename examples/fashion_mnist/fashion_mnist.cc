@@ -21,6 +21,7 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
+#include "cohort/torch/distributed_sgd.h"
 #include "store/memory_store.h"
 #include "dataset/fashion_mnist_files.h"
 
@@ -95,6 +96,7 @@ struct Args {
   int64_t checkpoint_every = 0;
   bool resume = false;
   std::string compression = "none";
+  std::string sgd = "fused";
   double bucket_mb = 25;
   int threads = 0;
   bool verbose = false;
@@ -145,7 +147,17 @@ int run(const Args& a) {
   ddp_options.compression = *compression;
   ddp_options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mb * 1024 * 1024);
   cohort::torch::DistributedDataParallel ddp(model, comm, ddp_options);
-  torch::optim::SGD optimizer(ddp.parameters(), torch::optim::SGDOptions(a.lr));
+  // SGD whose step averages the gradients and updates the parameters in one pass over memory (one rank,
+  // compression or --sgd torch: DDP's averaging during backward, then torch's SGD step).
+  std::unique_ptr<torch::optim::SGD> optimizer;
+  cohort::torch::DistributedSGD* fused_sgd = nullptr;
+  if (a.sgd == "fused") {
+    auto sgd = std::make_unique<cohort::torch::DistributedSGD>(ddp, torch::optim::SGDOptions(a.lr));
+    fused_sgd = sgd.get();
+    optimizer = std::move(sgd);
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(a.lr));
+  }
 
   // (2) The distributed sampler: torch.utils.data.DistributedSampler's indices.
   cohort::torch::DistributedSampler sampler(static_cast<size_t>(train.x.size(0)), world, rank, /*shuffle=*/true, a.seed);
@@ -157,8 +169,8 @@ int run(const Args& a) {
   cohort::train::TrainingPosition pos{0, 0, 0, world, 0, world};
   const int restart = cohort::torch::restart_count();
   if (a.resume || (restart > 0 && !a.checkpoint_dir.empty())) {
-    auto loaded = a.resume ? cohort::torch::load_checkpoint(a.checkpoint_dir, *model, optimizer)
-                           : cohort::torch::resume_after_restart(a.checkpoint_dir, *model, optimizer);
+    auto loaded = a.resume ? cohort::torch::load_checkpoint(a.checkpoint_dir, *model, *optimizer)
+                           : cohort::torch::resume_after_restart(a.checkpoint_dir, *model, *optimizer);
     if (!loaded && a.resume) throw ConfigError(fmt::format("--resume: no checkpoint in {}", a.checkpoint_dir));
     if (loaded) {
       pos = *loaded;
@@ -180,11 +192,15 @@ int run(const Args& a) {
     fmt::print("world {} ({} on this host), model {} ({} parameters), batch {} per rank, intra-op threads {}\n", world,
                comm->local_size(), a.model, nparams, a.batch, threads);
     fmt::print("BLAS in use: {}\n", cohort::torch::blas_in_use().empty() ? "(none mapped)" : cohort::torch::blas_in_use());
-    fmt::print("buckets: {}, compression {}\n", ddp.sync().bucket_layout().size(), cohort::train::compression_name(*compression));
+    fmt::print("buckets: {}, compression {}, SGD step: {}\n", ddp.sync().bucket_layout().size(),
+               cohort::train::compression_name(*compression),
+               fused_sgd && fused_sgd->fused()
+                   ? "fused with the averaging"
+                   : "torch's, after DDP's averaging (" + (fused_sgd ? fused_sgd->why_not_fused() : "--sgd torch") + ")");
   }
 
   auto save = [&](const cohort::train::TrainingPosition& p) {
-    if (lead && !a.checkpoint_dir.empty()) cohort::torch::save_checkpoint(a.checkpoint_dir, *model, optimizer, p);
+    if (lead && !a.checkpoint_dir.empty()) cohort::torch::save_checkpoint(a.checkpoint_dir, *model, *optimizer, p);
   };
 
   comm->barrier();
@@ -209,12 +225,12 @@ int run(const Args& a) {
       auto batch = index_tensor.narrow(0, begin, len);
       auto x = train.x.index_select(0, batch), y = train.y.index_select(0, batch);
 
-      optimizer.zero_grad();
+      optimizer->zero_grad();
       auto out = ddp->forward(x);
       // An empty batch still takes part in the step (every rank's gradients are averaged): zero loss.
       auto loss = len > 0 ? torch::nn::functional::cross_entropy(out, y) : out.sum() * 0.0;
-      loss.backward();  // gradients are averaged over all ranks when this returns
-      optimizer.step();
+      loss.backward();   // collects the gradients (averaged over the ranks here, unless the step is fused)
+      optimizer->step();  // fused: averages the gradients and updates the parameters in one pass
 
       samples += len;
       ++steps_run;
@@ -309,6 +325,10 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", a.checkpoint_every, "checkpoint every N steps (and at the end)")->check(kNotNegative);
   app.add_flag("--resume", a.resume, "continue from the newest complete checkpoint in --checkpoint-dir (restarts do so anyway)");
   app.add_option("--compression", a.compression, "gradients on the wire: none, fp16 or bf16");
+  app.add_option("--sgd", a.sgd,
+                 "fused: the SGD step and the averaging of gradients in one pass (cohort::torch::DistributedSGD); "
+                 "torch: DDP averages during backward, then torch's SGD step")
+      ->check(CLI::IsMember({"fused", "torch"}));
   app.add_option("--device", a.device, "cpu, or cuda: the model on this rank's GPU, gradients reduced by NCCL");
   app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB")->check(kPositive);
   app.add_option("--threads", a.threads, "intra-op threads per rank (0: 1 when ranks share a host)")->check(kNotNegative);

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -131,6 +132,21 @@ class Communicator {
   // the same range) reads their copies directly instead of staging through copies; elsewhere it is
   // ordinary memory. Valid while the returned pointer (or a copy of it) lives.
   virtual std::shared_ptr<void> allocate_shared(size_t bytes);
+
+  // ---- a gradient reduction fused with the optimizer's step ----
+  // update(offset, count, reduced, params): applies an optimizer's step to params[0, count) from the
+  // reduced gradients reduced[0, count), both starting at element `offset` of the whole buffer. It must
+  // be elementwise (depend on nothing but its range, `offset` and what it captured), deterministic, and
+  // must not throw.
+  using ParameterUpdate = std::function<void(size_t offset, size_t count, const float* reduced, float* params)>;
+  // Collective: reduces `grads` (float32, kSum or kAvg) across the ranks and applies `update` to
+  // `params` with the result. Every rank passes the same count and equal params; all ranks end with
+  // equal params. `grads` is left unspecified (this rank's own contribution, or the reduced values).
+  // When every rank is on one host and both buffers are ranges of allocate_shared memory, it is one
+  // pass over memory: each rank reduces a slice of the gradients, updates that slice of its parameters
+  // and writes the result into every peer's (docs/algorithms-shm.md, "Allreduce fused with the
+  // update"); otherwise an allreduce of `grads` in place, then `update` of the whole range on each rank.
+  virtual void allreduce_update(float* grads, float* params, size_t count, ReduceOp op, const ParameterUpdate& update);
 
   // ---- diagnostics ----
   // What the communicator decided and measured when it was created: whether its waits yield the core

@@ -175,7 +175,51 @@ void DistributedDataParallel::on_gradient_ready(size_t index) {
   }
   sync_->mark_ready(index, grad.data_ptr<float>());
   if (options_.gradient_as_bucket_view && !contiguous_grads_[index].defined()) bind_to_bucket(index);
-  if (sync_->all_ready()) sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
+  // With the fused update the optimizer's step reduces (step_fused).
+  if (sync_->all_ready() && !sync_->fused_update())
+    sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
+}
+
+void DistributedDataParallel::enable_fused_update() {
+  if (!device_.is_cpu()) throw InvalidArgument("DDP: the fused SGD step is for models on the CPU");
+  if (sync_->fused_update()) return;
+  sync_->enable_fused_update();
+  bind_parameters();
+}
+
+void DistributedDataParallel::bind_parameters() {
+  if (!sync_->fused_update()) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    std::shared_ptr<float> slot = sync_->parameter_slot(i);
+    ::torch::Tensor& param = params_[i];
+    if (param.data_ptr<float>() == slot.get()) continue;
+    // The current values (also after a bucket rebuild moved the slot, or a checkpoint load replaced
+    // the tensor) go into the slot, and the parameter becomes a view of it: the same Variable, so
+    // the optimizer and the module keep it, with new storage (what Python's `p.data = ...` does).
+    float* data = slot.get();
+    ::torch::Tensor current = param.detach().contiguous();
+    std::memcpy(data, current.data_ptr<float>(), static_cast<size_t>(param.numel()) * sizeof(float));
+    param.set_data(::torch::from_blob(data, param.sizes(), [keep = std::move(slot)](void*) mutable { keep.reset(); },
+                                      ::torch::TensorOptions().dtype(::torch::kFloat32)));
+  }
+}
+
+bool DistributedDataParallel::parameter_is_bucket_view(size_t index) const {
+  std::shared_ptr<float> slot = sync_->parameter_slot(index);
+  return slot && params_.at(index).data_ptr<float>() == slot.get();
+}
+
+bool DistributedDataParallel::step_fused(const train::SgdStep& step) {
+  if (!sync_->fused_update() || !sync_->sync_enabled() || !sync_->in_iteration()) return false;
+  bind_parameters();  // a checkpoint loaded since the last step replaced some tensors
+  const bool stepped = sync_->finish_update([step](size_t, size_t count, const float* reduced, float* params) {
+    train::sgd_step(params, reduced, count, step);
+  });
+  // In place, behind autograd's back: tell it, as an in-place optimizer step would have.
+  if (stepped)
+    for (auto& p : params_) p.unsafeGetTensorImpl()->bump_version();
+  bind_parameters();  // the first step rebuilds the buckets in gradient-ready order: new slots
+  return stepped;
 }
 
 // Makes .grad a view of the parameter's bucket slot, which now holds the same values (mark_ready

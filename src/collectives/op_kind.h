@@ -30,6 +30,10 @@ inline constexpr OpKind kLastOpKind = OpKind::kSplit;
 // "allreduce", "reduce_scatter", "send/recv", ...
 const char* op_kind_name(OpKind k);
 
+// Bits of a signature's flags (transport::Signature::flags, shm::CallSignature::flags): variants of an
+// operation that peers must agree on as much as on its kind.
+inline constexpr uint8_t kOpFlagParameterUpdate = 1;  // an allreduce fused with a parameter update
+
 constexpr bool is_collective(OpKind k) { return k >= OpKind::kAllreduce && k <= OpKind::kBarrier; }
 // The collectives with a root rank.
 constexpr bool is_rooted(OpKind k) {

@@ -1,5 +1,5 @@
-// Communicator::create: validates, applies the COHORT_* overrides and bootstraps; the default
-// allocate_shared.
+// Communicator::create: validates, applies the COHORT_* overrides and bootstraps; the defaults of
+// allocate_shared and allreduce_update.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -36,6 +36,16 @@ std::shared_ptr<void> Communicator::allocate_shared(size_t bytes) {
   if (!p) throw std::bad_alloc();
   std::memset(p, 0, size);
   return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+}
+
+void Communicator::allreduce_update(float* grads, float* params, size_t count, ReduceOp op,
+                                    const ParameterUpdate& update) {
+  // Any communicator: reduce, then every rank applies the same update to the same values.
+  if (op != ReduceOp::kSum && op != ReduceOp::kAvg)
+    throw InvalidArgument(fmt::format("allreduce_update: op {} (sum or avg only)", reduce_op_name(op)));
+  if (!update) throw InvalidArgument("allreduce_update: update is empty");
+  allreduce(grads, grads, count, DataType::kFloat32, op);
+  if (count > 0) update(0, count, grads, params);
 }
 
 }  // namespace cohort

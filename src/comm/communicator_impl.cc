@@ -745,6 +745,18 @@ void CommunicatorImpl::allreduce(const void* send, void* recv, size_t count, Dat
   run_blocking(d, [&] { algo::allreduce(*this, send, recv, count, dtype, op); });
 }
 
+void CommunicatorImpl::allreduce_update(float* grads, float* params, size_t count, ReduceOp op,
+                                        const ParameterUpdate& update) {
+  if (op != ReduceOp::kSum && op != ReduceOp::kAvg)
+    throw InvalidArgument(fmt::format("allreduce_update: op {} (sum or avg only)", reduce_op_name(op)));
+  if (!update) throw InvalidArgument("allreduce_update: update is empty");
+  validate_buffer(grads, count, "grads");
+  validate_buffer(params, count, "params");
+  OpDesc d{OpKind::kAllreduce, DataType::kFloat32, op, 0, count, count * sizeof(float)};
+  d.flags = coll::kOpFlagParameterUpdate;  // a peer calling a plain allreduce here mismatches
+  run_blocking(d, [&] { algo::allreduce_update(*this, grads, params, count, op, update); });
+}
+
 void CommunicatorImpl::reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) {
   validate_dtype_op(dtype, op, true);
   validate_root(root);

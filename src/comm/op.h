@@ -28,6 +28,7 @@ struct OpDesc {
   uint64_t bytes = 0;  // this rank's payload, for messages
   int peer = -1;       // send/recv: the other rank (not part of the signature: the two sides differ)
   int64_t queued_ns = 0;  // *_async: when it was queued (CLOCK_MONOTONIC), for the flight recorder
+  uint8_t flags = 0;      // coll::kOpFlag*
 
   transport::Signature signature() const {
     transport::Signature s;
@@ -36,6 +37,7 @@ struct OpDesc {
     s.redop = uint8_t(redop);
     s.root = uint32_t(root);
     s.count = count;
+    s.flags = flags;
     return s;
   }
 };

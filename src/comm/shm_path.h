@@ -61,6 +61,15 @@ inline void allreduce(CommunicatorImpl& c, const void* send, void* recv, size_t 
   coll::allreduce(c, send, recv, count, dtype, op);
 }
 
+// One pass over shared memory where both buffers allow it (shm::Group::allreduce_update); otherwise the
+// allreduce (any of the paths above), then the update of the whole range on every rank.
+inline void allreduce_update(CommunicatorImpl& c, float* grads, float* params, size_t count, ReduceOp op,
+                             const Communicator::ParameterUpdate& update) {
+  if (shm::Group* g = local_group(c); g && g->allreduce_update(grads, params, count, op, update)) return;
+  allreduce(c, grads, grads, count, DataType::kFloat32, op);
+  if (count > 0) update(0, count, grads, params);
+}
+
 inline void reduce_scatter(CommunicatorImpl& c, const void* send, void* recv, size_t recv_count, DataType dtype,
                            ReduceOp op) {
   if (shm::Group* g = local_group(c)) return g->reduce_scatter(send, recv, recv_count, dtype, op);

@@ -12,6 +12,7 @@ std::string describe_signature(const transport::Signature& s) {
   auto kind = OpKind(s.op);
   std::string name = coll::op_kind_name(kind);
   if (s.op > uint8_t(coll::kLastOpKind)) name = fmt::format("op {}", s.op);
+  if (s.flags & coll::kOpFlagParameterUpdate) name += "+update";
   auto dtype = s.dtype < kNumDataTypes ? std::string(dtype_name(DataType(s.dtype))) : fmt::format("dtype {}", s.dtype);
   auto redop = s.redop < kNumReduceOps ? std::string(reduce_op_name(ReduceOp(s.redop))) : std::string("?");
   switch (kind) {

@@ -167,6 +167,10 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     std::shared_ptr<void> memory = options_.memory->allocate(*comm_, current.numel * sizeof(float));
     current.data = std::shared_ptr<float[]>(memory, static_cast<float*>(memory.get()));
     if (options_.compression != WireCompression::kNone) current.wire.assign(current.numel, 0);
+    if (fused_) {
+      std::shared_ptr<void> params = options_.memory->allocate(*comm_, current.numel * sizeof(float));
+      current.parameters = std::shared_ptr<float[]>(params, static_cast<float*>(params.get()));
+    }
     buckets_.push_back(std::move(current));
     current = Bucket{};
     cap = options_.bucket_cap_bytes;
@@ -198,6 +202,28 @@ std::shared_ptr<float> GradientSync::gradient_slot(size_t index) const {
   if (comm_->size() == 1) return nullptr;
   const Bucket& b = buckets_[param_bucket_[index]];
   return std::shared_ptr<float>(b.data, b.data.get() + param_offset_[index]);  // aliasing: owns the bucket
+}
+
+std::shared_ptr<float> GradientSync::parameter_slot(size_t index) const {
+  if (index >= params_.size()) throw InvalidArgument(fmt::format("DDP: no parameter #{}", index));
+  if (!fused_) return nullptr;
+  const Bucket& b = buckets_[param_bucket_[index]];
+  return std::shared_ptr<float>(b.parameters, b.parameters.get() + param_offset_[index]);
+}
+
+void GradientSync::enable_fused_update() {
+  if (fused_ || comm_->size() == 1) return;  // one rank: the framework's optimizer steps alone
+  if (!options_.memory->host_accessible())
+    throw InvalidArgument("DDP: the fused update runs on the CPU; GPU buckets are reduced by NCCL (no fused update)");
+  if (options_.compression != WireCompression::kNone)
+    throw InvalidArgument(fmt::format("DDP: the fused update reduces float32 gradients; wire compression ({}) cannot "
+                                      "be combined with it",
+                                      compression_name(options_.compression)));
+  if (in_iteration()) throw InvalidArgument("DDP: enable the fused update between iterations, not during backward");
+  fused_ = true;
+  std::vector<size_t> order;
+  for (const Bucket& b : buckets_) order.insert(order.end(), b.params.begin(), b.params.end());
+  build_buckets(order);  // the same layout, now with parameter memory
 }
 
 std::vector<std::vector<size_t>> GradientSync::bucket_layout() const {
@@ -241,6 +267,7 @@ void GradientSync::mark_unused(size_t index) {
 }
 
 void GradientSync::launch_complete_buckets() {
+  if (fused_) return;  // reduced with the update, in finish_update()
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) launch(buckets_[next_launch_++]);
 }
 
@@ -277,7 +304,7 @@ void GradientSync::wait_launched_quietly() {
   }
 }
 
-bool GradientSync::finish(const std::function<void(size_t, const float*)>& write_back) {
+bool GradientSync::begin_finish() {
   if (!sync_enabled_ || ready_count_ == 0) return false;
   if (ready_count_ < params_.size()) {
     if (options_.find_unused_parameters) {
@@ -295,6 +322,44 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
           params_[missing].describe(), count - 1, comm_->rank()));
     }
   }
+  return true;
+}
+
+void GradientSync::record_wait(std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point t1) {
+  stats_.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+  // The flight recorder's step counters (live stats): a step is the time since the previous one
+  // ended (forward, backward, optimizer and all), of which this wait is the communication not hidden.
+  int64_t wait_start = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+  int64_t wait_end = std::chrono::duration_cast<std::chrono::nanoseconds>(t1.time_since_epoch()).count();
+  int64_t step_start = last_finish_ns_ > 0 ? last_finish_ns_ : first_ready_ns_;
+  recorder_.add_step(wait_end - step_start, wait_end - wait_start);
+  if (recorder_.timeline_on())
+    recorder_.span(fused_ ? "reduce and update" : "wait for buckets", -1, wait_start, wait_end);
+  last_finish_ns_ = wait_end;
+}
+
+void GradientSync::end_iteration() {
+  ++stats_.synced_iterations;
+  if (options_.rebuild_buckets && !rebuilt_) {
+    // Rank 0's ready order, so that all ranks build the same buckets.
+    std::vector<int64_t> order(ready_order_.begin(), ready_order_.end());
+    if (comm_->size() > 1) comm_->broadcast(order.data(), order.size(), DataType::kInt64, 0);
+    std::vector<size_t> as_index(order.begin(), order.end());
+    build_buckets(as_index);
+    rebuilt_ = true;
+    log::debug("DDP: rebuilt {} buckets in gradient-ready order", buckets_.size());
+  } else {
+    reset_iteration();
+  }
+}
+
+bool GradientSync::finish(const std::function<void(size_t, const float*)>& write_back) {
+  if (!begin_finish()) return false;
+  if (fused_) {
+    // The gradients are wanted averaged before the step (to clip them, say): plain allreduces, and the
+    // framework's own optimizer steps after this (finish_update finds nothing left to reduce).
+    for (auto& b : buckets_) launch(b);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   for (auto& b : buckets_) {
     if (b.work) {
@@ -309,18 +374,7 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
       b.work.reset();
     }
   }
-  const auto t1 = std::chrono::steady_clock::now();
-  stats_.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
-  // The flight recorder's step counters (live stats): a step is the time since the previous one
-  // ended (forward, backward, optimizer and all), of which this wait is the communication not hidden.
-  {
-    int64_t wait_start = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
-    int64_t wait_end = std::chrono::duration_cast<std::chrono::nanoseconds>(t1.time_since_epoch()).count();
-    int64_t step_start = last_finish_ns_ > 0 ? last_finish_ns_ : first_ready_ns_;
-    recorder_.add_step(wait_end - step_start, wait_end - wait_start);
-    if (recorder_.timeline_on()) recorder_.span("wait for buckets", -1, wait_start, wait_end);
-    last_finish_ns_ = wait_end;
-  }
+  record_wait(t0, std::chrono::steady_clock::now());
   for (auto& b : buckets_) {
     if (comm_->size() == 1) continue;  // gradients are already final in the framework's tensors
     {
@@ -335,19 +389,26 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
       offset += params_[index].numel();
     }
   }
-  ++stats_.synced_iterations;
+  end_iteration();
+  return true;
+}
 
-  if (options_.rebuild_buckets && !rebuilt_) {
-    // Rank 0's ready order, so that all ranks build the same buckets.
-    std::vector<int64_t> order(ready_order_.begin(), ready_order_.end());
-    if (comm_->size() > 1) comm_->broadcast(order.data(), order.size(), DataType::kInt64, 0);
-    std::vector<size_t> as_index(order.begin(), order.end());
-    build_buckets(as_index);
-    rebuilt_ = true;
-    log::debug("DDP: rebuilt {} buckets in gradient-ready order", buckets_.size());
-  } else {
+bool GradientSync::finish_update(const Communicator::ParameterUpdate& update) {
+  if (!fused_) throw InvalidArgument("DDP: finish_update() needs enable_fused_update()");
+  if (!begin_finish()) return false;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (auto& b : buckets_) {
+      ++stats_.allreduces;
+      stats_.bytes_on_wire += static_cast<int64_t>(b.numel * sizeof(float));
+      comm_->allreduce_update(b.data.get(), b.parameters.get(), b.numel, ReduceOp::kAvg, update);
+    }
+  } catch (...) {
     reset_iteration();
+    throw;
   }
+  record_wait(t0, std::chrono::steady_clock::now());
+  end_iteration();
   return true;
 }
 

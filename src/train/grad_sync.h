@@ -14,10 +14,16 @@
 // * finish() waits for every bucket and hands back the averaged gradients.
 // * Optional compression: the bucket travels as float16 or bfloat16, the model stays float32.
 // * set_sync_enabled(false) (NoSyncGuard) skips communication: the framework accumulates locally.
+// * Fused update (enable_fused_update): the parameters live in buckets too, and instead of averaging
+//   the gradients during backward, finish_update() reduces each bucket and applies the optimizer's
+//   step in one pass (Communicator::allreduce_update): on one host each rank reduces and updates a
+//   slice and writes it into every rank's parameters, so neither the averaged gradients nor a
+//   separate optimizer pass over them exist (docs/training.md, "The fused SGD step").
 // * A parameter that never got a gradient is an error naming it, unless find_unused_parameters is
 //   on (then it contributes zeros, like torch's find_unused_parameters=True).
 // * Construction is collective: every rank checks that its parameter names and shapes equal rank 0's.
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -109,6 +115,22 @@ class GradientSync {
   // No-op (returns false) while sync is disabled or when nothing was marked in this iteration.
   bool finish(const std::function<void(size_t index, const float* averaged)>& write_back);
 
+  // Fused update (collective, after construction, every rank alike): the parameters get bucket memory
+  // of their own (parameter_slot) and buckets are no longer reduced as they fill; finish_update()
+  // reduces them and applies `update` instead. Needs host buckets and no wire compression. On 1 rank
+  // it does nothing (fused_update() stays false): the framework's own optimizer steps there.
+  void enable_fused_update();
+  bool fused_update() const { return fused_; }
+  // Where parameter `index`'s values must live for finish_update (numel floats; null on 1 rank, or
+  // without the fused update). The framework copies its values there and makes the parameter a view
+  // of it; after a bucket rebuild the slot moves (compare pointers, copy again).
+  std::shared_ptr<float> parameter_slot(size_t index) const;
+  // Like finish() (false when nothing was marked, the same error for a parameter without gradient),
+  // but reduces every bucket fused with `update` (offsets are within the bucket) into the parameter
+  // slots, one blocking allreduce_update per bucket; the gradients are left as this rank's own.
+  // Only with fused_update().
+  bool finish_update(const Communicator::ParameterUpdate& update);
+
   // Where parameter `index`'s gradient sits in its bucket (numel floats; null on a 1-rank
   // communicator, which has no buckets to fill). A framework that makes the parameter's gradient a
   // view of this memory (PyTorch's gradient_as_bucket_view) saves both copies: mark_ready() and
@@ -136,6 +158,7 @@ class GradientSync {
     // it alive after a rebuild replaced it.
     std::shared_ptr<float[]> data;
     std::vector<uint16_t> wire;  // compressed copy while on the wire
+    std::shared_ptr<float[]> parameters;  // fused update: the parameters, laid out like `data`
     size_t pending = 0;
     std::shared_ptr<Work> work;
   };
@@ -146,6 +169,13 @@ class GradientSync {
   void launch_complete_buckets();
   void launch(Bucket& b);
   void wait_launched_quietly();
+  // finish()'s and finish_update()'s start: false when there is nothing to finish; otherwise marks the
+  // unused parameters (find_unused_parameters) or throws naming the first without a gradient.
+  bool begin_finish();
+  // The step counters and timeline of one finish (communication wait from t0 to t1).
+  void record_wait(std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point t1);
+  // After a finish: the bucket rebuild (once) or the next iteration's reset.
+  void end_iteration();
 
   std::shared_ptr<Communicator> comm_;
   std::vector<ParameterSpec> params_;
@@ -164,6 +194,7 @@ class GradientSync {
   size_t next_launch_ = 0;
   bool sync_enabled_ = true;
   bool rebuilt_ = false;
+  bool fused_ = false;
   GradSyncStats stats_;
 };
 

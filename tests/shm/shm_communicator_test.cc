@@ -9,6 +9,7 @@
 
 #include "cohort/error.h"
 #include "cohort/communicator.h"
+#include "collectives/shm/group.h"
 #include "comm/communicator_impl.h"
 #include "store/memory_store.h"
 #include "support/test_support.h"
@@ -73,6 +74,75 @@ TEST(ShmCommunicator, TransportShmForcesTheSharedMemoryGroup) { run_collectives(
 
 // The shm path reports a mismatched call like the transports: MismatchError on both ranks, naming
 // both calls; the communicator is failed for good afterwards.
+// allreduce_update on every path: fused in one pass (one host, both buffers from allocate_shared),
+// and allreduce-then-update (ordinary memory; or the transports, with transport tcp). Same results.
+void run_allreduce_update(const std::string& transport, bool expect_fused) {
+  auto store = make_memory_store();
+  const int world = 3;
+  test::run_ranks(world, [&](int r) {
+    CommOptions o;
+    o.timeout = std::chrono::seconds(30);
+    o.transport = transport;
+    auto comm = Communicator::create(store, r, world, o);
+    auto* impl = dynamic_cast<comm::CommunicatorImpl*>(comm.get());
+    ASSERT_NE(impl, nullptr);
+    const size_t n = 100003;
+    auto grad_memory = comm->allocate_shared(n * sizeof(float));
+    auto param_memory = comm->allocate_shared(n * sizeof(float));
+    std::vector<float> grad_vector(n), param_vector(n);
+    for (bool shared : {true, false}) {
+      float* grads = shared ? static_cast<float*>(grad_memory.get()) : grad_vector.data();
+      float* params = shared ? static_cast<float*>(param_memory.get()) : param_vector.data();
+      for (size_t i = 0; i < n; ++i) {
+        grads[i] = static_cast<float>(r + 1) + static_cast<float>(i % 5);
+        params[i] = static_cast<float>(i % 11);
+      }
+      comm->barrier();  // the last call's peers no longer write this rank's parameters
+      const uint64_t fused_before = impl->shm_group() ? impl->shm_group()->fused_updates() : 0;
+      comm->allreduce_update(grads, params, n, ReduceOp::kAvg, [](size_t, size_t m, const float* avg, float* p) {
+        for (size_t i = 0; i < m; ++i) p[i] -= 0.25f * avg[i];
+      });
+      const uint64_t fused = impl->shm_group() ? impl->shm_group()->fused_updates() - fused_before : 0;
+      EXPECT_EQ(fused, shared && expect_fused ? 1u : 0u) << transport << (shared ? " shared" : " ordinary");
+      // avg of (q + 1 + i % 5) over q = 0..2 is 2 + i % 5: exact.
+      for (size_t i = 0; i < n; ++i)
+        ASSERT_EQ(params[i], static_cast<float>(i % 11) - 0.25f * (2.0f + static_cast<float>(i % 5)))
+            << transport << (shared ? " shared" : " ordinary") << " element " << i;
+    }
+  });
+}
+
+TEST(ShmCommunicator, AllreduceUpdateIsFusedOnSharedMemoryAndTheSameEverywhereElse) {
+  run_allreduce_update("auto", true);
+  run_allreduce_update("tcp", false);
+}
+
+TEST(ShmCommunicator, AllreduceUpdateAgainstAPlainAllreduceIsAMismatchNamingBoth) {
+  for (const std::string transport : {"auto", "tcp"}) {
+    auto store = make_memory_store();
+    std::vector<std::string> errors(2);
+    test::run_ranks(2, [&](int r) {
+      CommOptions o;
+      o.timeout = std::chrono::seconds(20);
+      o.transport = transport;
+      auto comm = Communicator::create(store, r, 2, o);
+      std::vector<float> grads(1000, 1.0f), params(1000, 0.0f);
+      try {
+        if (r == 0)
+          comm->allreduce_update(grads.data(), params.data(), grads.size(), ReduceOp::kSum,
+                                 [](size_t, size_t, const float*, float*) {});
+        else
+          comm->allreduce(grads.data(), grads.data(), grads.size(), DataType::kFloat32, ReduceOp::kSum);
+        ADD_FAILURE() << "rank " << r << " (" << transport << "): no mismatch";
+      } catch (const MismatchError& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+    const std::string both = errors[0] + "\n" + errors[1];
+    EXPECT_NE(both.find("allreduce+update(count=1000"), std::string::npos) << transport << ": " << both;
+  }
+}
+
 TEST(ShmCommunicator, MismatchedSignaturesAreMismatchErrorsNamingBothCalls) {
   auto store = make_memory_store();
   std::vector<std::string> errors(3);

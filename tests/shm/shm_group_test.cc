@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -213,6 +214,63 @@ TEST_P(ShmGroupWorld, AllreduceInPlaceOnSharedMemoryMatchesTheReferenceAndTouche
   });
 }
 
+TEST_P(ShmGroupWorld, AllreduceUpdateReducesAndUpdatesEveryElementOnceIntoEveryRanksParameters) {
+  const int world = this->world();
+  auto groups = make_groups(world, options());
+  // Several 32 KiB pieces per slice, and counts that do not divide by the world.
+  const size_t counts[] = {1, 129, 70001};
+  const size_t capacity = 70001 * sizeof(float) + 256;
+  std::vector<std::atomic<int>> updated(70001);
+  test::run_ranks(world, [&](int r) {
+    auto grad_memory = groups[r]->allocate_shared(capacity);
+    auto param_memory = groups[r]->allocate_shared(capacity);
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      for (size_t n : counts) {
+        // Ranges 64 bytes in, between guard bytes that must survive on every rank.
+        char* gbase = static_cast<char*>(grad_memory.get());
+        char* pbase = static_cast<char*>(param_memory.get());
+        std::memset(gbase, 0x5C, capacity);
+        std::memset(pbase, 0x5C, capacity);
+        float* grads = reinterpret_cast<float*>(gbase + 64);
+        float* params = reinterpret_cast<float*>(pbase + 64);
+        for (size_t i = 0; i < n; ++i) {
+          grads[i] = static_cast<float>(r + 1) * 0.25f + static_cast<float>(i % 13) * 0.5f;
+          params[i] = static_cast<float>(i % 7);
+        }
+        if (r == 0)
+          for (size_t i = 0; i < n; ++i) updated[i] = 0;
+        groups[r]->barrier();  // no peer still writes this rank's memory, and the counters are reset
+        const uint64_t before = groups[r]->fused_updates();
+        // SGD with lr 0.5: every element's update runs exactly once, on one rank.
+        ASSERT_TRUE(groups[r]->allreduce_update(grads, params, n, op,
+                                                [&](size_t offset, size_t m, const float* reduced, float* p) {
+                                                  for (size_t i = 0; i < m; ++i) {
+                                                    p[i] -= 0.5f * reduced[i];
+                                                    ++updated[offset + i];
+                                                  }
+                                                }));
+        EXPECT_EQ(groups[r]->fused_updates(), before + (world > 1 ? 1 : 0)) << label(DataType::kFloat32, op, n, world, r);
+        for (size_t i = 0; i < n; ++i) {
+          float sum = 0;
+          for (int q = 0; q < world; ++q) sum += static_cast<float>(q + 1) * 0.25f + static_cast<float>(i % 13) * 0.5f;
+          const float reduced = op == ReduceOp::kAvg ? sum / static_cast<float>(world) : sum;
+          const float want = static_cast<float>(i % 7) - 0.5f * reduced;
+          ASSERT_NEAR(params[i], want, 1e-5f) << "element " << i << " " << label(DataType::kFloat32, op, n, world, r);
+          // The gradients stay this rank's own.
+          ASSERT_EQ(grads[i], static_cast<float>(r + 1) * 0.25f + static_cast<float>(i % 13) * 0.5f) << i;
+        }
+        ASSERT_EQ(0x5C, static_cast<unsigned char>(pbase[63]));
+        ASSERT_EQ(0x5C, static_cast<unsigned char>(pbase[64 + n * sizeof(float)]));
+        ASSERT_EQ(0x5C, static_cast<unsigned char>(gbase[64 + n * sizeof(float)]));
+        groups[r]->barrier();
+        if (r == 0)
+          for (size_t i = 0; i < n; ++i) ASSERT_EQ(updated[i].load(), 1) << "element " << i << " world " << world;
+        groups[r]->barrier();
+      }
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroupWorld,
                          ::testing::Combine(::testing::Range(1, 9),
                                             ::testing::Values(SlotCopy::kCached, SlotCopy::kStreaming)),
@@ -237,6 +295,32 @@ TEST(ShmGroup, OnlyInPlaceCallsAboveTheSmallLimitOnSharedMemoryTakeTheInPlacePat
     groups[r]->allreduce(shared, shared, 1000, DataType::kFloat32, ReduceOp::kSum);
     EXPECT_EQ(groups[r]->shared_allreduces(), 1u);
     EXPECT_EQ(shared[999], 2.0f);
+  });
+}
+
+TEST(ShmGroup, AllreduceUpdateNeedsBothBuffersOnSharedMemoryAndTheSameRangesOnEveryRank) {
+  auto groups = make_groups(2, tiny_options());
+  test::run_ranks(2, [&](int r) {
+    auto grads = groups[r]->allocate_shared(1 << 16);
+    auto params = groups[r]->allocate_shared(1 << 16);
+    std::vector<float> ordinary(1000, 1.0f);
+    float* g = static_cast<float*>(grads.get());
+    float* p = static_cast<float*>(params.get());
+    auto sgd = [](size_t, size_t n, const float* reduced, float* w) {
+      for (size_t i = 0; i < n; ++i) w[i] -= reduced[i];
+    };
+    // Ordinary memory on either side: not the fused path, and nothing happened (no round either).
+    EXPECT_FALSE(groups[r]->allreduce_update(g, ordinary.data(), 1000, ReduceOp::kSum, sgd));
+    EXPECT_FALSE(groups[r]->allreduce_update(ordinary.data(), p, 1000, ReduceOp::kSum, sgd));
+    EXPECT_EQ(ordinary[0], 1.0f);
+    EXPECT_THROW(groups[r]->allreduce_update(g, p, 1000, ReduceOp::kMax, sgd), InvalidArgument);
+    // Parameters 16 floats further in on rank 1: its peer would write them at the wrong place.
+    try {
+      groups[r]->allreduce_update(g, p + (r == 0 ? 0 : 16), 1000, ReduceOp::kSum, sgd);
+      ADD_FAILURE() << "rank " << r << ": allreduce_update on different ranges returned";
+    } catch (const MismatchError& e) {
+      EXPECT_NE(std::string(e.what()).find("allocate_shared"), std::string::npos) << e.what();
+    }
   });
 }
 

@@ -1,5 +1,6 @@
 // GradientSync (the framework-agnostic DDP engine) on ranks-as-threads over ThreadCommunicator.
 #include "train/grad_sync.h"
+#include "train/sgd.h"
 
 #include <gtest/gtest.h>
 
@@ -213,6 +214,97 @@ TEST(GradientSync, MismatchedParametersNameTheFirstDifference) {
       }
     }
   });
+}
+
+// Fused update: parameters in their slots, initial value param_value; returns them after
+// finish_update with SGD lr 0.5 (moving them to the new slots after the bucket rebuild, as the
+// framework does).
+float param_value(size_t param, size_t i) { return static_cast<float>(param) - 0.25f * static_cast<float>(i); }
+
+TEST(GradientSync, FusedUpdateAppliesSgdToTheAveragedGradientsInEveryRanksParameterSlots) {
+  for (int world : {2, 3}) {
+    auto comms = ThreadCommunicator::make_world(world);
+    run_ranks(world, [&](int rank) {
+      GradientSync sync(comms[rank], small_model(), tiny_buckets());
+      sync.enable_fused_update();
+      ASSERT_TRUE(sync.fused_update());
+      const auto& params = sync.parameters();
+      std::vector<std::shared_ptr<float>> slots;
+      for (size_t p = 0; p < params.size(); ++p) {
+        slots.push_back(sync.parameter_slot(p));
+        for (size_t i = 0; i < params[p].numel(); ++i) slots[p].get()[i] = param_value(p, i);
+      }
+      std::vector<float> expected_sum(64, 0.0f);  // per (param, element): the lr-scaled averages so far
+      for (int iteration = 0; iteration < 3; ++iteration) {
+        std::vector<std::vector<float>> grads(params.size());
+        for (size_t p = 0; p < params.size(); ++p)
+          for (size_t i = 0; i < params[p].numel(); ++i) grads[p].push_back(grad_value(rank, p, i, iteration));
+        for (size_t p : {3, 2, 1, 0}) sync.mark_ready(p, grads[p].data());
+        ASSERT_TRUE(sync.finish_update([](size_t, size_t n, const float* avg, float* w) {
+          sgd_step(w, avg, n, {0.5f, 0.0f});
+        }));
+        for (size_t p = 0; p < params.size(); ++p) {
+          // After the first iteration the buckets are rebuilt: the values move to the new slots.
+          std::shared_ptr<float> now = sync.parameter_slot(p);
+          if (now.get() != slots[p].get()) std::memcpy(now.get(), slots[p].get(), params[p].numel() * sizeof(float));
+          slots[p] = now;
+          for (size_t i = 0; i < params[p].numel(); ++i) {
+            float avg = 0;
+            for (int r = 0; r < world; ++r) avg += grad_value(r, p, i, iteration);
+            expected_sum[p * 16 + i] += 0.5f * avg / static_cast<float>(world);
+            EXPECT_NEAR(slots[p].get()[i], param_value(p, i) - expected_sum[p * 16 + i], 1e-4f)
+                << "world " << world << " iteration " << iteration << " param " << p << " element " << i;
+          }
+        }
+        EXPECT_EQ(sync.buckets_rebuilt(), true);
+      }
+      EXPECT_EQ(sync.stats().synced_iterations, 3);
+    });
+  }
+}
+
+TEST(GradientSync, FusedUpdateStillAveragesOnRequestAndIsRefusedWhereItCannotRun) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    GradientSync sync(comms[rank], small_model(), tiny_buckets());
+    sync.enable_fused_update();
+    // finish() averages (to clip before the step, say); finish_update then has nothing to reduce.
+    expect_average(iterate(sync, rank, {3, 2, 1, 0}), 2, 0, 1e-5f);
+    EXPECT_FALSE(sync.finish_update([](size_t, size_t, const float*, float*) { ADD_FAILURE() << "no update"; }));
+    // A parameter without gradient is named, as by finish().
+    std::vector<float> g(7, 1.0f);
+    for (size_t p : {3, 2, 0}) sync.mark_ready(p, g.data());
+    try {
+      sync.finish_update([](size_t, size_t, const float*, float*) {});
+      ADD_FAILURE() << "expected an error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("parameter b [5]"), std::string::npos) << e.what();
+    }
+    auto o = tiny_buckets();
+    o.compression = WireCompression::kBFloat16;
+    GradientSync compressed(comms[rank], small_model(), o);
+    EXPECT_THROW(compressed.enable_fused_update(), InvalidArgument);
+  });
+  // One rank: the framework's own optimizer steps.
+  auto one = ThreadCommunicator::make_world(1);
+  GradientSync solo(one[0], small_model());
+  solo.enable_fused_update();
+  EXPECT_FALSE(solo.fused_update());
+  EXPECT_EQ(solo.parameter_slot(0), nullptr);
+}
+
+TEST(GradientSync, SgdStepIsTorchsFormula) {
+  std::vector<float> p = {1.0f, -2.0f, 0.5f}, g = {0.5f, 0.25f, -1.0f};
+  sgd_step(p.data(), g.data(), p.size(), {0.1f, 0.0f});
+  EXPECT_FLOAT_EQ(p[0], 1.0f - 0.1f * 0.5f);
+  EXPECT_FLOAT_EQ(p[2], 0.5f + 0.1f);
+  std::vector<float> q = {1.0f, -2.0f, 0.5f};
+  sgd_step(q.data(), g.data(), q.size(), {0.1f, 0.01f});  // weight decay joins the gradient first
+  EXPECT_FLOAT_EQ(q[1], -2.0f - 0.1f * (0.25f + 0.01f * -2.0f));
+  // Long enough for the vector loop and its tail.
+  std::vector<float> big(1000, 2.0f), ones(1000, 1.0f);
+  sgd_step(big.data(), ones.data(), big.size(), {0.5f, 0.0f});
+  for (float v : big) ASSERT_EQ(v, 1.5f);
 }
 
 TEST(GradientSync, GradientTwiceInOneIterationIsAnError) {

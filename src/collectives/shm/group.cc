@@ -452,6 +452,61 @@ void Group::allreduce_shared(const SharedRegion& region, size_t offset, size_t c
   ++shared_allreduces_;
 }
 
+bool Group::allreduce_update(float* grads, float* params, size_t count, ReduceOp op, const ParameterUpdate& update) {
+  if (op != ReduceOp::kSum && op != ReduceOp::kAvg)
+    throw InvalidArgument(fmt::format("allreduce_update: op {} (sum or avg only)", reduce_op_name(op)));
+  const size_t es = sizeof(float), bytes = count * es;
+  size_t grads_offset = 0, params_offset = 0;
+  std::shared_ptr<SharedRegion> g, w;
+  if (size_ > 1 && count > 0) {
+    g = find_shared(grads, bytes, &grads_offset);
+    w = find_shared(params, bytes, &params_offset);
+  }
+  if (size_ > 1 && (!g || !w)) return false;
+  // Both ranges in the signature: a peer that passes other ranges (or ordinary memory) mismatches.
+  const uint32_t tag =
+      g ? ((shared_tag(g->id, grads_offset) * 0x01000193u) ^ shared_tag(w->id, params_offset)) | 1u : 0;
+  guarded(
+      "allreduce",
+      [&] {
+        if (size_ == 1) {
+          if (count > 0) update(0, count, grads, params);
+          return;
+        }
+        auto grad_at = [&](int q, size_t i) {
+          return reinterpret_cast<const float*>(g->part(q) + grads_offset) + i;
+        };
+        auto param_at = [&](int q, size_t i) { return reinterpret_cast<float*>(w->part(q) + params_offset) + i; };
+        // Round 1: every rank's gradients are final, and no rank reads its parameters until round 2
+        // (peers write into them in between).
+        sync_.post();
+        wait_all("allreduce");
+        // My slice, a piece at a time: the reduced gradients stay in this core's cache for the update,
+        // and the updated piece for the copies into the peers' parameters.
+        const Slices sl(count, size_, es);
+        const size_t b = sl.begin(rank_), n = sl.length(rank_);
+        const size_t piece = (size_t{32} << 10) / es;
+        if (aside_.size() < piece * es) aside_.resize(piece * es);
+        float* reduced = reinterpret_cast<float*>(aside_.data());
+        for (size_t i = 0; i < n; i += piece) {
+          const size_t m = std::min(piece, n - i);
+          kernels::reduce_to(reduced, grad_at(0, b + i), grad_at(1, b + i), m, DataType::kFloat32, op);
+          for (int q = 2; q < size_; ++q) kernels::reduce_into(reduced, grad_at(q, b + i), m, DataType::kFloat32, op);
+          if (op == ReduceOp::kAvg) kernels::finish_average(reduced, m, DataType::kFloat32, size_);
+          float* mine = param_at(rank_, b + i);
+          update(b + i, m, reduced, mine);
+          for (int q = 0; q < size_; ++q)
+            if (q != rank_) std::memcpy(param_at(q, b + i), mine, m * es);
+        }
+        // Round 2: every slice of every rank's parameters is updated; nobody touches a peer's after it.
+        sync_.post();
+        wait_all("allreduce");
+        ++fused_updates_;
+      },
+      tag);
+  return true;
+}
+
 void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType dtype, ReduceOp op) {
   if (!op_supported(dtype, op))
     throw InvalidArgument(fmt::format("reduce_scatter: op {} is not defined for dtype {}", reduce_op_name(op),

@@ -46,6 +46,7 @@
 #include "train/checkpoint.h"
 #include "train/grad_sync.h"
 #include "train/sampler.h"
+#include "train/sgd.h"
 
 namespace cohort::torch {
 
@@ -112,6 +113,18 @@ class DistributedDataParallel {
   };
   NoSync no_sync() { return NoSync(*this); }
 
+  // The fused SGD step (DistributedSGD turns it on; docs/training.md, "The fused SGD step"): the
+  // parameters become views of bucket memory too, backward only collects the gradients, and
+  // step_fused() averages them and applies the step in one pass. Collective. No-op on one rank.
+  void enable_fused_update();
+  bool fused_update() const { return sync_->fused_update(); }
+  // Reduces this iteration's gradients fused with `step` into the parameters (every rank). False when
+  // there is nothing to reduce (no backward since the last step, or it ran under no_sync, or
+  // finish_gradient_sync() already averaged the gradients): the caller then steps as usual.
+  bool step_fused(const train::SgdStep& step);
+  // Whether parameter `index` currently is a view of its parameter slot (fused update).
+  bool parameter_is_bucket_view(size_t index) const;
+
   train::GradientSync& sync() { return *sync_; }
   const train::GradSyncStats& stats() const { return sync_->stats(); }
   Communicator& communicator() { return *comm_; }
@@ -126,6 +139,8 @@ class DistributedDataParallel {
   void on_gradient_ready(size_t index);
   void write_back(size_t index, const float* averaged);
   void bind_to_bucket(size_t index);
+  // Fused update: makes every parameter a view of its slot, copying its values there first.
+  void bind_parameters();
 
   template <typename M>
   static auto holder_ptr(M module) {
