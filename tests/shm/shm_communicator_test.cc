@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,16 +32,29 @@ std::shared_ptr<Communicator> make_shm(std::shared_ptr<Store> store, int rank, i
   return comm;
 }
 
-void run_collectives(const std::string& transport, bool expect_shm) {
+std::shared_ptr<Communicator> make_with(std::shared_ptr<Store> store, int rank, int world, const std::string& transport,
+                                        int timeout_s = 30) {
+  CommOptions o;
+  o.timeout = std::chrono::seconds(timeout_s);
+  o.transport = transport;
+  return Communicator::create(store, rank, world, o);
+}
+
+// Three ranks as threads, each with its communicator over `transport`.
+void on_three_ranks(const std::string& transport,
+                    const std::function<void(int rank, Communicator& comm, comm::CommunicatorImpl* impl)>& body) {
   auto store = make_memory_store();
-  const int world = 3;
-  test::run_ranks(world, [&](int r) {
-    CommOptions o;
-    o.timeout = std::chrono::seconds(30);
-    o.transport = transport;
-    auto comm = Communicator::create(store, r, world, o);
+  test::run_ranks(3, [&](int r) {
+    auto comm = make_with(store, r, 3, transport);
     auto* impl = dynamic_cast<comm::CommunicatorImpl*>(comm.get());
     ASSERT_NE(impl, nullptr);
+    body(r, *comm, impl);
+  });
+}
+
+void run_collectives(const std::string& transport, bool expect_shm) {
+  on_three_ranks(transport, [&](int r, Communicator& c, comm::CommunicatorImpl* impl) {
+    Communicator* comm = &c;
     EXPECT_EQ(impl->shm_group() != nullptr, expect_shm) << "transport " << transport;
     // The link probe ran at creation where there is a shm group (COHORT_SHM_PROBE defaults to 1).
     EXPECT_EQ(comm->link_report().find("local ranks on CPUs") != std::string::npos, expect_shm) << comm->link_report();
@@ -72,20 +86,11 @@ TEST(ShmCommunicator, AllLocalRanksUseTheSharedMemoryGroup) {
 TEST(ShmCommunicator, TransportTcpKeepsCollectivesOnTheTransports) { run_collectives("tcp", false); }
 TEST(ShmCommunicator, TransportShmForcesTheSharedMemoryGroup) { run_collectives("shm", true); }
 
-// The shm path reports a mismatched call like the transports: MismatchError on both ranks, naming
-// both calls; the communicator is failed for good afterwards.
 // allreduce_update on every path: fused in one pass (one host, both buffers from allocate_shared),
 // and allreduce-then-update (ordinary memory; or the transports, with transport tcp). Same results.
 void run_allreduce_update(const std::string& transport, bool expect_fused) {
-  auto store = make_memory_store();
-  const int world = 3;
-  test::run_ranks(world, [&](int r) {
-    CommOptions o;
-    o.timeout = std::chrono::seconds(30);
-    o.transport = transport;
-    auto comm = Communicator::create(store, r, world, o);
-    auto* impl = dynamic_cast<comm::CommunicatorImpl*>(comm.get());
-    ASSERT_NE(impl, nullptr);
+  on_three_ranks(transport, [&](int r, Communicator& c, comm::CommunicatorImpl* impl) {
+    Communicator* comm = &c;
     const size_t n = 100003;
     auto grad_memory = comm->allocate_shared(n * sizeof(float));
     auto param_memory = comm->allocate_shared(n * sizeof(float));
@@ -122,10 +127,7 @@ TEST(ShmCommunicator, AllreduceUpdateAgainstAPlainAllreduceIsAMismatchNamingBoth
     auto store = make_memory_store();
     std::vector<std::string> errors(2);
     test::run_ranks(2, [&](int r) {
-      CommOptions o;
-      o.timeout = std::chrono::seconds(20);
-      o.transport = transport;
-      auto comm = Communicator::create(store, r, 2, o);
+      auto comm = make_with(store, r, 2, transport, 20);
       std::vector<float> grads(1000, 1.0f), params(1000, 0.0f);
       try {
         if (r == 0)
@@ -143,6 +145,8 @@ TEST(ShmCommunicator, AllreduceUpdateAgainstAPlainAllreduceIsAMismatchNamingBoth
   }
 }
 
+// The shm path reports a mismatched call like the transports: MismatchError on both ranks, naming
+// both calls; the communicator is failed for good afterwards.
 TEST(ShmCommunicator, MismatchedSignaturesAreMismatchErrorsNamingBothCalls) {
   auto store = make_memory_store();
   std::vector<std::string> errors(3);
