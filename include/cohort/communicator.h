@@ -147,6 +147,10 @@ class Communicator {
   // and writes the result into every peer's (docs/algorithms-shm.md, "Allreduce fused with the
   // update"); otherwise an allreduce of `grads` in place, then `update` of the whole range on each rank.
   virtual void allreduce_update(float* grads, float* params, size_t count, ReduceOp op, const ParameterUpdate& update);
+  // Whether allreduce_update on allocate_shared buffers is the one-pass path here. Where it is not, a
+  // framework gains more from overlapping the gradients' allreduce with backward (DistributedSGD then
+  // leaves DDP's overlapped averaging on).
+  virtual bool one_pass_update() const { return false; }
 
   // ---- diagnostics ----
   // What the communicator decided and measured when it was created: whether its waits yield the core

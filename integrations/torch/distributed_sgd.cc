@@ -15,6 +15,10 @@ DistributedSGD::DistributedSGD(DistributedDataParallel& ddp, ::torch::optim::SGD
     fixed_reason_ = "one rank";
   } else if (!ddp.parameters().empty() && !ddp.parameters().front().device().is_cpu()) {
     fixed_reason_ = "parameters on a GPU (NCCL reduces the buckets)";
+  } else if (!ddp.communicator().one_pass_update()) {
+    // Over the transports the fused step would be an allreduce after backward: overlapping it with
+    // backward, as DDP does, is worth more.
+    fixed_reason_ = "the ranks do not share one host's memory: DDP's allreduce overlaps backward instead";
   } else if (ddp.sync().options().compression != train::WireCompression::kNone) {
     fixed_reason_ = fmt::format("wire compression ({})", train::compression_name(ddp.sync().options().compression));
   }

@@ -757,6 +757,11 @@ void CommunicatorImpl::allreduce_update(float* grads, float* params, size_t coun
   run_blocking(d, [&] { algo::allreduce_update(*this, grads, params, count, op, update); });
 }
 
+bool CommunicatorImpl::one_pass_update() const {
+  // What allocate_shared needs to hand out memory the peers map (the group's allreduce_update).
+  return shm_group_ != nullptr && kShmSharedBuffers.get();
+}
+
 void CommunicatorImpl::reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root) {
   validate_dtype_op(dtype, op, true);
   validate_root(root);

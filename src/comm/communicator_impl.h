@@ -110,6 +110,7 @@ class CommunicatorImpl final : public Communicator,
   std::shared_ptr<void> allocate_shared(size_t bytes) override;
   void allreduce_update(float* grads, float* params, size_t count, ReduceOp op,
                         const ParameterUpdate& update) override;
+  bool one_pass_update() const override;
   std::string link_report() const override;
 
   // ---- coll::Context (called by the algorithms, on the thread holding drive_) ----
