@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "cohort/gpu.h"
-#include "common/half.h"
+#include "common/half_arrays.h"
 #include "common/log.h"
 #include "trace/recorder.h"
 #include "cohort/error.h"
@@ -108,6 +108,7 @@ GradientSync::GradientSync(std::shared_ptr<Communicator> comm, std::vector<Param
                                       "float32 through NCCL (use compression none)",
                                       compression_name(options_.compression)));
   check_parameters_match_rank0();
+  check_compression_matches();
   std::vector<size_t> reverse(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) reverse[i] = params_.size() - 1 - i;
   build_buckets(reverse);
@@ -154,6 +155,21 @@ void GradientSync::check_parameters_match_rank0() {
   }
 }
 
+void GradientSync::check_compression_matches() {
+  // Compressed buckets allocate wire memory beside each bucket (collectively): ranks that disagree
+  // would call allocate_shared with other sizes. Said here, by name, on every rank.
+  const int size = comm_->size();
+  if (size == 1) return;
+  int64_t mine = static_cast<int64_t>(options_.compression);
+  std::vector<int64_t> all(static_cast<size_t>(size));
+  comm_->allgather(&mine, all.data(), 1, DataType::kInt64);
+  for (int r = 1; r < size; ++r)
+    if (all[size_t(r)] != all[0])
+      throw MismatchError(fmt::format("DDP: wire compression differs between ranks: {} on rank 0 but {} on rank {}",
+                                      compression_name(static_cast<WireCompression>(all[0])),
+                                      compression_name(static_cast<WireCompression>(all[size_t(r)])), r));
+}
+
 void GradientSync::build_buckets(const std::vector<size_t>& order) {
   buckets_.clear();
   param_bucket_.assign(params_.size(), 0);
@@ -166,7 +182,10 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     // gradients in place instead of staging copies (every rank builds the same buckets in the same order).
     std::shared_ptr<void> memory = options_.memory->allocate(*comm_, current.numel * sizeof(float));
     current.data = std::shared_ptr<float[]>(memory, static_cast<float*>(memory.get()));
-    if (options_.compression != WireCompression::kNone) current.wire.assign(current.numel, 0);
+    if (options_.compression != WireCompression::kNone) {
+      std::shared_ptr<void> wire = options_.memory->allocate(*comm_, current.numel * sizeof(uint16_t));
+      current.wire = std::shared_ptr<uint16_t[]>(wire, static_cast<uint16_t*>(wire.get()));
+    }
     if (fused_) {
       std::shared_ptr<void> params = options_.memory->allocate(*comm_, current.numel * sizeof(float));
       current.parameters = std::shared_ptr<float[]>(params, static_cast<float*>(params.get()));
@@ -281,14 +300,14 @@ void GradientSync::launch(Bucket& b) {
       b.work = comm_->allreduce_async(b.data.get(), b.data.get(), b.numel, DataType::kFloat32, ReduceOp::kAvg);
       break;
     case WireCompression::kFloat16:
-      for (size_t i = 0; i < b.numel; ++i) b.wire[i] = float_to_half(b.data[i]);
+      floats_to_half(b.data.get(), b.wire.get(), b.numel);
       stats_.bytes_on_wire += static_cast<int64_t>(b.numel * 2);
-      b.work = comm_->allreduce_async(b.wire.data(), b.wire.data(), b.numel, DataType::kFloat16, ReduceOp::kAvg);
+      b.work = comm_->allreduce_async(b.wire.get(), b.wire.get(), b.numel, DataType::kFloat16, ReduceOp::kAvg);
       break;
     case WireCompression::kBFloat16:
-      for (size_t i = 0; i < b.numel; ++i) b.wire[i] = float_to_bf16(b.data[i]);
+      floats_to_bf16(b.data.get(), b.wire.get(), b.numel);
       stats_.bytes_on_wire += static_cast<int64_t>(b.numel * 2);
-      b.work = comm_->allreduce_async(b.wire.data(), b.wire.data(), b.numel, DataType::kBFloat16, ReduceOp::kAvg);
+      b.work = comm_->allreduce_async(b.wire.get(), b.wire.get(), b.numel, DataType::kBFloat16, ReduceOp::kAvg);
       break;
   }
 }
@@ -379,9 +398,9 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
     if (comm_->size() == 1) continue;  // gradients are already final in the framework's tensors
     {
       if (options_.compression == WireCompression::kFloat16)
-        for (size_t i = 0; i < b.numel; ++i) b.data[i] = half_to_float(b.wire[i]);
+        half_to_floats(b.wire.get(), b.data.get(), b.numel);
       else if (options_.compression == WireCompression::kBFloat16)
-        for (size_t i = 0; i < b.numel; ++i) b.data[i] = bf16_to_float(b.wire[i]);
+        bf16_to_floats(b.wire.get(), b.data.get(), b.numel);
     }
     size_t offset = 0;
     for (size_t index : b.params) {

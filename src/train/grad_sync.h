@@ -157,13 +157,16 @@ class GradientSync {
     // Shared so that a framework's gradient tensors can be views into it (gradient_slot) and keep
     // it alive after a rebuild replaced it.
     std::shared_ptr<float[]> data;
-    std::vector<uint16_t> wire;  // compressed copy while on the wire
+    // The compressed copy while on the wire; like `data`, memory the peers map on one host, so that
+    // its allreduce runs in place too.
+    std::shared_ptr<uint16_t[]> wire;
     std::shared_ptr<float[]> parameters;  // fused update: the parameters, laid out like `data`
     size_t pending = 0;
     std::shared_ptr<Work> work;
   };
 
   void check_parameters_match_rank0();
+  void check_compression_matches();
   void build_buckets(const std::vector<size_t>& order);
   void reset_iteration();
   void launch_complete_buckets();

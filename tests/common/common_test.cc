@@ -4,6 +4,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
 #include <thread>
 
 #include "cohort/error.h"
@@ -11,6 +14,7 @@
 #include "common/copy.h"
 #include "common/env.h"
 #include "common/half.h"
+#include "common/half_arrays.h"
 #include "common/strings.h"
 #include "store/memory_store.h"
 #include "support/test_support.h"
@@ -24,6 +28,44 @@ TEST(Half, RoundTripsEveryHalfValue) {
     if (std::isnan(f)) continue;
     EXPECT_EQ(float_to_half(f), h) << "half bits " << h;
   }
+}
+
+TEST(Half, ArraysConvertLikeTheScalarFunctions) {
+  // Every 16-bit pattern (float16 and bfloat16) to float32, and float32 patterns spread over the whole
+  // range (with ties, subnormals, overflow, infinities and NaNs among them) to both; odd lengths reach
+  // the scalar tails.
+  std::vector<uint16_t> all(65536 + 3);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i * 0x9e37u + (i >> 16));
+  std::vector<float> out(all.size());
+  auto same_float = [](float a, float b) { return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, 4) == 0; };
+  half_to_floats(all.data(), out.data(), all.size());
+  for (size_t i = 0; i < all.size(); ++i) ASSERT_TRUE(same_float(out[i], half_to_float(all[i]))) << "half " << all[i];
+  bf16_to_floats(all.data(), out.data(), all.size());
+  for (size_t i = 0; i < all.size(); ++i) ASSERT_TRUE(same_float(out[i], bf16_to_float(all[i]))) << "bf16 " << all[i];
+
+  std::vector<float> floats;
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200001; ++i) {
+    uint32_t bits = rng();
+    float f;
+    std::memcpy(&f, &bits, 4);
+    floats.push_back(f);
+  }
+  for (float f : {0.0f, -0.0f, 1.0f + std::ldexp(1.0f, -11), 65520.0f, 65519.0f, std::ldexp(1.0f, -24),
+                  std::ldexp(1.5f, -25), 1.0f + std::ldexp(1.0f, -8), std::numeric_limits<float>::infinity(),
+                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()})
+    floats.push_back(f);
+  std::vector<uint16_t> h(floats.size());
+  floats_to_half(floats.data(), h.data(), floats.size());
+  for (size_t i = 0; i < floats.size(); ++i) {
+    if (std::isnan(floats[i])) {
+      ASSERT_TRUE(std::isnan(half_to_float(h[i]))) << i;
+    } else {
+      ASSERT_EQ(h[i], float_to_half(floats[i])) << "float " << floats[i];
+    }
+  }
+  floats_to_bf16(floats.data(), h.data(), floats.size());
+  for (size_t i = 0; i < floats.size(); ++i) ASSERT_EQ(h[i], float_to_bf16(floats[i])) << "float " << floats[i];
 }
 
 TEST(Half, RoundsToNearestEven) {

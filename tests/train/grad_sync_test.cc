@@ -307,6 +307,20 @@ TEST(GradientSync, SgdStepIsTorchsFormula) {
   for (float v : big) ASSERT_EQ(v, 1.5f);
 }
 
+TEST(GradientSync, WireCompressionThatDiffersBetweenRanksIsAMismatchNamingBoth) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    auto o = tiny_buckets();
+    if (rank == 1) o.compression = WireCompression::kBFloat16;
+    try {
+      GradientSync sync(comms[rank], small_model(), o);
+      ADD_FAILURE() << "expected MismatchError on rank " << rank;
+    } catch (const MismatchError& e) {
+      EXPECT_NE(std::string(e.what()).find("none on rank 0 but bf16 on rank 1"), std::string::npos) << e.what();
+    }
+  });
+}
+
 TEST(GradientSync, GradientTwiceInOneIterationIsAnError) {
   auto comms = ThreadCommunicator::make_world(1);
   GradientSync sync(comms[0], small_model());
