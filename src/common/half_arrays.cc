@@ -50,7 +50,11 @@ __attribute__((target("avx,f16c"))) size_t half_to_floats_f16c(const uint16_t* s
   return i;
 }
 
-const bool kHaveF16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+// __builtin_cpu_init first: this runs among the static initializers, which may precede libgcc's own.
+const bool kHaveF16c = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+}();
 
 }  // namespace
 
