@@ -2,14 +2,14 @@
 
 #include <fmt/format.h>
 
-#include <unordered_set>
-
 #include "common/log.h"
 
 namespace cohort::torch {
 
 DistributedSGD::DistributedSGD(DistributedDataParallel& ddp, ::torch::optim::SGDOptions options)
     : ::torch::optim::SGD(ddp.parameters(), options), ddp_(ddp) {
+  for (const auto& p : ddp.parameters())
+    if (p.requires_grad()) synced_.insert(p.unsafeGetTensorImpl());
   // Reasons that hold for good; the options' (why_not_fused) are checked at every step.
   if (ddp.communicator().size() == 1) {
     fixed_reason_ = "one rank";
@@ -34,16 +34,13 @@ std::string DistributedSGD::why_not_fused() const {
   if (o.momentum() != 0) return "momentum (its buffers are not sharded yet)";
   if (o.nesterov()) return "nesterov";
   // Added parameters (add_param_group, params().push_back) are not in the DDP's buckets.
-  std::unordered_set<const void*> synced;
-  for (const auto& p : ddp_.parameters())
-    if (p.requires_grad()) synced.insert(p.unsafeGetTensorImpl());
   size_t seen = 0;
   for (const auto& p : param_groups().front().params()) {
     if (!p.requires_grad()) continue;
-    if (!synced.count(p.unsafeGetTensorImpl())) return "a parameter that the DDP does not synchronise";
+    if (!synced_.count(p.unsafeGetTensorImpl())) return "a parameter that the DDP does not synchronise";
     ++seen;
   }
-  if (seen != synced.size()) return "the optimizer leaves out some of the DDP's parameters";
+  if (seen != synced_.size()) return "the optimizer leaves out some of the DDP's parameters";
   return {};
 }
 

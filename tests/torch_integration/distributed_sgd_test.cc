@@ -146,6 +146,23 @@ TEST_F(DistributedSgdTest, MomentumIsNotFusedAndStillRight) {
   check_matches_torch_sgd({.world = 2, .sgd = ::torch::optim::SGDOptions(0.1).momentum(0.9), .expect_fused = false});
 }
 
+TEST_F(DistributedSgdTest, AParameterTheDdpDoesNotSynchroniseStopsTheFusion) {
+  auto store = make_memory_store();
+  run_ranks(2, [&](int rank) {
+    CommOptions o;
+    o.timeout = std::chrono::seconds(60);
+    auto comm = Communicator::create(store, rank, 2, o);
+    DistributedDataParallel ddp(make_mlp(), comm);
+    DistributedSGD opt(ddp, ::torch::optim::SGDOptions(0.1));
+    EXPECT_TRUE(opt.fused()) << opt.why_not_fused();
+    opt.param_groups().front().params().push_back(::torch::zeros({3}, ::torch::requires_grad()));
+    EXPECT_EQ(opt.why_not_fused(), "a parameter that the DDP does not synchronise");
+    opt.param_groups().front().params().pop_back();
+    opt.param_groups().front().params().pop_back();  // and one of the DDP's left out
+    EXPECT_EQ(opt.why_not_fused(), "the optimizer leaves out some of the DDP's parameters");
+  });
+}
+
 TEST_F(DistributedSgdTest, OneRankIsTorchsSgd) {
   check_matches_torch_sgd({.world = 1, .expect_fused = false});
 }

@@ -23,6 +23,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <unordered_set>
 
 #include "cohort/torch/ddp.h"
 
@@ -43,6 +44,9 @@ class DistributedSGD : public ::torch::optim::SGD {
  private:
   DistributedDataParallel& ddp_;
   std::string fixed_reason_;  // a reason that cannot change after construction
+  // The DDP's synchronised parameters (TensorImpls; fixed at its construction), so that the per-step
+  // check of the optimizer's parameters does not rebuild the set.
+  std::unordered_set<const void*> synced_;
 };
 
 }  // namespace cohort::torch
