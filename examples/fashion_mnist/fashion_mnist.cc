@@ -148,7 +148,8 @@ int run(const Args& a) {
   ddp_options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mb * 1024 * 1024);
   cohort::torch::DistributedDataParallel ddp(model, comm, ddp_options);
   // SGD whose step averages the gradients and updates the parameters in one pass over memory (one rank,
-  // compression or --sgd torch: DDP's averaging during backward, then torch's SGD step).
+  // ranks on several hosts or over TCP, compression, or --sgd torch: DDP's averaging during backward,
+  // then torch's SGD step).
   std::unique_ptr<torch::optim::SGD> optimizer;
   cohort::torch::DistributedSGD* fused_sgd = nullptr;
   if (a.sgd == "fused") {
