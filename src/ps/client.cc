@@ -5,7 +5,14 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <list>
 #include <filesystem>
 #include <fstream>
@@ -14,10 +21,13 @@
 #include <mutex>
 
 #include "cohort/error.h"
+#include "common/fd.h"
 #include "common/log.h"
+#include "common/socket.h"
 #include "ps/client.h"
 #include "ps/config_json.h"
 #include "ps/sharding.h"
+#include "ps/table.h"
 #include "ps/wire.h"
 
 namespace cohort::ps {
@@ -69,6 +79,12 @@ std::vector<bool> servers_only(const Roles& roles) {
 }
 
 class ClientImpl final : public Client {
+  // A server's shard of one table, mapped here (table.h), or why not.
+  struct Attached {
+    std::unique_ptr<TableShard> shard;
+    bool refused = false;  // the message path for good
+  };
+
  public:
   ClientImpl(std::shared_ptr<Store> store, const std::string& prefix, int worker, const Roles& roles,
              std::chrono::milliseconds timeout)
@@ -83,6 +99,10 @@ class ClientImpl final : public Client {
     auto j = nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end());
     mode_ = ConsistencyMode::parse(j.at("mode").get<std::string>());
     max_request_ = j.at("max_request").get<uint64_t>();
+    const char* direct = std::getenv("COHORT_PS_DIRECT");
+    direct_ = mode_.mode == Mode::kAsync && !(direct && std::string(direct) == "0");
+    server_pid_.assign(size_t(roles_.num_servers), 0);
+    server_pidfd_.resize(size_t(roles_.num_servers));
   }
 
   ~ClientImpl() override {
@@ -155,6 +175,9 @@ class ClientImpl final : public Client {
   void step() override {
     std::lock_guard<std::mutex> g(mu_);
     ++clock_;
+    // In async mode no server waits on clocks (pushes apply on arrival, pulls answer at once): a
+    // message per step would only wake every server.
+    if (mode_.mode == Mode::kAsync) return reap_background_locked();
     // Every server must know (each holds its share of the step's pushes); nothing to wait for:
     // the acknowledgements are collected by later calls.
     auto op = start_all(Op::kClock, "", {}, "step");
@@ -188,6 +211,7 @@ class ClientImpl final : public Client {
     auto op = start_all(Op::kLoad, "", dir, fmt::format("load from {}", dir));
     run_locked(*op);
     tables_.clear();  // re-learned on next use
+    attached_.clear();  // the servers replaced their tables (other workers see them retired)
   }
 
   TableStats stats(const std::string& table) override {
@@ -359,6 +383,8 @@ class ClientImpl final : public Client {
 
   // pull (push_ids null), push (pull_ids null) or push_pull. Duplicate ids are merged here: a
   // pulled row is asked once and copied to every position; pushed gradients of one id are summed.
+  // A server whose shard this worker has mapped (same host, async mode: direct_shard) is served
+  // here, without a message: its pushes are applied to the shared rows and its rows read from them.
   std::shared_ptr<Operation> start_pull_push(Op kind, const std::string& table, const TableConfig& c,
                                              const uint64_t* push_ids, size_t n, const float* grads,
                                              const uint64_t* pull_ids, size_t m, float* rows) {
@@ -366,6 +392,12 @@ class ClientImpl final : public Client {
     const int S = roles_.num_servers;
     auto op = std::make_shared<Operation>();
     op->what = fmt::format("{} of '{}'", op_name(kind), table);
+    if (c.dense) {  // caught here, as no shard holds such a row (the servers check it too)
+      for (const auto& [ids, count] : {std::pair{push_ids, n}, std::pair{pull_ids, m}})
+        for (size_t i = 0; ids && i < count; ++i)
+          if (ids[i] >= c.rows)
+            throw InvalidArgument(fmt::format("{}: row {} is outside the dense table's {} rows", op->what, ids[i], c.rows));
+    }
 
     // Unique ids per server, and for every position which (server, index there) it became. The
     // request to server s is [its push ids][their gradients, summed over duplicates][its pull ids]:
@@ -391,9 +423,80 @@ class ClientImpl final : public Client {
                                           "the servers' limit of {} bytes (COHORT_PS_MAX_REQUEST); split the call",
                                           op_name(kind), table, k + q, std::max(bytes, q * d * 4), s, max_request_));
     }
+    std::vector<TableShard*> direct(static_cast<size_t>(S), nullptr);
+    bool any_direct = false;
+    for (int s = 0; s < S; ++s) {
+      if (push_by[size_t(s)].empty() && pull_by[size_t(s)].empty()) continue;
+      direct[size_t(s)] = direct_shard(table, c, s);
+      any_direct |= direct[size_t(s)] != nullptr;
+    }
+    if (any_direct) check_servers_alive(op->what);
+
+    // Direct servers first: pushes (a push_pull's pull sees them), then rows. Nothing is copied
+    // on the way: a gradient is read from the caller's row where its id occurs once (a sum in
+    // scratch where it recurs), and a row is read into the caller's buffer at the id's first position.
+    if (any_direct) {
+      // first[s][k]: the first position of server s's k-th unique id.
+      std::vector<std::vector<uint32_t>> first(static_cast<size_t>(S));
+      if (push_ids) {
+        std::vector<std::vector<const float*>> src(static_cast<size_t>(S));
+        for (int s = 0; s < S; ++s)
+          if (direct[size_t(s)]) {
+            src[size_t(s)].resize(push_by[size_t(s)].size());
+            first[size_t(s)].resize(push_by[size_t(s)].size());
+          }
+        for (size_t i = 0; i < push_at.size(); ++i) {
+          const Place at = push_at[i];
+          if (!direct[at.server]) continue;
+          const float*& from_row = src[at.server][at.index];
+          if (at.first) {
+            from_row = grads + i * d;
+            first[at.server][at.index] = uint32_t(i);
+            continue;
+          }
+          const size_t f = first[at.server][at.index];
+          if (push_scratch_.size() < n * d) push_scratch_.resize(n * d);
+          float* sum = push_scratch_.data() + f * d;  // the first position's row: one per id
+          if (from_row != sum) {
+            std::memcpy(sum, grads + f * d, d * 4);
+            from_row = sum;
+          }
+          for (size_t j = 0; j < d; ++j) sum[j] += grads[i * d + j];
+        }
+        for (int s = 0; s < S; ++s)
+          if (direct[size_t(s)] && !push_by[size_t(s)].empty())
+            direct[size_t(s)]->apply(push_by[size_t(s)].data(), push_by[size_t(s)].size(), src[size_t(s)].data());
+      }
+      if (pull_ids) {
+        std::vector<std::vector<float*>> dst(static_cast<size_t>(S));
+        for (int s = 0; s < S; ++s) {
+          first[size_t(s)].clear();
+          if (direct[size_t(s)]) {
+            dst[size_t(s)].resize(pull_by[size_t(s)].size());
+            first[size_t(s)].resize(pull_by[size_t(s)].size());
+          }
+        }
+        for (size_t i = 0; i < from->size(); ++i) {
+          const Place at = (*from)[i];
+          if (!direct[at.server] || !at.first) continue;
+          dst[at.server][at.index] = rows + i * d;
+          first[at.server][at.index] = uint32_t(i);
+        }
+        for (int s = 0; s < S; ++s)
+          if (direct[size_t(s)] && !pull_by[size_t(s)].empty())
+            direct[size_t(s)]->read(pull_by[size_t(s)].data(), pull_by[size_t(s)].size(), dst[size_t(s)].data());
+        for (size_t i = 0; i < from->size(); ++i) {
+          const Place at = (*from)[i];
+          if (direct[at.server] && !at.first)
+            std::memcpy(rows + i * d, rows + size_t(first[at.server][at.index]) * d, d * 4);
+        }
+      }
+    }
+
     std::vector<Buffer> payloads(static_cast<size_t>(S));
     std::vector<float*> grads_at(static_cast<size_t>(S), nullptr);
     for (int s = 0; s < S; ++s) {
+      if (direct[size_t(s)]) continue;
       const auto& pi = push_by[size_t(s)];
       const auto& qi = pull_by[size_t(s)];
       Buffer& payload = payloads[size_t(s)];
@@ -405,6 +508,7 @@ class ClientImpl final : public Client {
       if (!qi.empty()) std::memcpy(p + pi.size() * 8 + pi.size() * d * 4, qi.data(), qi.size() * 8);
     }
     for (size_t i = 0; i < push_at.size(); ++i) {
+      if (direct[push_at[i].server]) continue;
       float* g = grads_at[push_at[i].server] + size_t(push_at[i].index) * d;
       if (push_at[i].first) std::memcpy(g, grads + i * d, d * 4);
       else
@@ -412,17 +516,17 @@ class ClientImpl final : public Client {
     }
     std::vector<int> call_of(static_cast<size_t>(S), -1);
     for (int s = 0; s < S; ++s) {
+      if (direct[size_t(s)]) continue;
       const auto& pi = push_by[size_t(s)];
       const auto& qi = pull_by[size_t(s)];
-      // push_pull goes to every server: each must hear that the step ended.
-      if (kind != Op::kPushPull && pi.empty() && qi.empty()) continue;
+      // push_pull goes to every server outside async mode: each must hear that the step ended.
+      if ((kind != Op::kPushPull || mode_.mode == Mode::kAsync) && pi.empty() && qi.empty()) continue;
       call_of[size_t(s)] = int(op->calls.size());
-      Call& call = post(*op, s, kind, table, std::move(payloads[size_t(s)]), [&](RequestHeader& h) {
+      post(*op, s, kind, table, std::move(payloads[size_t(s)]), [&](RequestHeader& h) {
         h.dim = c.dim;
         h.n = kind == Op::kPull ? qi.size() : pi.size();
         h.m = kind == Op::kPushPull ? qi.size() : 0;
       });
-      (void)call;
     }
     if (kind == Op::kPushPull) ++clock_;
     op->recycle = true;
@@ -431,12 +535,100 @@ class ClientImpl final : public Client {
       op->finish = [from, call_of, rows, d](Operation& o) {
         for (size_t i = 0; i < from->size(); ++i) {
           const Place at = (*from)[i];
-          const Call& c = *o.calls[size_t(call_of[at.server])];
-          std::memcpy(rows + i * d, c.reply_payload.data() + size_t(at.index) * d * 4, d * 4);
+          if (call_of[at.server] < 0) continue;  // a direct server's rows are in place already
+          const uint8_t* src = o.calls[size_t(call_of[at.server])]->reply_payload.data();
+          std::memcpy(rows + i * d, src + size_t(at.index) * d * 4, d * 4);
         }
       };
     }
     return op;
+  }
+
+  // ---- workers on a server's host (table.h: shared memory) ----
+
+  // The mapped shard of `table` on server s, or null for the message path: another host, bsp or
+  // stale mode, COHORT_PS_DIRECT=0, or a server that said no. Attaches on first use, and again
+  // after the server replaced the table (a load).
+  TableShard* direct_shard(const std::string& table, const TableConfig& c, int s) {
+    if (!direct_) return nullptr;
+    auto& per_server = attached_[table];
+    per_server.resize(size_t(roles_.num_servers));
+    Attached& a = per_server[size_t(s)];
+    if (a.refused) return nullptr;
+    if (a.shard && a.shard->retired()) a.shard.reset();
+    if (!a.shard) attach(table, c, s, a);
+    return a.shard.get();
+  }
+
+  void attach(const std::string& table, const TableConfig& c, int s, Attached& a) {
+    const int peer = roles_.server_rank(s);
+    if (!ep_.same_host(peer)) {
+      a.refused = true;
+      return;
+    }
+    // The server connects to this socket and sends the memfds before it replies.
+    static std::atomic<uint64_t> sockets{0};
+    const std::string name = fmt::format("cohort-ps-attach-{}-{}-{}", ::getpid(), worker_, sockets++);
+    UniqueFd listener(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    socklen_t len = 0;
+    sockaddr_un addr = net::abstract_address(name, &len);
+    if (!listener || ::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+        ::listen(listener.get(), 4) != 0) {
+      log::debug("parameter-server worker {}: no socket to attach '{}' on: {}", worker_, table, std::strerror(errno));
+      a.refused = true;
+      return;
+    }
+    auto op = std::make_shared<Operation>();
+    op->what = fmt::format("attach of '{}'", table);
+    post(*op, s, Op::kAttach, table, buffer_of(name));
+    inflight_.push_back(op);
+    run_locked(*op);
+    auto j = nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end());
+    if (!j.at("attached").get<bool>()) {
+      log::debug("parameter-server worker {}: '{}' on server {} through messages: {}", worker_, table, s,
+                 j.value("why", std::string()));
+      a.refused = true;
+      return;
+    }
+    // Sent before the reply, so it is queued on the socket now.
+    pollfd p{listener.get(), POLLIN, 0};
+    UniqueFd conn;
+    if (::poll(&p, 1, 1000) == 1) conn = UniqueFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    std::vector<UniqueFd> fds;
+    char tag = 0;
+    pollfd q{conn.get(), POLLIN, 0};
+    if (!conn || ::poll(&q, 1, 1000) != 1 || net::recv_with_fds(conn.get(), &tag, 1, &fds, 0) != 1 || fds.size() != 3)
+      throw Error(fmt::format("parameter-server worker {}: server {} said it sent table '{}''s memory, but it did not "
+                              "arrive ({})", worker_, s, table, std::strerror(errno)));
+    a.shard = std::make_unique<TableShard>(table, c, j.at("first_row").get<uint64_t>(), j.at("rows").get<uint64_t>(),
+                                           std::move(fds), timeout_);
+    const int pid = j.at("pid").get<int>();
+    if (pid != ::getpid() && server_pid_[size_t(s)] != pid) {
+      // A server that dies leaves its memory mapped here: its pidfd says so (check_servers_alive).
+      server_pid_[size_t(s)] = pid;
+      server_pidfd_[size_t(s)] = UniqueFd(int(::syscall(SYS_pidfd_open, pid, 0)));
+    }
+  }
+
+  // Direct calls send nothing, so nothing would notice a server that died: a pidfd per server
+  // process becomes readable when it exits. One poll(2) per call.
+  void check_servers_alive(const std::string& what) {
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (int s = 0; s < roles_.num_servers; ++s)
+      if (server_pidfd_[size_t(s)]) {
+        fds.push_back(pollfd{server_pidfd_[size_t(s)].get(), POLLIN, 0});
+        who.push_back(s);
+      }
+    if (fds.empty() || ::poll(fds.data(), fds.size(), 0) <= 0) return;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!(fds[i].revents & POLLIN)) continue;
+      const int s = who[i];
+      broken_ = true;
+      throw PeerLostError(fmt::format("parameter-server worker {}: {} failed: lost parameter server {} ({}): its "
+                                      "process (pid {}) exited",
+                                      worker_, what, s, ep_.host_of(roles_.server_rank(s)), server_pid_[size_t(s)]));
+    }
   }
 
   // Where one position of a call's ids went: the server, the index among that server's unique ids,
@@ -508,6 +700,11 @@ class ClientImpl final : public Client {
   std::vector<Place> dedup_places_;
   std::vector<uint32_t> dedup_stamps_;
   uint32_t dedup_stamp_ = 0;
+  bool direct_ = false;  // async mode and not COHORT_PS_DIRECT=0: map same-host shards
+  std::map<std::string, std::vector<Attached>> attached_;  // per table, per server
+  std::vector<int> server_pid_;
+  std::vector<UniqueFd> server_pidfd_;
+  std::vector<float> push_scratch_;  // summed gradients of recurring ids (direct servers)
 
   friend class HandleImpl;
 };

@@ -23,8 +23,13 @@
 #include <map>
 #include <unordered_map>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "cohort/error.h"
+#include "common/fd.h"
 #include "common/log.h"
+#include "common/socket.h"
 #include "ps/config_json.h"
 #include "ps/server.h"
 #include "ps/table.h"
@@ -90,6 +95,7 @@ class Server {
         index_(index),
         mode_(mode),
         max_request_(max_request),
+        timeout_(timeout),
         ep_(std::move(store), prefix, roles.server_rank(index), workers_only(roles), timeout) {
     inbox_.resize(size_t(roles_.num_workers));
     clock_.assign(size_t(roles_.num_workers), 0);
@@ -243,6 +249,7 @@ class Server {
           std::memcpy(out.data(), s, sizeof s);
           return reply(w, in.seq, std::move(out));
         }
+        case Op::kAttach: return attach(w, in);
         case Op::kBye:
           in.bye = true;
           reply(w, in.seq);
@@ -310,12 +317,42 @@ class Server {
   }
 
   std::unique_ptr<TableShard> make_shard(const std::string& name, const TableConfig& c) {
-    if (!c.dense) return std::make_unique<TableShard>(name, c);
+    if (!c.dense) return std::make_unique<TableShard>(name, c, 0, 0, timeout_);
     // Dense: this server's contiguous range (shard_of_row).
     uint64_t per = (c.rows + uint64_t(roles_.num_servers) - 1) / uint64_t(roles_.num_servers);
     uint64_t first = std::min(c.rows, per * uint64_t(index_));
     uint64_t last = std::min(c.rows, first + per);
-    return std::make_unique<TableShard>(name, c, first, last - first);
+    return std::make_unique<TableShard>(name, c, first, last - first, timeout_);
+  }
+
+  // A worker on this host asks for a table's shared memory (table.h), to pull and push rows itself.
+  // Only in async mode: bsp holds pushes and stale:K holds pulls here, by the server's clock.
+  void attach(int w, Inbox& in) {
+    TableShard& t = table(in.hdr, false);
+    nlohmann::json j{{"attached", false}};
+    if (mode_.mode != Mode::kAsync) {
+      j["why"] = fmt::format("{} mode: pushes and pulls follow the server's clock", mode_.to_string());
+    } else if (std::string why = hand_over(t, std::string(in.payload.begin(), in.payload.end())); !why.empty()) {
+      j["why"] = why;
+    } else {
+      j = {{"attached", true}, {"pid", ::getpid()}, {"first_row", t.first_row()}, {"rows", t.held_rows()}};
+    }
+    reply(w, in.seq, buffer_of(j.dump()));
+  }
+
+  // Sends the shard's memfds to the worker's abstract socket; "" on success, else why not (a
+  // worker in another network namespace has no such socket here).
+  static std::string hand_over(TableShard& t, const std::string& socket_name) {
+    UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!sock) return fmt::format("socket: {}", std::strerror(errno));
+    socklen_t len = 0;
+    sockaddr_un addr = net::abstract_address(socket_name, &len);
+    if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
+      return fmt::format("cannot reach the worker's socket: {}", std::strerror(errno));
+    const char tag = 'T';
+    if (net::send_with_fds(sock.get(), &tag, 1, t.fds(), MSG_DONTWAIT) != 1)
+      return fmt::format("cannot send the table's memory: {}", std::strerror(errno));
+    return {};
   }
 
   // A pull in step `clock` may be answered (include/cohort/ps.h: consistency).
@@ -494,6 +531,7 @@ class Server {
   int index_;
   ConsistencyMode mode_;
   uint64_t max_request_;
+  std::chrono::milliseconds timeout_;
   Endpoint ep_;
   std::map<std::string, std::unique_ptr<TableShard>> tables_;
   std::vector<Inbox> inbox_;

@@ -2,15 +2,22 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <new>
+#include <thread>
 
+#include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "cohort/error.h"
-#include "common/half.h"
+#include "common/half_arrays.h"
 #include "ps/sharding.h"
 
 namespace cohort::ps {
@@ -35,212 +42,493 @@ size_t state_floats(const TableConfig& c) {
 
 namespace {
 size_t align8(size_t n) { return (n + 7) & ~size_t(7); }
-constexpr uint32_t kEmpty = UINT32_MAX;
-}  // namespace
+constexpr uint64_t kArenaStep = 2u << 20;  // the arena file grows by 2 MiB
+constexpr uint64_t kPage = 4096;
+constexpr uint32_t kInitialIndexLog2 = 10;  // 1024 buckets
+constexpr uint32_t kMiss = UINT32_MAX;
+constexpr uint64_t kMagic = 0x3144524148535350ull;  // "PSSHARD1"
 
-size_t bytes_per_row(const TableConfig& c) {
-  size_t row = align8(8 + state_floats(c) * 4 + size_t(c.dim) * storage_bytes(c.storage));
-  // Sparse index: 12 bytes per bucket, at least 3/8 full (it doubles at 3/4).
-  return c.dense ? row : row + 32;
+// How far ahead the batch loops prefetch: enough misses in flight to hide memory latency, few
+// enough that the prefetched lines are still in L1/L2 when their turn comes.
+constexpr size_t kAhead = 16;
+
+[[noreturn]] void throw_sys(const std::string& what) {
+  throw Error(fmt::format("parameter-server table memory: {}: {}", what, std::strerror(errno)));
 }
 
-TableShard::TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows)
-    : name_(std::move(name)), config_(config), first_row_(first_row) {
+// An index bucket: the id and its slot + 1 (0: empty), written key first, slot last (release).
+struct Bucket {
+  uint64_t key;
+  uint32_t slot1;
+  uint32_t pad;
+};
+static_assert(sizeof(Bucket) == 16);
+
+// The index descriptor: the array's byte offset in the index file (page-aligned) | log2(buckets).
+uint64_t desc_offset(uint64_t d) { return d & ~(kPage - 1); }
+uint64_t desc_buckets(uint64_t d) { return uint64_t(1) << (d & 0xff); }
+uint64_t desc_end(uint64_t d) { return desc_offset(d) + desc_buckets(d) * sizeof(Bucket); }
+
+// Waits with a spin, then yielding the core (on a guest with fewer cores than processes the holder
+// needs ours), bounded by `timeout`.
+template <typename Try>
+void spin_until(Try&& attempt, std::chrono::milliseconds timeout, const std::function<void()>& on_timeout) {
+  std::chrono::steady_clock::time_point start{};
+  for (uint64_t spins = 0;; ++spins) {
+    if (attempt()) return;
+    if (spins < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      sched_yield();
+      if ((spins & 255) == 255) {
+        auto now = std::chrono::steady_clock::now();
+        if (start == std::chrono::steady_clock::time_point{}) start = now;
+        else if (now - start > timeout) on_timeout();
+      }
+    }
+  }
+}
+}  // namespace
+
+// The shared header (the first memfd). Plain fields are written once by the owner before anyone
+// attaches; the rest are atomics (lock-free, so address-free across processes).
+struct ShardHeader {
+  uint64_t magic;
+  uint64_t row_bytes;
+  alignas(64) std::atomic<uint32_t> insert_lock;  // 0 free, 1 held
+  std::atomic<int32_t> insert_holder;             // pid of the holder, for the timeout message
+  std::atomic<uint64_t> rows;                     // slots in use; each published after its row is written
+  std::atomic<uint64_t> arena_bytes;              // the arena file's size
+  std::atomic<uint64_t> index;                    // the current index (descriptor above)
+  std::atomic<uint64_t> index_bytes;              // the index file's size
+  alignas(64) std::atomic<uint64_t> applied;      // row updates applied, by every process
+  alignas(64) std::atomic<uint32_t> retired;      // 1: the owner replaced or dropped the table
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
+
+size_t bytes_per_row(const TableConfig& c) {
+  size_t row = align8(16 + state_floats(c) * 4 + size_t(c.dim) * storage_bytes(c.storage));
+  // Sparse index: 16 bytes per bucket, at least 3/8 full (it doubles at 3/4): 16 * 8 / 3 < 43.
+  return c.dense ? row : row + 43;
+}
+
+TableShard::TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows,
+                       std::chrono::milliseconds timeout)
+    : name_(std::move(name)), config_(config), owner_(true), first_row_(first_row), held_rows_(num_rows),
+      timeout_(timeout) {
   value_bytes_ = size_t(config_.dim) * storage_bytes(config_.storage);
   state_count_ = state_floats(config_);
-  row_bytes_ = align8(8 + state_count_ * 4 + value_bytes_);
-  rows_per_chunk_ = std::max<uint64_t>(1, kChunkBytes / row_bytes_);
+  row_bytes_ = align8(16 + state_count_ * 4 + value_bytes_);
+  header_fd_ = UniqueFd(::memfd_create("cohort-ps-header", MFD_CLOEXEC));
+  arena_fd_ = UniqueFd(::memfd_create("cohort-ps-rows", MFD_CLOEXEC));
+  index_fd_ = UniqueFd(::memfd_create("cohort-ps-index", MFD_CLOEXEC));
+  if (!header_fd_ || !arena_fd_ || !index_fd_) throw_sys("memfd_create");
+  const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
+  const uint64_t index_bytes = config_.dense ? 0 : (uint64_t(1) << kInitialIndexLog2) * sizeof(Bucket);
+  if (::ftruncate(header_fd_.get(), off_t(header_bytes)) != 0 || ::ftruncate(index_fd_.get(), off_t(index_bytes)) != 0)
+    throw_sys("ftruncate");
+  void* h = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
+  if (h == MAP_FAILED) throw_sys("mmap");
+  header_ = new (h) ShardHeader{};
+  header_->magic = kMagic;
+  header_->row_bytes = row_bytes_;
+  header_->index.store(config_.dense ? 0 : kInitialIndexLog2, std::memory_order_relaxed);
+  header_->index_bytes.store(index_bytes, std::memory_order_relaxed);
+  header_->arena_bytes.store(0, std::memory_order_release);
   if (config_.dense) {
-    for (uint64_t i = 0; i < num_rows; ++i) new_slot(first_row + i);
-  } else {
-    keys_.assign(1024, 0);
-    slots_.assign(1024, kEmpty);
-    mask_ = 1023;
+    lock_inserts();
+    for (uint64_t i = 0; i < num_rows; ++i) new_slot_locked(first_row + i);
+    unlock_inserts();
   }
 }
 
-uint8_t* TableShard::slot_values(uint64_t s) const { return row_at(s) + 8 + state_count_ * 4; }
-float* TableShard::slot_state(uint64_t s) const { return reinterpret_cast<float*>(row_at(s) + 8); }
-uint64_t TableShard::slot_id(uint64_t s) const {
-  uint64_t id;
-  std::memcpy(&id, row_at(s), 8);
+TableShard::TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows,
+                       std::vector<UniqueFd> fds, std::chrono::milliseconds timeout)
+    : name_(std::move(name)), config_(config), owner_(false), first_row_(first_row), held_rows_(num_rows),
+      timeout_(timeout) {
+  value_bytes_ = size_t(config_.dim) * storage_bytes(config_.storage);
+  state_count_ = state_floats(config_);
+  row_bytes_ = align8(16 + state_count_ * 4 + value_bytes_);
+  if (fds.size() != 3) throw Error(fmt::format("table '{}': attach got {} descriptors, not 3", name_, fds.size()));
+  header_fd_ = std::move(fds[0]);
+  arena_fd_ = std::move(fds[1]);
+  index_fd_ = std::move(fds[2]);
+  const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
+  void* h = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
+  if (h == MAP_FAILED) throw_sys("mmap");
+  header_ = static_cast<ShardHeader*>(h);
+  if (header_->magic != kMagic || header_->row_bytes != row_bytes_)
+    throw Error(fmt::format("table '{}': the server's shared rows have another layout ({} bytes a row, here {})",
+                            name_, header_->row_bytes, row_bytes_));
+}
+
+TableShard::~TableShard() {
+  if (owner_ && header_) retire();
+  const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
+  if (arena_) ::munmap(arena_, arena_mapped_);
+  if (index_) ::munmap(index_, index_mapped_);
+  if (header_) ::munmap(header_, header_bytes);
+}
+
+std::vector<int> TableShard::fds() const { return {header_fd_.get(), arena_fd_.get(), index_fd_.get()}; }
+bool TableShard::retired() const { return header_->retired.load(std::memory_order_acquire) != 0; }
+void TableShard::retire() { header_->retired.store(1, std::memory_order_release); }
+uint64_t TableShard::rows() const { return header_->rows.load(std::memory_order_acquire); }
+uint64_t TableShard::applied() const { return header_->applied.load(std::memory_order_relaxed); }
+uint64_t TableShard::bytes() const {
+  const uint64_t index = config_.dense ? 0 : desc_buckets(header_->index.load(std::memory_order_acquire)) * sizeof(Bucket);
+  return header_->arena_bytes.load(std::memory_order_acquire) + index;  // the arena grows in 2 MiB steps
+}
+
+// Mappings only grow, by mapping the file again (munmap + mmap rather than mremap, which the
+// sanitizers do not follow). A new mapping is twice as long as asked for, beyond the file's end (which
+// is allowed; only the part below the file's size is ever touched), so that the file can grow under
+// it: remapping drops the page tables, and every page would fault in again. At least 1 GiB of
+// address space (not memory) each, so that tables of a few hundred MB are mapped once.
+namespace {
+uint64_t mapping_length(uint64_t bytes) {
+  return std::max<uint64_t>(uint64_t(1) << 30, (bytes * 2 + kArenaStep - 1) / kArenaStep * kArenaStep);
+}
+}  // namespace
+
+void TableShard::ensure_arena(uint64_t bytes) {
+  if (bytes <= arena_mapped_) return;
+  const uint64_t size = header_->arena_bytes.load(std::memory_order_acquire);
+  if (size < bytes) throw Error(fmt::format("table '{}': row memory of {} bytes, a row at {} bytes", name_, size, bytes));
+  if (arena_) ::munmap(arena_, arena_mapped_);
+  arena_ = nullptr;
+  const uint64_t length = mapping_length(size);
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, arena_fd_.get(), 0);
+  if (p == MAP_FAILED) throw_sys("mmap of the rows");
+  (void)::madvise(p, length, MADV_HUGEPAGE);  // a hint: honoured where shmem huge pages are enabled
+  arena_ = static_cast<uint8_t*>(p);
+  arena_mapped_ = length;
+}
+
+void TableShard::ensure_index(uint64_t bytes) {
+  if (bytes <= index_mapped_) return;
+  const uint64_t size = header_->index_bytes.load(std::memory_order_acquire);
+  if (size < bytes) throw Error(fmt::format("table '{}': index of {} bytes, an array ending at {}", name_, size, bytes));
+  if (index_) ::munmap(index_, index_mapped_);
+  index_ = nullptr;
+  const uint64_t length = mapping_length(size);
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, index_fd_.get(), 0);
+  if (p == MAP_FAILED) throw_sys("mmap of the index");
+  index_ = static_cast<uint8_t*>(p);
+  index_mapped_ = length;
+}
+
+void TableShard::lock_timeout(const char* what) const {
+  throw TimeoutError(fmt::format("table '{}': {} was held for more than {:.0f} s (COHORT_TIMEOUT): did a process die "
+                                 "while writing the table (holder pid {})?",
+                                 name_, what, std::chrono::duration<double>(timeout_).count(),
+                                 header_->insert_holder.load(std::memory_order_relaxed)));
+}
+
+void TableShard::lock_inserts() {
+  auto& l = header_->insert_lock;
+  spin_until(
+      [&] {
+        uint32_t free = 0;
+        return l.load(std::memory_order_relaxed) == 0 &&
+               l.compare_exchange_strong(free, 1, std::memory_order_acquire, std::memory_order_relaxed);
+      },
+      timeout_, [&] { lock_timeout("the lock that creates rows"); });
+  header_->insert_holder.store(int32_t(::getpid()), std::memory_order_relaxed);
+}
+
+void TableShard::unlock_inserts() { header_->insert_lock.store(0, std::memory_order_release); }
+
+void TableShard::lock_row(uint8_t* row) const {
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  spin_until(
+      [&] {
+        uint64_t x = v.load(std::memory_order_relaxed);
+        return !(x & 1) && v.compare_exchange_strong(x, x + 1, std::memory_order_acquire, std::memory_order_relaxed);
+      },
+      timeout_, [&] { lock_timeout("a row's lock"); });
+}
+
+void TableShard::unlock_row(uint8_t* row) const {
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  v.store(v.load(std::memory_order_relaxed) + 1, std::memory_order_release);  // only the holder writes it
+}
+
+uint64_t TableShard::read_row(uint64_t s, float* values, float* state) const {
+  uint8_t* row = row_at(s);
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  uint64_t id = 0;
+  std::vector<uint8_t> raw(value_bytes_);
+  spin_until(
+      [&] {
+        const uint64_t before = v.load(std::memory_order_acquire);
+        if (before & 1) return false;
+        std::memcpy(&id, row + 8, 8);
+        if (state_count_) std::memcpy(state, row + 16, state_count_ * 4);
+        std::memcpy(raw.data(), row + 16 + state_count_ * 4, value_bytes_);
+        std::atomic_thread_fence(std::memory_order_acquire);
+        return v.load(std::memory_order_relaxed) == before;
+      },
+      timeout_, [&] { lock_timeout("a row's lock"); });
+  to_float(raw.data(), values);
   return id;
 }
 
 void TableShard::to_float(const uint8_t* src, float* dst) const {
   const uint32_t d = config_.dim;
   switch (config_.storage) {
-    case DataType::kFloat32: std::memcpy(dst, src, d * 4); break;
-    case DataType::kFloat16:
-      for (uint32_t j = 0; j < d; ++j) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * j, 2);
-        dst[j] = half_to_float(h);
-      }
-      break;
-    default:
-      for (uint32_t j = 0; j < d; ++j) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * j, 2);
-        dst[j] = bf16_to_float(h);
-      }
+    case DataType::kFloat32: std::memcpy(dst, src, size_t(d) * 4); break;
+    case DataType::kFloat16: half_to_floats(reinterpret_cast<const uint16_t*>(src), dst, d); break;
+    default: bf16_to_floats(reinterpret_cast<const uint16_t*>(src), dst, d);
   }
 }
 
 void TableShard::from_float(const float* src, uint8_t* dst) const {
   const uint32_t d = config_.dim;
   switch (config_.storage) {
-    case DataType::kFloat32: std::memcpy(dst, src, d * 4); break;
-    case DataType::kFloat16:
-      for (uint32_t j = 0; j < d; ++j) {
-        uint16_t h = float_to_half(src[j]);
-        std::memcpy(dst + 2 * j, &h, 2);
-      }
-      break;
-    default:
-      for (uint32_t j = 0; j < d; ++j) {
-        uint16_t h = float_to_bf16(src[j]);
-        std::memcpy(dst + 2 * j, &h, 2);
-      }
+    case DataType::kFloat32: std::memcpy(dst, src, size_t(d) * 4); break;
+    case DataType::kFloat16: floats_to_half(src, reinterpret_cast<uint16_t*>(dst), d); break;
+    default: floats_to_bf16(src, reinterpret_cast<uint16_t*>(dst), d);
   }
 }
 
 void TableShard::init_row(uint64_t id, uint8_t* values) {
-  std::vector<float> v(config_.dim, 0.0f);
-  switch (config_.init) {
-    case Initializer::kZeros: break;
-    case Initializer::kConstant:
-      for (auto& x : v) x = config_.init_a;
-      break;
-    case Initializer::kUniform:
-      // A function of (seed, id, column) only: the same row whatever the server count or the order
-      // of first touches, so a reloaded or resharded table agrees with a fresh one.
-      for (uint32_t j = 0; j < config_.dim; ++j) {
-        uint64_t h = mix64(mix64(config_.seed ^ 0x9e3779b97f4a7c15ull) ^ mix64(id) ^ (uint64_t(j) << 1));
-        double u = double(h >> 11) * 0x1.0p-53;
-        v[j] = float(config_.init_a + (config_.init_b - config_.init_a) * u);
-      }
-      break;
+  if (config_.init == Initializer::kZeros) {
+    std::memset(values, 0, value_bytes_);  // +0.0 in every storage type
+    return;
   }
-  from_float(v.data(), values);
+  init_buf_.resize(config_.dim);
+  float* v = init_buf_.data();
+  for (uint32_t j = 0; j < config_.dim; ++j) {
+    if (config_.init == Initializer::kConstant) {
+      v[j] = config_.init_a;
+    } else {
+      // Uniform: a function of (seed, id, column) only, so the same row whatever the server count
+      // or the order of first touches; a reloaded or resharded table agrees with a fresh one.
+      uint64_t h = mix64(mix64(config_.seed ^ 0x9e3779b97f4a7c15ull) ^ mix64(id) ^ (uint64_t(j) << 1));
+      double u = double(h >> 11) * 0x1.0p-53;
+      v[j] = float(config_.init_a + (config_.init_b - config_.init_a) * u);
+    }
+  }
+  from_float(v, values);
 }
 
-uint32_t TableShard::new_slot(uint64_t id) {
-  uint64_t s = num_rows_used_;
-  if (s >= UINT32_MAX - 1) throw InvalidArgument(fmt::format("table '{}': more than 2^32 rows on one server", name_));
-  if (s / rows_per_chunk_ >= chunks_.size()) {
-    const size_t bytes = (rows_per_chunk_ * row_bytes_ + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
-    auto* p = static_cast<uint8_t*>(std::aligned_alloc(kChunkBytes, bytes));
-    if (!p) throw std::bad_alloc();
-    (void)::madvise(p, bytes, MADV_HUGEPAGE);  // a hint: where huge pages are off, 4 KiB pages serve
-    chunks_.emplace_back(p);
+uint32_t TableShard::new_slot_locked(uint64_t id) {
+  const uint64_t s = header_->rows.load(std::memory_order_relaxed);
+  if (s >= kMiss - 1) throw InvalidArgument(fmt::format("table '{}': more than 2^32 rows on one server", name_));
+  const uint64_t need = (s + 1) * row_bytes_;
+  uint64_t size = header_->arena_bytes.load(std::memory_order_relaxed);
+  if (need > size) {
+    size = (need + kArenaStep - 1) / kArenaStep * kArenaStep;
+    if (::ftruncate(arena_fd_.get(), off_t(size)) != 0) throw_sys("growing the rows");
+    header_->arena_bytes.store(size, std::memory_order_release);
   }
+  ensure_arena(need);
+  // Not yet counted nor indexed: nobody else reads this row until the stores below publish it.
   uint8_t* row = row_at(s);
-  std::memcpy(row, &id, 8);
-  std::memset(row + 8, 0, state_count_ * 4);
-  float* st = reinterpret_cast<float*>(row + 8);
+  std::memset(row, 0, 16 + state_count_ * 4);
+  std::memcpy(row + 8, &id, 8);
+  float* st = reinterpret_cast<float*>(row + 16);
   if (config_.optimizer == Optimizer::kAdagrad)
     for (size_t j = 0; j < state_count_; ++j) st[j] = config_.initial_accumulator;
-  init_row(id, row + 8 + state_count_ * 4);
-  ++num_rows_used_;
+  init_row(id, slot_values(s));
+  header_->rows.store(s + 1, std::memory_order_release);
   return uint32_t(s);
 }
 
-void TableShard::grow_index() {
-  std::vector<uint64_t> keys(keys_.size() * 2, 0);
-  std::vector<uint32_t> slots(slots_.size() * 2, kEmpty);
-  uint64_t mask = keys.size() - 1;
-  for (size_t i = 0; i < keys_.size(); ++i) {
-    if (slots_[i] == kEmpty) continue;
-    uint64_t b = index_hash(keys_[i]) & mask;
-    while (slots[b] != kEmpty) b = (b + 1) & mask;
-    keys[b] = keys_[i];
-    slots[b] = slots_[i];
+uint32_t TableShard::probe(uint64_t desc, uint64_t id) const {
+  auto* b = reinterpret_cast<Bucket*>(index_ + desc_offset(desc));
+  const uint64_t mask = desc_buckets(desc) - 1;
+  for (uint64_t i = index_hash(id) & mask;; i = (i + 1) & mask) {
+    const uint32_t s1 = std::atomic_ref<uint32_t>(b[i].slot1).load(std::memory_order_acquire);
+    if (s1 == 0) return 0;
+    const uint64_t k = std::atomic_ref<uint64_t>(b[i].key).load(std::memory_order_acquire);
+    // A punched (retired) array reads as zeros: a key read between two equal non-zero slots is real.
+    if (std::atomic_ref<uint32_t>(b[i].slot1).load(std::memory_order_relaxed) != s1) return 0;
+    if (k == id) return s1;
   }
-  keys_.swap(keys);
-  slots_.swap(slots);
-  mask_ = mask;
 }
 
-uint32_t TableShard::slot_of(uint64_t id) {
-  if (config_.dense) {
-    if (id < first_row_ || id - first_row_ >= num_rows_used_)
-      throw InvalidArgument(fmt::format("table '{}': row {} is not held by this server (rows {}..{})", name_, id,
-                                        first_row_, first_row_ + num_rows_used_ - 1));
-    return uint32_t(id - first_row_);
+void TableShard::grow_index_locked() {
+  const uint64_t old = header_->index.load(std::memory_order_relaxed);
+  const uint64_t old_buckets = desc_buckets(old);
+  const uint64_t log2 = (old & 0xff) + 1;
+  const uint64_t offset = (header_->index_bytes.load(std::memory_order_relaxed) + kPage - 1) / kPage * kPage;
+  const uint64_t end = offset + (uint64_t(1) << log2) * sizeof(Bucket);
+  if (::ftruncate(index_fd_.get(), off_t(end)) != 0) throw_sys("growing the index");
+  header_->index_bytes.store(end, std::memory_order_release);
+  ensure_index(end);
+  auto* from = reinterpret_cast<Bucket*>(index_ + desc_offset(old));
+  auto* to = reinterpret_cast<Bucket*>(index_ + offset);
+  const uint64_t mask = (uint64_t(1) << log2) - 1;
+  for (uint64_t i = 0; i < old_buckets; ++i) {
+    const uint32_t s1 = std::atomic_ref<uint32_t>(from[i].slot1).load(std::memory_order_relaxed);
+    if (s1 == 0) continue;
+    const uint64_t key = std::atomic_ref<uint64_t>(from[i].key).load(std::memory_order_relaxed);
+    uint64_t j = index_hash(key) & mask;
+    while (to[j].slot1 != 0) j = (j + 1) & mask;
+    to[j].key = key;  // not yet published: plain stores
+    to[j].slot1 = s1;
   }
-  uint64_t b = index_hash(id) & mask_;
-  while (slots_[b] != kEmpty) {
-    if (keys_[b] == id) return slots_[b];
-    b = (b + 1) & mask_;
+  header_->index.store(offset | log2, std::memory_order_release);
+  // The old array's memory goes back to the system; late readers of it see empty buckets.
+  (void)::fallocate(index_fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(desc_offset(old)),
+                    off_t(old_buckets * sizeof(Bucket)));
+}
+
+uint32_t TableShard::insert_locked(uint64_t id) {
+  uint64_t desc = header_->index.load(std::memory_order_relaxed);
+  ensure_index(desc_end(desc));
+  if (uint32_t s1 = probe(desc, id)) return s1 - 1;  // created by another process meanwhile
+  if ((header_->rows.load(std::memory_order_relaxed) + 1) * 4 > desc_buckets(desc) * 3) {
+    grow_index_locked();
+    desc = header_->index.load(std::memory_order_relaxed);
   }
-  if ((num_rows_used_ + 1) * 4 > keys_.size() * 3) {
-    grow_index();
-    b = index_hash(id) & mask_;
-    while (slots_[b] != kEmpty) b = (b + 1) & mask_;
-  }
-  uint32_t s = new_slot(id);
-  keys_[b] = id;
-  slots_[b] = s;
+  const uint32_t s = new_slot_locked(id);
+  auto* b = reinterpret_cast<Bucket*>(index_ + desc_offset(desc));
+  const uint64_t mask = desc_buckets(desc) - 1;
+  uint64_t i = index_hash(id) & mask;
+  while (std::atomic_ref<uint32_t>(b[i].slot1).load(std::memory_order_relaxed) != 0) i = (i + 1) & mask;
+  std::atomic_ref<uint64_t>(b[i].key).store(id, std::memory_order_relaxed);
+  std::atomic_ref<uint32_t>(b[i].slot1).store(s + 1, std::memory_order_release);
   return s;
 }
 
-namespace {
-// How far ahead the batch loops prefetch: enough misses in flight to hide memory latency, few
-// enough that the prefetched lines are still in L1/L2 when their turn comes.
-constexpr size_t kAhead = 16;
-}  // namespace
-
 void TableShard::slots_of(const uint64_t* ids, size_t n, std::vector<uint32_t>& out) {
-  out.resize(n);
-  if (config_.dense) {
-    for (size_t i = 0; i < n; ++i) out[i] = slot_of(ids[i]);
+  // A push usually names the ids that the pull before it named, in the same order (a training
+  // step pulls a batch's rows and pushes their gradients): then the slots found for the pull serve
+  // again (rows never move), and the index is not probed twice. Comparing the ids is a sequential
+  // read; each probe is a cache miss.
+  if (n == last_ids_.size() && n > 0 && std::memcmp(ids, last_ids_.data(), n * 8) == 0 && &out != &last_slots_) {
+    out = last_slots_;
     return;
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      const uint64_t b = index_hash(ids[i + kAhead]) & mask_;
-      __builtin_prefetch(&keys_[b]);
-      __builtin_prefetch(&slots_[b]);
+  slots_uncached(ids, n, out);
+  last_ids_.assign(ids, ids + n);
+  last_slots_ = out;
+}
+
+void TableShard::slots_uncached(const uint64_t* ids, size_t n, std::vector<uint32_t>& out) {
+  out.resize(n);
+  if (n == 0) return;
+  uint64_t top = 0;
+  if (config_.dense) {
+    for (size_t i = 0; i < n; ++i) {
+      if (ids[i] < first_row_ || ids[i] - first_row_ >= held_rows_)
+        throw InvalidArgument(fmt::format("table '{}': row {} is not held by this server (rows {}..{})", name_, ids[i],
+                                          first_row_, first_row_ + held_rows_ - 1));
+      out[i] = uint32_t(ids[i] - first_row_);
+      top = std::max<uint64_t>(top, out[i]);
     }
-    out[i] = slot_of(ids[i]);  // may grow the index: the prefetches are hints only
+    ensure_arena((top + 1) * row_bytes_);
+    return;
   }
+  const uint64_t desc = header_->index.load(std::memory_order_acquire);
+  ensure_index(desc_end(desc));
+  const uint64_t mask = desc_buckets(desc) - 1;
+  const auto* buckets = reinterpret_cast<const Bucket*>(index_ + desc_offset(desc));
+  size_t misses = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(&buckets[index_hash(ids[i + kAhead]) & mask]);
+    const uint32_t s1 = probe(desc, ids[i]);
+    out[i] = s1 ? s1 - 1 : kMiss;
+    misses += s1 == 0;
+  }
+  if (misses) {
+    lock_inserts();
+    try {
+      for (size_t i = 0; i < n; ++i)
+        if (out[i] == kMiss) out[i] = insert_locked(ids[i]);
+    } catch (...) {
+      unlock_inserts();
+      throw;
+    }
+    unlock_inserts();
+  }
+  for (size_t i = 0; i < n; ++i) top = std::max<uint64_t>(top, out[i]);
+  ensure_arena((top + 1) * row_bytes_);
 }
 
 void TableShard::read(const uint64_t* ids, size_t n, float* out) {
-  slots_of(ids, n, slot_buf_);
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      const uint8_t* v = slot_values(slot_buf_[i + kAhead]);
-      for (size_t off = 0; off < value_bytes_; off += 64) __builtin_prefetch(v + off);
-    }
-    to_float(slot_values(slot_buf_[i]), out + i * config_.dim);
-  }
+  ptr_buf_.resize(n);
+  for (size_t i = 0; i < n; ++i) ptr_buf_[i] = out + i * config_.dim;
+  read(ids, n, ptr_buf_.data());
 }
 
 void TableShard::apply(const uint64_t* ids, size_t n, const float* grads) {
-  const uint32_t d = config_.dim;
-  std::vector<float> w(d);
+  ptr_buf_.resize(n);
+  for (size_t i = 0; i < n; ++i) ptr_buf_[i] = const_cast<float*>(grads + i * config_.dim);
+  apply(ids, n, ptr_buf_.data());
+}
+
+void TableShard::read(const uint64_t* ids, size_t n, float* const* out_rows) {
   slots_of(ids, n, slot_buf_);
-  const size_t touched = row_bytes_ - 8;  // state and values
+  const uint32_t d = config_.dim;
+  const bool plain = config_.storage == DataType::kFloat32;
+  row_buf_.resize(d);
   for (size_t i = 0; i < n; ++i) {
     if (i + kAhead < n) {
-      const uint8_t* r = row_at(slot_buf_[i + kAhead]) + 8;
+      const uint8_t* r = row_at(slot_buf_[i + kAhead]);
+      __builtin_prefetch(r);
+      const uint8_t* v = slot_values(slot_buf_[i + kAhead]);
+      for (size_t off = 0; off < value_bytes_; off += 64) __builtin_prefetch(v + off);
+    }
+    uint8_t* row = row_at(slot_buf_[i]);
+    const uint8_t* values = slot_values(slot_buf_[i]);
+    float* dst = out_rows[i];
+    std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+    // The seqlock read: float32 rows are copied straight into the caller's buffer.
+    spin_until(
+        [&] {
+          const uint64_t before = v.load(std::memory_order_acquire);
+          if (before & 1) return false;
+          if (plain) std::memcpy(dst, values, value_bytes_);
+          else std::memcpy(row_buf_.data(), values, value_bytes_);
+          std::atomic_thread_fence(std::memory_order_acquire);
+          return v.load(std::memory_order_relaxed) == before;
+        },
+        timeout_, [&] { lock_timeout("a row's lock"); });
+    if (!plain) to_float(reinterpret_cast<const uint8_t*>(row_buf_.data()), dst);
+  }
+}
+
+void TableShard::apply(const uint64_t* ids, size_t n, const float* const* grad_rows) {
+  const uint32_t d = config_.dim;
+  // Locals, not members: the compiler may then vectorize the loops below (a member could alias w).
+  const float lr = config_.lr, eps = config_.eps, beta1 = config_.beta1, beta2 = config_.beta2;
+  slots_of(ids, n, slot_buf_);
+  // In place for float32 rows; other storage through a float copy.
+  const bool in_place = config_.storage == DataType::kFloat32;
+  row_buf_.resize(d);
+  state_buf_.resize(state_count_);
+  const size_t touched = row_bytes_;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const uint8_t* r = row_at(slot_buf_[i + kAhead]);
       for (size_t off = 0; off < touched; off += 64) __builtin_prefetch(r + off, 1);
     }
-    uint32_t s = slot_buf_[i];
-    const float* g = grads + i * d;
+    const uint32_t s = slot_buf_[i];
+    uint8_t* row = row_at(s);
+    const float* g = grad_rows[i];
+    lock_row(row);
     uint8_t* values = slot_values(s);
-    to_float(values, w.data());
-    float* st = slot_state(s);
+    auto* st_shared = reinterpret_cast<float*>(row + 16);
+    float* w = in_place ? reinterpret_cast<float*>(values) : row_buf_.data();
+    float* st = in_place ? st_shared : state_buf_.data();
+    if (!in_place) {
+      to_float(values, w);
+      if (state_count_) std::memcpy(st, st_shared, state_count_ * 4);
+    }
     switch (config_.optimizer) {
       case Optimizer::kSgd:
-        for (uint32_t j = 0; j < d; ++j) w[j] -= config_.lr * g[j];
+        for (uint32_t j = 0; j < d; ++j) w[j] -= lr * g[j];
         break;
       case Optimizer::kAdagrad:
         for (uint32_t j = 0; j < d; ++j) {
           st[j] += g[j] * g[j];
-          w[j] -= config_.lr * g[j] / (std::sqrt(st[j]) + config_.eps);
+          w[j] -= lr * g[j] / (std::sqrt(st[j]) + eps);
         }
         break;
       case Optimizer::kAdam: {
@@ -249,29 +537,34 @@ void TableShard::apply(const uint64_t* ids, size_t n, const float* grads) {
         float* m = st;
         float* v = st + d;
         float t = (st[2 * d] += 1.0f);
-        const float c1 = 1.0f - std::pow(config_.beta1, t), c2 = 1.0f - std::pow(config_.beta2, t);
+        const float c1 = 1.0f - std::pow(beta1, t), c2 = 1.0f - std::pow(beta2, t);
         for (uint32_t j = 0; j < d; ++j) {
-          m[j] = config_.beta1 * m[j] + (1 - config_.beta1) * g[j];
-          v[j] = config_.beta2 * v[j] + (1 - config_.beta2) * g[j] * g[j];
-          w[j] -= config_.lr * (m[j] / c1) / (std::sqrt(v[j] / c2) + config_.eps);
+          m[j] = beta1 * m[j] + (1 - beta1) * g[j];
+          v[j] = beta2 * v[j] + (1 - beta2) * g[j] * g[j];
+          w[j] -= lr * (m[j] / c1) / (std::sqrt(v[j] / c2) + eps);
         }
         break;
       }
     }
-    from_float(w.data(), values);
+    if (!in_place) {
+      from_float(w, values);
+      if (state_count_) std::memcpy(st_shared, st, state_count_ * 4);
+    }
+    unlock_row(row);
   }
-  applied_ += n;
+  header_->applied.fetch_add(n, std::memory_order_relaxed);
 }
 
 void TableShard::put(uint64_t id, const float* values, const float* state) {
-  uint32_t s = slot_of(id);
-  from_float(values, slot_values(s));
-  if (state_count_) std::memcpy(slot_state(s), state, state_count_ * 4);
-}
-
-uint64_t TableShard::bytes() const {
-  const uint64_t chunk = (rows_per_chunk_ * row_bytes_ + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
-  return chunks_.size() * chunk + keys_.capacity() * 8 + slots_.capacity() * 4;
+  slots_of(&id, 1, slot_buf_);
+  const uint32_t s = slot_buf_[0];
+  uint8_t* row = row_at(s);
+  raw_buf_.resize(value_bytes_);
+  from_float(values, raw_buf_.data());
+  lock_row(row);
+  std::memcpy(slot_values(s), raw_buf_.data(), value_bytes_);
+  if (state_count_) std::memcpy(row + 16, state, state_count_ * 4);
+  unlock_row(row);
 }
 
 }  // namespace cohort::ps

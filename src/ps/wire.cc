@@ -32,6 +32,7 @@ const char* op_name(Op op) {
     case Op::kLoad: return "load";
     case Op::kStats: return "stats";
     case Op::kBye: return "bye";
+    case Op::kAttach: return "attach";
   }
   return "?";
 }
@@ -126,6 +127,8 @@ Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int 
 Endpoint::~Endpoint() = default;
 
 std::string Endpoint::host_of(int rank) const { return comm_->host_of(rank); }
+
+bool Endpoint::same_host(int rank) const { return std::strcmp(comm_->transport_to(rank)->name(), "shm") == 0; }
 
 Posted Endpoint::isend(int peer, Msg kind, uint64_t sub, const void* data, size_t bytes) {
   transport::Transport* t = comm_->transport_to(peer);

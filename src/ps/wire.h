@@ -20,6 +20,9 @@
 //   save/load directory path             -> save: JSON {table: config} of what was written
 //   stats     name                       -> reply: u64 rows, bytes, applied pushes
 //   bye       (the worker closes; the server stops when every worker has) -> -
+//   attach    name, the worker's abstract Unix socket -> reply: JSON {"attached", "why" | "pid",
+//             "first_row", "rows"}; when attached, the server has sent the shard's three memfds to
+//             that socket (SCM_RIGHTS) before replying (table.h: workers on the server's host)
 
 #include <chrono>
 #include <cstdint>
@@ -37,7 +40,7 @@ class CommunicatorImpl;
 
 namespace cohort::ps {
 
-enum class Op : uint8_t { kHello, kCreate, kDescribe, kPull, kPush, kPushPull, kClock, kSave, kLoad, kStats, kBye };
+enum class Op : uint8_t { kHello, kCreate, kDescribe, kPull, kPush, kPushPull, kClock, kSave, kLoad, kStats, kBye, kAttach };
 const char* op_name(Op op);
 
 inline constexpr uint32_t kRequestMagic = 0x31515350;  // "PSQ1"
@@ -138,6 +141,8 @@ class Endpoint {
   int rank() const { return rank_; }
   int size() const { return size_; }
   std::string host_of(int rank) const;
+  // Whether `rank` is reached through shared memory, i.e. runs on this host.
+  bool same_host(int rank) const;
 
   Posted isend(int peer, Msg kind, uint64_t sub, const void* data, size_t bytes);
   Posted irecv(int peer, Msg kind, uint64_t sub, void* data, size_t bytes);
