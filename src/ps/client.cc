@@ -377,6 +377,7 @@ class ClientImpl final : public Client {
   }
 
   int owner(const TableConfig& c, uint64_t id) const {
+    if (roles_.num_servers == 1) return 0;
     return c.dense ? (id < c.rows ? shard_of_row(id, c.rows, roles_.num_servers) : 0)
                    : shard_of_id(id, roles_.num_servers);
   }
@@ -643,6 +644,24 @@ class ClientImpl final : public Client {
   // per call once it has grown (a std::unordered_map cost a node allocation per id).
   void index_ids(const TableConfig& c, const uint64_t* ids, size_t n, std::vector<std::vector<uint64_t>>& by,
                  std::vector<Place>& at) {
+    // A push usually names the ids of the pull before it (a step pulls a batch's rows and pushes
+    // their gradients): then that pull's split serves again. Comparing the ids is one sequential read.
+    if (n > 0 && n == last_ids_.size() && c.dense == last_dense_ && c.rows == last_rows_ &&
+        std::memcmp(ids, last_ids_.data(), n * 8) == 0) {
+      by = last_by_;
+      at = last_at_;
+      return;
+    }
+    index_ids_uncached(c, ids, n, by, at);
+    last_ids_.assign(ids, ids + n);
+    last_dense_ = c.dense;
+    last_rows_ = c.rows;
+    last_by_ = by;
+    last_at_ = at;
+  }
+
+  void index_ids_uncached(const TableConfig& c, const uint64_t* ids, size_t n,
+                          std::vector<std::vector<uint64_t>>& by, std::vector<Place>& at) {
     size_t cap = 16;
     while (cap < 2 * n) cap *= 2;
     if (dedup_keys_.size() < cap) {
@@ -700,6 +719,11 @@ class ClientImpl final : public Client {
   std::vector<Place> dedup_places_;
   std::vector<uint32_t> dedup_stamps_;
   uint32_t dedup_stamp_ = 0;
+  std::vector<uint64_t> last_ids_;  // index_ids' last call and its result
+  bool last_dense_ = false;
+  uint64_t last_rows_ = 0;
+  std::vector<std::vector<uint64_t>> last_by_;
+  std::vector<Place> last_at_;
   bool direct_ = false;  // async mode and not COHORT_PS_DIRECT=0: map same-host shards
   std::map<std::string, std::vector<Attached>> attached_;  // per table, per server
   std::vector<int> server_pid_;
