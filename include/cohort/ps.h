@@ -31,6 +31,9 @@
 // saving worker's steps, so the files hold every push of those steps.
 // A worker must close (destroy) its client before it exits: servers take a worker that vanishes
 // without saying so for a lost one, and fail the job.
+// Workers on a server's host (async mode): the worker maps the server's shard of a table and pulls
+// and pushes its rows itself, without a message (docs/parameter-server.md); COHORT_PS_DIRECT=0 sends
+// everything through the server instead. Same results either way.
 // Errors: a request the server refuses (unknown table, wrong dimension, id outside a dense table,
 // oversized request) throws cohort::InvalidArgument on that worker; the server keeps serving. A lost
 // server throws PeerLostError naming it; every wait is bounded by COHORT_TIMEOUT.
@@ -100,6 +103,8 @@ struct TableStats {
   uint64_t bytes = 0;   // bytes held for them: storage, optimizer state, index (summed over servers)
   uint64_t applied_rows = 0;  // row updates applied: one per id of each applied push (a bsp step's
                               // summed rows count once)
+  uint64_t direct_applied_rows = 0;  // of those, applied by workers on the server's host in its shared
+                                     // memory (async mode; docs/parameter-server.md)
 };
 
 class Handle {

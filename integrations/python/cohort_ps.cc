@@ -281,6 +281,7 @@ class PyClient {
     d["rows"] = s.rows;
     d["bytes"] = s.bytes;
     d["applied_rows"] = s.applied_rows;
+    d["direct_applied_rows"] = s.direct_applied_rows;
     return d;
   }
 
@@ -394,7 +395,7 @@ PYBIND11_MODULE(cohort_ps, m) {
       .def("step", &PyClient::step, "Ends this worker's step (the clock of bsp and stale modes).")
       .def("save", &PyClient::save, py::arg("dir"), "Every server saves its shards to `dir`, then this worker writes the manifest.")
       .def("load", &PyClient::load, py::arg("dir"), "Loads tables saved by save(), whatever the server count that saved them.")
-      .def("stats", &PyClient::stats, py::arg("table"), "{'rows', 'bytes', 'applied_rows'} summed over the servers.")
+      .def("stats", &PyClient::stats, py::arg("table"), "{'rows', 'bytes', 'applied_rows', 'direct_applied_rows'} summed over the servers.")
       .def("close", &PyClient::close, "Closes the connections; the servers stop once every worker has closed.")
       .def_property_readonly("closed", &PyClient::closed)
       .def("__enter__", [](py::object self) { return self; })

@@ -113,8 +113,11 @@ def main():
 
         # 6. Statistics (summed over the servers).
         st = ps.stats("sgd")
-        check(set(st) == {"rows", "bytes", "applied_rows"}, f"stats keys {sorted(st)}")
+        check(set(st) == {"rows", "bytes", "applied_rows", "direct_applied_rows"}, f"stats keys {sorted(st)}")
         check(st["rows"] >= 3 and st["bytes"] > 0, f"stats('sgd') is {st}")
+        # Workers on the servers' host, async mode: pushes go through the shared rows.
+        if os.environ.get("COHORT_PS_DIRECT") != "0":
+            check(0 < st["direct_applied_rows"] <= st["applied_rows"], f"stats('sgd') is {st}")
 
         # 7. A torch CPU tensor goes in as it is (through numpy), when torch is around.
         try:

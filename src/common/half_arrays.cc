@@ -5,12 +5,13 @@
 #include <cstring>
 
 #include "common/half.h"
+#include "common/vector_clones.h"
 
 namespace cohort {
 
 // bfloat16: the scalar rule (half.h) written without branches, so that the compiler vectorizes it;
 // one clone per vector width, picked at load time.
-__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"), optimize("tree-vectorize")))
+__attribute__((COHORT_VECTOR_CLONES optimize("tree-vectorize")))
 void floats_to_bf16(const float* __restrict src, uint16_t* __restrict dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     uint32_t bits;
@@ -21,7 +22,7 @@ void floats_to_bf16(const float* __restrict src, uint16_t* __restrict dst, size_
   }
 }
 
-__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"), optimize("tree-vectorize")))
+__attribute__((COHORT_VECTOR_CLONES optimize("tree-vectorize")))
 void bf16_to_floats(const uint16_t* __restrict src, float* __restrict dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;

@@ -220,11 +220,12 @@ class ClientImpl final : public Client {
     run_locked(*op);
     TableStats s;
     for (auto& c : op->calls) {
-      uint64_t v[3];
+      uint64_t v[4];
       std::memcpy(v, c->reply_payload.data(), sizeof v);
       s.rows += v[0];
       s.bytes += v[1];
       s.applied_rows += v[2];
+      s.direct_applied_rows += v[3];
     }
     return s;
   }
@@ -601,14 +602,29 @@ class ClientImpl final : public Client {
     if (!conn || ::poll(&q, 1, 1000) != 1 || net::recv_with_fds(conn.get(), &tag, 1, &fds, 0) != 1 || fds.size() != 3)
       throw Error(fmt::format("parameter-server worker {}: server {} said it sent table '{}''s memory, but it did not "
                               "arrive ({})", worker_, s, table, std::strerror(errno)));
-    a.shard = std::make_unique<TableShard>(table, c, j.at("first_row").get<uint64_t>(), j.at("rows").get<uint64_t>(),
-                                           std::move(fds), timeout_);
     const int pid = j.at("pid").get<int>();
     if (pid != ::getpid() && server_pid_[size_t(s)] != pid) {
       // A server that dies leaves its memory mapped here: its pidfd says so (check_servers_alive).
+      // Without one (a kernel before 5.3), messages, which notice a dead server by themselves.
+      UniqueFd pidfd(int(::syscall(SYS_pidfd_open, pid, 0)));
+      if (!pidfd) {
+        log::debug("parameter-server worker {}: no pidfd for server {} ({}): '{}' through messages", worker_, s,
+                   std::strerror(errno), table);
+        a.refused = true;
+        return;
+      }
       server_pid_[size_t(s)] = pid;
-      server_pidfd_[size_t(s)] = UniqueFd(int(::syscall(SYS_pidfd_open, pid, 0)));
+      server_pidfd_[size_t(s)] = std::move(pidfd);
     }
+    // The server's configuration, not this worker's copy: a load may have replaced the table with
+    // another (the rows' layout and the optimizer's settings come from it).
+    TableConfig now = config_from_json(j.at("config"));
+    if (now.dim != c.dim)
+      throw InvalidArgument(fmt::format("table '{}' has rows of dim {} (replaced by a load?); this call was built for "
+                                        "dim {}", table, now.dim, c.dim));
+    tables_[table] = now;
+    a.shard = std::make_unique<TableShard>(table, now, j.at("first_row").get<uint64_t>(), j.at("rows").get<uint64_t>(),
+                                           std::move(fds), timeout_);
   }
 
   // Direct calls send nothing, so nothing would notice a server that died: a pidfd per server
@@ -653,6 +669,10 @@ class ClientImpl final : public Client {
       return;
     }
     index_ids_uncached(c, ids, n, by, at);
+    if (n > kCacheIds) {  // not kept: a huge call's copies would stay allocated
+      last_ids_ = {};
+      return;
+    }
     last_ids_.assign(ids, ids + n);
     last_dense_ = c.dense;
     last_rows_ = c.rows;
@@ -719,6 +739,7 @@ class ClientImpl final : public Client {
   std::vector<Place> dedup_places_;
   std::vector<uint32_t> dedup_stamps_;
   uint32_t dedup_stamp_ = 0;
+  static constexpr size_t kCacheIds = size_t{1} << 16;
   std::vector<uint64_t> last_ids_;  // index_ids' last call and its result
   bool last_dense_ = false;
   uint64_t last_rows_ = 0;

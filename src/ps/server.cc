@@ -243,7 +243,7 @@ class Server {
           return reply(w, in.seq);
         case Op::kStats: {
           TableShard& t = table(h, false);
-          uint64_t s[3] = {t.rows(), t.bytes(), t.applied()};
+          uint64_t s[4] = {t.rows(), t.bytes(), t.applied(), t.direct_applied()};
           Buffer out;
           out.resize(sizeof s);
           std::memcpy(out.data(), s, sizeof s);
@@ -335,7 +335,8 @@ class Server {
     } else if (std::string why = hand_over(t, std::string(in.payload.begin(), in.payload.end())); !why.empty()) {
       j["why"] = why;
     } else {
-      j = {{"attached", true}, {"pid", ::getpid()}, {"first_row", t.first_row()}, {"rows", t.held_rows()}};
+      j = {{"attached", true}, {"pid", ::getpid()}, {"first_row", t.first_row()}, {"rows", t.held_rows()},
+           {"config", config_to_json(t.config())}};
     }
     reply(w, in.seq, buffer_of(j.dump()));
   }

@@ -104,6 +104,7 @@ struct ShardHeader {
   std::atomic<uint64_t> index;                    // the current index (descriptor above)
   std::atomic<uint64_t> index_bytes;              // the index file's size
   alignas(64) std::atomic<uint64_t> applied;      // row updates applied, by every process
+  std::atomic<uint64_t> direct_applied;           // of them, by attached processes
   alignas(64) std::atomic<uint32_t> retired;      // 1: the owner replaced or dropped the table
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
@@ -177,6 +178,7 @@ bool TableShard::retired() const { return header_->retired.load(std::memory_orde
 void TableShard::retire() { header_->retired.store(1, std::memory_order_release); }
 uint64_t TableShard::rows() const { return header_->rows.load(std::memory_order_acquire); }
 uint64_t TableShard::applied() const { return header_->applied.load(std::memory_order_relaxed); }
+uint64_t TableShard::direct_applied() const { return header_->direct_applied.load(std::memory_order_relaxed); }
 uint64_t TableShard::bytes() const {
   const uint64_t index = config_.dense ? 0 : desc_buckets(header_->index.load(std::memory_order_acquire)) * sizeof(Bucket);
   return header_->arena_bytes.load(std::memory_order_acquire) + index;  // the arena grows in 2 MiB steps
@@ -417,6 +419,11 @@ void TableShard::slots_of(const uint64_t* ids, size_t n, std::vector<uint32_t>& 
     return;
   }
   slots_uncached(ids, n, out);
+  if (n > (size_t{1} << 16)) {  // not kept: a huge call's copies would stay allocated
+    last_ids_ = {};
+    last_slots_ = {};
+    return;
+  }
   last_ids_.assign(ids, ids + n);
   last_slots_ = out;
 }
@@ -589,6 +596,7 @@ void TableShard::apply(const uint64_t* ids, size_t n, const float* const* grad_r
     unlock_row(row);
   }
   header_->applied.fetch_add(n, std::memory_order_relaxed);
+  if (!owner_) header_->direct_applied.fetch_add(n, std::memory_order_relaxed);
 }
 
 void TableShard::put(uint64_t id, const float* values, const float* state) {

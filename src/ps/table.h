@@ -91,6 +91,7 @@ class TableShard {
   uint64_t rows() const;     // rows created, by every process
   uint64_t bytes() const;    // arena + current index as allocated
   uint64_t applied() const;  // row updates applied, by every process
+  uint64_t direct_applied() const;  // of them, by attached processes
 
   // The shared memory's descriptors, to hand to a process on this host (attach).
   std::vector<int> fds() const;

@@ -18,10 +18,10 @@
 //   push_pull n ids, n gradient rows, m ids (pull) -> reply: m rows
 //   clock     (header.clock = the worker's new clock) -> -
 //   save/load directory path             -> save: JSON {table: config} of what was written
-//   stats     name                       -> reply: u64 rows, bytes, applied pushes
+//   stats     name                       -> reply: u64 rows, bytes, applied pushes, of them direct
 //   bye       (the worker closes; the server stops when every worker has) -> -
 //   attach    name, the worker's abstract Unix socket -> reply: JSON {"attached", "why" | "pid",
-//             "first_row", "rows"}; when attached, the server has sent the shard's three memfds to
+//             "first_row", "rows", "config"}; when attached, the server has sent the shard's three memfds to
 //             that socket (SCM_RIGHTS) before replying (table.h: workers on the server's host)
 
 #include <chrono>
