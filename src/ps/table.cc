@@ -201,11 +201,12 @@ void TableShard::ensure_arena(uint64_t bytes) {
   if (size < bytes) throw Error(fmt::format("table '{}': row memory of {} bytes, a row at {} bytes", name_, size, bytes));
   if (arena_) ::munmap(arena_, arena_mapped_);
   arena_ = nullptr;
-  populated_ = 0;
   const uint64_t length = mapping_length(size);
   void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, arena_fd_.get(), 0);
   if (p == MAP_FAILED) throw_sys("mmap of the rows");
-  (void)::madvise(p, length, MADV_HUGEPAGE);  // a hint: honoured where shmem huge pages are enabled
+  // No MADV_HUGEPAGE: where shmem_enabled is "advise" it gave huge pages, and prefilled steps were 15 %
+  // faster, but two runs in three that created rows spent long stalls getting them (half the rows/s;
+  // docs/parameter-server.md, "Huge pages").
   arena_ = static_cast<uint8_t*>(p);
   arena_mapped_ = length;
 }
@@ -329,7 +330,6 @@ uint32_t TableShard::new_slot_locked(uint64_t id) {
     header_->arena_bytes.store(size, std::memory_order_release);
   }
   ensure_arena(need);
-  populate();  // the new 2 MiB at once, rather than a page fault per 4 KiB while others wait for the lock
   // Not yet counted nor indexed: nobody else reads this row until the stores below publish it.
   uint8_t* row = row_at(s);
   std::memset(row, 0, 16 + state_count_ * 4);
@@ -367,11 +367,7 @@ void TableShard::grow_index_locked() {
   auto* from = reinterpret_cast<Bucket*>(index_ + desc_offset(old));
   auto* to = reinterpret_cast<Bucket*>(index_ + offset);
   const uint64_t mask = (uint64_t(1) << log2) - 1;
-  // Every other inserter waits meanwhile: the new array's pages in one call, not a fault each, and
-  // the scattered writes prefetched ahead.
-#ifdef MADV_POPULATE_WRITE
-  (void)::madvise(to, (mask + 1) * sizeof(Bucket), MADV_POPULATE_WRITE);
-#endif
+  // Every other inserter waits meanwhile: the scattered writes are prefetched ahead.
   for (uint64_t i = 0; i < old_buckets; ++i) {
     if (i + kAhead < old_buckets) {
       const uint64_t ahead = std::atomic_ref<uint64_t>(from[i + kAhead].key).load(std::memory_order_relaxed);
@@ -518,21 +514,8 @@ void TableShard::apply(const uint64_t* ids, size_t n, const float* grads) {
   apply(ids, n, ptr_buf_.data());
 }
 
-// Rows that other processes created sit in pages this mapping has not touched yet: asking for all
-// of them at once (one system call per 2 MiB the arena grew) costs less than a page fault for each.
-void TableShard::populate() {
-  const uint64_t size = header_->arena_bytes.load(std::memory_order_acquire);
-  if (size <= populated_) return;
-  ensure_arena(size);
-#ifdef MADV_POPULATE_WRITE
-  (void)::madvise(arena_ + populated_, size - populated_, MADV_POPULATE_WRITE);  // a kernel before 5.14: faults
-#endif
-  populated_ = size;
-}
-
 void TableShard::read(const uint64_t* ids, size_t n, float* const* out_rows) {
   slots_of(ids, n, slot_buf_);
-  populate();
   const uint32_t d = config_.dim;
   const bool plain = config_.storage == DataType::kFloat32;
   row_buf_.resize(d);
@@ -565,7 +548,6 @@ void TableShard::read(const uint64_t* ids, size_t n, float* const* out_rows) {
 void TableShard::apply(const uint64_t* ids, size_t n, const float* const* grad_rows) {
   const uint32_t d = config_.dim;
   slots_of(ids, n, slot_buf_);
-  populate();
   // In place for float32 rows; other storage through a float copy.
   const bool in_place = config_.storage == DataType::kFloat32;
   row_buf_.resize(d);

@@ -117,7 +117,6 @@ class TableShard {
   void map_all();
   void ensure_arena(uint64_t bytes);  // maps at least `bytes` of the arena (file size must allow)
   void ensure_index(uint64_t bytes);
-  void populate();  // faults in, in one call, the arena pages this mapping has not touched
   // Slots of ids[0..n) (created where new), with the index probes prefetched ahead.
   void slots_of(const uint64_t* ids, size_t n, std::vector<uint32_t>& out);
   void slots_uncached(const uint64_t* ids, size_t n, std::vector<uint32_t>& out);
@@ -151,7 +150,6 @@ class TableShard {
   ShardHeader* header_ = nullptr;
   uint8_t* arena_ = nullptr;
   uint64_t arena_mapped_ = 0;
-  uint64_t populated_ = 0;  // arena bytes populate() asked for
   uint8_t* index_ = nullptr;
   uint64_t index_mapped_ = 0;
   std::vector<uint32_t> slot_buf_;
