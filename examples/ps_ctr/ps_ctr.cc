@@ -402,9 +402,10 @@ int train(const Args& a, ps::Client& client, cohort::Communicator& comm) {
                  100.0 * times[0] / times[2], times[0], times[2],
                  static_cast<double>(counts[3]) / static_cast<double>(workers * total_steps));
     }
-    fmt::print("table emb: {} rows, {:.2f} MiB on {} server{}, applied_rows {}\n", stats.rows,
-               static_cast<double>(stats.bytes) / (1 << 20), client.num_servers(), plural(client.num_servers()),
-               stats.applied_rows);
+    fmt::print("table emb: {} rows, {:.2f} MiB on {} server{}, applied_rows {} ({} by workers in the server's shared "
+               "memory)\n",
+               stats.rows, static_cast<double>(stats.bytes) / (1 << 20), client.num_servers(),
+               plural(client.num_servers()), stats.applied_rows, stats.direct_applied_rows);
   }
   return 0;
 }
