@@ -159,10 +159,14 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
   void* h = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
   if (h == MAP_FAILED) throw_sys("mmap");
-  header_ = static_cast<ShardHeader*>(h);
-  if (header_->magic != kMagic || header_->row_bytes != row_bytes_)
+  const auto* theirs = static_cast<const ShardHeader*>(h);
+  if (theirs->magic != kMagic || theirs->row_bytes != row_bytes_) {
+    const uint64_t their_row = theirs->row_bytes;
+    ::munmap(h, header_bytes);  // the destructor does not run for a constructor that throws
     throw Error(fmt::format("table '{}': the server's shared rows have another layout ({} bytes a row, here {})",
-                            name_, header_->row_bytes, row_bytes_));
+                            name_, their_row, row_bytes_));
+  }
+  header_ = static_cast<ShardHeader*>(h);
 }
 
 TableShard::~TableShard() {
