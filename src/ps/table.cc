@@ -194,38 +194,34 @@ uint64_t TableShard::bytes() const {
 // it: remapping drops the page tables, and every page would fault in again. At least 1 GiB of
 // address space (not memory) each, so that tables of a few hundred MB are mapped once.
 namespace {
-uint64_t mapping_length(uint64_t bytes) {
-  return std::max<uint64_t>(uint64_t(1) << 30, (bytes * 2 + kArenaStep - 1) / kArenaStep * kArenaStep);
+// Maps `fd` again, at least `bytes` long, once `file_size` (the file's size, from the header) allows.
+// No MADV_HUGEPAGE for the rows: where shmem_enabled is "advise" it gave huge pages, and prefilled
+// steps were 15 % faster, but two runs in three that created rows stalled getting them (half the
+// rows/s; docs/parameter-server.md, "Huge pages").
+void map_at_least(int fd, uint64_t bytes, uint64_t file_size, uint8_t*& base, uint64_t& mapped, const std::string& what) {
+  if (bytes <= mapped) return;
+  if (file_size < bytes) throw Error(fmt::format("{}: the file holds {} bytes, {} are needed", what, file_size, bytes));
+  if (base) ::munmap(base, mapped);
+  base = nullptr;
+  mapped = 0;
+  const uint64_t length = std::max<uint64_t>(uint64_t(1) << 30, (file_size * 2 + kArenaStep - 1) / kArenaStep * kArenaStep);
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw_sys("mmap of " + what);
+  base = static_cast<uint8_t*>(p);
+  mapped = length;
 }
 }  // namespace
 
 void TableShard::ensure_arena(uint64_t bytes) {
-  if (bytes <= arena_mapped_) return;
-  const uint64_t size = header_->arena_bytes.load(std::memory_order_acquire);
-  if (size < bytes) throw Error(fmt::format("table '{}': row memory of {} bytes, a row at {} bytes", name_, size, bytes));
-  if (arena_) ::munmap(arena_, arena_mapped_);
-  arena_ = nullptr;
-  const uint64_t length = mapping_length(size);
-  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, arena_fd_.get(), 0);
-  if (p == MAP_FAILED) throw_sys("mmap of the rows");
-  // No MADV_HUGEPAGE: where shmem_enabled is "advise" it gave huge pages, and prefilled steps were 15 %
-  // faster, but two runs in three that created rows spent long stalls getting them (half the rows/s;
-  // docs/parameter-server.md, "Huge pages").
-  arena_ = static_cast<uint8_t*>(p);
-  arena_mapped_ = length;
+  if (bytes > arena_mapped_)
+    map_at_least(arena_fd_.get(), bytes, header_->arena_bytes.load(std::memory_order_acquire), arena_, arena_mapped_,
+                 fmt::format("table '{}''s rows", name_));
 }
 
 void TableShard::ensure_index(uint64_t bytes) {
-  if (bytes <= index_mapped_) return;
-  const uint64_t size = header_->index_bytes.load(std::memory_order_acquire);
-  if (size < bytes) throw Error(fmt::format("table '{}': index of {} bytes, an array ending at {}", name_, size, bytes));
-  if (index_) ::munmap(index_, index_mapped_);
-  index_ = nullptr;
-  const uint64_t length = mapping_length(size);
-  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, index_fd_.get(), 0);
-  if (p == MAP_FAILED) throw_sys("mmap of the index");
-  index_ = static_cast<uint8_t*>(p);
-  index_mapped_ = length;
+  if (bytes > index_mapped_)
+    map_at_least(index_fd_.get(), bytes, header_->index_bytes.load(std::memory_order_acquire), index_, index_mapped_,
+                 fmt::format("table '{}''s index", name_));
 }
 
 void TableShard::lock_timeout(const char* what) const {
