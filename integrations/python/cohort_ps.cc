@@ -304,7 +304,8 @@ PYBIND11_MODULE(cohort_ps, m) {
   // Exceptions: cohort's classes, with Python's matching builtins as second bases.
   static py::exception<cohort::Error> error(m, "Error", PyExc_RuntimeError);
   auto subclass = [&](const char* name, PyObject* extra_base) {
-    py::tuple bases = extra_base ? py::make_tuple(error, py::handle(extra_base)) : py::make_tuple(error);
+    // Both arms as py::tuple: pybind11 3 gives make_tuple typed results that differ per arity.
+    py::tuple bases = extra_base ? py::tuple(py::make_tuple(error, py::handle(extra_base))) : py::tuple(py::make_tuple(error));
     std::string qualified = std::string("cohort_ps.") + name;
     PyObject* type = PyErr_NewException(qualified.c_str(), bases.ptr(), nullptr);
     if (!type) throw py::error_already_set();
