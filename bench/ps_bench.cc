@@ -4,6 +4,7 @@
 //
 //   cohort run --ps N --nproc-per-node 2 build/bench/ps_bench [--steps 500] [--warmup 50]
 //              [--ids 4096] [--dim 64] [--rows 1048576] [--mode pullpush|pushpull] [--prefill] [--no-comm]
+//              [--expected-rows N]
 //
 // The servers are the launcher's built-in `cohort ps serve`; every worker calls
 // cohort::ps::Client::from_env() and declares a sparse table "emb" (dim floats, SGD, lr 0.01, zero
@@ -14,7 +15,8 @@
 //   pushpull: one push_pull: push the previous step's ids' gradient and pull this step's ids.
 // Both count 2 * ids rows per step. --prefill: before the warm-up, the workers pull every id of
 // [0, rows) once (split between them), so the timed steps never create rows, like the peer's
-// preallocated tensor.
+// preallocated tensor. --expected-rows N: the table's TableConfig::expected_rows (default 0: not given),
+// so that the servers' indexes are sized for N rows from the start.
 //
 // After the warm-up the workers meet at a barrier of a cohort::Communicator over the workers
 // (Communicator::from_env(): RANK/WORLD_SIZE count the workers), time `--steps` steps, and gather
@@ -53,13 +55,14 @@ struct Options {
   uint64_t rows = 1ull << 20;
   std::string mode = "pullpush";
   bool prefill = false, comm = true;
+  uint64_t expected_rows = 0;
   float lr = 0.01f;
 };
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "ps_bench: %s\nusage: cohort run --ps N --nproc-per-node W ps_bench [--steps S] [--warmup S] [--ids N] "
-               "[--dim D] [--rows R] [--mode pullpush|pushpull] [--prefill] [--no-comm]\n",
+               "[--dim D] [--rows R] [--mode pullpush|pushpull] [--prefill] [--expected-rows N] [--no-comm]\n",
                why);
   std::exit(2);
 }
@@ -80,6 +83,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--mode") o.mode = value();
     else if (a == "--lr") o.lr = std::stof(value());
     else if (a == "--prefill") o.prefill = true;
+    else if (a == "--expected-rows") o.expected_rows = std::stoull(value());
     else if (a == "--no-comm") o.comm = false;
     else usage(("unknown argument " + a).c_str());
   }
@@ -105,6 +109,7 @@ int run(const Options& o) {
   config.optimizer = cohort::ps::Optimizer::kSgd;
   config.lr = o.lr;
   config.init = cohort::ps::Initializer::kZeros;
+  config.expected_rows = o.expected_rows;
   ps->create_table("emb", config);
 
   std::mt19937_64 gen(1 + uint64_t(me));

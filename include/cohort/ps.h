@@ -61,6 +61,9 @@ struct TableConfig {
   uint32_t dim = 1;             // floats per row
   bool dense = false;           // dense: rows 0..rows-1 only, range-sharded
   uint64_t rows = 0;            // dense tables: the row count
+  uint64_t expected_rows = 0;   // sparse tables: rows expected in all (0: not known). Each server's index
+                                // is sized for its share from the start, so it never doubles (a pause
+                                // of the creating processes) before that count
   DataType storage = DataType::kFloat32;  // kFloat32, kFloat16 or kBFloat16
   Optimizer optimizer = Optimizer::kSgd;
   float lr = 0.01f;

@@ -119,6 +119,7 @@ py::dict config_dict(const ps::TableConfig& c) {
   d["dim"] = c.dim;
   d["dense"] = c.dense;
   d["rows"] = c.rows;
+  d["expected_rows"] = c.expected_rows;
   d["storage"] = storage_name(c.storage);
   d["optimizer"] = optimizer_name(c.optimizer);
   d["lr"] = shortest(c.lr);
@@ -356,7 +357,7 @@ PYBIND11_MODULE(cohort_ps, m) {
           "create_table",
           [](PyClient& c, const std::string& name, uint32_t dim, bool dense, uint64_t rows, const std::string& storage,
              const std::string& optimizer, float lr, float beta1, float beta2, float eps, float initial_accumulator,
-             const std::string& init, float init_a, float init_b, uint64_t seed) {
+             const std::string& init, float init_a, float init_b, uint64_t seed, uint64_t expected_rows) {
             ps::TableConfig config;
             config.dim = dim;
             config.dense = dense;
@@ -372,6 +373,7 @@ PYBIND11_MODULE(cohort_ps, m) {
             config.init_a = init_a;
             config.init_b = init_b;
             config.seed = seed;
+            config.expected_rows = expected_rows;
             c.create_table(name, config);
           },
           py::arg("name"), py::kw_only(), py::arg("dim") = defaults.dim, py::arg("dense") = defaults.dense,
@@ -381,9 +383,11 @@ PYBIND11_MODULE(cohort_ps, m) {
           py::arg("initial_accumulator") = cohort_ps::shortest(defaults.initial_accumulator),
           py::arg("init") = "zeros", py::arg("init_a") = cohort_ps::shortest(defaults.init_a),
           py::arg("init_b") = cohort_ps::shortest(defaults.init_b), py::arg("seed") = defaults.seed,
+          py::arg("expected_rows") = defaults.expected_rows,
           "Declares a table (every worker may; declarations that differ raise InvalidArgument naming the field).\n"
           "storage: float32, float16 or bfloat16; optimizer: sgd, adagrad or adam; init: zeros, constant (init_a) "
-          "or uniform [init_a, init_b).")
+          "or uniform [init_a, init_b). expected_rows (sparse tables): rows expected in all, so that the "
+          "servers' indexes are sized for them from the start.")
       .def("table", &PyClient::table, py::arg("name"), "A table's configuration, as a dict.")
       .def("pull", &PyClient::pull, py::arg("table"), py::arg("ids"), py::arg("out") = py::none(),
            "Rows of `ids` (integer array, any shape: flattened) as a float32 array (n, dim); `out` (float32, "

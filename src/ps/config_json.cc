@@ -58,6 +58,7 @@ nlohmann::json config_to_json(const TableConfig& c) {
   return nlohmann::json{{"dim", c.dim},
                         {"dense", c.dense},
                         {"rows", c.rows},
+                        {"expected_rows", c.expected_rows},
                         {"storage", storage_name(c.storage)},
                         {"optimizer", optimizer_name(c.optimizer)},
                         {"lr", c.lr},
@@ -76,6 +77,7 @@ TableConfig config_from_json(const nlohmann::json& j) {
   c.dim = j.at("dim").get<uint32_t>();
   c.dense = j.at("dense").get<bool>();
   c.rows = j.at("rows").get<uint64_t>();
+  c.expected_rows = j.value("expected_rows", uint64_t{0});  // absent from manifests saved before it existed
   c.storage = storage_from_name(j.at("storage").get<std::string>());
   c.optimizer = optimizer_from_name(j.at("optimizer").get<std::string>());
   c.lr = j.at("lr").get<float>();
@@ -95,6 +97,8 @@ void validate(const std::string& table, const TableConfig& c) {
   if (c.dim == 0 || c.dim > (1u << 20)) bad(fmt::format("dim {}: expected 1 to 1048576", c.dim));
   if (c.dense && c.rows == 0) bad("a dense table needs rows > 0");
   if (!c.dense && c.rows != 0) bad("rows is for dense tables (sparse tables grow on first touch)");
+  if (c.dense && c.expected_rows != 0) bad("expected_rows is for sparse tables (a dense table's rows are all created at once)");
+  if (c.expected_rows > (uint64_t{1} << 40)) bad(fmt::format("expected_rows {}: at most 2^40", c.expected_rows));
   if (c.storage != DataType::kFloat32 && c.storage != DataType::kFloat16 && c.storage != DataType::kBFloat16)
     bad("storage must be float32, float16 or bfloat16");
   if (!std::isfinite(c.lr) || c.lr < 0) bad(fmt::format("lr {}: expected a finite number >= 0", c.lr));

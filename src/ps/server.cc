@@ -317,7 +317,11 @@ class Server {
   }
 
   std::unique_ptr<TableShard> make_shard(const std::string& name, const TableConfig& c) {
-    if (!c.dense) return std::make_unique<TableShard>(name, c, 0, 0, timeout_);
+    if (!c.dense) {
+      // expected_rows: this server's share (the hash spreads ids evenly), and 1/64 more for the spread.
+      const uint64_t share = (c.expected_rows + uint64_t(roles_.num_servers) - 1) / uint64_t(roles_.num_servers);
+      return std::make_unique<TableShard>(name, c, 0, 0, timeout_, share + share / 64);
+    }
     // Dense: this server's contiguous range (shard_of_row).
     uint64_t per = (c.rows + uint64_t(roles_.num_servers) - 1) / uint64_t(roles_.num_servers);
     uint64_t first = std::min(c.rows, per * uint64_t(index_));

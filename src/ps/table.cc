@@ -105,6 +105,7 @@ struct ShardHeader {
   std::atomic<uint64_t> index_bytes;              // the index file's size
   alignas(64) std::atomic<uint64_t> applied;      // row updates applied, by every process
   std::atomic<uint64_t> direct_applied;           // of them, by attached processes
+  std::atomic<uint64_t> index_doublings;          // times the index grew
   alignas(64) std::atomic<uint32_t> retired;      // 1: the owner replaced or dropped the table
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
@@ -116,9 +117,12 @@ size_t bytes_per_row(const TableConfig& c) {
 }
 
 TableShard::TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows,
-                       std::chrono::milliseconds timeout)
+                       std::chrono::milliseconds timeout, uint64_t index_rows)
     : name_(std::move(name)), config_(config), owner_(true), first_row_(first_row), held_rows_(num_rows),
       timeout_(timeout) {
+  // Buckets for index_rows at 3/4 load at most: a power of two >= index_rows * 4/3.
+  uint32_t index_log2 = kInitialIndexLog2;
+  while (index_log2 < 40 && (uint64_t(1) << index_log2) * 3 < index_rows * 4 + 4) ++index_log2;
   value_bytes_ = size_t(config_.dim) * storage_bytes(config_.storage);
   state_count_ = state_floats(config_);
   row_bytes_ = align8(16 + state_count_ * 4 + value_bytes_);
@@ -127,7 +131,7 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   index_fd_ = UniqueFd(::memfd_create("cohort-ps-index", MFD_CLOEXEC));
   if (!header_fd_ || !arena_fd_ || !index_fd_) throw_sys("memfd_create");
   const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
-  const uint64_t index_bytes = config_.dense ? 0 : (uint64_t(1) << kInitialIndexLog2) * sizeof(Bucket);
+  const uint64_t index_bytes = config_.dense ? 0 : (uint64_t(1) << index_log2) * sizeof(Bucket);
   if (::ftruncate(header_fd_.get(), off_t(header_bytes)) != 0 || ::ftruncate(index_fd_.get(), off_t(index_bytes)) != 0)
     throw_sys("ftruncate");
   void* h = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
@@ -135,7 +139,7 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   header_ = new (h) ShardHeader{};
   header_->magic = kMagic;
   header_->row_bytes = row_bytes_;
-  header_->index.store(config_.dense ? 0 : kInitialIndexLog2, std::memory_order_relaxed);
+  header_->index.store(config_.dense ? 0 : index_log2, std::memory_order_relaxed);
   header_->index_bytes.store(index_bytes, std::memory_order_relaxed);
   header_->arena_bytes.store(0, std::memory_order_release);
   if (config_.dense) {
@@ -183,6 +187,7 @@ void TableShard::retire() { header_->retired.store(1, std::memory_order_release)
 uint64_t TableShard::rows() const { return header_->rows.load(std::memory_order_acquire); }
 uint64_t TableShard::applied() const { return header_->applied.load(std::memory_order_relaxed); }
 uint64_t TableShard::direct_applied() const { return header_->direct_applied.load(std::memory_order_relaxed); }
+uint64_t TableShard::index_doublings() const { return header_->index_doublings.load(std::memory_order_relaxed); }
 uint64_t TableShard::bytes() const {
   const uint64_t index = config_.dense ? 0 : desc_buckets(header_->index.load(std::memory_order_acquire)) * sizeof(Bucket);
   return header_->arena_bytes.load(std::memory_order_acquire) + index;  // the arena grows in 2 MiB steps
@@ -382,6 +387,7 @@ void TableShard::grow_index_locked() {
     to[j].slot1 = s1;
   }
   header_->index.store(offset | log2, std::memory_order_release);
+  header_->index_doublings.fetch_add(1, std::memory_order_relaxed);
   // The old array's memory goes back to the system; late readers of it see empty buckets.
   (void)::fallocate(index_fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(desc_offset(old)),
                     off_t(old_buckets * sizeof(Bucket)));

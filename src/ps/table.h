@@ -63,8 +63,9 @@ class TableShard {
  public:
   // The owner: creates the shard's shared memory. `first_row`/`num_rows`: a dense table's range
   // held here (ignored for sparse tables). `timeout` bounds the waits for a row or insert lock.
+  // `index_rows`: a sparse shard's index starts large enough for that many rows (it doubles at 3/4 load).
   TableShard(std::string name, const TableConfig& config, uint64_t first_row = 0, uint64_t num_rows = 0,
-             std::chrono::milliseconds timeout = std::chrono::seconds(300));
+             std::chrono::milliseconds timeout = std::chrono::seconds(300), uint64_t index_rows = 0);
   // An attached process: maps the owner's memory from the descriptors of fds() (header, arena,
   // index), handed over on the same host.
   TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows,
@@ -92,6 +93,7 @@ class TableShard {
   uint64_t bytes() const;    // arena + current index as allocated
   uint64_t applied() const;  // row updates applied, by every process
   uint64_t direct_applied() const;  // of them, by attached processes
+  uint64_t index_doublings() const;  // times the index grew
 
   // The shared memory's descriptors, to hand to a process on this host (attach).
   std::vector<int> fds() const;

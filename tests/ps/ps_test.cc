@@ -539,6 +539,33 @@ TEST(PsMemory, BytesPerRowAreAsStated) {
   }
 }
 
+// expected_rows sizes a shard's index up front: creating that many rows never doubles it (each doubling
+// pauses every process that creates rows), while a shard without the hint doubles as it fills.
+TEST(PsMemory, ExpectedRowsSizeTheIndexSoThatItNeverDoubles) {
+  TableConfig cfg;
+  cfg.dim = 4;
+  std::vector<uint64_t> ids(50000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = i * 0x9e3779b97f4a7c15ull;
+  std::vector<float> g(ids.size() * 4, 1.0f);
+  TableShard hinted("h", cfg, 0, 0, kTimeout, ids.size());
+  hinted.apply(ids.data(), ids.size(), g.data());
+  EXPECT_EQ(hinted.rows(), ids.size());
+  EXPECT_EQ(hinted.index_doublings(), 0u);
+  TableShard plain("p", cfg, 0, 0, kTimeout);
+  plain.apply(ids.data(), ids.size(), g.data());
+  EXPECT_EQ(plain.index_doublings(), 7u);  // 1024 buckets to 131072
+  // Through the servers: the hint is part of the table's configuration, refused for dense tables.
+  cfg.expected_rows = 1000;
+  run_job(2, 1, {}, [&](Client& c) {
+    c.create_table("e", cfg);
+    EXPECT_EQ(c.table("e").expected_rows, 1000u);
+    TableConfig dense = cfg;
+    dense.dense = true;
+    dense.rows = 10;
+    EXPECT_THROW(c.create_table("d", dense), InvalidArgument);
+  });
+}
+
 TEST(PsSaveLoad, RoundTripFromOneServerToTwoKeepsRowsAndOptimizerState) {
   test::TempDir dir;
   TableConfig cfg;
