@@ -554,11 +554,18 @@ TEST(PsMemory, ExpectedRowsSizeTheIndexSoThatItNeverDoubles) {
   TableShard plain("p", cfg, 0, 0, kTimeout);
   plain.apply(ids.data(), ids.size(), g.data());
   EXPECT_EQ(plain.index_doublings(), 7u);  // 1024 buckets to 131072
-  // Through the servers: the hint is part of the table's configuration, refused for dense tables.
-  cfg.expected_rows = 1000;
+  // The hint is part of the table's configuration, refused for dense tables.
+  // Through the servers: each sizes its index for its share. 100,000 rows on 2 servers: 50,000 (+1/64)
+  // each, so 2^17 buckets of 16 bytes each, before any row exists (1024 buckets without the hint).
+  cfg.expected_rows = 100000;
   run_job(2, 1, {}, [&](Client& c) {
     c.create_table("e", cfg);
-    EXPECT_EQ(c.table("e").expected_rows, 1000u);
+    EXPECT_EQ(c.table("e").expected_rows, 100000u);
+    EXPECT_EQ(c.stats("e").bytes, 2u * (1u << 17) * 16u);
+    TableConfig unhinted = cfg;
+    unhinted.expected_rows = 0;
+    c.create_table("u", unhinted);
+    EXPECT_EQ(c.stats("u").bytes, 2u * 1024u * 16u);
     TableConfig dense = cfg;
     dense.dense = true;
     dense.rows = 10;
