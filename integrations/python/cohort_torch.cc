@@ -65,6 +65,7 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "comm/settings.h"
 #include "cohort/store.h"
 #include "cohort/types.h"
 
@@ -400,8 +401,7 @@ class SharedStorage {
   static constexpr size_t kMaxBytes = size_t{64} << 20;
 
   explicit SharedStorage(cohort::Communicator& comm) : comm_(comm) {
-    const char* env = std::getenv("COHORT_TORCH_SHARE_STORAGE");
-    enabled_ = !(env && std::string(env) == "0") && comm.size() > 1 && comm.local_size() == comm.size() &&
+    enabled_ = cohort::comm::torch_share_storage() && comm.size() > 1 && comm.local_size() == comm.size() &&
                comm.options().transport != "tcp";
   }
 

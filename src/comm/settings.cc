@@ -14,6 +14,10 @@ const env::SecondsSetting kSlowWarning("COHORT_SLOW_WARNING", 5.0,
                                        "(then again at a doubling interval)");
 const env::StringSetting kTransport("COHORT_TRANSPORT", "auto",
                                     "transport between ranks: auto (shm on one host, else tcp), tcp or shm");
+const env::BoolSetting kTorchShareStorage(
+    "COHORT_TORCH_SHARE_STORAGE", true,
+    "the PyTorch backend moves the storage of tensors it allreduces often (256 KiB to 64 MiB) into shared memory, "
+    "so that ranks on one host reduce in place (0: off)");
 
 std::chrono::milliseconds to_ms(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
@@ -35,5 +39,7 @@ void apply_env_overrides(CommOptions& options) {
   if (options.timeout.count() <= 0) throw InvalidArgument("CommOptions.timeout must be positive");
   if (options.slow_warning.count() <= 0) throw InvalidArgument("CommOptions.slow_warning must be positive");
 }
+
+bool torch_share_storage() { return kTorchShareStorage.get(); }
 
 }  // namespace cohort::comm

@@ -9,4 +9,9 @@ namespace cohort::comm {
 // Bad values throw ConfigError naming the variable.
 void apply_env_overrides(CommOptions& options);
 
+// COHORT_TORCH_SHARE_STORAGE (default on): whether the PyTorch backend (integrations/python) may move
+// a large allreduce tensor's storage into this communicator's shared memory (allocate_shared).
+// Declared in this library, not in the module, so that every cohort binary's registry lists it.
+bool torch_share_storage();
+
 }  // namespace cohort::comm

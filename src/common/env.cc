@@ -46,9 +46,47 @@ std::optional<std::string> get_raw(const std::string& name) {
   return std::string(v);
 }
 
+namespace {
+// What `cohort run` sets for every worker (docs/launcher.md, "What every worker gets"), the contract
+// between the launcher (launch/plan.cc) and the worker side (comm/launch_env.cc, gpu/, ps/). Kept
+// here, in the registry itself, so that `cohort env` lists them in every binary.
+const SettingInfo kProvided[] = {
+    {"COHORT_STORE_ADDR", "", "host:port of the job's store (hosted by the head / node 0 launcher)", true},
+    {"COHORT_JOB_ID", "", "the job id; the store keys of different jobs never mix", true},
+    {"COHORT_JOB_TOKEN", "",
+     "the store's authentication token (set it yourself on every node of a per-node job to authenticate it)", true},
+    {"COHORT_RANK", "", "this worker's global rank", true},
+    {"COHORT_WORLD_SIZE", "", "the number of workers", true},
+    {"COHORT_LOCAL_RANK", "", "this worker's rank on its node", true},
+    {"COHORT_LOCAL_WORLD_SIZE", "", "the number of workers on this node", true},
+    {"COHORT_NODE_RANK", "", "this node's rank", true},
+    {"COHORT_NNODES", "", "the number of nodes", true},
+    {"COHORT_RESTART_COUNT", "", "0, then 1, 2, ... after each restart (elastic jobs: the generation)", true},
+    {"COHORT_GPUS_PER_NODE", "", "GPU jobs (--gpus-per-node): the GPUs per node", true},
+    {"COHORT_LOCAL_GPU", "", "GPU jobs: the device number this rank uses", true},
+    // Declared as settings where they are read (trace/recorder.cc), with their own text.
+    {"COHORT_FLIGHT_RECORDER_FD", "", "", true},
+    {"COHORT_TIMELINE_RANK_FILE", "", "", true},
+    {"COHORT_ROLE", "", "parameter-server jobs: worker or server", true},
+    {"COHORT_ROLE_INDEX", "", "parameter-server jobs: the index within the role", true},
+    {"COHORT_NUM_SERVERS", "", "parameter-server jobs: the number of servers", true},
+    {"COHORT_NUM_WORKERS", "", "parameter-server jobs: the number of workers", true},
+};
+}  // namespace
+
 std::vector<SettingInfo> registered() {
   std::lock_guard<std::mutex> g(registry_mutex());
-  return registry();
+  std::vector<SettingInfo> all = registry();
+  for (const auto& p : kProvided) {
+    bool known = false;
+    for (auto& s : all) {
+      if (s.name != p.name) continue;
+      s.provided = true;
+      known = true;
+    }
+    if (!known) all.push_back(p);
+  }
+  return all;
 }
 
 void register_setting(SettingInfo info) {
@@ -90,6 +128,22 @@ uint64_t parse_bytes(const std::string& name, const std::string& value) {
   else if (suffix == "G" || suffix == "g" || suffix == "GB" || suffix == "GiB") mult = 1024.0 * 1024 * 1024;
   else bad(name, value, "a size such as 4096, 64K, 16M or 1G");
   return static_cast<uint64_t>(v * mult);
+}
+
+std::string format_seconds(double s) {
+  if (s == 0) return "0 s";
+  if (s < 1) return fmt::format("{:g} ms", s * 1000);
+  if (s >= 3600 && std::fmod(s, 3600) == 0) return fmt::format("{:g} h", s / 3600);
+  return fmt::format("{:g} s", s);
+}
+
+std::string format_bytes(uint64_t b) {
+  static const char* const units[] = {"GiB", "MiB", "KiB"};
+  for (int i = 0; i < 3; ++i) {
+    const uint64_t unit = uint64_t{1} << (10 * (3 - i));
+    if (b >= unit && b % unit == 0) return fmt::format("{} {}", b / unit, units[i]);
+  }
+  return std::to_string(b);
 }
 
 bool parse_bool(const std::string& name, const std::string& value) {

@@ -7,8 +7,11 @@
 //   double t = kTimeout.get();
 //
 // The value is parsed on first get() and cached ("read once"); a bad value throws ConfigError naming
-// the variable and what was expected. `cohort run --help-env` lists every registered setting, and the
-// value chosen is logged at debug level.
+// the variable and what was expected. `cohort env` lists every registered setting, so a variable that
+// is read anywhere must be declared here (tests/repo/env_registry.sh checks the sources for that).
+//
+// Variables that `cohort run` sets for its workers (COHORT_RANK, COHORT_STORE_ADDR, ...) are not
+// settings a user chooses; env.cc lists them in the same registry (SettingInfo::provided).
 
 #include <chrono>
 #include <cstdint>
@@ -24,8 +27,9 @@ std::optional<std::string> get_raw(const std::string& name);
 
 struct SettingInfo {
   std::string name;
-  std::string default_text;
+  std::string default_text;  // as a user would write it: "300 s", "1 MiB", "auto"; "" = none
   std::string doc;
+  bool provided = false;     // set by `cohort run` for every worker, not chosen by the user
 };
 // Every setting declared so far (static declarations register at start-up).
 std::vector<SettingInfo> registered();
@@ -37,6 +41,11 @@ double parse_seconds(const std::string& name, const std::string& value);  // "30
 uint64_t parse_bytes(const std::string& name, const std::string& value);  // "64", "4K", "16M", "1G"
 bool parse_bool(const std::string& name, const std::string& value);       // 1/0 true/false yes/no on/off
 
+// Values as a user would write them (and as the parsers above read them back): "300 s", "200 ms",
+// "1 MiB", "64 KiB".
+std::string format_seconds(double seconds);
+std::string format_bytes(uint64_t bytes);
+
 enum class Kind { kInt, kSeconds, kBytes, kBool, kString };
 
 template <typename T, Kind K>
@@ -47,24 +56,27 @@ class Setting {
   }
   const char* name() const { return name_; }
   T get() const {
-    std::call_once(once_, [this] { value_ = parse(); });
+    std::call_once(once_, [this] { value_ = from(get_raw(name_)); });
     return value_;
+  }
+  // The value of `raw` under this setting's rules: the default when unset or empty. For environments
+  // that are not this process's (the launcher's plan is computed from an injected map).
+  T from(const std::optional<std::string>& raw) const {
+    if (!raw || raw->empty()) return default_;
+    if constexpr (K == Kind::kInt) return static_cast<T>(parse_int(name_, *raw));
+    else if constexpr (K == Kind::kSeconds) return parse_seconds(name_, *raw);
+    else if constexpr (K == Kind::kBytes) return parse_bytes(name_, *raw);
+    else if constexpr (K == Kind::kBool) return parse_bool(name_, *raw);
+    else return *raw;
   }
 
  private:
   static std::string to_text(const T& v) {
     if constexpr (K == Kind::kString) return v;
     else if constexpr (K == Kind::kBool) return v ? "1" : "0";
+    else if constexpr (K == Kind::kSeconds) return format_seconds(v);
+    else if constexpr (K == Kind::kBytes) return format_bytes(v);
     else return std::to_string(v);
-  }
-  T parse() const {
-    auto raw = get_raw(name_);
-    if (!raw) return default_;
-    if constexpr (K == Kind::kInt) return static_cast<T>(parse_int(name_, *raw));
-    else if constexpr (K == Kind::kSeconds) return parse_seconds(name_, *raw);
-    else if constexpr (K == Kind::kBytes) return parse_bytes(name_, *raw);
-    else if constexpr (K == Kind::kBool) return parse_bool(name_, *raw);
-    else return *raw;
   }
   const char* name_;
   T default_;

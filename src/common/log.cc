@@ -7,20 +7,38 @@
 #include <mutex>
 #include <strings.h>
 
+#include "common/env.h"
+
 namespace cohort::log {
 namespace {
 
-Level parse_level(const char* s) {
-  if (s == nullptr || *s == '\0') return Level::kWarn;
-  if (strcasecmp(s, "error") == 0) return Level::kError;
-  if (strcasecmp(s, "warn") == 0 || strcasecmp(s, "warning") == 0) return Level::kWarn;
-  if (strcasecmp(s, "info") == 0) return Level::kInfo;
-  if (strcasecmp(s, "debug") == 0 || strcasecmp(s, "trace") == 0) return Level::kDebug;
-  return Level::kWarn;
+constexpr const char* kLevelName = "COHORT_LOG_LEVEL";
+// Declared for the registry (`cohort env`). The level itself is read with get_raw at first use, not
+// through this object: a static initialiser elsewhere may log before this one has run.
+const env::StringSetting kLevel(kLevelName, "warn", "what cohort logs on stderr: error, warn, info or debug");
+
+// nullopt: not a level name.
+std::optional<Level> parse_level(const std::string& s) {
+  if (strcasecmp(s.c_str(), "error") == 0) return Level::kError;
+  if (strcasecmp(s.c_str(), "warn") == 0 || strcasecmp(s.c_str(), "warning") == 0) return Level::kWarn;
+  if (strcasecmp(s.c_str(), "info") == 0) return Level::kInfo;
+  if (strcasecmp(s.c_str(), "debug") == 0 || strcasecmp(s.c_str(), "trace") == 0) return Level::kDebug;
+  return std::nullopt;
 }
 
+void write_line(const std::string& line);
+
 std::atomic<int>& level_storage() {
-  static std::atomic<int> l{static_cast<int>(parse_level(std::getenv("COHORT_LOG_LEVEL")))};
+  static std::atomic<int> l{[] {
+    auto raw = env::get_raw(kLevelName);
+    if (!raw) return static_cast<int>(Level::kWarn);
+    auto parsed = parse_level(*raw);
+    // A typo must not silence warnings, nor stop the program from logging at all: say so once, go on.
+    if (!parsed)
+      write_line(fmt::format("cohort[pid {}] warning: {}={}: expected error, warn, info or debug; logging at warn\n",
+                             ::getpid(), kLevelName, *raw));
+    return static_cast<int>(parsed.value_or(Level::kWarn));
+  }()};
   return l;
 }
 
@@ -62,6 +80,11 @@ void write(Level l, std::string_view text) {
     std::lock_guard<std::mutex> g(identity_mutex());
     line = fmt::format("cohort[{}] {}: {}\n", identity_storage(), level_name(l), text);
   }
+  write_line(line);
+}
+
+namespace {
+void write_line(const std::string& line) {
   // One write(2) per line so lines from many threads and processes do not interleave.
   const char* p = line.data();
   size_t left = line.size();
@@ -72,5 +95,6 @@ void write(Level l, std::string_view text) {
     left -= static_cast<size_t>(n);
   }
 }
+}  // namespace
 
 }  // namespace cohort::log

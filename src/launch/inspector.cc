@@ -18,7 +18,7 @@
 namespace cohort::launch {
 namespace {
 
-// Declared here so that `cohort run --help-env` lists it; the plan reads it from the launcher's
+// Declared here so that `cohort env` lists it; the plan reads it from the launcher's
 // environment (launch/plan.cc), which tests can inject.
 const env::SecondsSetting kStallWarn(
     "COHORT_STALL_WARN_S", 60.0,

@@ -24,6 +24,12 @@
 #include "common/strings.h"
 
 namespace cohort::launch {
+namespace {
+// Read from the launcher's environment as the plan sees it (an injected map in tests).
+const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
+                                      "elastic jobs: each node's agent holds a lease in the store, renewed several "
+                                      "times within this time; its end tells the others that the node is gone");
+}  // namespace
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, nodes, host_store, master_addr,
@@ -302,8 +308,8 @@ void set_elastic(Plan& p, const Options& o, const EnvMap& env, int min_nodes, in
   if (o.rdzv_last_call_s < 0)
     throw ConfigError(fmt::format("--rdzv-conf last_call_timeout={:g}: expected seconds >= 0", o.rdzv_last_call_s));
   p.rdzv_last_call_s = o.rdzv_last_call_s;
-  if (auto it = env.find("COHORT_AGENT_LEASE_S"); it != env.end() && !it->second.empty()) {
-    p.agent_lease_s = env::parse_seconds("COHORT_AGENT_LEASE_S", it->second);
+  if (auto it = env.find(kAgentLease.name()); it != env.end() && !it->second.empty()) {
+    p.agent_lease_s = kAgentLease.from(it->second);
     if (p.agent_lease_s < 0.2 || p.agent_lease_s > 3600)
       throw ConfigError(fmt::format("COHORT_AGENT_LEASE_S={}: expected 0.2 to 3600 seconds", it->second));
   }

@@ -21,6 +21,7 @@
 #include <mutex>
 
 #include "cohort/error.h"
+#include "common/env.h"
 #include "common/fd.h"
 #include "common/log.h"
 #include "common/socket.h"
@@ -33,6 +34,10 @@
 namespace cohort::ps {
 
 namespace {
+
+const env::BoolSetting kDirect("COHORT_PS_DIRECT", true,
+                               "async parameter-server jobs: workers on a server's host read and update its rows in "
+                               "shared memory (0: every pull and push goes through messages)");
 
 // One request to one server and its reply.
 struct Call {
@@ -99,8 +104,9 @@ class ClientImpl final : public Client {
     auto j = nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end());
     mode_ = ConsistencyMode::parse(j.at("mode").get<std::string>());
     max_request_ = j.at("max_request").get<uint64_t>();
-    const char* direct = std::getenv("COHORT_PS_DIRECT");
-    direct_ = mode_.mode == Mode::kAsync && !(direct && std::string(direct) == "0");
+    // Read at each client's start, not once per process: a program (or a test) may build clients
+    // under different settings.
+    direct_ = mode_.mode == Mode::kAsync && kDirect.from(env::get_raw(kDirect.name()));
     server_pid_.assign(size_t(roles_.num_servers), 0);
     server_pidfd_.resize(size_t(roles_.num_servers));
   }

@@ -103,6 +103,28 @@ TEST(Env, ParsesDurationsSizesAndBooleans) {
   }
 }
 
+// `cohort env` prints defaults as a user writes them, and each reads back to the same value.
+TEST(Env, DefaultsPrintAsAUserWritesThemAndReadBack) {
+  EXPECT_EQ(env::format_seconds(300), "300 s");
+  EXPECT_EQ(env::format_seconds(60), "60 s");
+  EXPECT_EQ(env::format_seconds(0.002), "2 ms");
+  EXPECT_EQ(env::format_seconds(0.5), "500 ms");
+  EXPECT_EQ(env::format_seconds(7200), "2 h");
+  EXPECT_EQ(env::format_seconds(0), "0 s");
+  EXPECT_EQ(env::format_bytes(1 << 20), "1 MiB");
+  EXPECT_EQ(env::format_bytes(256u << 10), "256 KiB");
+  EXPECT_EQ(env::format_bytes(3ull << 30), "3 GiB");
+  EXPECT_EQ(env::format_bytes(1000), "1000");
+  for (double s : {300.0, 60.0, 0.002, 0.5, 7200.0, 2.5})
+    EXPECT_DOUBLE_EQ(env::parse_seconds("X", env::format_seconds(s)), s);
+  for (uint64_t b : {uint64_t{1} << 20, uint64_t{256} << 10, uint64_t{3} << 30, uint64_t{1000}})
+    EXPECT_EQ(env::parse_bytes("X", env::format_bytes(b)), b);
+  // What `cohort env` lists for the registered settings: no "60.000000".
+  const env::SecondsSetting s("COHORT_TEST_SECONDS", 60.0, "a test");
+  for (const auto& info : env::registered())
+    if (info.name == "COHORT_TEST_SECONDS") EXPECT_EQ(info.default_text, "60 s");
+}
+
 TEST(Affinity, WaitsYieldOnlyWhereTheRanksCpuSetsOverlap) {
   EXPECT_FALSE(affinity::allowed_cpus().empty());
   EXPECT_TRUE(affinity::disjoint({{0}, {1}}));
