@@ -11,6 +11,7 @@
 #include "common/socket.h"
 #include "launch/doctor_checks.h"
 #include "launch/doctor_probe.h"
+#include "launch/plan.h"
 
 namespace cohort::tools {
 namespace {
@@ -24,7 +25,8 @@ int run_doctor_command(std::vector<std::string> args) {
   std::vector<int> check_ports;
   bool serve = false, no_allreduce = false;
   double serve_seconds = 600;
-  app.add_option("-H,--host", hosts_spec, "hosts as host:N,host:N (N = processes on that host)");
+  app.add_option("-H,--host", hosts_spec, "hosts as host:N,host:N (N = processes on that host; default: this machine, "
+                 "checked without ssh, as is any host that names this machine)");
   app.add_option("--hostfile", hostfile, "Open MPI / DeepSpeed hostfile ('host slots=N')");
   app.add_option("--ssh-command", o.ssh_command, "ssh command line used to reach the hosts")->capture_default_str();
   app.add_option("--nproc-per-node", o.nproc_per_node, "processes per host (default: the host's slots)");
@@ -60,10 +62,12 @@ int run_doctor_command(std::vector<std::string> args) {
     return r.ok ? 0 : 1;
   }
   if (!hosts_spec.empty() && !hostfile.empty()) throw ConfigError("give -H or --hostfile, not both");
-  int default_slots = o.nproc_per_node > 0 ? o.nproc_per_node : 1;
-  if (!hosts_spec.empty()) o.hosts = doctor::parse_host_list(hosts_spec, default_slots);
-  else if (!hostfile.empty()) o.hosts = doctor::parse_hostfile(hostfile, default_slots);
-  else o.hosts = {{"localhost", default_slots}};
+  if (!hosts_spec.empty()) o.hosts = doctor::parse_host_list(hosts_spec);
+  else if (!hostfile.empty()) o.hosts = doctor::parse_hostfile(hostfile);
+  else o.hosts = {{"localhost", 1}};
+  // This machine is checked without ssh, as `cohort run` starts its workers without ssh.
+  const launch::MachineFacts machine = launch::this_machine();
+  for (auto& h : o.hosts) h.local = launch::is_this_machine(h.name, machine);
   o.probe_bytes = probe_bytes;
   o.allreduce = !no_allreduce;
   return doctor::run_doctor(o);

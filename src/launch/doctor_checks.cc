@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "common/strings.h"
 #include "launch/doctor_child.h"
 #include "launch/doctor_probe.h"
+#include "launch/parsers.h"
 
 namespace cohort::doctor {
 namespace {
@@ -63,6 +65,12 @@ std::vector<std::string> ssh_argv(const DoctorOptions& o, const std::string& hos
   return argv;
 }
 
+// The command line that runs `cmd` on `host`: over ssh, or directly when the host is this machine.
+std::vector<std::string> host_argv(const DoctorOptions& o, const DoctorHost& host, const std::vector<std::string>& cmd) {
+  if (host.local) return cmd;
+  return ssh_argv(o, host.name, cmd);
+}
+
 enum class Status { kOk, kWarn, kFail, kSkip };
 
 const char* status_word(Status s) {
@@ -95,16 +103,17 @@ std::string human_bytes_per_s(double MBps) {
   return fmt::format("{:.1f} MB/s", MBps);
 }
 
-// Starts `cohort doctor --serve-probe` on a host over ssh and reads its facts line.
+// Starts `cohort doctor --serve-probe` on a host (over ssh, or here) and reads its facts line.
 void start_session(const DoctorOptions& o, const std::string& cohort, HostReport& h, bool is_head) {
-  std::vector<std::string> cmd = {cohort, "doctor", "--serve-probe",
+  // This machine runs this very binary; other hosts the path they were told.
+  std::vector<std::string> cmd = {h.host.local ? self_path() : cohort, "doctor", "--serve-probe",
                                   "--serve-seconds", fmt::format("{}", std::max(60.0, o.timeout_s * 20))};
   if (is_head) {
     cmd.push_back("--check-ports");
     cmd.push_back(std::to_string(o.master_port));
   }
   try {
-    h.session = std::make_unique<Child>(ssh_argv(o, h.host.name, cmd));
+    h.session = std::make_unique<Child>(host_argv(o, h.host, cmd));
   } catch (const std::exception& e) {
     h.ssh_error = e.what();
     return;
@@ -123,10 +132,12 @@ void start_session(const DoctorOptions& o, const std::string& cohort, HostReport
   h.session->close_stdin();
   int code = h.session->wait(after_seconds(2));
   std::string why = h.session->last_err_line();
+  const char* via = h.host.local ? "the local probe" : "ssh";
   if (expired && h.session->timed_out())
-    h.ssh_error = fmt::format("no answer over ssh within {:.0f} s{}", o.timeout_s, why.empty() ? "" : " (" + why + ")");
+    h.ssh_error = fmt::format("no answer {}within {:.0f} s{}", h.host.local ? "" : "over ssh ", o.timeout_s,
+                              why.empty() ? "" : " (" + why + ")");
   else
-    h.ssh_error = fmt::format("ssh exited with {}{}", code, why.empty() ? "" : ": " + why);
+    h.ssh_error = fmt::format("{} exited with {}{}", via, code, why.empty() ? "" : ": " + why);
   h.session.reset();
 }
 
@@ -149,60 +160,25 @@ Requirements requirements_for(int world, int nodes) {
   return r;
 }
 
-std::vector<DoctorHost> parse_host_list(const std::string& spec, int default_slots) {
+namespace {
+std::vector<DoctorHost> doctor_hosts(const std::vector<launch::HostSlots>& listed) {
   std::vector<DoctorHost> hosts;
-  for (auto& item : str::split(spec, ',')) {
-    auto t = std::string(str::trim(item));
-    if (t.empty()) continue;
-    DoctorHost h;
-    auto colon = t.rfind(':');
-    if (colon != std::string::npos && t.find(']') == std::string::npos) {
-      h.name = t.substr(0, colon);
-      try {
-        h.slots = std::stoi(t.substr(colon + 1));
-      } catch (const std::exception&) {
-        throw ConfigError(fmt::format("-H entry '{}': expected host or host:N", t));
-      }
-    } else {
-      h.name = t;
-      h.slots = default_slots;
-    }
-    if (h.slots < 1) throw ConfigError(fmt::format("-H entry '{}': slots must be >= 1", t));
-    hosts.push_back(h);
-  }
-  if (hosts.empty()) throw ConfigError("-H: no hosts given");
+  for (const auto& h : listed) hosts.push_back({h.host, h.slots});
   return hosts;
 }
+}  // namespace
 
-std::vector<DoctorHost> parse_hostfile(const std::string& path, int default_slots) {
+std::vector<DoctorHost> parse_host_list(const std::string& spec) {
+  if (str::trim(spec).empty()) throw ConfigError("-H: no hosts given");
+  return doctor_hosts(launch::parse_host_list(spec));
+}
+
+std::vector<DoctorHost> parse_hostfile(const std::string& path) {
   std::ifstream in(path);
-  if (!in) throw ConfigError(fmt::format("hostfile {}: cannot open", path));
-  std::vector<DoctorHost> hosts;
-  std::string line;
-  int lineno = 0;
-  while (std::getline(in, line)) {
-    ++lineno;
-    auto hash = line.find('#');
-    if (hash != std::string::npos) line.resize(hash);
-    auto words = str::split(std::string(str::trim(line)), ' ');
-    if (words.empty()) continue;
-    DoctorHost h;
-    h.slots = default_slots;
-    h.name = words[0];
-    auto colon = h.name.rfind(':');
-    if (colon != std::string::npos && h.name.find(']') == std::string::npos) {
-      h.slots = static_cast<int>(env::parse_int(fmt::format("{}:{}", path, lineno), h.name.substr(colon + 1)));
-      h.name.resize(colon);
-    }
-    for (size_t i = 1; i < words.size(); ++i) {
-      if (str::starts_with(words[i], "slots="))  // max_slots= and others do not change the plan
-        h.slots = static_cast<int>(env::parse_int(fmt::format("{}:{}", path, lineno), words[i].substr(6)));
-    }
-    if (h.slots < 1) throw ConfigError(fmt::format("{}:{}: slots must be >= 1", path, lineno));
-    hosts.push_back(h);
-  }
-  if (hosts.empty()) throw ConfigError(fmt::format("hostfile {}: no hosts", path));
-  return hosts;
+  if (!in) throw ConfigError(fmt::format("--hostfile {}: cannot read it: {}", path, std::strerror(errno)));
+  std::stringstream text;
+  text << in.rdbuf();
+  return doctor_hosts(launch::parse_hostfile(text.str(), path));
 }
 
 // The GPU table and its findings, when any host has a GPU: GPUs per host equal everywhere, the same
@@ -262,7 +238,7 @@ int run_doctor(const DoctorOptions& o) {
              o.hosts[0].name, o.master_port);
   std::fflush(stdout);
 
-  // 1. One ssh session per host, in parallel: facts + probe server.
+  // 1. One session per host (ssh, or a child process on this machine), in parallel: facts + probe server.
   std::vector<HostReport> reports(o.hosts.size());
   {
     std::vector<std::thread> threads;
@@ -285,16 +261,17 @@ int run_doctor(const DoctorOptions& o) {
       if (a == b && reports.size() > 1) continue;
       Link l{a, b, {}, {}};
       if (!reports[a].facts || !reports[b].facts) {
-        l.skipped = fmt::format("not tested: {} unreachable over ssh", reports[a].facts ? reports[b].host.name : reports[a].host.name);
+        const HostReport& down = reports[a].facts ? reports[b] : reports[a];
+        l.skipped = fmt::format("not tested: {} {}", down.host.name, down.host.local ? "could not be checked" : "unreachable over ssh");
         links.push_back(l);
         continue;
       }
-      std::vector<std::string> cmd = {cohort, "doctor", "--probe-connect",
+      std::vector<std::string> cmd = {reports[a].host.local ? self_path() : cohort, "doctor", "--probe-connect",
                                       fmt::format("{}:{}", reports[b].host.name, reports[b].facts->probe_port),
                                       "--probe-bytes", std::to_string(o.probe_bytes),
                                       "--pings", std::to_string(o.pings),
                                       "--timeout", fmt::format("{}", o.timeout_s)};
-      auto res = run_child(ssh_argv(o, reports[a].host.name, cmd), after_seconds(o.timeout_s + 5));
+      auto res = run_child(host_argv(o, reports[a].host, cmd), after_seconds(o.timeout_s + 5));
       bool parsed = false;
       for (auto& line : str::split(res.out, '\n')) {
         try {
@@ -329,7 +306,7 @@ int run_doctor(const DoctorOptions& o) {
       if (static_cast<int>(s) > static_cast<int>(worst) && s != Status::kSkip) worst = s;
     };
     if (!r.facts) {
-      add(Status::kFail, "unreachable over ssh: " + r.ssh_error);
+      add(Status::kFail, (r.host.local ? "could not be checked: " : "unreachable over ssh: ") + r.ssh_error);
       host_rows.push_back(fmt::format("{:<22} {:<5} {}", r.host.name, "FAIL", r.ssh_error));
       continue;
     }
@@ -370,7 +347,8 @@ int run_doctor(const DoctorOptions& o) {
       skew_cell = "reference";
     }
     auto nofile = f.nofile_soft == UINT64_MAX ? std::string("unlimited") : std::to_string(f.nofile_soft);
-    host_rows.push_back(fmt::format("{:<22} {:<5} {:<9} {:<12} {:<10} {:<12} {:<14} {:<11} {}", r.host.name, "ok",
+    host_rows.push_back(fmt::format("{:<22} {:<5} {:<9} {:<12} {:<10} {:<12} {:<14} {:<11} {}", r.host.name,
+                                    r.host.local ? "local" : "ok",
                                     f.version, port_cell, f.somaxconn, f.tcp_max_syn_backlog, nofile, skew_cell,
                                     status_word(worst)));
   }

@@ -11,12 +11,15 @@ namespace cohort::doctor {
 struct DoctorHost {
   std::string name;  // as the job will address it (hostfile / -H entry)
   int slots = 1;
+  // This machine (launch::is_this_machine): checked by running the helpers directly, as `cohort run`
+  // starts this machine's workers itself; no ssh server is needed.
+  bool local = false;
 };
 
-// "a:2,b,c:4" (-H form; a host without ":N" gets default_slots).
-std::vector<DoctorHost> parse_host_list(const std::string& spec, int default_slots);
-// Open MPI / DeepSpeed hostfile: "host slots=N", "host:N" or "host"; '#' comments.
-std::vector<DoctorHost> parse_hostfile(const std::string& path, int default_slots);
+// The hosts of -H ("a:2,b,c:4") or of a hostfile, read by the launcher's own parsers
+// (launch/parsers.h), so that the doctor accepts and refuses exactly what `cohort run` does.
+std::vector<DoctorHost> parse_host_list(const std::string& spec);
+std::vector<DoctorHost> parse_hostfile(const std::string& path);
 
 struct DoctorOptions {
   std::vector<DoctorHost> hosts;

@@ -1,6 +1,10 @@
 #include "launch/parsers.h"
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <fmt/core.h>
@@ -27,6 +31,23 @@ bool parse_int_text(const std::string& text, long long& out) {
     return false;
   }
   return true;
+}
+
+// Why `host` cannot be a host name or address, or nullopt. Host names are letters, digits, '-' and
+// '.' (RFC 1123; '_' too, which some clusters use); IPv6 addresses are hex digits, ':' and '.'
+// (an embedded IPv4), with an optional "%zone".
+std::optional<std::string> host_name_problem(const std::string& host) {
+  if (host.empty()) return "empty";
+  if (host.size() > 253) return "longer than 253 characters";
+  const bool v6 = host.find(':') != std::string::npos;
+  for (char c : host) {
+    const auto u = static_cast<unsigned char>(c);
+    const bool ok = v6 ? (std::isxdigit(u) || c == ':' || c == '.' || c == '%' || std::isalnum(u))
+                       : (std::isalnum(u) || c == '-' || c == '.' || c == '_');
+    if (!ok) return fmt::format("'{}' cannot appear in one", std::string(1, c));
+  }
+  if (!v6 && (host.front() == '-' || host.front() == '.')) return fmt::format("it starts with '{}'", host.front());
+  return std::nullopt;
 }
 
 void add_host(std::vector<HostSlots>& hosts, HostSlots h) {
@@ -65,6 +86,18 @@ std::vector<HostSlots> parse_hostfile(const std::string& text, const std::string
     h.host = fields[0];
     if (h.host.find('=') != std::string::npos)
       throw ConfigError(fmt::format("{}: '{}': expected a host name first, then slots=N", where, h.host));
+    // MPICH's "host:N" (and "[v6]:N"), as -H writes it.
+    if (auto colon = h.host.rfind(':'); colon != std::string::npos &&
+                                        (h.host.front() == '[' || h.host.find(':') == colon)) {
+      auto listed = parse_host_list(h.host, where);
+      h.host = listed.front().host;
+      h.slots = listed.front().slots;
+    }
+    // Judge the name before the fields: on a line of words that are no hostfile ("!!bad line here")
+    // the first word is what is wrong, not the second.
+    if (auto why = host_name_problem(h.host))
+      throw ConfigError(fmt::format("{}: '{}' is not a host name ({}); expected lines of 'HOST [slots=N] [max_slots=M]'",
+                                    where, h.host, *why));
     for (size_t f = 1; f < fields.size(); ++f) {
       const std::string& kv = fields[f];
       auto eq = kv.find_first_of("=:");
@@ -118,6 +151,8 @@ std::vector<HostSlots> parse_host_list(const std::string& text, const std::strin
       h.slots = static_cast<int>(v);
     }
     if (h.host.empty()) throw ConfigError(fmt::format("{} '{}': empty host name", origin, item));
+    if (auto why = host_name_problem(h.host))
+      throw ConfigError(fmt::format("{} '{}': '{}' is not a host name ({})", origin, item, h.host, *why));
     add_host(hosts, std::move(h));
   }
   return hosts;
@@ -511,8 +546,13 @@ SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::strin
   if (const auto* path = find(env, "RANK_TABLE_FILE")) {
     // Ascend: the table lists every server and its devices; this node is the server with one of
     // this host's addresses, unless another variable says which node this is.
+    // A folder opens as a stream but reads nothing: say so rather than "not JSON".
+    std::error_code ec;
+    if (std::filesystem::is_directory(*path, ec))
+      throw ConfigError(fmt::format("RANK_TABLE_FILE {}: cannot read it: it is a directory", *path));
     std::ifstream in(*path);
-    if (!in) throw ConfigError(fmt::format("RANK_TABLE_FILE {}: cannot read it", *path));
+    // errno says why: no such file, permission denied.
+    if (!in) throw ConfigError(fmt::format("RANK_TABLE_FILE {}: cannot read it: {}", *path, std::strerror(errno)));
     std::stringstream ss;
     ss << in.rdbuf();
     RankTable t = parse_rank_table(ss.str(), *path);

@@ -183,6 +183,15 @@ bool is_local_host(const std::string& host, const std::string& hostname) {
   return host == short_name;
 }
 
+}  // namespace
+
+bool is_this_machine(const std::string& host, const MachineFacts& machine) {
+  if (is_local_host(host, machine.hostname) || host.rfind("127.", 0) == 0) return true;
+  return std::find(machine.addresses.begin(), machine.addresses.end(), host) != machine.addresses.end();
+}
+
+namespace {
+
 int parse_nproc(const std::string& text, const MachineFacts& machine, std::string& how) {
   if (text == "auto") {
     how = machine.gpu_count > 0 ? fmt::format("auto: {} visible GPUs", machine.gpu_count)

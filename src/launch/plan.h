@@ -70,6 +70,9 @@ struct MachineFacts {
 // `detect_gpus`: run the GPU detection of launch/gpus.h (nvidia-smi -L, /proc, sysfs), which only
 // --gpus-per-node needs; otherwise gpu_count comes from CUDA_VISIBLE_DEVICES or /dev/nvidiaN.
 MachineFacts this_machine(bool detect_gpus = false);
+// Whether `host` names this machine: localhost, a loopback address, this host's name (short or full)
+// or one of its addresses. `cohort doctor` checks such hosts without ssh.
+bool is_this_machine(const std::string& host, const MachineFacts& machine);
 // PATH lookup + access(X_OK); ConfigError "program 'x' not found on PATH" / "... is not executable".
 std::string resolve_program(const std::string& program);
 

@@ -2,6 +2,8 @@
 // server and the link probe over real loopback sockets, and the child-process helper's deadlines.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <thread>
 
@@ -18,22 +20,24 @@ using namespace cohort::doctor;
 using namespace std::chrono_literals;
 
 TEST(DoctorHosts, ParsesHostListWithAndWithoutSlots) {
-  auto h = parse_host_list("a:2,b,c:8", 3);
+  auto h = parse_host_list("a:2,b,c:8");
   ASSERT_EQ(h.size(), 3u);
   EXPECT_EQ(h[0].name, "a");
   EXPECT_EQ(h[0].slots, 2);
   EXPECT_EQ(h[1].name, "b");
-  EXPECT_EQ(h[1].slots, 3);
+  EXPECT_EQ(h[1].slots, 1);
   EXPECT_EQ(h[2].slots, 8);
-  EXPECT_THROW(parse_host_list("a:x", 1), ConfigError);
-  EXPECT_THROW(parse_host_list("a:0", 1), ConfigError);
-  EXPECT_THROW(parse_host_list("", 1), ConfigError);
+  EXPECT_THROW(parse_host_list("a:x"), ConfigError);
+  EXPECT_THROW(parse_host_list("a:0"), ConfigError);
+  EXPECT_THROW(parse_host_list(""), ConfigError);
 }
 
+// The doctor reads hostfiles with the launcher's parser: what `cohort run` refuses, it refuses too,
+// with the same line.
 TEST(DoctorHosts, ParsesHostfileForms) {
   test::TempDir dir;
   test::write_file(dir.file("h"), "# cluster\nnode1 slots=4 max_slots=8\nnode2:2\n\nnode3  # default\n");
-  auto h = parse_hostfile(dir.file("h"), 1);
+  auto h = parse_hostfile(dir.file("h"));
   ASSERT_EQ(h.size(), 3u);
   EXPECT_EQ(h[0].name, "node1");
   EXPECT_EQ(h[0].slots, 4);
@@ -41,7 +45,45 @@ TEST(DoctorHosts, ParsesHostfileForms) {
   EXPECT_EQ(h[1].slots, 2);
   EXPECT_EQ(h[2].name, "node3");
   EXPECT_EQ(h[2].slots, 1);
-  EXPECT_THROW(parse_hostfile(dir.file("missing"), 1), ConfigError);
+  EXPECT_THROW(parse_hostfile(dir.file("missing")), ConfigError);
+  test::write_file(dir.file("bad"), "node1 slots=2\n!!bad line here\n");
+  try {
+    parse_hostfile(dir.file("bad"));
+    FAIL() << "accepted a line that is no host";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), dir.file("bad") + ":2: '!!bad' is not a host name ('!' cannot appear in one); "
+                                                        "expected lines of 'HOST [slots=N] [max_slots=M]'");
+  }
+}
+
+// `cohort doctor` alone checks this machine the way `cohort run` starts workers here: without ssh.
+// The ssh command is one that always fails, so any use of ssh would fail the verdict; the host may
+// be named in any of the ways that mean this machine.
+TEST(DoctorLocal, ThisMachineIsCheckedWithoutSsh) {
+  char name[256] = {};
+  ASSERT_EQ(gethostname(name, sizeof name - 1), 0);
+  for (std::vector<std::string> hosts : {std::vector<std::string>{}, {"-H", "127.0.0.1:2"}, {"-H", std::string(name) + ":2"}}) {
+    std::vector<std::string> argv = {test::cohort_tool(), "doctor", "--ssh-command", "false", "--timeout", "10"};
+    argv.insert(argv.end(), hosts.begin(), hosts.end());
+    auto r = test::run_process(argv, {}, 90);
+    SCOPED_TRACE(r.out + r.err);
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_NE(r.out.find("verdict: PASS"), std::string::npos);
+    EXPECT_NE(r.out.find(" local "), std::string::npos);  // the host table's access column
+    EXPECT_EQ(r.out.find("ssh exited"), std::string::npos);
+    EXPECT_NE(r.out.find("allreduce: "), std::string::npos);
+    EXPECT_NE(r.out.find(" ... ok"), std::string::npos);  // the tiny allreduce ran, here
+  }
+}
+
+// A host that is not this machine still goes through ssh (here one that fails at once).
+TEST(DoctorLocal, OtherHostsStillGoThroughSsh) {
+  auto r = test::run_process({test::cohort_tool(), "doctor", "--ssh-command", "false", "--timeout", "5", "-H",
+                              "node-that-is-not-here:1", "--no-allreduce"},
+                             {}, 60);
+  SCOPED_TRACE(r.out + r.err);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("unreachable over ssh: ssh exited with 1"), std::string::npos);
 }
 
 TEST(DoctorRequirements, ScaleWithWorldAndNodes) {

@@ -41,6 +41,29 @@ TEST(Hostfile, ErrorsNameFileAndLine) {
             "h.txt:1: 'slots=2': expected a host name first, then slots=N");
 }
 
+// A line that is no hostfile line blames its first word, the would-be host name, and says what a
+// line looks like; a name with characters no host name has is refused, in hostfiles and -H alike.
+TEST(Hostfile, ALineOfWordsBlamesTheHostNameNotTheSecondWord) {
+  EXPECT_EQ(error_of([] { parse_hostfile("good slots=2\n!!bad line here\n", "h.txt"); }),
+            "h.txt:2: '!!bad' is not a host name ('!' cannot appear in one); expected lines of 'HOST [slots=N] "
+            "[max_slots=M]'");
+  EXPECT_EQ(error_of([] { parse_hostfile("!!bad\n", "h.txt"); }),
+            "h.txt:1: '!!bad' is not a host name ('!' cannot appear in one); expected lines of 'HOST [slots=N] "
+            "[max_slots=M]'");
+  EXPECT_EQ(error_of([] { parse_hostfile("-n slots=2\n", "h.txt"); }),
+            "h.txt:1: '-n' is not a host name (it starts with '-'); expected lines of 'HOST [slots=N] [max_slots=M]'");
+  EXPECT_EQ(error_of([] { parse_host_list("a:2,b$c:1"); }), "-H 'b$c:1': 'b$c' is not a host name ('$' cannot appear in one)");
+  // What real clusters write still parses: names with '-', '_', '.', IPv4, IPv6, MPICH's host:N.
+  auto hosts = parse_hostfile("gpu-node_01.cluster.local slots=8\n10.0.0.7\nfe80::1%eth0 slots=2\nnode9:4\n[::1]:3\n",
+                              "h.txt");
+  ASSERT_EQ(hosts.size(), 5u);
+  EXPECT_EQ(hosts[0], (HostSlots{"gpu-node_01.cluster.local", 8, 0}));
+  EXPECT_EQ(hosts[1], (HostSlots{"10.0.0.7", 1, 0}));
+  EXPECT_EQ(hosts[2], (HostSlots{"fe80::1%eth0", 2, 0}));
+  EXPECT_EQ(hosts[3], (HostSlots{"node9", 4, 0}));
+  EXPECT_EQ(hosts[4], (HostSlots{"::1", 3, 0}));
+}
+
 TEST(HostList, CountsDefaultsAndRepeats) {
   auto hosts = parse_host_list("a:8,b,a:2,[::1]:3,10.0.0.2:1");
   ASSERT_EQ(hosts.size(), 4u);

@@ -89,7 +89,10 @@ TEST(RankTable, TheSchedulerEnvironmentFindsThisNodeAndEveryWorkerGetsItsDevice)
                 ": no server_id is an address of this host (node-c, 10.0.0.3); servers: 10.0.0.1, 10.0.0.2 (or give "
                 "--node-rank)");
   EXPECT_EQ(error_of([&] { read_scheduler_env({{"RANK_TABLE_FILE", dir.file("none.json")}}, {}); }),
-            "RANK_TABLE_FILE " + dir.file("none.json") + ": cannot read it");
+            "RANK_TABLE_FILE " + dir.file("none.json") + ": cannot read it: No such file or directory");
+  // The reason, not only the fact (a folder given by mistake).
+  EXPECT_EQ(error_of([&] { read_scheduler_env({{"RANK_TABLE_FILE", dir.path()}}, {}); }),
+            "RANK_TABLE_FILE " + dir.path() + ": cannot read it: it is a directory");
 
   Options o;
   o.program = {"train"};
