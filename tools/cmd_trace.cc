@@ -2,6 +2,9 @@
 // (docs/observability.md).
 #include <filesystem>
 #include <fstream>
+#include <regex>
+#include <tuple>
+#include <utility>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -73,18 +76,34 @@ int run_trace_merge(std::vector<std::string> args) {
   return 0;
 }
 
+// "A-B" or "A": the steps --steps names, numbered from 0.
+std::pair<int, int> parse_steps(const std::string& text) {
+  const std::regex form(R"(\s*([0-9]{1,9})\s*(?:-\s*([0-9]{1,9})\s*)?)");
+  std::smatch m;
+  if (!std::regex_match(text, m, form))
+    throw ConfigError(fmt::format("--steps {}: expected A-B or A, step numbers from 0", text));
+  const int first = std::stoi(m[1]);
+  return {first, m[2].matched ? std::stoi(m[2]) : first};
+}
+
 int run_trace_plot(std::vector<std::string> args) {
-  CLI::App app("Draws a merged timeline (Chrome-trace JSON) as a PNG: one lane per rank and track.", "cohort trace plot");
-  std::string in, out;
+  CLI::App app("Draws a merged timeline (Chrome-trace JSON) as a PNG: one lane per rank and track. Without a "
+               "window it draws the failure when the trace shows one, else a few steps in the middle of the run "
+               "(the whole trace when it is short), and says which.",
+               "cohort trace plot");
+  std::string in, out, steps;
   png::TimelineOptions opt;
-  double start_ms = NAN, end_ms = NAN;
+  png::WindowRequest window;
   app.add_option("trace", in, "merged timeline (cohort run --timeline)")->required();
   app.add_option("-o,--output", out, "PNG file to write")->required();
-  app.add_option("--start-ms", start_ms, "window start, in ms from the trace's start");
-  app.add_option("--end-ms", end_ms, "window end, in ms from the trace's start");
+  app.add_option("--start-ms", window.start_ms, "window start, in ms from the trace's start");
+  app.add_option("--end-ms", window.end_ms, "window end, in ms from the trace's start");
+  app.add_option("--steps", steps, "window: training steps A-B (or one, A), numbered from 0");
+  app.add_flag("--all", window.all, "window: the whole trace");
   app.add_option("--width", opt.width, "image width in pixels (default 1600)");
   app.add_option("--title", opt.title, "title drawn at the top");
   if (!parse_command_line(app, args)) return 0;
+  if (!steps.empty()) std::tie(window.first_step, window.last_step) = parse_steps(steps);
   std::ifstream f(in);
   if (!f) throw ConfigError(fmt::format("{}: cannot read", in));
   nlohmann::json trace;
@@ -93,10 +112,16 @@ int run_trace_plot(std::vector<std::string> args) {
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(fmt::format("{}: not JSON ({})", in, e.what()));
   }
-  opt.start_us = start_ms * 1000;
-  opt.end_us = end_ms * 1000;
+  png::TimelineWindow chosen;
+  try {
+    chosen = png::choose_window(trace, window);
+  } catch (const png::WindowError& e) {
+    throw ConfigError(fmt::format("{}: {}", in, e.what()));
+  }
+  opt.start_us = chosen.start_us;
+  opt.end_us = chosen.end_us;
   png::render_timeline_png(trace, out, opt);
-  fmt::print("{} -> {}\n", in, out);
+  fmt::print("{}\n{} -> {}\n", chosen.description, in, out);
   return 0;
 }
 

@@ -1,5 +1,6 @@
 // tools/trace_png.h: the timeline layout (lanes, nesting depth, pixel spans, window clipping, axis,
-// legend) checked as numbers, and the rendered file checked only for being a PNG of the asked width.
+// legend, labels) and the window `cohort trace plot` picks, checked as numbers, and the rendered file
+// checked only for being a PNG of the asked width.
 #include "tools/trace_png.h"
 
 #include <gmock/gmock.h>
@@ -16,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include "collectives/op_kind.h"
+
 namespace cohort::tools::png {
 namespace {
 
@@ -31,6 +34,27 @@ json complete(const std::string& name, int pid, int tid, double ts, double dur) 
 
 json instant(const std::string& name, int pid, int tid, double ts) {
   return {{"ph", "i"}, {"name", name}, {"cat", "ddp"}, {"pid", pid}, {"tid", tid}, {"ts", ts}, {"s", "t"}};
+}
+
+// A communicator operation as the merge writes it: its number, and whether it completed.
+json operation(const std::string& name, int pid, double ts, double dur, int seq, bool ok = true) {
+  return {{"ph", "X"},   {"name", name}, {"cat", "collective"}, {"pid", pid},
+          {"tid", 1},    {"ts", ts},     {"dur", dur},          {"args", {{"seq", seq}, {"ok", ok}}}};
+}
+
+// `ranks` ranks training `steps` steps of 10 ms from 1 ms on, as train::GradientSync records them: on
+// the training track (tid 0) "backward" then the fused "reduce and update", each step's allreduce on
+// the communicator's track (tid 1). Rank r's step starts r * 0.5 ms later than rank 0's.
+std::vector<json> training_run(int ranks, int steps) {
+  std::vector<json> events;
+  for (int r = 0; r < ranks; ++r)
+    for (int k = 0; k < steps; ++k) {
+      const double t = 1000 + k * 10000.0 + r * 500;
+      events.push_back(complete("backward", r, 0, t, 4000));
+      events.push_back(complete("reduce and update", r, 0, t + 4000, 3000));
+      events.push_back(operation("allreduce", r, t + 4100, 2800, k + 1));
+    }
+  return events;
 }
 
 json trace_of(std::vector<json> events) { return {{"traceEvents", events}, {"displayTimeUnit", "ns"}}; }
@@ -187,7 +211,7 @@ TEST(TracePng, ColourFollowsTheFirstWordAndTheLegendListsEachOnce) {
   EXPECT_TRUE(a.r == b.r && a.g == b.g && a.b == b.b);
   EXPECT_FALSE(a.r == c.r && a.g == c.g && a.b == c.b);
   std::vector<std::string> words;
-  for (const TimelineLegendEntry& entry : layout.legend) words.push_back(entry.word);
+  for (const TimelineLegendEntry& entry : layout.legend) words.push_back(entry.name);
   EXPECT_THAT(words, testing::ElementsAre("allreduce", "backward"));
 }
 
@@ -201,6 +225,234 @@ TEST(TracePng, UpToTwelveWordsGetTwelveDistinctColours) {
   for (const TimelineLegendEntry& entry : layout.legend) colours.insert({entry.fill.r, entry.fill.g, entry.fill.b});
   EXPECT_EQ(layout.legend.size(), 12u);
   EXPECT_EQ(colours.size(), 12u);
+}
+
+// A label is the whole name, its leading whole words, or its first word cut to 4 letters or more and
+// marked with "."; never a stub like "r.." that says nothing.
+TEST(TracePng, LabelsAreTheNameALegibleShorteningOrNothing) {
+  using timeline_detail::fit_text;
+  const std::vector<std::string> names = {"backward", "fused reduce+SGD step", "wait for buckets", "bucket ready 3",
+                                          "allreduce x12", "reduce_scatter", "send/recv", "barrier",
+                                          "rank 0 (vm) / communicator 016e929f", "a", "split"};
+  for (const std::string& name : names)
+    for (int px = 0; px <= 240; ++px) {
+      const std::string label = fit_text(name, px);
+      EXPECT_LE(Canvas::text_width(label), px) << name;
+      EXPECT_THAT(label, testing::Not(testing::EndsWith(".."))) << name << " at " << px;
+      if (label.empty() || label == name) continue;
+      const bool whole_words = name.compare(0, label.size() + 1, label + " ") == 0;
+      const std::string first = name.substr(0, name.find(' '));
+      const bool abbreviation = label.back() == '.' && label.size() - 1 >= 4 && label.size() < first.size() &&
+                                first.compare(0, label.size() - 1, label, 0, label.size() - 1) == 0;
+      EXPECT_TRUE(whole_words || abbreviation) << name << " at " << px << " px: \"" << label << "\"";
+      EXPECT_THAT(label, testing::Not(testing::EndsWith(" /"))) << name;
+    }
+  // The spans the old fitting cut to "r.." and "wai..": nothing, or a shorter whole phrase.
+  EXPECT_EQ(fit_text("reduce and update", 18), "");
+  EXPECT_EQ(fit_text("wait for buckets", 60), "wait for");
+  EXPECT_EQ(fit_text("backward", 40), "backw.");
+  EXPECT_EQ(fit_text("allreduce x12", 60), "allreduce");
+  EXPECT_EQ(fit_text("rank 0 (vm) / communicator 016e929f", 100), "rank 0 (vm)");
+}
+
+TEST(TracePng, BoxesOfTheDefaultWindowShowTheShownNamesLegibly) {
+  const json trace = trace_of(training_run(2, 100));
+  TimelineOptions opt;
+  const TimelineWindow window = choose_window(trace, {});
+  opt.start_us = window.start_us, opt.end_us = window.end_us;
+  const TimelineLayout layout = layout_timeline(trace, opt);
+  int fused_labels = 0;
+  for (const TimelineEvent& e : layout.events) {
+    if (e.name != "reduce and update") continue;
+    // Wide enough at this zoom to say what it is, and never by the collective's name alone.
+    EXPECT_EQ(e.label, "fused reduce+SGD step");
+    ++fused_labels;
+  }
+  EXPECT_GE(fused_labels, 2 * kDefaultSteps);
+}
+
+// The legend's names for the data-parallel spans are none of the collectives' names, nor start with
+// one: "reduce" in the legend is the reduce collective only.
+TEST(TracePng, LegendNamesOfTrainingSpansAreNotCollectiveNames) {
+  std::set<std::string> collectives;
+  for (int k = int(coll::OpKind::kAllreduce); k <= int(coll::kLastOpKind); ++k)
+    collectives.insert(coll::op_kind_name(coll::OpKind(k)));
+  ASSERT_TRUE(collectives.count("reduce"));
+  std::vector<json> events = {complete("backward", 0, 0, 0, 10), complete("reduce and update", 0, 0, 20, 10),
+                              complete("wait for buckets", 0, 0, 40, 10), instant("bucket ready 0", 0, 0, 5)};
+  double ts = 0;
+  for (const std::string& name : collectives) events.push_back(operation(name, 0, ts += 20, 10, 1));
+  const TimelineLayout layout = layout_timeline(trace_of(events), {});
+  std::set<std::string> legend;
+  for (const TimelineLegendEntry& entry : layout.legend) legend.insert(entry.name);
+  EXPECT_EQ(legend.size(), collectives.size() + 4);
+  for (const std::string& name : legend) {
+    if (collectives.count(name)) continue;
+    EXPECT_FALSE(collectives.count(name.substr(0, name.find_first_of(" +")))) << name;
+  }
+  for (const char* span : {"backward", "reduce and update", "wait for buckets", "bucket ready 0"})
+    EXPECT_FALSE(collectives.count(timeline_detail::legend_name(span))) << span;
+  EXPECT_TRUE(legend.count("fused reduce+SGD step"));
+
+  // And they differ in colour, not only in name.
+  const TimelineLayout two = layout_timeline(
+      trace_of({operation("reduce", 0, 0, 10, 1), complete("reduce and update", 0, 0, 20, 10)}), {});
+  const Rgb a = find_event(two, "reduce").fill, b = find_event(two, "reduce and update").fill;
+  EXPECT_FALSE(a.r == b.r && a.g == b.g && a.b == b.b);
+  ASSERT_EQ(two.legend.size(), 2u);
+}
+
+TEST(TracePng, FailedOperationsAreFramedAndInTheLegend) {
+  const TimelineLayout layout = layout_timeline(
+      trace_of({operation("allreduce", 0, 0, 10, 1), operation("allreduce", 0, 20, 100, 2, false)}), {});
+  EXPECT_FALSE(layout.events[0].failed);
+  EXPECT_TRUE(layout.events[1].failed);
+  EXPECT_EQ(layout.events[1].seq, 2);
+  ASSERT_EQ(layout.legend.size(), 2u);
+  EXPECT_EQ(layout.legend.back().name, "failed (ok: false)");
+}
+
+TEST(TracePng, DefaultWindowIsAFewStepsInTheMiddleOfALongRun) {
+  const json trace = trace_of(training_run(2, 100));
+  const TimelineWindow w = choose_window(trace, {});
+  EXPECT_EQ(w.steps, 100);
+  EXPECT_FALSE(w.around_failure);
+  EXPECT_EQ(w.first_step, 48);
+  EXPECT_EQ(w.last_step, 50);
+  // Step 48 starts with rank 0's backward at 481 ms; step 50 ends where step 51 starts, at 511 ms.
+  EXPECT_LE(w.start_us, 481000);
+  EXPECT_GT(w.start_us, 471000);  // not a step earlier
+  EXPECT_GE(w.end_us, 511000);
+  EXPECT_LT(w.end_us, 521000);
+  EXPECT_THAT(w.description, testing::HasSubstr("steps 48-50 of 100, the middle of the run"));
+  EXPECT_THAT(w.description, testing::HasSubstr("--steps A-B (0-99)"));
+  EXPECT_THAT(w.description, testing::HasSubstr("--start-ms/--end-ms"));
+  EXPECT_THAT(w.description, testing::StartsWith("window: 479.40-510.60 ms, steps 48-50"));
+  TimelineOptions opt;
+  opt.start_us = w.start_us, opt.end_us = w.end_us;
+  const TimelineLayout layout = layout_timeline(trace, opt);
+  EXPECT_LE(layout.events.size(), 4u * 3 * 5);  // 3 steps and their neighbours' edges, not 100 steps
+}
+
+TEST(TracePng, DefaultWindowIsAroundTheFailure) {
+  std::vector<json> events = training_run(2, 100);
+  // Rank 1's allreduce of step 70 never completed: it failed 2 s later, after which nothing ran.
+  events.erase(std::remove_if(events.begin(), events.end(),
+                              [](const json& e) { return e["ts"].get<double>() > 1000 + 70 * 10000.0 + 500; }),
+               events.end());
+  events.push_back(operation("allreduce", 1, 1000 + 70 * 10000.0 + 500 + 4100, 2e6, 71, false));
+  const TimelineWindow w = choose_window(trace_of(events), {});
+  EXPECT_TRUE(w.around_failure);
+  EXPECT_EQ(w.first_step, 69);
+  EXPECT_EQ(w.last_step, 70);
+  const double step_69 = 1000 + 69 * 10000.0, failed_at = 1000 + 70 * 10000.0 + 500 + 4100;
+  EXPECT_LE(w.start_us, step_69);
+  EXPECT_GT(w.start_us, step_69 - 10000);  // not a step earlier
+  // It failed 2 s later: the window goes as far past its start as it begins before it, not 2 s on.
+  EXPECT_GE(w.end_us, failed_at + (failed_at - step_69));
+  EXPECT_LT(w.end_us, failed_at + (failed_at - step_69) + 2000);
+  EXPECT_EQ(w.steps, 71);
+  EXPECT_THAT(w.description, testing::HasSubstr("around the failed #71 allreduce on pid 1 tid 1 at 704.60 ms (it "
+                                                "failed after 2000.00 ms; steps 69-70 of 71)"));
+  TimelineOptions opt;
+  opt.start_us = w.start_us, opt.end_us = w.end_us;
+  const TimelineLayout layout = layout_timeline(trace_of(events), opt);
+  const auto failed =
+      std::find_if(layout.events.begin(), layout.events.end(), [](const TimelineEvent& e) { return e.failed; });
+  ASSERT_NE(failed, layout.events.end());
+  EXPECT_EQ(failed->x1, layout.plot_x1);  // it runs on past the window's end
+  EXPECT_NEAR(failed->x0, (layout.plot_x0 + layout.plot_x1) / 2, 10);
+
+  // Without steps: the operations of its lane just before it.
+  std::vector<json> ops;
+  for (int i = 0; i < 100; ++i) ops.push_back(operation("allreduce", 0, i * 100.0, 50, i + 1, i != 60));
+  const TimelineWindow bare = choose_window(trace_of(ops), {});
+  EXPECT_TRUE(bare.around_failure);
+  EXPECT_EQ(bare.steps, 0);
+  EXPECT_LE(bare.start_us, 52 * 100.0);
+  EXPECT_GT(bare.start_us, 51 * 100.0);
+  EXPECT_GE(bare.end_us, 60 * 100.0 + 50);
+  EXPECT_LT(bare.end_us, 61 * 100.0);
+}
+
+TEST(TracePng, DefaultWindowOfAShortTraceIsTheWholeAndOfAnUntrainedOneTheBusiestLanesMiddle) {
+  const json short_run = trace_of(training_run(2, 3));
+  const TimelineWindow whole = choose_window(short_run, {});
+  EXPECT_EQ(whole.start_us, 1000);
+  EXPECT_EQ(whole.end_us, 1000 + 2 * 10000.0 + 500 + 7000);
+  EXPECT_THAT(whole.description, testing::HasSubstr("the whole trace"));
+
+  std::vector<json> ops;
+  for (int i = 0; i < 100; ++i) ops.push_back(operation("broadcast", 0, i * 100.0, 50, i + 1));
+  ops.push_back(complete("queue wait", 3, 3, 0, 10000));
+  const TimelineWindow middle = choose_window(trace_of(ops), {});
+  EXPECT_EQ(middle.steps, 0);
+  EXPECT_LE(middle.start_us, 38 * 100.0);
+  EXPECT_GT(middle.start_us, 37 * 100.0);
+  EXPECT_GE(middle.end_us, 61 * 100.0 + 50);
+  EXPECT_THAT(middle.description, testing::HasSubstr("24 events of pid 0 tid 1 in the middle of the trace"));
+}
+
+TEST(TracePng, AskedWindowsByStepsAndMilliseconds) {
+  const json trace = trace_of(training_run(2, 100));
+  WindowRequest steps;
+  steps.first_step = 10, steps.last_step = 11;
+  const TimelineWindow w = choose_window(trace, steps);
+  EXPECT_LE(w.start_us, 101000);
+  EXPECT_GT(w.start_us, 91000);
+  EXPECT_GE(w.end_us, 121000);
+  EXPECT_LT(w.end_us, 131000);
+  EXPECT_THAT(w.description, testing::HasSubstr("steps 10-11 of 100, as asked"));
+  WindowRequest last;
+  last.first_step = last.last_step = 99;
+  EXPECT_GE(choose_window(trace, last).end_us, 1000 + 99 * 10000.0 + 500 + 7000);  // the last rank's last span
+
+  // Milliseconds count from the trace's first event, here at ts 1000 us.
+  WindowRequest ms;
+  ms.start_ms = 10, ms.end_ms = 20;
+  const TimelineWindow by_ms = choose_window(trace, ms);
+  EXPECT_EQ(by_ms.start_us, 11000);
+  EXPECT_EQ(by_ms.end_us, 21000);
+  EXPECT_THAT(by_ms.description, testing::StartsWith("window: 10.00-20.00 ms, as asked"));
+  WindowRequest all;
+  all.all = true;
+  EXPECT_EQ(choose_window(trace, all).start_us, 1000);
+}
+
+// Errors speak in the flags the user typed, in their units: never start_us/end_us.
+TEST(TracePng, WindowErrorsNameTheMillisecondFlags) {
+  const json trace = trace_of(training_run(1, 100));
+  auto error_of = [&](const WindowRequest& req, const json& t) -> std::string {
+    try {
+      choose_window(t, req);
+    } catch (const WindowError& e) {
+      EXPECT_THAT(e.what(), testing::Not(testing::HasSubstr("_us")));
+      return e.what();
+    }
+    ADD_FAILURE() << "no WindowError";
+    return "";
+  };
+  WindowRequest backwards;
+  backwards.start_ms = 5, backwards.end_ms = 3;
+  EXPECT_EQ(error_of(backwards, trace), "--end-ms 3 must be after --start-ms 5");
+  WindowRequest late;
+  late.start_ms = 5000;
+  EXPECT_EQ(error_of(late, trace), "the trace's end (997.0 ms) must be after --start-ms 5000");
+  WindowRequest empty;
+  empty.start_ms = 8.5, empty.end_ms = 9.5;  // after step 0's reduce and update, before step 1's backward
+  EXPECT_EQ(error_of(empty, trace),
+            "no events between --start-ms 8.5 and --end-ms 9.5: the trace has events from 0 to 997.0 ms");
+  WindowRequest steps;
+  steps.first_step = 150, steps.last_step = 160;
+  EXPECT_EQ(error_of(steps, trace), "--steps 150-160: the trace has 100 steps, numbered 0-99");
+  steps.first_step = 5, steps.last_step = 4;
+  EXPECT_EQ(error_of(steps, trace), "--steps 5-4: the first step must not be after the last");
+  steps.first_step = steps.last_step = 0;
+  EXPECT_THAT(error_of(steps, trace_of({operation("allreduce", 0, 0, 10, 1)})),
+              testing::HasSubstr("--steps 0-0: the trace has no steps"));
+  WindowRequest both;
+  both.start_ms = 1, both.first_step = both.last_step = 2;
+  EXPECT_THAT(error_of(both, trace), testing::HasSubstr("give one of them"));
 }
 
 TEST(TracePng, ReadsTheBareArrayFormAndSkipsMalformedEvents) {
