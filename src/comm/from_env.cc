@@ -27,11 +27,9 @@ std::shared_ptr<Communicator> Communicator::from_env(CommOptions options) {
     return server->port();
   };
   // Under mpirun / srun --mpi=pmix without MASTER_ADDR, rank 0's store address (on a port the OS picks)
-  // travels through PMIx; the PMIx connection is kept until every rank has joined the communicator,
-  // which proves that each has read it.
-  std::unique_ptr<comm::pmix::Session> pmix;
+  // travels through PMIx.
   if (e.pmix) {
-    pmix = comm::pmix::exchange_store_address(e, options.timeout, [&] { return start_store(0); });
+    comm::pmix::exchange_store_address(e, options.timeout, [&] { return start_store(0); });
   } else if (e.host_store) {
     start_store(e.store_port);
   }

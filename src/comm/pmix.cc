@@ -1,6 +1,7 @@
 #include "comm/pmix.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -169,17 +170,21 @@ std::string hex(const std::string& bytes) {
   return out;
 }
 
-class SessionImpl : public Session {
+// The process's connection to its PMIx server.
+class Session {
  public:
-  SessionImpl(const abi::Api& api, std::chrono::milliseconds timeout, std::string where)
-      : api_(api), timeout_(timeout), where_(std::move(where)) {}
+  Session(const abi::Api& api, std::string where) : api_(api), where_(std::move(where)), pid_(getpid()) {}
 
-  ~SessionImpl() override {
-    // PMIx counts inits: this ends only our own (an MPI library's stays). PMIx_Finalize waits at most
-    // 2 s for its server's answer. Never after a call that did not come back: that thread is still
-    // inside libpmix.
-    if (open_ && !stuck_) api_.Finalize(nullptr, 0);
+  // PMIx counts inits: this ends only our own (an MPI library's stays). PMIx_Finalize waits at most
+  // 2 s for its server's answer. Not in a forked child (the connection is its parent's), and never
+  // after a call that did not come back: that thread is still inside libpmix.
+  void finalize() {
+    if (open_ && !stuck_ && getpid() == pid_) api_.Finalize(nullptr, 0);
+    open_ = false;
   }
+
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  bool stuck() const { return stuck_; }
 
   // Every call below runs on a thread that may outlive this object (bounded): its lambda owns what
   // libpmix reads or writes, and reaches libpmix through the process-wide table, not through `this`.
@@ -304,8 +309,9 @@ class SessionImpl : public Session {
   }
 
   const abi::Api& api_;
-  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
   std::string where_;
+  pid_t pid_;
   abi::Proc me_{};
   bool open_ = false;
   bool stuck_ = false;
@@ -314,7 +320,7 @@ class SessionImpl : public Session {
 // Where the other ranks reach rank 0's store: the loopback address when the whole job is on this
 // host (PMIx's local size is the job's size); else COHORT_TCP_ADDR; else this host's address on the
 // route to the host of the first rank that is not here (the interface the kernel would use to reach it).
-std::string store_host(SessionImpl& s, int world) {
+std::string store_host(Session& s, int world) {
   auto local = s.get_uint32(abi::kRankWildcard, abi::kLocalSize);
   if (local && static_cast<int>(*local) == world) return "127.0.0.1";
   if (std::string a = kTcpAddr.get(); !a.empty()) return a;
@@ -342,6 +348,19 @@ std::string store_host(SessionImpl& s, int world) {
                                 s.where(), why));
 }
 
+// Opened by the first exchange and kept until the process exits: Open MPI's MPI_Init after a
+// PMIx_Finalize in the same process fails ("getting local rank failed"), so a program that builds its
+// communicator before MPI_Init needs the connection to last. Never freed: the exit handler uses it.
+std::mutex session_mutex;
+Session* session = nullptr;
+std::string session_broken;  // why no session can be had (a PMIx call never returned)
+
+void finalize_at_exit() {
+  // A thread still in an exchange holds the lock (and waits on PMIx): leave PMIx alone then.
+  std::unique_lock<std::mutex> g(session_mutex, std::try_to_lock);
+  if (g.owns_lock() && session) session->finalize();
+}
+
 }  // namespace
 
 const abi::Api* load(std::string* why_not) {
@@ -353,25 +372,47 @@ const abi::Api* load(std::string* why_not) {
   return &loaded.api;
 }
 
-std::unique_ptr<Session> exchange_store_address(LaunchEnv& e, std::chrono::milliseconds timeout,
-                                                const std::function<uint16_t()>& start_store) {
+void exchange_store_address(LaunchEnv& e, std::chrono::milliseconds timeout,
+                            const std::function<uint16_t()>& start_store) {
   const std::string where = fmt::format("rank {} ({})", e.rank, net::hostname());
-  std::string why;
-  const abi::Api* api = load(&why);
-  if (!api) {
-    throw ConfigError(fmt::format("{}: MASTER_ADDR is not set and a PMIx server is named (PMIX_NAMESPACE, PMIX_RANK), "
-                                  "but libpmix cannot be loaded: {}; install libpmix2 (or set COHORT_PMIX_LIBRARY), "
-                                  "or set MASTER_ADDR and MASTER_PORT",
-                                  where, why));
+  std::lock_guard<std::mutex> g(session_mutex);
+  if (!session_broken.empty()) throw Error(fmt::format("{}: PMIx is unusable in this process: {}", where, session_broken));
+  if (!session) {
+    std::string why;
+    const abi::Api* api = load(&why);
+    if (!api) {
+      throw ConfigError(fmt::format("{}: MASTER_ADDR is not set and a PMIx server is named (PMIX_NAMESPACE, "
+                                    "PMIX_RANK), but libpmix cannot be loaded: {}; install libpmix2 (or set "
+                                    "COHORT_PMIX_LIBRARY), or set MASTER_ADDR and MASTER_PORT",
+                                    where, why));
+    }
+    auto s = std::make_unique<Session>(*api, where);
+    s->set_timeout(timeout);
+    try {
+      s->init();
+    } catch (const Error& err) {
+      if (s->stuck()) session_broken = err.what();
+      throw;
+    }
+    session = s.release();
+    std::atexit(finalize_at_exit);
   }
-  auto s = std::make_unique<SessionImpl>(*api, timeout, where);
-  s->init();
+  Session& s = *session;
+  s.set_timeout(timeout);
+  // A call that never returns leaves the session unusable: later exchanges fail at once instead of
+  // calling into libpmix beside the blocked thread.
+  struct MarkIfStuck {
+    Session& s;
+    ~MarkIfStuck() {
+      if (s.stuck() && session_broken.empty()) session_broken = "an earlier PMIx call never returned";
+    }
+  } mark{s};
 
-  auto size = s->get_uint32(abi::kRankWildcard, abi::kJobSize);
+  auto size = s.get_uint32(abi::kRankWildcard, abi::kJobSize);
   if (!size) throw ConfigError(fmt::format("{}: the PMIx server gives no job size (PMIX_JOB_SIZE)", where));
-  if (s->rank() != e.rank || (e.world_size != 0 && static_cast<int>(*size) != e.world_size)) {
+  if (s.rank() != e.rank || (e.world_size != 0 && static_cast<int>(*size) != e.world_size)) {
     throw ConfigError(fmt::format("{}: contradictory rank variables: PMIx says rank {} of {} (job {}) but {}", where,
-                                  s->rank(), *size, s->nspace(), e.rank_vars));
+                                  s.rank(), *size, s.nspace(), e.rank_vars));
   }
   e.world_size = static_cast<int>(*size);
   if (e.rank >= e.world_size) {
@@ -380,25 +421,25 @@ std::unique_ptr<Session> exchange_store_address(LaunchEnv& e, std::chrono::milli
 
   // Each Communicator::from_env of a process meets afresh (every rank makes the same calls in the same
   // order), so a second one never reads the first one's address.
-  static std::atomic<int> exchanges{0};
+  static int exchanges = 0;
   const std::string key = fmt::format("cohort.store.{}", ++exchanges);  // PMIx does not spread keys "pmix*"
   std::string published;
   if (e.rank == 0) {
     // Without a token of the user's, rank 0 makes one: it travels only through PMIx, to this job's ranks.
     if (e.token.empty()) e.token = hex(store_auth::make_nonce());
     const uint16_t port = start_store();
-    const std::string host = store_host(*s, e.world_size);
+    const std::string host = store_host(s, e.world_size);
     const std::string addr = host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port)
                                                                  : fmt::format("{}:{}", host, port);
     published = addr + " " + e.token;
-    s->put_and_commit(key, published);
+    s.put_and_commit(key, published);
   }
-  s->fence();
+  s.fence();
   if (e.rank != 0) {
-    auto value = s->get_string(0, key.c_str());
+    auto value = s.get_string(0, key.c_str());
     if (!value) {
       throw Error(fmt::format("{}: rank 0 of PMIx job {} published no store address (PMIx_Get {} after the fence)",
-                              where, s->nspace(), key));
+                              where, s.nspace(), key));
     }
     published = *value;
   }
@@ -408,7 +449,6 @@ std::unique_ptr<Session> exchange_store_address(LaunchEnv& e, std::chrono::milli
   e.store_host = host;
   e.store_port = port;
   e.token = published.substr(space + 1);
-  return s;
 }
 
 }  // namespace cohort::comm::pmix

@@ -85,17 +85,15 @@ const abi::Api* load(std::string* why_not);
 // Under a PMIx launcher without MASTER_ADDR (`e.pmix`): connects to the job's PMIx server, checks that
 // PMIx's rank and world size agree with `e`'s (and fills the world size when only PMIx knows it);
 // rank 0 calls start_store(), which starts the store server and returns its port, and publishes its
-// address; every rank then has e.store_host / e.store_port. Each wait is bounded by `timeout`.
+// address and a fresh job token (unless COHORT_JOB_TOKEN gave one); every rank then has
+// e.store_host / e.store_port / e.token. Each wait is bounded by `timeout`.
 //
-// The returned object keeps the PMIx connection until it dies (PMIx_Finalize): keep it until the
-// communicator is built, so that no rank disconnects before every rank has read the address.
+// The PMIx connection is opened once per process and ended at exit (PMIx_Finalize from an atexit
+// handler), not after the exchange: Open MPI's MPI_Init fails in a process that already finalized PMIx,
+// so a program that builds its communicator first and calls MPI_Init after needs it open.
 // Throws ConfigError when libpmix is missing, no PMIx server answers, or PMIx contradicts the
 // environment; TimeoutError when the server or a rank does not answer in time. One line each.
-class Session {
- public:
-  virtual ~Session() = default;
-};
-std::unique_ptr<Session> exchange_store_address(LaunchEnv& e, std::chrono::milliseconds timeout,
-                                                const std::function<uint16_t()>& start_store);
+void exchange_store_address(LaunchEnv& e, std::chrono::milliseconds timeout,
+                            const std::function<uint16_t()>& start_store);
 
 }  // namespace cohort::comm::pmix

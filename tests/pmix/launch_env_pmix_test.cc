@@ -53,25 +53,8 @@ TEST(LaunchEnvPmix, MpirunWithoutMasterAddrMeetsThroughPmix) {
   EXPECT_TRUE(r3.pmix);
   EXPECT_EQ(r3.rank, 3);
   EXPECT_FALSE(r3.host_store);
-}
 
-TEST(LaunchEnvPmix, SrunAndPmixOnlyLaunchers) {
-  // srun --mpi=pmix: Slurm's rank variables, PMIx's server.
-  auto s = resolve({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"PMIX_NAMESPACE", "slurm.pmix.7.0"},
-                    {"PMIX_RANK", "1"}});
-  EXPECT_TRUE(s.pmix);
-  EXPECT_EQ(s.source, "Slurm");
-  EXPECT_EQ(s.world_size, 4);
-  // A launcher that sets only PMIx's variables (prterun): the world size is PMIx's to give.
-  auto p = resolve({{"PMIX_NAMESPACE", "prterun-h-1@1"}, {"PMIX_RANK", "2"}});
-  EXPECT_TRUE(p.pmix);
-  EXPECT_EQ(p.source, "PMIx");
-  EXPECT_EQ(p.rank, 2);
-  EXPECT_EQ(p.world_size, 0);
-  EXPECT_FALSE(p.host_store);
-}
-
-TEST(LaunchEnvPmix, MasterAddrAndLauncherStoresWinOverPmix) {
+  // Only without MASTER_ADDR: a job that names its store keeps it.
   auto vars = mpirun_env(1, 2);
   vars["MASTER_ADDR"] = "10.0.0.1";
   vars["MASTER_PORT"] = "29500";
@@ -91,6 +74,22 @@ TEST(LaunchEnvPmix, MasterAddrAndLauncherStoresWinOverPmix) {
   // cohort run's variables without its store stay an error, PMIx or not.
   vars.erase("COHORT_STORE_ADDR");
   EXPECT_NE(error_of(vars).find("COHORT_STORE_ADDR is not"), std::string::npos) << error_of(vars);
+}
+
+TEST(LaunchEnvPmix, SrunAndPmixOnlyLaunchers) {
+  // srun --mpi=pmix: Slurm's rank variables, PMIx's server.
+  auto s = resolve({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"PMIX_NAMESPACE", "slurm.pmix.7.0"},
+                    {"PMIX_RANK", "1"}});
+  EXPECT_TRUE(s.pmix);
+  EXPECT_EQ(s.source, "Slurm");
+  EXPECT_EQ(s.world_size, 4);
+  // A launcher that sets only PMIx's variables (prterun): the world size is PMIx's to give.
+  auto p = resolve({{"PMIX_NAMESPACE", "prterun-h-1@1"}, {"PMIX_RANK", "2"}});
+  EXPECT_TRUE(p.pmix);
+  EXPECT_EQ(p.source, "PMIx");
+  EXPECT_EQ(p.rank, 2);
+  EXPECT_EQ(p.world_size, 0);
+  EXPECT_FALSE(p.host_store);
 }
 
 TEST(LaunchEnvPmix, NeitherMasterAddrNorPmixSaysWhatToSet) {

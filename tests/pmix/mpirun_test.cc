@@ -83,6 +83,19 @@ TEST(Mpirun, MainJobWithNothingElseSet) {
 }
 #endif
 
+#ifdef COHORT_MPI_AND_COHORT
+// MPI and cohort in one process, in either order: PMIx counts the inits, so cohort's PMIx_Finalize
+// after its exchange leaves MPI's connection alone, and MPI_Init after it connects afresh.
+TEST(Mpirun, MpiAndCohortInOneProcess) {
+  SKIP_WITHOUT_MPIRUN();
+  for (std::string order : {"mpi-first", "cohort-first"}) {
+    auto r = test::run_process(mpirun(2, {COHORT_MPI_AND_COHORT, order}), {}, 120);
+    ASSERT_EQ(r.exit_code, 0) << order << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("sum over 2 ranks: cohort 3, MPI 3"), std::string::npos) << order << "\n" << r.out;
+  }
+}
+#endif
+
 // PMIx variables as mpirun sets them, naming the server at `uri`; one process of a one-process job.
 std::vector<std::string> pmix_env(const std::string& uri) {
   std::vector<std::string> env = {"PMIX_NAMESPACE=cohort-test", "PMIX_RANK=0", "COHORT_TIMEOUT=2"};
