@@ -16,6 +16,7 @@
 
 #include "cohort/error.h"
 #include "common/env.h"
+#include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
 #include "store/auth.h"
@@ -255,9 +256,9 @@ class Session {
                                      where_, seconds + 2));
     }
     if (*status == abi::kErrTimeout) {
-      throw TimeoutError(fmt::format("{}: PMIx fence that hands out rank 0's store address: not every rank of job "
-                                     "{} reached it within {} s (each rank builds its communicator from the "
-                                     "environment, Communicator::from_env, at the same point)",
+      throw TimeoutError(fmt::format("{}: PMIx fence that hands out rank 0's store address: not every rank of PMIx "
+                                     "job {} reached it within {} s (COHORT_TIMEOUT); every rank must build its "
+                                     "communicator (Communicator::from_env)",
                                      where_, nspace(), seconds));
     }
     if (*status != abi::kSuccess) {
@@ -449,6 +450,8 @@ void exchange_store_address(LaunchEnv& e, std::chrono::milliseconds timeout,
   e.store_host = host;
   e.store_port = port;
   e.token = published.substr(space + 1);
+  log::info("the job's store is at {} (rank 0's, through PMIx job {}, {} ranks)", published.substr(0, space),
+            s.nspace(), e.world_size);
 }
 
 }  // namespace cohort::comm::pmix

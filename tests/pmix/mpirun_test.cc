@@ -66,6 +66,23 @@ TEST(Mpirun, BenchAllreduceWithNothingElseSet) {
   EXPECT_NE(r.out.find("# cohort bench allreduce: 2 ranks"), std::string::npos) << r.out;
 }
 
+// Rank 1 never builds its communicator: rank 0 waits in the PMIx fence until COHORT_TIMEOUT, then fails
+// with one line, and mpirun ends the job.
+TEST(Mpirun, ARankThatNeverComesEndsTheFenceAtTheDeadline) {
+  SKIP_WITHOUT_MPIRUN();
+  auto r = test::run_process(
+      mpirun(2, {"-x", "COHORT_TIMEOUT=3", "sh", "-c",
+                 "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then exec sleep 60; fi; exec \"$0\" bench allreduce -b 8 "
+                 "-e 8 -n 1 --trials 1",
+                 test::cohort_tool()}),
+      {}, 60);
+  EXPECT_NE(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("cohort bench allreduce: rank 0 ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("not every rank of PMIx job"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("reached it within 3 s (COHORT_TIMEOUT)"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 20) << "the fence ends at COHORT_TIMEOUT";
+}
+
 #ifdef COHORT_FASHION_MNIST
 TEST(Mpirun, MainJobWithNothingElseSet) {
   SKIP_WITHOUT_MPIRUN();
