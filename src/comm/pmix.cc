@@ -268,6 +268,8 @@ class Session {
   }
 
   const std::string& where() const { return where_; }
+  // What the last get answered, "NOT_FOUND (-46)" (for messages).
+  std::string last_get_status() const { return error_string(last_get_); }
 
  private:
   OwnedValue get(abi::Rank rank, const char* key) {
@@ -291,6 +293,7 @@ class Session {
                                      timeout_.count() + 2000));
     }
     OwnedValue out;
+    last_get_ = *status;
     if (*status == abi::kSuccess) out.v = call->value;
     return out;
   }
@@ -316,6 +319,7 @@ class Session {
   abi::Proc me_{};
   bool open_ = false;
   bool stuck_ = false;
+  abi::Status last_get_ = abi::kSuccess;
 };
 
 // Where the other ranks reach rank 0's store: the loopback address when the whole job is on this
@@ -410,7 +414,10 @@ void exchange_store_address(LaunchEnv& e, std::chrono::milliseconds timeout,
   } mark{s};
 
   auto size = s.get_uint32(abi::kRankWildcard, abi::kJobSize);
-  if (!size) throw ConfigError(fmt::format("{}: the PMIx server gives no job size (PMIX_JOB_SIZE)", where));
+  if (!size) {
+    throw ConfigError(fmt::format("{}: the PMIx server gives no job size (PMIx_Get PMIX_JOB_SIZE: {})", where,
+                                  s.last_get_status()));
+  }
   if (s.rank() != e.rank || (e.world_size != 0 && static_cast<int>(*size) != e.world_size)) {
     throw ConfigError(fmt::format("{}: contradictory rank variables: PMIx says rank {} of {} (job {}) but {}", where,
                                   s.rank(), *size, s.nspace(), e.rank_vars));
@@ -439,8 +446,8 @@ void exchange_store_address(LaunchEnv& e, std::chrono::milliseconds timeout,
   if (e.rank != 0) {
     auto value = s.get_string(0, key.c_str());
     if (!value) {
-      throw Error(fmt::format("{}: rank 0 of PMIx job {} published no store address (PMIx_Get {} after the fence)",
-                              where, s.nspace(), key));
+      throw Error(fmt::format("{}: no store address from rank 0 of PMIx job {} (PMIx_Get {} after the fence: {})",
+                              where, s.nspace(), key, s.last_get_status()));
     }
     published = *value;
   }

@@ -83,6 +83,19 @@ TEST(Mpirun, ARankThatNeverComesEndsTheFenceAtTheDeadline) {
   EXPECT_LT(r.seconds, 20) << "the fence ends at COHORT_TIMEOUT";
 }
 
+// Stray torchrun variables under mpirun would make each process a world of its own; PMIx knows better.
+TEST(Mpirun, RankVariablesThatContradictPmixAreOneLine) {
+  SKIP_WITHOUT_MPIRUN();
+  auto r = test::run_process(mpirun(2, {"-x", "RANK=0", "-x", "WORLD_SIZE=1", test::cohort_tool(), "bench", "allreduce",
+                                        "-b", "8", "-e", "8", "-n", "1", "--trials", "1"}),
+                             {}, 60);
+  EXPECT_NE(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("cohort bench allreduce: rank 0 ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("contradictory rank variables: PMIx says rank 1 of 2 (job "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(") but RANK=0 WORLD_SIZE=1\n"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("algbw"), std::string::npos) << "no rank ran alone: " << r.out;
+}
+
 #ifdef COHORT_FASHION_MNIST
 TEST(Mpirun, MainJobWithNothingElseSet) {
   SKIP_WITHOUT_MPIRUN();
