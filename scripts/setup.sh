@@ -15,8 +15,9 @@ packages=(
   # PyTorch integrations and the training example (libtorch C++ API, the Python backend, BLAS, data)
   python3 python3-dev python3-pytest pybind11-dev python3-torch libtorch-dev
   libopenblas0-pthread dataset-fashion-mnist
-  # peers and multi-host tests: Open MPI, network namespaces with sshd, iperf3
-  openmpi-bin libopenmpi-dev iproute2 openssh-server openssh-client iperf3 procps
+  # peers and multi-host tests: Open MPI, network namespaces with sshd, iperf3; PMIx's headers, against which
+  # the build checks the declarations it loads libpmix with (mpirun without MASTER_ADDR, src/comm/pmix.h)
+  openmpi-bin libopenmpi-dev libpmix-dev iproute2 openssh-server openssh-client iperf3 procps
 )
 
 missing=()

@@ -72,14 +72,15 @@ uint64_t weights_digest(nn::Module& m) {
   return h;
 }
 
+// PMIX_RANK: a PMIx launcher that sets no other rank variable (prterun).
 bool launched() {
-  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"})
     if (std::getenv(v)) return true;
   return false;
 }
 
 int env_rank() {
-  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"})
     if (const char* s = std::getenv(v)) return std::atoi(s);
   return 0;
 }

@@ -5,6 +5,7 @@
 #include "cohort/error.h"
 #include "comm/communicator_impl.h"
 #include "comm/launch_env.h"
+#include "comm/pmix.h"
 #include "comm/settings.h"
 #include "common/env.h"
 #include "common/log.h"
@@ -17,12 +18,20 @@ std::shared_ptr<Communicator> Communicator::from_env(CommOptions options) {
   comm::apply_env_overrides(options);
   log::set_identity(fmt::format("rank {}", e.rank));
   std::shared_ptr<StoreServer> server;
-  if (e.host_store) {
+  auto start_store = [&](uint16_t port) {
     StoreServerOptions so;
-    so.port = e.store_port;
+    so.port = port;
     so.token = e.token;
     so.backlog = std::max(16384, e.world_size);
     server = StoreServer::start(so);
+    return server->port();
+  };
+  // Under mpirun / srun --mpi=pmix without MASTER_ADDR, rank 0's store address (on a port the OS picks)
+  // travels through PMIx.
+  if (e.pmix) {
+    comm::pmix::exchange_store_address(e, options.timeout, [&] { return start_store(0); });
+  } else if (e.host_store) {
+    start_store(e.store_port);
   }
   StoreClientOptions co;
   co.host = e.store_host;

@@ -1,6 +1,8 @@
 #pragma once
 // Where a worker learns its rank, world size and rendezvous store: the launcher's COHORT_*
-// variables, else torchrun's, else Open MPI's or Slurm's rank variables with MASTER_ADDR/PORT.
+// variables, else torchrun's, else Open MPI's or Slurm's rank variables with MASTER_ADDR/PORT, else
+// (no MASTER_ADDR) the PMIx server that mpirun and srun --mpi=pmix run for every job: then the store's
+// address is exchanged through PMIx when the communicator is built (comm/pmix.h), not read here.
 
 #include <cstdint>
 #include <functional>
@@ -10,12 +12,16 @@
 namespace cohort::comm {
 
 struct LaunchEnv {
-  std::string source;        // "cohort run", "torchrun", "Open MPI", "Slurm" (for messages)
+  std::string source;        // "cohort run", "torchrun", "Open MPI", "Slurm", "PMIx" (for messages)
+  std::string rank_vars;     // the variables that gave the rank, "OMPI_COMM_WORLD_RANK=0 ..." (for messages)
   int rank = 0;
-  int world_size = 1;
+  int world_size = 1;        // 0: only PMIx knows it (a PMIx launcher that sets no other rank variables)
   std::string store_host;
   uint16_t store_port = 0;
   bool host_store = false;   // this rank starts the store server (rank 0 without a launcher)
+  // No MASTER_ADDR, but a PMIx server is named (PMIX_NAMESPACE, PMIX_RANK): store_host/store_port are
+  // empty until comm::pmix::exchange_store_address fills them (rank 0 hosts on a port the OS picks).
+  bool pmix = false;
   std::string token;         // COHORT_JOB_TOKEN, may be empty
   std::string prefix;        // job-scoped key prefix of the world communicator
   // The job's prefix whatever the process's role. In a parameter-server job (COHORT_ROLE) the

@@ -48,6 +48,11 @@ LaunchedJob launched(const char* want_role) {
                                   *role == std::string("server") ? "call cohort::ps::serve_from_env()"
                                                                  : "use cohort::ps::Client::from_env()"));
   comm::LaunchEnv e = comm::resolve_launch_env([](const std::string& n) { return env::get_raw(n); });
+  // Roles meet in the launcher's store; only a world communicator can meet through PMIx instead.
+  if (e.pmix)
+    throw ConfigError(fmt::format("COHORT_ROLE={} is set but COHORT_STORE_ADDR is not: parameter-server jobs start "
+                                  "with cohort run --ps N",
+                                  *role));
   CommOptions options;
   comm::apply_env_overrides(options);
   StoreClientOptions co;
