@@ -283,8 +283,8 @@ int run_run(std::vector<std::string> args) {
   if (run_as_root)
     note("--allow-run-as-root means nothing to cohort: it runs as root without it (mpirun refuses to)");
   if (oversubscribe)
-    note("--oversubscribe means nothing to cohort: it never caps a node's workers at its CPU cores (it binds no CPUs "
-         "when the workers outnumber them); -H/--hostfile slots still bound -n");
+    note("--oversubscribe means nothing to cohort: it never caps a node's workers at its CPU cores (--bind-to auto "
+         "binds none when the workers outnumber them); -H/--hostfile slots still bound -n");
   if (app.count("--monitor-interval"))
     note(fmt::format("--monitor-interval {}: cohort's supervision is event-driven (a worker's exit is seen the moment "
                      "the kernel reports it), so there is no interval to set; ignored",
