@@ -23,11 +23,18 @@ namespace {
 using launch::Options;
 
 // mpirun spellings CLI11 cannot express directly (multi-letter single-dash options).
-std::string normalise(const std::string& arg) {
+std::string normalise(const std::string& arg, const CLI::App& app) {
   if (arg == "-np" || arg == "--np") return "-n";
   if (arg.rfind("-np=", 0) == 0) return "-n=" + arg.substr(4);
   if (arg == "-host" || arg == "--host") return "-H";
   if (arg == "-hostfile" || arg == "-machinefile" || arg == "--machinefile") return "--hostfile";
+  if (arg == "-npernode") return "--npernode";
+  // mpirun takes its long options with one dash too (-bind-to none, -map-by, -report-bindings,
+  // -output-filename): those that are flags of ours with two dashes mean the same.
+  if (arg.size() > 2 && arg[0] == '-' && arg[1] != '-') {
+    std::string two = "-" + arg;
+    if (app.get_option_no_throw(two.substr(0, two.find('=')))) return two;
+  }
   return arg;
 }
 
@@ -115,14 +122,44 @@ int run_run(std::vector<std::string> args) {
   app.add_option("--ps-server", o.ps_server, "what servers run: builtin (cohort ps serve, default) or program (PROGRAM itself, which calls cohort::ps::serve_from_env() when COHORT_ROLE=server)");
   app.add_option("--run-id,--run_id,--rdzv-id,--rdzv_id", run_id, "job id (default: random; per-node: from the store address)");
 
+  // How PROGRAM runs (torchrun's forms) and torch.distributed.launch's --local_rank argument.
+  std::string python;
+  app.add_flag("-m,--module", o.module, "PROGRAM is a Python module: each worker runs PYTHON -u -m PROGRAM ARGS (torchrun's -m)");
+  app.add_flag("--no-python,--no_python", o.no_python, "run PROGRAM directly even when it ends in .py (torchrun's --no-python)");
+  app.add_option("--python", python, "interpreter of a .py PROGRAM and of -m (default: COHORT_PYTHON, else python3 on each host's PATH)");
+  app.add_flag("--append-local-rank", o.append_local_rank, "pass --local_rank=N to each worker before its arguments, as python -m torch.distributed.launch does");
+  app.add_flag("--use-env,--use_env", o.use_env, "torch.distributed.launch's: the program reads LOCAL_RANK from its environment (what cohort always gives)");
+  // mpirun's placement and reporting flags.
+  std::string npernode, map_by;
+  app.add_option("-N,--npernode", npernode, "processes per node (mpirun's -N/-npernode; the same as --nproc-per-node)");
+  app.add_option("--map-by", map_by, "mpirun's placement: slot, ppr:N:node, core, socket or numa (docs/launcher.md)");
+  app.add_flag("--report-bindings", o.report_bindings, "print each rank's CPU binding on stderr as it starts (mpirun's --report-bindings)");
+  bool run_as_root = false, oversubscribe = false;
+  app.add_flag("--allow-run-as-root", run_as_root, "accepted for mpirun command lines (cohort runs as root without it)");
+  app.add_flag("--oversubscribe", oversubscribe, "accepted for mpirun command lines (cohort never caps workers at the CPU cores)");
+  // torchrun's log files, console filter and monitor interval.
+  std::string log_dir, redirects, tee, local_ranks_filter, monitor_interval;
+  app.add_option("--log-dir,--log_dir", log_dir, "with --redirects/--tee: per-rank files DIR/<run id>/attempt_<n>/<rank>/{stdout,stderr}.log (torchrun's)");
+  app.add_option("-r,--redirects", redirects, "streams that go to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank 0:1,1:2 (torchrun's)");
+  app.add_option("-t,--tee", tee, "streams that go to the log files and the console, as --redirects (torchrun's)");
+  app.add_option("--local-ranks-filter,--local_ranks_filter", local_ranks_filter, "local ranks that print on the console: 0,1 (torchrun's; files still get every rank)");
+  app.add_option("--monitor-interval,--monitor_interval", monitor_interval, "accepted for torchrun command lines (cohort's supervision is event-driven: no interval)");
+
   // Split at PROGRAM: everything from the first positional argument on is the program's, untouched.
   std::vector<std::string> opts;
+  std::vector<std::pair<std::string, std::string>> mca;  // mpirun's -mca KEY VALUE
   size_t i = 1;
   for (; i < args.size(); ++i) {
-    std::string a = normalise(args[i]);
+    std::string a = normalise(args[i], app);
     if (a == "--") {
       ++i;
       break;
+    }
+    if (a == "-mca" || a == "--mca") {
+      if (i + 2 >= args.size()) throw ConfigError(fmt::format("{}: expected KEY VALUE", a));
+      mca.emplace_back(args[i + 1], args[i + 2]);
+      i += 2;
+      continue;
     }
     if (a.size() < 2 || a[0] != '-') break;
     opts.push_back(a);
@@ -136,6 +173,23 @@ int run_run(std::vector<std::string> args) {
   opts.insert(opts.begin(), args[0]);
   if (!parse_command_line(app, opts, "\nusage: cohort run [options] PROGRAM [ARGS...]\n")) return 0;
   if (!nproc.empty()) o.nproc_per_node = nproc;
+  if (app.count("-N")) {
+    if (o.nproc_per_node && *o.nproc_per_node != npernode)
+      throw ConfigError(fmt::format("--nproc-per-node {} and -N/--npernode {} both given; use one", *o.nproc_per_node,
+                                    npernode));
+    o.nproc_per_node = npernode;
+    o.nproc_per_node_flag = "-N/--npernode";
+  }
+  if (app.count("--python")) o.python = python;
+  if (app.count("--map-by")) o.map_by = map_by;
+  if (app.count("--log-dir")) o.log_dir = log_dir;
+  if (app.count("--redirects")) o.redirects = redirects;
+  if (app.count("--tee")) o.tee = tee;
+  if (app.count("--local-ranks-filter")) o.local_ranks_filter = local_ranks_filter;
+  if (app.count("--monitor-interval")) {
+    double s = seconds_flag("--monitor-interval", monitor_interval);
+    if (s <= 0) throw ConfigError(fmt::format("--monitor-interval {}: expected seconds > 0", monitor_interval));
+  }
   if (app.count("--gpus-per-node")) o.gpus_per_node = gpus_per_node;
   if (app.count("-n")) o.np = np;
   if (app.count("--nnodes")) {
@@ -204,6 +258,17 @@ int run_run(std::vector<std::string> args) {
   if (tag) o.tag_output = true;
   if (no_tag) o.tag_output = false;
   if (app.count("--ranks-to-console")) o.ranks_to_console = ranks_to_console;
+  for (const auto& [key, value] : mca) {
+    // The one MCA parameter people pass to a launcher (MindSpore's and others' mpirun lines): the abort
+    // policy. Open MPI 5 spells it prte_...
+    if (key != "orte_abort_on_non_zero_status" && key != "prte_abort_on_non_zero_status")
+      throw ConfigError(fmt::format("-mca {} {}: cohort takes no MCA parameters but orte_abort_on_non_zero_status "
+                                    "(0: --no-abort-on-failure); its own flags stand for the rest (docs/launcher.md)",
+                                    key, value));
+    if (value == "0" || value == "false") no_abort = true;
+    else if (value != "1" && value != "true")
+      throw ConfigError(fmt::format("-mca {} {}: expected 0 (the job goes on after a failure) or 1 (it stops)", key, value));
+  }
   o.abort_on_failure = !no_abort;
   if (app.count("--run-id")) o.run_id = run_id;
   if (app.count("--ps")) o.ps = ps_servers;
@@ -212,6 +277,27 @@ int run_run(std::vector<std::string> args) {
   auto env = launch::current_env();
   launch::MachineFacts machine = launch::this_machine(o.gpus_per_node.has_value());
   launch::Plan plan = launch::build_plan(o, env, machine);
+  // Flags accepted from torchrun's and mpirun's command lines that cohort has no use for, or does
+  // otherwise: one line each, so that nobody counts on them.
+  auto note = [](const std::string& line) { fmt::print(stderr, "cohort run: note: {}\n", line); };
+  if (run_as_root)
+    note("--allow-run-as-root means nothing to cohort: it runs as root without it (mpirun refuses to)");
+  if (oversubscribe)
+    note("--oversubscribe means nothing to cohort: it never caps a node's workers at its CPU cores (--bind-to auto "
+         "binds none when the workers outnumber them); -H/--hostfile slots still bound -n");
+  if (app.count("--monitor-interval"))
+    note(fmt::format("--monitor-interval {}: cohort's supervision is event-driven (a worker's exit is seen the moment "
+                     "the kernel reports it), so there is no interval to set; ignored",
+                     monitor_interval));
+  if (o.use_env)
+    note("--use-env: every worker gets LOCAL_RANK in its environment anyway; cohort passes --local_rank=N only with "
+         "--append-local-rank");
+  if (o.log_dir && o.redirects.value_or("0") == "0" && o.tee.value_or("0") == "0")
+    note(fmt::format("--log-dir {} without --redirects or --tee: no output is written there (as with torchrun); "
+                     "--tee 3 writes both streams to files and the console",
+                     *o.log_dir));
+  else if (!o.log_dir && !plan.logs.dir.empty())
+    note(fmt::format("the ranks' log files go under {} (--log-dir chooses the folder)", plan.logs.dir));
   if (o.dry_run) {
     std::string store = plan.mode == launch::Mode::kPerNode || plan.master_port != 0
                             ? fmt::format("{}:{}", plan.master_addr, plan.master_port)

@@ -75,12 +75,23 @@ int main(int argc, char** argv) {
   } else if (!group_commands(args[0]).empty()) {
     // A group word alone, with --help, or with a second word that is not one of its commands.
     const bool help = args.size() >= 2 && (args[1] == "-h" || args[1] == "--help" || args[1] == "help");
-    if (args.size() >= 2 && !help) fmt::print(stderr, "cohort {}: unknown command '{}'\n", args[0], args[1]);
+    if (args.size() >= 2 && !help) {
+      std::vector<std::string> words;
+      for (const auto& full : group_commands(args[0])) words.push_back(full.substr(args[0].size() + 1));
+      std::string guess = closest_match(args[1], words);
+      fmt::print(stderr, "cohort {}: unknown command '{}'{} (cohort {} --help lists its commands)\n", args[0], args[1],
+                 guess.empty() ? "" : fmt::format("; did you mean 'cohort {} {}'?", args[0], guess), args[0]);
+      return 2;
+    }
     print_group_usage(help ? stdout : stderr, args[0]);
     return help ? 0 : 2;
   } else {
-    fmt::print(stderr, "cohort: unknown command '{}'\n", args[0]);
-    print_usage(stderr);
+    // One line, with the command that was probably meant ("rnu": run).
+    std::vector<std::string> words;
+    for (const auto& [name, e] : commands()) words.push_back(name.substr(0, name.find(' ')));
+    std::string guess = closest_match(args[0], words);
+    fmt::print(stderr, "cohort: unknown command '{}'{} (cohort --help lists the commands)\n", args[0],
+               guess.empty() ? "" : fmt::format("; did you mean 'cohort {}'?", guess));
     return 2;
   }
   std::vector<std::string> rest;

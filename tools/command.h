@@ -24,9 +24,15 @@ struct Registration {
 
 // Parses a command's arguments (`args[0]` is its name, as a CommandFn receives them) with `app`.
 // Returns false when --help was asked for: the help (and `after_help`) is printed and the command
-// returns 0. A bad flag throws ConfigError "<what CLI11 says> (cohort <name> --help lists the flags)",
-// which main prints as one line and exits with 2.
+// returns 0. A bad flag throws ConfigError, one line naming the flag as the user spelled it and what
+// was expected ("unknown flag --nproc-pre-node (did you mean --nproc-per-node?)", "-n given twice
+// (-n 2, -n 3); give it once", "--node-rank abc: expected a whole number") and ending "(cohort <name>
+// --help lists the flags)"; main prints it and exits with 2.
 bool parse_command_line(CLI::App& app, const std::vector<std::string>& args, const std::string& after_help = "");
+
+// The candidate closest to `word` (edit distance, adjacent swaps counting as one edit, '_' the same as
+// '-'), or "" when none is close enough to be what was meant.
+std::string closest_match(const std::string& word, const std::vector<std::string>& candidates);
 
 // The job token for a store: the trimmed contents of `token_file` when one is given (ConfigError
 // naming the file when it cannot be read or is empty), else COHORT_JOB_TOKEN, else "".

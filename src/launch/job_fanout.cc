@@ -174,8 +174,13 @@ int run_agent_from_stdin() {
   ctx.torch_port = msg.value("torch_port", 0);
   ctx.agent_mode = true;
   ctx.env = current_env();
-  // The program is resolved again here: this host's PATH decides.
-  ctx.plan.program_path = resolve_program(ctx.plan.program.at(0));
+  // As mpirun: the workers run in the head's folder when this host has it (else in the agent's own), so
+  // a relative PROGRAM or script means the same file on every host.
+  if (!ctx.plan.form.working_dir.empty() && chdir(ctx.plan.form.working_dir.c_str()) != 0)
+    log::info("agent: the head's folder {} is not here ({}); the workers run in this agent's folder",
+              ctx.plan.form.working_dir, strerror(errno));
+  // The program (or the Python interpreter of a script) is resolved again here: this host's PATH decides.
+  resolve_worker_command(ctx.plan, &resolve_program);
   log::set_identity(fmt::format("agent node {}", ctx.plan.this_node));
   return run_job(std::move(ctx));
 }

@@ -2,6 +2,7 @@
 // window, SIGTERM, SIGKILL after the grace), and their exits turned into the job's end.
 #include <sched.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include <errno.h>
@@ -25,6 +26,23 @@ extern char** environ;
 
 namespace cohort::launch::job_detail {
 
+namespace {
+
+// torchrun's layout: DIR/<run id>/attempt_<n>/<rank>/{stdout,stderr}.log (torchrun names the rank
+// folder by local rank; the global rank keeps several nodes' files apart on a shared filesystem).
+std::string rank_log_dir(const Plan& plan, int attempt, int process) {
+  return fmt::format("{}/attempt_{}/{}", plan.logs.dir, attempt, plan.process_tag(process));
+}
+
+// The streams (bit 1 stdout, bit 2 stderr) process `process` writes to its torchrun-style log files.
+int log_file_streams(const Plan& plan, int process) {
+  if (plan.logs.dir.empty()) return 0;
+  const int local = plan.local_rank_of(process);
+  return std_streams("--redirects", plan.logs.redirects, local) | std_streams("--tee", plan.logs.tee, local);
+}
+
+}  // namespace
+
 void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
                        const GpuAssignment& gpu) {
   WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu};
@@ -47,7 +65,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   std::vector<char*> envp, argv;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::vector<std::string> args = plan_.program;
+  std::vector<std::string> args = worker_argv(plan_, w.rank);
   std::string path = plan_.program_path;
   if (builtin_server) {
     // The built-in server is this very tool (the same build as the launcher).
@@ -64,6 +82,11 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   t.merge_stderr = plan_.merge_stderr;
   t.to_console = plan_.all_ranks_to_console || std::find(plan_.ranks_to_console.begin(), plan_.ranks_to_console.end(),
                                                           w.rank) != plan_.ranks_to_console.end();
+  const int local_rank = plan_.local_rank_of(w.rank);
+  if (!plan_.logs.all_local_ranks &&
+      std::find(plan_.logs.console_local_ranks.begin(), plan_.logs.console_local_ranks.end(), local_rank) ==
+          plan_.logs.console_local_ranks.end())
+    t.to_console = false;
   if (!plan_.output_dir.empty()) {
     std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, plan_.process_tag(w.rank));
     std::error_code ec;
@@ -77,6 +100,22 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     };
     t.file_out = open_file("stdout");
     if (!plan_.merge_stderr) t.file_err = open_file("stderr");
+  }
+  if (const int streams = log_file_streams(plan_, w.rank); streams != 0) {
+    // torchrun's --redirects (the files only) and --tee (the files and the console). Merged, the one
+    // stream is stdout's.
+    std::string dir = rank_log_dir(plan_, attempt, w.rank);
+    auto open_file = [&](const char* name) {
+      std::string p = dir + "/" + name;
+      UniqueFd fd(::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644));
+      if (!fd) throw ConfigError(net::errno_string("--log-dir: open " + p, errno));
+      return fd;
+    };
+    const int redirected = std_streams("--redirects", plan_.logs.redirects, local_rank);
+    if (streams & 1) t.file_out = open_file("stdout.log");
+    if ((streams & 2) && !plan_.merge_stderr) t.file_err = open_file("stderr.log");
+    t.redirect_out = (redirected & 1) != 0;
+    t.redirect_err = (redirected & 2) != 0;
   }
   // stdout goes straight to the console when nothing needs to see it; stderr is always piped for
   // the failure summary's last lines.
@@ -162,6 +201,13 @@ void Job::spawn_workers(int attempt) {
       if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
     }
   }
+  for (int l = 0; l < node->nproc; ++l) {
+    if (log_file_streams(plan_, node->first_rank + l) == 0) continue;
+    std::string dir = rank_log_dir(plan_, attempt, node->first_rank + l);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw ConfigError(fmt::format("--log-dir: cannot create {}: {}", dir, ec.message()));
+  }
   stop_inspector();
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
@@ -172,6 +218,16 @@ void Job::spawn_workers(int attempt) {
   for (int l = 0; l < node->nproc; ++l) {
     if (end_) break;  // a signal arrived meanwhile
     spawn_worker(workers_[l], *node, attempt, bindings[l], gpus_.empty() ? GpuAssignment{} : gpus_[l]);
+    if (plan_.report_bindings) {
+      // mpirun's --report-bindings: one line per rank, on the launcher's stderr (an agent's reaches
+      // the head's).
+      std::vector<int> mine = bindings[l];
+      std::sort(mine.begin(), mine.end());
+      say(fmt::format("{} on {} (local rank {}, pid {}): {}", plan_.process_name(workers_[l].rank), node->host,
+                      plan_.local_rank_of(workers_[l].rank), workers_[l].pid,
+                      mine.empty() ? "not bound (may run on any of CPUs " + str::format_ranges(cpus) + ")"
+                                   : "bound to CPUs " + str::format_ranges(mine)));
+    }
   }
   start_inspector(attempt);
 }

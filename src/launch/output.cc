@@ -28,11 +28,14 @@ void OutputSink::emit_console_line(bool is_stderr, const std::string& line) {
 
 void OutputSink::on_data(bool is_stderr, const char* data, size_t n) {
   if (n == 0) return;
-  // Files get the raw bytes.
-  if (is_stderr && t_.file_err) write_fully(t_.file_err.get(), data, n);
-  else if (t_.file_out) write_fully(t_.file_out.get(), data, n);
+  // Files get the raw bytes; a stream without a file of its own (torchrun's --redirects 1) writes none.
+  if (is_stderr && !t_.merge_stderr) {
+    if (t_.file_err) write_fully(t_.file_err.get(), data, n);
+  } else if (t_.file_out) {
+    write_fully(t_.file_out.get(), data, n);
+  }
 
-  if (t_.to_console) {
+  if (console_gets(is_stderr)) {
     if (t_.tag.empty() && !t_.line_mode) {
       write_fully(is_stderr && !t_.merge_stderr ? t_.console_err : t_.console_out, data, n);
     } else {
@@ -75,7 +78,7 @@ void OutputSink::on_data(bool is_stderr, const char* data, size_t n) {
 
 void OutputSink::on_eof(bool is_stderr) {
   std::string& part = partial_[is_stderr ? 1 : 0];
-  if (!part.empty() && t_.to_console) emit_console_line(is_stderr, part);
+  if (!part.empty() && console_gets(is_stderr)) emit_console_line(is_stderr, part);
   part.clear();
   if ((is_stderr || t_.merge_stderr) && !tail_partial_.empty()) {
     tail_.push_back(std::move(tail_partial_));

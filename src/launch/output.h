@@ -17,6 +17,9 @@ struct OutputTargets {
   bool line_mode = false;    // split into lines even without a tag (relaying agents)
   bool to_console = true;
   bool merge_stderr = false;  // stderr goes where stdout goes (console and file)
+  // torchrun's --redirects: this stream goes to its file only, never to the console.
+  bool redirect_out = false;
+  bool redirect_err = false;
   int console_out = 1;
   int console_err = 2;
   UniqueFd file_out;  // DIR/rank.N/stdout (or invalid)
@@ -36,6 +39,7 @@ class OutputSink {
 
  private:
   void emit_console_line(bool is_stderr, const std::string& line);
+  bool console_gets(bool is_stderr) const { return t_.to_console && !(is_stderr ? t_.redirect_err : t_.redirect_out); }
   OutputTargets t_;
   size_t tail_lines_;
   std::string partial_[2];       // unfinished console line per stream

@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -32,6 +35,8 @@ const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
 }  // namespace
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, working_dir)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RankLogs, dir, redirects, tee, console_local_ranks, all_local_ranks)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, nodes, host_store, master_addr,
                                    master_port, job_id, token_from_env, sources, schedulers, extra_env,
                                    set_omp_threads, tag_output, output_dir, merge_stderr, ranks_to_console,
@@ -40,7 +45,13 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    join_timeout_s, kill_grace_s, ssh_command, timeline_path, stats, trace_dir,
                                    stall_warn_s, flight_recorder, program_path, program, ps_servers,
                                    num_workers, ps_mode, ps_server_program, rank_table_slots,
-                                   rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s)
+                                   rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s, form, logs,
+                                   report_bindings)
+
+// The Python interpreter of .py programs and -m modules (read from the launcher's environment map,
+// like every setting build_plan uses, so that tests can give it).
+const env::StringSetting kPython("COHORT_PYTHON", "python3",
+                                 "interpreter that runs a .py PROGRAM and -m MODULE (cohort run --python overrides)");
 
 const char* mode_name(Mode m) {
   switch (m) {
@@ -94,6 +105,12 @@ std::string Plan::process_tag(int process) const {
   return r.server ? fmt::format("ps{}", r.index) : std::to_string(r.index);
 }
 
+int Plan::local_rank_of(int process) const {
+  if (ps_servers > 0) return role_of(process).local_index;
+  const NodePlan* n = node_of_process(process);
+  return n ? process - n->first_rank : 0;
+}
+
 std::string Plan::source_of(const std::string& setting) const {
   for (const auto& [k, v] : sources)
     if (k == setting) return v;
@@ -131,6 +148,12 @@ std::string resolve_program(const std::string& program) {
     std::string candidate = dir + "/" + program;
     if (check(candidate)) return candidate;
   }
+  // A file of that name right here is not run (a shell would not run it either), but the user most
+  // likely meant it.
+  struct stat here {};
+  if (stat(program.c_str(), &here) == 0 && S_ISREG(here.st_mode))
+    throw ConfigError(fmt::format("program '{}' not found on PATH (there is one in this folder: name it ./{})",
+                                  program, program));
   throw ConfigError(fmt::format("program '{}' not found on PATH", program));
 }
 
@@ -192,7 +215,7 @@ bool is_this_machine(const std::string& host, const MachineFacts& machine) {
 
 namespace {
 
-int parse_nproc(const std::string& text, const MachineFacts& machine, std::string& how) {
+int parse_nproc(const std::string& flag, const std::string& text, const MachineFacts& machine, std::string& how) {
   if (text == "auto") {
     how = machine.gpu_count > 0 ? fmt::format("auto: {} visible GPUs", machine.gpu_count)
                                 : fmt::format("auto: {} CPU cores", machine.cpu_count);
@@ -207,7 +230,7 @@ int parse_nproc(const std::string& text, const MachineFacts& machine, std::strin
     v = 0;
   }
   if (v < 1 || v > 100000)
-    throw ConfigError(fmt::format("--nproc-per-node {}: expected a positive number or 'auto'", text));
+    throw ConfigError(fmt::format("{} {}: expected a positive number or 'auto'", flag, text));
   return static_cast<int>(v);
 }
 
@@ -327,12 +350,133 @@ void set_elastic(Plan& p, const Options& o, const EnvMap& env, int min_nodes, in
 
 }  // namespace
 
+namespace {
+
+// mpirun's --map-by, in the forms that say something cohort's placement and binding can do: `slot`
+// is cohort's placement (each node's ranks in turn), `ppr:N:node` is N processes per node, `core`
+// binds each local rank to a CPU and `socket`/`numa` to a NUMA node (cohort knows NUMA nodes, not
+// sockets: on the usual one-node-per-socket machine they are the same), unless --bind-to says
+// otherwise. Returns the processes per node `ppr:N:node` asks for.
+std::optional<int> apply_map_by(const std::string& given, std::string& bind_to) {
+  std::string form = given;
+  std::transform(form.begin(), form.end(), form.begin(), [](unsigned char c) { return std::tolower(c); });
+  const char* supported = "supported: slot, ppr:N:node, core, socket, numa";
+  if (form == "slot") return std::nullopt;
+  if (form == "core" || form == "socket" || form == "numa") {
+    if (bind_to == "auto") bind_to = form == "core" ? "core" : "numa";
+    return std::nullopt;
+  }
+  if (form == "node")
+    throw ConfigError(fmt::format("--map-by node: cohort gives each node consecutive ranks (as torchrun numbers "
+                                  "them) and cannot deal them out round-robin; {}",
+                                  supported));
+  auto parts = str::split(form, ':', true);
+  if (parts.size() == 3 && parts[0] == "ppr" && parts[2] == "node") {
+    char* end = nullptr;
+    long n = std::strtol(parts[1].c_str(), &end, 10);
+    if (parts[1].empty() || *end != '\0' || n < 1 || n > 100000)
+      throw ConfigError(fmt::format("--map-by {}: expected ppr:N:node with N a positive number", given));
+    return static_cast<int>(n);
+  }
+  throw ConfigError(fmt::format("--map-by {}: not a form cohort maps ({}; modifiers such as :PE=n and "
+                                "ppr:N:socket are not)",
+                                given, supported));
+}
+
+// torchrun's program forms: a PROGRAM ending in .py runs as `PYTHON -u PROGRAM ARGS` and -m MODULE as
+// `PYTHON -u -m MODULE ARGS`; --no-python runs PROGRAM directly whatever its name. Other programs run
+// directly as before (torchrun would hand them to Python too; cohort runs executables of any kind).
+void set_program_form(Plan& p, const Options& o, const EnvMap& env) {
+  const std::string& program = o.program[0];
+  if (o.module && o.no_python)
+    throw ConfigError("-m/--module and --no-python both given: -m runs PROGRAM as a Python module, --no-python runs "
+                      "it directly; use one");
+  if (o.python && o.no_python) throw ConfigError("--python and --no-python both given; use one");
+  if (o.use_env && o.append_local_rank)
+    throw ConfigError("--use-env and --append-local-rank both given: --use-env says the program reads LOCAL_RANK "
+                      "from its environment, --append-local-rank passes --local_rank=N; use one");
+  const bool script = !o.no_python && !o.module && program.size() > 3 && program.ends_with(".py");
+  p.form.kind = o.module ? "module" : script ? "script" : "direct";
+  p.form.append_local_rank = o.append_local_rank;
+  if (p.form.kind == "direct") {
+    if (o.python)
+      throw ConfigError(fmt::format("--python {}: '{}' runs directly (it does not end in .py and -m is not given); "
+                                    "name the interpreter as PROGRAM instead: cohort run ... {} {}",
+                                    *o.python, program, *o.python, program));
+    return;
+  }
+  auto from_env = env.find(kPython.name());
+  if (o.python) {
+    p.form.python = *o.python;
+    p.form.python_source = "--python";
+  } else if (from_env != env.end() && !from_env->second.empty()) {
+    p.form.python = from_env->second;
+    p.form.python_source = kPython.name();
+  } else {
+    p.form.python = "python3";
+    p.form.python_source = "default";
+  }
+  if (p.form.python.empty()) throw ConfigError("--python: expected an interpreter (a name on PATH or a path)");
+}
+
+// torchrun's log files and console filter: --log-dir DIR, --redirects/--tee SPEC, --local-ranks-filter.
+void set_rank_logs(Plan& p, const Options& o, const EnvMap& env) {
+  if (o.redirects) std_streams("--redirects", *o.redirects, 0);  // the syntax, for every node alike
+  if (o.tee) std_streams("--tee", *o.tee, 0);
+  p.logs.redirects = o.redirects.value_or("");
+  p.logs.tee = o.tee.value_or("");
+  const bool any_files = (!p.logs.redirects.empty() && p.logs.redirects != "0") || (!p.logs.tee.empty() && p.logs.tee != "0");
+  if ((o.log_dir || any_files) && !o.output_dir.empty())
+    throw ConfigError("--output-filename and --log-dir/--redirects/--tee both given: use one way of writing per-rank files");
+  if (o.log_dir && o.log_dir->empty()) throw ConfigError("--log-dir: expected a folder");
+  std::string base = o.log_dir.value_or("");
+  if (base.empty() && any_files) {
+    // As torchrun, which writes to a fresh temporary folder when --log-dir is not given.
+    auto tmp = env.find("TMPDIR");
+    base = (tmp != env.end() && !tmp->second.empty() ? tmp->second : std::string("/tmp")) + "/cohort-logs";
+  }
+  if (!base.empty())
+    p.logs.dir = (std::filesystem::absolute(base) / p.job_id).lexically_normal().string();
+  if (o.local_ranks_filter) {
+    p.logs.all_local_ranks = false;
+    if (*o.local_ranks_filter != "none" && !o.local_ranks_filter->empty())
+      p.logs.console_local_ranks = str::parse_int_list(*o.local_ranks_filter, "--local-ranks-filter");
+  }
+}
+
+}  // namespace
+
+int std_streams(const std::string& flag, const std::string& spec, int local_rank) {
+  if (spec.empty()) return 0;
+  auto bad = [&] {
+    return ConfigError(fmt::format("{} {}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both) for every local "
+                                   "rank, or LOCAL_RANK:N pairs such as 0:1,1:2",
+                                   flag, spec));
+  };
+  auto streams = [&](std::string_view text) {
+    if (text.size() != 1 || text[0] < '0' || text[0] > '3') throw bad();
+    return text[0] - '0';
+  };
+  if (spec.find(':') == std::string::npos) return streams(spec);
+  int mine = 0;
+  for (const auto& item : str::split(spec, ',', true)) {
+    auto colon = item.find(':');
+    if (colon == std::string::npos || colon == 0) throw bad();
+    std::string key = item.substr(0, colon);
+    if (key.find_first_not_of("0123456789") != std::string::npos || key.size() > 6) throw bad();
+    int value = streams(std::string_view(item).substr(colon + 1));
+    if (std::stoi(key) == local_rank) mine = value;
+  }
+  return mine;
+}
+
 Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine) {
   Plan p;
   auto source = [&](const std::string& setting, const std::string& from) { p.sources.emplace_back(setting, from); };
 
   if (o.program.empty()) throw ConfigError("no PROGRAM given (usage: cohort run [options] PROGRAM [ARGS...])");
   p.program = o.program;
+  set_program_form(p, o, env);
   if (o.kill_grace_s < 0) throw ConfigError(fmt::format("--kill-grace {}: expected seconds >= 0", o.kill_grace_s));
   if (o.join_timeout_s <= 0)
     throw ConfigError(fmt::format("--join-timeout {}: expected seconds > 0", o.join_timeout_s));
@@ -344,7 +488,20 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     throw ConfigError(fmt::format("--master-port {}: expected a port between 1 and 65535", *o.master_port));
   std::string nproc_how;
   std::optional<int> nproc_flag;
-  if (o.nproc_per_node) nproc_flag = parse_nproc(*o.nproc_per_node, machine, nproc_how);
+  std::string nproc_flag_name = o.nproc_per_node_flag;
+  if (o.nproc_per_node) nproc_flag = parse_nproc(o.nproc_per_node_flag, *o.nproc_per_node, machine, nproc_how);
+  std::string bind_to = o.bind_to;
+  if (o.map_by) {
+    if (auto ppr = apply_map_by(*o.map_by, bind_to)) {
+      if (nproc_flag && *nproc_flag != *ppr)
+        throw ConfigError(fmt::format("--map-by {} and {} {} disagree about the processes per node", *o.map_by,
+                                      o.nproc_per_node_flag, *o.nproc_per_node));
+      nproc_flag = *ppr;
+      nproc_how.clear();
+      nproc_flag_name = "--map-by " + *o.map_by;
+    }
+    source("map-by", "--map-by " + *o.map_by);
+  }
   // GPUs: resolved against this machine's inventory when it has any; a fan-out head without GPUs
   // leaves "auto" to each node's agent (which checks its own GPUs before starting workers).
   if (o.gpu_share && !o.gpus_per_node) throw ConfigError("--gpu-share needs --gpus-per-node");
@@ -364,7 +521,8 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   p.join_timeout_s = o.join_timeout_s;
   p.max_restarts = o.max_restarts;
   p.abort_on_failure = o.abort_on_failure;
-  p.bind_to = o.bind_to;
+  p.bind_to = bind_to;
+  p.report_bindings = o.report_bindings;
   p.device_per_rank = o.device_per_rank;
   p.output_dir = o.output_dir;
   p.merge_stderr = o.merge_stderr;
@@ -412,7 +570,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     p.world_size = n;
     source("hosts", hosts_source);
     source("world size", o.np ? "-n" : "sum of slots");
-    if (nproc_flag) source("slots per host", "--nproc-per-node");
+    if (nproc_flag) source("slots per host", nproc_flag_name);
     p.master_addr = o.master_addr.value_or(machine.hostname);
     source("store address", o.master_addr ? "--master-addr" : "this host's name");
     p.master_port = o.master_port.value_or(0);
@@ -442,7 +600,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     std::string nproc_source = "default";
     if (nproc_flag) {
       nproc = *nproc_flag;
-      nproc_source = "--nproc-per-node" + (nproc_how.empty() ? "" : " (" + nproc_how + ")");
+      nproc_source = nproc_flag_name + (nproc_how.empty() ? "" : " (" + nproc_how + ")");
     } else if (sched.nproc_per_node) {
       nproc = sched.nproc_per_node->value;
       nproc_source = sched.nproc_per_node->source;
@@ -535,6 +693,11 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   }
   p.token_from_env = env.count("COHORT_JOB_TOKEN") && !env.at("COHORT_JOB_TOKEN").empty();
   set_observability(p, o, env);
+  set_rank_logs(p, o, env);
+  if (p.mode == Mode::kFanOut) {
+    std::error_code ec;
+    p.form.working_dir = std::filesystem::current_path(ec).string();
+  }
 
   for (const auto& x : o.export_env) {
     auto eq = x.find('=');
@@ -560,8 +723,15 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     if (const NodePlan* mine = p.node(p.this_node))
       assign_gpus(p.gpus_per_node_spec, p.gpu_share, mine->nproc, machine.gpus, machine.hostname);
 
+  if (!p.logs.all_local_ranks)
+    for (int r : p.logs.console_local_ranks)
+      if (r >= max_per_node)
+        throw ConfigError(fmt::format("--local-ranks-filter: local rank {} does not exist ({} processes per node)", r,
+                                      max_per_node));
+
   // The program is checked last: flag errors come first, and nothing starts without it.
-  p.program_path = machine.resolve_program ? machine.resolve_program(o.program[0]) : o.program[0];
+  if (machine.resolve_program) resolve_worker_command(p, machine.resolve_program);
+  else p.program_path = p.form.kind == "direct" ? o.program[0] : p.form.python;
   p.tag_output = o.tag_output.value_or(p.world_size > 1 || p.elastic);
   if (o.ranks_to_console) {
     p.all_ranks_to_console = false;
@@ -658,6 +828,70 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   }
   for (const auto& kv : plan.extra_env) e.push_back(kv);
   return e;
+}
+
+void resolve_worker_command(Plan& p, std::string (*resolve)(const std::string&)) {
+  const std::string& program = p.program.at(0);
+  if (p.form.kind == "direct") {
+    p.program_path = resolve(program);
+    return;
+  }
+  if (p.form.kind == "script") {
+    // Python opens the script itself: no PATH lookup, a relative name means this folder (as torchrun).
+    auto here = [] {
+      std::error_code ec;
+      auto cwd = std::filesystem::current_path(ec);
+      return ec ? std::string("the current folder") : cwd.string();
+    };
+    struct stat st {};
+    if (stat(program.c_str(), &st) != 0) {
+      if (errno == ENOENT)
+        throw ConfigError(program.front() == '/' ? fmt::format("{}: no such file", program)
+                                                 : fmt::format("{}: no such file in {}", program, here()));
+      throw ConfigError(net::errno_string(program, errno));
+    }
+    if (S_ISDIR(st.st_mode)) throw ConfigError(fmt::format("{}: is a folder, not a Python script", program));
+    if (access(program.c_str(), R_OK) != 0) throw ConfigError(net::errno_string(program + ": cannot read it", errno));
+  }
+  try {
+    p.program_path = resolve(p.form.python);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("{} (needed to run {}{}; --python INTERP or COHORT_PYTHON names another)", e.what(),
+                                  p.form.kind == "module" ? "-m " : "", program));
+  }
+}
+
+std::vector<std::string> worker_argv(const Plan& p, int process) {
+  std::vector<std::string> argv;
+  if (p.form.kind == "direct") {
+    argv.push_back(p.program.at(0));
+  } else {
+    // -u as torchrun: unbuffered output reaches the console and the log files as it is written.
+    argv = {p.program_path, "-u"};
+    if (p.form.kind == "module") argv.push_back("-m");
+    argv.push_back(p.program.at(0));
+  }
+  // Where torch.distributed.launch put it: before the program's own arguments.
+  if (p.form.append_local_rank) argv.push_back(fmt::format("--local_rank={}", p.local_rank_of(process)));
+  argv.insert(argv.end(), p.program.begin() + 1, p.program.end());
+  return argv;
+}
+
+std::string shell_line(const std::vector<std::string>& argv) {
+  std::vector<std::string> words;
+  for (const auto& a : argv) {
+    bool plain = !a.empty() && std::all_of(a.begin(), a.end(), [](unsigned char c) {
+      return std::isalnum(c) || std::strchr("_-./:=,@%+", c) != nullptr;
+    });
+    if (plain) {
+      words.push_back(a);
+      continue;
+    }
+    std::string q = "'";
+    for (char c : a) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    words.push_back(q + "'");
+  }
+  return str::join(words, " ");
 }
 
 std::vector<std::vector<int>> numa_node_cpus() {
@@ -787,8 +1021,18 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
   std::string s;
   s += fmt::format("cohort run plan (dry run; nothing started)\n");
   s += fmt::format("  mode            {}\n", mode_name(p.mode));
-  s += fmt::format("  program         {}{}\n", str::join(p.program, " "),
-                   p.program_path != p.program[0] ? " (" + p.program_path + ")" : "");
+  if (p.form.kind == "direct")
+    s += fmt::format("  program         {}{}\n", str::join(p.program, " "),
+                     p.program_path != p.program[0] ? " (" + p.program_path + ")" : "");
+  else
+    s += fmt::format("  program         {}{} ({}: run by {} [{}], here {})\n", p.form.kind == "module" ? "-m " : "",
+                     str::join(p.program, " "), p.form.kind == "module" ? "a Python module" : "a .py script",
+                     p.form.python, p.form.python_source, p.program_path);
+  if (p.form.append_local_rank)
+    s += "  arguments       --local_rank=<local rank> before the program's own (--append-local-rank)\n";
+  if (!p.form.working_dir.empty())
+    s += fmt::format("  folder          {} (every host's workers run there when it exists on the host)\n",
+                     p.form.working_dir);
   s += fmt::format("  job id          {}  [{}]\n", p.job_id, p.source_of("job id"));
   if (p.elastic)
     s += fmt::format("  nodes           {} to {}, elastic: agents meet in generations; a lost node ends a generation "
@@ -828,11 +1072,18 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
   s += fmt::format("  failure policy  {}, max restarts {}, kill grace {} s\n",
                    p.abort_on_failure ? "first failure stops the job" : "others run on (--no-abort-on-failure)",
                    p.max_restarts, p.kill_grace_s);
-  s += fmt::format("  output          tags {}{}{}{}\n", p.tag_output ? "on" : "off",
-                   p.output_dir.empty() ? "" : ", files under " + p.output_dir + "/rank.N/",
+  std::string log_files;
+  if (!p.logs.dir.empty() && (!p.logs.redirects.empty() || !p.logs.tee.empty()))
+    log_files = fmt::format(", files under {}/attempt_N/RANK/{{stdout,stderr}}.log ({}{}{})", p.logs.dir,
+                            p.logs.redirects.empty() ? "" : "--redirects " + p.logs.redirects + ": files only",
+                            !p.logs.redirects.empty() && !p.logs.tee.empty() ? ", " : "",
+                            p.logs.tee.empty() ? "" : "--tee " + p.logs.tee + ": files and console");
+  s += fmt::format("  output          tags {}{}{}{}{}{}\n", p.tag_output ? "on" : "off",
+                   p.output_dir.empty() ? "" : ", files under " + p.output_dir + "/rank.N/", log_files,
                    p.merge_stderr ? ", stderr merged into stdout" : "",
-                   p.all_ranks_to_console ? "" : ", console ranks " + str::format_ranges(p.ranks_to_console));
-  s += fmt::format("  bind-to         {}\n", p.bind_to);
+                   p.all_ranks_to_console ? "" : ", console ranks " + str::format_ranges(p.ranks_to_console),
+                   p.logs.all_local_ranks ? "" : ", console local ranks " + str::format_ranges(p.logs.console_local_ranks));
+  s += fmt::format("  bind-to         {}{}\n", p.bind_to, p.report_bindings ? ", reported at start (--report-bindings)" : "");
   if (!p.gpus_per_node_spec.empty())
     s += fmt::format("  gpus per node   {}{}  [{}]\n", p.gpus_per_node > 0 ? std::to_string(p.gpus_per_node) : p.gpus_per_node_spec,
                      p.gpu_share ? ", shared by ranks (--gpu-share)" : ", one per rank",
@@ -855,6 +1106,8 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
       s += fmt::format("  {} (local {}){} cpus {}: {}\n", p.process_name(slot.rank), l,
                        assigned[l].device >= 0 ? " " + assigned[l].description + "," : "",
                        bindings[l].empty() ? "any" : str::format_ranges(bindings[l]), str::join(kv, " "));
+      const bool builtin_server = p.role_of(slot.rank).server && !p.ps_server_program;
+      s += fmt::format("    command: {}\n", builtin_server ? "cohort ps serve" : shell_line(worker_argv(p, slot.rank)));
     }
   }
   return s;

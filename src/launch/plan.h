@@ -16,6 +16,7 @@ namespace cohort::launch {
 // The command line, as parsed (nothing resolved yet). Unset optionals mean "not given".
 struct Options {
   std::optional<std::string> nproc_per_node;  // "N" or "auto"
+  std::string nproc_per_node_flag = "--nproc-per-node";  // the spelling given (-N, --npernode), for messages
   std::optional<int> np;                      // -n/-np: total number of workers
   std::optional<int> nnodes;
   // --nnodes MIN:MAX (torchrun's elastic form): the minimum; `nnodes` holds the maximum.
@@ -53,6 +54,21 @@ struct Options {
   std::optional<std::string> ps_mode;
   std::string ps_server = "builtin";
   std::vector<std::string> program;  // PROGRAM ARGS...
+  // How PROGRAM runs (torchrun's forms): a PROGRAM ending in .py, or -m MODULE, runs under a Python
+  // interpreter (--python, else COHORT_PYTHON, else python3); --no-python runs PROGRAM directly.
+  bool module = false;
+  bool no_python = false;
+  std::optional<std::string> python;
+  bool append_local_rank = false;  // --append-local-rank: --local_rank=N after the script
+  bool use_env = false;            // --use-env (torch.distributed.launch's; nothing to do for cohort)
+  // mpirun's --map-by and --report-bindings.
+  std::optional<std::string> map_by;
+  bool report_bindings = false;
+  // torchrun's per-rank log files and console filter.
+  std::optional<std::string> log_dir;
+  std::optional<std::string> redirects;
+  std::optional<std::string> tee;
+  std::optional<std::string> local_ranks_filter;
 };
 
 // Facts about the machine build_plan needs (injected so tests control them).
@@ -77,6 +93,29 @@ bool is_this_machine(const std::string& host, const MachineFacts& machine);
 std::string resolve_program(const std::string& program);
 
 enum class Mode { kLocal, kPerNode, kFanOut };
+
+// How a worker runs PROGRAM (torchrun's forms; docs/launcher.md, "How PROGRAM runs").
+struct ProgramForm {
+  std::string kind = "direct";  // direct: exec PROGRAM; script: PYTHON -u PROGRAM; module: PYTHON -u -m PROGRAM
+  std::string python;           // the interpreter as named; every host resolves it on its own PATH
+  std::string python_source;    // --python, COHORT_PYTHON or default
+  bool append_local_rank = false;  // --local_rank=N right after the script (torch.distributed.launch)
+  // Fan-out: the head's folder. An agent runs its workers there when the folder exists on its host, as
+  // mpirun does, so relative paths (PROGRAM, a script, the program's own files) mean the same everywhere.
+  std::string working_dir;
+};
+
+// torchrun's per-rank log files and console filter (--log-dir, --redirects, --tee, --local-ranks-filter).
+struct RankLogs {
+  std::string dir;        // DIR/<run id>: attempt_<n>/<rank>/{stdout,stderr}.log below it; "" = no files
+  std::string redirects;  // torchrun's form, checked by build_plan: "3" (every local rank) or "0:1,1:2"
+  std::string tee;
+  std::vector<int> console_local_ranks;  // --local-ranks-filter
+  bool all_local_ranks = true;
+};
+// Which streams a torchrun-style spec ("", "3", "0:1,1:2") names for `local_rank`: bit 1 stdout,
+// bit 2 stderr. Throws ConfigError naming `flag` on a malformed spec.
+int std_streams(const std::string& flag, const std::string& spec, int local_rank);
 const char* mode_name(Mode m);
 
 struct NodePlan {
@@ -147,8 +186,11 @@ struct Plan {
   std::string trace_dir;
   double stall_warn_s = 60;
   int flight_recorder = 2000;
-  std::string program_path;          // resolved PROGRAM
+  std::string program_path;          // what the workers exec: PROGRAM, or the Python interpreter, resolved
   std::vector<std::string> program;  // PROGRAM ARGS... as given (argv)
+  ProgramForm form;
+  RankLogs logs;
+  bool report_bindings = false;  // --report-bindings: one stderr line per rank with its CPUs
   // Parameter-server mode: servers in the job (0: not a PS job), workers, the consistency mode,
   // and whether servers run the program (else `cohort ps serve`).
   // Ascend rank table (RANK_TABLE_FILE): per global rank, the table's device id and rank id, and
@@ -168,11 +210,24 @@ struct Plan {
   // output prefixes and folders: "3" / "ps0".
   std::string process_name(int process) const;
   std::string process_tag(int process) const;
+  // The LOCAL_RANK process `process` gets (in a parameter-server job, its index among its node's
+  // processes of its role).
+  int local_rank_of(int process) const;
   std::string source_of(const std::string& setting) const;
 };
 
 // Throws ConfigError (one line naming the flag/variable/file) on bad or conflicting input.
 Plan build_plan(const Options& options, const EnvMap& env, const MachineFacts& machine);
+
+// Resolves, on this host, what the workers exec (plan.program_path): PROGRAM itself, or for a .py
+// script and -m the Python interpreter (after checking that the script exists). `resolve`: PATH lookup
+// (resolve_program, or a test's fake). Throws ConfigError, one line naming the program.
+void resolve_worker_command(Plan& plan, std::string (*resolve)(const std::string&));
+// The argv of process `process` (argv[0]: as given for a direct PROGRAM, the resolved interpreter for
+// the Python forms; --local_rank=N after the script with --append-local-rank).
+std::vector<std::string> worker_argv(const Plan& plan, int process);
+// The same as one line a shell would accept (arguments quoted where needed), for --dry-run.
+std::string shell_line(const std::vector<std::string>& argv);
 
 // Worker environment (only the variables cohort sets; the worker also inherits the launcher's).
 struct WorkerSlot {
