@@ -20,6 +20,7 @@
 #include <fmt/core.h>
 
 #include "cohort/error.h"
+#include "common/console.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
@@ -33,8 +34,7 @@ std::string signal_name(int sig) {
 }
 
 void say(const std::string& line) {
-  std::string out = "cohort run: " + line + "\n";
-  write_fully(2, out.data(), out.size());
+  console::write(2, "cohort run: " + line + "\n");
 }
 
 void Job::epoll_add(int fd) {

@@ -74,7 +74,11 @@ void Job::start_inspector(int attempt) {
                                            [](const std::string& line) { say(line); }, std::move(sharing));
 }
 
-void Job::stop_inspector() { inspector_.reset(); }
+void Job::stop_inspector() {
+  // The rings outlive the workers: the last figures and the summary (--stats) are read after they ended.
+  if (inspector_) inspector_->finish(final_snapshots(), trace::monotonic_ns());
+  inspector_.reset();
+}
 
 std::vector<trace::RankSnapshot> Job::final_snapshots() const {
   std::vector<trace::RankSnapshot> snaps;

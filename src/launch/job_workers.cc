@@ -79,10 +79,11 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     if (!plan_.merge_stderr) t.file_err = open_file("stderr");
   }
   // stdout goes straight to the console when nothing needs to see it; stderr is always piped for
-  // the failure summary's last lines.
+  // the failure summary's last lines. --stats needs to see it: its table is redrawn in place only
+  // while nothing else was written to the terminal (common/console.h).
   // With --merge-stderr-to-stdout both descriptors share one pipe, so the order of lines is kept.
   bool merge = plan_.merge_stderr;
-  bool pipe_stdout = merge || plan_.tag_output || t.file_out || !t.to_console;
+  bool pipe_stdout = merge || plan_.tag_output || t.file_out || !t.to_console || plan_.stats;
   int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_err[2] = {-1, -1};
   if ((pipe_stdout && pipe2(out, O_CLOEXEC)) || (!merge && pipe2(err, O_CLOEXEC)) || pipe2(exec_err, O_CLOEXEC))
     throw Error(net::errno_string("pipe2", errno));
