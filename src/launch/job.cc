@@ -88,7 +88,11 @@ void Job::on_signal(int sig) {
   }
   // Forward to every worker's process group, and to remote agents over their control channel.
   for (auto& w : workers_)
-    if (w.running) kill(-w.pid, stopping_ && !reporting_ && is_terminating(sig) && sig == SIGINT ? SIGKILL : sig);
+    if (w.running) {
+      int to_send = stopping_ && !reporting_ && is_terminating(sig) && sig == SIGINT ? SIGKILL : sig;
+      w.sigkill_sent = w.sigkill_sent || to_send == SIGKILL;
+      kill(-w.pid, to_send);
+    }
   // The forwarded signal is the workers' stop signal: the stop that follows must not send a second
   // one (a shell that traps TERM would run its trap twice).
   if (is_terminating(sig)) stop_signal_sent_ = true;

@@ -28,6 +28,7 @@
 #include "common/fd.h"
 #include "launch/inspector.h"
 #include "launch/job.h"
+#include "launch/oom.h"
 #include "launch/output.h"
 #include "launch/rendezvous.h"
 #include "store/tcp_store.h"
@@ -87,6 +88,7 @@ struct Worker {
   pid_t pid = -1;
   bool running = false;
   int status = 0;
+  bool sigkill_sent = false;  // the launcher sent it SIGKILL: a death by SIGKILL is no news then (launch/oom.h)
   Clock::time_point started, ended;
   UniqueFd out, err;  // read ends (invalid when not piped or at EOF)
   std::unique_ptr<OutputSink> sink;
@@ -205,6 +207,8 @@ class Job {
   void epoll_add(int fd);
   void epoll_del(int fd);
   std::string failure_summary(const Worker& w);
+  // describe_status, and for a SIGKILL who sent it, as far as the launcher and the kernel know (launch/oom.h).
+  std::string describe_worker_exit(const Worker& w);
   // job_elastic.cc: elastic membership (plan_.elastic).
   void open_lease();                               // this agent's identity, its lease
   void take_lease();                               // a store lease with the agent's "gone" will
@@ -249,6 +253,7 @@ class Job {
   std::vector<AgentChild> agents_;
   std::unique_ptr<Inspector> inspector_;  // reads workers_' rings: stopped before workers_ changes
   std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
+  OomCounter oom_at_start_;               // this cgroup's OOM kills when the attempt's workers started
   // Attempt state
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)

@@ -166,6 +166,7 @@ void Job::spawn_workers(int attempt) {
   stop_inspector();
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
+  oom_at_start_ = read_oom_counter();  // a SIGKILLed worker is blamed on memory only if this count grows
   for (int l = 0; l < node->nproc; ++l) {
     workers_[l].rank = node->first_rank + l;
     workers_[l].local_rank = l;
@@ -185,7 +186,10 @@ int Job::running_workers() const {
 
 void Job::kill_all(int sig) {
   for (auto& w : workers_)
-    if (w.running) kill(-w.pid, sig);
+    if (w.running) {
+      w.sigkill_sent = w.sigkill_sent || sig == SIGKILL;
+      kill(-w.pid, sig);
+    }
 }
 
 // How long workers get to notice a lost peer and say so themselves before the launcher signals
