@@ -302,6 +302,7 @@ int Job::run() {
       plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
   }
   setup_signals();
+  open_trace_dir();
   if (ctx_.agent_mode) {
     net::set_nonblocking(0, true);
     epoll_add(0);
@@ -320,6 +321,7 @@ int Job::run() {
     } catch (const RendezvousRefused& e) {
       say(fmt::format("job stopped (exit 1): {}", e.what()));
       if (server_) server_->stop();
+      close_trace_dir(1, !ctx_.agent_mode);
       return 1;
     }
   }
@@ -358,6 +360,7 @@ int Job::run() {
     if (print && e.code != 0)
       for (const auto& line : diagnosis_) say("flight recorder: " + line);
     merge_timeline();
+    close_trace_dir(e.code, print);
     if (!agents_.empty()) {
       for (auto& a : agents_) a.in.reset();
     }

@@ -31,6 +31,7 @@
 #include "launch/oom.h"
 #include "launch/output.h"
 #include "launch/rendezvous.h"
+#include "launch/trace_dirs.h"
 #include "store/tcp_store.h"
 #include "trace/flight_ring.h"
 
@@ -230,6 +231,11 @@ class Job {
   void record_failure(int attempt);  // dumps and diagnosis_ of a failed attempt
   void merge_timeline();
   std::string timeline_rank_dir() const;
+  // The default trace folder (launch/trace_dirs.h): the oldest finished ones beyond COHORT_TRACE_KEEP
+  // go, this job's is claimed; at the end it is removed unless a failure left files in it, and the
+  // summary names it when it is kept.
+  void open_trace_dir();
+  void close_trace_dir(int code, bool print);
   int running_workers() const;
   int running_agents() const;
 
@@ -254,6 +260,7 @@ class Job {
   std::unique_ptr<Inspector> inspector_;  // reads workers_' rings: stopped before workers_ changes
   std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
   OomCounter oom_at_start_;               // this cgroup's OOM kills when the attempt's workers started
+  std::unique_ptr<TraceDirClaim> trace_claim_;  // this job's default trace folder, while it runs
   // Attempt state
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)
