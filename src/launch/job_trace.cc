@@ -208,7 +208,7 @@ void Job::open_trace_dir() {
     trace_claim_ = std::make_unique<TraceDirClaim>(plan_.trace_dir, plan_.job_id);
   } catch (const Error& e) {
     // Dumps are written when a failure needs them, and say so when they cannot be.
-    log::warn("{}; the folder will not be cleaned up", e.what());
+    log::warn("{} (a failure's flight recorder dumps may not be written)", e.what());
   }
 }
 

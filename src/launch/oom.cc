@@ -171,11 +171,12 @@ std::string sigkill_note(const KillEvidence& e) {
   if (e.kernel_log_names_pid.value_or(false))
     return fmt::format(" from the kernel's out-of-memory killer (the kernel log says it killed pid {}; see dmesg)",
                        e.pid);
-  if (e.oom_kills_before && e.oom_kills_after && *e.oom_kills_after > *e.oom_kills_before)
+  if (e.oom_kills_before && e.oom_kills_after && *e.oom_kills_after > *e.oom_kills_before) {
+    int64_t kills = *e.oom_kills_after - *e.oom_kills_before;
     return fmt::format(" from the kernel's out-of-memory killer (the job's memory cgroup counted {} OOM kill{} while "
                        "it ran, {}; see dmesg)",
-                       *e.oom_kills_after - *e.oom_kills_before, *e.oom_kills_after - *e.oom_kills_before == 1 ? "" : "s",
-                       e.counter_file);
+                       kills, kills == 1 ? "" : "s", e.counter_file);
+  }
   bool kernel_asked = (e.oom_kills_before && e.oom_kills_after) || e.kernel_log_names_pid;
   return kernel_asked ? ", not sent by cohort run (the kernel reported no out-of-memory kill)"
                       : ", not sent by cohort run";

@@ -57,7 +57,8 @@ std::vector<std::string> prune_trace_dirs(const std::string& parent, int64_t kee
     if (flock(mark.get(), LOCK_EX | LOCK_NB) != 0) continue;
     struct stat st;
     if (fstat(mark.get(), &st) != 0) continue;
-    finished.push_back({entry.path(), std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec)});
+    finished.push_back(
+        {entry.path(), std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec)});
   }
   std::sort(finished.begin(), finished.end(), [](const auto& a, const auto& b) { return a.ended > b.ended; });
   std::vector<std::string> removed;

@@ -95,7 +95,8 @@ TEST(SigkillNote, TheOomKillerOnlyWhenTheKernelSaysSo) {
   KillEvidence logged;
   logged.pid = 10;
   logged.kernel_log_names_pid = true;
-  EXPECT_EQ(sigkill_note(logged), " from the kernel's out-of-memory killer (the kernel log says it killed pid 10; see dmesg)");
+  EXPECT_EQ(sigkill_note(logged),
+            " from the kernel's out-of-memory killer (the kernel log says it killed pid 10; see dmesg)");
 
   KillEvidence quiet = counted;
   quiet.oom_kills_before = 3;
@@ -164,7 +165,7 @@ class MemoryCgroup {
         continue;
       }
       dir_ = dir;
-      bool ok = v2 ? write(dir + "/memory.max", std::to_string(limit)) : write(dir + "/memory.limit_in_bytes", std::to_string(limit));
+      bool ok = write(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"), std::to_string(limit));
       if (!ok) {
         why_not += "cannot limit the memory of " + dir + " (the memory controller is not enabled for it); ";
         remove();
@@ -208,7 +209,8 @@ TEST(OomHint, AWorkerTheOutOfMemoryKillerKillsIsNamedOnce) {
   std::string worker =
       "if [ $RANK = 0 ]; then echo 1000 > /proc/self/oom_score_adj; exec tail -n 1 /dev/zero; else exec sleep 30; fi";
   // The shell moves itself into the cgroup, then becomes the launcher: its workers start there.
-  std::string launcher = "echo $$ > " + cgroup.procs + " && exec " + cohort_tool() + " run -n 2 /bin/sh -c '" + worker + "'";
+  std::string launcher =
+      "echo $$ > " + cgroup.procs + " && exec " + cohort_tool() + " run -n 2 /bin/sh -c '" + worker + "'";
   auto r = run_process({"/bin/sh", "-c", launcher}, {}, 60);
   EXPECT_EQ(r.exit_code, 137) << r.err;
   EXPECT_TRUE(r.err.find("rank 0") != std::string::npos && r.err.find("was killed by SIGKILL from the kernel's "

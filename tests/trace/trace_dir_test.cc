@@ -59,8 +59,9 @@ TEST(TraceFolders, ASuccessRemovesTheDefaultFolderButNotTheUsersOne) {
 
   // The same with --trace-dir: the user's folder keeps the first attempt's dumps.
   std::string mine = tmp.file("my-traces");
-  r = run_process(concat_args(cohort_run({"-n", "2", "--max-restarts", "1", "--trace-dir", mine}), fail_first_attempt()),
-                  {"TMPDIR=" + tmp.path(), "COHORT_TIMEOUT=20"}, 60);
+  r = run_process(
+      concat_args(cohort_run({"-n", "2", "--max-restarts", "1", "--trace-dir", mine}), fail_first_attempt()),
+      {"TMPDIR=" + tmp.path(), "COHORT_TIMEOUT=20"}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(fs::exists(mine + "/rank0.json")) << r.err;
   EXPECT_FALSE(fs::exists(mine + "/" + kMark)) << "cohort claimed the user's folder";
