@@ -7,6 +7,7 @@
 #include <mutex>
 #include <strings.h>
 
+#include "common/console.h"
 #include "common/env.h"
 
 namespace cohort::log {
@@ -85,15 +86,9 @@ void write(Level l, std::string_view text) {
 
 namespace {
 void write_line(const std::string& line) {
-  // One write(2) per line so lines from many threads and processes do not interleave.
-  const char* p = line.data();
-  size_t left = line.size();
-  while (left > 0) {
-    ssize_t n = ::write(STDERR_FILENO, p, left);
-    if (n <= 0) break;
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
+  // One write(2) per line so lines from many threads and processes do not interleave; through the
+  // console so that a table redrawn in place on the terminal does not erase it (common/console.h).
+  console::write(STDERR_FILENO, line);
 }
 }  // namespace
 

@@ -1,5 +1,6 @@
 #include "launch/inspector.h"
 
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -11,7 +12,7 @@
 
 #include "common/env.h"
 #include "common/socket.h"
-#include "launch/output.h"
+#include "common/strings.h"
 #include "trace/diagnose.h"
 #include "trace/dump.h"
 
@@ -95,6 +96,8 @@ Inspector::Inspector(std::vector<InspectedRank> ranks, int world, double stall_w
       stats_tty_(isatty(stats_fd) == 1),
       say_(std::move(say)),
       sharing_(std::move(sharing)) {
+  first_time_ = last_time_ = trace::monotonic_ns();
+  for (const auto& r : ranks_) last_counters_[r.rank] = {}, bus_bytes_[r.rank] = 0;
   // Ticks: once a second, or faster for a short stall threshold (tests use 1 s or less).
   if (stall_warn_s_ > 0 && stall_warn_s_ < 2) tick_ = std::chrono::milliseconds(int64_t(stall_warn_s_ * 250) + 1);
   // Several nodes: a node that is not the head publishes its ranks for the head's inspection (at the
@@ -104,7 +107,9 @@ Inspector::Inspector(std::vector<InspectedRank> ranks, int world, double stall_w
   if (stall_warn_s > 0 || stats_ || publishing) thread_ = std::thread([this] { run(); });
 }
 
-Inspector::~Inspector() {
+Inspector::~Inspector() { stop_thread(); }
+
+void Inspector::stop_thread() {
   {
     std::lock_guard<std::mutex> g(mutex_);
     stop_ = true;
@@ -156,27 +161,32 @@ void Inspector::inspect(int64_t now) {
                        "COHORT_TIMEOUT)",
                        st->text(), stall_warn_s_));
   }
-  if (stats_) print_stats(snaps, now);
+}
+
+double Inspector::interval_bus_bytes(const trace::RankSnapshot& s, const trace::CounterSnapshot& prev) const {
+  // The interval's bytes weighed by the kinds of the operations in the ring (the ring holds the last
+  // ones, not necessarily all of the interval's).
+  double weighted = 0, plain = 0;
+  for (const auto& e : s.entries)
+    if (e.state == trace::OpState::kDone) weighted += double(e.bytes) * bus_factor(e.kind, world_), plain += double(e.bytes);
+  return plain > 0 ? double(s.counters.bytes - prev.bytes) * weighted / plain : 0;
+}
+
+bool Inspector::fits_screen(int lines) const {
+  winsize ws{};
+  // A table taller than the screen cannot be reached by moving the cursor up: it is printed anew.
+  return ioctl(stats_fd_, TIOCGWINSZ, &ws) != 0 || ws.ws_row == 0 || lines < int(ws.ws_row);
 }
 
 void Inspector::print_stats(const std::vector<trace::RankSnapshot>& snaps, int64_t now) {
-  if (last_time_ == 0) {
-    first_time_ = last_time_ = now;
-    for (const auto& s : snaps) last_counters_[s.rank] = s.counters;
-    return;
-  }
   double dt = double(now - last_time_) / 1e9;
   if (dt <= 0) return;
   std::vector<nlohmann::json> rows;
   for (const auto& s : snaps) {
     const auto& c = s.counters;
     const auto& p = last_counters_[s.rank];
-    // Bus bytes: the interval's bytes weighed by the kinds of the operations in the ring (the ring
-    // holds the last ones, not necessarily all of the interval's).
-    double weighted = 0, plain = 0;
-    for (const auto& e : s.entries)
-      if (e.state == trace::OpState::kDone) weighted += double(e.bytes) * bus_factor(e.kind, world_), plain += double(e.bytes);
-    double bus_bytes = plain > 0 ? double(c.bytes - p.bytes) * weighted / plain : 0;
+    double bus_bytes = interval_bus_bytes(s, p);
+    bus_bytes_[s.rank] += bus_bytes;
     double steps = double(c.steps - p.steps);
     double step_ns = double(c.step_ns - p.step_ns);
     nlohmann::json row = {{"t", double(now - first_time_) / 1e9},
@@ -193,13 +203,13 @@ void Inspector::print_stats(const std::vector<trace::RankSnapshot>& snaps, int64
     last_counters_[s.rank] = c;
   }
   last_time_ = now;
+  if (rows.empty()) return;
   std::string out;
   if (!stats_tty_) {
     for (auto& r : rows) out += nlohmann::json{{"cohort_stats", r}}.dump() + "\n";
+    console::write(stats_fd_, out);
   } else {
-    // A table refreshed in place: move up over the previous one.
-    if (table_lines_ > 0) out += fmt::format("\x1b[{}F\x1b[J", table_lines_);
-    out += fmt::format("cohort stats, {:.0f} s\n", rows.empty() ? 0.0 : rows[0]["t"].get<double>());
+    out += fmt::format("cohort stats, {:.1f} s\n", rows[0]["t"].get<double>());
     out += fmt::format("{:>5} {:<16} {:>9} {:>11} {:>11} {:>7} {:>8} {:>9}\n", "rank", "host", "ops/s", "MB/s",
                        "busbw GB/s", "comm %", "steps/s", "DDP wait%");
     for (auto& r : rows)
@@ -208,9 +218,60 @@ void Inspector::print_stats(const std::vector<trace::RankSnapshot>& snaps, int64
                          r["bytes_per_s"].get<double>() / 1e6, r["busbw_GBps"].get<double>(),
                          100 * r["comm_share"].get<double>(), r["steps_per_s"].get<double>(),
                          100 * r["ddp_wait_share"].get<double>());
-    table_lines_ = int(rows.size()) + 2;
+    // Refreshed in place while it is the last thing on the terminal; below what was printed since
+    // otherwise (moving up over a worker's lines would erase them).
+    table_ = console::write_block(stats_fd_, table_, out, fits_screen(table_.lines));
   }
-  write_fully(stats_fd_, out.data(), out.size());
+  stats_printed_ = true;
+}
+
+void Inspector::finish(const std::vector<trace::RankSnapshot>& final_snaps, int64_t now) {
+  stop_thread();
+  if (finished_ || !stats_) return;
+  finished_ = true;
+  // A job shorter than a tick has printed nothing yet: its table covers the whole attempt.
+  if (!stats_printed_) print_stats(final_snaps, now);
+  print_summary(final_snaps, now);
+}
+
+void Inspector::print_summary(const std::vector<trace::RankSnapshot>& snaps, int64_t now) {
+  if (snaps.empty()) return;
+  double seconds = double(now - first_time_) / 1e9;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& s : snaps) {
+    const auto& c = s.counters;
+    // The part after the last tick (print_stats took the rest).
+    double bus_bytes = bus_bytes_[s.rank] + interval_bus_bytes(s, last_counters_[s.rank]);
+    ranks.push_back({{"rank", s.rank},
+                     {"host", s.host},
+                     {"ops", c.ops},
+                     {"bytes", c.bytes},
+                     {"comm_s", double(c.op_ns) / 1e9},
+                     {"comm_share", seconds > 0 ? double(c.op_ns) / (seconds * 1e9) : 0.0},
+                     // While communicating: bus bytes over the time inside operations (bytes per ns = GB/s).
+                     {"busbw_GBps", c.op_ns > 0 ? bus_bytes / double(c.op_ns) : 0.0},
+                     {"steps", c.steps},
+                     {"ddp_wait_share", c.step_ns > 0 ? double(c.wait_ns) / double(c.step_ns) : 0.0},
+                     {"state", s.process_state}});
+  }
+  std::string out;
+  if (!stats_tty_) {
+    out = nlohmann::json{{"cohort_stats_summary", {{"seconds", seconds}, {"ranks", ranks}}}}.dump() + "\n";
+    console::write(stats_fd_, out);
+    return;
+  }
+  out += fmt::format("cohort stats summary, {:.1f} s\n", seconds);
+  out += fmt::format("{:>5} {:<16} {:>10} {:>11} {:>8} {:>7} {:>11} {:>7} {:>9}  {}\n", "rank", "host", "ops", "data",
+                     "comm s", "comm %", "busbw GB/s", "steps", "DDP wait%", "end");
+  for (const auto& r : ranks)
+    out += fmt::format("{:>5} {:<16.16} {:>10} {:>11} {:>8.2f} {:>7.1f} {:>11.2f} {:>7} {:>9.1f}  {}\n",
+                       r["rank"].get<int>(), r["host"].get<std::string>(), r["ops"].get<uint64_t>(),
+                       str::format_bytes(r["bytes"].get<uint64_t>()), r["comm_s"].get<double>(),
+                       100 * r["comm_share"].get<double>(), r["busbw_GBps"].get<double>(),
+                       r["steps"].get<uint64_t>(), 100 * r["ddp_wait_share"].get<double>(),
+                       r["state"].get<std::string>());
+  // Below the live table, which stays: the summary never replaces it.
+  table_ = console::write_block(stats_fd_, table_, out, false);
 }
 
 }  // namespace cohort::launch

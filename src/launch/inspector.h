@@ -5,7 +5,8 @@
 //    operation; the job goes on, and ends at the communicators' own deadline if it stays stuck);
 //    ranks at the same operation number with different operations get one error line naming both;
 //  * live stats (--stats): per rank and second, operations, bytes, bus bandwidth, the share of time
-//    spent in communication and, for data-parallel training, the share of step time waiting for it.
+//    spent in communication and, for data-parallel training, the share of step time waiting for it;
+//    at the end of the attempt (finish), one summary of each rank's totals.
 //
 // It runs on a thread of its own that reads the rings (shared memory) once a second: the
 // supervision loop never waits for it, and the workers never notice it.
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "cohort/store.h"
+#include "common/console.h"
 #include "trace/flight_ring.h"
 
 namespace cohort::launch {
@@ -56,10 +58,16 @@ std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_
 class Inspector {
  public:
   using Say = std::function<void(const std::string&)>;
-  // `stats_fd`: where live stats go (a terminal gets a refreshed table, anything else JSON lines).
+  // `stats_fd`: where live stats go (a terminal gets a table, anything else JSON lines). The rings'
+  // counters are taken to start at zero now (they are new: the workers were just started), so the
+  // first tick already has an interval to show.
   Inspector(std::vector<InspectedRank> ranks, int world, double stall_warn_s, bool stats, int stats_fd, Say say,
             InspectorSharing sharing = {});
   ~Inspector();  // stops and joins the thread (at once: it waits on a condition variable)
+  // The attempt is over: stops the thread and, with --stats, prints the figures of the whole attempt
+  // when no tick printed any (a job shorter than a tick), then each rank's totals. `final_snaps`: the
+  // rings as the workers left them, with how each process ended (process_state).
+  void finish(const std::vector<trace::RankSnapshot>& final_snaps, int64_t now);
   Inspector(const Inspector&) = delete;
   Inspector& operator=(const Inspector&) = delete;
 
@@ -70,7 +78,13 @@ class Inspector {
 
  private:
   void run();
+  void stop_thread();
   void print_stats(const std::vector<trace::RankSnapshot>& snaps, int64_t now);
+  void print_summary(const std::vector<trace::RankSnapshot>& snaps, int64_t now);
+  // The bus bytes of `s`'s operations since the reading `prev`.
+  double interval_bus_bytes(const trace::RankSnapshot& s, const trace::CounterSnapshot& prev) const;
+  // Whether a table of `lines` lines can be redrawn in place (it fits on the terminal's screen).
+  bool fits_screen(int lines) const;
 
   std::vector<InspectedRank> ranks_;
   int world_;
@@ -82,11 +96,15 @@ class Inspector {
   InspectorSharing sharing_;
   std::chrono::milliseconds tick_{1000};
   std::set<std::pair<uint32_t, uint32_t>> warned_;  // (communicator, operation) already reported
-  // Live stats: the previous reading per rank.
+  // Live stats: the previous reading per rank, and the bus bytes so far (the ring's mix of operation
+  // kinds weighs each interval's bytes).
   std::map<int, trace::CounterSnapshot> last_counters_;
+  std::map<int, double> bus_bytes_;
   int64_t last_time_ = 0;
   int64_t first_time_ = 0;
-  int table_lines_ = 0;
+  bool stats_printed_ = false;  // a table or JSON lines went out
+  console::Block table_;        // the table on the terminal, redrawn in place while nothing else is printed
+  bool finished_ = false;
 
   std::mutex mutex_;
   std::condition_variable cv_;

@@ -20,6 +20,7 @@
 #include <fmt/core.h>
 
 #include "cohort/error.h"
+#include "common/console.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
@@ -33,8 +34,7 @@ std::string signal_name(int sig) {
 }
 
 void say(const std::string& line) {
-  std::string out = "cohort run: " + line + "\n";
-  write_fully(2, out.data(), out.size());
+  console::write(2, "cohort run: " + line + "\n");
 }
 
 void Job::epoll_add(int fd) {
@@ -88,7 +88,11 @@ void Job::on_signal(int sig) {
   }
   // Forward to every worker's process group, and to remote agents over their control channel.
   for (auto& w : workers_)
-    if (w.running) kill(-w.pid, stopping_ && !reporting_ && is_terminating(sig) && sig == SIGINT ? SIGKILL : sig);
+    if (w.running) {
+      int to_send = stopping_ && !reporting_ && is_terminating(sig) && sig == SIGINT ? SIGKILL : sig;
+      w.sigkill_sent = w.sigkill_sent || to_send == SIGKILL;
+      kill(-w.pid, to_send);
+    }
   // The forwarded signal is the workers' stop signal: the stop that follows must not send a second
   // one (a shell that traps TERM would run its trap twice).
   if (is_terminating(sig)) stop_signal_sent_ = true;
@@ -298,6 +302,7 @@ int Job::run() {
       plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
   }
   setup_signals();
+  open_trace_dir();
   if (ctx_.agent_mode) {
     net::set_nonblocking(0, true);
     epoll_add(0);
@@ -316,6 +321,7 @@ int Job::run() {
     } catch (const RendezvousRefused& e) {
       say(fmt::format("job stopped (exit 1): {}", e.what()));
       if (server_) server_->stop();
+      close_trace_dir(1, !ctx_.agent_mode);
       return 1;
     }
   }
@@ -354,6 +360,7 @@ int Job::run() {
     if (print && e.code != 0)
       for (const auto& line : diagnosis_) say("flight recorder: " + line);
     merge_timeline();
+    close_trace_dir(e.code, print);
     if (!agents_.empty()) {
       for (auto& a : agents_) a.in.reset();
     }

@@ -28,8 +28,10 @@
 #include "common/fd.h"
 #include "launch/inspector.h"
 #include "launch/job.h"
+#include "launch/oom.h"
 #include "launch/output.h"
 #include "launch/rendezvous.h"
+#include "launch/trace_dirs.h"
 #include "store/tcp_store.h"
 #include "trace/flight_ring.h"
 
@@ -87,6 +89,7 @@ struct Worker {
   pid_t pid = -1;
   bool running = false;
   int status = 0;
+  bool sigkill_sent = false;  // the launcher sent it SIGKILL: a death by SIGKILL is no news then (launch/oom.h)
   Clock::time_point started, ended;
   UniqueFd out, err;  // read ends (invalid when not piped or at EOF)
   std::unique_ptr<OutputSink> sink;
@@ -205,6 +208,8 @@ class Job {
   void epoll_add(int fd);
   void epoll_del(int fd);
   std::string failure_summary(const Worker& w);
+  // describe_status, and for a SIGKILL who sent it, as far as the launcher and the kernel know (launch/oom.h).
+  std::string describe_worker_exit(const Worker& w);
   // job_elastic.cc: elastic membership (plan_.elastic).
   void open_lease();                               // this agent's identity, its lease
   void take_lease();                               // a store lease with the agent's "gone" will
@@ -226,6 +231,11 @@ class Job {
   void record_failure(int attempt);  // dumps and diagnosis_ of a failed attempt
   void merge_timeline();
   std::string timeline_rank_dir() const;
+  // The default trace folder (launch/trace_dirs.h): the oldest finished ones beyond COHORT_TRACE_KEEP
+  // go, this job's is claimed; at the end it is removed unless a failure left files in it, and the
+  // summary names it when it is kept.
+  void open_trace_dir();
+  void close_trace_dir(int code, bool print);
   int running_workers() const;
   int running_agents() const;
 
@@ -249,6 +259,8 @@ class Job {
   std::vector<AgentChild> agents_;
   std::unique_ptr<Inspector> inspector_;  // reads workers_' rings: stopped before workers_ changes
   std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
+  OomCounter oom_at_start_;               // this cgroup's OOM kills when the attempt's workers started
+  std::unique_ptr<TraceDirClaim> trace_claim_;  // this job's default trace folder, while it runs
   // Attempt state
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)

@@ -1,6 +1,7 @@
 // Output: draining the workers' and agents' pipes into their sinks (launch/output.h: tags, per-rank
 // files, the stderr tail), and the one-screen failure summary built from a worker's last stderr lines.
 #include <errno.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -33,7 +34,7 @@ void Job::drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder) {
 std::string Job::failure_summary(const Worker& w) {
   double secs = std::chrono::duration<double>(w.ended - w.started).count();
   std::string s = fmt::format("{} on {} (pid {}) {} after {:.2f} s", plan_.process_name(w.rank), plan_.node(plan_.this_node)->host,
-                              w.pid, describe_status(w.status), secs);
+                              w.pid, describe_worker_exit(w), secs);
   auto tail = w.sink->stderr_tail();
   if (tail.empty()) {
     s += "; it wrote nothing to stderr";
@@ -44,6 +45,28 @@ std::string Job::failure_summary(const Worker& w) {
   return s;
 }
 
+std::string Job::describe_worker_exit(const Worker& w) {
+  std::string s = describe_status(w.status);
+  if (!WIFSIGNALED(w.status) || WTERMSIG(w.status) != SIGKILL) return s;
+  KillEvidence e;
+  e.pid = w.pid;
+  e.sent_by_launcher = w.sigkill_sent;
+  if (!e.sent_by_launcher) {
+    // The kernel raises the cgroup's count before it sends the SIGKILL, so a count read after the
+    // worker died includes its own kill.
+    e.counter_file = oom_at_start_.file;
+    e.oom_kills_before = oom_at_start_.kills;
+    e.oom_kills_after = read_oom_kills(oom_at_start_.file);
+    if (auto log = read_kernel_log()) {
+      auto since = std::chrono::duration_cast<std::chrono::microseconds>(w.started.time_since_epoch()).count();
+      // The log's clock and CLOCK_MONOTONIC may differ by a little: a second's slack, still long after
+      // any earlier process with this pid.
+      e.kernel_log_names_pid = kernel_log_reports_oom_kill(*log, w.pid, since - 1000000);
+    }
+  }
+  return s + sigkill_note(e);
+}
+
 }  // namespace cohort::launch::job_detail
 
 namespace cohort::launch {
@@ -52,8 +75,7 @@ std::string describe_status(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) {
     int sig = WTERMSIG(status);
-    return fmt::format("was killed by {}{}", job_detail::signal_name(sig),
-                       sig == SIGKILL ? " (possibly the out-of-memory killer: see dmesg)" : "");
+    return fmt::format("was killed by {}", job_detail::signal_name(sig));
   }
   return "ended";
 }

@@ -74,7 +74,11 @@ void Job::start_inspector(int attempt) {
                                            [](const std::string& line) { say(line); }, std::move(sharing));
 }
 
-void Job::stop_inspector() { inspector_.reset(); }
+void Job::stop_inspector() {
+  // The rings outlive the workers: the last figures and the summary (--stats) are read after they ended.
+  if (inspector_) inspector_->finish(final_snapshots(), trace::monotonic_ns());
+  inspector_.reset();
+}
 
 std::vector<trace::RankSnapshot> Job::final_snapshots() const {
   std::vector<trace::RankSnapshot> snaps;
@@ -192,6 +196,32 @@ void Job::merge_timeline() {
   } catch (const std::exception& e) {
     say(fmt::format("--timeline: {}", e.what()));
   }
+}
+
+void Job::open_trace_dir() {
+  if (!plan_.trace_dir_default) return;  // the user's folder: cohort neither removes it nor its neighbours
+  std::filesystem::path dir(plan_.trace_dir);
+  prune_trace_dirs(dir.parent_path().string(), trace_dirs_to_keep());
+  // Nothing is ever written there without the flight recorder or the timeline.
+  if (plan_.flight_recorder <= 0 && plan_.timeline_path.empty()) return;
+  try {
+    trace_claim_ = std::make_unique<TraceDirClaim>(plan_.trace_dir, plan_.job_id);
+  } catch (const Error& e) {
+    // Dumps are written when a failure needs them, and say so when they cannot be.
+    log::warn("{} (a failure's flight recorder dumps may not be written)", e.what());
+  }
+}
+
+void Job::close_trace_dir(int code, bool print) {
+  if (!trace_claim_) return;
+  bool kept = trace_claim_->release(code != 0);
+  trace_claim_.reset();
+  if (kept && print)
+    say(fmt::format("trace folder kept: {} (the files the failed job left there); when a job "
+                    "starts, the finished ones in {} beyond the newest {} are removed "
+                    "(COHORT_TRACE_KEEP)",
+                    plan_.trace_dir, std::filesystem::path(plan_.trace_dir).parent_path().string(),
+                    trace_dirs_to_keep()));
 }
 
 }  // namespace cohort::launch::job_detail

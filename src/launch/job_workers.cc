@@ -118,10 +118,11 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     t.redirect_err = (redirected & 2) != 0;
   }
   // stdout goes straight to the console when nothing needs to see it; stderr is always piped for
-  // the failure summary's last lines.
+  // the failure summary's last lines. --stats needs to see it: its table is redrawn in place only
+  // while nothing else was written to the terminal (common/console.h).
   // With --merge-stderr-to-stdout both descriptors share one pipe, so the order of lines is kept.
   bool merge = plan_.merge_stderr;
-  bool pipe_stdout = merge || plan_.tag_output || t.file_out || !t.to_console;
+  bool pipe_stdout = merge || plan_.tag_output || t.file_out || !t.to_console || plan_.stats;
   int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_err[2] = {-1, -1};
   if ((pipe_stdout && pipe2(out, O_CLOEXEC)) || (!merge && pipe2(err, O_CLOEXEC)) || pipe2(exec_err, O_CLOEXEC))
     throw Error(net::errno_string("pipe2", errno));
@@ -211,6 +212,7 @@ void Job::spawn_workers(int attempt) {
   stop_inspector();
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
+  oom_at_start_ = read_oom_counter();  // a SIGKILLed worker is blamed on memory only if this count grows
   for (int l = 0; l < node->nproc; ++l) {
     workers_[l].rank = node->first_rank + l;
     workers_[l].local_rank = l;
@@ -240,7 +242,10 @@ int Job::running_workers() const {
 
 void Job::kill_all(int sig) {
   for (auto& w : workers_)
-    if (w.running) kill(-w.pid, sig);
+    if (w.running) {
+      w.sigkill_sent = w.sigkill_sent || sig == SIGKILL;
+      kill(-w.pid, sig);
+    }
 }
 
 // How long workers get to notice a lost peer and say so themselves before the launcher signals

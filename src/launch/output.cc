@@ -3,6 +3,8 @@
 #include <errno.h>
 #include <unistd.h>
 
+#include "common/console.h"
+
 namespace cohort::launch {
 
 void write_fully(int fd, const char* data, size_t n) {
@@ -23,7 +25,7 @@ void OutputSink::emit_console_line(bool is_stderr, const std::string& line) {
   out += t_.tag;
   out += line;
   out += '\n';
-  write_fully(is_stderr && !t_.merge_stderr ? t_.console_err : t_.console_out, out.data(), out.size());
+  console::write(is_stderr && !t_.merge_stderr ? t_.console_err : t_.console_out, out.data(), out.size());
 }
 
 void OutputSink::on_data(bool is_stderr, const char* data, size_t n) {
@@ -37,7 +39,7 @@ void OutputSink::on_data(bool is_stderr, const char* data, size_t n) {
 
   if (console_gets(is_stderr)) {
     if (t_.tag.empty() && !t_.line_mode) {
-      write_fully(is_stderr && !t_.merge_stderr ? t_.console_err : t_.console_out, data, n);
+      console::write(is_stderr && !t_.merge_stderr ? t_.console_err : t_.console_out, data, n);
     } else {
       std::string& part = partial_[is_stderr ? 1 : 0];
       size_t start = 0;

@@ -43,7 +43,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    all_ranks_to_console, bind_to, device_per_rank, gpus_per_node_spec, gpus_per_node,
                                    gpu_share, abort_on_failure, max_restarts,
                                    join_timeout_s, kill_grace_s, ssh_command, timeline_path, stats, trace_dir,
-                                   stall_warn_s, flight_recorder, program_path, program, ps_servers,
+                                   trace_dir_default, stall_warn_s, flight_recorder, program_path, program, ps_servers,
                                    num_workers, ps_mode, ps_server_program, rank_table_slots,
                                    rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s, form, logs,
                                    report_bindings)
@@ -254,6 +254,7 @@ void set_observability(Plan& p, const Options& o, const EnvMap& env) {
   if (dir.empty()) {
     std::string tmp = get("TMPDIR");
     dir = fmt::format("{}/cohort-{}", tmp.empty() ? "/tmp" : tmp, p.job_id);
+    p.trace_dir_default = true;
   }
   p.trace_dir = absolute(dir);
   if (std::string v = get("COHORT_STALL_WARN_S"); !v.empty()) {

@@ -184,6 +184,7 @@ struct Plan {
   std::string timeline_path;
   bool stats = false;
   std::string trace_dir;
+  bool trace_dir_default = false;  // cohort chose trace_dir: removed after a success (launch/trace_dirs.h)
   double stall_warn_s = 60;
   int flight_recorder = 2000;
   std::string program_path;          // what the workers exec: PROGRAM, or the Python interpreter, resolved

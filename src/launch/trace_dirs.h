@@ -1,0 +1,50 @@
+#pragma once
+// The launcher's default trace folders, $TMPDIR/cohort-<job id> (flight recorder dumps of a failed
+// attempt, the timeline's rank files): kept only when a failure left something in them, and bounded.
+//  * A job claims its folder when it starts: it creates it with a mark file (kTraceDirMark) and holds
+//    a shared flock(2) on the mark while it runs (launchers of one job on one host share the folder).
+//  * When the job ends, the folder is removed, unless the job failed and left files in it; the
+//    summary names a folder that is kept.
+//  * When a job starts, the finished folders (marked, not locked, owned by this user) beyond the newest
+//    COHORT_TRACE_KEEP next to its own are removed. A folder without the mark was not made by this
+//    version of cohort and is never touched; a user's --trace-dir / COHORT_TRACE_DIR is never claimed,
+//    so never removed.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/fd.h"
+
+namespace cohort::launch {
+
+inline constexpr const char* kTraceDirMark = ".cohort-trace-dir";
+
+// How many finished default trace folders a job start leaves (COHORT_TRACE_KEEP).
+int64_t trace_dirs_to_keep();
+
+// Removes the finished trace folders in `parent` beyond the newest `keep` (by when their job ended:
+// the mark's modification time). Returns the folders removed.
+std::vector<std::string> prune_trace_dirs(const std::string& parent, int64_t keep);
+
+class TraceDirClaim {
+ public:
+  // Creates `dir` and its mark, and takes the shared lock. Throws Error when it cannot.
+  TraceDirClaim(const std::string& dir, const std::string& job_id);
+  TraceDirClaim(const TraceDirClaim&) = delete;
+  TraceDirClaim& operator=(const TraceDirClaim&) = delete;
+  ~TraceDirClaim() { release(true); }  // the job ended by an exception: what it left is kept
+
+  const std::string& dir() const { return dir_; }
+  // The job is over. `failed`: the folder stays when it holds anything besides the mark, and the mark
+  // records the end (its time orders the pruning). Otherwise, or after a success, it is removed,
+  // unless another launcher of the job still holds it (it removes it when it ends). Returns whether
+  // the folder is kept.
+  bool release(bool failed);
+
+ private:
+  std::string dir_;
+  UniqueFd mark_;
+};
+
+}  // namespace cohort::launch

@@ -1,0 +1,158 @@
+// The launcher's default trace folders ($TMPDIR/cohort-<job id>, launch/trace_dirs.h) with real jobs:
+// removed after a success, kept (and named) after a failure, never a user's --trace-dir, and bounded:
+// a job start removes the oldest finished folders beyond COHORT_TRACE_KEEP, never a folder cohort did
+// not make or one whose job still runs.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "support/test_support.h"
+
+namespace cohort::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kMark = ".cohort-trace-dir";
+
+std::vector<std::string> cohort_run(std::vector<std::string> args) {
+  args.insert(args.begin(), {cohort_tool(), "run"});
+  return args;
+}
+
+std::vector<std::string> concat_args(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// The cohort-* folders in `dir`, by name.
+std::vector<std::string> trace_folders(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().rfind("cohort-", 0) == 0) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// One allreduce per rank (so the flight recorders have something to dump), then exit 3 on the first
+// attempt and 0 on a restart.
+std::vector<std::string> fail_first_attempt() {
+  return {"/bin/sh", "-c",
+          std::string(COHORT_COMM_WORKER) + " once env 0 0 && [ \"$TORCHELASTIC_RESTART_COUNT\" != 0 ] || exit 3"};
+}
+
+TEST(TraceFolders, ASuccessRemovesTheDefaultFolderButNotTheUsersOne) {
+  TempDir tmp;
+  // Attempt 0 fails and leaves its dumps; the restart succeeds.
+  auto r = run_process(concat_args(cohort_run({"-n", "2", "--max-restarts", "1"}), fail_first_attempt()),
+                  {"TMPDIR=" + tmp.path(), "COHORT_TIMEOUT=20"}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("restarting every worker"), std::string::npos) << r.err;
+  EXPECT_EQ(trace_folders(tmp.path()), std::vector<std::string>{}) << r.err;
+
+  // The same with --trace-dir: the user's folder keeps the first attempt's dumps.
+  std::string mine = tmp.file("my-traces");
+  r = run_process(
+      concat_args(cohort_run({"-n", "2", "--max-restarts", "1", "--trace-dir", mine}), fail_first_attempt()),
+      {"TMPDIR=" + tmp.path(), "COHORT_TIMEOUT=20"}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(mine + "/rank0.json")) << r.err;
+  EXPECT_FALSE(fs::exists(mine + "/" + kMark)) << "cohort claimed the user's folder";
+}
+
+TEST(TraceFolders, AFailureKeepsTheFolderAndTheSummaryNamesIt) {
+  TempDir tmp;
+  auto r = run_process(concat_args(cohort_run({"-n", "2"}), {"/bin/sh", "-c", std::string(COHORT_COMM_WORKER) +
+                                                                                  " once env 0 0; exit 3"}),
+                       {"TMPDIR=" + tmp.path(), "COHORT_TIMEOUT=20"}, 60);
+  ASSERT_EQ(r.exit_code, 3) << r.err;
+  auto folders = trace_folders(tmp.path());
+  ASSERT_EQ(folders.size(), 1u) << r.err;
+  std::string kept = tmp.file(folders[0]);
+  EXPECT_TRUE(fs::exists(kept + "/rank0.json")) << r.err;
+  EXPECT_TRUE(fs::exists(kept + "/" + kMark)) << r.err;
+  EXPECT_NE(r.err.find("trace folder kept: " + kept + " "), std::string::npos) << r.err;
+
+  // A failure that left nothing to read (no rank communicated) keeps nothing.
+  TempDir tmp2;
+  r = run_process(cohort_run({"-n", "2", "/bin/sh", "-c", "exit 3"}), {"TMPDIR=" + tmp2.path()}, 60);
+  ASSERT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_EQ(trace_folders(tmp2.path()), std::vector<std::string>{}) << r.err;
+  EXPECT_EQ(r.err.find("trace folder kept"), std::string::npos) << r.err;
+}
+
+// A finished folder as an earlier job leaves it, its mark `age_s` seconds old.
+void make_finished_folder(const std::string& dir, int age_s) {
+  fs::create_directories(dir);
+  write_file(dir + "/rank0.json", "{}");
+  std::string mark = dir + "/" + kMark;
+  write_file(mark, "test\n");
+  struct timespec times[2];
+  clock_gettime(CLOCK_REALTIME, &times[0]);
+  times[0].tv_sec -= age_s;
+  times[1] = times[0];
+  ASSERT_EQ(utimensat(AT_FDCWD, mark.c_str(), times, 0), 0);
+}
+
+TEST(TraceFolders, AJobStartRemovesTheOldestFinishedFoldersOnly) {
+  TempDir tmp;
+  for (int i = 0; i < 5; ++i) make_finished_folder(tmp.file("cohort-job-old" + std::to_string(i)), 1000 - 100 * i);
+  // Older than all of them, but not cohort's (no mark) / in use (its mark locked, as a running job's is).
+  fs::create_directories(tmp.file("cohort-job-foreign"));
+  write_file(tmp.file("cohort-job-foreign/rank0.json"), "{}");
+  make_finished_folder(tmp.file("cohort-job-running"), 5000);
+  int lock = open(tmp.file(std::string("cohort-job-running/") + kMark).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(flock(lock, LOCK_SH), 0);
+
+  auto r = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP=3"}, 60);
+  close(lock);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(trace_folders(tmp.path()),
+            (std::vector<std::string>{"cohort-job-foreign", "cohort-job-old2", "cohort-job-old3", "cohort-job-old4",
+                                      "cohort-job-running"}))
+      << r.err;
+}
+
+TEST(TraceFolders, ARunningJobsFolderIsNeverRemoved) {
+  TempDir tmp, flags;
+  ProcessResult first;
+  std::thread job([&] {
+    // Waits (at most 30 s) until the test says go.
+    first = run_process(cohort_run({"-n", "1", "/bin/sh", "-c",
+                                    "touch " + flags.file("up") + "; i=0; while [ ! -e " + flags.file("go") +
+                                        " ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done"}),
+                        {"TMPDIR=" + tmp.path()}, 60);
+  });
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!fs::exists(flags.file("up")) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  auto running = trace_folders(tmp.path());
+  // A second job that keeps no finished folder at all.
+  auto second = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP=0"}, 60);
+  auto after = trace_folders(tmp.path());
+  write_file(flags.file("go"), "");
+  job.join();
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  ASSERT_EQ(running.size(), 1u) << "the running job has its folder";
+  EXPECT_EQ(after, running) << second.err;
+  EXPECT_EQ(trace_folders(tmp.path()), std::vector<std::string>{}) << "both succeeded: " << first.err;
+}
+
+TEST(TraceFolders, ANegativeKeepCountIsRefused) {
+  TempDir tmp;
+  auto r = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP=-1"}, 60);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("COHORT_TRACE_KEEP=-1: expected a count >= 0"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace cohort::test
