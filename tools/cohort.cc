@@ -9,6 +9,7 @@
 #include "cohort/error.h"
 #include "cohort/version.h"
 #include "command.h"
+#include "common/build_info.h"
 
 namespace cohort::tools {
 namespace {
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "--version" || args[0] == "version") {
-    fmt::print("cohort {}\n", COHORT_VERSION);
+    fmt::print("cohort {}\n", cohort::build::version_text());
     return 0;
   }
   // Longest match: two words first ("bench store"), then one ("run").

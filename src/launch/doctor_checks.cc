@@ -23,6 +23,7 @@
 
 #include "cohort/error.h"
 #include "cohort/version.h"
+#include "common/build_info.h"
 #include "common/env.h"
 #include "common/strings.h"
 #include "launch/doctor_child.h"
@@ -234,7 +235,7 @@ int run_doctor(const DoctorOptions& o) {
   int world = 0;
   for (auto& h : o.hosts) world += o.nproc_per_node > 0 ? o.nproc_per_node : h.slots;
   const Requirements need = requirements_for(world, nodes);
-  fmt::print("cohort doctor {}: {} host(s), world size {}, store on {}:{}\n\n", COHORT_VERSION, nodes, world,
+  fmt::print("cohort doctor {}: {} host(s), world size {}, store on {}:{}\n\n", build::version_text(), nodes, world,
              o.hosts[0].name, o.master_port);
   std::fflush(stdout);
 
@@ -311,8 +312,8 @@ int run_doctor(const DoctorOptions& o) {
       continue;
     }
     const HostFacts& f = *r.facts;
-    if (f.version != COHORT_VERSION)
-      add(Status::kFail, fmt::format("cohort version {} there, {} here", f.version, COHORT_VERSION),
+    if (f.version != build::version_text())
+      add(Status::kFail, fmt::format("cohort {} there, {} here", f.version, build::version_text()),
           "install the same cohort build on every host");
     std::string port_cell = "-";
     for (size_t p = 0; p < f.ports_checked.size(); ++p) {
@@ -349,7 +350,7 @@ int run_doctor(const DoctorOptions& o) {
     auto nofile = f.nofile_soft == UINT64_MAX ? std::string("unlimited") : std::to_string(f.nofile_soft);
     host_rows.push_back(fmt::format("{:<22} {:<5} {:<9} {:<12} {:<10} {:<12} {:<14} {:<11} {}", r.host.name,
                                     r.host.local ? "local" : "ok",
-                                    f.version, port_cell, f.somaxconn, f.tcp_max_syn_backlog, nofile, skew_cell,
+                                    f.version.substr(0, f.version.find(' ')), port_cell, f.somaxconn, f.tcp_max_syn_backlog, nofile, skew_cell,
                                     status_word(worst)));
   }
   std::vector<std::string> link_rows;

@@ -16,6 +16,7 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "cohort/version.h"
+#include "common/build_info.h"
 #include "gpu/runtime.h"
 #include "common/socket.h"
 
@@ -132,7 +133,7 @@ bool port_is_free(int port) {
 
 HostFacts collect_host_facts(const std::vector<int>& ports_to_check) {
   HostFacts f;
-  f.version = COHORT_VERSION;
+  f.version = build::version_text();  // version and commit: hosts must run the same build
   f.hostname = net::hostname();
   f.somaxconn = read_sysctl_int("/proc/sys/net/core/somaxconn");
   f.tcp_max_syn_backlog = read_sysctl_int("/proc/sys/net/ipv4/tcp_max_syn_backlog");

@@ -9,6 +9,7 @@
 
 #include "cohort/error.h"
 #include "cohort/version.h"
+#include "common/build_info.h"
 #include "launch/doctor_checks.h"
 #include "launch/doctor_child.h"
 #include "launch/doctor_probe.h"
@@ -97,7 +98,7 @@ TEST(DoctorProbe, HostFactsDescribeThisMachine) {
   auto listener = net::listen_tcp("127.0.0.1", 0, 1, false);
   int busy = net::local_address(listener.get()).port();
   auto f = collect_host_facts({busy});
-  EXPECT_EQ(f.version, COHORT_VERSION);
+  EXPECT_EQ(f.version, build::version_text());
   EXPECT_GT(f.nofile_soft, 0u);
   ASSERT_EQ(f.ports_free.size(), 1u);
   // Bound on 127.0.0.1 only; 0.0.0.0 on the same port still conflicts on Linux without SO_REUSEPORT.

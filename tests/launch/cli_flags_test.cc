@@ -255,5 +255,22 @@ TEST(CommandLine, BadFlagsAreOneLineNamingTheFlagAsTyped) {
   expect_refused({tool, "frobnicate"}, "cohort: unknown command 'frobnicate' (cohort --help lists the commands)");
 }
 
+// `cohort --version` names the build: the version and the commit the tree was at when it was built,
+// so that a bug report says which code ran.
+TEST(CommandLine, VersionNamesTheCommitItWasBuiltFrom) {
+  auto r = run_process({cohort_tool(), "--version"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto head = run_process({"git", "-C", COHORT_SOURCE_DIR, "rev-parse", "HEAD"});
+  if (head.exit_code != 0) {
+    // A source tree without git: the version alone.
+    EXPECT_TRUE(std::regex_match(r.out, std::regex(R"(cohort \d+\.\d+\.\d+\n)"))) << r.out;
+    return;
+  }
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(r.out, m, std::regex(R"(cohort \d+\.\d+\.\d+ \((?:\S+-g)?([0-9a-f]{12})(?:-dirty)?\)\n)")))
+      << r.out;
+  EXPECT_EQ(head.out.substr(0, 12), m[1].str()) << "built from another commit than the checkout's HEAD";
+}
+
 }  // namespace
 }  // namespace cohort::test
