@@ -25,6 +25,7 @@ void apply_env_overrides(CommOptions& options) {
     double t = kTimeout.get();
     if (t <= 0) throw ConfigError(fmt::format("COHORT_TIMEOUT={}: expected a positive duration", t));
     options.timeout = to_ms(t);
+    options.timeout_source = "COHORT_TIMEOUT";
   }
   if (env::get_raw(kSlowWarning.name())) {
     double t = kSlowWarning.get();
