@@ -64,8 +64,9 @@ constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
 constexpr auto kExitPoll = std::chrono::seconds(1);
 // How long a rank that lost a peer waits for the launcher's record of that peer's end before it fails
 // without it: the launcher publishes within milliseconds of reaping the process, which the lost
-// channel usually shows first.
-constexpr auto kExitRecordWait = std::chrono::milliseconds(1000);
+// channel usually shows first. Without a launcher to publish it (its agent was killed too), the
+// failure comes this much later.
+constexpr auto kExitRecordWait = std::chrono::milliseconds(500);
 
 uint32_t hash32(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -826,8 +827,10 @@ std::exception_ptr CommunicatorImpl::explain_exit(std::exception_ptr error) {
   } catch (...) {
     return error;
   }
-  // A peer's notice was explained by the rank that sent it.
-  if (message.find(") failed: ") != std::string::npos) return error;
+  // A peer's notice was explained by the rank that sent it; a child communicator's error by the child.
+  if (message.find(") failed: ") != std::string::npos || message.find(" exited (code ") != std::string::npos ||
+      message.find(" exited (killed by ") != std::string::npos)
+    return error;
   // The transports and the shm group name the peer first: "lost rank N (host)", "rank N (host) left",
   // "shm: rank N (host) (pid P) exited".
   static const std::regex kPeer(R"(\brank (\d+) \()");

@@ -15,6 +15,8 @@
 //     exit-between:<how>  3 allreduces, then rank 1 ends (an exit code: returning from main, so its
 //                         communicator says goodbye; "kill": SIGKILL) while the others call a 4th
 //     late-join:<ms>      rank 1 sleeps <ms> before it creates its communicator; then one allreduce
+//     exit-before-subgroup:<how>  one allreduce, then rank 1 ends while the others build a subgroup of
+//                         every rank
 //
 // Errors print "ERROR <class>: <message>" on stderr and exit with 3.
 #include <signal.h>
@@ -164,6 +166,16 @@ int main(int argc, char** argv) {
       if (rank == 1) return end_now();  // `comm` goes out of scope: an orderly goodbye
       comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
       std::printf("rank %d: 4 allreduces, no error\n", rank);
+      return 0;
+    }
+    if (mode == "exit-before-subgroup") {
+      comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      if (rank == 1) return end_now();
+      std::vector<int> everyone;
+      for (int r = 0; r < comm->size(); ++r) everyone.push_back(r);
+      auto sub = comm->subgroup(everyone);
+      sub->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      std::printf("rank %d: subgroup built, no error\n", rank);
       return 0;
     }
     if (mode == "stop") {

@@ -5,6 +5,7 @@
 // the launcher's summary names it as the root cause.
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -83,6 +84,38 @@ TEST(Exits, AKilledRankBetweenCollectivesIsNamedWithItsSignalAndTheOperation) {
   EXPECT_LT(r.seconds, 5.0) << r.err;
   EXPECT_TRUE(has(r.err, R"(rank 1 exited \(killed by SIGKILL\) before operation #4: )")) << r.err;
   EXPECT_TRUE(has(r.err, R"(job failed \(exit 137\): rank 1 on \S+ \(pid \d+\) was killed by SIGKILL)")) << r.err;
+}
+
+// A communicator made later (a subgroup, whose keys the launcher does not know): the join reads the
+// launcher's count of exits about once a second.
+TEST(Exits, ARankThatExitsBeforeASubgroupIsBuiltIsNamedByItsJoin) {
+  auto r = run_two("exit-before-subgroup:0");
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_LT(r.seconds, 5.0) << r.err;
+  EXPECT_TRUE(has(r.err, R"(ERROR PeerLostError: rank 1 exited \(code 0\) before joining communicator '\S+/sub)")) << r.err;
+  EXPECT_TRUE(has(r.err, R"(job failed \(exit 3\): rank 1 on \S+ \(pid \d+\) exited with code 0 )")) << r.err;
+}
+
+// Two nodes (per-node mode on loopback): rank 1 runs on node 1, whose launcher publishes its end in node
+// 0's store; rank 0 names it, and node 0's summary finds the record there.
+TEST(Exits, AnExitOnAnotherNodeIsNamedByTheJoinAndTheSummary) {
+  const int port = free_port();
+  auto node = [&](int rank) {
+    return run_process({cohort_tool(), "run", "--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr",
+                        "127.0.0.1", "--master-port", std::to_string(port), "--nproc-per-node", "1", "--join-timeout",
+                        "20", COHORT_COMM_WORKER, "exit-early:0", "env", "0", "0"},
+                       {"COHORT_TIMEOUT=120"}, 60);
+  };
+  ProcessResult second;
+  std::thread t([&] { second = node(1); });
+  auto first = node(0);
+  t.join();
+  EXPECT_EQ(first.exit_code, 3) << first.err;
+  EXPECT_EQ(second.exit_code, 3) << second.err;
+  EXPECT_LT(first.seconds, 10.0) << first.err;
+  EXPECT_TRUE(has(first.err, R"(ERROR PeerLostError: rank 1 exited \(code 0\) before joining communicator )")) << first.err;
+  EXPECT_TRUE(has(first.err, R"(job failed \(exit 3\): rank 1 on \S+ \(pid \d+\) exited with code 0 after [0-9.]+ s while the other ranks still needed it; then rank 0 )"))
+      << first.err;
 }
 
 // The join's "N of M ranks joined" warning comes after COHORT_SLOW_WARNING, then at a doubling
