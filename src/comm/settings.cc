@@ -10,8 +10,8 @@ namespace {
 const env::SecondsSetting kTimeout("COHORT_TIMEOUT", 300.0,
                                    "deadline of one collective operation and of building a communicator");
 const env::SecondsSetting kSlowWarning("COHORT_SLOW_WARNING", 5.0,
-                                       "after this long, a waiting operation logs which ranks it waits for "
-                                       "(then again at a doubling interval)");
+                                       "after this long, a waiting operation (or a communicator being built) logs "
+                                       "which ranks it waits for (then again at a doubling interval)");
 const env::StringSetting kTransport("COHORT_TRANSPORT", "auto",
                                     "transport between ranks: auto (shm on one host, else tcp), tcp or shm");
 
