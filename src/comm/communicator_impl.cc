@@ -64,9 +64,12 @@ constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
 constexpr auto kExitPoll = std::chrono::seconds(1);
 // How long a rank that lost a peer waits for the launcher's record of that peer's end before it fails
 // without it: the launcher publishes within milliseconds of reaping the process, which the lost
-// channel usually shows first. Without a launcher to publish it (its agent was killed too), the
-// failure comes this much later.
+// channel usually shows first. A peer on this host has this rank's launcher, alive (the rank would
+// have died with it): its record comes. A peer on another host may have lost its launcher with it (a
+// killed agent takes its ranks along), and then this rank's failure, and the ranks it tells, come this
+// much later: a shorter wait.
 constexpr auto kExitRecordWait = std::chrono::milliseconds(500);
+constexpr auto kRemoteExitRecordWait = std::chrono::milliseconds(100);
 
 uint32_t hash32(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -827,18 +830,24 @@ std::exception_ptr CommunicatorImpl::explain_exit(std::exception_ptr error) {
   } catch (...) {
     return error;
   }
-  // A peer's notice was explained by the rank that sent it; a child communicator's error by the child.
-  if (message.find(") failed: ") != std::string::npos || message.find(" exited (code ") != std::string::npos ||
-      message.find(" exited (killed by ") != std::string::npos)
+  // Only a peer that is gone, as the transports and the shm group say it, naming it first: "lost rank N
+  // (host): ...", "rank N (host) left ...", "shm: rank N (host) (pid P) exited during ...". A peer's
+  // notice ("rank N (host) failed: ...") was explained by the rank that sent it, a child communicator's
+  // error by the child; a peer that failed may well live on (no record would come).
+  const bool gone_peer = message.find("lost rank ") != std::string::npos ||
+                         message.find(") left ") != std::string::npos ||
+                         message.find(") exited during ") != std::string::npos;
+  if (!gone_peer || message.find(") failed: ") != std::string::npos ||
+      message.find(" exited (code ") != std::string::npos || message.find(" exited (killed by ") != std::string::npos)
     return error;
-  // The transports and the shm group name the peer first: "lost rank N (host)", "rank N (host) left",
-  // "shm: rank N (host) (pid P) exited".
   static const std::regex kPeer(R"(\brank (\d+) \()");
   std::smatch m;
   if (!std::regex_search(message, m, kPeer)) return error;
   const long peer = std::stol(m[1].str());
   if (peer < 0 || peer >= size_ || peer == rank_) return error;
-  std::optional<ExitRecord> gone = read_exit(int(peer), kExitRecordWait);
+  const bool same_host = size_t(peer) < topology_.identity.size() &&
+                         topology_.identity[size_t(peer)].shm_key() == topology_.identity[size_t(rank_)].shm_key();
+  std::optional<ExitRecord> gone = read_exit(int(peer), same_host ? kExitRecordWait : kRemoteExitRecordWait);
   if (!gone) return error;
   return std::make_exception_ptr(PeerLostError(fmt::format(
       "rank {}{} {} {}: {}", world_rank(int(peer)),
