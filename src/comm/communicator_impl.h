@@ -172,7 +172,8 @@ class CommunicatorImpl final : public Communicator,
   [[noreturn]] void throw_timeout();
   // What a TimeoutError names as the deadline's origin (CommOptions::timeout_source).
   std::string timeout_source() const;
-  // Exits the launcher published (comm/peer_exits.h); all of them do nothing without exits_.
+  // Exits the launcher published (comm/peer_exits.h). exit_rank needs exits_; the others do nothing
+  // without it.
   int exit_rank(int rank) const { return exits_->ranks.empty() ? rank : exits_->ranks[size_t(rank)]; }
   // `rank`'s exit record, waiting up to `wait` for it to appear; nullopt when none (or unreadable).
   std::optional<ExitRecord> read_exit(int rank, std::chrono::milliseconds wait);

@@ -3,6 +3,8 @@
 // exit-between, late-join). The launcher publishes the end in the job's store (comm/peer_exits.h), so
 // the waiting ranks fail within a second or two naming the rank, how it ended and the operation, and
 // the launcher's summary names it as the root cause.
+#include <signal.h>
+
 #include <regex>
 #include <string>
 #include <thread>
@@ -10,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "comm/peer_exits.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
@@ -30,6 +33,34 @@ ProcessResult run_two(const std::string& mode, std::vector<std::string> env = {}
 }
 
 bool has(const std::string& text, const std::string& regex) { return std::regex_search(text, std::regex(regex)); }
+
+// The record as the launcher makes it from a wait status and a flight recorder, and how a rank words it.
+TEST(PeerExits, WhereARankStoppedComesFromItsFlightRecorder) {
+  trace::RankSnapshot ring;
+  ring.started = true;
+  auto op = [](uint32_t comm, uint32_t seq, trace::OpState state) {
+    trace::OpRecord r;
+    r.comm = comm;
+    r.seq = seq;
+    r.state = state;
+    return r;
+  };
+  ring.entries = {op(7, 3, trace::OpState::kDone), op(9, 1, trace::OpState::kRunning), op(7, 4, trace::OpState::kDone),
+                  op(7, 0, trace::OpState::kDone)};  // the last: point-to-point (no number)
+  ring.total = ring.entries.size();
+  auto r = comm::exit_record_from_json(comm::to_json(comm::make_exit_record(1, "h", 42, 0, 1.5, &ring)));
+  EXPECT_EQ(comm::exit_text(r), "exited (code 0)");
+  EXPECT_EQ(comm::exit_point(r, 7, 5), "before operation #5");
+  EXPECT_EQ(comm::exit_point(r, 9, 1), "during operation #1");
+  EXPECT_EQ(comm::exit_point(r, 11, 1), "before operation #1");  // the ring is whole: it never ran one there
+  ring.total = 5000;                                              // wrapped: older operations are gone
+  r = comm::make_exit_record(1, "h", 42, SIGKILL, 1.5, &ring);
+  EXPECT_EQ(comm::exit_text(r), "exited (killed by SIGKILL)");
+  EXPECT_EQ(comm::exit_point(r, 11, 3), "before or during operation #3");
+  r = comm::make_exit_record(1, "h", 42, 3 << 8, 1.5, nullptr);  // exit code 3, no flight recorder
+  EXPECT_EQ(comm::exit_text(r), "exited (code 3)");
+  EXPECT_EQ(comm::exit_point(r, 7, 5), "before or during operation #5");
+}
 
 // Before its communicator exists: rank 0's join fails at once with the line, the job with rank 1.
 TEST(Exits, ARankThatExitsWithCodeZeroBeforeJoiningFailsTheJoinWithinTwoSeconds) {
