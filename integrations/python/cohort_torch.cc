@@ -1083,7 +1083,8 @@ c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
   options.timeout_source = timeout == std::chrono::minutes(30)
                                ? fmt::format("timeout={} of init_process_group or new_group, torch's default",
                                              timedelta_text(timeout))
-                               : fmt::format("timeout={} given to init_process_group or new_group", timedelta_text(timeout));
+                               : fmt::format("timeout={} given to init_process_group or new_group",
+                                             timedelta_text(timeout));
   std::shared_ptr<cohort::Communicator> comm;
   try {
     comm = cohort::Communicator::create(adapter, rank, size, options);

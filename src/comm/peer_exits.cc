@@ -69,7 +69,8 @@ ExitRecord exit_record_from_json(const std::string& text) {
 std::string exit_text(const ExitRecord& r) {
   if (r.signal == 0) return fmt::format("exited (code {})", r.code);
   const char* abbrev = sigabbrev_np(r.signal);
-  return abbrev ? fmt::format("exited (killed by SIG{})", abbrev) : fmt::format("exited (killed by signal {})", r.signal);
+  return abbrev ? fmt::format("exited (killed by SIG{})", abbrev)
+                : fmt::format("exited (killed by signal {})", r.signal);
 }
 
 std::string exit_point(const ExitRecord& r, uint32_t comm, uint32_t current) {

@@ -62,9 +62,9 @@ void Job::publish_exit(const Worker& w) {
   const auto [prefix, rank] = world_of(plan_, exit_attempt_, w.rank);
   trace::RankSnapshot ring;
   if (w.ring.valid()) ring = w.ring.snapshot();
-  comm::ExitRecord record =
-      comm::make_exit_record(rank, plan_.node(plan_.this_node)->host, w.pid, w.status,
-                             std::chrono::duration<double>(w.ended - w.started).count(), w.ring.valid() ? &ring : nullptr);
+  const double seconds = std::chrono::duration<double>(w.ended - w.started).count();
+  comm::ExitRecord record = comm::make_exit_record(rank, plan_.node(plan_.this_node)->host, w.pid, w.status, seconds,
+                                                   w.ring.valid() ? &ring : nullptr);
   const std::string key = prefix + "/" + comm::exit_key(rank);
   published_exits_[key] = record;
   try {
@@ -102,8 +102,9 @@ std::string Job::early_exit_cause(const Worker& failed) {
       }
     }
     if (!record || record->code != 0 || record->signal != 0) return "";
-    return fmt::format("{} on {} (pid {}) exited with code 0 after {:.2f} s while the other ranks still needed it; then ",
-                       plan_.process_name(rank), record->host, record->pid, record->seconds);
+    return fmt::format(
+        "{} on {} (pid {}) exited with code 0 after {:.2f} s while the other ranks still needed it; then ",
+        plan_.process_name(rank), record->host, record->pid, record->seconds);
   }
   return "";
 }
