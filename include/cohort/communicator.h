@@ -31,6 +31,11 @@ namespace cohort {
 struct CommOptions {
   // Deadline of one operation, and of construction. COHORT_TIMEOUT (seconds) overrides the default.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // Where `timeout` came from, as a TimeoutError names it: empty means COHORT_TIMEOUT (its default, or
+  // the variable). A caller that sets `timeout` from its own option names that option here (the
+  // PyTorch backend: "timeout=0:00:05 given to init_process_group or new_group"). COHORT_TIMEOUT, when
+  // set, overrides `timeout` and this.
+  std::string timeout_source;
   // After this long waiting, log which ranks have not progressed (COHORT_SLOW_WARNING, seconds).
   std::chrono::milliseconds slow_warning{std::chrono::seconds(5)};
   // Transport preference: "auto" (shm on the same host, else TCP), "tcp" or "shm".

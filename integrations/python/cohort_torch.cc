@@ -1061,6 +1061,17 @@ std::pair<c10::intrusive_ptr<BaseGroup>, std::string> make_cuda_backend(const c1
 }
 #endif
 
+// A timeout as Python prints a datetime.timedelta ("0:00:05", "0:00:00.300000", "1 day, 2:00:00"), so
+// that an error quotes it as the user wrote it.
+std::string timedelta_text(Millis t) {
+  const int64_t ms = t.count();
+  const int64_t days = ms / 86400000, h = ms / 3600000 % 24, m = ms / 60000 % 60, s = ms / 1000 % 60, frac = ms % 1000;
+  std::string text = fmt::format("{}:{:02}:{:02}", h, m, s);
+  if (frac != 0) text += fmt::format(".{:06}", frac * 1000);
+  if (days != 0) text = fmt::format("{} day{}, {}", days, days == 1 ? "" : "s", text);
+  return text;
+}
+
 // torch calls creator(store, rank, size, timeout) from init_process_group / new_group.
 c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Millis timeout) {
@@ -1068,6 +1079,12 @@ c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
   adapter->set_timeout(timeout);
   cohort::CommOptions options;
   options.timeout = timeout;
+  // The creator cannot tell a timeout the script gave from torch's default (30 minutes): both arrive here.
+  options.timeout_source = timeout == std::chrono::minutes(30)
+                               ? fmt::format("timeout={} of init_process_group or new_group, torch's default",
+                                             timedelta_text(timeout))
+                               : fmt::format("timeout={} given to init_process_group or new_group",
+                                             timedelta_text(timeout));
   std::shared_ptr<cohort::Communicator> comm;
   try {
     comm = cohort::Communicator::create(adapter, rank, size, options);

@@ -23,7 +23,7 @@ std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store,
     throw InvalidArgument(fmt::format("Communicator::create: rank {} out of range [0, {})", rank, size));
   }
   comm::apply_env_overrides(options);
-  comm::CommSetup s{store, options.store_prefix, rank, size, options, {}, false, false, {}};
+  comm::CommSetup s{store, options.store_prefix, rank, size, options, {}, false, false, {}, nullptr};
   auto impl = std::make_shared<comm::CommunicatorImpl>(std::move(s));
   impl->bootstrap();
   return impl;

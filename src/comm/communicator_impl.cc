@@ -59,6 +59,18 @@ const env::StringSetting kHierarchical(
 
 constexpr uint32_t kP2PSeq = 0xFFFFFFFFu;
 
+// How often a rank waiting for others to join reads the launcher's count of exits: a rank whose
+// process ended is named within about this long (docs/errors.md, "Failure timing").
+constexpr auto kExitPoll = std::chrono::seconds(1);
+// How long a rank that lost a peer waits for the launcher's record of that peer's end before it fails
+// without it: the launcher publishes within milliseconds of reaping the process, which the lost
+// channel usually shows first. A peer on this host has this rank's launcher, alive (the rank would
+// have died with it): its record comes. A peer on another host may have lost its launcher with it (a
+// killed agent takes its ranks along), and then this rank's failure, and the ranks it tells, come this
+// much later: a shorter wait.
+constexpr auto kExitRecordWait = std::chrono::milliseconds(500);
+constexpr auto kRemoteExitRecordWait = std::chrono::milliseconds(100);
+
 uint32_t hash32(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) {
@@ -174,11 +186,14 @@ CommunicatorImpl::CommunicatorImpl(CommSetup s)
       world_ranks_(std::move(s.world_ranks)),
       child_(s.child),
       connections_only_(s.connections_only),
-      connect_to_(std::move(s.connect_to)) {
+      connect_to_(std::move(s.connect_to)),
+      exits_(std::move(s.exits)) {
   if (!connect_to_.empty() && connect_to_.size() != size_t(size_))
     throw std::logic_error("CommSetup::connect_to must name every rank");
   if (!world_ranks_.empty() && world_ranks_.size() != size_t(size_))
     throw std::logic_error("CommSetup::world_ranks must name every rank");
+  if (exits_ && !exits_->ranks.empty() && exits_->ranks.size() != size_t(size_))
+    throw std::logic_error("ExitWatch::ranks must name every rank");
   store_->set_timeout(options_.timeout);
   options_.store_prefix = prefix_;
 }
@@ -195,7 +210,7 @@ CommunicatorImpl::~CommunicatorImpl() {
 
 void CommunicatorImpl::bootstrap() {
   Deadline deadline = Deadline::after(options_.timeout);
-  transport::TransportOptions topts{rank_, size_, prefix_, deadline};
+  transport::TransportOptions topts{rank_, size_, prefix_, deadline, options_.slow_warning};
   std::vector<std::string> available;
   for (const auto& f : transport::factories()) {
     available.push_back(f.name);
@@ -219,20 +234,33 @@ void CommunicatorImpl::bootstrap() {
   for (auto& t : transports_) mine["transports"][t->name()] = t->descriptor();
   store_->set("peer/" + std::to_string(rank_), mine.dump());
 
-  // Read everyone, in batches; while waiting, say who is missing.
+  // Read everyone, in batches; while waiting, say who is missing (after COHORT_SLOW_WARNING, then at a
+  // doubling interval) and, where the launcher publishes exits, fail as soon as a missing rank's
+  // process is known to have ended: it never joins. The launcher puts a record of the end in place of
+  // a world communicator's missing entry, which ends the wait at once; a child communicator (whose
+  // keys the launcher does not know) reads the launcher's count of exits every kExitPoll instead.
   std::vector<std::string> values;
   values.reserve(static_cast<size_t>(size_));
   const int kBatch = 1024;
   auto start = Deadline::Clock::now();
+  auto warning_interval = std::chrono::duration_cast<Deadline::Clock::duration>(options_.slow_warning);
+  auto next_warning = start + warning_interval;
+  int64_t exits_seen = 0;
   for (int first = 0; first < size_; first += kBatch) {
     std::vector<std::string> keys;
     for (int r = first; r < std::min(size_, first + kBatch); ++r) keys.push_back("peer/" + std::to_string(r));
     for (;;) {
-      auto step = std::min(options_.slow_warning, deadline.remaining());
+      auto until = std::min(next_warning, deadline.at());
+      const bool poll_exits = exits_ && child_;
+      if (poll_exits) until = std::min(until, Deadline::Clock::now() + kExitPoll);
+      auto step = std::chrono::ceil<std::chrono::milliseconds>(until - Deadline::Clock::now());
       try {
         store_->wait(keys, std::max(step, std::chrono::milliseconds(1)));
         break;
       } catch (const TimeoutError&) {
+        if (poll_exits) check_exits_while_joining(exits_seen, start);
+        const auto now = Deadline::Clock::now();
+        if (now < next_warning && !deadline.expired()) continue;
         std::vector<int> missing;
         for (int r = first; r < std::min(size_, first + kBatch); ++r)
           if (!store_->check({"peer/" + std::to_string(r)})) missing.push_back(r);
@@ -241,11 +269,25 @@ void CommunicatorImpl::bootstrap() {
         std::string text = fmt::format("communicator '{}': {} of {} ranks joined after {}; missing rank(s) {}", prefix_,
                                        size_ - int(missing.size()), size_,
                                        seconds_text(Deadline::Clock::now() - start), str::format_ranges(missing));
-        if (deadline.expired()) throw TimeoutError(text + " (COHORT_TIMEOUT)");
+        if (deadline.expired()) throw TimeoutError(fmt::format("{} ({})", text, timeout_source()));
         log::warn("{}", text);
+        warning_interval *= 2;
+        next_warning = now + warning_interval;
       }
     }
     auto got = store_->multi_get(keys);
+    for (size_t i = 0; i < got.size(); ++i) {
+      // A record of the rank's end in place of its entry (comm/peer_exits.h); the entries it
+      // publishes itself hold no "exited".
+      if (got[i].find("\"exited\"") == std::string::npos) continue;
+      std::optional<ExitRecord> gone;
+      try {
+        gone = exit_record_from_json(nlohmann::json::parse(got[i]).at("exited").dump());
+      } catch (const std::exception&) {
+        continue;  // not one: the entry is checked with the others below
+      }
+      throw_exited_before_joining(first + int(i), *gone, start);
+    }
     for (auto& v : got) values.push_back(std::move(v));
   }
 
@@ -357,10 +399,11 @@ void CommunicatorImpl::bootstrap() {
                                        fmt::format("shm-group/host{}", host), options_.timeout);
       probe_link(*host_group_);
       install_shm_semantics(*host_group_, topology_.hosts[size_t(host)]);
-      std::vector<int> ring;  // the rank with my local rank on every host, in host order
-      for (const auto& h : topology_.hosts) ring.push_back(world_rank(h[size_t(topology_.local_rank)]));
+      std::vector<int> members, ring;  // the rank with my local rank on every host, in host order
+      for (const auto& h : topology_.hosts) members.push_back(h[size_t(topology_.local_rank)]);
+      for (int m : members) ring.push_back(world_rank(m));
       cross_host_ = create_child(fmt::format("{}/cross/local{}", prefix_, topology_.local_rank), host,
-                                 int(topology_.hosts.size()), ring);
+                                 int(topology_.hosts.size()), members, ring);
       log::debug("communicator '{}': {} hosts x {} ranks, hierarchical allreduce (shm inside hosts, {} rings across)",
                  prefix_, topology_.hosts.size(), topology_.local_size, topology_.local_size);
     }
@@ -429,6 +472,7 @@ transport::Transport::ErrorClass error_class(std::exception_ptr e) {
 }  // namespace
 
 void CommunicatorImpl::fail_and_throw(std::exception_ptr error) {
+  error = explain_exit(error);
   std::string prefix = op_.kind == OpKind::kSendRecv
                            ? fmt::format("{} on rank {} ({}): ", op_kind_name(op_.kind), rank_, host_of(rank_))
                            : fmt::format("{} #{} ({}) on rank {} ({}): ", op_kind_name(op_.kind), seq_,
@@ -709,8 +753,106 @@ void CommunicatorImpl::warn_slow(std::chrono::nanoseconds waited) {
 }
 
 void CommunicatorImpl::throw_timeout() {
-  throw TimeoutError(fmt::format("timed out after {} (COHORT_TIMEOUT) waiting for {}",
-                                 seconds_text(options_.timeout), waiting_for_text()));
+  throw TimeoutError(fmt::format("timed out after {} ({}) waiting for {}", seconds_text(options_.timeout),
+                                 timeout_source(), waiting_for_text()));
+}
+
+std::string CommunicatorImpl::timeout_source() const {
+  return options_.timeout_source.empty() ? "COHORT_TIMEOUT" : options_.timeout_source;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Exits the launcher published (comm/peer_exits.h)
+
+std::optional<ExitRecord> CommunicatorImpl::read_exit(int rank, std::chrono::milliseconds wait) {
+  if (!exits_) return std::nullopt;
+  const std::string key = exit_key(exit_rank(rank));
+  try {
+    if (wait.count() > 0) {
+      try {
+        exits_->store->wait({key}, wait);
+      } catch (const TimeoutError&) {
+        return std::nullopt;
+      }
+    } else if (!exits_->store->check({key})) {
+      return std::nullopt;
+    }
+    return exit_record_from_json(exits_->store->get(key));
+  } catch (const std::exception& e) {
+    // Only an explanation: without it the error or wait goes on as it would without a launcher.
+    log::debug("communicator '{}': no exit record of rank {}: {}", prefix_, rank, e.what());
+    return std::nullopt;
+  }
+}
+
+void CommunicatorImpl::check_exits_while_joining(int64_t& seen, Deadline::Clock::time_point start) {
+  int64_t count = 0;
+  try {
+    count = exits_->store->add(kExitCountKey, 0);
+  } catch (const std::exception& e) {
+    log::debug("communicator '{}': cannot read the launcher's count of exits: {}", prefix_, e.what());
+    return;
+  }
+  if (count <= seen) return;
+  seen = count;
+  // Somebody's process ended (once per new exit, not per wait step): is it one we wait for?
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_ || store_->check({"peer/" + std::to_string(r)})) continue;
+    if (std::optional<ExitRecord> gone = read_exit(r, std::chrono::milliseconds(0)))
+      throw_exited_before_joining(r, *gone, start);
+  }
+}
+
+void CommunicatorImpl::throw_exited_before_joining(int r, const ExitRecord& gone, Deadline::Clock::time_point start) {
+  int joined = 0;  // the others as the store has them now (a failure path: one check each)
+  for (int q = 0; q < size_; ++q) {
+    if (q == r) continue;
+    try {
+      joined += store_->check({"peer/" + std::to_string(q)});
+    } catch (const std::exception&) {
+    }
+  }
+  throw PeerLostError(fmt::format(
+      "rank {}{} {} before joining communicator '{}' (it ran {:.1f} s on {} as pid {}; its launcher saw it end); "
+      "{} of {} ranks joined after {}",
+      world_rank(r), exits_ && exit_rank(r) != world_rank(r) ? fmt::format(" (job rank {})", exit_rank(r)) : "",
+      exit_text(gone), prefix_, gone.seconds, gone.host, gone.pid, joined, size_,
+      seconds_text(Deadline::Clock::now() - start)));
+}
+
+std::exception_ptr CommunicatorImpl::explain_exit(std::exception_ptr error) {
+  if (!exits_) return error;
+  std::string message;
+  try {
+    std::rethrow_exception(error);
+  } catch (const PeerLostError& e) {
+    message = e.what();
+  } catch (...) {
+    return error;
+  }
+  // Only a peer that is gone, as the transports and the shm group say it, naming it first: "lost rank N
+  // (host): ...", "rank N (host) left ...", "shm: rank N (host) (pid P) exited during ...". A peer's
+  // notice ("rank N (host) failed: ...") was explained by the rank that sent it, a child communicator's
+  // error by the child; a peer that failed may well live on (no record would come).
+  const bool gone_peer = message.find("lost rank ") != std::string::npos ||
+                         message.find(") left ") != std::string::npos ||
+                         message.find(") exited during ") != std::string::npos;
+  if (!gone_peer || message.find(") failed: ") != std::string::npos ||
+      message.find(" exited (code ") != std::string::npos || message.find(" exited (killed by ") != std::string::npos)
+    return error;
+  static const std::regex kPeer(R"(\brank (\d+) \()");
+  std::smatch m;
+  if (!std::regex_search(message, m, kPeer)) return error;
+  const long peer = std::stol(m[1].str());
+  if (peer < 0 || peer >= size_ || peer == rank_) return error;
+  const bool same_host = size_t(peer) < topology_.identity.size() &&
+                         topology_.identity[size_t(peer)].shm_key() == topology_.identity[size_t(rank_)].shm_key();
+  std::optional<ExitRecord> gone = read_exit(int(peer), same_host ? kExitRecordWait : kRemoteExitRecordWait);
+  if (!gone) return error;
+  return std::make_exception_ptr(PeerLostError(fmt::format(
+      "rank {}{} {} {}: {}", world_rank(int(peer)),
+      exit_rank(int(peer)) != world_rank(int(peer)) ? fmt::format(" (job rank {})", exit_rank(int(peer))) : "",
+      exit_text(*gone), exit_point(*gone, comm_id_, seq_), message)));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -948,8 +1090,15 @@ std::shared_ptr<Work> CommunicatorImpl::barrier_async() {
 // Groups and abort
 
 std::shared_ptr<Communicator> CommunicatorImpl::create_child(const std::string& prefix, int rank, int size,
+                                                           const std::vector<int>& members,
                                                            std::vector<int> world_ranks) {
-  CommSetup s{root_store_, prefix, rank, size, options_, std::move(world_ranks), /*child=*/true, false, {}};
+  CommSetup s{root_store_, prefix, rank, size, options_, std::move(world_ranks), /*child=*/true, false, {}, nullptr};
+  if (exits_) {
+    auto exits = std::make_shared<ExitWatch>();
+    exits->store = exits_->store;
+    for (int m : members) exits->ranks.push_back(exit_rank(m));
+    s.exits = std::move(exits);
+  }
   auto child = std::make_shared<CommunicatorImpl>(std::move(s));
   child->bootstrap();
   return child;
@@ -967,9 +1116,12 @@ std::shared_ptr<Communicator> CommunicatorImpl::split(int color, int key) {
     if (all[2 * size_t(r)] == color) members.emplace_back(all[2 * size_t(r) + 1], r);
   std::sort(members.begin(), members.end());
   int new_rank = 0;
-  for (size_t i = 0; i < members.size(); ++i)
+  std::vector<int> ranks;
+  for (size_t i = 0; i < members.size(); ++i) {
     if (members[i].second == rank_) new_rank = int(i);
-  return create_child(fmt::format("{}/split{}/color{}", prefix_, n, color), new_rank, int(members.size()));
+    ranks.push_back(members[i].second);
+  }
+  return create_child(fmt::format("{}/split{}/color{}", prefix_, n, color), new_rank, int(members.size()), ranks);
 }
 
 std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>& ranks) {
@@ -986,7 +1138,7 @@ std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>&
   for (int r : ranks) parts.push_back(std::to_string(r));
   std::string list = str::join(parts, ",");
   int n = subgroup_counter_[list]++;
-  return create_child(fmt::format("{}/sub{:08x}/{}", prefix_, hash32(list), n), new_rank, int(ranks.size()));
+  return create_child(fmt::format("{}/sub{:08x}/{}", prefix_, hash32(list), n), new_rank, int(ranks.size()), ranks);
 }
 
 std::string CommunicatorImpl::link_report() const {

@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -27,6 +28,7 @@
 #include "cohort/communicator.h"
 #include "collectives/context.h"
 #include "comm/op.h"
+#include "comm/peer_exits.h"
 #include "comm/topology.h"
 #include "common/deadline.h"
 #include "common/affinity.h"
@@ -41,6 +43,13 @@ class Group;
 namespace cohort::comm {
 
 class WorkImpl;
+
+// Where the launcher publishes the exits of the ranks' processes (comm/peer_exits.h), when one does
+// (from_env under `cohort run`): the world communicator's store, and this communicator's ranks there.
+struct ExitWatch {
+  std::shared_ptr<Store> store;  // under the world communicator's prefix
+  std::vector<int> ranks;        // ranks[this communicator's rank] = world rank (empty: the same)
+};
 
 // Everything create() learned at bootstrap.
 struct CommSetup {
@@ -59,6 +68,7 @@ struct CommSetup {
   // With connections_only: the peers to connect to (empty: all). The parameter server's world
   // connects workers to servers only, never workers to workers.
   std::vector<bool> connect_to;
+  std::shared_ptr<const ExitWatch> exits;  // null: nobody publishes exits
 };
 
 class CommunicatorImpl final : public Communicator,
@@ -160,6 +170,20 @@ class CommunicatorImpl final : public Communicator,
   void wait_request(transport::Transport* t, transport::RequestId id, int peer);
   transport::Transport* route(int peer) const { return route_[size_t(peer)]; }
   [[noreturn]] void throw_timeout();
+  // What a TimeoutError names as the deadline's origin (CommOptions::timeout_source).
+  std::string timeout_source() const;
+  // Exits the launcher published (comm/peer_exits.h). exit_rank needs exits_; the others do nothing
+  // without it.
+  int exit_rank(int rank) const { return exits_->ranks.empty() ? rank : exits_->ranks[size_t(rank)]; }
+  // `rank`'s exit record, waiting up to `wait` for it to appear; nullopt when none (or unreadable).
+  std::optional<ExitRecord> read_exit(int rank, std::chrono::milliseconds wait);
+  // During the join: when the launcher counted new exits since `seen`, throws PeerLostError naming
+  // a rank whose process ended before it joined.
+  void check_exits_while_joining(int64_t& seen, Deadline::Clock::time_point start);
+  [[noreturn]] void throw_exited_before_joining(int rank, const ExitRecord& gone, Deadline::Clock::time_point start);
+  // A lost peer's error, with what its launcher says about its end in front when it published that:
+  // "rank 1 exited (code 0) before operation #7: <the error>". Other errors as they are.
+  std::exception_ptr explain_exit(std::exception_ptr error);
   void warn_slow(std::chrono::nanoseconds waited);
   std::string waiting_for_text();
   std::string peer_text(int peer) const;
@@ -169,8 +193,9 @@ class CommunicatorImpl final : public Communicator,
   void validate_buffer(const void* p, size_t count, const char* what) const;
   void validate_root(int root) const;
 
+  // `members[child rank]` = rank here (for the exit records, comm/peer_exits.h).
   std::shared_ptr<Communicator> create_child(const std::string& prefix, int rank, int size,
-                                             std::vector<int> world_ranks = {});
+                                             const std::vector<int>& members, std::vector<int> world_ranks = {});
   // `text` with every "rank N (" (how messages name a peer: rank and host) renamed to the world rank
   // (child communicators with world_ranks only).
   std::string in_world_ranks(const std::string& text) const;
@@ -219,6 +244,7 @@ class CommunicatorImpl final : public Communicator,
   bool child_ = false;
   bool connections_only_ = false;  // CommSetup::connections_only
   std::vector<bool> connect_to_;    // CommSetup::connect_to
+  std::shared_ptr<const ExitWatch> exits_;  // CommSetup::exits
   std::shared_ptr<Communicator> cross_host_;  // several hosts: same local rank on every host
 
   // the drive lock and the current operation (guarded by drive_)

@@ -40,8 +40,16 @@ std::shared_ptr<Communicator> Communicator::from_env(CommOptions options) {
   co.timeout = options.timeout;
   auto store = connect_tcp_store(co);
   options.store_prefix = e.prefix;
-  auto comm = Communicator::create(store, e.rank, e.world_size, options);
-  if (server) std::static_pointer_cast<comm::CommunicatorImpl>(comm)->keep_alive(server);
+  comm::CommSetup s{store, options.store_prefix, e.rank, e.world_size, options, {}, false, false, {}, nullptr};
+  if (e.launcher_publishes_exits) {
+    // The launcher's records of ranks whose process ended sit beside this communicator's keys.
+    auto exits = std::make_shared<comm::ExitWatch>();
+    exits->store = make_prefix_store(store, e.prefix);
+    s.exits = std::move(exits);
+  }
+  auto comm = std::make_shared<comm::CommunicatorImpl>(std::move(s));
+  comm->bootstrap();
+  if (server) comm->keep_alive(server);
   return comm;
 }
 

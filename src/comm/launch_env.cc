@@ -26,6 +26,10 @@ struct Pair {
 
 }  // namespace
 
+std::string job_comm_prefix(const std::string& job_id, const std::string& attempt) {
+  return fmt::format("cohort/job/{}/attempt/{}/comm", job_id, attempt);
+}
+
 LaunchEnv resolve_launch_env(const GetEnv& get) {
   LaunchEnv e;
   e.token = get("COHORT_JOB_TOKEN").value_or("");
@@ -96,8 +100,9 @@ LaunchEnv resolve_launch_env(const GetEnv& get) {
     e.store_port = port;
     std::string job = get("COHORT_JOB_ID").value_or("default");
     std::string attempt = get("COHORT_RESTART_COUNT").value_or("0");
-    e.job_prefix = fmt::format("cohort/job/{}/attempt/{}/comm", job, attempt);
+    e.job_prefix = job_comm_prefix(job, attempt);
     e.prefix = get("COHORT_ROLE").value_or("") == "server" ? e.job_prefix + "/servers" : e.job_prefix;
+    e.launcher_publishes_exits = std::string(chosen->source) == "cohort run";
     return e;
   }
   if (e.source == "cohort run") {

@@ -28,7 +28,14 @@ struct LaunchEnv {
   // world communicator is the role's: servers meet under prefix = job_prefix + "/servers", so a
   // server that builds one never meets the workers' (docs/parameter-server.md).
   std::string job_prefix;
+  // Started by `cohort run`: its launcher publishes under `prefix` the exits of the ranks' processes
+  // (comm/peer_exits.h), which the world communicator and its children read.
+  bool launcher_publishes_exits = false;
 };
+
+// The key prefix of a `cohort run` job's communicators in attempt (restart count, elastic
+// generation) `attempt`; the launcher publishes the ranks' exits under it.
+std::string job_comm_prefix(const std::string& job_id, const std::string& attempt);
 
 using GetEnv = std::function<std::optional<std::string>(const std::string&)>;
 

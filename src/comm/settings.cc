@@ -10,8 +10,8 @@ namespace {
 const env::SecondsSetting kTimeout("COHORT_TIMEOUT", 300.0,
                                    "deadline of one collective operation and of building a communicator");
 const env::SecondsSetting kSlowWarning("COHORT_SLOW_WARNING", 5.0,
-                                       "after this long, a waiting operation logs which ranks it waits for "
-                                       "(then again at a doubling interval)");
+                                       "after this long, a waiting operation (or a communicator being built) logs "
+                                       "which ranks it waits for (then again at a doubling interval)");
 const env::StringSetting kTransport("COHORT_TRANSPORT", "auto",
                                     "transport between ranks: auto (shm on one host, else tcp), tcp or shm");
 const env::BoolSetting kTorchShareStorage(
@@ -29,6 +29,7 @@ void apply_env_overrides(CommOptions& options) {
     double t = kTimeout.get();
     if (t <= 0) throw ConfigError(fmt::format("COHORT_TIMEOUT={}: expected a positive duration", t));
     options.timeout = to_ms(t);
+    options.timeout_source = "COHORT_TIMEOUT";
   }
   if (env::get_raw(kSlowWarning.name())) {
     double t = kSlowWarning.get();

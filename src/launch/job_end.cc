@@ -43,7 +43,10 @@ bool is_consequence(const EndInfo& e) {
          (e.summary.find("lost rank ") != std::string::npos || e.summary.find(") failed: ") != std::string::npos ||
           e.summary.find("lost parameter server ") != std::string::npos ||
           e.summary.find("lost worker ") != std::string::npos ||
-          e.summary.find(" left (destroyed its communicator)") != std::string::npos);
+          e.summary.find(" left (destroyed its communicator)") != std::string::npos ||
+          // a peer whose end its launcher published (comm/peer_exits.h; job_exits.cc)
+          e.summary.find(" exited (code ") != std::string::npos ||
+          e.summary.find(" exited (killed by ") != std::string::npos);
 }
 
 bool is_root_cause_of(const EndInfo& e, const EndInfo& current) {

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -25,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/peer_exits.h"
 #include "common/fd.h"
 #include "launch/inspector.h"
 #include "launch/job.h"
@@ -238,6 +240,12 @@ class Job {
   void close_trace_dir(int code, bool print);
   int running_workers() const;
   int running_agents() const;
+  // job_exits.cc: what the ranks learn when one of this node's workers' processes ends.
+  void open_exit_store(int attempt);
+  void publish_exit(const Worker& w);
+  // "" or, when `failed` reports a peer that exited with code 0 (not a failure by itself), the part of
+  // the summary that names that peer as the root cause.
+  std::string early_exit_cause(const Worker& failed);
 
   JobContext ctx_;
   Plan& plan_;
@@ -281,6 +289,13 @@ class Job {
   std::unique_ptr<StoreServer> standby_;  // this agent's standby store (not on the store's host)
   std::string standby_address_;            // where the others reach it
   std::optional<Membership> membership_;
+  // job_exits.cc: the store the ranks' exits are published to (the job's, without a prefix; null:
+  // none), the attempt the workers run (COHORT_RESTART_COUNT), and what this node published in it.
+  std::shared_ptr<Store> exit_store_;
+  std::shared_ptr<Store> local_exit_client_;  // single-node jobs: a client of this launcher's store
+  int exit_attempt_ = 0;
+  bool exit_store_failed_ = false;
+  std::map<std::string, comm::ExitRecord> published_exits_;  // by key
 };
 
 

@@ -210,6 +210,7 @@ void Job::spawn_workers(int attempt) {
     if (ec) throw ConfigError(fmt::format("--log-dir: cannot create {}: {}", dir, ec.message()));
   }
   stop_inspector();
+  open_exit_store(attempt);
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
   oom_at_start_ = read_oom_counter();  // a SIGKILLed worker is blamed on memory only if this count grows
@@ -295,10 +296,14 @@ void Job::on_worker_exit(Worker& w, int status) {
   // Collect what the worker wrote before it died (the summary needs its last stderr lines).
   if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   if (w.out) drain(w.out.get(), *w.sink, false, w.out);
+  // First, before the job reacts: the ranks waiting for this one learn of its end from the store.
+  publish_exit(w);
   bool failed = status != 0;
-  if (failed && end_ && plan_.abort_on_failure) upgrade_end(EndInfo{"failure", exit_code_of(status), failure_summary(w)});
+  // A failure caused by a peer that exited with code 0 names that peer first (job_exits.cc).
+  if (failed && end_ && plan_.abort_on_failure)
+    upgrade_end(EndInfo{"failure", exit_code_of(status), early_exit_cause(w) + failure_summary(w)});
   if (failed && !stopping_ && !end_) {
-    EndInfo e{"failure", exit_code_of(status), failure_summary(w)};
+    EndInfo e{"failure", exit_code_of(status), early_exit_cause(w) + failure_summary(w)};
     if (plan_.abort_on_failure) {
       publish_end(e);
     } else {

@@ -115,6 +115,9 @@ struct TransportOptions {
   int size = 1;
   std::string job_scope;    // unique per communicator (handshakes check it)
   Deadline deadline = Deadline::never();
+  // connect() says who it still waits for after this long, then again at a doubling interval
+  // (COHORT_SLOW_WARNING, as the communicator's other waits).
+  std::chrono::nanoseconds slow_warning = std::chrono::seconds(5);
 };
 using Factory = std::function<std::unique_ptr<Transport>(const TransportOptions&)>;
 struct FactoryInfo {

@@ -10,6 +10,13 @@
 //     timed     allreduces for 3 s, then exits 0 (live stats)
 //     stop      allreduces 20 ms apart; rank 1 stops itself (SIGSTOP) after the 6th (stall inspector)
 //     bench     allreduce latency/bandwidth table (rank 0 prints)
+//     exit-early:<how>    rank 1 ends before it creates its communicator; the others create theirs and
+//                         allreduce once. <how>: an exit code, or "kill" (SIGKILL)
+//     exit-between:<how>  3 allreduces, then rank 1 ends (an exit code: returning from main, so its
+//                         communicator says goodbye; "kill": SIGKILL) while the others call a 4th
+//     late-join:<ms>      rank 1 sleeps <ms> before it creates its communicator; then one allreduce
+//     exit-before-subgroup:<how>  one allreduce, then rank 1 ends while the others build a subgroup of
+//                         every rank
 //
 // Errors print "ERROR <class>: <message>" on stderr and exit with 3.
 #include <signal.h>
@@ -88,6 +95,25 @@ int main(int argc, char** argv) {
   std::string mode = argv[1];
   int rank = std::atoi(argv[3]), size = std::atoi(argv[4]);
   size_t bytes = argc > 5 ? std::strtoull(argv[5], nullptr, 10) : 4096;
+  // "<mode>:<how>" (exit-early, exit-between, late-join)
+  std::string how;
+  if (auto colon = mode.find(':'); colon != std::string::npos) {
+    how = mode.substr(colon + 1);
+    mode.resize(colon);
+  }
+  // Ends this process as `how` says: SIGKILL, or the exit code (returned from main by the caller).
+  auto end_now = [&]() -> int {
+    if (how == "kill") raise(SIGKILL);
+    return std::atoi(how.c_str());
+  };
+  if (std::string(argv[2]) == "env" && (mode == "exit-early" || mode == "late-join")) {
+    // The rank comes from the launcher's environment before any communicator exists.
+    const char* r = std::getenv("RANK");
+    if (r && std::atoi(r) == 1) {
+      if (mode == "exit-early") return end_now();
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(how.c_str())));
+    }
+  }
   try {
     std::shared_ptr<Communicator> comm;
     if (std::string(argv[2]) == "env") {
@@ -127,6 +153,29 @@ int main(int argc, char** argv) {
         stop = now_s() >= end;
         comm->broadcast(&stop, 1, DataType::kInt32, 0);
       }
+      return 0;
+    }
+    if (mode == "exit-early" || mode == "late-join") {
+      comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      std::printf("rank %d: sum %g\n", rank, double(buf[0]));
+      return 0;
+    }
+    if (mode == "exit-between") {
+      for (int i = 1; i <= 3; ++i)
+        comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      if (rank == 1) return end_now();  // `comm` goes out of scope: an orderly goodbye
+      comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      std::printf("rank %d: 4 allreduces, no error\n", rank);
+      return 0;
+    }
+    if (mode == "exit-before-subgroup") {
+      comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      if (rank == 1) return end_now();
+      std::vector<int> everyone;
+      for (int r = 0; r < comm->size(); ++r) everyone.push_back(r);
+      auto sub = comm->subgroup(everyone);
+      sub->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      std::printf("rank %d: subgroup built, no error\n", rank);
       return 0;
     }
     if (mode == "stop") {

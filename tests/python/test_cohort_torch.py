@@ -146,6 +146,20 @@ def test_operation_timeout_is_kept(tmp_path):
     assert "timeout of 300 ms" in line[0] and "ALLREDUCE" in line[0], line[0]
 
 
+def test_group_timeout_names_where_it_came_from():
+    # init_process_group(timeout=3 s) is the group's deadline, and its TimeoutError names it as such,
+    # not COHORT_TIMEOUT (which was not set).
+    results = run_ranks([os.path.join(HERE, "group_timeout_worker.py")], 2, timeout=60)
+    rc, out, err = results[0]
+    assert rc == 0, describe(results)
+    line = [l for l in out.splitlines() if l.startswith("RAISED ")]
+    assert line, describe(results)
+    seconds = float(line[0].split()[1])
+    assert seconds < 6.0, line[0]
+    assert "timed out after 3.0 s (timeout=0:00:03 given to init_process_group or new_group)" in line[0], line[0]
+    assert "COHORT_TIMEOUT" not in line[0], line[0]
+
+
 def test_process_groups_of_new_generations_in_the_same_process():
     # destroy_process_group + init_process_group, three times, each generation at its own store.
     ports = [str(free_port()) for _ in range(3)]

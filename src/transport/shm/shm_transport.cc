@@ -165,6 +165,7 @@ class ShmTransport final : public TransportBase {
  public:
   explicit ShmTransport(const TransportOptions& o)
       : TransportBase(o.rank, o.size, "shm", kUnexpectedPoolBytes), scope_(scope_hash(o.job_scope)),
+        slow_warning_(o.slow_warning),
         ring_bytes_(round_up_pow2(kRingBytes.get())),
         ring_mask_(ring_bytes_ - 1), spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
         peers_(static_cast<size_t>(o.size)), info_(static_cast<size_t>(o.size)) {
@@ -269,13 +270,15 @@ class ShmTransport final : public TransportBase {
     int expected_accepts = 0;
     for (int j = 0; j < rank_; ++j) expected_accepts += peers_[size_t(j)].used ? 1 : 0;
     std::vector<UniqueFd> accepted;  // accepted sockets whose hello has not arrived yet
-    auto next_log = Deadline::Clock::now() + std::chrono::seconds(5);
+    auto log_interval = slow_warning_;
+    auto next_log = Deadline::Clock::now() + log_interval;
     while (expected_accepts > 0 || !awaiting_reply.empty() || !accepted.empty()) {
       if (deadline.expired())
         throw TimeoutError("shm transport connect: " + missing(awaiting_reply, "never connected"));
       if (Deadline::Clock::now() > next_log) {
         log::warn("waiting for shared-memory channels: {}", missing(awaiting_reply, "not connected yet"));
-        next_log = Deadline::Clock::now() + std::chrono::seconds(10);
+        log_interval *= 2;
+        next_log = Deadline::Clock::now() + log_interval;
       }
       std::vector<pollfd> fds;
       fds.push_back({listener_.get(), POLLIN, 0});
@@ -757,6 +760,7 @@ class ShmTransport final : public TransportBase {
   std::string peer_host(int peer) const override { return host(peer); }
 
   uint64_t scope_;
+  std::chrono::nanoseconds slow_warning_;  // connect(): first "waiting for" warning, then doubling
   size_t ring_bytes_;
   size_t ring_mask_;
   std::chrono::nanoseconds spin_;

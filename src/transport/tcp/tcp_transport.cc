@@ -130,6 +130,7 @@ class TcpTransport final : public TransportBase {
  public:
   explicit TcpTransport(const TransportOptions& o)
       : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get())), scope_(scope_hash(o.job_scope)),
+        slow_warning_(o.slow_warning),
         connections_(int(std::max<int64_t>(1, kConnections.get()))),
         split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())),
         peers_(static_cast<size_t>(o.size)) {
@@ -191,15 +192,16 @@ class TcpTransport final : public TransportBase {
     int expected = 0;
     for (int j = 0; j < rank_; ++j) expected += use[size_t(j)] ? connections_ : 0;
     std::vector<int> got(static_cast<size_t>(size_), 0);
-    auto start = Deadline::Clock::now();
-    auto next_log = start + std::chrono::seconds(5);
+    auto log_interval = slow_warning_;
+    auto next_log = Deadline::Clock::now() + log_interval;
     while (expected > 0) {
       if (deadline.expired()) throw TimeoutError("TCP connect: " + missing_connections(use, got, "never connected"));
       pollfd p{listener_.get(), POLLIN, 0};
       int n = ::poll(&p, 1, deadline.poll_ms(1000));
       if (Deadline::Clock::now() > next_log) {
         log::warn("waiting for TCP connections: {}", missing_connections(use, got, "not connected yet"));
-        next_log = Deadline::Clock::now() + std::chrono::seconds(10);
+        log_interval *= 2;
+        next_log = Deadline::Clock::now() + log_interval;
       }
       if (n <= 0) continue;
       UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
@@ -695,6 +697,7 @@ class TcpTransport final : public TransportBase {
   }
 
   uint64_t scope_;
+  std::chrono::nanoseconds slow_warning_;  // connect(): first "waiting for" warning, then doubling
   int connections_;
   size_t split_bytes_;
   uint16_t port_ = 0;
