@@ -209,7 +209,7 @@ bool is_local_host(const std::string& host, const std::string& hostname) {
 }  // namespace
 
 bool is_this_machine(const std::string& host, const MachineFacts& machine) {
-  if (is_local_host(host, machine.hostname) || host.rfind("127.", 0) == 0) return true;
+  if (is_local_host(host, machine.hostname)) return true;
   return std::find(machine.addresses.begin(), machine.addresses.end(), host) != machine.addresses.end();
 }
 

@@ -86,8 +86,9 @@ struct MachineFacts {
 // `detect_gpus`: run the GPU detection of launch/gpus.h (nvidia-smi -L, /proc, sysfs), which only
 // --gpus-per-node needs; otherwise gpu_count comes from CUDA_VISIBLE_DEVICES or /dev/nvidiaN.
 MachineFacts this_machine(bool detect_gpus = false);
-// Whether `host` names this machine: localhost, a loopback address, this host's name (short or full)
-// or one of its addresses. `cohort doctor` checks such hosts without ssh.
+// Whether `host` names this machine: localhost, 127.0.0.1, ::1, this host's name (short or full) or one
+// of its addresses. (Other loopback addresses, 127.0.0.2 and up, count as other hosts, as in a fan-out:
+// tests use them to stand for other machines.) `cohort doctor` checks such hosts without ssh.
 bool is_this_machine(const std::string& host, const MachineFacts& machine);
 // PATH lookup + access(X_OK); ConfigError "program 'x' not found on PATH" / "... is not executable".
 std::string resolve_program(const std::string& program);
