@@ -8,7 +8,7 @@
 //    a pull's reply fits the limit; a request whose header the frame check refuses is refused;
 //  - an accepted reply's payload is the size its request gets;
 //  - an accepted manifest or shard header holds counts in range and configurations validate() takes;
-//  - every refusal is one line of printable ASCII.
+//  - every refusal is one line of printable ASCII, and a refusal's text as a worker shows it one line.
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -112,8 +112,7 @@ void reply(const uint8_t* data, size_t size) {
   std::memcpy(&req, data, a);
   const size_t b = size - a < sizeof rep ? size - a : sizeof rep;
   std::memcpy(&rep, data + a, b);
-  const std::string message = reply_message(rep);
-  for (char c : message) check(c >= 0x20 && c < 0x7f);
+  for (char c : reply_message(rep)) check(static_cast<unsigned char>(c) >= 0x20 && c != 0x7f);  // one line
   const std::string why = check_reply_header(req, rep);
   if (!why.empty()) return check_refusal(why);
   check(rep.magic == kReplyMagic && (rep.status == Status::kOk || rep.status == Status::kInvalid));

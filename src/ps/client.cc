@@ -203,7 +203,7 @@ class ClientImpl final : public Client {
     for (auto& c : op->calls) {
       std::vector<std::pair<std::string, TableConfig>> saved;
       if (std::string why = decode_saved_tables(reply_text(*c), &saved); !why.empty()) {
-        end_staged(Op::kDiscard, dir);
+        end_staged(Op::kDiscard, op->what);
         throw malformed(*c, why);
       }
       for (auto& [name, config] : saved) tables[name] = config_to_json(config);
@@ -213,12 +213,12 @@ class ClientImpl final : public Client {
     // The servers wrote their shards into `dir` on their hosts; this worker writes the manifest into
     // its own view of it, so a save needs one filesystem that all of them see.
     if (std::string why = write_text(tmp, manifest.dump(2) + "\n"); !why.empty()) {
-      end_staged(Op::kDiscard, dir);
+      end_staged(Op::kDiscard, op->what);
       throw InvalidArgument(fmt::format("save: {}: {} (the servers wrote their shards to {} on their hosts: the saving "
                                         "worker and every server must see one filesystem there)",
                                         tmp, why, dir));
     }
-    end_staged(Op::kCommit, dir);
+    end_staged(Op::kCommit, op->what);
     std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
     if (ec) throw InvalidArgument(fmt::format("save: {}: cannot rename it to {}: {}", tmp, path, ec.message()));
@@ -228,7 +228,7 @@ class ClientImpl final : public Client {
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kLoad, "", dir, fmt::format("load from {}", dir));
     run_staged(*op);
-    end_staged(Op::kCommit, dir);
+    end_staged(Op::kCommit, op->what);
     tables_.clear();  // re-learned on next use
     attached_.clear();  // the servers replaced their tables (other workers see them retired)
   }

@@ -243,7 +243,14 @@ std::string check_reply_header(const RequestHeader& request, const ReplyHeader& 
 }
 
 std::string reply_message(const ReplyHeader& r) {
-  return printable(std::string_view(r.message, strnlen(r.message, sizeof r.message)), sizeof r.message);
+  // Control characters escaped (one line), other bytes kept: a path in the message may be UTF-8.
+  std::string out;
+  for (char c : std::string_view(r.message, strnlen(r.message, sizeof r.message))) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) out += fmt::format("\\x{:02x}", u);
+    else out += c;
+  }
+  return out;
 }
 
 std::string parse_json(std::string_view text, nlohmann::json* out) {

@@ -68,7 +68,8 @@ std::string decode_request(const RequestHeader& h, const uint8_t* payload, size_
 // bytes; hello, describe, save, attach: JSON of at most kMaxJsonBytes; the others and every
 // refusal: none).
 std::string check_reply_header(const RequestHeader& request, const ReplyHeader& r);
-// A refusal's text: the message field up to its NUL (or its end, where a server sent none).
+// A refusal's text: the message field up to its NUL (or its end, where a server sent none), control
+// characters escaped.
 std::string reply_message(const ReplyHeader& r);
 
 // JSON text, parsed: "" or "not valid JSON (...)".

@@ -99,6 +99,12 @@ class Server {
                mode_.to_string());
   }
 
+  // A save a worker staged and never ended (it was lost in between) leaves no temporary files.
+  ~Server() {
+    for (auto& [w, st] : staged_)
+      for (auto& [tmp, path] : st.renames) ::unlink(tmp.c_str());
+  }
+
   void run() {
     for (int w = 0; w < roles_.num_workers; ++w) post_header(w);
     int open = roles_.num_workers;
