@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -15,7 +16,6 @@
 #include <cstdlib>
 #include <list>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -27,6 +27,7 @@
 #include "common/socket.h"
 #include "ps/client.h"
 #include "ps/config_json.h"
+#include "ps/decode.h"
 #include "ps/sharding.h"
 #include "ps/table.h"
 #include "ps/wire.h"
@@ -101,9 +102,10 @@ class ClientImpl final : public Client {
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kHello, "", {}, "hello");
     run_locked(*op);
-    auto j = nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end());
-    mode_ = ConsistencyMode::parse(j.at("mode").get<std::string>());
-    max_request_ = j.at("max_request").get<uint64_t>();
+    std::string mode;
+    if (std::string why = decode_hello(reply_text(*op->calls.front()), &mode, &max_request_); !why.empty())
+      throw malformed(*op->calls.front(), why);
+    mode_ = ConsistencyMode::parse(mode);
     // Read at each client's start, not once per process: a program (or a test) may build clients
     // under different settings.
     direct_ = mode_.mode == Mode::kAsync && kDirect.from(env::get_raw(kDirect.name()));
@@ -191,33 +193,82 @@ class ClientImpl final : public Client {
     reap_background_locked();
   }
 
+  // Save and load are staged on every server, then committed, or discarded where any server refused
+  // (docs/parameter-server.md, "Save and load"): all or nothing, and one error naming the server and file.
   void save(const std::string& dir) override {
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kSave, "", dir, fmt::format("save to {}", dir));
-    run_locked(*op);
+    run_staged(*op);
     nlohmann::json tables = nlohmann::json::object();
     for (auto& c : op->calls) {
-      auto j = nlohmann::json::parse(c->reply_payload.begin(), c->reply_payload.end());
-      for (auto& [k, v] : j.items()) tables[k] = v;
+      std::vector<std::pair<std::string, TableConfig>> saved;
+      if (std::string why = decode_saved_tables(reply_text(*c), &saved); !why.empty()) {
+        end_staged(Op::kDiscard, op->what);
+        throw malformed(*c, why);
+      }
+      for (auto& [name, config] : saved) tables[name] = config_to_json(config);
     }
     nlohmann::json manifest{{"format", "cohort-ps-1"}, {"servers", roles_.num_servers}, {"tables", tables}};
-    std::string path = dir + "/manifest.json", tmp = path + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << manifest.dump(2) << '\n';
-      if (!out) throw InvalidArgument(fmt::format("save: cannot write {}", tmp));
+    const std::string path = dir + "/manifest.json", tmp = path + ".tmp";
+    // The servers wrote their shards into `dir` on their hosts; this worker writes the manifest into
+    // its own view of it, so a save needs one filesystem that all of them see.
+    if (std::string why = write_text(tmp, manifest.dump(2) + "\n"); !why.empty()) {
+      end_staged(Op::kDiscard, op->what);
+      throw InvalidArgument(fmt::format("save: {}: {} (the servers wrote their shards to {} on their hosts: the saving "
+                                        "worker and every server must see one filesystem there)",
+                                        tmp, why, dir));
     }
+    end_staged(Op::kCommit, op->what);
     std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
-    if (ec) throw InvalidArgument(fmt::format("save: cannot rename {}: {}", tmp, ec.message()));
+    if (ec) throw InvalidArgument(fmt::format("save: {}: cannot rename it to {}: {}", tmp, path, ec.message()));
   }
 
   void load(const std::string& dir) override {
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kLoad, "", dir, fmt::format("load from {}", dir));
-    run_locked(*op);
+    run_staged(*op);
+    end_staged(Op::kCommit, op->what);
     tables_.clear();  // re-learned on next use
     attached_.clear();  // the servers replaced their tables (other workers see them retired)
+  }
+
+  // A staged save or load: where any server refused, every server drops what it staged, and the
+  // first refusal (server order) is thrown.
+  void run_staged(Operation& op) {
+    try {
+      run_locked(op);
+    } catch (const InvalidArgument&) {
+      end_staged(Op::kDiscard, op.what);
+      throw;
+    }
+  }
+
+  void end_staged(Op kind, const std::string& what) {
+    auto op = start_all(kind, "", {}, fmt::format("{} of {}", op_name(kind), what));
+    run_locked(*op);
+  }
+
+  static std::string write_text(const std::string& path, const std::string& text) {
+    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) return fmt::format("cannot create it: {}", std::strerror(errno));
+    for (size_t off = 0; off < text.size();) {
+      const ssize_t k = ::write(fd.get(), text.data() + off, text.size() - off);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) return fmt::format("cannot write it: {}", k == 0 ? "no progress" : std::strerror(errno));
+      off += size_t(k);
+    }
+    if (::fsync(fd.get()) != 0) return fmt::format("cannot sync it: {}", std::strerror(errno));
+    return "";
+  }
+
+  std::string reply_text(const Call& c) const {
+    return std::string(reinterpret_cast<const char*>(c.reply_payload.data()), c.reply_payload.size());
+  }
+
+  Error malformed(const Call& c, const std::string& why) const {
+    return Error(fmt::format("parameter-server worker {}: server {} ({}) sent a malformed reply to {}: {}", worker_,
+                             c.server, ep_.host_of(roles_.server_rank(c.server)), op_name(c.hdr.op), why));
   }
 
   TableStats stats(const std::string& table) override {
@@ -273,7 +324,7 @@ class ClientImpl final : public Client {
       }
       if (!all) return false;
       for (auto& c : op.calls)
-        if (c->reply.status != Status::kOk) throw InvalidArgument(std::string(c->reply.message));
+        if (c->reply.status != Status::kOk) throw InvalidArgument(reply_message(c->reply));
       if (op.finish) op.finish(op);
     } catch (const InvalidArgument&) {
       op.error = std::current_exception();
@@ -304,8 +355,9 @@ class ClientImpl final : public Client {
     if (c.payload_send) ep_.test(c.payload_send);
     if (!c.have_reply) {
       if (!ep_.test(c.reply_recv)) return false;
-      if (c.reply.magic != kReplyMagic)
-        throw Error(fmt::format("server {} sent a malformed reply", c.server));
+      // Checked before its payload is allocated (decode.h): a payload of the size this request gets.
+      if (std::string why = check_reply_header(c.hdr, c.reply); !why.empty())
+        throw Error(fmt::format("server {} sent a malformed {}", c.server, why));
       c.have_reply = true;
       if (c.reply.payload > 0) {
         c.reply_payload = pool_.take(c.reply.payload);
@@ -378,7 +430,11 @@ class ClientImpl final : public Client {
     post(*op, 0, Op::kDescribe, name, {});
     inflight_.push_back(op);
     run_locked(*op);
-    TableConfig c = config_from_json(nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end()));
+    TableConfig c;
+    nlohmann::json j;
+    std::string why = parse_json(reply_text(*op->calls.front()), &j);
+    if (why.empty()) why = parse_config(j, name, &c);
+    if (!why.empty()) throw malformed(*op->calls.front(), why);
     tables_[name] = c;
     return c;
   }
@@ -591,7 +647,9 @@ class ClientImpl final : public Client {
     post(*op, s, Op::kAttach, table, buffer_of(name));
     inflight_.push_back(op);
     run_locked(*op);
-    auto j = nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end());
+    nlohmann::json j;
+    if (std::string why = parse_json(reply_text(*op->calls.front()), &j); !why.empty() || !j.is_object())
+      throw malformed(*op->calls.front(), why.empty() ? "expected a JSON object" : why);
     if (!j.at("attached").get<bool>()) {
       log::debug("parameter-server worker {}: '{}' on server {} through messages: {}", worker_, table, s,
                  j.value("why", std::string()));

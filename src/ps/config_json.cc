@@ -3,6 +3,8 @@
 #include <fmt/core.h>
 
 #include <cmath>
+#include <limits>
+#include <utility>
 
 #include "cohort/error.h"
 
@@ -72,36 +74,94 @@ nlohmann::json config_to_json(const TableConfig& c) {
                         {"seed", c.seed}};
 }
 
+namespace {
+
+// Strict fields: nlohmann's get<uint32_t>() would take -1 as 4294967295, 2^40 as 0 and 8.5 as 8, so
+// a configuration from the wire or a file is read by type and range instead.
+const nlohmann::json& field(const nlohmann::json& j, const char* name) {
+  auto it = j.find(name);
+  if (it == j.end()) throw InvalidArgument(fmt::format("'{}' is missing", name));
+  return *it;
+}
+
+std::string shown(const nlohmann::json& v) {
+  std::string text = v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return text.size() > 40 ? text.substr(0, 40) + "..." : text;
+}
+
+uint64_t unsigned_field(const nlohmann::json& j, const char* name, uint64_t max) {
+  const nlohmann::json& v = field(j, name);
+  if (!v.is_number_unsigned() || v.get<uint64_t>() > max)
+    throw InvalidArgument(fmt::format("'{}': expected an integer from 0 to {}, got {}", name, max, shown(v)));
+  return v.get<uint64_t>();
+}
+
+float float_field(const nlohmann::json& j, const char* name) {
+  const nlohmann::json& v = field(j, name);
+  if (!v.is_number() || !std::isfinite(v.get<double>()) ||
+      std::fabs(v.get<double>()) > double(std::numeric_limits<float>::max()))
+    throw InvalidArgument(fmt::format("'{}': expected a finite float, got {}", name, shown(v)));
+  return v.get<float>();
+}
+
+bool bool_field(const nlohmann::json& j, const char* name) {
+  const nlohmann::json& v = field(j, name);
+  if (!v.is_boolean()) throw InvalidArgument(fmt::format("'{}': expected true or false, got {}", name, shown(v)));
+  return v.get<bool>();
+}
+
+std::string string_field(const nlohmann::json& j, const char* name) {
+  const nlohmann::json& v = field(j, name);
+  if (!v.is_string()) throw InvalidArgument(fmt::format("'{}': expected a string, got {}", name, shown(v)));
+  return v.get<std::string>();
+}
+
+}  // namespace
+
 TableConfig config_from_json(const nlohmann::json& j) {
+  if (!j.is_object()) throw InvalidArgument(fmt::format("expected a JSON object, got {}", shown(j)));
   TableConfig c;
-  c.dim = j.at("dim").get<uint32_t>();
-  c.dense = j.at("dense").get<bool>();
-  c.rows = j.at("rows").get<uint64_t>();
-  c.expected_rows = j.value("expected_rows", uint64_t{0});  // absent from manifests saved before it existed
-  c.storage = storage_from_name(j.at("storage").get<std::string>());
-  c.optimizer = optimizer_from_name(j.at("optimizer").get<std::string>());
-  c.lr = j.at("lr").get<float>();
-  c.beta1 = j.at("beta1").get<float>();
-  c.beta2 = j.at("beta2").get<float>();
-  c.eps = j.at("eps").get<float>();
-  c.initial_accumulator = j.at("initial_accumulator").get<float>();
-  c.init = init_from_name(j.at("init").get<std::string>());
-  c.init_a = j.at("init_a").get<float>();
-  c.init_b = j.at("init_b").get<float>();
-  c.seed = j.at("seed").get<uint64_t>();
+  c.dim = uint32_t(unsigned_field(j, "dim", UINT32_MAX));
+  c.dense = bool_field(j, "dense");
+  c.rows = unsigned_field(j, "rows", UINT64_MAX);
+  // Absent from manifests saved before it existed.
+  c.expected_rows = j.contains("expected_rows") ? unsigned_field(j, "expected_rows", UINT64_MAX) : 0;
+  c.storage = storage_from_name(string_field(j, "storage"));
+  c.optimizer = optimizer_from_name(string_field(j, "optimizer"));
+  c.lr = float_field(j, "lr");
+  c.beta1 = float_field(j, "beta1");
+  c.beta2 = float_field(j, "beta2");
+  c.eps = float_field(j, "eps");
+  c.initial_accumulator = float_field(j, "initial_accumulator");
+  c.init = init_from_name(string_field(j, "init"));
+  c.init_a = float_field(j, "init_a");
+  c.init_b = float_field(j, "init_b");
+  c.seed = unsigned_field(j, "seed", UINT64_MAX);
   return c;
 }
 
 void validate(const std::string& table, const TableConfig& c) {
   auto bad = [&](const std::string& what) { throw InvalidArgument(fmt::format("table '{}': {}", table, what)); };
-  if (c.dim == 0 || c.dim > (1u << 20)) bad(fmt::format("dim {}: expected 1 to 1048576", c.dim));
+  if (c.dim == 0 || c.dim > kMaxDim) bad(fmt::format("dim {}: expected 1 to {}", c.dim, kMaxDim));
   if (c.dense && c.rows == 0) bad("a dense table needs rows > 0");
   if (!c.dense && c.rows != 0) bad("rows is for dense tables (sparse tables grow on first touch)");
+  // Bounds that keep every size computed from a configuration (a shard's bytes, offsets) far from
+  // overflowing 64 bits, whoever sent it.
+  if (c.dense && c.rows > kMaxDenseValues / c.dim)  // dim >= 1: checked above
+    bad(fmt::format("{} rows of dim {}: a dense table holds at most 2^44 values (rows x dim)", c.rows, c.dim));
   if (c.dense && c.expected_rows != 0) bad("expected_rows is for sparse tables (a dense table's rows are all created at once)");
   if (c.expected_rows > (uint64_t{1} << 40)) bad(fmt::format("expected_rows {}: at most 2^40", c.expected_rows));
   if (c.storage != DataType::kFloat32 && c.storage != DataType::kFloat16 && c.storage != DataType::kBFloat16)
     bad("storage must be float32, float16 or bfloat16");
+  if (c.optimizer != Optimizer::kSgd && c.optimizer != Optimizer::kAdagrad && c.optimizer != Optimizer::kAdam)
+    bad("optimizer must be sgd, adagrad or adam");
+  if (c.init != Initializer::kZeros && c.init != Initializer::kConstant && c.init != Initializer::kUniform)
+    bad("init must be zeros, constant or uniform");
   if (!std::isfinite(c.lr) || c.lr < 0) bad(fmt::format("lr {}: expected a finite number >= 0", c.lr));
+  for (auto [name, v] : {std::pair{"beta1", c.beta1}, std::pair{"beta2", c.beta2}, std::pair{"eps", c.eps},
+                         std::pair{"initial_accumulator", c.initial_accumulator}, std::pair{"init_a", c.init_a},
+                         std::pair{"init_b", c.init_b}})
+    if (!std::isfinite(v)) bad(fmt::format("{} {}: expected a finite number", name, v));
   if (c.init == Initializer::kUniform && !(c.init_a < c.init_b))
     bad(fmt::format("uniform initializer needs init_a < init_b (got {} and {})", c.init_a, c.init_b));
 }

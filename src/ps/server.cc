@@ -19,10 +19,10 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
-#include <fstream>
 #include <map>
 #include <unordered_map>
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -31,6 +31,7 @@
 #include "common/log.h"
 #include "common/socket.h"
 #include "ps/config_json.h"
+#include "ps/decode.h"
 #include "ps/server.h"
 #include "ps/table.h"
 #include "ps/wire.h"
@@ -75,11 +76,6 @@ struct HeldPush {
   std::vector<float> grads;
 };
 
-template <typename T>
-const T* at(const Buffer& buf, size_t offset) {
-  return reinterpret_cast<const T*>(buf.data() + offset);
-}
-
 // A server connects to the workers only.
 std::vector<bool> workers_only(const Roles& roles) {
   std::vector<bool> peers(size_t(roles.size()), false);
@@ -103,6 +99,12 @@ class Server {
                mode_.to_string());
   }
 
+  // A save a worker staged and never ended (it was lost in between) leaves no temporary files.
+  ~Server() {
+    for (auto& [w, st] : staged_)
+      for (auto& [tmp, path] : st.renames) ::unlink(tmp.c_str());
+  }
+
   void run() {
     for (int w = 0; w < roles_.num_workers; ++w) post_header(w);
     int open = roles_.num_workers;
@@ -115,12 +117,18 @@ class Server {
         for (;;) {
           if (!in.reading_payload) {
             if (!ep_.test(in.hdr_recv)) break;
-            if (in.hdr.magic != kRequestMagic)
-              throw Error(fmt::format("parameter server {}: worker {} sent a malformed request (magic {:#x})", index_,
-                                      w, in.hdr.magic));
+            in.payload.resize(0);
+            if (std::string why = check_request_frame(in.hdr, max_request_); !why.empty()) {
+              // A header that is not ours, or a payload over the limit (the client refuses those
+              // against the limit this server announced): refused, and its payload, whose size is
+              // not to be trusted or allocated, is left unread. Requests are matched by number,
+              // so the worker's next one is read as usual.
+              reply_error(w, in.seq, fmt::format("parameter server {}: {}", index_, why));
+              ++in.seq;
+              post_header(w);
+              continue;
+            }
             if (in.hdr.payload > 0) {
-              // Oversized requests are refused by the client against the limit this server
-              // announced; one that comes anyway is read (the transport needs it consumed) and refused.
               in.payload.resize(in.hdr.payload);
               in.payload_recv = ep_.irecv(roles_.worker_rank(w), Msg::kRequestPayload, in.seq, in.payload.data(),
                                           in.payload.size());
@@ -180,106 +188,99 @@ class Server {
 
   void handle(int w) {
     Inbox& in = inbox_[size_t(w)];
-    const RequestHeader& h = in.hdr;
+    Request r;
+    // Every count, length and name is checked before it is used (decode.h); a malformed request is
+    // refused like any other mistake of the worker's.
+    if (std::string why = decode_request(in.hdr, in.payload.data(), in.payload.size(), max_request_, &r); !why.empty())
+      return reply_error(w, in.seq, fmt::format("parameter server {}: {}", index_, why));
     try {
-      if (h.payload > max_request_)
-        throw InvalidArgument(fmt::format("{} request of {} bytes exceeds this server's limit of {} bytes "
-                                          "(COHORT_PS_MAX_REQUEST)", op_name(h.op), h.payload, max_request_));
-      switch (h.op) {
+      switch (r.op) {
         case Op::kHello: {
           nlohmann::json j{{"mode", mode_.to_string()}, {"max_request", max_request_}};
           return reply(w, in.seq, buffer_of(j.dump()));
         }
-        case Op::kCreate: return create(w, in);
+        case Op::kCreate: return create(w, in.seq, r);
         case Op::kDescribe: {
-          TableShard& t = table(h, false);
+          TableShard& t = table(r, false);
           return reply(w, in.seq, buffer_of(config_to_json(t.config()).dump()));
         }
         case Op::kPull: {
-          TableShard& t = table(h, true);
-          check_size(h, h.n * 8);
-          const uint64_t* ids = at<uint64_t>(in.payload, 0);
-          check_ids(t, ids, h.n);
-          return pull_or_defer(w, in.seq, t, h.clock, ids, h.n);
+          TableShard& t = table(r, true);
+          check_ids(t, r.ids, r.n);
+          return pull_or_defer(w, in.seq, t, r.clock, r.ids, r.n);
         }
         case Op::kPush:
         case Op::kPushPull: {
-          TableShard& t = table(h, true);
-          const size_t push_bytes = h.n * 8 + h.n * t.dim() * 4;
-          check_size(h, push_bytes + (h.op == Op::kPushPull ? h.m * 8 : 0));
-          const uint64_t* ids = at<uint64_t>(in.payload, 0);
-          const float* grads = at<float>(in.payload, h.n * 8);
-          check_ids(t, ids, h.n);
+          TableShard& t = table(r, true);
+          check_ids(t, r.ids, r.n);
           // The pull ids follow dim * n floats: not 8-byte aligned for an odd dim, so copied out.
-          std::vector<uint64_t> pull_ids(h.op == Op::kPushPull ? h.m : 0);
-          if (!pull_ids.empty()) std::memcpy(pull_ids.data(), in.payload.data() + push_bytes, h.m * 8);
-          if (h.op == Op::kPushPull) check_ids(t, pull_ids.data(), h.m);
-          push(w, t, h.clock, ids, h.n, grads);
-          if (h.op == Op::kPush) return reply(w, in.seq);
-          advance_clock(w, h.clock + 1);
-          return pull_or_defer(w, in.seq, t, h.clock + 1, pull_ids.data(), h.m);
+          std::vector<uint64_t> pull_ids(r.m);
+          if (r.m > 0) std::memcpy(pull_ids.data(), r.pull_ids, r.m * 8);
+          check_ids(t, pull_ids.data(), r.m);
+          push(w, t, r.clock, r.ids, r.n, r.grads);
+          if (r.op == Op::kPush) return reply(w, in.seq);
+          advance_clock(w, r.clock + 1);
+          return pull_or_defer(w, in.seq, t, r.clock + 1, pull_ids.data(), r.m);
         }
         case Op::kClock:
           reply(w, in.seq);
-          return advance_clock(w, h.clock);
+          return advance_clock(w, r.clock);
         case Op::kSave: {
           // bsp/stale: the files hold every push of the steps the saving worker has ended (held bsp
           // sums included), whatever order the workers' messages arrive in.
-          std::string dir(in.payload.begin(), in.payload.end());
           const uint64_t seq = in.seq;
-          auto answer = [this, w, seq, dir] {
+          auto answer = [this, w, seq, dir = r.text] {
             try {
-              reply(w, seq, buffer_of(save(dir)));
+              reply(w, seq, buffer_of(stage_save(w, dir)));
             } catch (const InvalidArgument& e) {
               reply_error(w, seq, fmt::format("parameter server {}: {}", index_, e.what()));
             }
           };
-          if (mode_.mode == Mode::kAsync || may_answer(h.clock, 0)) return answer();
-          deferred_.push_back(Deferred{w, h.clock, 0, fmt::format("save to {}", dir), answer});
+          if (mode_.mode == Mode::kAsync || may_answer(r.clock, 0)) return answer();
+          deferred_.push_back(Deferred{w, r.clock, 0, fmt::format("save to {}", r.text), answer});
           return;
         }
         case Op::kLoad:
-          load(std::string(in.payload.begin(), in.payload.end()));
+          stage_load(w, r.text);
+          return reply(w, in.seq);
+        case Op::kCommit:
+          commit(w);
+          return reply(w, in.seq);
+        case Op::kDiscard:
+          discard(w);
           return reply(w, in.seq);
         case Op::kStats: {
-          TableShard& t = table(h, false);
+          TableShard& t = table(r, false);
           uint64_t s[4] = {t.rows(), t.bytes(), t.applied(), t.direct_applied()};
+          static_assert(sizeof s == kStatsReplyBytes);
           Buffer out;
           out.resize(sizeof s);
           std::memcpy(out.data(), s, sizeof s);
           return reply(w, in.seq, std::move(out));
         }
-        case Op::kAttach: return attach(w, in);
+        case Op::kAttach: return attach(w, in.seq, r);
         case Op::kBye:
           in.bye = true;
           reply(w, in.seq);
           return advance_clock(w, kDone);
       }
-      throw InvalidArgument(fmt::format("unknown request type {}", int(h.op)));
     } catch (const InvalidArgument& e) {
       // The worker's mistake: it gets the reason; everyone else is served on.
       reply_error(w, in.seq, fmt::format("parameter server {}: {}", index_, e.what()));
     }
   }
 
-  void check_size(const RequestHeader& h, size_t expected) {
-    if (h.payload != expected)
-      throw InvalidArgument(fmt::format("{} of '{}': payload of {} bytes, expected {} for {} ids of dim {}",
-                                        op_name(h.op), table_name(h), h.payload, expected, h.n, h.dim));
-  }
-
-  TableShard& table(const RequestHeader& h, bool check_dim) {
-    auto name = table_name(h);
-    auto it = tables_.find(name);
+  TableShard& table(const Request& r, bool check_dim) {
+    auto it = tables_.find(r.table);
     if (it == tables_.end()) {
       std::vector<std::string> names;
       for (auto& [n, t] : tables_) names.push_back("'" + n + "'");
-      throw InvalidArgument(fmt::format("no table '{}' (tables: {})", name,
+      throw InvalidArgument(fmt::format("no table '{}' (tables: {})", r.table,
                                         names.empty() ? "none; call create_table first" : fmt::format("{}", fmt::join(names, ", "))));
     }
-    if (check_dim && h.dim != it->second->dim())
-      throw InvalidArgument(fmt::format("table '{}' has rows of dim {}; this {} was built for dim {}", name,
-                                        it->second->dim(), op_name(h.op), h.dim));
+    if (check_dim && r.dim != it->second->dim())
+      throw InvalidArgument(fmt::format("table '{}' has rows of dim {}; this {} was built for dim {}", r.table,
+                                        it->second->dim(), op_name(r.op), r.dim));
     return *it->second;
   }
 
@@ -296,24 +297,16 @@ class Server {
     }
   }
 
-  void create(int w, Inbox& in) {
-    auto name = table_name(in.hdr);
-    TableConfig c;
-    try {
-      c = config_from_json(nlohmann::json::parse(in.payload.begin(), in.payload.end()));
-    } catch (const nlohmann::json::exception& e) {
-      throw InvalidArgument(fmt::format("create_table '{}': unreadable configuration ({})", name, e.what()));
-    }
-    validate(name, c);
-    auto it = tables_.find(name);
+  void create(int w, uint64_t seq, const Request& r) {
+    auto it = tables_.find(r.table);
     if (it != tables_.end()) {
-      std::string diff = config_difference(it->second->config(), c);
+      std::string diff = config_difference(it->second->config(), r.config);
       if (!diff.empty())
-        throw InvalidArgument(fmt::format("create_table '{}': the table exists with {}", name, diff));
-      return reply(w, in.seq);
+        throw InvalidArgument(fmt::format("create_table '{}': the table exists with {}", r.table, diff));
+      return reply(w, seq);
     }
-    tables_.emplace(name, make_shard(name, c));
-    reply(w, in.seq);
+    tables_.emplace(r.table, make_shard(r.table, r.config));
+    reply(w, seq);
   }
 
   std::unique_ptr<TableShard> make_shard(const std::string& name, const TableConfig& c) {
@@ -331,18 +324,18 @@ class Server {
 
   // A worker on this host asks for a table's shared memory (table.h), to pull and push rows itself.
   // Only in async mode: bsp holds pushes and stale:K holds pulls here, by the server's clock.
-  void attach(int w, Inbox& in) {
-    TableShard& t = table(in.hdr, false);
+  void attach(int w, uint64_t seq, const Request& r) {
+    TableShard& t = table(r, false);
     nlohmann::json j{{"attached", false}};
     if (mode_.mode != Mode::kAsync) {
       j["why"] = fmt::format("{} mode: pushes and pulls follow the server's clock", mode_.to_string());
-    } else if (std::string why = hand_over(t, std::string(in.payload.begin(), in.payload.end())); !why.empty()) {
+    } else if (std::string why = hand_over(t, r.text); !why.empty()) {
       j["why"] = why;
     } else {
       j = {{"attached", true}, {"pid", ::getpid()}, {"first_row", t.first_row()}, {"rows", t.held_rows()},
            {"config", config_to_json(t.config())}};
     }
-    reply(w, in.seq, buffer_of(j.dump()));
+    reply(w, seq, buffer_of(j.dump()));
   }
 
   // Sends the shard's memfds to the worker's abstract socket; "" on success, else why not (a
@@ -456,80 +449,222 @@ class Server {
     }
   }
 
-  // ---- save and load (docs/parameter-server.md: file format) ----
+  // ---- save and load (docs/parameter-server.md: "Save and load") ----
+  //
+  // Both are staged, so that they are all or nothing across the servers: a save writes each shard to
+  // <file>.tmp, a load reads and checks every file into new tables beside the old ones. The worker
+  // then tells every server to commit (rename the files into place, or swap the tables in) or, where
+  // any server refused, to discard what it staged. A worker has at most one save or load staged.
 
-  std::string shard_path(const std::string& dir, const std::string& table, int k, int n) const {
+  struct Staged {
+    std::vector<std::pair<std::string, std::string>> renames;   // save: temporary -> final name
+    std::map<std::string, std::unique_ptr<TableShard>> tables;  // load
+  };
+
+  static std::string shard_path(const std::string& dir, const std::string& table, int k, int n) {
     return fmt::format("{}/{}.shard-{}-of-{}", dir, table, k, n);
   }
 
-  std::string save(const std::string& dir) {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) throw InvalidArgument(fmt::format("save: cannot create directory {}: {}", dir, ec.message()));
-    nlohmann::json saved = nlohmann::json::object();
-    for (auto& [name, t] : tables_) {
-      std::string path = shard_path(dir, name, index_, roles_.num_servers);
-      std::string tmp = path + ".tmp";
-      {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        if (!out) throw InvalidArgument(fmt::format("save: cannot write {}", tmp));
-        nlohmann::json head{{"table", name}, {"config", config_to_json(t->config())}, {"rows", t->rows()},
-                            {"server", index_}, {"servers", roles_.num_servers}, {"state_floats", state_floats(t->config())}};
-        out << head.dump() << '\n';
-        const size_t d = t->dim(), sf = state_floats(t->config());
-        t->for_each([&](uint64_t id, const float* values, const float* state) {
-          out.write(reinterpret_cast<const char*>(&id), 8);
-          out.write(reinterpret_cast<const char*>(values), std::streamsize(d * 4));
-          out.write(reinterpret_cast<const char*>(state), std::streamsize(sf * 4));
-        });
-        out.flush();
-        if (!out) throw InvalidArgument(fmt::format("save: writing {} failed", tmp));
+  void discard(int w) {
+    auto it = staged_.find(w);
+    if (it == staged_.end()) return;
+    for (auto& [tmp, path] : it->second.renames) ::unlink(tmp.c_str());
+    staged_.erase(it);
+  }
+
+  void commit(int w) {
+    auto it = staged_.find(w);
+    if (it == staged_.end()) throw InvalidArgument("commit: this worker has no save or load staged on this server");
+    Staged st = std::move(it->second);
+    staged_.erase(it);
+    for (auto& [name, shard] : st.tables) tables_[name] = std::move(shard);  // the old shards retire
+    for (size_t i = 0; i < st.renames.size(); ++i) {
+      const auto& [tmp, path] = st.renames[i];
+      if (::rename(tmp.c_str(), path.c_str()) != 0) {
+        const std::string why = std::strerror(errno);
+        for (size_t j = i; j < st.renames.size(); ++j) ::unlink(st.renames[j].first.c_str());
+        throw InvalidArgument(fmt::format("save: {}: cannot rename it to {}: {}", tmp, path, why));
       }
-      fs::rename(tmp, path, ec);  // atomic: a reader sees the old shard or the whole new one
-      if (ec) throw InvalidArgument(fmt::format("save: cannot rename {}: {}", tmp, ec.message()));
-      saved[name] = config_to_json(t->config());
     }
+  }
+
+  // Writes every table's shard to <file>.tmp (renamed by commit); returns {table: config} of them.
+  std::string stage_save(int w, const std::string& dir) {
+    discard(w);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw InvalidArgument(fmt::format("save: {}: cannot create the directory: {}", dir, ec.message()));
+    Staged st;
+    nlohmann::json saved = nlohmann::json::object();
+    try {
+      for (auto& [name, t] : tables_) {
+        const std::string path = shard_path(dir, name, index_, roles_.num_servers);
+        st.renames.emplace_back(path + ".tmp", path);
+        write_shard(st.renames.back().first, *t);
+        saved[name] = config_to_json(t->config());
+      }
+    } catch (...) {
+      for (auto& [tmp, path] : st.renames) ::unlink(tmp.c_str());
+      throw;
+    }
+    staged_[w] = std::move(st);
     return saved.dump();
   }
 
-  void load(const std::string& dir) {
-    std::ifstream mf(dir + "/manifest.json");
-    if (!mf) throw InvalidArgument(fmt::format("load: {}/manifest.json not found (was the directory written by save?)", dir));
-    nlohmann::json manifest;
-    try {
-      manifest = nlohmann::json::parse(mf);
-    } catch (const std::exception& e) {
-      throw InvalidArgument(fmt::format("load: {}/manifest.json is not valid JSON ({})", dir, e.what()));
-    }
-    const int saved_servers = manifest.value("servers", 0);
-    std::map<std::string, std::unique_ptr<TableShard>> loaded;
-    for (auto& [name, cj] : manifest.at("tables").items()) {
-      TableConfig c = config_from_json(cj);
-      auto shard = make_shard(name, c);
-      const size_t d = c.dim, sf = state_floats(c);
-      std::vector<float> values(d), state(sf);
-      for (int k = 0; k < saved_servers; ++k) {
-        std::string path = shard_path(dir, name, k, saved_servers);
-        std::ifstream in(path, std::ios::binary);
-        if (!in) throw InvalidArgument(fmt::format("load: {} is missing", path));
-        std::string head_line;
-        std::getline(in, head_line);
-        auto head = nlohmann::json::parse(head_line);
-        uint64_t rows = head.at("rows").get<uint64_t>();
-        for (uint64_t r = 0; r < rows; ++r) {
-          uint64_t id;
-          in.read(reinterpret_cast<char*>(&id), 8);
-          in.read(reinterpret_cast<char*>(values.data()), std::streamsize(d * 4));
-          in.read(reinterpret_cast<char*>(state.data()), std::streamsize(sf * 4));
-          if (!in) throw InvalidArgument(fmt::format("load: {} ends after {} of {} rows", path, r, rows));
-          int owner = c.dense ? shard_of_row(id, c.rows, roles_.num_servers) : shard_of_id(id, roles_.num_servers);
-          if (owner == index_) shard->put(id, values.data(), state.data());
-        }
+  static bool write_all(int fd, const char* p, size_t n) {
+    while (n > 0) {
+      const ssize_t k = ::write(fd, p, n);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) {
+        if (k == 0) errno = EIO;
+        return false;
       }
-      loaded[name] = std::move(shard);
+      p += k;
+      n -= size_t(k);
     }
-    for (auto& [name, shard] : loaded) tables_[name] = std::move(shard);
+    return true;
+  }
+
+  // A shard file: a JSON header line, then one record per row (id u64, values f32 x dim, optimizer
+  // state f32 x state_floats). Workers on this host may create rows while the shard is read
+  // (for_each visits the rows that existed when it began), so the header's row count is the number
+  // of records written: 20 spaces at first, filled in at the end (JSON allows the blanks).
+  void write_shard(const std::string& tmp, TableShard& t) {
+    auto fail = [&](const char* what) {
+      throw InvalidArgument(fmt::format("save: {}: cannot {}: {}", tmp, what, std::strerror(errno)));
+    };
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) fail("create it");
+    const nlohmann::json head{{"table", t.name()}, {"config", config_to_json(t.config())}, {"server", index_},
+                              {"servers", roles_.num_servers}, {"state_floats", state_floats(t.config())}};
+    std::string line = head.dump();
+    line.pop_back();  // its closing brace: "rows" comes last
+    line += ",\"rows\":";
+    const size_t rows_at = line.size();
+    line += std::string(20, ' ') + "}\n";
+    constexpr size_t kChunk = 1 << 20;
+    std::vector<char> buf(line.begin(), line.end());
+    buf.reserve(kChunk + line.size());
+    auto flush = [&] {
+      if (!write_all(fd.get(), buf.data(), buf.size())) fail("write it");
+      buf.clear();
+    };
+    const size_t d = t.dim(), sf = state_floats(t.config());
+    uint64_t rows = 0;
+    t.for_each([&](uint64_t id, const float* values, const float* state) {
+      const char* p = reinterpret_cast<const char*>(&id);
+      buf.insert(buf.end(), p, p + 8);
+      buf.insert(buf.end(), reinterpret_cast<const char*>(values), reinterpret_cast<const char*>(values + d));
+      buf.insert(buf.end(), reinterpret_cast<const char*>(state), reinterpret_cast<const char*>(state + sf));
+      ++rows;
+      if (buf.size() >= kChunk) flush();
+    });
+    flush();
+    const std::string count = fmt::format("{:<20}", rows);
+    if (::pwrite(fd.get(), count.data(), count.size(), off_t(rows_at)) != ssize_t(count.size())) fail("write it");
+    if (::fsync(fd.get()) != 0) fail("sync it");
+  }
+
+  // Reads and checks dir/manifest.json and every shard it names into new tables, kept until commit.
+  void stage_load(int w, const std::string& dir) {
+    discard(w);
+    const std::string path = dir + "/manifest.json";
+    std::string text;
+    if (std::string why = read_manifest(path, &text); !why.empty())
+      throw InvalidArgument(fmt::format("load: {}: {}", path, why));
+    Manifest m;
+    if (std::string why = parse_manifest(text, &m); !why.empty())
+      throw InvalidArgument(fmt::format("load: {}: {}", path, why));
+    Staged st;
+    for (auto& [name, c] : m.tables) st.tables[name] = load_table(dir, name, c, m.servers);
+    staged_[w] = std::move(st);
+  }
+
+  static std::string read_manifest(const std::string& path, std::string* text) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd)
+      return fmt::format("cannot open it: {} (was the directory written by save? every server reads it, so it must "
+                         "be on a filesystem they all see)",
+                         std::strerror(errno));
+    char chunk[65536];
+    for (;;) {
+      const ssize_t k = ::read(fd.get(), chunk, sizeof chunk);
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0) return fmt::format("cannot read it: {}", std::strerror(errno));
+      if (k == 0) return "";
+      text->append(chunk, size_t(k));
+      if (text->size() > kMaxJsonBytes) return fmt::format("larger than {} bytes", kMaxJsonBytes);
+    }
+  }
+
+  // Every saved shard of one table, keeping the rows this server owns under the current server count.
+  // Every record is checked: a file holds exactly the rows its header counts, each in the shard the
+  // file is for, each id once.
+  std::unique_ptr<TableShard> load_table(const std::string& dir, const std::string& name, const TableConfig& c,
+                                         int saved_servers) {
+    auto shard = make_shard(name, c);
+    const size_t d = c.dim, sf = state_floats(c);
+    const size_t record = 8 + (d + sf) * 4;
+    std::vector<char> rec(record);
+    std::vector<float> values(d), state(sf);
+    std::vector<bool> seen(c.dense ? shard->held_rows() : 0);  // dense rows exist from the start
+    for (int k = 0; k < saved_servers; ++k) {
+      const std::string path = shard_path(dir, name, k, saved_servers);
+      auto bad = [&](const std::string& what) { return InvalidArgument(fmt::format("load: {}: {}", path, what)); };
+      std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rbe"), &std::fclose);
+      if (!f) throw bad(fmt::format("cannot open it: {}", std::strerror(errno)));
+      constexpr size_t kMaxHeader = 65536;
+      std::string line;
+      int ch = 0;
+      while (line.size() <= kMaxHeader && (ch = std::getc(f.get())) != EOF && ch != '\n') line += char(ch);
+      if (ch != '\n')
+        throw bad(ch == EOF ? std::string("ends within its header line")
+                            : fmt::format("no header line within its first {} bytes", kMaxHeader));
+      ShardFileHeader h;
+      if (std::string why = parse_shard_header(line, &h); !why.empty()) throw bad(why);
+      if (h.table != name) throw bad(fmt::format("its header names table '{}'", h.table));
+      if (h.server != k || h.servers != saved_servers)
+        throw bad(fmt::format("its header says shard {} of {}", h.server, h.servers));
+      const nlohmann::json in_file = config_to_json(h.config), in_manifest = config_to_json(c);
+      for (auto& [key, v] : in_file.items())
+        if (v != in_manifest.at(key))
+          throw bad(fmt::format("its header's configuration differs from the manifest's: {} {} (manifest: {})", key,
+                                v.dump(), in_manifest.at(key).dump()));
+      if (h.state_floats != sf)
+        throw bad(fmt::format("its header says {} optimizer-state floats per row, the configuration {}",
+                              h.state_floats, sf));
+      for (uint64_t r = 0; r < h.rows; ++r) {
+        if (std::fread(rec.data(), 1, record, f.get()) != record)
+          throw bad(fmt::format("ends after {} of the {} rows its header counts{}", r, h.rows,
+                                std::ferror(f.get()) ? fmt::format(" ({})", std::strerror(errno)) : ""));
+        uint64_t id = 0;
+        std::memcpy(&id, rec.data(), 8);
+        if (c.dense && id >= c.rows)
+          throw bad(fmt::format("row {}: id {} is outside the dense table's {} rows", r, id, c.rows));
+        const int saved_owner = c.dense ? shard_of_row(id, c.rows, saved_servers) : shard_of_id(id, saved_servers);
+        if (saved_owner != k) throw bad(fmt::format("row {}: id {} belongs in shard {}, not in this one", r, id, saved_owner));
+        const int owner = c.dense ? shard_of_row(id, c.rows, roles_.num_servers) : shard_of_id(id, roles_.num_servers);
+        if (owner != index_) continue;
+        std::memcpy(values.data(), rec.data() + 8, d * 4);
+        if (sf) std::memcpy(state.data(), rec.data() + 8 + d * 4, sf * 4);
+        // A second record of one id (a damaged file) is found by its owner only: in a sparse shard
+        // the row then exists already, in a dense one it was put before.
+        bool again = false;
+        if (c.dense) {
+          auto slot = seen[id - shard->first_row()];
+          again = slot;
+          slot = true;
+          shard->put(id, values.data(), state.data());
+        } else {
+          const uint64_t before = shard->rows();
+          shard->put(id, values.data(), state.data());
+          again = shard->rows() == before;
+        }
+        if (again) throw bad(fmt::format("row {}: id {} comes a second time", r, id));
+      }
+      if (std::getc(f.get()) != EOF) throw bad(fmt::format("holds more than the {} rows its header counts", h.rows));
+    }
+    return shard;
   }
 
   Roles roles_;
@@ -539,6 +674,7 @@ class Server {
   std::chrono::milliseconds timeout_;
   Endpoint ep_;
   std::map<std::string, std::unique_ptr<TableShard>> tables_;
+  std::map<int, Staged> staged_;  // per worker: its save or load, until it commits or discards
   std::vector<Inbox> inbox_;
   std::vector<uint64_t> clock_;
   std::deque<std::unique_ptr<Outgoing>> sending_;

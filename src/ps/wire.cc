@@ -19,31 +19,6 @@ constexpr uint64_t kTagBase = 0x5053000000000000ull;  // "PS"
 constexpr transport::Signature kSignature{0xF5, 0, 0, 0, 0, 0};
 }  // namespace
 
-const char* op_name(Op op) {
-  switch (op) {
-    case Op::kHello: return "hello";
-    case Op::kCreate: return "create_table";
-    case Op::kDescribe: return "describe";
-    case Op::kPull: return "pull";
-    case Op::kPush: return "push";
-    case Op::kPushPull: return "push_pull";
-    case Op::kClock: return "step";
-    case Op::kSave: return "save";
-    case Op::kLoad: return "load";
-    case Op::kStats: return "stats";
-    case Op::kBye: return "bye";
-    case Op::kAttach: return "attach";
-  }
-  return "?";
-}
-
-void set_table_name(RequestHeader& h, const std::string& name) {
-  if (name.empty() || name.size() > kMaxTableName)
-    throw InvalidArgument(fmt::format("table name '{}': expected 1 to {} characters", name, kMaxTableName));
-  std::memset(h.table, 0, sizeof h.table);
-  std::memcpy(h.table, name.data(), name.size());
-}
-
 std::string name_roles(const std::string& text, int num_servers) {
   static const std::regex kPeer(R"(\brank (\d+) \()");
   std::string out;
@@ -89,8 +64,6 @@ Buffer buffer_of(const std::string& text) {
   if (!text.empty()) std::memcpy(b.data(), text.data(), text.size());
   return b;
 }
-
-std::string table_name(const RequestHeader& h) { return std::string(h.table, strnlen(h.table, sizeof h.table)); }
 
 Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, const std::vector<bool>& peers,
                    std::chrono::milliseconds timeout)

@@ -17,12 +17,15 @@
 //   push      n ids, n rows of gradients -> -
 //   push_pull n ids, n gradient rows, m ids (pull) -> reply: m rows
 //   clock     (header.clock = the worker's new clock) -> -
-//   save/load directory path             -> save: JSON {table: config} of what was written
+//   save      directory path             -> reply: JSON {table: config} of what was written (staged)
+//   load      directory path             -> - (staged)
+//   commit / discard                     -> - (the worker's staged save or load: done, or undone)
 //   stats     name                       -> reply: u64 rows, bytes, applied pushes, of them direct
 //   bye       (the worker closes; the server stops when every worker has) -> -
 //   attach    name, the worker's abstract Unix socket -> reply: JSON {"attached", "why" | "pid",
 //             "first_row", "rows", "config"}; when attached, the server has sent the shard's three memfds to
 //             that socket (SCM_RIGHTS) before replying (table.h: workers on the server's host)
+// Every request and reply is checked before use (decode.h): counts, lengths, names, JSON.
 
 #include <chrono>
 #include <cstdint>
@@ -40,7 +43,11 @@ class CommunicatorImpl;
 
 namespace cohort::ps {
 
-enum class Op : uint8_t { kHello, kCreate, kDescribe, kPull, kPush, kPushPull, kClock, kSave, kLoad, kStats, kBye, kAttach };
+enum class Op : uint8_t {
+  kHello, kCreate, kDescribe, kPull, kPush, kPushPull, kClock, kSave, kLoad, kStats, kBye, kAttach, kCommit, kDiscard
+};
+// op_name, set_table_name and table_name are defined in decode.cc, with the checks the fuzzer runs
+// (it builds them without the transports).
 const char* op_name(Op op);
 
 inline constexpr uint32_t kRequestMagic = 0x31515350;  // "PSQ1"
@@ -72,7 +79,7 @@ struct ReplyHeader {
 };
 static_assert(sizeof(ReplyHeader) == 512);
 
-void set_table_name(RequestHeader& h, const std::string& name);  // throws InvalidArgument if too long
+void set_table_name(RequestHeader& h, const std::string& name);  // throws InvalidArgument (check_table_name)
 std::string table_name(const RequestHeader& h);
 
 // A message buffer. Unlike std::vector it never zero-fills: every byte is written by a copy or a

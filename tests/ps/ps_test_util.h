@@ -1,0 +1,58 @@
+#pragma once
+// Helpers of the parameter-server tests that run servers and workers as threads of this process
+// (real transports over loopback and shared memory, a memory store).
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/ps.h"
+#include "store/memory_store.h"
+#include "support/test_support.h"
+
+namespace cohort::ps::test_util {
+
+inline constexpr std::chrono::milliseconds kTimeout{30000};
+
+// Runs `servers` servers and `workers` workers as threads; body(client) runs on each worker.
+inline void run_job(int servers, int workers, ConsistencyMode mode, const std::function<void(Client&)>& body) {
+  auto store = make_memory_store();
+  Roles roles{servers, workers};
+  test::run_ranks(servers + workers, [&](int r) {
+    if (r < servers) return serve(store, r, roles, mode, kTimeout);
+    auto client = Client::create(store, r - servers, roles, kTimeout);
+    body(*client);
+  });
+}
+
+inline std::vector<float> pull_rows(Client& c, const std::string& t, const std::vector<uint64_t>& ids) {
+  std::vector<float> rows(ids.size() * c.table(t).dim);
+  c.pull(t, ids.data(), ids.size(), rows.data());
+  return rows;
+}
+
+// Sets an environment variable for one scope, then puts back what was there (settings are read at
+// client or server start).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) ::setenv(name_, old_.c_str(), 1);
+    else ::unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+}  // namespace cohort::ps::test_util
