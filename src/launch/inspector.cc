@@ -154,9 +154,9 @@ void Inspector::inspect(int64_t now) {
     }
   }
   if (stall_warn_s_ > 0) {
-    if (auto m = trace::find_mismatch(snaps); m && warned_.insert({m->comm, m->a.seq | 0x80000000u}).second)
+    if (auto m = trace::find_mismatch(snaps); m && warned_mismatches_.insert({m->comm, m->a.seq}).second)
       say_(fmt::format("error: {}", m->text()));
-    if (auto st = trace::find_stall(snaps, now, stall_warn_s_); st && warned_.insert({st->comm, st->op.seq}).second)
+    if (auto st = trace::find_stall(snaps, now, stall_warn_s_); st && warned_stalls_.insert({st->comm, st->op.seq}).second)
       say_(fmt::format("warning: {} (COHORT_STALL_WARN_S={:g}; the job goes on until the communicators' deadline, "
                        "COHORT_TIMEOUT)",
                        st->text(), stall_warn_s_));

@@ -95,7 +95,8 @@ class Inspector {
   Say say_;
   InspectorSharing sharing_;
   std::chrono::milliseconds tick_{1000};
-  std::set<std::pair<uint32_t, uint32_t>> warned_;  // (communicator, operation) already reported
+  std::set<std::pair<uint32_t, uint64_t>> warned_stalls_;      // (communicator, operation) already reported
+  std::set<std::pair<uint32_t, uint64_t>> warned_mismatches_;  // likewise
   // Live stats: the previous reading per rank, and the bus bytes so far (the ring's mix of operation
   // kinds weighs each interval's bytes).
   std::map<int, trace::CounterSnapshot> last_counters_;

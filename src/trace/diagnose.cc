@@ -104,7 +104,7 @@ std::string Mismatch::text() const {
 
 std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t now, double threshold_s) {
   for (const auto& v : comm_views(ranks)) {
-    uint32_t top = 0;
+    uint64_t top = 0;
     for (auto& [rank, r] : v.last) top = std::max(top, r->seq);
     Stall st;
     st.comm = v.comm;
@@ -157,7 +157,7 @@ std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t 
 std::optional<Mismatch> find_mismatch(const std::vector<RankSnapshot>& ranks) {
   std::optional<Mismatch> best;
   // (comm, seq) -> the first rank's call there
-  std::map<std::pair<uint32_t, uint32_t>, std::pair<int, const OpRecord*>> first;
+  std::map<std::pair<uint32_t, uint64_t>, std::pair<int, const OpRecord*>> first;
   for (const auto& s : ranks)
     for (const auto& r : s.entries) {
       if (!is_numbered(r)) continue;
@@ -174,7 +174,7 @@ std::vector<std::string> diagnose(const std::vector<RankSnapshot>& ranks) {
   auto views = comm_views(ranks);
   if (views.empty()) return lines;  // nothing to compare (point-to-point only, or no operation yet)
   const CommView& v = views.front();
-  uint32_t lo = UINT32_MAX, hi = 0;
+  uint64_t lo = UINT64_MAX, hi = 0;
   for (auto& [rank, r] : v.last) lo = std::min(lo, r->seq), hi = std::max(hi, r->seq);
   std::vector<int> silent = silent_ranks(v, ranks);
   if (!silent.empty()) {
