@@ -123,6 +123,7 @@ struct RankSnapshot {
   bool started = false;        // the worker mapped its ring
   std::string process_state;   // "running", "stopped (SIGSTOP)", "exited", ... as the launcher saw it
   int64_t taken_at = 0;        // CLOCK_MONOTONIC of the read
+  bool unreported = false;     // stands for a rank of another node that has published nothing yet
   uint64_t total = 0;          // operations recorded overall (entries holds the last ones)
   std::vector<OpRecord> entries;  // oldest first
   CounterSnapshot counters;

@@ -16,6 +16,7 @@
 
 #include "cohort/error.h"
 #include "cohort/types.h"
+#include "launch/inspector.h"
 #include "support/test_support.h"
 #include "trace/diagnose.h"
 #include "trace/dump.h"
@@ -334,6 +335,76 @@ TEST(Diagnose, StallNamesTheMissingRanksOnlyAfterTheThreshold) {
   // In step: nothing to report.
   Job steady({5, 5}, {0, 0});
   EXPECT_FALSE(find_stall(steady.snapshots(100 * kSecond), 100 * kSecond, 1.0));
+}
+
+// Another node's snapshot as the head reads it from the store keeps its age. While the node publishes,
+// its ranks are current; once it stops, they are silent since its last snapshot, and the head takes
+// them neither for where they were nor for inside the operation.
+TEST(Diagnose, ANodeThatStoppedPublishingIsSilentSinceItsLastSnapshot) {
+  // Rank 0 (on the head) entered #7; rank 1 (node 1) last showed #6 done, and its process stopped.
+  Job job({6, 6}, {7, 0});
+  const int64_t entered = kSecond + 7 * 1000, now = entered + 9 * kSecond;
+  RankSnapshot here = job.snapshots(now)[0], theirs = job.snapshots(0)[1];
+  theirs.process_state = "stopped (SIGSTOP)";
+  theirs.taken_at = 900 * kSecond;  // node 1's clock, unrelated to this host's
+  const std::string text = launch::publish_snapshots({theirs}, 16);
+  launch::RemoteSnapshots remote({{1, "host1", 1, 1}}, 2, kSecond);
+  // First read at `entered`: its times are moved onto this host's clock, and its age counts from there.
+  auto first = remote.adopt(1, text, entered);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].taken_at, entered);
+  EXPECT_EQ(first[0].entries.back().t_start, theirs.entries.back().t_start + (entered - 900 * kSecond));
+  // 9 s later the value is the same: the snapshot is 9 s old.
+  auto later = remote.adopt(1, text, now);
+  ASSERT_EQ(later.size(), 1u);
+  EXPECT_EQ(later[0].taken_at, entered);
+  EXPECT_FALSE(find_stall({here, later[0]}, now, 10.0, 4.0));  // under the threshold
+  auto st = find_stall({here, later[0]}, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_EQ(st->waiting, std::vector<int>{0});
+  EXPECT_TRUE(st->missing.empty());
+  EXPECT_EQ(st->silent, std::vector<int>{1});
+  EXPECT_EQ(st->text(),
+            "stall: rank 0 entered #7 allreduce(count=1024, float, sum) (4.0 KiB) 9.0 s ago; rank 1 silent (no flight "
+            "recorder news from their node): rank 1 since 9.0 s ago, last seen in #6 allreduce(count=1024, float, sum) "
+            "(4.0 KiB) done, process stopped (SIGSTOP)");
+  // A node that goes on publishing is current: its rank has not entered #7.
+  theirs.taken_at += 9 * kSecond;
+  auto fresh = remote.adopt(1, launch::publish_snapshots({theirs}, 16), now);
+  EXPECT_EQ(fresh[0].taken_at, now);
+  st = find_stall({here, fresh[0]}, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_TRUE(st->silent.empty());
+  EXPECT_NE(st->text().find("; rank 1 not: rank 1 last #6 allreduce(count=1024, float, sum) (4.0 KiB) done, process "
+                            "stopped (SIGSTOP)"),
+            std::string::npos)
+      << st->text();
+  // Last seen inside #7 long ago is not inside #7 now: no "every rank has been in #7".
+  Job both({6, 6}, {7, 7});
+  auto snaps = both.snapshots(now);
+  snaps[1].taken_at = entered;
+  st = find_stall(snaps, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_FALSE(st->all_inside);
+  EXPECT_NE(st->text().find("rank 1 silent (no flight recorder news from their node): rank 1 since 9.0 s ago, last "
+                            "seen in #7 allreduce(count=1024, float, sum) (4.0 KiB) running"),
+            std::string::npos)
+      << st->text();
+  // A node that never published: its ranks are unknown at first (no warning), then silent since the
+  // attempt began.
+  launch::RemoteSnapshots unknown({{1, "host1", 1, 1}}, 2, kSecond);
+  auto none = unknown.adopt(1, std::nullopt, entered + 2 * kSecond);
+  ASSERT_EQ(none.size(), 1u);
+  EXPECT_EQ(none[0].rank, 1);
+  here.taken_at = entered + 2 * kSecond;
+  EXPECT_FALSE(find_stall({here, none[0]}, entered + 2 * kSecond, 1.0, 4.0));
+  here.taken_at = now;
+  st = find_stall({here, unknown.adopt(1, std::nullopt, now)[0]}, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_NE(st->text().find("rank 1 silent (no flight recorder news from their node): rank 1 since 9.0 s ago, its "
+                            "node has published nothing"),
+            std::string::npos)
+      << st->text();
 }
 
 TEST(Diagnose, MismatchNamesBothSides) {
