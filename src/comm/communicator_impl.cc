@@ -361,7 +361,8 @@ void CommunicatorImpl::bootstrap() {
     t->set_mismatch_formatter([this](int peer, const transport::Signature& theirs, const transport::Signature& ours,
                                      const transport::Envelope& env) {
       uint32_t seq = uint32_t(env.tag);
-      std::string where = seq == kP2PSeq ? "as a point-to-point message" : fmt::format("as operation #{}", seq);
+      std::string where =
+          seq == kP2PSeq ? "as a point-to-point message" : fmt::format("as operation #{}", full_seq(seq));
       return fmt::format("mismatched calls: rank {} ({}) called {} {} but rank {} called {}", peer, host_of(peer),
                          describe_signature(theirs), where, rank_, describe_signature(ours));
     });
@@ -523,7 +524,8 @@ void CommunicatorImpl::execute_locked(const OpDesc& desc, const Body& body) {
   check_usable();
   op_ = desc;
   if (desc.kind != OpKind::kSendRecv) {
-    if (++seq_ == kP2PSeq) seq_ = 1;
+    do ++seq_;
+    while (wire_seq() == 0 || wire_seq() == kP2PSeq);
   }
   op_sig_ = desc.signature();
   op_start_ = Deadline::Clock::now();
@@ -614,7 +616,7 @@ void CommunicatorImpl::progress_thread_main() {
 coll::RequestId CommunicatorImpl::isend(int peer, const void* data, size_t bytes, uint32_t slot) {
   transport::Transport* t = route(peer);
   uint32_t index = send_index_[(uint64_t(uint32_t(peer)) << 32) | slot]++;
-  transport::Envelope env{(uint64_t(comm_id_) << 32) | seq_, (uint64_t(slot) << 32) | index, op_sig_};
+  transport::Envelope env{(uint64_t(comm_id_) << 32) | wire_seq(), (uint64_t(slot) << 32) | index, op_sig_};
   transport::RequestId tid = t->isend(peer, env, data, bytes);
   pending_.push_back({next_id_, tid, t, peer});
   return next_id_++;
@@ -623,7 +625,7 @@ coll::RequestId CommunicatorImpl::isend(int peer, const void* data, size_t bytes
 coll::RequestId CommunicatorImpl::irecv(int peer, void* data, size_t bytes, uint32_t slot) {
   transport::Transport* t = route(peer);
   uint32_t index = recv_index_[(uint64_t(uint32_t(peer)) << 32) | slot]++;
-  transport::Envelope env{(uint64_t(comm_id_) << 32) | seq_, (uint64_t(slot) << 32) | index, op_sig_};
+  transport::Envelope env{(uint64_t(comm_id_) << 32) | wire_seq(), (uint64_t(slot) << 32) | index, op_sig_};
   transport::RequestId tid = t->irecv(peer, env, data, bytes);
   pending_.push_back({next_id_, tid, t, peer});
   return next_id_++;
@@ -717,7 +719,7 @@ std::string CommunicatorImpl::waiting_for_text() {
     if (seen.seen) {
       uint32_t s = uint32_t(seen.tag);
       last = s == kP2PSeq ? fmt::format("last message was point-to-point ({})", describe_signature(seen.signature))
-                          : fmt::format("last seen in operation #{} {}", s, describe_signature(seen.signature));
+                          : fmt::format("last seen in operation #{} {}", full_seq(s), describe_signature(seen.signature));
     }
     parts.push_back(fmt::format("{}: {}", peer_text(peer), last));
   }

@@ -211,7 +211,7 @@ class CommunicatorImpl final : public Communicator,
   struct ShmLagging {
     int rank;
     bool seen;
-    uint32_t seq;
+    uint64_t seq;
     transport::Signature signature;
   };
   std::vector<ShmLagging> shm_waiting_;  // set while a group wait reports (warn_slow/throw_timeout)
@@ -249,7 +249,13 @@ class CommunicatorImpl final : public Communicator,
 
   // the drive lock and the current operation (guarded by drive_)
   std::mutex drive_;
-  uint32_t seq_ = 0;
+  // The current collective's number: 1, 2, 3, ... (64-bit: 32 bits run out within hours of small
+  // operations). Messages carry its low 32 bits (wire_seq), which are never 0 or kP2PSeq: numbers
+  // whose low bits are either are skipped, by every rank alike.
+  uint64_t seq_ = 0;
+  uint32_t wire_seq() const { return uint32_t(seq_); }
+  // The full number of an operation whose message carried `wire` (a peer's, near ours).
+  uint64_t full_seq(uint32_t wire) const { return seq_ + uint64_t(int64_t(int32_t(wire - wire_seq()))); }
   trace::OpRun timeline_run_;  // the timeline's run of identical short operations (trace/recorder.h)
   OpDesc op_;
   transport::Signature op_sig_;

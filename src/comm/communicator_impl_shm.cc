@@ -32,7 +32,7 @@ constexpr auto kNoticePoll = std::chrono::milliseconds(10);
 
 shm::CallSignature CommunicatorImpl::shm_call() const {
   shm::CallSignature c;
-  c.seq = seq_;
+  c.seq = wire_seq();
   c.kind = op_sig_.op;
   c.dtype = op_sig_.dtype;
   c.op = op_sig_.redop;
@@ -47,13 +47,13 @@ void CommunicatorImpl::install_shm_semantics(shm::Group& group, std::vector<int>
   group.set_peer_namer([this, members](int local) { return peer_text(members[size_t(local)]); });
   group.set_mismatch_formatter([this, members](int local, const shm::CallSignature& theirs,
                                                const shm::CallSignature& ours) {
-    std::string mine = theirs.seq == ours.seq ? "" : fmt::format(" as operation #{}", ours.seq);
+    std::string mine = theirs.seq == ours.seq ? "" : fmt::format(" as operation #{}", full_seq(ours.seq));
     // Same call, different memory: one rank reduced a range of an allocate_shared buffer, the other
     // another range or ordinary memory.
     if (theirs.reserved != ours.reserved) mine += " (not on the same range of one allocate_shared buffer)";
     return fmt::format("mismatched calls: rank {} ({}) called {} as operation #{} but rank {} called {}{}",
                        members[size_t(local)], host_of(members[size_t(local)]), describe_signature(to_transport(theirs)),
-                       theirs.seq, rank_, describe_signature(to_transport(ours)), mine);
+                       full_seq(theirs.seq), rank_, describe_signature(to_transport(ours)), mine);
   });
   group.set_watch([this, g = &group, members](int) {
     if (abort_requested_.load(std::memory_order_relaxed)) {
@@ -79,7 +79,7 @@ void CommunicatorImpl::install_shm_semantics(shm::Group& group, std::vector<int>
     } scope{this};
     for (int local : g->lagging()) {
       shm::CallSignature last = g->last_call_of(local);
-      shm_waiting_.push_back({members[size_t(local)], last.seq != 0, last.seq, to_transport(last)});
+      shm_waiting_.push_back({members[size_t(local)], last.seq != 0, full_seq(last.seq), to_transport(last)});
     }
     if (now >= op_deadline_.at()) throw_timeout();
     warn_slow(now - op_start_);

@@ -62,7 +62,7 @@ ExitRecord exit_record_from_json(const std::string& text) {
   r.recorded = j.at("recorded").get<bool>();
   r.complete = j.at("complete").get<bool>();
   for (const auto& o : j.at("ops"))
-    r.ops.push_back({o.at(0).get<uint32_t>(), o.at(1).get<uint32_t>(), trace::OpState(o.at(2).get<int>())});
+    r.ops.push_back({o.at(0).get<uint32_t>(), o.at(1).get<uint64_t>(), trace::OpState(o.at(2).get<int>())});
   return r;
 }
 
@@ -73,7 +73,7 @@ std::string exit_text(const ExitRecord& r) {
                 : fmt::format("exited (killed by signal {})", r.signal);
 }
 
-std::string exit_point(const ExitRecord& r, uint32_t comm, uint32_t current) {
+std::string exit_point(const ExitRecord& r, uint32_t comm, uint64_t current) {
   for (const auto& o : r.ops) {
     if (o.comm != comm) continue;
     switch (o.state) {

@@ -37,7 +37,7 @@ struct ExitRecord {
   bool complete = false;
   struct LastOp {
     uint32_t comm = 0;
-    uint32_t seq = 0;
+    uint64_t seq = 0;
     trace::OpState state = trace::OpState::kEmpty;
   };
   std::vector<LastOp> ops;
@@ -56,6 +56,6 @@ std::string exit_text(const ExitRecord& r);
 // Where the process stopped relative to communicator `comm`, whose current operation is `current`:
 // "before operation #5" (its last there was #4, done), "during operation #5", "before its first
 // operation"; without a flight recorder, "before or during operation #<current>".
-std::string exit_point(const ExitRecord& r, uint32_t comm, uint32_t current);
+std::string exit_point(const ExitRecord& r, uint32_t comm, uint64_t current);
 
 }  // namespace cohort::comm

@@ -55,19 +55,43 @@ std::string publish_snapshots(const std::vector<trace::RankSnapshot>& snaps, siz
   return all.dump();
 }
 
-std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_t now) {
+std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_t read_at) {
   std::vector<trace::RankSnapshot> out;
   for (const auto& j : nlohmann::json::parse(text)) {
     trace::RankSnapshot s = trace::snapshot_from_json(j);
-    int64_t shift = now - s.taken_at;
+    int64_t shift = read_at - s.taken_at;
     for (auto& e : s.entries) {
       for (int64_t* t : {&e.t_queued, &e.t_start, &e.t_end})
         if (*t > 0) *t += shift;
     }
-    s.taken_at = now;
+    s.taken_at = read_at;
     out.push_back(std::move(s));
   }
   return out;
+}
+
+std::vector<trace::RankSnapshot> RemoteSnapshots::adopt(int node, const std::optional<std::string>& text,
+                                                        int64_t now) {
+  if (!text) {
+    std::vector<trace::RankSnapshot> out;
+    for (const auto& n : nodes_) {
+      if (n.node != node) continue;
+      for (int r = n.first_rank; r < n.first_rank + n.count; ++r) {
+        trace::RankSnapshot s;
+        s.rank = r;
+        s.world = world_;
+        s.host = n.host;
+        s.taken_at = since_;
+        s.unreported = true;
+        out.push_back(std::move(s));
+      }
+    }
+    return out;
+  }
+  // A node that publishes changes its value every tick (the snapshot's time is in it).
+  Seen& seen = seen_[node];
+  if (seen.text != *text) seen = {*text, now};
+  return adopt_snapshots(*text, seen.first_read);
 }
 
 std::string process_state(pid_t pid) {
@@ -97,12 +121,14 @@ Inspector::Inspector(std::vector<InspectedRank> ranks, int world, double stall_w
       say_(std::move(say)),
       sharing_(std::move(sharing)) {
   first_time_ = last_time_ = trace::monotonic_ns();
+  remote_ = RemoteSnapshots(sharing_.nodes, world_, first_time_);
   for (const auto& r : ranks_) last_counters_[r.rank] = {}, bus_bytes_[r.rank] = 0;
   // Ticks: once a second, or faster for a short stall threshold (tests use 1 s or less).
   if (stall_warn_s_ > 0 && stall_warn_s_ < 2) tick_ = std::chrono::milliseconds(int64_t(stall_warn_s_ * 250) + 1);
   // Several nodes: a node that is not the head publishes its ranks for the head's inspection (at the
   // same pace) and warns about nothing itself.
   if (sharing_.nnodes > 1 && !sharing_.head) stall_warn_s_ = 0;
+  if (sharing_.nnodes > 1) stale_s_ = 3 * std::chrono::duration<double>(tick_).count() + 1;
   bool publishing = sharing_.store && sharing_.nnodes > 1 && !ranks_.empty();
   if (stall_warn_s > 0 || stats_ || publishing) thread_ = std::thread([this] { run(); });
 }
@@ -146,17 +172,20 @@ void Inspector::inspect(int64_t now) {
       if (!snaps.empty()) sharing_.store->set(node_trace_key(sharing_.node), publish_snapshots(snaps, 16));
       if (!sharing_.head) return;
       for (int n = 0; n < sharing_.nnodes; ++n) {
-        if (n == sharing_.node || !sharing_.store->check({node_trace_key(n)})) continue;
-        for (auto& s : adopt_snapshots(sharing_.store->get(node_trace_key(n)), now)) snaps.push_back(std::move(s));
+        if (n == sharing_.node) continue;
+        std::optional<std::string> text;
+        if (sharing_.store->check({node_trace_key(n)})) text = sharing_.store->get(node_trace_key(n));
+        for (auto& s : remote_.adopt(n, text, now)) snaps.push_back(std::move(s));
       }
     } catch (const std::exception&) {
       return;  // the store is gone or slow: the supervision loop reports that; skip this tick
     }
   }
   if (stall_warn_s_ > 0) {
-    if (auto m = trace::find_mismatch(snaps); m && warned_.insert({m->comm, m->a.seq | 0x80000000u}).second)
+    if (auto m = trace::find_mismatch(snaps); m && warned_mismatches_.insert({m->comm, m->a.seq}).second)
       say_(fmt::format("error: {}", m->text()));
-    if (auto st = trace::find_stall(snaps, now, stall_warn_s_); st && warned_.insert({st->comm, st->op.seq}).second)
+    if (auto st = trace::find_stall(snaps, now, stall_warn_s_, stale_s_);
+        st && warned_stalls_.insert({st->comm, st->op.seq}).second)
       say_(fmt::format("warning: {} (COHORT_STALL_WARN_S={:g}; the job goes on until the communicators' deadline, "
                        "COHORT_TIMEOUT)",
                        st->text(), stall_warn_s_));

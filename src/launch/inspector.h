@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -40,20 +41,54 @@ struct InspectedRank {
 
 // Several nodes: every node's inspector publishes its ranks' recent operations to the job's store
 // once a tick (key "trace/node/<n>" of the attempt); the head's reads the others' and inspects the
-// whole job. Only the head warns about stalls and mismatches then, so each is reported once.
+// whole job. Only the head warns about stalls and mismatches then, so each is reported once. A node
+// whose snapshot stopped changing (its launcher is frozen, cut off or gone) is not taken for current:
+// its ranks are named as silent since the last snapshot came (trace::find_stall).
+// The ranks with a flight recorder on node `node` (their rings are published by that node).
+struct NodeRanks {
+  int node = 0;
+  std::string host;
+  int first_rank = 0;
+  int count = 0;
+};
 struct InspectorSharing {
   std::shared_ptr<Store> store;  // the attempt's prefix, on a connection of the inspector's own
   int node = 0;
   int nnodes = 1;
   bool head = false;
+  std::vector<NodeRanks> nodes;  // the head: every node's ranks (for a node that never published)
 };
 // The key a node's ranks are published under, live and (trace/final/<n>) after a failed attempt.
 std::string node_trace_key(int node);
 std::string node_final_trace_key(int node);
-// Snapshots as published (the last `entries` operations of each) and read back: the remote clock is
-// moved onto this host's by the age of the snapshot (the error is the publishing delay, under a tick).
+// Snapshots as published (the last `entries` operations of each) and read back. The monotonic clocks
+// of two hosts are unrelated: the remote one is moved onto this host's by taking the snapshot to have
+// been taken at `read_at` (this host's clock), when it was first read here (the error is the
+// publishing delay, under a tick). taken_at becomes read_at, so the snapshot keeps its real age.
 std::string publish_snapshots(const std::vector<trace::RankSnapshot>& snaps, size_t entries);
-std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_t now);
+std::vector<trace::RankSnapshot> adopt_snapshots(const std::string& text, int64_t read_at);
+
+// The other nodes' published snapshots as the head reads them once a tick. Each node's value keeps the
+// time it was first read here: one that stops changing ages, where reading it as new at every tick
+// would show its ranks as current forever. A node that has published nothing yet stands for its ranks
+// (`nodes`) with empty snapshots as old as the attempt (`since`, when its workers were started).
+class RemoteSnapshots {
+ public:
+  RemoteSnapshots(std::vector<NodeRanks> nodes = {}, int world = 0, int64_t since = 0)
+      : nodes_(std::move(nodes)), world_(world), since_(since) {}
+  // Node `node`'s value `text` (nullopt: none yet), read at `now`.
+  std::vector<trace::RankSnapshot> adopt(int node, const std::optional<std::string>& text, int64_t now);
+
+ private:
+  struct Seen {
+    std::string text;
+    int64_t first_read = 0;
+  };
+  std::vector<NodeRanks> nodes_;
+  int world_;
+  int64_t since_;
+  std::map<int, Seen> seen_;
+};
 
 class Inspector {
  public:
@@ -95,7 +130,12 @@ class Inspector {
   Say say_;
   InspectorSharing sharing_;
   std::chrono::milliseconds tick_{1000};
-  std::set<std::pair<uint32_t, uint32_t>> warned_;  // (communicator, operation) already reported
+  // Another node's snapshot older than this is stale (a few ticks: it is published and read once a
+  // tick each, over the store).
+  double stale_s_ = 0;
+  RemoteSnapshots remote_;
+  std::set<std::pair<uint32_t, uint64_t>> warned_stalls_;      // (communicator, operation) already reported
+  std::set<std::pair<uint32_t, uint64_t>> warned_mismatches_;  // likewise
   // Live stats: the previous reading per rank, and the bus bytes so far (the ring's mix of operation
   // kinds weighs each interval's bytes).
   std::map<int, trace::CounterSnapshot> last_counters_;

@@ -286,6 +286,8 @@ EndInfo Job::run_attempt(int attempt) {
     if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   }
   if (end_->code != 0) publish_final_trace();
+  // And what they left outside them (after the rings are published: the head gathers them meanwhile).
+  end_adopted_children();
   settle_end_with_store();
   if (end_->code != 0) record_failure(attempt);
   return *end_;
@@ -302,6 +304,7 @@ int Job::run() {
       plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
   }
   setup_signals();
+  become_subreaper();
   open_trace_dir();
   if (ctx_.agent_mode) {
     net::set_nonblocking(0, true);

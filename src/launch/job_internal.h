@@ -204,6 +204,17 @@ class Job {
   void begin_stop();
   void send_stop_signal();
   void kill_all(int sig);
+  // job_workers.cc: descendants of the workers that left their process groups. The launcher is the
+  // child subreaper, so they become its children when their parent dies; at the end of each attempt
+  // they get the workers' stop (SIGTERM, SIGKILL after --kill-grace).
+  struct Adopted {
+    pid_t pid;
+    std::string name;  // its comm, for the message
+    bool stopped;
+  };
+  void become_subreaper();
+  std::vector<Adopted> adopted_children() const;
+  void end_adopted_children();
   void drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder);
   void arm_timer(double seconds);
   void disarm_timer();
@@ -280,6 +291,7 @@ class Job {
   std::optional<EndInfo> first_failure_;  // --no-abort-on-failure
   Clock::time_point end_seen_;
   bool head_lost_ = false;
+  bool subreaper_ = false;  // PR_SET_CHILD_SUBREAPER took
   std::string control_buf_;
   bool control_open_ = false;
   // Elastic membership: this agent, its lease, and the generation it runs (set when a round closes).

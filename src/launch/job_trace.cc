@@ -63,7 +63,9 @@ void Job::start_inspector(int attempt) {
       co.timeout = kInspectorStoreTimeout;
       auto base = make_prefix_store(connect_tcp_store(co), "cohort/launch/" + plan_.job_id);
       sharing = {make_prefix_store(base, fmt::format("attempt/{}", attempt)), plan_.this_node, plan_.nnodes,
-                 plan_.host_store};
+                 plan_.host_store, {}};
+      // Its workers first, then its parameter servers, which record nothing.
+      for (const auto& n : plan_.nodes) sharing.nodes.push_back({n.node_rank, n.host, n.first_rank, n.nproc - n.nservers});
     } catch (const std::exception& e) {
       log::warn("stall inspector: no store connection ({}); it covers this node's ranks only", e.what());
     }

@@ -3,14 +3,19 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
+#include <fstream>
+#include <set>
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/prctl.h>
+#include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -247,6 +252,111 @@ void Job::kill_all(int sig) {
       w.sigkill_sent = w.sigkill_sent || sig == SIGKILL;
       kill(-w.pid, sig);
     }
+}
+
+void Job::become_subreaper() {
+  // A worker's descendant that leaves its process group (setsid: a daemonised data loader, `nohup
+  // cmd &` under a shell with job control) escapes the group kill. As the subreaper, the launcher
+  // becomes the parent of every such orphan instead of init, so it can find them and end them.
+  subreaper_ = prctl(PR_SET_CHILD_SUBREAPER, 1) == 0;
+  if (!subreaper_)
+    log::warn("cannot become the child subreaper ({}): a process a worker starts in a session of its own may "
+              "outlive the job",
+              strerror(errno));
+}
+
+std::vector<Job::Adopted> Job::adopted_children() const {
+  // The launcher's live children that are neither a worker nor an agent: orphans the kernel handed to
+  // it. (/proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses.)
+  std::vector<Adopted> out;
+  const pid_t self = getpid();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || !std::isdigit(static_cast<unsigned char>(name[0]))) continue;
+    std::ifstream in("/proc/" + name + "/stat");
+    std::string line;
+    if (!std::getline(in, line)) continue;  // gone meanwhile
+    const auto open = line.find('('), close = line.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || close + 4 > line.size()) continue;
+    const char state = line[close + 2];
+    const pid_t ppid = static_cast<pid_t>(std::atol(line.c_str() + close + 4));
+    if (ppid != self || state == 'Z') continue;  // a zombie is over: reap() collects it
+    const pid_t pid = static_cast<pid_t>(std::atol(name.c_str()));
+    bool ours = false;
+    for (const auto& w : workers_) ours = ours || (w.running && w.pid == pid);
+    for (const auto& a : agents_) ours = ours || (a.running && a.pid == pid);
+    if (!ours) out.push_back({pid, line.substr(open + 1, close - open - 1), state == 'T' || state == 't'});
+  }
+  return out;
+}
+
+void Job::end_adopted_children() {
+  if (!subreaper_) return;
+  reap();  // orphans that already ended
+  std::vector<Adopted> left = adopted_children();
+  if (left.empty()) return;
+  std::vector<std::string> named;
+  for (const auto& a : left) named.push_back(fmt::format("pid {} ({})", a.pid, a.name));
+  say(fmt::format("{} left by the workers outside their process groups: {}; sending SIGTERM{}",
+                  left.size() == 1 ? "a process was" : fmt::format("{} processes were", left.size()),
+                  str::join(named, ", "),
+                  plan_.kill_grace_s > 0 ? fmt::format(", SIGKILL after --kill-grace {:g} s", plan_.kill_grace_s) : ""));
+  // The same stop as the workers': SIGTERM (and SIGCONT to a stopped one), SIGKILL after the grace or
+  // a second Ctrl-C. A process and, when it leads one (setsid), its process group: its own children
+  // go with it. Children of theirs that end up here (their parent died) are found on the next round.
+  const auto grace_end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(std::max(0.0, plan_.kill_grace_s)));
+  const auto give_up = grace_end + std::chrono::seconds(2);  // SIGKILL takes effect in milliseconds
+  const pid_t own_group = getpgrp();
+  auto send = [own_group](const Adopted& a, int sig) {
+    kill(a.pid, sig);
+    if (getpgid(a.pid) == a.pid && a.pid != own_group) kill(-a.pid, sig);
+  };
+  std::set<pid_t> terminated;
+  bool no_grace = plan_.kill_grace_s <= 0 || killed_;
+  // Signals to the launcher read here are raised again at the end, for the supervision loop (a Ctrl-C
+  // between two attempts must still stop the job).
+  std::set<int> seen;
+  struct Reraise {
+    std::set<int>& seen;
+    ~Reraise() {
+      for (int sig : seen) kill(getpid(), sig);
+    }
+  } reraise{seen};
+  for (;;) {
+    const bool kill_now = no_grace || Clock::now() >= grace_end;
+    for (const auto& a : left) {
+      if (kill_now) {
+        send(a, SIGKILL);
+      } else if (terminated.insert(a.pid).second) {
+        send(a, SIGTERM);
+        if (a.stopped) send(a, SIGCONT);
+      }
+    }
+    // Wait a little for SIGCHLD (reaped below) or a signal to the launcher: a terminating one ends the
+    // grace, as a second Ctrl-C does for the workers.
+    pollfd p{signal_fd_.get(), POLLIN, 0};
+    if (poll(&p, 1, 20) > 0) {
+      signalfd_siginfo si;
+      while (::read(signal_fd_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+        const int sig = static_cast<int>(si.ssi_signo);
+        if (sig == SIGCHLD) continue;
+        seen.insert(sig);
+        if (is_terminating(sig)) no_grace = true;
+      }
+    }
+    reap();
+    left = adopted_children();
+    if (left.empty()) return;
+    if (Clock::now() >= give_up) {
+      std::vector<std::string> pids;
+      for (const auto& a : left) pids.push_back(std::to_string(a.pid));
+      say(fmt::format("process(es) {} did not end after SIGKILL (in uninterruptible sleep?): left running",
+                      str::join(pids, ", ")));
+      return;
+    }
+  }
 }
 
 // How long workers get to notice a lost peer and say so themselves before the launcher signals

@@ -86,15 +86,20 @@ std::vector<int> silent_ranks(const CommView& v, const std::vector<RankSnapshot>
 }  // namespace
 
 std::string Stall::text() const {
+  std::string silent_text =
+      silent.empty() ? ""
+                     : fmt::format("; {} silent (no flight recorder news from their node): {}", ranks_text(silent),
+                                   str::join(silent_last, "; "));
   if (all_inside) {
     std::string who = missing.empty() ? "no rank is stopped; a peer may be unreachable or the operation slow"
                                        : fmt::format("{} not progressing: {}", ranks_text(missing),
                                                      str::join(missing_last, "; "));
     return fmt::format("stall: every rank has been in {} for {:.1f} s ({})", describe(op), waited_s, who);
   }
-  return fmt::format("stall: {} entered {} {:.1f} s ago; {} not: {}", ranks_text(waiting), describe(op),
-                     waited_s, ranks_text(missing), str::join(missing_last, "; "));
-
+  std::string not_entered =
+      missing.empty() ? "" : fmt::format("; {} not: {}", ranks_text(missing), str::join(missing_last, "; "));
+  return fmt::format("stall: {} entered {} {:.1f} s ago{}{}", ranks_text(waiting), describe(op), waited_s, not_entered,
+                     silent_text);
 }
 
 std::string Mismatch::text() const {
@@ -102,16 +107,33 @@ std::string Mismatch::text() const {
                      describe(a), rank_b, describe(b));
 }
 
-std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t now, double threshold_s) {
+std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t now, double threshold_s,
+                                double stale_s) {
+  auto stale = [&](const RankSnapshot* s) { return s && stale_s > 0 && seconds(now - s->taken_at) > stale_s; };
   for (const auto& v : comm_views(ranks)) {
-    uint32_t top = 0;
-    for (auto& [rank, r] : v.last) top = std::max(top, r->seq);
+    // The operation the leading ranks are in: as far as the ranks whose news is current say.
+    uint64_t top = 0;
+    for (auto& [rank, r] : v.last)
+      if (!stale(find_rank(ranks, rank))) top = std::max(top, r->seq);
+    if (top == 0) continue;
     Stall st;
     st.comm = v.comm;
     int64_t first_start = INT64_MAX;
     bool all_inside = true;
     for (auto& [rank, r] : v.last) {
       const RankSnapshot* s = find_rank(ranks, rank);
+      if (stale(s)) {
+        // It may have moved on since: named with what it last showed, unless that was past `top`.
+        bool past = r->seq > top || (r->seq == top && (r->state == OpState::kDone || r->state == OpState::kFailed));
+        if (!past) {
+          st.silent.push_back(rank);
+          st.silent_last.push_back(fmt::format("rank {} since {:.1f} s ago, last seen in {} {}{}", rank,
+                                               seconds(now - s->taken_at), describe(*r), op_state_name(r->state),
+                                               process_note(s)));
+        }
+        all_inside = false;
+        continue;
+      }
       if (r->seq == top && r->state == OpState::kRunning) {
         st.waiting.push_back(rank);
         if (r->t_start < first_start) first_start = r->t_start, st.op = *r;
@@ -123,15 +145,27 @@ std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t 
       if (!(r->seq == top && r->state == OpState::kRunning)) all_inside = false;
     }
     for (int rank : silent_ranks(v, ranks)) {
-      st.missing.push_back(rank);
-      st.missing_last.push_back(
-          fmt::format("rank {} has recorded no operation{}", rank, process_note(find_rank(ranks, rank))));
+      const RankSnapshot* s = find_rank(ranks, rank);
+      if (stale(s)) {
+        st.silent.push_back(rank);
+        st.silent_last.push_back(
+            s->unreported ? fmt::format("rank {} since {:.1f} s ago, its node has published nothing", rank,
+                                        seconds(now - s->taken_at))
+                          : fmt::format("rank {} since {:.1f} s ago, with no operation recorded{}", rank,
+                                        seconds(now - s->taken_at), process_note(s)));
+      } else if (s->unreported) {
+        all_inside = false;  // its node has not published yet: nothing is known of it
+        continue;
+      } else {
+        st.missing.push_back(rank);
+        st.missing_last.push_back(fmt::format("rank {} has recorded no operation{}", rank, process_note(s)));
+      }
       all_inside = false;
     }
     if (st.waiting.empty()) continue;
     st.waited_s = seconds(now - first_start);
     if (st.waited_s < threshold_s) continue;
-    if (st.missing.empty()) {
+    if (st.missing.empty() && st.silent.empty()) {
       if (!all_inside) continue;  // the others finished it; the waiting ones are on their way out
       st.all_inside = true;
       for (int rank : st.waiting) {
@@ -157,7 +191,7 @@ std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t 
 std::optional<Mismatch> find_mismatch(const std::vector<RankSnapshot>& ranks) {
   std::optional<Mismatch> best;
   // (comm, seq) -> the first rank's call there
-  std::map<std::pair<uint32_t, uint32_t>, std::pair<int, const OpRecord*>> first;
+  std::map<std::pair<uint32_t, uint64_t>, std::pair<int, const OpRecord*>> first;
   for (const auto& s : ranks)
     for (const auto& r : s.entries) {
       if (!is_numbered(r)) continue;
@@ -174,7 +208,7 @@ std::vector<std::string> diagnose(const std::vector<RankSnapshot>& ranks) {
   auto views = comm_views(ranks);
   if (views.empty()) return lines;  // nothing to compare (point-to-point only, or no operation yet)
   const CommView& v = views.front();
-  uint32_t lo = UINT32_MAX, hi = 0;
+  uint64_t lo = UINT64_MAX, hi = 0;
   for (auto& [rank, r] : v.last) lo = std::min(lo, r->seq), hi = std::max(hi, r->seq);
   std::vector<int> silent = silent_ranks(v, ranks);
   if (!silent.empty()) {

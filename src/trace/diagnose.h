@@ -23,6 +23,10 @@ struct Stall {
   std::vector<int> waiting;       // ranks inside `op`
   std::vector<int> missing;       // ranks that have not entered it
   std::vector<std::string> missing_last;  // per missing rank: "last: allreduce #9 ... done" / process state
+  // Ranks whose snapshot is stale (their node stopped publishing it): where they are now is unknown.
+  // Each is named with the age of its snapshot and what it showed.
+  std::vector<int> silent;
+  std::vector<std::string> silent_last;
   double waited_s = 0;            // since the first waiting rank entered `op`
   bool all_inside = false;        // every rank entered `op` and none finished it (missing: stopped ones)
   std::string text() const;       // one line
@@ -37,8 +41,11 @@ struct Mismatch {
 };
 
 // A stall at least `threshold_s` old at `now` (CLOCK_MONOTONIC ns), in the communicator with the most
-// ranks first; nullopt when every communicator is in step.
-std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t now, double threshold_s);
+// ranks first; nullopt when every communicator is in step. A snapshot taken more than `stale_s` before
+// `now` (0: none is stale) is another node's that stopped coming: its ranks are never counted as
+// inside the operation, and are named as silent (with its age) unless it showed them past it.
+std::optional<Stall> find_stall(const std::vector<RankSnapshot>& ranks, int64_t now, double threshold_s,
+                                double stale_s = 0);
 std::optional<Mismatch> find_mismatch(const std::vector<RankSnapshot>& ranks);
 
 // The flight recorder's part of a failure summary: a few lines naming the first rank whose sequence

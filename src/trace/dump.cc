@@ -17,6 +17,9 @@
 namespace cohort::trace {
 namespace {
 
+// 2: sequence numbers are 64-bit (a reader of format 1 would cut them to 32 bits).
+constexpr const char* kDumpFormat = "cohort flight recorder 2";
+
 OpState state_from_name(const std::string& s) {
   for (auto st : {OpState::kEmpty, OpState::kQueued, OpState::kRunning, OpState::kDone, OpState::kFailed})
     if (s == op_state_name(st)) return st;
@@ -41,7 +44,7 @@ nlohmann::json to_json(const RankSnapshot& s) {
                    {"t_end", r.t_end},      {"what", describe(r)}});
   }
   const auto& c = s.counters;
-  return {{"format", "cohort flight recorder 1"},
+  return {{"format", kDumpFormat},
           {"rank", s.rank},
           {"world", s.world},
           {"host", s.host},
@@ -58,8 +61,15 @@ nlohmann::json to_json(const RankSnapshot& s) {
 
 RankSnapshot snapshot_from_json(const nlohmann::json& j) {
   try {
-    if (j.value("format", "") != "cohort flight recorder 1")
-      throw Error("not a cohort flight recorder dump (no \"format\": \"cohort flight recorder 1\")");
+    const std::string format = j.is_object() ? j.value("format", "") : "";
+    // Format 1 differs only in holding 32-bit sequence numbers: it reads as it is.
+    if (format != kDumpFormat && format != "cohort flight recorder 1") {
+      if (format.rfind("cohort flight recorder ", 0) == 0)
+        throw Error(fmt::format("a flight recorder dump of another cohort version (\"format\": \"{}\"; this one "
+                                "reads \"cohort flight recorder 1\" and \"{}\")",
+                                format.substr(0, 40), kDumpFormat));
+      throw Error(fmt::format("not a cohort flight recorder dump (no \"format\": \"{}\")", kDumpFormat));
+    }
     RankSnapshot s;
     s.rank = j.at("rank").get<int>();
     s.world = j.at("world").get<int>();
@@ -77,7 +87,7 @@ RankSnapshot snapshot_from_json(const nlohmann::json& j) {
       r.index = o.at("index").get<uint64_t>();
       r.kind = kind_from_name(o.at("op").get<std::string>());
       r.comm = o.at("comm").get<uint32_t>();
-      r.seq = o.at("seq").get<uint32_t>();
+      r.seq = o.at("seq").get<uint64_t>();
       r.peer = o.at("peer").get<int32_t>();
       r.dtype = o.at("dtype").get<uint8_t>();
       r.redop = o.at("redop").get<uint8_t>();

@@ -1,11 +1,13 @@
 #include "trace/flight_ring.h"
 
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -52,9 +54,9 @@ std::string describe(const OpRecord& r) {
 
 namespace {
 
-// Entry fields are written and read through relaxed atomic accesses (plain moves on x86): a slot the
-// ring reuses while an old operation finishes, or a reader copying an entry being written, is then a
-// value the seqlock rejects, not undefined behaviour.
+// Entry fields are written and read through relaxed atomic accesses (plain moves on x86): a reader
+// copying an entry while its writer changes it gets values the seqlock then rejects, not undefined
+// behaviour. (Writers of one slot never overlap: each holds its odd version, taken by a CAS.)
 template <typename T>
 void put(T& field, T value) {
   std::atomic_ref<T>(field).store(value, std::memory_order_relaxed);
@@ -68,28 +70,67 @@ RingEntry* entries_of(RingHeader& h) {
   return reinterpret_cast<RingEntry*>(reinterpret_cast<char*>(&h) + sizeof(RingHeader));
 }
 
+// Versions (see RingEntry): 4 x position + phase, modulo 2^32.
+constexpr uint32_t kAppending = 1, kAppended = 2, kFinishing = 3;
+uint32_t version_of(uint64_t index, uint32_t phase) { return uint32_t(index) * 4 + phase; }
+// The position (modulo 2^30) whose write `version` is or was: the inverse of version_of for the
+// phases 1 to 4.
+uint32_t position_of(uint32_t version) { return (version - 1) >> 2; }
+constexpr uint32_t kPositionMask = (1u << 30) - 1;
+// Whether version `a` comes after `b` in a slot's history (their distance is far under 2^31).
+bool later(uint32_t a, uint32_t b) { return int32_t(a - b) > 0; }
+
+// Takes slot `e` for the append of position `index`: true with the version odd and ours. False when a
+// later operation wrote or writes the slot (ours is history already), or when an earlier write of it
+// stays in progress past kRingAppendWaitNs.
+bool take_for_append(RingEntry& e, uint64_t index) {
+  const uint32_t mine = version_of(index, kAppending);
+  uint32_t v = e.version.load(std::memory_order_relaxed);
+  int64_t waiting_since = 0;
+  for (int spins = 0;; ++spins) {
+    if (!later(mine, v)) return false;
+    if ((v & 1) == 0) {
+      // Acquire: the fields written under the version we replace are not reordered after ours.
+      if (e.version.compare_exchange_weak(v, mine, std::memory_order_acquire, std::memory_order_relaxed)) return true;
+      continue;  // v holds the version seen instead
+    }
+    // An earlier operation's append or finish is in the middle of its stores: a few nanoseconds, unless
+    // its thread was preempted there. Spin, then give the core away (it may be waiting for it).
+    if (spins < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      int64_t now = monotonic_ns();
+      if (waiting_since == 0) waiting_since = now;
+      if (now - waiting_since > kRingAppendWaitNs) return false;
+      sched_yield();
+    }
+    v = e.version.load(std::memory_order_relaxed);
+  }
+}
+
 }  // namespace
 
 uint64_t ring_append(RingHeader& h, const OpBegin& op) {
   uint64_t i = h.next.fetch_add(1, std::memory_order_relaxed);
   RingEntry& e = entries_of(h)[i % h.capacity];
-  uint32_t v = e.version.load(std::memory_order_relaxed);
-  e.version.store(v + 1, std::memory_order_relaxed);
+  if (!take_for_append(e, i)) return i + 1;  // ring_finish will find the slot is not this operation's
+  // The odd version is visible before any field changes (a reader that sees a new field sees it).
   std::atomic_thread_fence(std::memory_order_release);
-  put(e.seq, op.seq);
   put(e.comm, op.comm);
+  put(e.seq, op.seq);
   put(e.peer, op.peer);
   put(e.kind, op.kind);
   put(e.dtype, op.dtype);
   put(e.redop, op.redop);
   put(e.state, OpState::kRunning);
-  put(e.index_low, uint32_t(i));
   put(e.count, op.count);
   put(e.bytes, op.bytes);
   put(e.t_queued, op.t_queued);
   put(e.t_start, op.t_start);
   put(e.t_end, int64_t(0));
-  e.version.store(v + 2, std::memory_order_release);
+  e.version.store(version_of(i, kAppended), std::memory_order_release);
   return i + 1;
 }
 
@@ -121,13 +162,18 @@ void ring_finish(RingHeader& h, uint64_t handle, const OpBegin& op, bool ok, int
   if (t_end > 0) bump(c.op_ns, uint64_t(t_end - op.t_start));
   uint64_t i = handle - 1;
   RingEntry& e = entries_of(h)[i % h.capacity];
-  if (get(e.index_low) != uint32_t(i)) return;  // the ring went round during this operation
-  uint32_t v = e.version.load(std::memory_order_relaxed);
-  e.version.store(v + 1, std::memory_order_relaxed);
+  uint32_t v = version_of(i, kAppended);
+  if (e.version.load(std::memory_order_acquire) != v) return;  // the ring went round during this operation
+  // The version repeats every 2^30 operations: an operation that ran that long finds another one's
+  // entry under it. Read under the version, the fields say whose it is (the CAS fails if they change).
+  if (get(e.t_start) != op.t_start || get(e.seq) != op.seq || get(e.comm) != op.comm) return;
+  if (!e.version.compare_exchange_strong(v, version_of(i, kFinishing), std::memory_order_acq_rel,
+                                         std::memory_order_relaxed))
+    return;  // a later operation took the slot meanwhile
   std::atomic_thread_fence(std::memory_order_release);
   put(e.state, ok ? OpState::kDone : OpState::kFailed);
   put(e.t_end, t_end);
-  e.version.store(v + 2, std::memory_order_release);
+  e.version.store(version_of(i, kFinishing + 1), std::memory_order_release);
 }
 
 Ring Ring::create(uint32_t capacity, int rank, int world, const std::string& host, bool timing) {
@@ -172,9 +218,17 @@ Ring Ring::adopt(int fd) {
   }
   ring.header_ = static_cast<RingHeader*>(ring.base_);
   ring.entries_ = reinterpret_cast<RingEntry*>(static_cast<char*>(ring.base_) + sizeof(RingHeader));
-  if (std::memcmp(ring.header_->magic, kRingMagic, sizeof kRingMagic) != 0 ||
-      ring_bytes(ring.header_->capacity) != ring.bytes_)
+  // (A throw unmaps the ring in its destructor; the descriptor stays the caller's.)
+  const char* magic = ring.header_->magic;
+  if (std::memcmp(magic, kRingMagic, sizeof kRingMagic - 1) != 0 || ring_bytes(ring.header_->capacity) != ring.bytes_)
     throw ConfigError(fmt::format("COHORT_FLIGHT_RECORDER_FD={}: not a flight recorder ring", fd));
+  if (magic[7] != kRingLayout)
+    throw RingLayoutError(fmt::format(
+        "COHORT_FLIGHT_RECORDER_FD={}: the launcher's flight recorder ring has layout {}, this program's cohort "
+        "library writes layout {}: `cohort run` and the library are different versions; this rank records its "
+        "operations in its own memory only (the launcher's stall warnings and failure diagnosis cannot see them)",
+        fd, std::isprint(static_cast<unsigned char>(magic[7])) ? std::string(1, magic[7]) : std::string("?"),
+        kRingLayout));
   ring.fd_ = fd;
   return ring;
 }
@@ -233,9 +287,11 @@ RankSnapshot snapshot_of(const RingHeader& h, size_t max) {
     const RingEntry& e = entries[i % h.capacity];
     uint32_t v1 = e.version.load(std::memory_order_acquire);
     if (v1 & 1) continue;  // being written: its older contents are gone, its newer are not there yet
+    // Another operation's entry: an earlier one whose slot this one has not reached yet, or a later one
+    // (the ring went round since `next` was read).
+    if (position_of(v1) != (uint32_t(i) & kPositionMask)) continue;
     OpRecord r;
     r.index = i;
-    uint32_t index_low = get(e.index_low);
     r.seq = get(e.seq);
     r.comm = get(e.comm);
     r.peer = get(e.peer);
@@ -250,7 +306,6 @@ RankSnapshot snapshot_of(const RingHeader& h, size_t max) {
     r.t_end = get(e.t_end);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (e.version.load(std::memory_order_relaxed) != v1 || r.state == OpState::kEmpty) continue;
-    if (index_low != uint32_t(i)) continue;  // overwritten by a later operation meanwhile
     s.entries.push_back(r);
   }
   return s;

@@ -8,8 +8,12 @@
 // hangs, is SIGSTOPped or was SIGKILLed, with no dump code that has to run in the dying process. A
 // memfd has no name: nothing is left behind when the job's processes are gone.
 //
-// Writers and readers never lock: each entry is a seqlock (an odd version while it is written), so a
-// reader copies an entry and keeps it only when the version was even and unchanged around the copy.
+// Writers and readers never lock: each entry is a seqlock whose version says which operation wrote
+// the slot last and whether a write is in progress (odd). A writer takes the slot with a
+// compare-and-swap from an even version, so two writers of one slot (the ring went round onto an
+// operation still being appended or finished) never interleave their fields; a reader copies an
+// entry and keeps it only when the version was even, named the operation it expects, and was
+// unchanged around the copy.
 
 #include <atomic>
 #include <cstddef>
@@ -17,27 +21,43 @@
 #include <string>
 #include <vector>
 
+#include "cohort/error.h"
 #include "collectives/op_kind.h"
 
 namespace cohort::trace {
 
-inline constexpr char kRingMagic[8] = {'C', 'O', 'H', 'F', 'R', 'N', 'G', '1'};
+// The ring's first bytes: "COHFRNG" and the layout's number. A reader of another layout (a worker
+// built from another cohort than the launcher that made its ring) says so instead of misreading it.
+// Layout 1: 32-bit sequence numbers, versions taken with a plain load and store. Layout 2: 64-bit
+// sequence numbers, versions taken with a compare-and-swap and naming their operation.
+inline constexpr char kRingLayout = '2';
+inline constexpr char kRingMagic[8] = {'C', 'O', 'H', 'F', 'R', 'N', 'G', kRingLayout};
+
+// A ring of another layout than this build's (Ring::adopt).
+class RingLayoutError : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
 
 // Where an operation is. Values are stored in the ring: only append.
 enum class OpState : uint8_t { kEmpty = 0, kQueued = 1, kRunning = 2, kDone = 3, kFailed = 4 };
 const char* op_state_name(OpState s);
 
 // One operation (64 bytes, one cache line). Times are CLOCK_MONOTONIC nanoseconds.
+//
+// The version names the write: 4 x (the entry's position in the history, modulo 2^30) + 1 while the
+// operation is appended, + 2 once appended (running), + 3 while it is marked done or failed, + 4 once
+// marked (which is also "+ 0" of the next position). So versions of one slot only grow (modulo 2^32),
+// every write changes the version, and a reader knows which operation an even version belongs to.
 struct alignas(64) RingEntry {
-  std::atomic<uint32_t> version;  // seqlock: odd while being written
-  uint32_t seq;                   // the operation's number in its communicator (0: point-to-point)
-  uint32_t comm;                  // communicator id (the same on every rank of that communicator)
-  int32_t peer;                   // root of a rooted collective, peer of send/recv, -1 otherwise
+  std::atomic<uint32_t> version;
+  uint32_t comm;  // communicator id (the same on every rank of that communicator)
+  uint64_t seq;   // the operation's number in its communicator (0: point-to-point)
+  int32_t peer;   // root of a rooted collective, peer of send/recv, -1 otherwise
   coll::OpKind kind;
   uint8_t dtype;
   uint8_t redop;
   OpState state;
-  uint32_t index_low;  // low bits of the entry's position in the history (a reader spots a reused slot)
   uint64_t count;  // elements
   uint64_t bytes;  // this rank's payload
   int64_t t_queued;
@@ -76,7 +96,7 @@ size_t ring_bytes(uint32_t capacity);
 // An operation as read back: a plain copy of an entry.
 struct OpRecord {
   uint64_t index = 0;  // position in the rank's history (0 = first operation it ever recorded)
-  uint32_t seq = 0;
+  uint64_t seq = 0;
   uint32_t comm = 0;
   int32_t peer = -1;
   coll::OpKind kind = coll::OpKind::kNone;
@@ -103,6 +123,7 @@ struct RankSnapshot {
   bool started = false;        // the worker mapped its ring
   std::string process_state;   // "running", "stopped (SIGSTOP)", "exited", ... as the launcher saw it
   int64_t taken_at = 0;        // CLOCK_MONOTONIC of the read
+  bool unreported = false;     // stands for a rank of another node that has published nothing yet
   uint64_t total = 0;          // operations recorded overall (entries holds the last ones)
   std::vector<OpRecord> entries;  // oldest first
   CounterSnapshot counters;
@@ -113,7 +134,8 @@ class Ring {
  public:
   // Creates and maps a ring of `capacity` entries for `rank` (a close-on-exec memfd).
   static Ring create(uint32_t capacity, int rank, int world, const std::string& host, bool timing);
-  // Maps the ring behind an inherited descriptor (the worker side); throws ConfigError when it is not one.
+  // Maps the ring behind an inherited descriptor (the worker side); throws ConfigError when it is not
+  // one, RingLayoutError when it is one of another layout.
   static Ring adopt(int fd);
   Ring() = default;
   Ring(Ring&&) noexcept;
@@ -137,12 +159,17 @@ class Ring {
   RingEntry* entries_ = nullptr;
 };
 
-// Writing (the recorder; tests): append an operation as running, then finish it. Lock-free; several
-// threads may append at once. ring_finish ignores a handle whose slot was reused meanwhile.
+// Writing (the recorder; tests): append an operation as running, then finish it. Several threads may
+// append and finish at once. Neither waits for a reader. ring_finish ignores a handle whose slot was
+// taken by a later operation meanwhile (the ring went round). ring_append gives way to a later
+// operation that already holds its slot (this entry would have been overwritten anyway), and waits for
+// an earlier one that is still being written there, at most kRingAppendWaitNs: a writer preempted in
+// the middle of its few stores; past that the entry is left out rather than make an operation wait.
+inline constexpr int64_t kRingAppendWaitNs = 1000000;
 // One communicator operation as the communicator describes it.
 struct OpBegin {
   uint32_t comm = 0;
-  uint32_t seq = 0;
+  uint64_t seq = 0;
   coll::OpKind kind = coll::OpKind::kNone;
   uint8_t dtype = 0;
   uint8_t redop = 0;

@@ -94,6 +94,9 @@ Recorder::Recorder(const Settings& settings) {
     try {
       shared_ring_ = Ring::adopt(fd);
       shared_ring_.close_fd();
+    } catch (const RingLayoutError& e) {
+      log::warn("flight recorder: {}", e.what());
+      fd = -1;
     } catch (const ConfigError& e) {
       log::debug("flight recorder: {}; keeping it in this process", e.what());
       fd = -1;

@@ -39,7 +39,7 @@ struct OpRun {
   OpBegin first;            // the run's first operation
   int64_t first_end = 0;    // its measured end
   int64_t last_start = 0;   // the latest operation's start
-  uint32_t last_seq = 0;
+  uint64_t last_seq = 0;
   uint32_t n = 0;           // operations in the run (0: none)
   bool ok = true;           // the first operation succeeded
   // Set by start(), so that extends() is a few compares (it runs once per operation of a loop).

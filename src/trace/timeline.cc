@@ -23,7 +23,8 @@
 namespace cohort::trace {
 namespace {
 
-constexpr const char* kTimelineMagic = "COHORT-TIMELINE-1";
+// The record layout's version: 2 has 64-bit sequence numbers (1: 32-bit, 88-byte records).
+constexpr const char* kTimelineMagic = "COHORT-TIMELINE-2";
 
 // Events a track may be out of time order by, in the file (see merge_timelines).
 constexpr size_t kReorderWindow = 4096;
@@ -31,7 +32,7 @@ constexpr size_t kReorderWindow = 4096;
 
 const env::IntSetting kMaxEvents(
     "COHORT_TIMELINE_MAX_EVENTS", 1000000,
-    "events each rank records into the timeline at most (88 bytes each, kept in memory until the rank "
+    "events each rank records into the timeline at most (96 bytes each, kept in memory until the rank "
     "exits); later ones are dropped and the merged trace says which ranks were cut");
 
 int64_t realtime_ns() {
@@ -71,7 +72,7 @@ void TimelineWriter::add_locked(const TimelineRecord& r) {
   blocks_.back()->records[used_++] = r;
 }
 
-void TimelineWriter::add_op(const OpRecord& op, uint32_t repeat, uint32_t last_seq) {
+void TimelineWriter::add_op(const OpRecord& op, uint32_t repeat, uint64_t last_seq) {
   TimelineRecord r{};
   r.repeat = repeat;
   r.last_seq = repeat > 1 ? last_seq : op.seq;
@@ -172,7 +173,11 @@ std::ifstream open_rank_file(const std::string& file, nlohmann::json& header) {
   std::ifstream in(file, std::ios::binary);
   if (!in) throw Error(fmt::format("cannot read the timeline file {}", file));
   std::string magic, line;
-  if (!std::getline(in, magic) || magic != kTimelineMagic)
+  if (!std::getline(in, magic)) throw Error(fmt::format("cannot read the timeline file {}", file));
+  if (magic != kTimelineMagic && magic.rfind("COHORT-TIMELINE-", 0) == 0)
+    throw Error(fmt::format("{}: a timeline rank file of another cohort version ({}; this one reads {})", file,
+                            magic.substr(0, 40), kTimelineMagic));
+  if (magic != kTimelineMagic)
     throw Error(fmt::format("{}: not a cohort timeline rank file (expected the line {})", file, kTimelineMagic));
   try {
     if (!std::getline(in, line)) throw Error("");

@@ -3,7 +3,7 @@
 // merges the ranks into one Chrome-trace / Perfetto JSON file, one process per rank, one track per
 // communicator and one for training (docs/observability.md).
 //
-// Rank files are written for speed, read once by the merge: a text line "COHORT-TIMELINE-1", a JSON
+// Rank files are written for speed, read once by the merge: a text line "COHORT-TIMELINE-2", a JSON
 // line (who wrote it, and the clock anchor), then fixed-size binary records (TimelineRecord, native
 // byte order). Turning events into JSON costs microseconds each; a record costs a copy.
 //
@@ -38,19 +38,19 @@ struct TimelineRecord {
   uint8_t redop;
   OpState state;
   uint8_t reserved[3];
-  uint32_t seq;
-  uint32_t comm;
-  int32_t peer;   // kOp: root or peer (-1: none); spans and instants: the index appended to the name
-  uint32_t repeat;  // kOp: operations in this slice (a run, see trace::OpRun; their numbers seq..last_seq)
+  uint64_t seq;
+  uint64_t last_seq;  // kOp: the number of the run's last operation
   uint64_t count;
   uint64_t bytes;  // kTruncated: the events dropped
   int64_t t_queued;
   int64_t t0;
   int64_t t1;
-  uint32_t last_seq;  // kOp: the number of the run's last operation
-  char name[20];   // spans and instants (NUL-terminated)
+  uint32_t comm;
+  int32_t peer;     // kOp: root or peer (-1: none); spans and instants: the index appended to the name
+  uint32_t repeat;  // kOp: operations in this slice (a run, see trace::OpRun; their numbers seq..last_seq)
+  char name[20];    // spans and instants (NUL-terminated)
 };
-static_assert(sizeof(TimelineRecord) == 88);
+static_assert(sizeof(TimelineRecord) == 96);
 
 class TimelineWriter {
  public:
@@ -58,7 +58,7 @@ class TimelineWriter {
   explicit TimelineWriter(std::string path);
   void set_identity(int rank, int world, const std::string& host);
   // `repeat` operations of the same call, numbered op.seq .. last_seq, drawn as one slice.
-  void add_op(const OpRecord& op, uint32_t repeat = 1, uint32_t last_seq = 0);
+  void add_op(const OpRecord& op, uint32_t repeat = 1, uint64_t last_seq = 0);
   void add_span(const char* name, int index, int64_t t0, int64_t t1);
   void add_instant(const char* name, int index, int64_t t);
   // Appends the events so far to the file (its two header lines first) and forgets them. The recorder

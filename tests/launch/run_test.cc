@@ -8,6 +8,7 @@
 #include <fstream>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -45,6 +46,80 @@ void expect_no_process_left(const TempDir& dir, int n) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     EXPECT_FALSE(process_alive(pid)) << "worker pid " << pid << " outlived the job";
   }
+}
+
+// A daemon a worker leaves behind in a session of its own (setsid, double-forked, its output closed,
+// as a daemonised data loader does): sh -c 'echo $$; sleep & echo $!; wait' writes the pids of both of
+// its processes to dir/daemon.$RANK. The worker goes on only once both are written.
+std::string start_daemon(const TempDir& dir) {
+  std::string file = dir.path() + "/daemon.$RANK";
+  return "(setsid sh -c 'echo $$ > " + file + ".tmp; sleep 3137 & echo $! >> " + file + ".tmp; mv " + file +
+         ".tmp " + file + "; wait' </dev/null >/dev/null 2>&1 &); i=0; while [ ! -s " + file +
+         " ] && [ $i -lt 200 ]; do sleep 0.02; i=$((i+1)); done; ";
+}
+
+// The pids in dir/daemon.N; checks, with a short grace for the kernel to deliver the last signals,
+// that none is still running, and SIGKILLs any that is (so that a failure leaves nothing behind).
+void expect_daemon_gone(const TempDir& dir, int rank) {
+  std::istringstream in(read_file(dir.file("daemon." + std::to_string(rank))));
+  std::vector<int> pids;
+  for (int pid; in >> pid;) pids.push_back(pid);
+  ASSERT_EQ(pids.size(), 2u) << "rank " << rank << "'s daemon did not start";
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  for (int pid : pids) {
+    while (process_alive(pid) && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(process_alive(pid)) << "pid " << pid << " of rank " << rank << "'s daemon outlived the job";
+    if (process_alive(pid)) kill(pid, SIGKILL);
+  }
+}
+
+TEST(Run, AWorkersDaemonInASessionOfItsOwnEndsWithTheJob) {
+  {  // the worker exits 0 and leaves its daemon running
+    TempDir dir;
+    auto r = run_process(concat(cohort_run({"-n", "1", "--kill-grace", "2"}), sh(start_daemon(dir) + "exit 0")), {}, 60);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_LT(r.seconds, 10.0) << r.err;  // SIGTERM ends sleep and sh at once: no need for the SIGKILL
+    EXPECT_NE(r.err.find("a process was left by the workers outside their process groups: pid "), std::string::npos)
+        << r.err;
+    expect_daemon_gone(dir, 0);
+  }
+  {  // the job fails while rank 0's daemon runs
+    TempDir dir;
+    std::string d = dir.path();
+    auto r = run_process(concat(cohort_run({"-n", "2", "--kill-grace", "2"}),
+                                sh("if [ $RANK = 0 ]; then " + start_daemon(dir) + "exec sleep 60; fi; i=0; "
+                                   "while [ ! -s " + d + "/daemon.0 ] && [ $i -lt 200 ]; do sleep 0.02; i=$((i+1)); "
+                                   "done; exit 3")),
+                         {}, 60);
+    EXPECT_EQ(r.exit_code, 3) << r.err;
+    EXPECT_LT(r.seconds, 10.0) << r.err;
+    expect_daemon_gone(dir, 0);
+  }
+  {  // Ctrl-C: SIGINT to the launcher (the worker's parent) once the daemon runs
+    TempDir dir;
+    auto r = run_process(concat(cohort_run({"-n", "1", "--kill-grace", "2"}),
+                                sh(start_daemon(dir) + "kill -INT $PPID; sleep 60")),
+                         {}, 60);
+    EXPECT_EQ(r.exit_code, 128 + SIGINT) << r.err;
+    EXPECT_LT(r.seconds, 10.0) << r.err;
+    expect_daemon_gone(dir, 0);
+  }
+}
+
+// The same under a remote agent (`cohort agent`, reached through the ssh stand-in): the agent is the
+// subreaper of its own workers' descendants.
+std::string write_shim(const TempDir& dir);
+TEST(Run, ARemoteWorkersDaemonEndsWithTheJob) {
+  TempDir dir;
+  std::string shim = write_shim(dir);
+  auto r = run_process(concat(cohort_run({"-H", "hostA:1,hostB:1", "--master-addr", "127.0.0.1", "--ssh-command", shim,
+                                          "--kill-grace", "2"}),
+                              sh("if [ $RANK = 1 ]; then " + start_daemon(dir) + "fi; exit 0")),
+                       {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_LT(r.seconds, 15.0) << r.err;
+  expect_daemon_gone(dir, 1);
 }
 
 TEST(Run, WorkerEnvironmentOfEveryWorker) {

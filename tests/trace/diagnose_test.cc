@@ -10,11 +10,13 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "cohort/error.h"
 #include "cohort/types.h"
+#include "launch/inspector.h"
 #include "support/test_support.h"
 #include "trace/diagnose.h"
 #include "trace/dump.h"
@@ -28,7 +30,7 @@ using coll::OpKind;
 constexpr uint32_t kWorld = 0xabcd1234;
 constexpr int64_t kSecond = 1000000000;
 
-OpBegin allreduce(uint32_t seq, uint64_t count, int64_t t_start) {
+OpBegin allreduce(uint64_t seq, uint64_t count, int64_t t_start) {
   return OpBegin{kWorld, seq, OpKind::kAllreduce, uint8_t(DataType::kFloat32), uint8_t(ReduceOp::kSum), -1, count,
                  count * 4, 0, t_start};
 }
@@ -130,6 +132,170 @@ TEST(FlightRing, ConcurrentWritersAndAReaderNeverSeeATornEntry) {
   EXPECT_GT(ring.header().counters.ops.load(), 20000u);
 }
 
+// Two writers of one slot: a ring of 1 entry and 3 threads appending and finishing, so every append
+// goes onto an operation that another thread may still be appending or finishing, while a reader copies
+// the ring. Every field of an entry is derived from its number, so a copy mixing two writes shows. A
+// slot whose version two writers got out of step stays odd (hidden from readers) until it is written
+// again: once the writers stop, the slot must hold the last operation written there, finished. Several
+// rounds, each a fresh ring: the threads of one round may overlap only part of the time.
+TEST(FlightRing, WritersWrappingOntoSlotsInUseNeverTearAnEntryNorHideASlot) {
+#if defined(__SANITIZE_THREAD__)
+  constexpr uint32_t kOps = 40000;  // TSan makes each atomic access ~20x slower
+#else
+  constexpr uint32_t kOps = 400000;
+#endif
+  constexpr uint32_t kSlots = 1, kWriters = 3, kRounds = 6;
+  // The numbers fit in 32 bits, so the same test runs against ring layouts of either width.
+  auto entry_of = [](uint32_t writer, uint32_t k) {
+    OpBegin op = allreduce((uint64_t(writer + 1) << 24) | k, 0, 0);
+    op.comm = writer;
+    op.peer = int32_t(k);
+    op.count = op.seq * 7;
+    op.bytes = op.seq * 3;
+    op.t_queued = int64_t(op.seq) + 11;
+    op.t_start = int64_t(op.seq);
+    return op;
+  };
+  auto torn = [](const OpRecord& e) {
+    uint64_t k = e.seq & 0xffffff;
+    bool ok = e.comm == (e.seq >> 24) - 1 && e.peer == int32_t(k) && e.count == e.seq * 7 && e.bytes == e.seq * 3 &&
+              e.t_queued == int64_t(e.seq) + 11 && e.t_start == int64_t(e.seq) && e.kind == OpKind::kAllreduce &&
+              ((e.state == OpState::kRunning && e.t_end == 0) ||
+               (e.state == OpState::kDone && e.t_end == int64_t(e.seq) + 5));
+    return !ok;
+  };
+  for (uint32_t round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE(fmt::format("round {}", round));
+    Ring ring = Ring::create(kSlots, 0, 1, "h", false);
+    std::atomic<uint32_t> ready{0}, writing{kWriters};
+    std::vector<std::thread> writers;
+    for (uint32_t w = 0; w < kWriters; ++w)
+      writers.emplace_back([&, w] {
+        ready.fetch_add(1);
+        while (ready.load() <= kWriters) std::this_thread::yield();  // every writer and the reader
+        for (uint32_t k = 1; k <= kOps; ++k) {
+          OpBegin op = entry_of(w, k);
+          ring_finish(ring.header(), ring_append(ring.header(), op), op, true, op.t_start + 5);
+        }
+        writing.fetch_sub(1);
+      });
+    uint64_t copies = 0, torn_copies = 0;
+    std::string example;
+    ready.fetch_add(1);
+    while (writing.load() > 0) {
+      for (const auto& e : ring.snapshot().entries) {
+        ++copies;
+        if (torn(e) && torn_copies++ == 0)
+          example = fmt::format("{} {} t_end {} comm {} peer {}", describe(e), op_state_name(e.state), e.t_end, e.comm,
+                                e.peer);
+      }
+    }
+    for (auto& t : writers) t.join();
+    EXPECT_EQ(torn_copies, 0u) << "of " << copies << " copies; the first: " << example;
+    // Quiet now: every slot is readable and holds the last operation appended there, finished.
+    auto last = ring.snapshot();
+    EXPECT_EQ(last.total, uint64_t(kWriters) * kOps);
+    ASSERT_EQ(last.entries.size(), kSlots) << "a slot was left hidden (odd version)";
+    for (size_t i = 0; i < kSlots; ++i) {
+      EXPECT_EQ(last.entries[i].index, last.total - kSlots + i);
+      EXPECT_EQ(last.entries[i].state, OpState::kDone) << describe(last.entries[i]);
+      EXPECT_FALSE(torn(last.entries[i])) << describe(last.entries[i]);
+    }
+  }
+}
+
+// The operation's number is 64-bit in the ring, the dumps, the diagnosis and the timeline: 32 bits run
+// out within hours of small operations.
+TEST(FlightRing, SequenceNumbersPast32BitsKeepEveryBit) {
+  constexpr uint64_t kBig = (uint64_t(1) << 32) + 7;
+  Job job({0, 0}, {0, 0});
+  for (int r = 0; r < 2; ++r) {
+    auto op = allreduce(kBig, 1024, kSecond);
+    ring_finish(job.rings[r].header(), ring_append(job.rings[r].header(), op), op, true, 0);
+  }
+  ring_append(job.rings[0].header(), allreduce(kBig + 1, 1024, 2 * kSecond));
+  auto snaps = job.snapshots(5 * kSecond);
+  ASSERT_EQ(snaps[0].entries.size(), 2u);
+  EXPECT_EQ(snaps[0].entries.back().seq, kBig + 1);
+  EXPECT_EQ(describe(snaps[0].entries.back()), "#4294967304 allreduce(count=1024, float, sum) (4.0 KiB)");
+  auto st = find_stall(snaps, 5 * kSecond, 1.0);
+  ASSERT_TRUE(st);
+  EXPECT_EQ(st->op.seq, kBig + 1);
+  auto lines = diagnose(snaps);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("rank 1 stopped first, at #4294967303 "), std::string::npos) << lines[0];
+  // A dump keeps the number; a dump of format 1 (32-bit numbers) still reads.
+  auto back = snapshot_from_json(to_json(snaps[0]));
+  EXPECT_EQ(back.entries.back().seq, kBig + 1);
+  auto v1 = to_json(snaps[1]);
+  v1["format"] = "cohort flight recorder 1";
+  v1["ops"][0]["seq"] = 9;
+  EXPECT_EQ(snapshot_from_json(v1).entries[0].seq, 9u);
+  v1["format"] = "cohort flight recorder 7";
+  try {
+    snapshot_from_json(v1);
+    FAIL() << "format 7 was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a flight recorder dump of another cohort version"), std::string::npos)
+        << e.what();
+  }
+  // The timeline's records too.
+  test::TempDir dir;
+  TimelineWriter w(dir.file("rank0.timeline"));
+  w.set_identity(0, 1, "h");
+  OpRecord op = snaps[0].entries.front();
+  op.t_end = op.t_start + 1000;
+  w.add_op(op, 3, kBig + 2);
+  w.flush();
+  std::stringstream text;
+  merge_timelines({dir.file("rank0.timeline")}, text);
+  auto trace = nlohmann::json::parse(text.str());
+  bool seen = false;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X") {
+      seen = true;
+      EXPECT_EQ(e["args"]["seq"].get<uint64_t>(), kBig);
+      EXPECT_EQ(e["args"]["last_seq"].get<uint64_t>(), kBig + 2);
+    }
+  EXPECT_TRUE(seen) << text.str();
+}
+
+// A worker whose cohort library writes another ring layout than the launcher's says so, and records in
+// its own memory rather than misread the launcher's ring. Likewise a timeline file of another version.
+TEST(FlightRing, AnotherLayoutIsNamedAsSuch) {
+  Ring made = Ring::create(8, 1, 2, "h", false);
+  made.header().magic[7] = '1';  // what a launcher of layout 1 writes
+  try {
+    Ring::adopt(dup(made.fd()));
+    FAIL() << "a ring of layout 1 was adopted";
+  } catch (const RingLayoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("ring has layout 1, this program's cohort library writes layout 2"),
+              std::string::npos)
+        << e.what();
+  }
+  Recorder::Settings settings;
+  settings.ring_fd = dup(made.fd());
+  Recorder recorder(settings);
+  auto op = allreduce(1, 8, 1);
+  OpRun run;
+  recorder.op_end(recorder.op_begin(op), op, true, run);
+  EXPECT_EQ(made.snapshot().total, 0u);        // the launcher's ring is left alone
+  EXPECT_EQ(recorder.snapshot().total, 1u);    // the operation is in the process's own ring
+  close(settings.ring_fd);
+
+  test::TempDir dir;
+  test::write_file(dir.file("rank0.timeline"), "COHORT-TIMELINE-1\n{\"mono_ns\": 1, \"real_ns\": 2}\n");
+  std::stringstream text;
+  try {
+    merge_timelines({dir.file("rank0.timeline")}, text);
+    FAIL() << "a timeline of version 1 was merged";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a timeline rank file of another cohort version (COHORT-TIMELINE-1"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Diagnose, NamesTheRankThatStoppedFirstAndWhoWaitedForIt) {
   // Rank 1 finished #9 and went no further; ranks 0 and 2 are inside #10.
   Job job({9, 9, 9}, {10, 0, 10});
@@ -169,6 +335,76 @@ TEST(Diagnose, StallNamesTheMissingRanksOnlyAfterTheThreshold) {
   // In step: nothing to report.
   Job steady({5, 5}, {0, 0});
   EXPECT_FALSE(find_stall(steady.snapshots(100 * kSecond), 100 * kSecond, 1.0));
+}
+
+// Another node's snapshot as the head reads it from the store keeps its age. While the node publishes,
+// its ranks are current; once it stops, they are silent since its last snapshot, and the head takes
+// them neither for where they were nor for inside the operation.
+TEST(Diagnose, ANodeThatStoppedPublishingIsSilentSinceItsLastSnapshot) {
+  // Rank 0 (on the head) entered #7; rank 1 (node 1) last showed #6 done, and its process stopped.
+  Job job({6, 6}, {7, 0});
+  const int64_t entered = kSecond + 7 * 1000, now = entered + 9 * kSecond;
+  RankSnapshot here = job.snapshots(now)[0], theirs = job.snapshots(0)[1];
+  theirs.process_state = "stopped (SIGSTOP)";
+  theirs.taken_at = 900 * kSecond;  // node 1's clock, unrelated to this host's
+  const std::string text = launch::publish_snapshots({theirs}, 16);
+  launch::RemoteSnapshots remote({{1, "host1", 1, 1}}, 2, kSecond);
+  // First read at `entered`: its times are moved onto this host's clock, and its age counts from there.
+  auto first = remote.adopt(1, text, entered);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].taken_at, entered);
+  EXPECT_EQ(first[0].entries.back().t_start, theirs.entries.back().t_start + (entered - 900 * kSecond));
+  // 9 s later the value is the same: the snapshot is 9 s old.
+  auto later = remote.adopt(1, text, now);
+  ASSERT_EQ(later.size(), 1u);
+  EXPECT_EQ(later[0].taken_at, entered);
+  EXPECT_FALSE(find_stall({here, later[0]}, now, 10.0, 4.0));  // under the threshold
+  auto st = find_stall({here, later[0]}, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_EQ(st->waiting, std::vector<int>{0});
+  EXPECT_TRUE(st->missing.empty());
+  EXPECT_EQ(st->silent, std::vector<int>{1});
+  EXPECT_EQ(st->text(),
+            "stall: rank 0 entered #7 allreduce(count=1024, float, sum) (4.0 KiB) 9.0 s ago; rank 1 silent (no flight "
+            "recorder news from their node): rank 1 since 9.0 s ago, last seen in #6 allreduce(count=1024, float, sum) "
+            "(4.0 KiB) done, process stopped (SIGSTOP)");
+  // A node that goes on publishing is current: its rank has not entered #7.
+  theirs.taken_at += 9 * kSecond;
+  auto fresh = remote.adopt(1, launch::publish_snapshots({theirs}, 16), now);
+  EXPECT_EQ(fresh[0].taken_at, now);
+  st = find_stall({here, fresh[0]}, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_TRUE(st->silent.empty());
+  EXPECT_NE(st->text().find("; rank 1 not: rank 1 last #6 allreduce(count=1024, float, sum) (4.0 KiB) done, process "
+                            "stopped (SIGSTOP)"),
+            std::string::npos)
+      << st->text();
+  // Last seen inside #7 long ago is not inside #7 now: no "every rank has been in #7".
+  Job both({6, 6}, {7, 7});
+  auto snaps = both.snapshots(now);
+  snaps[1].taken_at = entered;
+  st = find_stall(snaps, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_FALSE(st->all_inside);
+  EXPECT_NE(st->text().find("rank 1 silent (no flight recorder news from their node): rank 1 since 9.0 s ago, last "
+                            "seen in #7 allreduce(count=1024, float, sum) (4.0 KiB) running"),
+            std::string::npos)
+      << st->text();
+  // A node that never published: its ranks are unknown at first (no warning), then silent since the
+  // attempt began.
+  launch::RemoteSnapshots unknown({{1, "host1", 1, 1}}, 2, kSecond);
+  auto none = unknown.adopt(1, std::nullopt, entered + 2 * kSecond);
+  ASSERT_EQ(none.size(), 1u);
+  EXPECT_EQ(none[0].rank, 1);
+  here.taken_at = entered + 2 * kSecond;
+  EXPECT_FALSE(find_stall({here, none[0]}, entered + 2 * kSecond, 1.0, 4.0));
+  here.taken_at = now;
+  st = find_stall({here, unknown.adopt(1, std::nullopt, now)[0]}, now, 1.0, 4.0);
+  ASSERT_TRUE(st);
+  EXPECT_NE(st->text().find("rank 1 silent (no flight recorder news from their node): rank 1 since 9.0 s ago, its "
+                            "node has published nothing"),
+            std::string::npos)
+      << st->text();
 }
 
 TEST(Diagnose, MismatchNamesBothSides) {

@@ -1,6 +1,8 @@
 // The flight recorder, stall inspector, live stats and timeline through `cohort run`, with real
 // processes: comm_worker ranks (tests/comm/comm_worker.cc) that skip an operation, stop themselves,
 // call with a different size, or just work.
+#include <signal.h>
+
 #include <fstream>
 #include <regex>
 #include <set>
@@ -55,6 +57,41 @@ TEST(LauncherTrace, AStoppedRankGetsOneStallWarningAndTheJobEndsAtItsDeadlineWit
   EXPECT_LT(r.seconds, 20.0);
   EXPECT_NE(r.err.find("timed out"), std::string::npos) << r.err;
   EXPECT_EQ(trace::read_dump_dir(dir.path()).size(), 3u);
+}
+
+// Two per-node launchers on loopback, one rank each. Rank 1 (node 1) stops itself after its 6th
+// allreduce; 2.5 s later (node 1 has published that, once a second) node 1's launcher is frozen too
+// (SIGSTOP), so node 1 publishes no more snapshots.
+// The head (node 0) warns once, for the whole job: its rank 0 waits in #7, and rank 1 is named as
+// silent since its node's last snapshot, not as if that snapshot were current. Node 1 warns about
+// nothing itself. Then node 1 is continued and its rank killed, which ends the job.
+TEST(LauncherTrace, TheHeadWarnsForEveryNodeAndNamesASilentNodesRanksAsSilent) {
+  TempDir dir;
+  std::string d = dir.path();
+  int port = free_port();
+  std::string node = "'" + cohort_tool() + "' run --nnodes 2 --nproc-per-node 1 --master-addr 127.0.0.1 --master-port " +
+                     std::to_string(port) + " --join-timeout 20 --kill-grace 1 --trace-dir " + d + "/trace --node-rank ";
+  std::string worker = " /bin/sh -c 'echo $$ > " + d + "/pid.$RANK; exec " + COHORT_COMM_WORKER + " stop env 0 0'";
+  std::string script =
+      node + "0" + worker + " 2> " + d + "/node0.err & head=$!; " + node + "1" + worker + " 2> " + d +
+      "/node1.err & other=$!; "
+      // rank 1 stopped (state T), then its launcher
+      "i=0; until [ -s " + d + "/pid.1 ] && grep -q ') T ' /proc/$(cat " + d + "/pid.1)/stat 2>/dev/null; do "
+      "sleep 0.02; i=$((i+1)); [ $i -lt 1500 ] || break; done; sleep 2.5; kill -STOP $other; "
+      "i=0; until grep -q 'warning: stall' " + d + "/node0.err; do sleep 0.1; i=$((i+1)); [ $i -lt 300 ] || break; "
+      "done; kill -CONT $other; kill -9 $(cat " + d + "/pid.1); wait $head; wait $other";
+  auto r = run_process({"/bin/sh", "-c", script},
+                       {"COHORT_STALL_WARN_S=10", "COHORT_TIMEOUT=60", "COHORT_SLOW_WARNING=60"}, 90);
+  std::string head = read_file(dir.file("node0.err")), other = read_file(dir.file("node1.err"));
+  std::regex warning(R"(warning: stall: rank 0 entered #7 allreduce\S* .* ago; rank 1 silent \(no flight recorder news from their node\): rank 1 since [0-9.]+ s ago, last seen in #6 allreduce\(count=1024, float, sum\) \(4\.0 KiB\) done, process stopped \(SIGSTOP\))");
+  EXPECT_TRUE(std::regex_search(head, warning)) << head;
+  size_t first = head.find("warning: stall:");
+  EXPECT_EQ(head.find("warning: stall:", first + 1), std::string::npos) << head;  // once
+  EXPECT_EQ(other.find("warning: stall"), std::string::npos) << other;           // by the head only
+  for (int rank = 0; rank < 2; ++rank) {
+    std::string pid = read_file(dir.file("pid." + std::to_string(rank)));
+    if (!pid.empty() && process_alive(std::stoi(pid))) kill(std::stoi(pid), SIGKILL);
+  }
 }
 
 TEST(LauncherTrace, ASizeMismatchIsNamedWithBothSides) {
