@@ -588,7 +588,7 @@ class ClientImpl final : public Client {
     }
     auto op = std::make_shared<Operation>();
     op->what = fmt::format("attach of '{}'", table);
-    post(*op, s, Op::kAttach, table, buffer_of(name));
+    post(*op, s, Op::kAttach, table, buffer_of(nlohmann::json{{"socket", name}, {"pid", ::getpid()}}.dump()));
     inflight_.push_back(op);
     run_locked(*op);
     auto j = nlohmann::json::parse(op->calls.front()->reply_payload.begin(), op->calls.front()->reply_payload.end());
@@ -598,17 +598,16 @@ class ClientImpl final : public Client {
       a.refused = true;
       return;
     }
-    // Sent before the reply, so it is queued on the socket now.
-    pollfd p{listener.get(), POLLIN, 0};
-    UniqueFd conn;
-    if (::poll(&p, 1, 1000) == 1) conn = UniqueFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    // Sent before the reply, so it is queued on the socket now. The socket's name is no secret
+    // (/proc/net/unix lists it): only the server's own connection is taken (SO_PEERCRED).
+    const int pid = j.at("pid").get<int>();
+    UniqueFd conn = accept_from(listener.get(), pid, s, table);
     std::vector<UniqueFd> fds;
     char tag = 0;
     pollfd q{conn.get(), POLLIN, 0};
     if (!conn || ::poll(&q, 1, 1000) != 1 || net::recv_with_fds(conn.get(), &tag, 1, &fds, 0) != 1 || fds.size() != 3)
       throw Error(fmt::format("parameter-server worker {}: server {} said it sent table '{}''s memory, but it did not "
                               "arrive ({})", worker_, s, table, std::strerror(errno)));
-    const int pid = j.at("pid").get<int>();
     if (pid != ::getpid() && server_pid_[size_t(s)] != pid) {
       // A server that dies leaves its memory mapped here: its pidfd says so (check_servers_alive).
       // Without one (a kernel before 5.3), messages, which notice a dead server by themselves.
@@ -630,7 +629,27 @@ class ClientImpl final : public Client {
                                         "dim {}", table, now.dim, c.dim));
     tables_[table] = now;
     a.shard = std::make_unique<TableShard>(table, now, j.at("first_row").get<uint64_t>(), j.at("rows").get<uint64_t>(),
-                                           std::move(fds), timeout_);
+                                           std::move(fds), timeout_, j.at("holder").get<uint32_t>());
+  }
+
+  // The connection of server s (process `pid`, this user) to this worker's attach socket, waiting up
+  // to 1 s; another process's connection is closed with a warning. Invalid if none came.
+  UniqueFd accept_from(int listener, int pid, int s, const std::string& table) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      pollfd p{listener, POLLIN, 0};
+      if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) != 1) return {};
+      UniqueFd conn(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+      if (!conn) return {};
+      ucred peer{};
+      socklen_t len = sizeof peer;
+      if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 && peer.pid == pid &&
+          peer.uid == ::geteuid())
+        return conn;
+      log::warn("parameter-server worker {}: ignored a connection to its socket for table '{}' from pid {} (uid {}): "
+                "not parameter server {} (pid {})", worker_, table, peer.pid, peer.uid, s, pid);
+    }
   }
 
   // Direct calls send nothing, so nothing would notice a server that died: a pidfd per server
