@@ -185,12 +185,31 @@ size_t bytes_per_row(const TableConfig& c) {
 
 namespace {
 uint64_t page_align(uint64_t n) { return (n + kPage - 1) / kPage * kPage; }
+
+// The bytes of physical memory of this host.
+uint64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;
+}
+
+std::string gib(double bytes) { return fmt::format("{:.1f} GiB", bytes / double(1ull << 30)); }
 }  // namespace
 
 TableShard::TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows,
                        std::chrono::milliseconds timeout, uint64_t index_rows, int server)
     : name_(std::move(name)), config_(config), owner_(true), first_row_(first_row), held_rows_(num_rows),
       timeout_(timeout) {
+  // Rows that could never fit are refused now, with the figures, rather than by the kernel's
+  // out-of-memory killer once they come (expected_rows sizes the index for them from the start; a
+  // dense range is created at once).
+  const uint64_t planned = config_.dense ? num_rows : index_rows;
+  const uint64_t memory = physical_memory();
+  if (memory > 0 && planned > 0 && double(planned) * double(bytes_per_row(config_)) > double(memory))
+    throw InvalidArgument(fmt::format(
+        "table '{}': {} rows on this server ({}) at {} bytes a row make {}, more than this host's memory ({}){}", name_,
+        planned, config_.dense ? "its share of the dense rows" : "its share of expected_rows",
+        bytes_per_row(config_), gib(double(planned) * double(bytes_per_row(config_))), gib(double(memory)),
+        config_.dense ? "" : "; lower expected_rows or add servers"));
   // Buckets for index_rows at 3/4 load at most: a power of two >= index_rows * 4/3.
   uint32_t index_log2 = kInitialIndexLog2;
   while (index_log2 < 40 && (uint64_t(1) << index_log2) * 3 < index_rows * 4 + 4) ++index_log2;

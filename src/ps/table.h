@@ -87,6 +87,7 @@ class TableShard {
   // The owner: creates the shard's shared memory. `first_row`/`num_rows`: a dense table's range
   // held here (ignored for sparse tables). `timeout` bounds the waits for a row or insert lock.
   // `index_rows`: a sparse shard's index starts large enough for that many rows (it doubles at 3/4 load).
+  // Refused (InvalidArgument) when those rows, or a dense range, could not fit in this host's memory.
   // `server`: the owner's index, to name it as a lock's holder.
   TableShard(std::string name, const TableConfig& config, uint64_t first_row = 0, uint64_t num_rows = 0,
              std::chrono::milliseconds timeout = std::chrono::seconds(300), uint64_t index_rows = 0,

@@ -979,6 +979,31 @@ TEST(PsErrors, BadNamesDimensionsAndOversizedRequestsAreRefusedAndTheServerServe
   ::unsetenv("COHORT_PS_MAX_REQUEST");
 }
 
+// expected_rows that no host's memory can hold (2^40 rows of 67 bytes, halved over 2 servers) is
+// refused at create_table with the figures, and the servers serve on.
+TEST(PsErrors, ExpectedRowsBeyondTheHostsMemoryAreRefusedAtCreateTable) {
+  TableConfig cfg;
+  cfg.dim = 2;
+  cfg.expected_rows = uint64_t(1) << 40;
+  run_job(2, 1, {}, [&](Client& c) {
+    try {
+      c.create_table("huge", cfg);
+      FAIL() << "a table for 2^40 rows was created";
+    } catch (const InvalidArgument& e) {
+      const std::string what = e.what();
+      // 2^39 each, and 1/64 more for the hash's spread; 24 bytes a row and 43 of index (bytes_per_row)
+      EXPECT_NE(what.find("table 'huge': 558345748480 rows on this server (its share of expected_rows) at 67 bytes a "
+                          "row make 34840.0 GiB, more than this host's memory ("),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("lower expected_rows or add servers"), std::string::npos) << what;
+    }
+    cfg.expected_rows = 1000;
+    c.create_table("fits", cfg);
+    EXPECT_EQ(pull_rows(c, "fits", {1}), std::vector<float>(2, 0.0f));
+  });
+}
+
 TEST(PsMemory, BytesPerRowAreAsStated) {
   for (auto storage : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16}) {
     TableConfig cfg;
