@@ -979,6 +979,31 @@ TEST(PsErrors, BadNamesDimensionsAndOversizedRequestsAreRefusedAndTheServerServe
   ::unsetenv("COHORT_PS_MAX_REQUEST");
 }
 
+// A handle that outlives its Client: closing the client completed the pull on the way (its rows are
+// in the buffer), and the handle answers from it; no use of the freed client (ASan checks this in
+// CI). Through messages, so that the pull is still in flight when the client closes.
+TEST(PsClient, AHandleThatOutlivesItsClientAnswersFromItsOperation) {
+  DirectSetting setting(false);
+  TableConfig cfg;
+  cfg.dim = 2;
+  cfg.init = Initializer::kConstant;
+  cfg.init_a = 0.5f;
+  auto store = make_memory_store();
+  const Roles roles{2, 1};
+  test::run_ranks(3, [&](int r) {
+    if (r < 2) return serve(store, r, roles, {}, kTimeout);
+    auto c = Client::create(store, 0, roles, kTimeout);
+    c->create_table("t", cfg);
+    const std::vector<uint64_t> ids = {1, 2, 3, 4, 5, 6};
+    std::vector<float> rows(ids.size() * 2, 0.0f);
+    std::shared_ptr<Handle> h = c->pull_async("t", ids.data(), ids.size(), rows.data());
+    c.reset();
+    EXPECT_TRUE(h->done());
+    h->wait();
+    EXPECT_EQ(rows, std::vector<float>(12, 0.5f));
+  });
+}
+
 // expected_rows that no host's memory can hold (2^40 rows of 67 bytes, halved over 2 servers) is
 // refused at create_table with the figures, and the servers serve on.
 TEST(PsErrors, ExpectedRowsBeyondTheHostsMemoryAreRefusedAtCreateTable) {
