@@ -392,7 +392,21 @@ bool TableShard::holder_gone(uint32_t slot) const {
   return now.state == 'Z' || now.state == 'X' || (start != 0 && now.start != 0 && now.start != start);
 }
 
-uint64_t TableShard::lock_row(uint64_t s, uint8_t* row) const {
+// The first try inline (a push takes thousands of row locks, nearly all free), the wait out of line.
+inline uint64_t TableShard::lock_row(uint64_t s, uint8_t* row) const {
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  uint64_t x = v.load(std::memory_order_relaxed);
+  const uint64_t locked = x | kLocked | (uint64_t(holder_) << kHolderShift);
+  if (!(x & kLocked) && v.compare_exchange_strong(x, locked, std::memory_order_acquire, std::memory_order_relaxed)) {
+    // The row's writes must not be seen before the lock bit: a reader that copied some of them
+    // would then find the version unchanged. (x86 keeps stores in order; ARM and POWER do not.)
+    std::atomic_thread_fence(std::memory_order_release);
+    return locked;
+  }
+  return wait_row(s, row);
+}
+
+uint64_t TableShard::wait_row(uint64_t s, uint8_t* row) const {
   std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
   const uint64_t mine = uint64_t(holder_) << kHolderShift;
   uint64_t locked = 0;
@@ -404,18 +418,16 @@ uint64_t TableShard::lock_row(uint64_t s, uint8_t* row) const {
         return v.compare_exchange_strong(x, locked, std::memory_order_acquire, std::memory_order_relaxed);
       },
       timeout_, [&](bool expired) { row_stuck(s, row, expired); });
-  // The row's writes must not be seen before the lock bit: a reader that copied some of them
-  // would then find the version unchanged. (x86 keeps stores in order; ARM and POWER do not.)
-  std::atomic_thread_fence(std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_release);  // as above
   return locked;
 }
 
-void TableShard::unlock_row(uint8_t* row, uint64_t locked) const {
+inline void TableShard::unlock_row(uint8_t* row, uint64_t locked) const {
   std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
   v.store(((locked & kCountMask) + 1) & kCountMask, std::memory_order_release);  // even, no holder
 }
 
-void TableShard::save_undo(uint64_t s, const uint8_t* row, uint64_t locked) const {
+inline void TableShard::save_undo(uint64_t s, const uint8_t* row, uint64_t locked) const {
   auto* rec = reinterpret_cast<UndoRecord*>(undo_);
   std::memcpy(undo_ + kUndoHead, row + 16, row_bytes_ - 16);
   // Marked after the copy, the row last: a record whose row and word match is whole.

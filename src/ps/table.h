@@ -160,6 +160,7 @@ class TableShard {
   void unlock_inserts();
   // The row lock: returns the locked version word, which unlock_row and the undo record take.
   uint64_t lock_row(uint64_t s, uint8_t* row) const;
+  uint64_t wait_row(uint64_t s, uint8_t* row) const;  // lock_row when the row is locked
   void unlock_row(uint8_t* row, uint64_t locked) const;
   // Copies row s into this holder's undo record before it is written in place.
   void save_undo(uint64_t s, const uint8_t* row, uint64_t locked) const;
