@@ -21,8 +21,8 @@
 //     (the count and lock bit alone while unlocked); the insert lock holds its holder's slot + 1.
 //   - A holder that dies. Before writing a row in place, the writer copies the row (state and
 //     values) into its slot's undo record in the header file, marked with the row and the locked
-//     word. A process that has waited a few milliseconds for a lock looks up the holder's process
-//     (a pidfd, and the start time against a reused pid): if it has exited, the waiter takes the
+//     word. A process that waits for a lock looks up the holder's process after a few hundred
+//     spins, then every 5 ms (a pidfd, and the start time against a reused pid): if it has exited, the waiter takes the
 //     lock over with a compare-and-swap (one waiter wins), puts the undo copy back when the record
 //     matches (a copy that does not match was not finished, so the row was not yet written), makes
 //     the version even, and warns once naming the holder. A dead holder of the insert lock may have
