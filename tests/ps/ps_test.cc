@@ -776,6 +776,110 @@ TEST(PsShared, AnAttachToASocketOfAnotherUserOrProcessIsRefusedAndTheServerServe
   if (!root) GTEST_SKIP() << "the other user's half needs root; another process's half ran";
 }
 
+// Another process connects to a worker's attach socket before the server does (the socket's name is
+// no secret) and offers memory of its own: the worker ignores it with one warning (SO_PEERCRED: not
+// the server's pid) and maps the server's table. The server here is the test speaking the wire
+// protocol, so that the other process's connection comes first for certain.
+TEST(PsShared, AWorkerTakesOnlyTheServersConnectionToItsAttachSocket) {
+  auto store = make_memory_store();
+  const Roles roles{1, 1};
+  TableConfig cfg;
+  cfg.dim = 4;
+  TableShard shard("t", cfg, 0, 0, kTimeout);
+  const std::vector<float> values = {1, 2, 3, 4}, state;
+  shard.put(5, values.data(), state.data());
+  int intruder = -1;
+  testing::internal::CaptureStderr();
+  test::run_ranks(2, [&](int r) {
+    if (r == 1) {  // worker 0
+      auto c = Client::create(store, 0, roles, kTimeout);
+      EXPECT_EQ(pull_rows(*c, "t", {5}), values);
+      EXPECT_EQ(c->stats("t").rows, 1u);
+      return;
+    }
+    Endpoint ep(store, "ps", 0, {false, true}, kTimeout);
+    for (uint64_t seq = 0;; ++seq) {
+      RequestHeader h;
+      Posted got = ep.irecv(1, Msg::kRequest, seq, &h, sizeof h);
+      while (!ep.test(got)) ep.poll(10);
+      std::string payload(h.payload, '\0');
+      if (h.payload > 0) {
+        Posted rest = ep.irecv(1, Msg::kRequestPayload, seq, payload.data(), payload.size());
+        while (!ep.test(rest)) ep.poll(10);
+      }
+      std::string body;
+      if (h.op == Op::kHello) {
+        body = nlohmann::json{{"mode", "async"}, {"max_request", 1 << 20}}.dump();
+      } else if (h.op == Op::kDescribe) {
+        body = config_to_json(cfg).dump();
+      } else if (h.op == Op::kStats) {
+        const uint64_t st[4] = {shard.rows(), shard.bytes(), shard.applied(), shard.direct_applied()};
+        body.assign(reinterpret_cast<const char*>(st), sizeof st);
+      } else if (h.op == Op::kAttach) {
+        const auto req = nlohmann::json::parse(payload);
+        socklen_t len = 0;
+        const sockaddr_un addr = net::abstract_address(req.at("socket").get<std::string>(), &len);
+        int done[2];
+        ASSERT_EQ(::pipe(done), 0);
+        intruder = ::fork();  // offers three memfds of its own, before the server's connection
+        ASSERT_GE(intruder, 0);
+        if (intruder == 0) {
+          const int fds[3] = {int(::memfd_create("intruder", 0)), int(::memfd_create("intruder", 0)),
+                              int(::memfd_create("intruder", 0))};
+          for (int fd : fds)
+            if (fd < 0 || ::ftruncate(fd, 1 << 20) != 0) ::_exit(2);
+          const int sock = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+          if (sock < 0 || ::connect(sock, reinterpret_cast<const sockaddr*>(&addr), len) != 0) ::_exit(3);
+          char tag = 'T';
+          iovec iov{&tag, 1};
+          alignas(cmsghdr) char control[CMSG_SPACE(sizeof fds)] = {};
+          msghdr m{};
+          m.msg_iov = &iov;
+          m.msg_iovlen = 1;
+          m.msg_control = control;
+          m.msg_controllen = sizeof control;
+          cmsghdr* cm = CMSG_FIRSTHDR(&m);
+          cm->cmsg_level = SOL_SOCKET;
+          cm->cmsg_type = SCM_RIGHTS;
+          cm->cmsg_len = CMSG_LEN(sizeof fds);
+          std::memcpy(CMSG_DATA(cm), fds, sizeof fds);
+          if (::sendmsg(sock, &m, 0) != 1) ::_exit(4);
+          (void)!::write(done[1], "s", 1);
+          ::_exit(0);
+        }
+        ::close(done[1]);
+        char sent;
+        EXPECT_EQ(::read(done[0], &sent, 1), 1) << "the other process did not connect";
+        UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+        ASSERT_EQ(::connect(sock.get(), reinterpret_cast<const sockaddr*>(&addr), len), 0);
+        const char tag = 'T';
+        ASSERT_EQ(net::send_with_fds(sock.get(), &tag, 1, shard.fds(), 0), 1);
+        body = nlohmann::json{{"attached", true}, {"pid", ::getpid()}, {"holder", shard.register_holder(0, ::getpid())},
+                              {"first_row", 0}, {"rows", 0}, {"config", config_to_json(cfg)}}
+                   .dump();
+        ::close(done[0]);
+      }
+      ReplyHeader reply;
+      reply.payload = body.size();
+      Posted a = ep.isend(1, Msg::kReply, seq, &reply, sizeof reply);
+      Posted b = body.empty() ? Posted{} : ep.isend(1, Msg::kReplyPayload, seq, body.data(), body.size());
+      while (!ep.test(a) || (b && !ep.test(b))) ep.poll(10);
+      if (h.op == Op::kBye) return;
+    }
+  });
+  const std::string err = testing::internal::GetCapturedStderr();
+  ASSERT_GT(intruder, 0);
+  int status = 0;
+  EXPECT_EQ(::waitpid(intruder, &status, 0), intruder);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_EQ(count_of(err, "ignored a connection to its socket"), 1u) << err;
+  EXPECT_NE(err.find(fmt::format("parameter-server worker 0: ignored a connection to its socket for table 't' from pid {} "
+                                 "(uid {}): not parameter server 0 (pid {})",
+                                 intruder, ::geteuid(), ::getpid())),
+            std::string::npos)
+      << err;
+}
+
 // bsp: the table equals a single-process reference that applies each step's summed pushes; every
 // pull of step c sees exactly the steps before it (checked at every step, on every worker).
 TEST(PsBsp, SameTablesAsASingleProcessReferenceAtEveryStep) {
