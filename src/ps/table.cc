@@ -494,8 +494,9 @@ void TableShard::lock_inserts() {
   spin_until(
       [&] {
         uint32_t free = 0;
-        return taken_over || (l.load(std::memory_order_relaxed) == 0 &&
-                              l.compare_exchange_strong(free, mine, std::memory_order_acquire, std::memory_order_relaxed));
+        return taken_over ||
+               (l.load(std::memory_order_relaxed) == 0 &&
+                l.compare_exchange_strong(free, mine, std::memory_order_acquire, std::memory_order_relaxed));
       },
       timeout_, [&](bool expired) {
         uint32_t held = l.load(std::memory_order_acquire);

@@ -335,7 +335,9 @@ TEST(PsShared, APullNeverReturnsHalfAPush) {
 // ---- a worker that dies holding a lock, and who may attach (table.h: holders) ----
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0, Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); }
+double seconds_since(Clock::time_point t0, Clock::time_point t) {
+  return std::chrono::duration<double>(t - t0).count();
+}
 
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;
@@ -407,7 +409,9 @@ class Peek {
   }
   ~Peek() { ::munmap(const_cast<uint8_t*>(base_), size_); }
   const uint8_t* at(size_t offset) const { return base_ + offset; }
-  uint64_t word(size_t offset) const { return __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + offset), __ATOMIC_ACQUIRE); }
+  uint64_t word(size_t offset) const {
+    return __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + offset), __ATOMIC_ACQUIRE);
+  }
   uint32_t word32(size_t offset) const {
     return __atomic_load_n(reinterpret_cast<const uint32_t*>(base_ + offset), __ATOMIC_ACQUIRE);
   }
@@ -645,7 +649,8 @@ TEST(PsShared, AWorkerKilledHoldingTheLockThatCreatesRowsStallsNobody) {
   EXPECT_EQ(header.word(header_rows_offset()), created + 100) << "an id got a second row, or a row was lost";
   EXPECT_EQ(header.word32(header_insert_lock_offset()), 0u);
   EXPECT_EQ(count_of(err, "died holding the lock that creates rows"), 1u) << err;
-  EXPECT_NE(err.find("table 'fresh': worker 1 (pid " + std::to_string(dead) + ") died holding the lock that creates rows"),
+  EXPECT_NE(err.find("table 'fresh': worker 1 (pid " + std::to_string(dead) +
+                     ") died holding the lock that creates rows"),
             std::string::npos)
       << err;
   server.join();  // it fails on its lost worker 1 by itself; before worker 0 closes, as above
@@ -736,7 +741,8 @@ TEST(PsShared, AnAttachToASocketOfAnotherUserOrProcessIsRefusedAndTheServerServe
       ReplyHeader reply;
       std::string body;
       Posted sends[2] = {ep.isend(0, Msg::kRequest, seq, &h, sizeof h),
-                         payload.empty() ? Posted{} : ep.isend(0, Msg::kRequestPayload, seq, payload.data(), payload.size())};
+                         payload.empty() ? Posted{}
+                                         : ep.isend(0, Msg::kRequestPayload, seq, payload.data(), payload.size())};
       Posted got = ep.irecv(0, Msg::kReply, seq, &reply, sizeof reply);
       while (!ep.test(got)) ep.poll(10);
       if (reply.payload > 0) {
@@ -753,7 +759,8 @@ TEST(PsShared, AnAttachToASocketOfAnotherUserOrProcessIsRefusedAndTheServerServe
     call(Op::kHello, "", "");
     created.arrive_and_wait();
     for (const Owner& o : owners) {
-      const auto j = nlohmann::json::parse(call(Op::kAttach, "t", nlohmann::json{{"socket", o.socket}, {"pid", ::getpid()}}.dump()));
+      const std::string request = nlohmann::json{{"socket", o.socket}, {"pid", ::getpid()}}.dump();
+      const auto j = nlohmann::json::parse(call(Op::kAttach, "t", request));
       EXPECT_FALSE(j.at("attached").get<bool>()) << j.dump();
       whys.push_back(j.value("why", ""));
     }
@@ -769,8 +776,9 @@ TEST(PsShared, AnAttachToASocketOfAnotherUserOrProcessIsRefusedAndTheServerServe
         << (o.other_user ? "another user's" : "another process's") << " socket got the table's memory, or no "
         << "connection (status " << status << ")";
     const std::string expected =
-        o.other_user ? fmt::format("its socket '{}' belongs to uid 65534 (pid {}), not to this job's uid 0", o.socket, o.pid)
-                     : fmt::format("its socket '{}' belongs to pid {}, not to the worker (pid {})", o.socket, o.pid, ::getpid());
+        o.other_user
+            ? fmt::format("its socket '{}' belongs to uid 65534 (pid {}), not to this job's uid 0", o.socket, o.pid)
+            : fmt::format("its socket '{}' belongs to pid {}, not to the worker (pid {})", o.socket, o.pid, ::getpid());
     EXPECT_NE(whys[k].find(expected), std::string::npos) << whys[k];
     EXPECT_EQ(count_of(err, "parameter server 0: refused worker 1's attach of table 't': " + expected), 1u) << err;
     ++k;
@@ -876,8 +884,8 @@ TEST(PsShared, AWorkerTakesOnlyTheServersConnectionToItsAttachSocket) {
   EXPECT_EQ(::waitpid(intruder, &status, 0), intruder);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
   EXPECT_EQ(count_of(err, "ignored a connection to its socket"), 1u) << err;
-  EXPECT_NE(err.find(fmt::format("parameter-server worker 0: ignored a connection to its socket for table 't' from pid {} "
-                                 "(uid {}): not parameter server 0 (pid {})",
+  EXPECT_NE(err.find(fmt::format("parameter-server worker 0: ignored a connection to its socket for table 't' from "
+                                 "pid {} (uid {}): not parameter server 0 (pid {})",
                                  intruder, ::geteuid(), ::getpid())),
             std::string::npos)
       << err;
