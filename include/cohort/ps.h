@@ -33,7 +33,9 @@
 // without saying so for a lost one, and fail the job.
 // Workers on a server's host (async mode): the worker maps the server's shard of a table and pulls
 // and pushes its rows itself, without a message (docs/parameter-server.md); COHORT_PS_DIRECT=0 sends
-// everything through the server instead. Same results either way.
+// everything through the server instead. Same results either way. A process that dies holding a
+// row's lock is seen by the next process that waits for it, which restores the row and warns; none
+// waits COHORT_TIMEOUT for a dead one.
 // Errors: a request the server refuses (unknown table, wrong dimension, id outside a dense table,
 // oversized request) throws cohort::InvalidArgument on that worker; the server keeps serving. A lost
 // server throws PeerLostError naming it; every wait is bounded by COHORT_TIMEOUT.
@@ -63,7 +65,8 @@ struct TableConfig {
   uint64_t rows = 0;            // dense tables: the row count
   uint64_t expected_rows = 0;   // sparse tables: rows expected in all (0: not known). Each server's index
                                 // is sized for its share from the start, so it never doubles (a pause
-                                // of the creating processes) before that count
+                                // of the creating processes) before that count. A share that cannot fit
+                                // in the server host's memory is refused (InvalidArgument)
   DataType storage = DataType::kFloat32;  // kFloat32, kFloat16 or kBFloat16
   Optimizer optimizer = Optimizer::kSgd;
   float lr = 0.01f;
@@ -110,6 +113,8 @@ struct TableStats {
                                      // memory (async mode; docs/parameter-server.md)
 };
 
+// A handle may outlive its Client: closing the client completes what is in flight, and the handle
+// then answers from its operation (or throws cohort::Error if it could not complete).
 class Handle {
  public:
   virtual ~Handle() = default;

@@ -66,14 +66,17 @@ struct Operation {
   std::exception_ptr error;
 };
 
+// A handle shares its client's state: it may outlive the Client object (whose destructor closes
+// the client, completing what it can), and then answers from its operation.
 class HandleImpl final : public Handle {
  public:
-  HandleImpl(ClientImpl* client, std::shared_ptr<Operation> op) : client_(client), op_(std::move(op)) {}
+  HandleImpl(std::shared_ptr<ClientImpl> client, std::shared_ptr<Operation> op)
+      : client_(std::move(client)), op_(std::move(op)) {}
   void wait() override;
   bool done() override;
 
  private:
-  ClientImpl* client_;
+  std::shared_ptr<ClientImpl> client_;
   std::shared_ptr<Operation> op_;
 };
 
@@ -84,7 +87,8 @@ std::vector<bool> servers_only(const Roles& roles) {
   return peers;
 }
 
-class ClientImpl final : public Client {
+// The client's state and work; `Front` below is the Client that a program holds. Handles share it.
+class ClientImpl final : public Client, public std::enable_shared_from_this<ClientImpl> {
   // A server's shard of one table, mapped here (table.h), or why not.
   struct Attached {
     std::unique_ptr<TableShard> shard;
@@ -97,7 +101,8 @@ class ClientImpl final : public Client {
       : roles_(roles),
         worker_(worker),
         timeout_(timeout),
-        ep_(std::move(store), prefix, roles.worker_rank(worker), servers_only(roles), timeout) {
+        ep_(std::make_unique<Endpoint>(std::move(store), prefix, roles.worker_rank(worker), servers_only(roles),
+                                       timeout)) {
     next_seq_.assign(size_t(roles_.num_servers), 0);
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kHello, "", {}, "hello");
@@ -113,17 +118,33 @@ class ClientImpl final : public Client {
     server_pidfd_.resize(size_t(roles_.num_servers));
   }
 
-  ~ClientImpl() override {
-    // Tell every server this worker is done (a server stops once all workers have), then wait for
-    // the acknowledgements so that none of our sends is cut off; bounded like everything else.
+  // The program let go of its Client. Tell every server this worker is done (a server stops once all
+  // workers have), then wait for the acknowledgements so that none of our sends is cut off; bounded
+  // like everything else. Operations still in flight complete on the way (their replies come before
+  // the bye's). Then the connections and mappings go; handles that remain answer from their
+  // operations.
+  void close() {
+    std::lock_guard<std::mutex> g(mu_);
     try {
-      std::lock_guard<std::mutex> g(mu_);
-      if (broken_) return;  // a server is lost: the error was reported, nobody to say bye to
-      auto op = start_all(Op::kBye, "", {}, "bye");
-      run_locked(*op);
+      if (!broken_) {  // else a server is lost: the error was reported, nobody to say bye to
+        auto op = start_all(Op::kBye, "", {}, "bye");
+        run_locked(*op);
+      }
     } catch (const std::exception& e) {
       log::warn("parameter-server client of worker {}: closing: {}", worker_, e.what());
     }
+    closed_ = true;
+    ep_.reset();  // first: the transports may hold receives into the operations' buffers
+    attached_.clear();
+    inflight_.clear();
+  }
+
+  // A handle's operation once the client is closed: its result if it completed, else why not.
+  void closed_answer(Operation& op) {
+    if (!op.done)
+      throw Error(fmt::format("parameter-server worker {}: the {} did not complete before its client was closed",
+                              worker_, op.what));
+    if (op.error) std::rethrow_exception(op.error);
   }
 
   int worker_index() const override { return worker_; }
@@ -158,14 +179,15 @@ class ClientImpl final : public Client {
   std::shared_ptr<Handle> pull_async(const std::string& table, const uint64_t* ids, size_t n, float* rows) override {
     std::lock_guard<std::mutex> g(mu_);
     TableConfig c = table_locked(table);
-    return std::make_shared<HandleImpl>(this, start_pull_push(Op::kPull, table, c, nullptr, 0, nullptr, ids, n, rows));
+    return std::make_shared<HandleImpl>(shared_from_this(),
+                                        start_pull_push(Op::kPull, table, c, nullptr, 0, nullptr, ids, n, rows));
   }
 
   std::shared_ptr<Handle> push_async(const std::string& table, const uint64_t* ids, size_t n,
                                      const float* grads) override {
     std::lock_guard<std::mutex> g(mu_);
     TableConfig c = table_locked(table);
-    return std::make_shared<HandleImpl>(this,
+    return std::make_shared<HandleImpl>(shared_from_this(),
                                         start_pull_push(Op::kPush, table, c, ids, n, grads, nullptr, 0, nullptr));
   }
 
@@ -177,7 +199,7 @@ class ClientImpl final : public Client {
       TableConfig c = table_locked(table);
       op = start_pull_push(Op::kPushPull, table, c, push_ids, n, grads, pull_ids, m, rows);
     }
-    HandleImpl(this, op).wait();
+    HandleImpl(shared_from_this(), op).wait();
   }
 
   void step() override {
@@ -295,14 +317,14 @@ class ClientImpl final : public Client {
       if (std::chrono::steady_clock::now() > deadline) {
         std::vector<std::string> who;
         for (auto& c : op.calls)
-          if (!c->done) who.push_back(fmt::format("server {} ({})", c->server, ep_.host_of(roles_.server_rank(c->server))));
+          if (!c->done) who.push_back(fmt::format("server {} ({})", c->server, ep_->host_of(roles_.server_rank(c->server))));
         throw TimeoutError(fmt::format("parameter-server worker {}: {} got no answer from {} within {:.0f} s "
                                        "(COHORT_TIMEOUT){}",
                                        worker_, op.what, fmt::join(who, ", "),
                                        std::chrono::duration<double>(timeout_).count(),
                                        mode_.mode == Mode::kAsync ? "" : "; in bsp/stale mode a pull waits for the slowest worker's step()"));
       }
-      ep_.poll(10);
+      ep_->poll(10);
     }
     reap_background_locked();
     if (op.error) std::rethrow_exception(op.error);
@@ -351,24 +373,24 @@ class ClientImpl final : public Client {
 
   bool progress_call(Call& c) {
     if (c.done) return true;
-    ep_.test(c.hdr_send);
-    if (c.payload_send) ep_.test(c.payload_send);
+    ep_->test(c.hdr_send);
+    if (c.payload_send) ep_->test(c.payload_send);
     if (!c.have_reply) {
-      if (!ep_.test(c.reply_recv)) return false;
+      if (!ep_->test(c.reply_recv)) return false;
       // Checked before its payload is allocated (decode.h): a payload of the size this request gets.
       if (std::string why = check_reply_header(c.hdr, c.reply); !why.empty())
         throw Error(fmt::format("server {} sent a malformed {}", c.server, why));
       c.have_reply = true;
       if (c.reply.payload > 0) {
         c.reply_payload = pool_.take(c.reply.payload);
-        c.reply_payload_recv = ep_.irecv(roles_.server_rank(c.server), Msg::kReplyPayload, c.seq,
+        c.reply_payload_recv = ep_->irecv(roles_.server_rank(c.server), Msg::kReplyPayload, c.seq,
                                          c.reply_payload.data(), c.reply_payload.size());
       }
     }
-    if (c.reply_payload_recv && !ep_.test(c.reply_payload_recv)) return false;
+    if (c.reply_payload_recv && !ep_->test(c.reply_payload_recv)) return false;
     // A reply implies the server read our request; our sends completed (tcp/shm report send
     // completion when the bytes left our buffer).
-    if (!ep_.test(c.hdr_send) || (c.payload_send && !ep_.test(c.payload_send))) return false;
+    if (!ep_->test(c.hdr_send) || (c.payload_send && !ep_->test(c.payload_send))) return false;
     c.done = true;
     return true;
   }
@@ -400,10 +422,10 @@ class ClientImpl final : public Client {
     if (fill) fill(c->hdr);
     const int peer = roles_.server_rank(server);
     try {
-      c->hdr_send = ep_.isend(peer, Msg::kRequest, c->seq, &c->hdr, sizeof c->hdr);
+      c->hdr_send = ep_->isend(peer, Msg::kRequest, c->seq, &c->hdr, sizeof c->hdr);
       if (!c->payload.empty())
-        c->payload_send = ep_.isend(peer, Msg::kRequestPayload, c->seq, c->payload.data(), c->payload.size());
-      c->reply_recv = ep_.irecv(peer, Msg::kReply, c->seq, &c->reply, sizeof c->reply);
+        c->payload_send = ep_->isend(peer, Msg::kRequestPayload, c->seq, c->payload.data(), c->payload.size());
+      c->reply_recv = ep_->irecv(peer, Msg::kReply, c->seq, &c->reply, sizeof c->reply);
     } catch (const InvalidArgument&) {
       throw;
     } catch (const Error& e) {
@@ -626,7 +648,7 @@ class ClientImpl final : public Client {
 
   void attach(const std::string& table, const TableConfig& c, int s, Attached& a) {
     const int peer = roles_.server_rank(s);
-    if (!ep_.same_host(peer)) {
+    if (!ep_->same_host(peer)) {
       a.refused = true;
       return;
     }
@@ -644,7 +666,7 @@ class ClientImpl final : public Client {
     }
     auto op = std::make_shared<Operation>();
     op->what = fmt::format("attach of '{}'", table);
-    post(*op, s, Op::kAttach, table, buffer_of(name));
+    post(*op, s, Op::kAttach, table, buffer_of(nlohmann::json{{"socket", name}, {"pid", ::getpid()}}.dump()));
     inflight_.push_back(op);
     run_locked(*op);
     nlohmann::json j;
@@ -656,17 +678,16 @@ class ClientImpl final : public Client {
       a.refused = true;
       return;
     }
-    // Sent before the reply, so it is queued on the socket now.
-    pollfd p{listener.get(), POLLIN, 0};
-    UniqueFd conn;
-    if (::poll(&p, 1, 1000) == 1) conn = UniqueFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    // Sent before the reply, so it is queued on the socket now. The socket's name is no secret
+    // (/proc/net/unix lists it): only the server's own connection is taken (SO_PEERCRED).
+    const int pid = j.at("pid").get<int>();
+    UniqueFd conn = accept_from(listener.get(), pid, s, table);
     std::vector<UniqueFd> fds;
     char tag = 0;
     pollfd q{conn.get(), POLLIN, 0};
     if (!conn || ::poll(&q, 1, 1000) != 1 || net::recv_with_fds(conn.get(), &tag, 1, &fds, 0) != 1 || fds.size() != 3)
       throw Error(fmt::format("parameter-server worker {}: server {} said it sent table '{}''s memory, but it did not "
                               "arrive ({})", worker_, s, table, std::strerror(errno)));
-    const int pid = j.at("pid").get<int>();
     if (pid != ::getpid() && server_pid_[size_t(s)] != pid) {
       // A server that dies leaves its memory mapped here: its pidfd says so (check_servers_alive).
       // Without one (a kernel before 5.3), messages, which notice a dead server by themselves.
@@ -688,7 +709,27 @@ class ClientImpl final : public Client {
                                         "dim {}", table, now.dim, c.dim));
     tables_[table] = now;
     a.shard = std::make_unique<TableShard>(table, now, j.at("first_row").get<uint64_t>(), j.at("rows").get<uint64_t>(),
-                                           std::move(fds), timeout_);
+                                           std::move(fds), timeout_, j.at("holder").get<uint32_t>());
+  }
+
+  // The connection of server s (process `pid`, this user) to this worker's attach socket, waiting up
+  // to 1 s; another process's connection is closed with a warning. Invalid if none came.
+  UniqueFd accept_from(int listener, int pid, int s, const std::string& table) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      pollfd p{listener, POLLIN, 0};
+      if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) != 1) return {};
+      UniqueFd conn(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+      if (!conn) return {};
+      ucred peer{};
+      socklen_t len = sizeof peer;
+      if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 && peer.pid == pid &&
+          peer.uid == ::geteuid())
+        return conn;
+      log::warn("parameter-server worker {}: ignored a connection to its socket for table '{}' from pid {} (uid {}): "
+                "not parameter server {} (pid {})", worker_, table, peer.pid, peer.uid, s, pid);
+    }
   }
 
   // Direct calls send nothing, so nothing would notice a server that died: a pidfd per server
@@ -708,7 +749,7 @@ class ClientImpl final : public Client {
       broken_ = true;
       throw PeerLostError(fmt::format("parameter-server worker {}: {} failed: lost parameter server {} ({}): its "
                                       "process (pid {}) exited",
-                                      worker_, what, s, ep_.host_of(roles_.server_rank(s)), server_pid_[size_t(s)]));
+                                      worker_, what, s, ep_->host_of(roles_.server_rank(s)), server_pid_[size_t(s)]));
     }
   }
 
@@ -790,11 +831,12 @@ class ClientImpl final : public Client {
   int worker_;
   std::chrono::milliseconds timeout_;
   std::mutex mu_;
-  Endpoint ep_;
+  std::unique_ptr<Endpoint> ep_;  // null once closed
   ConsistencyMode mode_;
   uint64_t max_request_ = 0;
   uint64_t clock_ = 0;
   bool broken_ = false;  // a server was lost
+  bool closed_ = false;  // close() ran: no connections any more
   std::vector<uint64_t> next_seq_;
   std::map<std::string, TableConfig> tables_;
   std::list<std::shared_ptr<Operation>> inflight_;
@@ -820,22 +862,67 @@ class ClientImpl final : public Client {
 
 void HandleImpl::wait() {
   std::lock_guard<std::mutex> g(client_->mu_);
+  if (client_->closed_) return client_->closed_answer(*op_);
   client_->run_locked(*op_);
 }
 
 bool HandleImpl::done() {
   std::lock_guard<std::mutex> g(client_->mu_);
-  client_->ep_.poll(0);
+  if (client_->closed_) {
+    client_->closed_answer(*op_);
+    return true;
+  }
+  client_->ep_->poll(0);
   if (!client_->progress_locked(*op_)) return false;
   if (op_->error) std::rethrow_exception(op_->error);
   return true;
 }
 
+// The Client a program holds: its calls go to the shared state, and letting go of it closes that
+// state (handles keep what they need of it).
+class Front final : public Client {
+ public:
+  explicit Front(std::shared_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
+  ~Front() override { impl_->close(); }
+  Front(const Front&) = delete;
+  Front& operator=(const Front&) = delete;
+
+  int worker_index() const override { return impl_->worker_index(); }
+  int num_workers() const override { return impl_->num_workers(); }
+  int num_servers() const override { return impl_->num_servers(); }
+  ConsistencyMode mode() const override { return impl_->mode(); }
+  uint64_t clock() const override { return impl_->clock(); }
+  void create_table(const std::string& name, const TableConfig& config) override { impl_->create_table(name, config); }
+  TableConfig table(const std::string& name) override { return impl_->table(name); }
+  void pull(const std::string& t, const uint64_t* ids, size_t n, float* rows) override { impl_->pull(t, ids, n, rows); }
+  void push(const std::string& t, const uint64_t* ids, size_t n, const float* grads) override {
+    impl_->push(t, ids, n, grads);
+  }
+  void push_pull(const std::string& t, const uint64_t* push_ids, size_t n, const float* grads, const uint64_t* pull_ids,
+                 size_t m, float* rows) override {
+    impl_->push_pull(t, push_ids, n, grads, pull_ids, m, rows);
+  }
+  std::shared_ptr<Handle> pull_async(const std::string& t, const uint64_t* ids, size_t n, float* rows) override {
+    return impl_->pull_async(t, ids, n, rows);
+  }
+  std::shared_ptr<Handle> push_async(const std::string& t, const uint64_t* ids, size_t n,
+                                     const float* grads) override {
+    return impl_->push_async(t, ids, n, grads);
+  }
+  void step() override { impl_->step(); }
+  void save(const std::string& dir) override { impl_->save(dir); }
+  void load(const std::string& dir) override { impl_->load(dir); }
+  TableStats stats(const std::string& table) override { return impl_->stats(table); }
+
+ private:
+  std::shared_ptr<ClientImpl> impl_;
+};
+
 }  // namespace
 
 std::unique_ptr<Client> make_client(std::shared_ptr<Store> store, const std::string& prefix, int worker,
                                     const Roles& roles, std::chrono::milliseconds timeout) {
-  return std::make_unique<ClientImpl>(std::move(store), prefix, worker, roles, timeout);
+  return std::make_unique<Front>(std::make_shared<ClientImpl>(std::move(store), prefix, worker, roles, timeout));
 }
 
 }  // namespace cohort::ps

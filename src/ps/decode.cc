@@ -189,11 +189,27 @@ std::string decode_request(const RequestHeader& h, const uint8_t* payload, size_
         return fmt::format("{}: {}", op_name(h.op), why);
       r.text.assign(reinterpret_cast<const char*>(payload), size);
       break;
-    case Op::kAttach:
-      if (std::string why = check_text("the socket name", payload, size, kMaxSocketName); !why.empty())
+    case Op::kAttach: {
+      // {"socket": the worker's abstract Unix socket, "pid": the worker's pid}
+      nlohmann::json j;
+      if (size > kMaxJsonBytes) return fmt::format("{}: payload of {} bytes, at most {}", what(h), size, kMaxJsonBytes);
+      if (std::string why = parse_json(std::string_view(reinterpret_cast<const char*>(payload), size), &j);
+          !why.empty())
         return fmt::format("{}: {}", what(h), why);
-      r.text.assign(reinterpret_cast<const char*>(payload), size);
+      if (!j.is_object() || !j.contains("socket") || !j["socket"].is_string() || !j.contains("pid") ||
+          !j["pid"].is_number_integer())
+        return fmt::format("{}: expected {{\"socket\": name, \"pid\": pid}}", what(h));
+      const std::string socket = j["socket"].get<std::string>();
+      if (std::string why = check_text("the socket name", reinterpret_cast<const uint8_t*>(socket.data()),
+                                       socket.size(), kMaxSocketName);
+          !why.empty())
+        return fmt::format("{}: {}", what(h), why);
+      const int64_t pid = j["pid"].get<int64_t>();
+      if (pid <= 0 || pid > (int64_t{1} << 22)) return fmt::format("{}: pid {}: not a process id", what(h), pid);
+      r.text = socket;
+      r.pid = pid;
       break;
+    }
     case Op::kHello:
     case Op::kDescribe:
     case Op::kClock:

@@ -52,12 +52,14 @@ struct Request {
   const uint8_t* pull_ids = nullptr;  // push_pull: m ids after the gradients (not 8-byte aligned for odd dims)
   uint64_t m = 0;
   std::string text;    // save, load: the directory; attach: the worker's socket name
+  int64_t pid = 0;     // attach: the worker's pid (the server checks the socket's owner against it)
   TableConfig config;  // create: checked by validate()
 };
 
 // The whole request: op, table name, clock, and a payload of exactly the size its op and counts
 // call for (pull: n ids; push: n ids and n * dim floats; push_pull: those and m ids; create: a JSON
-// configuration that validate() accepts; save, load, attach: text without NUL bytes; the others:
+// configuration that validate() accepts; save, load: text without NUL bytes; attach: JSON
+// {"socket": a name without NUL bytes, "pid": a positive pid}; the others:
 // none), and a pull's reply within max_request. `payload` is the `size` bytes the header announced,
 // 8-byte aligned.
 std::string decode_request(const RequestHeader& h, const uint8_t* payload, size_t size, uint64_t max_request,

@@ -313,40 +313,63 @@ class Server {
     if (!c.dense) {
       // expected_rows: this server's share (the hash spreads ids evenly), and 1/64 more for the spread.
       const uint64_t share = (c.expected_rows + uint64_t(roles_.num_servers) - 1) / uint64_t(roles_.num_servers);
-      return std::make_unique<TableShard>(name, c, 0, 0, timeout_, share + share / 64);
+      return std::make_unique<TableShard>(name, c, 0, 0, timeout_, share + share / 64, index_);
     }
     // Dense: this server's contiguous range (shard_of_row).
     uint64_t per = (c.rows + uint64_t(roles_.num_servers) - 1) / uint64_t(roles_.num_servers);
     uint64_t first = std::min(c.rows, per * uint64_t(index_));
     uint64_t last = std::min(c.rows, first + per);
-    return std::make_unique<TableShard>(name, c, first, last - first, timeout_);
+    return std::make_unique<TableShard>(name, c, first, last - first, timeout_, 0, index_);
   }
 
   // A worker on this host asks for a table's shared memory (table.h), to pull and push rows itself.
   // Only in async mode: bsp holds pushes and stale:K holds pulls here, by the server's clock.
+  // The request (checked by decode_request): the worker's abstract Unix socket and its pid.
   void attach(int w, uint64_t seq, const Request& r) {
     TableShard& t = table(r, false);
     nlohmann::json j{{"attached", false}};
+    uint32_t holder = 0;
     if (mode_.mode != Mode::kAsync) {
       j["why"] = fmt::format("{} mode: pushes and pulls follow the server's clock", mode_.to_string());
-    } else if (std::string why = hand_over(t, r.text); !why.empty()) {
+    } else if (std::string why = hand_over(t, w, r.text, r.pid, &holder); !why.empty()) {
       j["why"] = why;
     } else {
-      j = {{"attached", true}, {"pid", ::getpid()}, {"first_row", t.first_row()}, {"rows", t.held_rows()},
-           {"config", config_to_json(t.config())}};
+      j = {{"attached", true}, {"pid", ::getpid()}, {"holder", holder}, {"first_row", t.first_row()},
+           {"rows", t.held_rows()}, {"config", config_to_json(t.config())}};
     }
     reply(w, seq, buffer_of(j.dump()));
   }
 
   // Sends the shard's memfds to the worker's abstract socket; "" on success, else why not (a
-  // worker in another network namespace has no such socket here).
-  static std::string hand_over(TableShard& t, const std::string& socket_name) {
+  // worker in another network namespace has no such socket here). Abstract sockets have no
+  // permissions, so the socket's owner is checked (SO_PEERCRED) before: it must be the process that
+  // asked (`pid`, of this job's connection to worker w), of this server's user. It becomes one of
+  // the shard's holders (table.h), so that a process waiting for its locks can see it die.
+  std::string hand_over(TableShard& t, int w, const std::string& socket_name, int64_t pid, uint32_t* holder) {
     UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!sock) return fmt::format("socket: {}", std::strerror(errno));
     socklen_t len = 0;
     sockaddr_un addr = net::abstract_address(socket_name, &len);
     if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
       return fmt::format("cannot reach the worker's socket: {}", std::strerror(errno));
+    ucred peer{};
+    socklen_t peer_len = sizeof peer;
+    if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0)
+      return fmt::format("cannot read the credentials of the worker's socket: {}", std::strerror(errno));
+    std::string refused;
+    if (peer.uid != ::geteuid())
+      refused = fmt::format("its socket '{}' belongs to uid {} (pid {}), not to this job's uid {}", socket_name,
+                            peer.uid, peer.pid, ::geteuid());
+    else if (peer.pid != pid)
+      refused = fmt::format("its socket '{}' belongs to pid {}, not to the worker (pid {})", socket_name, peer.pid,
+                            pid);
+    if (!refused.empty()) {
+      log::warn("parameter server {}: refused worker {}'s attach of table '{}': {}", index_, w, t.name(), refused);
+      return refused;
+    }
+    *holder = t.register_holder(w, peer.pid);
+    if (*holder == 0)
+      return fmt::format("{} processes hold table '{}' already", TableShard::kMaxHolders, t.name());
     const char tag = 'T';
     if (net::send_with_fds(sock.get(), &tag, 1, t.fds(), MSG_DONTWAIT) != 1)
       return fmt::format("cannot send the table's memory: {}", std::strerror(errno));

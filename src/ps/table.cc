@@ -6,18 +6,22 @@
 #include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
-#include <functional>
 #include <new>
 #include <thread>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "cohort/error.h"
 #include "common/half_arrays.h"
+#include "common/log.h"
 #include "ps/sharding.h"
 
 namespace cohort::ps {
@@ -69,11 +73,24 @@ uint64_t desc_offset(uint64_t d) { return d & ~(kPage - 1); }
 uint64_t desc_buckets(uint64_t d) { return uint64_t(1) << (d & 0xff); }
 uint64_t desc_end(uint64_t d) { return desc_offset(d) + desc_buckets(d) * sizeof(Bucket); }
 
+// The version word of a row: [holder slot 16][count 47][lock 1]; the holder bits are 0 while unlocked.
+constexpr uint64_t kLocked = 1;
+constexpr int kHolderShift = 48;
+constexpr uint64_t kCountMask = (uint64_t(1) << kHolderShift) - 1;
+uint32_t holder_of(uint64_t word) { return uint32_t(word >> kHolderShift); }
+
+// How often a waiter looks for a dead holder: a live one holds a lock for microseconds (longer only
+// when preempted), and a look costs a few system calls.
+constexpr std::chrono::milliseconds kCheckEvery{5};
+
 // Waits with a spin, then yielding the core (on a guest with fewer cores than processes the holder
-// needs ours), bounded by `timeout`.
-template <typename Try>
-void spin_until(Try&& attempt, std::chrono::milliseconds timeout, const std::function<void()>& on_timeout) {
-  std::chrono::steady_clock::time_point start{};
+// needs ours). Every kCheckEvery of waiting, stuck(expired) looks at what it waits for: it may find
+// the holder dead and recover the lock (the next attempt then goes through); it throws once
+// `expired` (the wait has passed `timeout`).
+template <typename Try, typename Stuck>
+void spin_until(Try&& attempt, std::chrono::milliseconds timeout, Stuck&& stuck) {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point start{}, next_check{};
   for (uint64_t spins = 0;; ++spins) {
     if (attempt()) return;
     if (spins < 64) {
@@ -83,22 +100,68 @@ void spin_until(Try&& attempt, std::chrono::milliseconds timeout, const std::fun
     } else {
       sched_yield();
       if ((spins & 255) == 255) {
-        auto now = std::chrono::steady_clock::now();
-        if (start == std::chrono::steady_clock::time_point{}) start = now;
-        else if (now - start > timeout) on_timeout();
+        const auto now = Clock::now();
+        if (start == Clock::time_point{}) start = next_check = now;
+        if (now >= next_check) {
+          stuck(now - start > timeout);
+          next_check = now + kCheckEvery;
+        }
       }
     }
   }
 }
+
+// What /proc/<pid>/stat says of a process: its state (R, S, Z, ...) and its start time (clock ticks
+// after boot; with the pid it names one process, even once the pid is reused). state 0: unknown.
+struct ProcessStat {
+  char state = 0;
+  uint64_t start = 0;
+};
+ProcessStat process_stat(int pid) {
+  ProcessStat st;
+  char path[40];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+  if (!fd) return st;
+  char buf[1024];
+  const ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
+  if (n <= 0) return st;
+  buf[n] = 0;
+  const char* p = std::strrchr(buf, ')');  // the name (field 2) may hold spaces and parentheses
+  if (!p || p[1] != ' ') return st;
+  const char state = p[2];
+  for (int field = 3; field <= 22; ++field)  // to the space before field 22, starttime
+    if (!(p = std::strchr(p + 1, ' '))) return st;
+  st.state = state;
+  st.start = std::strtoull(p + 1, nullptr, 10);
+  return st;
+}
+
+// An undo record (in the header file, one per holder): the row it copied and the version word the
+// holder locked it with, then the row's bytes after its version and id (optimizer state, values).
+struct UndoRecord {
+  std::atomic<uint64_t> row1;  // slot + 1 (0: none yet)
+  std::atomic<uint64_t> word;
+};
+constexpr size_t kUndoHead = sizeof(UndoRecord);
+static_assert(kUndoHead == 16);
 }  // namespace
 
+// A process that may write the shard (table.h: holders). Written by the owner, pid last (release),
+// before that process gets the memory; never changed after.
+struct HolderSlot {
+  std::atomic<int32_t> pid;     // 0: free
+  std::atomic<int32_t> who;     // a worker's index, or -1 - the server's index
+  std::atomic<uint64_t> start;  // the process's start time (process_stat), 0 unknown
+};
+
 // The shared header (the first memfd). Plain fields are written once by the owner before anyone
-// attaches; the rest are atomics (lock-free, so address-free across processes).
+// attaches; the rest are atomics (lock-free, so address-free across processes). The undo records
+// follow it in the same file, one per holder slot, each undo_stride bytes.
 struct ShardHeader {
   uint64_t magic;
   uint64_t row_bytes;
-  alignas(64) std::atomic<uint32_t> insert_lock;  // 0 free, 1 held
-  std::atomic<int32_t> insert_holder;             // pid of the holder, for the timeout message
+  alignas(64) std::atomic<uint32_t> insert_lock;  // 0 free, else the holder's slot + 1
   std::atomic<uint64_t> rows;                     // slots in use; each published after its row is written
   std::atomic<uint64_t> arena_bytes;              // the arena file's size
   std::atomic<uint64_t> index;                    // the current index (descriptor above)
@@ -107,8 +170,12 @@ struct ShardHeader {
   std::atomic<uint64_t> direct_applied;           // of them, by attached processes
   std::atomic<uint64_t> index_doublings;          // times the index grew
   alignas(64) std::atomic<uint32_t> retired;      // 1: the owner replaced or dropped the table
+  alignas(64) HolderSlot holders[TableShard::kMaxHolders];
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
+
+size_t header_insert_lock_offset() { return offsetof(ShardHeader, insert_lock); }
+size_t header_rows_offset() { return offsetof(ShardHeader, rows); }
 
 size_t bytes_per_row(const TableConfig& c) {
   size_t row = align8(16 + state_floats(c) * 4 + size_t(c.dim) * storage_bytes(c.storage));
@@ -116,25 +183,51 @@ size_t bytes_per_row(const TableConfig& c) {
   return c.dense ? row : row + 43;
 }
 
+namespace {
+uint64_t page_align(uint64_t n) { return (n + kPage - 1) / kPage * kPage; }
+
+// The bytes of physical memory of this host.
+uint64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;
+}
+
+std::string gib(double bytes) { return fmt::format("{:.1f} GiB", bytes / double(1ull << 30)); }
+}  // namespace
+
 TableShard::TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows,
-                       std::chrono::milliseconds timeout, uint64_t index_rows)
+                       std::chrono::milliseconds timeout, uint64_t index_rows, int server)
     : name_(std::move(name)), config_(config), owner_(true), first_row_(first_row), held_rows_(num_rows),
       timeout_(timeout) {
+  // Rows that could never fit are refused now, with the figures, rather than by the kernel's
+  // out-of-memory killer once they come (expected_rows sizes the index for them from the start; a
+  // dense range is created at once).
+  const uint64_t planned = config_.dense ? num_rows : index_rows;
+  const uint64_t memory = physical_memory();
+  if (memory > 0 && planned > 0 && double(planned) * double(bytes_per_row(config_)) > double(memory))
+    throw InvalidArgument(fmt::format(
+        "table '{}': {} rows on this server ({}) at {} bytes a row make {}, more than this host's memory ({}){}", name_,
+        planned, config_.dense ? "its share of the dense rows" : "its share of expected_rows",
+        bytes_per_row(config_), gib(double(planned) * double(bytes_per_row(config_))), gib(double(memory)),
+        config_.dense ? "" : "; lower expected_rows or add servers"));
   // Buckets for index_rows at 3/4 load at most: a power of two >= index_rows * 4/3.
   uint32_t index_log2 = kInitialIndexLog2;
   while (index_log2 < 40 && (uint64_t(1) << index_log2) * 3 < index_rows * 4 + 4) ++index_log2;
   value_bytes_ = size_t(config_.dim) * storage_bytes(config_.storage);
   state_count_ = state_floats(config_);
   row_bytes_ = align8(16 + state_count_ * 4 + value_bytes_);
+  header_bytes_ = page_align(sizeof(ShardHeader));
+  undo_stride_ = page_align(row_bytes_);  // the record's head takes the place of the row's version and id
   header_fd_ = UniqueFd(::memfd_create("cohort-ps-header", MFD_CLOEXEC));
   arena_fd_ = UniqueFd(::memfd_create("cohort-ps-rows", MFD_CLOEXEC));
   index_fd_ = UniqueFd(::memfd_create("cohort-ps-index", MFD_CLOEXEC));
   if (!header_fd_ || !arena_fd_ || !index_fd_) throw_sys("memfd_create");
-  const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
   const uint64_t index_bytes = config_.dense ? 0 : (uint64_t(1) << index_log2) * sizeof(Bucket);
-  if (::ftruncate(header_fd_.get(), off_t(header_bytes)) != 0 || ::ftruncate(index_fd_.get(), off_t(index_bytes)) != 0)
+  // The undo records take memory only where a holder has written one (the file is sparse).
+  if (::ftruncate(header_fd_.get(), off_t(header_bytes_ + kMaxHolders * undo_stride_)) != 0 ||
+      ::ftruncate(index_fd_.get(), off_t(index_bytes)) != 0)
     throw_sys("ftruncate");
-  void* h = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
+  void* h = ::mmap(nullptr, header_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
   if (h == MAP_FAILED) throw_sys("mmap");
   header_ = new (h) ShardHeader{};
   header_->magic = kMagic;
@@ -142,6 +235,11 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   header_->index.store(config_.dense ? 0 : index_log2, std::memory_order_relaxed);
   header_->index_bytes.store(index_bytes, std::memory_order_relaxed);
   header_->arena_bytes.store(0, std::memory_order_release);
+  HolderSlot& me = header_->holders[0];
+  me.who.store(-1 - server, std::memory_order_relaxed);
+  me.start.store(process_stat(::getpid()).start, std::memory_order_relaxed);
+  me.pid.store(::getpid(), std::memory_order_release);
+  undo_ = undo_of(0);
   if (config_.dense) {
     lock_inserts();
     for (uint64_t i = 0; i < num_rows; ++i) new_slot_locked(first_row + i);
@@ -150,35 +248,67 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
 }
 
 TableShard::TableShard(std::string name, const TableConfig& config, uint64_t first_row, uint64_t num_rows,
-                       std::vector<UniqueFd> fds, std::chrono::milliseconds timeout)
+                       std::vector<UniqueFd> fds, std::chrono::milliseconds timeout, uint32_t holder)
     : name_(std::move(name)), config_(config), owner_(false), first_row_(first_row), held_rows_(num_rows),
-      timeout_(timeout) {
+      timeout_(timeout), holder_(holder) {
   value_bytes_ = size_t(config_.dim) * storage_bytes(config_.storage);
   state_count_ = state_floats(config_);
   row_bytes_ = align8(16 + state_count_ * 4 + value_bytes_);
+  header_bytes_ = page_align(sizeof(ShardHeader));
+  undo_stride_ = page_align(row_bytes_);
   if (fds.size() != 3) throw Error(fmt::format("table '{}': attach got {} descriptors, not 3", name_, fds.size()));
+  if (holder == 0 || holder >= kMaxHolders)
+    throw Error(fmt::format("table '{}': attach got holder slot {}, not 1 to {}", name_, holder, kMaxHolders - 1));
   header_fd_ = std::move(fds[0]);
   arena_fd_ = std::move(fds[1]);
   index_fd_ = std::move(fds[2]);
-  const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
-  void* h = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
+  void* h = ::mmap(nullptr, header_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
   if (h == MAP_FAILED) throw_sys("mmap");
   const auto* theirs = static_cast<const ShardHeader*>(h);
   if (theirs->magic != kMagic || theirs->row_bytes != row_bytes_) {
     const uint64_t their_row = theirs->row_bytes;
-    ::munmap(h, header_bytes);  // the destructor does not run for a constructor that throws
+    ::munmap(h, header_bytes_);  // the destructor does not run for a constructor that throws
     throw Error(fmt::format("table '{}': the server's shared rows have another layout ({} bytes a row, here {})",
                             name_, their_row, row_bytes_));
   }
   header_ = static_cast<ShardHeader*>(h);
+  try {
+    undo_ = undo_of(holder_);
+  } catch (...) {
+    ::munmap(h, header_bytes_);
+    throw;
+  }
 }
 
 TableShard::~TableShard() {
   if (owner_ && header_) retire();
-  const uint64_t header_bytes = (sizeof(ShardHeader) + kPage - 1) / kPage * kPage;
   if (arena_) ::munmap(arena_, arena_mapped_);
   if (index_) ::munmap(index_, index_mapped_);
-  if (header_) ::munmap(header_, header_bytes);
+  if (undo_) ::munmap(undo_, undo_stride_);
+  if (header_) ::munmap(header_, header_bytes_);
+}
+
+uint8_t* TableShard::undo_of(uint32_t slot) const {
+  void* p = ::mmap(nullptr, undo_stride_, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(),
+                   off_t(header_bytes_ + uint64_t(slot) * undo_stride_));
+  if (p == MAP_FAILED) throw_sys("mmap of an undo record");
+  return static_cast<uint8_t*>(p);
+}
+
+uint32_t TableShard::register_holder(int worker, int pid) {
+  uint32_t free_slot = 0;
+  for (uint32_t i = 1; i < kMaxHolders; ++i) {
+    HolderSlot& h = header_->holders[i];
+    const int32_t p = h.pid.load(std::memory_order_relaxed);
+    if (p == pid && h.who.load(std::memory_order_relaxed) == worker) return i;
+    if (p == 0 && free_slot == 0) free_slot = i;
+  }
+  if (free_slot == 0) return 0;
+  HolderSlot& h = header_->holders[free_slot];
+  h.who.store(worker, std::memory_order_relaxed);
+  h.start.store(process_stat(pid).start, std::memory_order_relaxed);
+  h.pid.store(pid, std::memory_order_release);
+  return free_slot;
 }
 
 std::vector<int> TableShard::fds() const { return {header_fd_.get(), arena_fd_.get(), index_fd_.get()}; }
@@ -229,40 +359,191 @@ void TableShard::ensure_index(uint64_t bytes) {
                  fmt::format("table '{}''s index", name_));
 }
 
-void TableShard::lock_timeout(const char* what) const {
-  throw TimeoutError(fmt::format("table '{}': {} was held for more than {:.0f} s (COHORT_TIMEOUT): did a process die "
-                                 "while writing the table (holder pid {})?",
-                                 name_, what, std::chrono::duration<double>(timeout_).count(),
-                                 header_->insert_holder.load(std::memory_order_relaxed)));
+// ---- locks, their holders, and a holder that dies (table.h: holders) ----
+
+std::string TableShard::holder_name(uint32_t slot) const {
+  if (slot >= kMaxHolders) return fmt::format("holder slot {} (beyond the table)", slot);
+  const HolderSlot& h = header_->holders[slot];
+  const int pid = h.pid.load(std::memory_order_acquire);
+  if (pid == 0) return fmt::format("an unregistered process (holder slot {})", slot);
+  const int who = h.who.load(std::memory_order_relaxed);
+  return who >= 0 ? fmt::format("worker {} (pid {})", who, pid)
+                  : fmt::format("parameter server {} (pid {})", -1 - who, pid);
+}
+
+// Whether the process in holder slot `slot` has exited. False when unsure: the wait then ends at
+// its timeout, as it would for a live holder; taking a live holder's lock would corrupt its row.
+bool TableShard::holder_gone(uint32_t slot) const {
+  if (slot >= kMaxHolders) return false;
+  const HolderSlot& h = header_->holders[slot];
+  const int pid = h.pid.load(std::memory_order_acquire);
+  if (pid <= 0 || pid == ::getpid()) return false;  // unknown, or a thread of this process
+  UniqueFd pidfd(int(::syscall(SYS_pidfd_open, pid, 0)));
+  if (pidfd) {
+    pollfd p{pidfd.get(), POLLIN, 0};
+    if (::poll(&p, 1, 0) > 0) return true;  // exited (a zombie not yet reaped too)
+  } else if (errno == ESRCH || (::kill(pid, 0) != 0 && errno == ESRCH)) {
+    return true;
+  }
+  // Alive, or a zombie where there is no pidfd (a kernel before 5.3), or another process that got
+  // the pid since: /proc tells them apart by state and start time.
+  const ProcessStat now = process_stat(pid);
+  const uint64_t start = h.start.load(std::memory_order_relaxed);
+  return now.state == 'Z' || now.state == 'X' || (start != 0 && now.start != 0 && now.start != start);
+}
+
+// The first try inline (a push takes thousands of row locks, nearly all free), the wait out of line.
+inline uint64_t TableShard::lock_row(uint64_t s, uint8_t* row) const {
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  uint64_t x = v.load(std::memory_order_relaxed);
+  const uint64_t locked = x | kLocked | (uint64_t(holder_) << kHolderShift);
+  if (!(x & kLocked) && v.compare_exchange_strong(x, locked, std::memory_order_acquire, std::memory_order_relaxed)) {
+    // The row's writes must not be seen before the lock bit: a reader that copied some of them
+    // would then find the version unchanged. (x86 keeps stores in order; ARM and POWER do not.)
+    std::atomic_thread_fence(std::memory_order_release);
+    return locked;
+  }
+  return wait_row(s, row);
+}
+
+uint64_t TableShard::wait_row(uint64_t s, uint8_t* row) const {
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  const uint64_t mine = uint64_t(holder_) << kHolderShift;
+  uint64_t locked = 0;
+  spin_until(
+      [&] {
+        uint64_t x = v.load(std::memory_order_relaxed);
+        if (x & kLocked) return false;
+        locked = x | kLocked | mine;
+        return v.compare_exchange_strong(x, locked, std::memory_order_acquire, std::memory_order_relaxed);
+      },
+      timeout_, [&](bool expired) { row_stuck(s, row, expired); });
+  std::atomic_thread_fence(std::memory_order_release);  // as above
+  return locked;
+}
+
+inline void TableShard::unlock_row(uint8_t* row, uint64_t locked) const {
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  v.store(((locked & kCountMask) + 1) & kCountMask, std::memory_order_release);  // even, no holder
+}
+
+inline void TableShard::save_undo(uint64_t s, const uint8_t* row, uint64_t locked) const {
+  auto* rec = reinterpret_cast<UndoRecord*>(undo_);
+  std::memcpy(undo_ + kUndoHead, row + 16, row_bytes_ - 16);
+  // Marked after the copy, the row last: a record whose row and word match is whole.
+  rec->word.store(locked, std::memory_order_relaxed);
+  rec->row1.store(s + 1, std::memory_order_relaxed);
+  // Nothing below may be compiled before the record. A process killed at any instruction has made
+  // exactly its earlier stores, all visible once it is seen dead, so no hardware fence is needed.
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+}
+
+void TableShard::row_stuck(uint64_t s, uint8_t* row, bool expired) const {
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  const uint64_t word = v.load(std::memory_order_acquire);
+  if ((word & kLocked) && holder_gone(holder_of(word))) return recover_row(s, row, word);
+  if (!expired) return;
+  uint64_t id = 0;
+  std::memcpy(&id, row + 8, 8);
+  const double seconds = std::chrono::duration<double>(timeout_).count();
+  if (word & kLocked)
+    throw TimeoutError(fmt::format("table '{}': the lock of row {} was held for more than {:.0f} s (COHORT_TIMEOUT) "
+                                   "by {}, which is alive: stopped, or stuck?",
+                                   name_, id, seconds, holder_name(holder_of(word))));
+  throw TimeoutError(fmt::format("table '{}': row {} changed under every read for more than {:.0f} s (COHORT_TIMEOUT)",
+                                 name_, id, seconds));
+}
+
+// Row s is locked (word `locked`) by a holder that has exited. Takes the lock over (one waiter wins;
+// the others find it taken and wait on), puts the holder's copy of the row back if it had finished
+// one (without it, the row was not yet written), and unlocks.
+void TableShard::recover_row(uint64_t s, uint8_t* row, uint64_t locked) const {
+  const uint32_t dead = holder_of(locked);
+  const uint64_t mine = (locked & kCountMask) | (uint64_t(holder_) << kHolderShift);  // still locked
+  uint8_t* theirs = undo_of(dead);
+  auto* their_rec = reinterpret_cast<UndoRecord*>(theirs);
+  const bool copied = their_rec->row1.load(std::memory_order_relaxed) == s + 1 &&
+                      their_rec->word.load(std::memory_order_relaxed) == locked;
+  // Into this holder's own record before the lock is taken over, marked with the word it will hold:
+  // if this process dies while restoring, the next waiter restores from here.
+  if (copied) {
+    auto* rec = reinterpret_cast<UndoRecord*>(undo_);
+    std::memcpy(undo_ + kUndoHead, theirs + kUndoHead, row_bytes_ - 16);
+    rec->word.store(mine, std::memory_order_relaxed);
+    rec->row1.store(s + 1, std::memory_order_relaxed);
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+  }
+  ::munmap(theirs, undo_stride_);
+  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
+  uint64_t expected = locked;
+  if (!v.compare_exchange_strong(expected, mine, std::memory_order_acq_rel, std::memory_order_relaxed)) return;
+  std::atomic_thread_fence(std::memory_order_release);  // as in lock_row
+  if (copied) std::memcpy(row + 16, undo_ + kUndoHead, row_bytes_ - 16);
+  unlock_row(row, mine);
+  uint64_t id = 0;
+  std::memcpy(&id, row + 8, 8);
+  log::warn("table '{}': {} died holding the lock of row {}; {}", name_, holder_name(dead), id,
+            copied ? "its unfinished update was discarded (the row is as it was before)"
+                   : "it had not written the row yet");
 }
 
 void TableShard::lock_inserts() {
   auto& l = header_->insert_lock;
+  const uint32_t mine = holder_ + 1;
+  bool taken_over = false;
   spin_until(
       [&] {
         uint32_t free = 0;
-        return l.load(std::memory_order_relaxed) == 0 &&
-               l.compare_exchange_strong(free, 1, std::memory_order_acquire, std::memory_order_relaxed);
+        return taken_over ||
+               (l.load(std::memory_order_relaxed) == 0 &&
+                l.compare_exchange_strong(free, mine, std::memory_order_acquire, std::memory_order_relaxed));
       },
-      timeout_, [&] { lock_timeout("the lock that creates rows"); });
-  header_->insert_holder.store(int32_t(::getpid()), std::memory_order_relaxed);
+      timeout_, [&](bool expired) {
+        uint32_t held = l.load(std::memory_order_acquire);
+        if (held != 0 && holder_gone(held - 1)) {
+          if (!l.compare_exchange_strong(held, mine, std::memory_order_acq_rel, std::memory_order_relaxed)) return;
+          taken_over = true;
+          try {
+            recover_inserts_locked(held - 1);
+          } catch (...) {
+            unlock_inserts();
+            throw;
+          }
+          return;
+        }
+        if (expired)
+          throw TimeoutError(fmt::format("table '{}': the lock that creates rows was held for more than {:.0f} s "
+                                         "(COHORT_TIMEOUT) by {}, which is alive: stopped, or stuck?",
+                                         name_, std::chrono::duration<double>(timeout_).count(),
+                                         held ? holder_name(held - 1) : std::string("nobody at the end")));
+      });
 }
 
 void TableShard::unlock_inserts() { header_->insert_lock.store(0, std::memory_order_release); }
 
-void TableShard::lock_row(uint8_t* row) const {
-  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
-  spin_until(
-      [&] {
-        uint64_t x = v.load(std::memory_order_relaxed);
-        return !(x & 1) && v.compare_exchange_strong(x, x + 1, std::memory_order_acquire, std::memory_order_relaxed);
-      },
-      timeout_, [&] { lock_timeout("a row's lock"); });
-}
-
-void TableShard::unlock_row(uint8_t* row) const {
-  std::atomic_ref<uint64_t> v(*reinterpret_cast<uint64_t*>(row));
-  v.store(v.load(std::memory_order_relaxed) + 1, std::memory_order_release);  // only the holder writes it
+// The insert lock's holder `dead` died, and this process holds the lock now. Rows are created one at
+// a time, each written, counted, then published: only the last counted row can lack its bucket.
+// A doubling cut short left its new array unpublished: its memory is punched out.
+void TableShard::recover_inserts_locked(uint32_t dead) {
+  std::string repaired = "no row was left half-created";
+  if (!config_.dense) {
+    const uint64_t desc = header_->index.load(std::memory_order_acquire);
+    ensure_index(desc_end(desc));
+    const uint64_t file = header_->index_bytes.load(std::memory_order_acquire);
+    const uint64_t used = page_align(desc_end(desc));
+    if (file > used)
+      (void)::fallocate(index_fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(used), off_t(file - used));
+    if (const uint64_t n = header_->rows.load(std::memory_order_acquire); n > 0) {
+      ensure_arena(n * row_bytes_);
+      uint64_t id = 0;
+      std::memcpy(&id, row_at(n - 1) + 8, 8);
+      if (probe(desc, id) == 0) {
+        publish_locked(desc, id, uint32_t(n - 1));
+        repaired = fmt::format("the row it had created for id {} is now in the index", id);
+      }
+    }
+  }
+  log::warn("table '{}': {} died holding the lock that creates rows; {}", name_, holder_name(dead), repaired);
 }
 
 uint64_t TableShard::read_row(uint64_t s, float* values, float* state) const {
@@ -273,14 +554,14 @@ uint64_t TableShard::read_row(uint64_t s, float* values, float* state) const {
   spin_until(
       [&] {
         const uint64_t before = v.load(std::memory_order_acquire);
-        if (before & 1) return false;
+        if (before & kLocked) return false;
         std::memcpy(&id, row + 8, 8);
         if (state_count_) std::memcpy(state, row + 16, state_count_ * 4);
         std::memcpy(raw.data(), row + 16 + state_count_ * 4, value_bytes_);
         std::atomic_thread_fence(std::memory_order_acquire);
         return v.load(std::memory_order_relaxed) == before;
       },
-      timeout_, [&] { lock_timeout("a row's lock"); });
+      timeout_, [&](bool expired) { row_stuck(s, row, expired); });
   to_float(raw.data(), values);
   return id;
 }
@@ -402,13 +683,17 @@ uint32_t TableShard::insert_locked(uint64_t id) {
     desc = header_->index.load(std::memory_order_relaxed);
   }
   const uint32_t s = new_slot_locked(id);
+  publish_locked(desc, id, s);
+  return s;
+}
+
+void TableShard::publish_locked(uint64_t desc, uint64_t id, uint32_t s) {
   auto* b = reinterpret_cast<Bucket*>(index_ + desc_offset(desc));
   const uint64_t mask = desc_buckets(desc) - 1;
   uint64_t i = index_hash(id) & mask;
   while (std::atomic_ref<uint32_t>(b[i].slot1).load(std::memory_order_relaxed) != 0) i = (i + 1) & mask;
   std::atomic_ref<uint64_t>(b[i].key).store(id, std::memory_order_relaxed);
   std::atomic_ref<uint32_t>(b[i].slot1).store(s + 1, std::memory_order_release);
-  return s;
 }
 
 void TableShard::slots_of(const uint64_t* ids, size_t n, std::vector<uint32_t>& out) {
@@ -540,13 +825,13 @@ void TableShard::read(const uint64_t* ids, size_t n, float* const* out_rows) {
     spin_until(
         [&] {
           const uint64_t before = v.load(std::memory_order_acquire);
-          if (before & 1) return false;
+          if (before & kLocked) return false;
           if (plain) std::memcpy(dst, values, value_bytes_);
           else std::memcpy(row_buf_.data(), values, value_bytes_);
           std::atomic_thread_fence(std::memory_order_acquire);
           return v.load(std::memory_order_relaxed) == before;
         },
-        timeout_, [&] { lock_timeout("a row's lock"); });
+        timeout_, [&](bool expired) { row_stuck(slot_buf_[i], row, expired); });
     if (!plain) to_float(reinterpret_cast<const uint8_t*>(row_buf_.data()), dst);
   }
 }
@@ -567,7 +852,8 @@ void TableShard::apply(const uint64_t* ids, size_t n, const float* const* grad_r
     const uint32_t s = slot_buf_[i];
     uint8_t* row = row_at(s);
     const float* g = grad_rows[i];
-    lock_row(row);
+    const uint64_t locked = lock_row(s, row);
+    save_undo(s, row, locked);
     uint8_t* values = slot_values(s);
     auto* st_shared = reinterpret_cast<float*>(row + 16);
     float* w = in_place ? reinterpret_cast<float*>(values) : row_buf_.data();
@@ -581,7 +867,7 @@ void TableShard::apply(const uint64_t* ids, size_t n, const float* const* grad_r
       from_float(w, values);
       if (state_count_) std::memcpy(st_shared, st, state_count_ * 4);
     }
-    unlock_row(row);
+    unlock_row(row, locked);
   }
   header_->applied.fetch_add(n, std::memory_order_relaxed);
   if (!owner_) header_->direct_applied.fetch_add(n, std::memory_order_relaxed);
@@ -593,10 +879,11 @@ void TableShard::put(uint64_t id, const float* values, const float* state) {
   uint8_t* row = row_at(s);
   raw_buf_.resize(value_bytes_);
   from_float(values, raw_buf_.data());
-  lock_row(row);
+  const uint64_t locked = lock_row(s, row);
+  save_undo(s, row, locked);
   std::memcpy(slot_values(s), raw_buf_.data(), value_bytes_);
   if (state_count_) std::memcpy(row + 16, state, state_count_ * 4);
-  unlock_row(row);
+  unlock_row(row, locked);
 }
 
 }  // namespace cohort::ps

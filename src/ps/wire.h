@@ -22,9 +22,10 @@
 //   commit / discard                     -> - (the worker's staged save or load: done, or undone)
 //   stats     name                       -> reply: u64 rows, bytes, applied pushes, of them direct
 //   bye       (the worker closes; the server stops when every worker has) -> -
-//   attach    name, the worker's abstract Unix socket -> reply: JSON {"attached", "why" | "pid",
-//             "first_row", "rows", "config"}; when attached, the server has sent the shard's three memfds to
-//             that socket (SCM_RIGHTS) before replying (table.h: workers on the server's host)
+//   attach    name, JSON {"socket": the worker's abstract Unix socket, "pid": the worker's pid} -> reply:
+//             JSON {"attached", "why" | "pid", "holder", "first_row", "rows", "config"}; when attached, the
+//             server has checked the socket's owner (SO_PEERCRED: that pid, its uid) and sent the shard's three
+//             memfds to that socket (SCM_RIGHTS) before replying (table.h: workers on the server's host)
 // Every request and reply is checked before use (decode.h): counts, lengths, names, JSON.
 
 #include <chrono>

@@ -4,15 +4,25 @@
 //   loop   pull and push until something fails (the test kills a server meanwhile)
 //   serve  for --ps-server program: a server meets the other servers through its own world
 //          communicator, then runs cohort::ps::serve_from_env(); a worker runs basic
+// and, started by tests/ps/ps_test.cc (not through the launcher) as worker WORKER of a job whose
+// servers and other workers are the test's threads, meeting in the file store STORE:
+//   hold STORE WORKER SERVERS WORKERS          pushes a gradient of ones to row 7 of table "big"
+//          (dim 2^20, SGD, lr 1: a push writes 4 MiB in place) until killed; the test stops it
+//          while it writes the row
+//   create-rows STORE WORKER SERVERS WORKERS   pushes to fresh ids of table "fresh" (dim 4) until
+//          killed, so that it mostly holds the lock that creates rows
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
 #include "cohort/ps.h"
+#include "store/tcp_store.h"
 
 namespace {
 
@@ -57,6 +67,45 @@ int loop() {
   }
 }
 
+std::unique_ptr<cohort::ps::Client> file_store_client(char** argv) {
+  std::printf("worker %s starting\n", argv[3]);  // a test may then join with a short timeout
+  std::fflush(stdout);
+  cohort::ps::Roles roles{std::atoi(argv[4]), std::atoi(argv[5])};
+  return cohort::ps::Client::create(cohort::make_file_store(argv[2]), std::atoi(argv[3]), roles,
+                                    std::chrono::seconds(20));
+}
+
+int hold(char** argv) {
+  auto ps = file_store_client(argv);
+  cohort::ps::TableConfig cfg;
+  cfg.dim = 1u << 20;
+  cfg.lr = 1.0f;
+  ps->create_table("big", cfg);
+  const uint64_t id = 7;
+  std::vector<float> ones(cfg.dim, 1.0f);
+  ps->push("big", &id, 1, ones.data());  // the row exists, and this worker has mapped the table
+  std::printf("worker %d holding row 7\n", ps->worker_index());
+  std::fflush(stdout);
+  for (;;) ps->push("big", &id, 1, ones.data());
+}
+
+int create_rows(char** argv) {
+  auto ps = file_store_client(argv);
+  cohort::ps::TableConfig cfg;
+  cfg.dim = 4;
+  ps->create_table("fresh", cfg);
+  std::vector<uint64_t> ids(4096);
+  std::vector<float> grads(ids.size() * cfg.dim, 1.0f);
+  for (uint64_t next = uint64_t(1) << 40, pushes = 0;; ++pushes) {
+    for (auto& id : ids) id = next++;
+    ps->push("fresh", ids.data(), ids.size(), grads.data());
+    if (pushes == 0) {  // this worker has mapped the table, before anyone else
+      std::printf("worker %d creating rows\n", ps->worker_index());
+      std::fflush(stdout);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -74,6 +123,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "loop") return loop();
+    if ((mode == "hold" || mode == "create-rows") && argc == 6) return mode == "hold" ? hold(argv) : create_rows(argv);
     return basic();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ps_worker: %s\n", e.what());
