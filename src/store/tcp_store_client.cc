@@ -209,6 +209,8 @@ class TcpStore : public Store {
     int attempts = 0;
     for (;;) {
       ++attempts;
+      connected_ = false;
+      broken_.clear();
       try {
         net::Address addr = net::resolve(options_.host, options_.port);
         fd_ = net::connect_tcp(addr, deadline);
@@ -216,6 +218,7 @@ class TcpStore : public Store {
         in_.clear();
         in_off_ = 0;
         handshake(deadline);
+        if (!options_.fence_key.empty()) fence(deadline);
         if (attempts > 1) log::debug("store: connected to {} after {} attempts", address_, attempts);
         return;
       } catch (const PeerLostError& e) {
@@ -273,6 +276,17 @@ class TcpStore : public Store {
     }
     consume_frame();
     connected_ = true;
+  }
+
+  // Binds this connection's writes to the options' epoch (proto::Op::kFence).
+  void fence(Deadline deadline) {
+    uint32_t id = begin();
+    proto::encode_fence(out_, id, options_.fence_key, options_.fence_epoch);
+    Reply r = call(id, deadline, "fence");
+    expect_ok(r, "fence", timeout());
+    proto::Reader rd(r.payload);
+    rd.i64();
+    if (!rd.at_end()) malformed("fence");
   }
 
   // ---- framing over the socket --------------------------------------------------------------
@@ -426,6 +440,8 @@ class TcpStore : public Store {
       }
       case Op::kError:
         throw InvalidArgument(string_payload(r.payload));
+      case Op::kStale:
+        throw StaleEpochError(fmt::format("store at {}: {}", address_, string_payload(r.payload)));
       default:
         malformed(what);
     }
