@@ -161,7 +161,8 @@ EndInfo Job::run_attempt(int attempt) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
     watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     joined_ = false;
-    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_, rendezvous_settings(plan_), attempt)
+    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_,
+                rendezvous_settings(plan_, store_epoch_), attempt)
         .detach();
   } else if (distributed_) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
@@ -247,6 +248,15 @@ EndInfo Job::run_attempt(int attempt) {
             case WatchEvent::kEnd:
               adopt_end(end_from_string(ev.text));
               break;
+            case WatchEvent::kStoreMoved:
+              // This agent's standby store was promoted by the others (job_elastic.cc): it follows
+              // (run(): fail_over_store), unless it moved the store there itself.
+              if (std::stoll(ev.text) <= store_epoch_) break;
+              standby_promoted_ = true;
+              adopt_end(EndInfo{"store", 1,
+                                fmt::format("the job's store moved to this agent's standby store at {} (epoch {})",
+                                            standby_address_, ev.text)});
+              break;
             case WatchEvent::kLost:
               // An elastic job moves its store when it can (run(): fail_over_store).
               adopt_end(EndInfo{plan_.elastic ? "store" : "lost", 1,
@@ -329,13 +339,16 @@ int Job::run() {
     EndInfo e = run_attempt(attempt);
     bool print = !ctx_.agent_mode;
     if (plan_.elastic) {
-      if (e.kind == "store" && !head_lost_ && membership_ && membership_->restarts < plan_.max_restarts) {
+      if ((e.kind == "store" || standby_promoted_) && !head_lost_ && membership_ &&
+          membership_->restarts < plan_.max_restarts) {
         say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member", membership_->generation,
                         e.summary));
-        if (fail_over_store()) {
+        std::string why;
+        if (fail_over_store(&why)) {
           attempt = membership_->generation + 1;
           continue;
         }
+        if (!why.empty()) e = EndInfo{"store", 1, why};
       }
       if (auto next = next_generation(e)) {
         say(fmt::format("generation {} ended: {}; the agents meet again for generation {}{}", membership_->generation,

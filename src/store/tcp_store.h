@@ -85,6 +85,11 @@ class StoreLease {
                                           std::function<void(const std::string&)> on_lost = {});
   // An orderly release: the wills are dropped first, so they do not fire.
   virtual ~StoreLease() = default;
+  // Ends the lease without a release: the renewals stop and the connection is closed, so a store
+  // that still runs sets the wills (at once if the close reaches it, else when the lease runs out).
+  // The elastic agents do this when they give up a store they cannot reach. Destroying it then
+  // does nothing more.
+  virtual void drop() = 0;
   // Replaces the wills (full keys: no prefix applies). Throws when the store cannot be reached.
   virtual void set_wills(const std::vector<std::pair<std::string, std::string>>& wills) = 0;
   // "" while the lease holds; otherwise why it was lost.

@@ -491,14 +491,9 @@ class TcpStoreLease : public StoreLease {
   }
 
   ~TcpStoreLease() override {
-    {
-      std::lock_guard<std::mutex> g(m_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
+    stop_renewing();
     // An orderly release: the wills are dropped, so ending this connection announces nothing.
-    if (lost_.empty()) {
+    if (store_ && lost_.empty()) {
       try {
         store_->lease(Millis(0), {}, {});
       } catch (const Error&) {
@@ -509,6 +504,7 @@ class TcpStoreLease : public StoreLease {
   void set_wills(const std::vector<std::pair<std::string, std::string>>& wills) override {
     std::vector<std::string> keys, values;
     for (const auto& [k, v] : wills) keys.push_back(k), values.push_back(v);
+    if (!store_) throw PeerLostError("store lease: set_wills after the lease was dropped");
     try {
       store_->lease(limit_, keys, values);
     } catch (const Error& e) {
@@ -522,7 +518,21 @@ class TcpStoreLease : public StoreLease {
     return lost_;
   }
 
+  void drop() override {
+    stop_renewing();
+    store_.reset();  // closes the connection, wills in place
+  }
+
  private:
+  void stop_renewing() {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
   void keep_alive() {
     const Millis period = std::max(Millis(1), limit_ / 4);
     std::unique_lock<std::mutex> lk(m_);
