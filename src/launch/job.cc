@@ -339,6 +339,9 @@ int Job::run() {
     EndInfo e = run_attempt(attempt);
     bool print = !ctx_.agent_mode;
     if (plan_.elastic) {
+      // A round stopped on this side of a partition may be the side that loses: if the other side is
+      // moving the job's store to this agent's standby store, this agent goes with it.
+      if (e.kind == "refused" && !standby_promoted_ && standby_promotion_pending()) standby_promoted_ = true;
       if ((e.kind == "store" || standby_promoted_) && !head_lost_ && membership_ &&
           membership_->restarts < plan_.max_restarts) {
         say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member", membership_->generation,

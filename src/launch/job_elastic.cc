@@ -100,6 +100,9 @@ RendezvousSettings rendezvous_settings(const Plan& plan, int64_t epoch) {
   s.max_nodes = plan.max_nodes;
   s.timeout_s = plan.join_timeout_s;
   s.last_call_s = plan.rdzv_last_call_s;
+  // The voters of a move are all in within a lease and the vote window; a few seconds more for the
+  // ones that follow it.
+  s.failover_grace_s = plan.agent_lease_s + std::chrono::duration<double>(kFailoverWindow).count() + 3;
   return s;
 }
 
@@ -325,6 +328,8 @@ bool Job::fail_over_store(std::string* why) {
       watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
       store_epoch_ = epoch;
       store_addr_ = c.standby;
+      // Voted or not, this agent follows: the first round does not drop it for having no vote.
+      base_store_->set(fmt::format("rdzv/failover/{}/vote/{}", m.generation, self_.id), self_.host);
       plan_.master_addr = host;
       plan_.master_port = port;
       if (mine) {
@@ -370,6 +375,29 @@ bool Job::fail_over_store(std::string* why) {
   }
   *why = "no member's standby store answered: the job cannot go on without its store";
   return false;
+}
+
+bool Job::standby_promotion_pending() {
+  if (!standby_ || !membership_) return false;
+  try {
+    StoreClientOptions o = client_options_;
+    o.host = "127.0.0.1";
+    o.port = standby_->port();
+    o.fence_key.clear();
+    o.timeout = kStoreCallTimeout;
+    auto standby = make_prefix_store(connect_tcp_store(o), "cohort/launch/" + plan_.job_id);
+    if (standby->add(fmt::format("rdzv/failover/{}/votes", membership_->generation), 0) == 0) return false;
+    // The voters promote it once more than half of them voted and their leases on the old store ran
+    // out: within a lease and the vote window of their losing it, which was before this round stopped.
+    const auto limit = Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)) + kFailoverWindow;
+    say(fmt::format("members of generation {} voted to move the job's store to this agent's standby store; waiting up "
+                    "to {:.0f} s for the vote's outcome",
+                    membership_->generation, std::chrono::duration<double>(limit).count()));
+    standby->wait({epoch_key()}, limit);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
 }
 
 bool Job::member_gone(const AgentInfo& a) const {

@@ -227,6 +227,9 @@ class Job {
   // move the job's store there, seed it with the last generation and go on. False, with *why, when
   // the job cannot go on here (no majority, no standby answers, the old store still answers).
   bool fail_over_store(std::string* why);
+  // This agent's round stopped (a split, a refusal) while members voted to move the job's store to
+  // its standby store: waits for that vote's outcome. True when the standby was promoted (follow it).
+  bool standby_promotion_pending();
   // job_trace.cc
   void prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars);
   void start_inspector(int attempt);

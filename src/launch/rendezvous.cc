@@ -55,6 +55,8 @@ struct Rendezvous::Round {
   Clock::time_point deadline;
   std::optional<Clock::time_point> min_since;  // when MIN live agents were first seen
   bool asked_end = false;                      // end_generation(gen - 1) was called
+  std::optional<bool> after_failover;           // the store moved after generation gen - 1
+  Clock::time_point started;
   Clock::time_point next_report;
 };
 
@@ -188,12 +190,22 @@ void Rendezvous::evaluate(Round& r) {
   const int n = static_cast<int>(live.size());
   const int max = settings_.max_nodes, min = settings_.min_nodes;
 
-  // Who is expected back: the previous generation's members that are not gone.
+  // Who is expected back: the previous generation's members that are not gone. After the store
+  // moved, the members that neither voted for it nor followed it are waited for only so long.
   std::vector<std::string> missing;
   if (r.previous) {
+    const std::string failover = fmt::format("rdzv/failover/{}/", r.gen - 1);
+    if (!r.after_failover) r.after_failover = store_->check({failover + "votes"});
+    const bool grace_over =
+        *r.after_failover && now - r.started >= std::chrono::duration<double>(settings_.failover_grace_s);
     for (const auto& a : r.previous->nodes) {
       if (live_ids.count(a.id)) continue;
       if (r.gone.count(a.id) || (a.id != self_.id && is_gone(a.id))) {
+        r.gone.insert(a.id);
+        continue;
+      }
+      if (grace_over && !store_->check({failover + "vote/" + a.id})) {
+        store_->compare_set(gone_key(a.id), "", a.host + " (did not follow the job's store when it moved)");
         r.gone.insert(a.id);
         continue;
       }
@@ -315,7 +327,8 @@ std::optional<Membership> Rendezvous::join(int gen, const std::atomic<bool>& sto
     r.previous = closed(gen - 1);
     r.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(settings_.timeout_s));
-    r.next_report = Clock::now() + std::chrono::seconds(3);
+    r.started = Clock::now();
+    r.next_report = r.started + std::chrono::seconds(3);
     r.slot = store_->add(gen_key(gen, "count"), 1) - 1;
     store_->set(gen_key(gen, fmt::format("agent/{}", r.slot)), nlohmann::json(self_).dump());
     for (;;) {
@@ -382,6 +395,12 @@ int64_t vote_for_store(Store& candidate, const AgentInfo& self, const FailoverVo
   } catch (const StaleEpochError&) {
     if (auto e = promoted()) return *e;
     throw;
+  } catch (const PeerLostError& e) {
+    // The candidate went away after this agent voted there (its agent stopped, or the link went).
+    throw FailoverRefused(fmt::format(
+        "generation {}: lost the store's host and could not reach a majority of the last generation ({} of {} voted "
+        "at {}, which then stopped answering: {}); stopping so that one copy of the job runs",
+        g, votes, members, candidate_name, e.what()));
   }
 }
 

@@ -19,7 +19,8 @@
 //   rdzv/gone/<agent id>          a will of the agent's store lease: set when the agent is gone
 //                                 (killed, frozen or cut off longer than the lease)
 //   rdzv/failover/<g>/vote/<id>   on a standby store: a member of generation g lost the store's host and
-//   rdzv/failover/<g>/votes       votes to move the job's store here (the count: add)
+//   rdzv/failover/<g>/votes       votes to move the job's store here (the count: add); a member that
+//                                 follows the move without voting writes its vote key too
 //   rdzv/failover/<g>/store_gone  on a standby store: a voter found the old store's port closed
 //   attempt/<g>/end               how generation g ended (job_end.cc, JSON with a "kind"); a round waits
 //                                 for it, and counts a restart unless the kind is "membership"
@@ -94,6 +95,10 @@ struct RendezvousSettings {
   double last_call_s = 5;   // after MIN joined: how long to wait for more (unless all expected are back)
   Millis slice{100};        // how often a waiting agent looks at the round again
   int64_t epoch = 0;        // the epoch of the store the agent is on (what a closed generation carries)
+  // The first round after the store moved waits this long for members of the last generation that
+  // neither voted for the move nor followed it (they may be on the old store's side of a cut, or
+  // dead); then it marks them gone and goes on without them.
+  double failover_grace_s = 10;
 };
 
 // An agent the job does not admit: it was dropped (its lease ended: the job went on without it), or

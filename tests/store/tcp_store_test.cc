@@ -472,6 +472,25 @@ TEST(TcpStoreLease, AHeldLeaseStaysAndAReleasedOneAnnouncesNothing) {
   EXPECT_EQ(lost_calls.load(), 0);
 }
 
+TEST(TcpStoreLease, ADroppedLeaseEndsItsConnectionAndItsWillsFire) {
+  auto server = start_server();
+  auto s = connect(*server);
+  StoreClientOptions o;
+  o.host = "127.0.0.1";
+  o.port = server->port();
+  o.timeout = 5s;
+  std::atomic<int> lost_calls{0};
+  auto lease = StoreLease::open(o, Millis(5000), [&](const std::string&) { ++lost_calls; });
+  lease->set_wills({{"gone/h", "h"}});
+  auto start = Clock::now();
+  lease->drop();  // no release: the store sees the connection end (at once here: the close reaches it)
+  s->wait({"gone/h"}, 3s);
+  EXPECT_LT(seconds_since(start), 2.0) << "not the 5 s lease";
+  EXPECT_THROW(lease->set_wills({}), PeerLostError);
+  lease.reset();
+  EXPECT_EQ(lost_calls.load(), 0) << "a dropped lease is not a lost one";
+}
+
 TEST(TcpStoreLease, TheHolderHearsWhenTheStoreGoes) {
   auto server = start_server();
   StoreClientOptions o;
