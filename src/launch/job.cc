@@ -344,8 +344,13 @@ int Job::run() {
       if (e.kind == "refused" && !standby_promoted_ && standby_promotion_pending()) standby_promoted_ = true;
       if ((e.kind == "store" || standby_promoted_) && !head_lost_ && membership_ &&
           membership_->restarts < plan_.max_restarts) {
-        say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member", membership_->generation,
-                        e.summary));
+        if (standby_promoted_)
+          say(fmt::format("generation {} ended: the others moved the job's store to this agent's standby store; "
+                          "following it",
+                          membership_->generation));
+        else
+          say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member",
+                          membership_->generation, e.summary));
         std::string why;
         if (fail_over_store(&why)) {
           attempt = membership_->generation + 1;

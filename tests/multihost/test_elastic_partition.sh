@@ -21,9 +21,17 @@ worker() {
   echo 'echo "$COHORT_RESTART_COUNT $RANK $WORLD_SIZE $COHORT_STORE_ADDR" > '"$MH_TMP/$1"'.$COHORT_RESTART_COUNT.$RANK; [ $COHORT_RESTART_COUNT = 0 ] && exec sleep 60; sleep 12; exit 0'
 }
 # agent HOST BOUNDS PORT PREFIX: one host's `cohort run` (stderr and stdout in $MH_TMP/out.PREFIX.HOST).
+# --rdzv-timeout 20: a round waits that long for members that are not back, so a second copy of the job
+# (a side that went on where it must not) would show within the test's time.
 agent() {
   on_host "$1" timeout -k 5 80 "$COHORT" run --nnodes "$2" --nproc-per-node 2 --master-addr h0 --master-port "$3" \
-    --max-restarts 2 --kill-grace 1 --rdzv-conf last_call_timeout=10 sh -c "$(worker "$4")" >"$MH_TMP/out.$4.$1" 2>&1
+    --max-restarts 2 --kill-grace 1 --rdzv-timeout 20 --rdzv-conf last_call_timeout=10 sh -c "$(worker "$4")" \
+    >"$MH_TMP/out.$4.$1" 2>&1
+}
+wait_port() {  # HOST PORT: until h0's store answers from HOST (10 s)
+  local n
+  for ((n = 0; n < 200; n++)); do on_host "$1" bash -c "exec 3<>/dev/tcp/h0/$2" 2>/dev/null && return 0; sleep 0.05; done
+  return 1
 }
 show_outputs() {  # PREFIX: every agent's output, after a failed check
   local f
@@ -43,8 +51,16 @@ wait_files() {  # PREFIX N: wait up to 30 s for generation 0's files of ranks 0.
 gen_lines() { cat "$MH_TMP/$1.$2".* 2>/dev/null | sort -k2 -n; }
 
 # ---- 1. h0 and h1 cut from each other ----------------------------------------------------------
+# h1 arrives right after h0, so that it is node 1 and its own standby store its first candidate (the
+# case where the old code moved the store to it and ran a second copy there).
 pids=()
-for i in 0 1 2 3; do agent "$i" 1:4 29650 p1 & pids+=($!); done
+agent 0 1:4 29650 p1 &
+pids+=($!)
+wait_port 1 29650 || fail "case 1: h0's store did not come up"
+agent 1 1:4 29650 p1 &
+pids+=($!)
+sleep 1
+for i in 2 3; do agent "$i" 1:4 29650 p1 & pids+=($!); done
 wait_files p1 8 || fail "case 1: generation 0 did not start on 4 hosts"
 t_cut=$SECONDS
 cut_pair 0 1
