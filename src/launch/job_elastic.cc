@@ -236,6 +236,16 @@ bool Job::fail_over_store(std::string* why) {
   if (lease_) lease_->drop();
   const auto lease_over = Clock::now() + Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000));
   bool store_gone = false;
+  if (!joined_ && !standby_promoted_) {
+    // Lost while waiting in the next round: that round may have closed with this agent in it, and the
+    // old store's side may go on with it counted. A vote for moving the store after generation m would
+    // count this agent a second time; so it does not vote.
+    *why = fmt::format("generation {}: lost the job's store at {} while its round was open: this agent cannot tell "
+                       "whether the round closed with it (and the store's side went on), so it does not vote to move "
+                       "the store; stopping so that one copy of the job runs",
+                       m.generation + 1, store_addr_);
+    return false;
+  }
   if (standby_promoted_) {
     // The others moved the job's store to this agent's standby while this agent still reached the
     // old one: it leaves the old store (marked gone there) and follows.
