@@ -211,7 +211,8 @@ TEST(Elastic, TheStoresHostLeftWithFewerThanHalfOfItsGenerationStopsSayingWhy) {
   // and go on: so a, with 1 of 4, stops instead of going on alone (MIN is 1).
   const std::string flags = "--max-restarts 1 --rdzv-conf last_call_timeout=10";
   std::string script = e.agent("1:4", flags) + " 2> " + e.d + "/a.err & a=$!; " + e.wait_port();
-  for (const char* n : {"b", "c", "d"}) script += e.agent("1:4", flags) + " 2> " + e.d + "/" + n + ".err & " + n + "=$!; ";
+  for (const char* n : {"b", "c", "d"})
+    script += e.agent("1:4", flags) + " 2> " + e.d + "/" + n + ".err & " + n + "=$!; ";
   script += e.wait_files({"pid.0.0", "pid.0.1", "pid.0.2", "pid.0.3", "pid.0.4", "pid.0.5", "pid.0.6", "pid.0.7"}) +
             "kill -9 $b $c $d; wait $a; echo $?";
   auto r = e.run(script);

@@ -18,7 +18,8 @@ require_command run
 # worker FILE-PREFIX: generation 0 sleeps (until the cut ends it); later generations run 12 s (longer
 # than the losing side takes to give up) and finish.
 worker() {
-  echo 'echo "$COHORT_RESTART_COUNT $RANK $WORLD_SIZE $COHORT_STORE_ADDR" > '"$MH_TMP/$1"'.$COHORT_RESTART_COUNT.$RANK; [ $COHORT_RESTART_COUNT = 0 ] && exec sleep 60; sleep 12; exit 0'
+  echo 'echo "$COHORT_RESTART_COUNT $RANK $WORLD_SIZE $COHORT_STORE_ADDR" > '"$MH_TMP/$1"'.$COHORT_RESTART_COUNT.$RANK;' \
+    '[ $COHORT_RESTART_COUNT = 0 ] && exec sleep 60; sleep 12; exit 0'
 }
 # agent HOST BOUNDS PORT PREFIX: one host's `cohort run` (stderr and stdout in $MH_TMP/out.PREFIX.HOST).
 # --rdzv-timeout 20: a round waits that long for members that are not back, so a second copy of the job
@@ -30,7 +31,10 @@ agent() {
 }
 wait_port() {  # HOST PORT: until h0's store answers from HOST (10 s)
   local n
-  for ((n = 0; n < 200; n++)); do on_host "$1" bash -c "exec 3<>/dev/tcp/h0/$2" 2>/dev/null && return 0; sleep 0.05; done
+  for ((n = 0; n < 200; n++)); do
+    on_host "$1" bash -c "exec 3<>/dev/tcp/h0/$2" 2>/dev/null && return 0
+    sleep 0.05
+  done
   return 1
 }
 show_outputs() {  # PREFIX: every agent's output, after a failed check
@@ -113,7 +117,8 @@ expect_contains "case 2: P hosts the job's store now" "$outp" ", this agent) at 
 moved=$(grep -o "the job's store moved to [0-9.]*:[0-9]*" <<<"$outp" | head -1 | awk '{print $6}' || true)
 expect_eq "case 2: the store moved to P's address" "${moved%:*}" "$(addr "$p")"
 for i in "${voters[@]}"; do
-  expect_contains "case 2: h$i voted at P's standby store" "$(cat "$MH_TMP/out.p2.$i")" "voting to move the job's store to $p_host's standby store"
+  expect_contains "case 2: h$i voted at P's standby store" "$(cat "$MH_TMP/out.p2.$i")" \
+    "voting to move the job's store to $p_host's standby store"
 done
 lines=$(gen_lines p2 1)
 expect_eq "case 2: generation 1 ran 8 ranks, all on P's store" \
