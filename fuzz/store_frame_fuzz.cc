@@ -37,6 +37,7 @@ std::string reencode(const Request& r) {
     case Op::kWait: encode_keys(out, r.op, r.id, strings(r.keys), r.timeout_ms); break;
     case Op::kMultiSet: encode_multi_set(out, r.id, strings(r.keys), strings(r.values)); break;
     case Op::kLease: encode_lease(out, r.id, r.timeout_ms, strings(r.keys), strings(r.values)); break;
+    case Op::kFence: encode_fence(out, r.id, r.key, r.delta); break;
     default: check(false);
   }
   return out;

@@ -161,7 +161,8 @@ EndInfo Job::run_attempt(int attempt) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
     watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     joined_ = false;
-    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_, rendezvous_settings(plan_), attempt)
+    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_,
+                rendezvous_settings(plan_, store_epoch_), attempt)
         .detach();
   } else if (distributed_) {
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
@@ -246,6 +247,15 @@ EndInfo Job::run_attempt(int attempt) {
               break;
             case WatchEvent::kEnd:
               adopt_end(end_from_string(ev.text));
+              break;
+            case WatchEvent::kStoreMoved:
+              // This agent's standby store was promoted by the others (job_elastic.cc): it follows
+              // (run(): fail_over_store), unless it moved the store there itself.
+              if (std::stoll(ev.text) <= store_epoch_) break;
+              standby_promoted_ = true;
+              adopt_end(EndInfo{"store", 1,
+                                fmt::format("the job's store moved to this agent's standby store at {} (epoch {})",
+                                            standby_address_, ev.text)});
               break;
             case WatchEvent::kLost:
               // An elastic job moves its store when it can (run(): fail_over_store).
@@ -332,13 +342,24 @@ int Job::run() {
     EndInfo e = run_attempt(attempt);
     bool print = !ctx_.agent_mode;
     if (plan_.elastic) {
-      if (e.kind == "store" && !head_lost_ && membership_ && membership_->restarts < plan_.max_restarts) {
-        say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member", membership_->generation,
-                        e.summary));
-        if (fail_over_store()) {
+      // A round stopped on this side of a partition may be the side that loses: if the other side is
+      // moving the job's store to this agent's standby store, this agent goes with it.
+      if (e.kind == "refused" && !standby_promoted_ && standby_promotion_pending()) standby_promoted_ = true;
+      if ((e.kind == "store" || standby_promoted_) && !head_lost_ && membership_ &&
+          membership_->restarts < plan_.max_restarts) {
+        if (standby_promoted_)
+          say(fmt::format("generation {} ended: the others moved the job's store to this agent's standby store; "
+                          "following it",
+                          membership_->generation));
+        else
+          say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member",
+                          membership_->generation, e.summary));
+        std::string why;
+        if (fail_over_store(&why)) {
           attempt = membership_->generation + 1;
           continue;
         }
+        if (!why.empty()) e = EndInfo{"store", 1, why};
       }
       if (auto next = next_generation(e)) {
         say(fmt::format("generation {} ended: {}; the agents meet again for generation {}{}", membership_->generation,

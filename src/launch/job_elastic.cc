@@ -6,10 +6,15 @@
 // member's lease ended (its will, or the watcher seeing its "gone" key), or because a newcomer asked
 // for a place ("membership"). The agents that are left meet again at the next generation; failures
 // count against --max-restarts, membership changes do not. When the store's host itself is lost
-// ("store"), the survivors first move the job's store to the first member whose standby store answers
-// (fail_over_store) and meet there.
+// ("store"), the survivors vote at the first member's standby store that answers; with more than half
+// of the last generation there, the job's store moves to it (fail_over_store) and they meet there.
+// A minority stops, and so does a store's host left with fewer than half of its generation
+// (launch/rendezvous.h), so a partition never runs two copies of the job.
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <thread>
 
 #include <fmt/core.h>
@@ -26,14 +31,78 @@ namespace {
 
 std::string launch_prefix(const Plan& plan) { return "cohort/launch/" + plan.job_id + "/"; }
 
+// After a lost store's lease has run out, how long the voters of a failover wait for a majority.
+constexpr Millis kFailoverWindow{5000};
+
+// What one connection attempt says about the lost store.
+enum class OldStore {
+  kAnswers,  // it takes a connection and answers the handshake: this agent lost only its own connections
+  kRefused,  // its host resets the connection: nothing listens on the port, the store's process is gone
+  kSilent,   // no answer (host gone, link cut, process frozen): it may still run for others
+};
+
+OldStore probe_old_store(const StoreClientOptions& options) {
+  try {
+    const net::Address a = net::resolve(options.host, options.port);
+    UniqueFd fd(::socket(a.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd) return OldStore::kSilent;
+    int err = 0;
+    if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0) {
+      err = errno;
+      if (err == EINPROGRESS) {
+        pollfd p{fd.get(), POLLOUT, 0};
+        if (::poll(&p, 1, 1000) <= 0) return OldStore::kSilent;
+        socklen_t len = sizeof err;
+        getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      }
+    }
+    if (err == ECONNREFUSED) return OldStore::kRefused;
+    if (err != 0) return OldStore::kSilent;
+  } catch (const Error&) {
+    return OldStore::kSilent;
+  }
+  // Something listens: a store that answers a new connection is alive for the others too.
+  try {
+    StoreClientOptions o = options;
+    o.timeout = Millis(1000);
+    o.fence_key.clear();
+    connect_tcp_store(o);
+    return OldStore::kAnswers;
+  } catch (const Error&) {
+    return OldStore::kSilent;
+  }
+}
+
+// Watches this agent's standby store for its promotion (rdzv/epoch appearing there): the others may
+// move the job's store to it while this agent still reaches the old one. One parked wait per second.
+void standby_watch_main(StoreClientOptions options, std::string key, std::shared_ptr<EventQueue> events) {
+  try {
+    auto standby = connect_tcp_store(options);
+    for (;;) {
+      try {
+        standby->wait({key}, Millis(1000));
+        events->push({WatchEvent::kStoreMoved, standby->get(key), kAnyAttempt});
+        return;
+      } catch (const TimeoutError&) {
+      }
+    }
+  } catch (const Error&) {
+    // The standby store stopped with the job: nothing to watch.
+  }
+}
+
 }  // namespace
 
-RendezvousSettings rendezvous_settings(const Plan& plan) {
+RendezvousSettings rendezvous_settings(const Plan& plan, int64_t epoch) {
   RendezvousSettings s;
+  s.epoch = epoch;
   s.min_nodes = plan.min_nodes;
   s.max_nodes = plan.max_nodes;
   s.timeout_s = plan.join_timeout_s;
   s.last_call_s = plan.rdzv_last_call_s;
+  // The voters of a move are all in within a lease and the vote window; a few seconds more for the
+  // ones that follow it.
+  s.failover_grace_s = plan.agent_lease_s + std::chrono::duration<double>(kFailoverWindow).count() + 3;
   return s;
 }
 
@@ -59,11 +128,12 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
       } catch (const TimeoutError&) {
       }
       // A member whose lease ended before its will pointed at this generation's end record (the
-      // moment between the round's closing and the wills) is seen here. After the first seconds
-      // every member's will is in place, and the scan (one request per member) stops: it would cost
-      // the store members^2 requests per slice on a big job.
+      // moment between the round's closing and the wills) is seen here: each member watches the
+      // next one (one request per member and slice). After the first seconds every member's will
+      // is in place, and the watch stops.
       if (std::chrono::steady_clock::now() - joined < std::chrono::seconds(5))
-        if (auto gone = r.gone_member(*m)) store->compare_set(end_key, "", end_to_string(EndInfo{"node", 1, "lost " + *gone}));
+        if (auto gone = r.gone_successor(*m))
+          store->compare_set(end_key, "", end_to_string(EndInfo{"node", 1, "lost " + *gone}));
     }
   } catch (const RendezvousRefused& e) {
     if (!*stop) events->push({WatchEvent::kRefused, e.what(), generation});
@@ -79,6 +149,12 @@ void Job::open_lease() {
   self_ = AgentInfo{fmt::format("{}-{}-{}", net::hostname(), getpid(), random_token(4)), net::hostname(),
                     node ? node->nproc : 0, plan_.host_store, standby_address_};
   take_lease();
+  if (standby_) {
+    StoreClientOptions o = client_options_;
+    o.host = "127.0.0.1";
+    o.port = standby_->port();
+    std::thread(standby_watch_main, o, launch_prefix(plan_) + epoch_key(), events_).detach();
+  }
 }
 
 void Job::take_lease() {
@@ -111,6 +187,11 @@ void Job::apply_membership(const Membership& joined) {
     plan_.nodes.push_back(NodePlan{i, a.host, i == m.this_node, m.first_rank(i), a.nproc});
   }
   attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", m.generation));
+  if (torch_port_from_store_) {
+    // The store moved to another node, which picked its torch port before it joined this round.
+    torch_port_ = std::stoi(base_store_->get("torch_port"));
+    torch_port_from_store_ = false;
+  }
   // From now on this agent's end is this generation's end: the others stop at once and meet again.
   const std::string lost = end_to_string(EndInfo{
       "node", 1,
@@ -146,51 +227,119 @@ void Job::leave_elastic_job(int sig) {
   }
 }
 
-bool Job::fail_over_store() {
+bool Job::fail_over_store(std::string* why) {
   if (!membership_) return false;
   const Membership m = *membership_;  // the last generation this agent was a member of
-  // Only a store that is really gone is moved: if it takes a new connection, this agent lost its own
-  // connections (a hiccup, a slow answer), not the store, and the others may well be fine with it.
-  // This agent then stops; the others see its lease end and go on without it.
-  try {
-    StoreClientOptions old = client_options_;
-    old.timeout = std::chrono::milliseconds(1000);
-    connect_tcp_store(old);
-    say(fmt::format("the job's store at {} still answers: this agent lost its connection to it, not the store; "
-                    "stopping (the other nodes go on without it)",
-                    store_addr_));
+  const int64_t old_epoch = store_epoch_;
+  // This agent's lease on the old store ends now, without a release: if that store still runs for
+  // others, its wills mark this agent gone and end generation m there, within the lease.
+  if (lease_) lease_->drop();
+  const auto lease_over = Clock::now() + Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000));
+  bool store_gone = false;
+  if (!joined_ && !standby_promoted_) {
+    // Lost while waiting in the next round: that round may have closed with this agent in it, and the
+    // old store's side may go on with it counted. A vote for moving the store after generation m would
+    // count this agent a second time; so it does not vote.
+    *why = fmt::format("generation {}: lost the job's store at {} while its round was open: this agent cannot tell "
+                       "whether the round closed with it (and the store's side went on), so it does not vote to move "
+                       "the store; stopping so that one copy of the job runs",
+                       m.generation + 1, store_addr_);
     return false;
-  } catch (const Error&) {
+  }
+  if (standby_promoted_) {
+    // The others moved the job's store to this agent's standby while this agent still reached the
+    // old one: it leaves the old store (marked gone there) and follows.
+    try {
+      base_store_->set(gone_key(self_.id), self_.host + " (moved with the job's store)");
+    } catch (const Error&) {
+    }
+  } else {
+    switch (probe_old_store(client_options_)) {
+      case OldStore::kAnswers:
+        // Only a store that is really gone is moved: this agent lost its own connections (a hiccup,
+        // a slow answer), not the store, and the others may well be fine with it. This agent stops;
+        // the others see its lease end and go on without it.
+        *why = fmt::format("the job's store at {} still answers: this agent lost its connection to it, not the store; "
+                           "stopping (the other nodes go on without it)",
+                           store_addr_);
+        return false;
+      case OldStore::kRefused:
+        store_gone = true;
+        break;
+      case OldStore::kSilent:
+        break;
+    }
   }
   std::vector<const AgentInfo*> lost;
   for (const auto& a : m.nodes)
     if (a.store_host) lost.push_back(&a);
-  // The candidates, in the generation's order (every survivor tries the same list): the first
-  // standby store that answers is the job's store from now on.
+  const std::string epoch_full_key = launch_prefix(plan_) + epoch_key();
+  // The candidates, in the generation's order (every survivor tries the same list): this agent votes
+  // at the first standby store that answers, and only there.
   for (const auto& c : m.nodes) {
     if (c.store_host || c.standby.empty()) continue;
     const bool mine = c.id == self_.id;
+    if (standby_promoted_ && !mine) continue;
     auto [host, port] = net::split_host_port(c.standby);
     StoreClientOptions co = client_options_;
     co.host = mine ? "127.0.0.1" : host;
     co.port = port;
     co.timeout = std::chrono::milliseconds(1500);
-    std::shared_ptr<Store> base;
+    co.fence_key = epoch_full_key;
+    co.fence_epoch = old_epoch;
+    std::shared_ptr<Store> candidate;
     try {
-      base = connect_tcp_store(co);
+      try {
+        candidate = connect_tcp_store(co);
+      } catch (const StaleEpochError&) {
+        co.fence_key.clear();  // promoted already: read its epoch and follow
+        candidate = connect_tcp_store(co);
+      }
     } catch (const Error& e) {
       say(fmt::format("the standby store of {} at {} did not answer ({}); trying the next member", c.host, c.standby,
                       e.what()));
       continue;
     }
+    int64_t epoch = 0;
     try {
+      candidate->set_timeout(kStoreCallTimeout);
+      auto prefixed = make_prefix_store(candidate, "cohort/launch/" + plan_.job_id);
+      if (standby_promoted_ || co.fence_key.empty()) {
+        epoch = std::stoll(prefixed->get(epoch_key()));
+      } else {
+        FailoverVote v;
+        v.last = m;
+        v.epoch = old_epoch;
+        v.store_gone = store_gone;
+        v.lease_over = lease_over;
+        v.deadline = lease_over + kFailoverWindow;
+        say(fmt::format("voting to move the job's store to {} at {} ({} of generation {}'s {} nodes must agree)",
+                        mine ? "this agent's standby store" : c.host + "'s standby store", c.standby,
+                        m.nodes.size() / 2 + 1, m.generation, m.nodes.size()));
+        const std::atomic<bool> never{false};
+        epoch = vote_for_store(*prefixed, self_, v, mine ? "this agent's standby store" : c.host + "'s standby store",
+                               never);
+      }
+    } catch (const FailoverRefused& e) {
+      *why = e.what();
+      return false;
+    } catch (const Error& e) {
+      *why = fmt::format("moving the job's store to {} at {} failed: {}", c.host, c.standby, e.what());
+      return false;
+    }
+    try {
+      co.fence_key = epoch_full_key;
+      co.fence_epoch = epoch;
       co.timeout = kStoreCallTimeout;
-      base->set_timeout(kStoreCallTimeout);
+      auto base = connect_tcp_store(co);
       client_options_ = co;
       base_client_ = base;
       base_store_ = make_prefix_store(base, "cohort/launch/" + plan_.job_id);
       watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
+      store_epoch_ = epoch;
       store_addr_ = c.standby;
+      // Voted or not, this agent follows: the first round does not drop it for having no vote.
+      base_store_->set(fmt::format("rdzv/failover/{}/vote/{}", m.generation, self_.id), self_.host);
       plan_.master_addr = host;
       plan_.master_port = port;
       if (mine) {
@@ -217,22 +366,48 @@ bool Job::fail_over_store() {
                                                      fmt::format("lost node 0 ({}), the job's store's host",
                                                                  str::join(hosts, ", "))}));
       base_store_->compare_set("rdzv/current", "", std::to_string(m.generation));
+      // The new store's host picks its torch port before it joins the next round; the others read it
+      // when that round closes (the host may still be stopping its workers now).
       if (mine) base_store_->set("torch_port", std::to_string(torch_port_));
-      else torch_port_ = std::stoi(base_store_->get("torch_port"));
-      // A lease on the new store (the old one went with the old store).
+      else torch_port_from_store_ = true;
+      // A lease on the new store.
       lease_.reset();
       take_lease();
     } catch (const Error& e) {
-      say(fmt::format("moving the job's store to {} at {} failed: {}", c.host, c.standby, e.what()));
+      *why = fmt::format("moving the job's store to {} at {} failed: {}", c.host, c.standby, e.what());
       return false;
     }
-    say(fmt::format("the job's store moved to {} ({}{}); the agents meet again for generation {}; a new agent joins "
-                    "with --rdzv-endpoint {}",
-                    c.standby, c.host, mine ? ", this agent" : "", m.generation + 1, c.standby));
+    standby_promoted_ = false;
+    say(fmt::format("the job's store moved to {} ({}{}) at epoch {}; the agents meet again for generation {}; a new "
+                    "agent joins with --rdzv-endpoint {}",
+                    c.standby, c.host, mine ? ", this agent" : "", epoch, m.generation + 1, c.standby));
     return true;
   }
-  say("no member's standby store answered: the job cannot go on without its store");
+  *why = "no member's standby store answered: the job cannot go on without its store";
   return false;
+}
+
+bool Job::standby_promotion_pending() {
+  if (!standby_ || !membership_) return false;
+  try {
+    StoreClientOptions o = client_options_;
+    o.host = "127.0.0.1";
+    o.port = standby_->port();
+    o.fence_key.clear();
+    o.timeout = kStoreCallTimeout;
+    auto standby = make_prefix_store(connect_tcp_store(o), "cohort/launch/" + plan_.job_id);
+    if (standby->add(fmt::format("rdzv/failover/{}/votes", membership_->generation), 0) == 0) return false;
+    // The voters promote it once more than half of them voted and their leases on the old store ran
+    // out: within a lease and the vote window of their losing it, which was before this round stopped.
+    const auto limit = Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)) + kFailoverWindow;
+    say(fmt::format("members of generation {} voted to move the job's store to this agent's standby store; waiting up "
+                    "to {:.0f} s for the vote's outcome",
+                    membership_->generation, std::chrono::duration<double>(limit).count()));
+    standby->wait({epoch_key()}, limit);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
 }
 
 bool Job::member_gone(const AgentInfo& a) const {

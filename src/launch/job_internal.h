@@ -111,7 +111,8 @@ struct AgentChild {
 // of an earlier attempt's watcher are dropped); kAnyAttempt: news for whichever attempt runs.
 inline constexpr int kAnyAttempt = -1;
 struct WatchEvent {
-  enum Kind { kJoined, kEnd, kLost, kJoinTimeout, kRefused, kLeaseLost } kind;
+  // kStoreMoved: this agent's standby store was promoted (text: its epoch), job_elastic.cc.
+  enum Kind { kJoined, kEnd, kLost, kJoinTimeout, kRefused, kLeaseLost, kStoreMoved } kind;
   std::string text;
   int attempt = 0;
   int lease = 0;  // kLeaseLost: which of this agent's leases (a replaced one's loss is old news)
@@ -157,8 +158,8 @@ struct WatchParams {
 void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                   std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt);
 
-// The rendezvous bounds and timings of an elastic plan.
-RendezvousSettings rendezvous_settings(const Plan& plan);
+// The rendezvous bounds and timings of an elastic plan, on a store at `epoch`.
+RendezvousSettings rendezvous_settings(const Plan& plan, int64_t epoch = 0);
 
 // Elastic jobs (job_elastic.cc): joins generation `generation` (or the first one that admits this
 // agent) and reports its membership (kJoined, JSON), then waits for the generation's end record like
@@ -232,9 +233,14 @@ class Job {
   void leave_elastic_job(int sig);                 // an interrupted agent leaves; the others go on
   void settle_elastic_end();                       // the store's host stays until the others are out
   bool member_gone(const AgentInfo& a) const;
-  // The store's host is lost: move the job's store to the first member whose standby store answers,
-  // seed it with the last generation and go on. False when none answers (the job is over).
-  bool fail_over_store();
+  // The store's host is lost (or this agent's standby store was promoted by the others): vote at the
+  // first member's standby store that answers, and once more than half of the last generation did,
+  // move the job's store there, seed it with the last generation and go on. False, with *why, when
+  // the job cannot go on here (no majority, no standby answers, the old store still answers).
+  bool fail_over_store(std::string* why);
+  // This agent's round stopped (a split, a refusal) while members voted to move the job's store to
+  // its standby store: waits for that vote's outcome. True when the standby was promoted (follow it).
+  bool standby_promotion_pending();
   // job_trace.cc
   void prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars);
   void start_inspector(int attempt);
@@ -301,6 +307,9 @@ class Job {
   std::unique_ptr<StoreServer> standby_;  // this agent's standby store (not on the store's host)
   std::string standby_address_;            // where the others reach it
   std::optional<Membership> membership_;
+  int64_t store_epoch_ = 0;          // the job's store's epoch (rdzv/epoch): how often it moved
+  bool standby_promoted_ = false;    // the others moved the job's store to this agent's standby
+  bool torch_port_from_store_ = false;  // the store moved to another node: read its torch port when joined
   // job_exits.cc: the store the ranks' exits are published to (the job's, without a prefix; null:
   // none), the attempt the workers run (COHORT_RESTART_COUNT), and what this node published in it.
   std::shared_ptr<Store> exit_store_;

@@ -24,7 +24,7 @@ void store_u32(char* p, uint32_t v) {
 
 bool is_request(Op op) {
   auto v = static_cast<uint8_t>(op);
-  return v >= static_cast<uint8_t>(Op::kSet) && v <= static_cast<uint8_t>(Op::kLease);
+  return v >= static_cast<uint8_t>(Op::kSet) && v <= static_cast<uint8_t>(Op::kFence);
 }
 
 const char* op_name(Op op) {
@@ -44,10 +44,12 @@ const char* op_name(Op op) {
     case Op::kMultiSet: return "multi_set";
     case Op::kWait: return "wait";
     case Op::kLease: return "lease";
+    case Op::kFence: return "fence";
     case Op::kOk: return "ok";
     case Op::kTimedOut: return "timed_out";
     case Op::kError: return "error";
     case Op::kClosing: return "closing";
+    case Op::kStale: return "stale";
   }
   return "unknown";
 }
@@ -192,6 +194,10 @@ bool parse_request(const FrameView& frame, Request* out, std::string* error) {
     case Op::kDelete:
       out->key = r.bytes();
       break;
+    case Op::kFence:
+      out->key = r.bytes();
+      out->delta = r.i64();
+      break;
     case Op::kNumKeys:
       break;
     case Op::kCheck:
@@ -312,6 +318,11 @@ void encode_lease(std::string& out, uint32_t id, uint32_t lease_ms, const std::v
   w.begin(Op::kLease, id).u32(lease_ms).u32(static_cast<uint32_t>(keys.size()));
   for (size_t i = 0; i < keys.size(); ++i) w.bytes(keys[i]).bytes(values[i]);
   w.end();
+}
+
+void encode_fence(std::string& out, uint32_t id, std::string_view key, int64_t epoch) {
+  Writer w(out);
+  w.begin(Op::kFence, id).bytes(key).i64(epoch).end();
 }
 
 void encode_string_reply(std::string& out, Op op, uint32_t id, std::string_view text) {

@@ -50,11 +50,17 @@ enum class Op : uint8_t {
   // 0), the server sets each will's key that does not exist by then. An empty list is an orderly
   // release.
   kLease = 26,       // lease_ms u32, count u32, (key, value)*  -> Ok()
+  // Fences the connection's writes (docs/store.md, "Epochs"): from then on each write on it (set,
+  // add, compare_set, delete, multi_set, and its lease's wills) is refused with Stale, and not done,
+  // while the integer at `key` (missing: 0) is greater than `epoch`. A connection that never sends
+  // it is never checked. Replaces an earlier fence of the connection.
+  kFence = 27,       // key, epoch i64                  -> Ok(i64 the key's epoch now) | Stale
   // Replies (server -> client), carrying the request's id.
   kOk = 64,        // op-specific payload above
   kTimedOut = 65,  // waited_ms u32, missing keys
   kError = 66,     // message string (the request was invalid, e.g. add on a non-integer)
   kClosing = 67,   // reason string: the server closes this connection (protocol error, stopping)
+  kStale = 68,     // message string: a fenced connection's write refused (the store's epoch is newer)
 };
 
 bool is_request(Op op);
@@ -123,7 +129,7 @@ struct Request {
   Op op = Op::kOk;
   uint32_t id = 0;
   uint32_t timeout_ms = 0;  // get, multi_get, wait; lease: the lease's silence limit
-  int64_t delta = 0;
+  int64_t delta = 0;         // add; fence: the epoch
   std::string_view key, value, expected;
   std::vector<std::string_view> keys, values;
 };
@@ -163,7 +169,8 @@ void encode_multi_set(std::string& out, uint32_t id, const std::vector<std::stri
                       const std::vector<std::string>& values);
 void encode_lease(std::string& out, uint32_t id, uint32_t lease_ms, const std::vector<std::string>& keys,
                   const std::vector<std::string>& values);
-// A reply whose payload is one string (kRefused, kError, kClosing, or Ok(value)).
+void encode_fence(std::string& out, uint32_t id, std::string_view key, int64_t epoch);
+// A reply whose payload is one string (kRefused, kError, kClosing, kStale, or Ok(value)).
 void encode_string_reply(std::string& out, Op op, uint32_t id, std::string_view text);
 
 // Clamps a millisecond timeout to the u32 the protocol carries.

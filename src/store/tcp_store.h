@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/error.h"
 #include "cohort/store.h"
 
 namespace cohort {
@@ -36,6 +37,9 @@ class StoreServer {
   virtual uint16_t port() const = 0;
   // "host:port" as clients should dial it.
   virtual std::string address() const = 0;
+  // Requests executed since the start (handshakes not counted): what a client's calls cost the
+  // server, for benchmarks and tests (the rendezvous' load, docs/performance.md).
+  virtual uint64_t requests() const = 0;
   // Stops serving and closes every connection (clients then fail with "store ... unreachable").
   virtual void stop() = 0;
 };
@@ -48,6 +52,19 @@ struct StoreClientOptions {
   // A waiting call's server-side deadline is its timeout; the client allows this much more for the
   // answer to travel back before it gives up on the server (a cut link is seen this long after).
   Millis reply_grace{2000};
+  // When set, the connection is fenced right after the handshake (proto::Op::kFence, docs/store.md
+  // "Epochs"): its writes are refused with StaleEpochError once the integer at fence_key exceeds
+  // fence_epoch, and connecting throws StaleEpochError when it does already. The key is a full key
+  // (no prefix applies).
+  std::string fence_key;
+  int64_t fence_epoch = 0;
+};
+
+// A fenced connection's write that the store refused because its epoch is newer (docs/store.md,
+// "Epochs"); the message names both epochs.
+class StaleEpochError : public Error {
+ public:
+  using Error::Error;
 };
 
 // Connects (retrying with exponential back-off and jitter until the deadline: a server that is not
@@ -68,6 +85,11 @@ class StoreLease {
                                           std::function<void(const std::string&)> on_lost = {});
   // An orderly release: the wills are dropped first, so they do not fire.
   virtual ~StoreLease() = default;
+  // Ends the lease without a release: the renewals stop and the connection is closed, so a store
+  // that still runs sets the wills (at once if the close reaches it, else when the lease runs out).
+  // The elastic agents do this when they give up a store they cannot reach. Destroying it then
+  // does nothing more.
+  virtual void drop() = 0;
   // Replaces the wills (full keys: no prefix applies). Throws when the store cannot be reached.
   virtual void set_wills(const std::vector<std::pair<std::string, std::string>>& wills) = 0;
   // "" while the lease holds; otherwise why it was lost.

@@ -209,6 +209,8 @@ class TcpStore : public Store {
     int attempts = 0;
     for (;;) {
       ++attempts;
+      connected_ = false;
+      broken_.clear();
       try {
         net::Address addr = net::resolve(options_.host, options_.port);
         fd_ = net::connect_tcp(addr, deadline);
@@ -216,6 +218,7 @@ class TcpStore : public Store {
         in_.clear();
         in_off_ = 0;
         handshake(deadline);
+        if (!options_.fence_key.empty()) fence(deadline);
         if (attempts > 1) log::debug("store: connected to {} after {} attempts", address_, attempts);
         return;
       } catch (const PeerLostError& e) {
@@ -273,6 +276,17 @@ class TcpStore : public Store {
     }
     consume_frame();
     connected_ = true;
+  }
+
+  // Binds this connection's writes to the options' epoch (proto::Op::kFence).
+  void fence(Deadline deadline) {
+    uint32_t id = begin();
+    proto::encode_fence(out_, id, options_.fence_key, options_.fence_epoch);
+    Reply r = call(id, deadline, "fence");
+    expect_ok(r, "fence", timeout());
+    proto::Reader rd(r.payload);
+    rd.i64();
+    if (!rd.at_end()) malformed("fence");
   }
 
   // ---- framing over the socket --------------------------------------------------------------
@@ -426,6 +440,8 @@ class TcpStore : public Store {
       }
       case Op::kError:
         throw InvalidArgument(string_payload(r.payload));
+      case Op::kStale:
+        throw StaleEpochError(fmt::format("store at {}: {}", address_, string_payload(r.payload)));
       default:
         malformed(what);
     }
@@ -462,29 +478,54 @@ class TcpStore : public Store {
   std::map<uint32_t, Reply> early_;
 };
 
-// StoreLease: one TcpStore connection with a lease, and a thread that keeps it alive.
+// StoreLease: one TcpStore connection with a lease, and a thread that keeps it alive. The thread
+// shares its state with the object, so that drop() can leave it to finish a renewal in flight (on a
+// cut link that takes up to the lease) without waiting for it.
 class TcpStoreLease : public StoreLease {
+  struct State {
+    std::shared_ptr<TcpStore> store;  // null once dropped
+    Millis limit;
+    std::function<void(const std::string&)> on_lost;
+    std::mutex m;
+    std::condition_variable cv;
+    bool stop = false;
+    std::string lost;
+
+    void mark_lost(const std::string& why) {
+      {
+        std::lock_guard<std::mutex> g(m);
+        if (!lost.empty() || stop) return;
+        lost = why;
+      }
+      if (on_lost) on_lost(why);
+    }
+  };
+
  public:
   TcpStoreLease(const StoreClientOptions& options, Millis limit, std::function<void(const std::string&)> on_lost)
-      : store_(std::make_shared<TcpStore>(options)), limit_(limit), on_lost_(std::move(on_lost)) {
+      : s_(std::make_shared<State>()) {
+    s_->store = std::make_shared<TcpStore>(options);
+    s_->limit = limit;
+    s_->on_lost = std::move(on_lost);
     // A heartbeat is given the whole lease to come back: the server has it (the lease holds), and
     // only an answer that never comes, or a closed connection, means the store or the link is gone.
-    store_->set_timeout(std::max(Millis(1), limit_));
-    store_->lease(limit_, {}, {});
-    thread_ = std::thread([this] { keep_alive(); });
+    s_->store->set_timeout(std::max(Millis(1), limit));
+    s_->store->lease(limit, {}, {});
+    thread_ = std::thread([s = s_] { keep_alive(*s); });
   }
 
   ~TcpStoreLease() override {
+    if (!thread_.joinable()) return;  // dropped
     {
-      std::lock_guard<std::mutex> g(m_);
-      stop_ = true;
+      std::lock_guard<std::mutex> g(s_->m);
+      s_->stop = true;
     }
-    cv_.notify_all();
+    s_->cv.notify_all();
     thread_.join();
     // An orderly release: the wills are dropped, so ending this connection announces nothing.
-    if (lost_.empty()) {
+    if (s_->lost.empty()) {
       try {
-        store_->lease(Millis(0), {}, {});
+        s_->store->lease(Millis(0), {}, {});
       } catch (const Error&) {
       }
     }
@@ -493,58 +534,58 @@ class TcpStoreLease : public StoreLease {
   void set_wills(const std::vector<std::pair<std::string, std::string>>& wills) override {
     std::vector<std::string> keys, values;
     for (const auto& [k, v] : wills) keys.push_back(k), values.push_back(v);
+    std::shared_ptr<TcpStore> store;
+    {
+      std::lock_guard<std::mutex> g(s_->m);
+      store = s_->store;
+    }
+    if (!store) throw PeerLostError("store lease: set_wills after the lease was dropped");
     try {
-      store_->lease(limit_, keys, values);
+      store->lease(s_->limit, keys, values);
     } catch (const Error& e) {
-      mark_lost(e.what());
+      s_->mark_lost(e.what());
       throw;
     }
   }
 
   std::string lost() const override {
-    std::lock_guard<std::mutex> g(m_);
-    return lost_;
+    std::lock_guard<std::mutex> g(s_->m);
+    return s_->lost;
+  }
+
+  void drop() override {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> g(s_->m);
+      s_->stop = true;
+      s_->store.reset();  // the connection closes, wills in place, once the thread lets go of it too
+    }
+    s_->cv.notify_all();
+    thread_.detach();
   }
 
  private:
-  void keep_alive() {
-    const Millis period = std::max(Millis(1), limit_ / 4);
-    std::unique_lock<std::mutex> lk(m_);
-    while (!stop_ && lost_.empty()) {
-      cv_.wait_for(lk, period, [&] { return stop_; });
-      if (stop_) break;
+  static void keep_alive(State& s) {
+    const Millis period = std::max(Millis(1), s.limit / 4);
+    std::unique_lock<std::mutex> lk(s.m);
+    while (!s.stop && s.lost.empty()) {
+      s.cv.wait_for(lk, period, [&] { return s.stop; });
+      if (s.stop) break;
+      std::shared_ptr<TcpStore> store = s.store;
       lk.unlock();
       try {
-        store_->check({});  // any request renews the lease
+        store->check({});  // any request renews the lease
       } catch (const Error& e) {
+        s.mark_lost(e.what());
         lk.lock();
-        if (!stop_) {
-          lk.unlock();
-          mark_lost(e.what());
-          lk.lock();
-        }
         break;
       }
+      store.reset();
       lk.lock();
     }
   }
 
-  void mark_lost(const std::string& why) {
-    {
-      std::lock_guard<std::mutex> g(m_);
-      if (!lost_.empty()) return;
-      lost_ = why;
-    }
-    if (on_lost_) on_lost_(why);
-  }
-
-  std::shared_ptr<TcpStore> store_;
-  Millis limit_;
-  std::function<void(const std::string&)> on_lost_;
-  mutable std::mutex m_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::string lost_;
+  std::shared_ptr<State> s_;
   std::thread thread_;
 };
 

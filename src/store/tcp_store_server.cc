@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <queue>
 #include <thread>
 #include <unordered_map>
@@ -63,6 +64,9 @@ struct Conn {
   std::vector<std::pair<std::string, std::string>> wills;
   std::chrono::milliseconds lease{0};
   Clock::time_point last_frame{};
+  // Its fence (kFence): writes are refused while the integer at fence_key exceeds fence_epoch.
+  std::string fence_key;  // empty: not fenced
+  int64_t fence_epoch = 0;
 };
 
 struct Waiter {
@@ -111,6 +115,7 @@ class TcpStoreServer : public StoreServer {
 
   uint16_t port() const override { return port_; }
   std::string address() const override { return address_; }
+  uint64_t requests() const override { return requests_.load(std::memory_order_relaxed); }
 
   void stop() override {
     if (stopping_.exchange(true)) {
@@ -346,7 +351,39 @@ class TcpStoreServer : public StoreServer {
     if (inserted) key_created(it->first);
   }
 
+  // The epoch at `key` (missing: 0); nullopt when the value is not an integer.
+  std::optional<int64_t> epoch_at(const std::string& key) const {
+    auto it = data_.find(key);
+    if (it == data_.end() || it->second.empty()) return 0;
+    int64_t v = 0;
+    auto [p, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
+    if (ec != std::errc() || p != it->second.data() + it->second.size()) return std::nullopt;
+    return v;
+  }
+
+  // Why a write of fenced connection `c` must not be done ("" when it may).
+  std::string stale_reason(const Conn& c) const {
+    if (c.fence_key.empty()) return "";
+    auto now = epoch_at(c.fence_key);
+    if (!now) return fmt::format("stale epoch: the store's epoch key '{}' does not hold an integer", c.fence_key);
+    if (*now <= c.fence_epoch) return "";
+    return fmt::format("stale epoch: this connection writes for epoch {} but the store is at epoch {} ('{}')",
+                       c.fence_epoch, *now, c.fence_key);
+  }
+
+  static bool is_write(Op op) {
+    return op == Op::kSet || op == Op::kAdd || op == Op::kCompareSet || op == Op::kDelete || op == Op::kMultiSet;
+  }
+
   void execute(Conn& c, const proto::Request& r) {
+    requests_.fetch_add(1, std::memory_order_relaxed);
+    if (is_write(r.op)) {
+      std::string stale = stale_reason(c);
+      if (!stale.empty()) {
+        proto::encode_string_reply(c.out, Op::kStale, r.id, stale);
+        return;
+      }
+    }
     switch (r.op) {
       case Op::kSet:
         put(r.key, r.value);
@@ -437,6 +474,17 @@ class TcpStoreServer : public StoreServer {
         // process_frames arms the silence timer from this frame on.
         reply_ok(c, r.id);
         break;
+      case Op::kFence: {
+        c.fence_key.assign(r.key);
+        c.fence_epoch = r.delta;
+        std::string stale = stale_reason(c);
+        if (!stale.empty()) {
+          proto::encode_string_reply(c.out, Op::kStale, r.id, stale);
+          break;
+        }
+        proto::Writer(c.out).begin(Op::kOk, r.id).i64(epoch_at(c.fence_key).value_or(0)).end();
+        break;
+      }
       default:
         break;  // parse_request admits requests only
     }
@@ -675,6 +723,11 @@ class TcpStoreServer : public StoreServer {
       (void)ignored;
     }
     for (uint64_t wid : c.waiters) waiters_.erase(wid);
+    // A fenced connection's wills are writes like any other: a store at a newer epoch drops them.
+    if (std::string stale = stale_reason(c); !stale.empty() && !c.wills.empty()) {
+      log::info("store: the wills of the connection from {} are not set: {}", c.peer.to_string(), stale);
+      c.wills.clear();
+    }
     for (auto& will : c.wills) pending_wills_.push_back(std::move(will));
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
     conns_.erase(it);
@@ -702,6 +755,7 @@ class TcpStoreServer : public StoreServer {
   std::string address_;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
+  std::atomic<uint64_t> requests_{0};  // requests executed (after the handshake), for requests()
 
   // Loop-thread state.
   uint64_t next_conn_id_ = 2;  // 0 and 1 are the listening socket and the wake-up eventfd

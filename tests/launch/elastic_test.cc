@@ -204,6 +204,29 @@ TEST(Elastic, LosingTheStoresHostMovesTheStoreToASurvivorAndTheJobGoesOn) {
   e.expect_no_worker_left();
 }
 
+TEST(Elastic, TheStoresHostLeftWithFewerThanHalfOfItsGenerationStopsSayingWhy) {
+  Elastic e;
+  // a hosts the store; b, c and d are SIGKILLed at once. To the store that is what a cut between a and
+  // the three others looks like, and on the far side of such a cut the three would move the store
+  // and go on: so a, with 1 of 4, stops instead of going on alone (MIN is 1).
+  const std::string flags = "--max-restarts 1 --rdzv-conf last_call_timeout=10";
+  std::string script = e.agent("1:4", flags) + " 2> " + e.d + "/a.err & a=$!; " + e.wait_port();
+  for (const char* n : {"b", "c", "d"})
+    script += e.agent("1:4", flags) + " 2> " + e.d + "/" + n + ".err & " + n + "=$!; ";
+  script += e.wait_files({"pid.0.0", "pid.0.1", "pid.0.2", "pid.0.3", "pid.0.4", "pid.0.5", "pid.0.6", "pid.0.7"}) +
+            "kill -9 $b $c $d; wait $a; echo $?";
+  auto r = e.run(script);
+  EXPECT_EQ(r.out, "1\n") << e.file("a.err");
+  const std::string err = e.file("a.err");
+  EXPECT_NE(err.find("job stopped (exit 1): generation 1: only 1 of the 4 nodes of generation 0 are left (gone: "),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("stopping so that one copy of the job runs"), std::string::npos) << err;
+  EXPECT_EQ(e.file("env.1.0"), "") << "no generation 1 ran";
+  EXPECT_LT(r.seconds, 30.0);
+  e.expect_no_worker_left();
+}
+
 TEST(Elastic, BadBoundsAndFlagsAreOneLineAndExit2) {
   struct Case {
     std::vector<std::string> args;

@@ -242,5 +242,234 @@ TEST(Rendezvous, AStopFlagEndsTheWaitAtOnce) {
   t.join();
 }
 
+// ---- Partitions: a round after a generation needs half of it back ---------------------------------
+
+TEST(Rendezvous, WithFewerThanHalfOfTheLastGenerationLeftTheRoundStopsAtOnceSayingWhy) {
+  Cluster c;
+  auto first = join_all(c, {"h0", "h1", "h2", "h3"}, 0, bounds(1, 4));
+  for (const char* lost : {"h1", "h2", "h3"}) drop(c, lost);  // three leases ran out: a cut, or three deaths
+  end(c, 0);
+  auto start = Clock::now();
+  std::atomic<bool> stop{false};
+  Rendezvous r(c.client(), agent("h0"), bounds(1, 4, 30), {});
+  try {
+    r.join(1, stop);
+    FAIL() << "the store's side of a cut went on with 1 of 4 nodes";
+  } catch (const RendezvousSplit& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("generation 1: only 1 of the 4 nodes of generation 0 are left (gone: "), std::string::npos) << m;
+    for (const char* lost : {"h1", "h2", "h3"}) EXPECT_NE(m.find(lost), std::string::npos) << m;
+    EXPECT_NE(m.find("), fewer than half"), std::string::npos) << m;
+    EXPECT_NE(m.find("stopping so that one copy of the job runs"), std::string::npos) << m;
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0) << "not the 30 s rendezvous timeout";
+  // Whoever comes later reads the same verdict.
+  Rendezvous late(c.client(), agent("h9"), bounds(1, 4, 30), {});
+  EXPECT_THROW(late.join(1, stop), RendezvousSplit);
+}
+
+TEST(Rendezvous, HalfOfTheLastGenerationGoesOn) {
+  Cluster c;
+  join_all(c, {"h0", "h1", "h2", "h3"}, 0, bounds(1, 4));
+  drop(c, "h2");
+  drop(c, "h3");
+  end(c, 0);
+  // Two of four: the far side cannot have more than half, so it cannot move the store (a tie goes to
+  // the store's side).
+  auto next = join_all(c, {"h0", "h1"}, 1, bounds(1, 4));
+  auto hosts = hosts_of(next["h0"]);
+  EXPECT_EQ(std::set<std::string>(hosts.begin(), hosts.end()), (std::set<std::string>{"h0", "h1"}));
+}
+
+// ---- Load: O(1) store requests per agent and look -------------------------------------------------
+
+// Counts the calls that pass, and apart the looks at a round (waits for its "closed" key).
+class CountingStore : public Store {
+ public:
+  explicit CountingStore(std::shared_ptr<Store> base) : base_(std::move(base)) { set_timeout(base_->timeout()); }
+  void set(const std::string& k, const std::string& v) override { ++calls; base_->set(k, v); }
+  std::string get(const std::string& k) override { ++calls; return base_->get(k); }
+  int64_t add(const std::string& k, int64_t d) override { ++calls; return base_->add(k, d); }
+  std::string compare_set(const std::string& k, const std::string& e, const std::string& d) override {
+    ++calls;
+    return base_->compare_set(k, e, d);
+  }
+  bool remove(const std::string& k) override { ++calls; return base_->remove(k); }
+  int64_t num_keys() override { ++calls; return base_->num_keys(); }
+  bool check(const std::vector<std::string>& keys) override { ++calls; return base_->check(keys); }
+  void wait(const std::vector<std::string>& keys, Millis t) override {
+    ++calls;
+    if (keys.size() == 1 && keys[0].ends_with("/closed")) ++looks;
+    base_->wait(keys, t);
+  }
+  using Store::wait;
+  std::vector<std::string> multi_get(const std::vector<std::string>& keys) override {
+    ++calls;
+    return base_->multi_get(keys);
+  }
+  void multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values) override {
+    ++calls;
+    base_->multi_set(keys, values);
+  }
+  std::atomic<uint64_t> calls{0}, looks{0};
+
+ private:
+  std::shared_ptr<Store> base_;
+};
+
+// The store requests per agent and look while `n` agents wait in an open round, counted over the
+// looks from each agent's 5th to its 25th (the arrivals are read by then).
+double requests_per_agent_and_look(int n) {
+  Cluster c;
+  std::vector<std::shared_ptr<CountingStore>> stores;
+  for (int i = 0; i < n; ++i) {
+    StoreClientOptions o;
+    o.host = "127.0.0.1";
+    o.port = c.server->port();
+    o.timeout = 30s;
+    stores.push_back(std::make_shared<CountingStore>(connect_tcp_store(o)));
+  }
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> agents;
+  for (int i = 0; i < n; ++i)
+    agents.emplace_back([&, i] {
+      // Up to 2n nodes and a long last call: the round stays open until `stop`.
+      Rendezvous r(make_prefix_store(stores[static_cast<size_t>(i)], "cohort/launch/job"),
+                   agent("h" + std::to_string(i)), bounds(1, 2 * n, 60, 60), {});
+      r.join(0, stop);
+    });
+  auto every_agent_looked = [&](uint64_t looks) {
+    const auto deadline = Clock::now() + 60s;
+    while (Clock::now() < deadline) {
+      bool all = true;
+      for (const auto& st : stores) all = all && st->looks >= looks;
+      if (all) return true;
+      std::this_thread::sleep_for(5ms);
+    }
+    return false;
+  };
+  auto totals = [&] {
+    std::pair<uint64_t, uint64_t> t{0, 0};
+    for (const auto& st : stores) t.first += st->calls, t.second += st->looks;
+    return t;
+  };
+  EXPECT_TRUE(every_agent_looked(5));
+  auto a = totals();
+  EXPECT_TRUE(every_agent_looked(25));
+  auto b = totals();
+  stop = true;
+  for (auto& t : agents) t.join();
+  return static_cast<double>(b.first - a.first) / static_cast<double>(b.second - a.second);
+}
+
+TEST(Rendezvous, AWaitingRoundCostsTheStoreTheSameRequestsPerAgentWhateverItsSize) {
+  // Before: each agent checked every arrival's "gone" key at every look (8 agents: ~10 requests per
+  // agent and look, 32: ~34), so the store's load grew with the square of the nodes.
+  const double small = requests_per_agent_and_look(8);
+  const double large = requests_per_agent_and_look(32);
+  EXPECT_LT(large, small + 1.0) << "8 agents: " << small << " requests per agent and look, 32 agents: " << large;
+  EXPECT_LT(large, 5.0);
+}
+
+// ---- Moving the store: votes at a standby store -------------------------------------------------------
+
+Membership generation_of(int n) {
+  Membership m;
+  m.generation = 3;
+  for (int i = 0; i < n; ++i) m.nodes.push_back(agent("h" + std::to_string(i)));
+  m.nodes[0].store_host = true;
+  return m;
+}
+
+// A voter's connection to the candidate, fenced at the lost store's epoch (0), as job_elastic.cc makes it.
+std::shared_ptr<Store> fenced_client(const Cluster& c, int64_t epoch = 0) {
+  StoreClientOptions o;
+  o.host = "127.0.0.1";
+  o.port = c.server->port();
+  o.timeout = 5s;
+  o.fence_key = "cohort/launch/job/" + epoch_key();
+  o.fence_epoch = epoch;
+  return make_prefix_store(connect_tcp_store(o), "cohort/launch/job");
+}
+
+FailoverVote vote_of(int members, bool store_gone, Millis window) {
+  FailoverVote v;
+  v.last = generation_of(members);
+  v.store_gone = store_gone;
+  v.lease_over = Clock::now() + (store_gone ? 60s : Millis(0));
+  v.deadline = Clock::now() + window;
+  v.slice = Millis(20);
+  return v;
+}
+
+TEST(StoreFailover, MoreThanHalfOfTheGenerationPromoteTheStandbyOnce) {
+  Cluster c;
+  std::atomic<bool> stop{false};
+  auto late = fenced_client(c);  // connected before the promotion, voting after it
+  std::vector<int64_t> epochs(3, -1);
+  // h1..h3 of 4 (h0 hosted the lost store); one of them found its port closed.
+  test::run_ranks(3, [&](int i) {
+    epochs[static_cast<size_t>(i)] = vote_for_store(*fenced_client(c), agent("h" + std::to_string(i + 1)),
+                                                    vote_of(4, i == 2, 10s), "h1's standby store", stop);
+  });
+  EXPECT_EQ(epochs, (std::vector<int64_t>{1, 1, 1}));
+  EXPECT_EQ(c.client()->get(epoch_key()), "1");
+  // A voter that comes after the promotion: its vote is refused as stale, and it follows.
+  EXPECT_EQ(vote_for_store(*late, agent("h9"), vote_of(4, false, 5s), "h1's standby store", stop), 1);
+  EXPECT_THROW(fenced_client(c), StaleEpochError) << "a connection for the old epoch is refused at once";
+  EXPECT_EQ(c.client()->add("rdzv/failover/3/votes", 0), 3) << "the late vote was not counted";
+}
+
+TEST(StoreFailover, AMinorityOfTheGenerationStopsWithOneLine) {
+  for (int voters : {1, 2}) {  // of 4: more than 2 are needed
+    Cluster c;
+    std::atomic<bool> stop{false};
+    auto start = Clock::now();
+    std::vector<std::string> errors(static_cast<size_t>(voters));
+    test::run_ranks(voters, [&](int i) {
+      try {
+        vote_for_store(*fenced_client(c), agent("h" + std::to_string(i + 1)), vote_of(4, true, Millis(600)),
+                       "h1's standby store", stop);
+      } catch (const FailoverRefused& e) {
+        errors[static_cast<size_t>(i)] = e.what();
+      }
+    });
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0);
+    for (const auto& e : errors) {
+      EXPECT_NE(e.find("generation 3: lost the store's host and could not reach a majority of the last generation (" +
+                       std::to_string(voters) + " of 4 voted at h1's standby store within"),
+                std::string::npos)
+          << e;
+      EXPECT_NE(e.find("more than 2 needed); stopping so that one copy of the job runs"), std::string::npos) << e;
+    }
+    EXPECT_FALSE(c.client()->check({epoch_key()})) << voters << " of 4 promoted the standby";
+  }
+}
+
+TEST(StoreFailover, WithoutProofThatTheOldStoreIsGoneAMajorityWaitsOutItsLease) {
+  Cluster c;
+  std::atomic<bool> stop{false};
+  // Every voter's old store only went silent; their leases there run out in 60 s. With the votes all
+  // in, the standby must not be promoted before: the old store's side may still run generation 3.
+  std::atomic<int> refused{0};
+  test::run_ranks(3, [&](int i) {
+    FailoverVote v = vote_of(4, false, Millis(600));
+    v.lease_over = Clock::now() + 60s;
+    try {
+      vote_for_store(*fenced_client(c), agent("h" + std::to_string(i + 1)), v, "h1's standby store", stop);
+    } catch (const FailoverRefused&) {
+      ++refused;
+    }
+  });
+  EXPECT_EQ(refused.load(), 3);
+  EXPECT_FALSE(c.client()->check({epoch_key()}));
+  // Once the lease has run out, the same majority promotes it.
+  test::run_ranks(3, [&](int i) {
+    FailoverVote v = vote_of(4, false, 10s);
+    v.last.generation = 4;
+    EXPECT_EQ(vote_for_store(*fenced_client(c), agent("h" + std::to_string(i + 1)), v, "h1's standby store", stop), 1);
+  });
+}
+
 }  // namespace
 }  // namespace cohort::launch

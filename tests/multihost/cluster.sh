@@ -11,6 +11,9 @@
 #   cluster.sh unshape DIR I|all
 #   cluster.sh cut DIR I              cut host I's link (peer end down: its packets go nowhere)
 #   cluster.sh heal DIR I
+#   cluster.sh cut-pair DIR I J       cut the path between hosts I and J only (each drops what it sends the
+#                                     other; both stay reachable from every other host)
+#   cluster.sh heal-pair DIR I J
 #   cluster.sh pids DIR [I]           processes still running in the hosts' namespaces
 #   cluster.sh run [-k K] -- CMD...   up, run CMD with the cluster's environment, down (always, via trap)
 #   cluster.sh selftest [-k K]        namespaces up, ssh between all pairs, tc applies, teardown leaves nothing
@@ -305,6 +308,33 @@ cmd_heal() {
   ip -n "$COHORT_CLUSTER_BRIDGE_NS" link set "v$i" up
 }
 
+# A cut between two hosts only: each host's route to the other is a blackhole, so what either sends
+# the other vanishes in its own kernel (this kernel has no tc drop action to do it on the bridge).
+# Established connections between them see silence; a new connect from one to the other fails at once
+# (EINVAL), never as "refused".
+pair_addrs() {  # I J -> sets PAIR_NS_I PAIR_NS_J PAIR_ADDR_I PAIR_ADDR_J
+  PAIR_NS_I=$(host_ns "$1"); PAIR_NS_J=$(host_ns "$2")
+  local vi="COHORT_CLUSTER_ADDR_$1" vj="COHORT_CLUSTER_ADDR_$2"
+  PAIR_ADDR_I=${!vi}; PAIR_ADDR_J=${!vj}
+  [[ $1 != "$2" ]] || die "cut-pair: hosts $1 and $2 are the same host"
+}
+
+cmd_cut_pair() {
+  local dir=${1:?cut-pair DIR I J} i=${2:?cut-pair DIR I J} j=${3:?cut-pair DIR I J}
+  load "$dir"
+  pair_addrs "$i" "$j"
+  ip -n "$PAIR_NS_I" route replace blackhole "$PAIR_ADDR_J/32"
+  ip -n "$PAIR_NS_J" route replace blackhole "$PAIR_ADDR_I/32"
+}
+
+cmd_heal_pair() {
+  local dir=${1:?heal-pair DIR I J} i=${2:?heal-pair DIR I J} j=${3:?heal-pair DIR I J}
+  load "$dir"
+  pair_addrs "$i" "$j"
+  ip -n "$PAIR_NS_I" route del blackhole "$PAIR_ADDR_J/32" 2>/dev/null || true
+  ip -n "$PAIR_NS_J" route del blackhole "$PAIR_ADDR_I/32" 2>/dev/null || true
+}
+
 cmd_pids() {
   local dir=${1:?pids DIR [I]} which=${2:-all}
   load "$dir"
@@ -388,6 +418,22 @@ cmd_selftest() {
   if ! connect_ms "$COHORT_CLUSTER_NS_0" "$COHORT_CLUSTER_ADDR_1" 22 >/dev/null; then
     echo "selftest: host 1 does not answer after heal" >&2; fails=$((fails + 1))
   fi
+  # Pair cut: hosts 0 and 1 lose each other (both ways) and nobody else; heal-pair restores them.
+  if ((k >= 3)); then
+    cmd_cut_pair "$dir" 0 1
+    if connect_ms "$COHORT_CLUSTER_NS_0" "$COHORT_CLUSTER_ADDR_1" 22 >/dev/null ||
+      connect_ms "$COHORT_CLUSTER_NS_1" "$COHORT_CLUSTER_ADDR_0" 22 >/dev/null; then
+      echo "selftest: hosts 0 and 1 still reach each other after cut-pair" >&2; fails=$((fails + 1))
+    fi
+    if ! connect_ms "$COHORT_CLUSTER_NS_0" "$COHORT_CLUSTER_ADDR_2" 22 >/dev/null ||
+      ! connect_ms "$COHORT_CLUSTER_NS_1" "$COHORT_CLUSTER_ADDR_2" 22 >/dev/null; then
+      echo "selftest: cut-pair 0 1 also cut host 2 off" >&2; fails=$((fails + 1))
+    fi
+    cmd_heal_pair "$dir" 0 1
+    if ! connect_ms "$COHORT_CLUSTER_NS_0" "$COHORT_CLUSTER_ADDR_1" 22 >/dev/null; then
+      echo "selftest: hosts 0 and 1 do not reach each other after heal-pair" >&2; fails=$((fails + 1))
+    fi
+  fi
   # A process started over ssh and left running must be gone after teardown.
   ip netns exec "$COHORT_CLUSTER_NS_0" "$COHORT_CLUSTER_SSH" "$COHORT_CLUSTER_ADDR_1" \
     "nohup sleep 1000 >/dev/null 2>&1 </dev/null & echo \$!" >"$dir/../cohort-cluster-selftest-$id.pid" 2>/dev/null || true
@@ -404,7 +450,7 @@ cmd_selftest() {
   fi
   [[ ! -e $dir ]] || { echo "selftest: $dir left after down" >&2; fails=$((fails + 1)); }
   if ((fails)); then echo "selftest: $fails check(s) failed" >&2; return 1; fi
-  echo "selftest: ok ($k hosts: ssh all pairs, netem+tbf, cut/heal, teardown clean)"
+  echo "selftest: ok ($k hosts: ssh all pairs, netem+tbf, cut/heal, cut-pair/heal-pair, teardown clean)"
 }
 
 # 0 if pid $1 is still a live process (not a zombie waiting for init to reap it) after $2 seconds.
@@ -443,6 +489,8 @@ main() {
     unshape) cmd_unshape "$@" ;;
     cut) cmd_cut "$@" ;;
     heal) cmd_heal "$@" ;;
+    cut-pair) cmd_cut_pair "$@" ;;
+    heal-pair) cmd_heal_pair "$@" ;;
     pids) cmd_pids "$@" ;;
     run) cmd_run "$@" ;;
     selftest) cmd_check; cmd_selftest "$@" ;;

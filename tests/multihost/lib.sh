@@ -13,6 +13,9 @@ ns() { local v="COHORT_CLUSTER_NS_$1"; echo "${!v}"; }
 # Runs a command inside host $1's namespace.
 on_host() { local i=$1; shift; ip netns exec "$(ns "$i")" nsenter --uts --mount --wd="$PWD" -t "$(cat "$COHORT_CLUSTER_DIR/sshd.$i.pid")" "$@"; }
 cluster() { "$MH_DIR/cluster.sh" "$@"; }
+# cut_pair I J / heal_pair I J: the path between hosts I and J only (cluster.sh cut-pair).
+cut_pair() { cluster cut-pair "$COHORT_CLUSTER_DIR" "$1" "$2"; }
+heal_pair() { cluster heal-pair "$COHORT_CLUSTER_DIR" "$1" "$2"; }
 
 fail() { echo "FAIL: $*" >&2; MH_FAILS=$((MH_FAILS + 1)); }
 pass() { echo "ok: $*"; }

@@ -62,6 +62,23 @@ TEST(StoreProtocol, EncodedRequestsDecodeBack) {
   EXPECT_EQ(off + d.consumed, buf.size());
 }
 
+TEST(StoreProtocol, AFenceRequestCarriesItsKeyAndEpoch) {
+  std::string buf;
+  proto::encode_fence(buf, 7, "cohort/launch/j/rdzv/epoch", 12);
+  proto::FrameView f;
+  auto d = proto::decode_frame(buf.data(), buf.size(), proto::kDefaultMaxFrame, &f);
+  ASSERT_EQ(d.status, DecodeStatus::kFrame);
+  proto::Request r;
+  std::string err;
+  ASSERT_TRUE(proto::parse_request(f, &r, &err)) << err;
+  EXPECT_EQ(r.op, Op::kFence);
+  EXPECT_EQ(r.id, 7u);
+  EXPECT_EQ(r.key, "cohort/launch/j/rdzv/epoch");
+  EXPECT_EQ(r.delta, 12);
+  EXPECT_TRUE(proto::is_request(Op::kFence));
+  EXPECT_STREQ(proto::op_name(Op::kFence), "fence");
+}
+
 TEST(StoreProtocol, PartialFramesNeedMoreBytes) {
   std::string buf;
   proto::encode_set(buf, 1, "key", "value");

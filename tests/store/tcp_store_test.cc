@@ -472,6 +472,25 @@ TEST(TcpStoreLease, AHeldLeaseStaysAndAReleasedOneAnnouncesNothing) {
   EXPECT_EQ(lost_calls.load(), 0);
 }
 
+TEST(TcpStoreLease, ADroppedLeaseEndsItsConnectionAndItsWillsFire) {
+  auto server = start_server();
+  auto s = connect(*server);
+  StoreClientOptions o;
+  o.host = "127.0.0.1";
+  o.port = server->port();
+  o.timeout = 5s;
+  std::atomic<int> lost_calls{0};
+  auto lease = StoreLease::open(o, Millis(5000), [&](const std::string&) { ++lost_calls; });
+  lease->set_wills({{"gone/h", "h"}});
+  auto start = Clock::now();
+  lease->drop();  // no release: the store sees the connection end (at once here: the close reaches it)
+  s->wait({"gone/h"}, 3s);
+  EXPECT_LT(seconds_since(start), 2.0) << "not the 5 s lease";
+  EXPECT_THROW(lease->set_wills({}), PeerLostError);
+  lease.reset();
+  EXPECT_EQ(lost_calls.load(), 0) << "a dropped lease is not a lost one";
+}
+
 TEST(TcpStoreLease, TheHolderHearsWhenTheStoreGoes) {
   auto server = start_server();
   StoreClientOptions o;
@@ -493,6 +512,84 @@ TEST(TcpStoreLease, TheHolderHearsWhenTheStoreGoes) {
   EXPECT_LT(seconds_since(start), 1.0);
   EXPECT_NE(why.find("store at 127.0.0.1"), std::string::npos) << why;
   EXPECT_EQ(lease->lost(), why);
+}
+
+// ---- epochs: fenced connections ---------------------------------------------------------------
+
+StoreClientOptions fenced(const StoreServer& server, int64_t epoch) {
+  StoreClientOptions o;
+  o.host = "127.0.0.1";
+  o.port = server.port();
+  o.timeout = 5s;
+  o.fence_key = "job/epoch";
+  o.fence_epoch = epoch;
+  return o;
+}
+
+TEST(TcpStoreEpoch, AFencedConnectionsWritesAreRefusedOnceTheStoresEpochIsNewer) {
+  auto server = start_server();
+  auto s = connect(*server);  // not fenced: never checked
+  auto f = connect_tcp_store(fenced(*server, 0));
+  f->set("a", "1");  // no epoch key yet: epoch 0
+  s->set("job/epoch", "0");
+  EXPECT_EQ(f->add("n", 2), 2);
+  s->set("job/epoch", "1");
+  std::string why = error_of<StaleEpochError>([&] { f->set("b", "2"); });
+  EXPECT_NE(why.find("this connection writes for epoch 0 but the store is at epoch 1 ('job/epoch')"),
+            std::string::npos)
+      << why;
+  EXPECT_THROW(f->add("n", 1), StaleEpochError);
+  EXPECT_THROW(f->compare_set("a", "1", "x"), StaleEpochError);
+  EXPECT_THROW(f->remove("a"), StaleEpochError);
+  EXPECT_THROW(f->multi_set({"c"}, {"3"}), StaleEpochError);
+  // Nothing of it was done, reads still work, and the connection stays usable.
+  EXPECT_FALSE(s->check({"b"}));
+  EXPECT_FALSE(s->check({"c"}));
+  EXPECT_EQ(s->get("a"), "1");
+  EXPECT_EQ(s->get("n"), "2");
+  EXPECT_EQ(f->get("a"), "1");
+  // Connecting for the old epoch is refused at once; for the current one it writes.
+  EXPECT_THROW(connect_tcp_store(fenced(*server, 0)), StaleEpochError);
+  auto now = connect_tcp_store(fenced(*server, 1));
+  now->set("b", "2");
+  s->set("d", "4");
+  EXPECT_EQ(s->get("b"), "2");
+}
+
+TEST(TcpStoreEpoch, AStaleConnectionsWillsAreNotSet) {
+  auto server = start_server();
+  auto s = connect(*server);
+  auto will_fires = [&](const std::string& key, bool raise_epoch) {
+    {
+      Raw raw(*server);
+      std::string frames = hello_frame();
+      proto::encode_fence(frames, 1, "job/epoch", 3);
+      proto::encode_lease(frames, 2, 0, {key}, {"gone"});
+      raw.send(frames);
+      std::this_thread::sleep_for(50ms);
+      if (raise_epoch) s->set("job/epoch", "4");
+    }  // ends without a release
+    try {
+      s->wait({key}, Millis(700));
+      return true;
+    } catch (const TimeoutError&) {
+      return false;
+    }
+  };
+  EXPECT_TRUE(will_fires("gone/f", false));
+  EXPECT_FALSE(will_fires("gone/g", true)) << "a will for epoch 3 on a store at epoch 4";
+}
+
+TEST(TcpStore, TheServerCountsTheRequestsItExecutes) {
+  auto server = start_server();
+  auto s = connect(*server);
+  uint64_t before = server->requests();
+  s->set("a", "1");
+  s->get("a");
+  s->check({"a", "b"});
+  EXPECT_THROW(s->wait({"b"}, Millis(10)), TimeoutError);
+  s->add("n", 1);
+  EXPECT_EQ(server->requests() - before, 5u);
 }
 
 // ---- the command-line tools ------------------------------------------------------------------
