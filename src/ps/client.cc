@@ -290,7 +290,7 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
 
   Error malformed(const Call& c, const std::string& why) const {
     return Error(fmt::format("parameter-server worker {}: server {} ({}) sent a malformed reply to {}: {}", worker_,
-                             c.server, ep_.host_of(roles_.server_rank(c.server)), op_name(c.hdr.op), why));
+                             c.server, ep_->host_of(roles_.server_rank(c.server)), op_name(c.hdr.op), why));
   }
 
   TableStats stats(const std::string& table) override {
