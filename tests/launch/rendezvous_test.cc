@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "cohort/error.h"
+#include "launch/counting_store.h"
 #include "launch/rendezvous.h"
 #include "store/tcp_store.h"
 #include "support/test_support.h"
@@ -283,35 +284,6 @@ TEST(Rendezvous, HalfOfTheLastGenerationGoesOn) {
 
 // ---- Load: O(1) store requests per agent and look -------------------------------------------------
 
-// Counts the calls that pass, and apart the looks at a round (waits for its "closed" key).
-class CountingStore : public Store {
- public:
-  explicit CountingStore(std::shared_ptr<Store> base) : base_(std::move(base)) { set_timeout(base_->timeout()); }
-  void set(const std::string& k, const std::string& v) override { ++calls; base_->set(k, v); }
-  std::string get(const std::string& k) override { ++calls; return base_->get(k); }
-  int64_t add(const std::string& k, int64_t d) override { ++calls; return base_->add(k, d); }
-  std::string compare_set(const std::string& k, const std::string& e, const std::string& d) override {
-    ++calls;
-    return base_->compare_set(k, e, d);
-  }
-  bool remove(const std::string& k) override { ++calls; return base_->remove(k); }
-  int64_t num_keys() override { ++calls; return base_->num_keys(); }
-  bool check(const std::vector<std::string>& keys) override { ++calls; return base_->check(keys); }
-  void wait(const std::vector<std::string>& keys, Millis t) override {
-    ++calls;
-    if (keys.size() == 1 && keys[0].ends_with("/closed")) ++looks;
-    base_->wait(keys, t);
-  }
-  using Store::wait;
-  std::vector<std::string> multi_get(const std::vector<std::string>& keys) override {
-    ++calls;
-    return base_->multi_get(keys);
-  }
-  void multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values) override {
-    ++calls;
-    base_->multi_set(keys, values);
-  }
-  std::atomic<uint64_t> calls{0}, looks{0};
 
  private:
   std::shared_ptr<Store> base_;
