@@ -284,11 +284,6 @@ TEST(Rendezvous, HalfOfTheLastGenerationGoesOn) {
 
 // ---- Load: O(1) store requests per agent and look -------------------------------------------------
 
-
- private:
-  std::shared_ptr<Store> base_;
-};
-
 // The store requests per agent and look while `n` agents wait in an open round, counted over the
 // looks from each agent's 5th to its 25th (the arrivals are read by then).
 double requests_per_agent_and_look(int n) {
