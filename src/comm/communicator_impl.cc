@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <regex>
 #include <set>
 
 #include <fmt/core.h>
@@ -428,17 +427,15 @@ std::string CommunicatorImpl::in_world_ranks(const std::string& text) const {
   static constexpr std::string_view kNotice = ") failed: ";
   const size_t cut = text.find(kNotice);
   const auto head_end = cut == std::string::npos ? text.cend() : text.cbegin() + long(cut + kNotice.size());
-  static const std::regex kPeer(R"(\brank (\d+) \()");
   std::string out;
-  auto last = text.cbegin();
-  for (std::sregex_iterator it(text.cbegin(), head_end, kPeer), end; it != end; ++it) {
-    const std::smatch& m = *it;
-    out.append(last, m[0].first);
-    const long r = std::stol(m[1].str());
-    out += r >= 0 && r < size_ ? fmt::format("rank {} (", world_ranks_[size_t(r)]) : m[0].str();
-    last = m[0].second;
+  size_t last = 0;
+  for (const auto& m : str::rank_mentions(std::string_view(text).substr(0, size_t(head_end - text.cbegin())))) {
+    out.append(text, last, m.pos - last);
+    out += m.rank >= 0 && m.rank < size_ ? fmt::format("rank {} (", world_ranks_[size_t(m.rank)])
+                                         : text.substr(m.pos, m.len);
+    last = m.pos + m.len;
   }
-  out.append(last, text.cend());
+  out.append(text, last, std::string::npos);
   return out;
 }
 
@@ -842,10 +839,9 @@ std::exception_ptr CommunicatorImpl::explain_exit(std::exception_ptr error) {
   if (!gone_peer || message.find(") failed: ") != std::string::npos ||
       message.find(" exited (code ") != std::string::npos || message.find(" exited (killed by ") != std::string::npos)
     return error;
-  static const std::regex kPeer(R"(\brank (\d+) \()");
-  std::smatch m;
-  if (!std::regex_search(message, m, kPeer)) return error;
-  const long peer = std::stol(m[1].str());
+  const auto mentions = str::rank_mentions(message);
+  if (mentions.empty()) return error;
+  const long peer = mentions.front().rank;
   if (peer < 0 || peer >= size_ || peer == rank_) return error;
   const bool same_host = size_t(peer) < topology_.identity.size() &&
                          topology_.identity[size_t(peer)].shm_key() == topology_.identity[size_t(rank_)].shm_key();

@@ -1,6 +1,7 @@
 #include "common/strings.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 
 #include <fmt/core.h>
@@ -81,6 +82,20 @@ std::string format_bytes(uint64_t b) {
   if (b >= (uint64_t(1) << 20)) return fmt::format("{:.1f} MiB", double(b) / double(1 << 20));
   if (b >= 1024) return fmt::format("{:.1f} KiB", double(b) / 1024.0);
   return fmt::format("{} B", b);
+}
+
+std::vector<RankMention> rank_mentions(std::string_view text) {
+  std::vector<RankMention> out;
+  constexpr std::string_view kWord = "rank ";
+  auto is_word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  for (size_t at = text.find(kWord); at != std::string_view::npos; at = text.find(kWord, at + 1)) {
+    if (at > 0 && is_word(text[at - 1])) continue;
+    size_t i = at + kWord.size(), digits = i;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+    if (i == digits || i - digits > 9 || i + 1 >= text.size() || text[i] != ' ' || text[i + 1] != '(') continue;
+    out.push_back({at, i + 2 - at, std::stol(std::string(text.substr(digits, i - digits)))});
+  }
+  return out;
 }
 
 }  // namespace cohort::str

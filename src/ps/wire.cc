@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <map>
-#include <regex>
 
 #include "cohort/error.h"
 #include "comm/communicator_impl.h"
 #include "comm/settings.h"
+#include "common/strings.h"
 
 namespace cohort::ps {
 
@@ -20,17 +20,15 @@ constexpr transport::Signature kSignature{0xF5, 0, 0, 0, 0, 0};
 }  // namespace
 
 std::string name_roles(const std::string& text, int num_servers) {
-  static const std::regex kPeer(R"(\brank (\d+) \()");
   std::string out;
-  auto last = text.cbegin();
-  for (std::sregex_iterator it(text.cbegin(), text.cend(), kPeer), end; it != end; ++it) {
-    const std::smatch& m = *it;
-    out.append(last, m[0].first);
-    const long r = std::stol(m[1].str());
-    out += r < num_servers ? fmt::format("parameter server {} (", r) : fmt::format("worker {} (", r - num_servers);
-    last = m[0].second;
+  size_t last = 0;
+  for (const auto& m : str::rank_mentions(text)) {
+    out.append(text, last, m.pos - last);
+    out += m.rank < num_servers ? fmt::format("parameter server {} (", m.rank)
+                                : fmt::format("worker {} (", m.rank - num_servers);
+    last = m.pos + m.len;
   }
-  out.append(last, text.cend());
+  out.append(text, last, std::string::npos);
   return out;
 }
 

@@ -151,6 +151,20 @@ TEST(Strings, IntListsAndRanges) {
   EXPECT_EQ(str::trim("  x y \n"), "x y");
 }
 
+// The rank names in cohort's messages, found without std::regex (see strings.h).
+TEST(Strings, RankMentionsAreTheRankWordsFollowedByAnOpeningParenthesis) {
+  const std::string text = "lost rank 3 (hostB): rank 12 (h) failed; frank 4 (x), rank 5, rank (6), rank 7 (";
+  auto m = str::rank_mentions(text);
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_EQ(m[0].rank, 3);
+  EXPECT_EQ(text.substr(m[0].pos, m[0].len), "rank 3 (");
+  EXPECT_EQ(m[1].rank, 12);
+  EXPECT_EQ(text.substr(m[1].pos, m[1].len), "rank 12 (");
+  EXPECT_EQ(m[2].rank, 7);
+  EXPECT_TRUE(str::rank_mentions("rank 1 ").empty());
+  EXPECT_TRUE(str::rank_mentions("").empty());
+}
+
 TEST(MemoryStore, OperationsAndWaits) {
   auto store = make_memory_store();
   store->set_timeout(std::chrono::milliseconds(200));

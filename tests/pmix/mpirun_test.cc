@@ -118,8 +118,16 @@ TEST(Mpirun, MainJobWithNothingElseSet) {
 // after its exchange leaves MPI's connection alone, and MPI_Init after it connects afresh.
 TEST(Mpirun, MpiAndCohortInOneProcess) {
   SKIP_WITHOUT_MPIRUN();
+  // Under ASan: Open MPI 4.1 leaks from the components it loads and unloads (MPI_Init's plugins), whose
+  // frames LeakSanitizer can only call "<unknown module>", so no suppression can name them. Leaks are
+  // not checked in this one program; cohort's own code is leak-checked by every other test, the
+  // mpirun ones included (scripts/lsan_suppressions.txt names the libraries).
+  std::vector<std::string> env;
+#if defined(__SANITIZE_ADDRESS__)
+  env.push_back("ASAN_OPTIONS=detect_leaks=0");
+#endif
   for (std::string order : {"mpi-first", "cohort-first"}) {
-    auto r = test::run_process(mpirun(2, {COHORT_MPI_AND_COHORT, order}), {}, 120);
+    auto r = test::run_process(mpirun(2, {COHORT_MPI_AND_COHORT, order}), env, 120);
     ASSERT_EQ(r.exit_code, 0) << order << "\n" << r.out << r.err;
     EXPECT_NE(r.out.find("sum over 2 ranks: cohort 3, MPI 3"), std::string::npos) << order << "\n" << r.out;
   }
