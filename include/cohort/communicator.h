@@ -107,6 +107,20 @@ class Communicator {
   // ---- point to point ----
   virtual void send(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag = 0) = 0;
   virtual void recv(void* buf, size_t count, DataType dtype, int peer, uint32_t tag = 0) = 0;
+  // Receives the next message sent to this rank with `tag` by whichever rank's comes first, and
+  // returns that rank (MPI_ANY_SOURCE; torch's recv() without src). It takes one peer's next message of
+  // the same (peer, tag) stream that recv(peer, tag) would take, so both can be mixed. Bounded by the
+  // communicator's timeout like every wait.
+  virtual int recv_any(void* buf, size_t count, DataType dtype, uint32_t tag = 0) = 0;
+  // Non-blocking forms: the send or receive is posted at once (in call order, which is what matches a
+  // (peer, tag) stream's messages) and the Work completes when the buffer may be reused. Unlike the
+  // *_async collectives below they do not wait for earlier operations, so a rank may post a receive,
+  // then a send, and wait for both. Their bytes move whenever the communicator is driven: a wait on
+  // them or on any operation, and each test() (which polls once when no other thread is driving).
+  // Bounded by the communicator's timeout from the time they were posted.
+  virtual std::shared_ptr<Work> send_async(const void* buf, size_t count, DataType dtype, int peer,
+                                           uint32_t tag = 0) = 0;
+  virtual std::shared_ptr<Work> recv_async(void* buf, size_t count, DataType dtype, int peer, uint32_t tag = 0) = 0;
 
   // ---- asynchronous variants (run in call order on the communicator's progress thread) ----
   virtual std::shared_ptr<Work> allreduce_async(const void* send, void* recv, size_t count,

@@ -43,6 +43,7 @@ class Group;
 namespace cohort::comm {
 
 class WorkImpl;
+class P2PWork;
 
 // Where the launcher publishes the exits of the ranks' processes (comm/peer_exits.h), when one does
 // (from_env under `cohort run`): the world communicator's store, and this communicator's ranks there.
@@ -105,6 +106,13 @@ class CommunicatorImpl final : public Communicator,
   void barrier() override;
   void send(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override;
   void recv(void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override;
+  int recv_any(void* buf, size_t count, DataType dtype, uint32_t tag) override;
+  std::shared_ptr<Work> send_async(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override;
+  std::shared_ptr<Work> recv_async(void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override;
+  // For P2PWork (send_async/recv_async): whether its request completed, polling the transports once
+  // when no other thread is driving them; and a wait for it that drives them.
+  void p2p_test(P2PWork& work);
+  void p2p_wait(P2PWork& work, std::chrono::milliseconds timeout);
 
   std::shared_ptr<Work> allreduce_async(const void* send, void* recv, size_t count, DataType dtype,
                                         ReduceOp op) override;
@@ -154,6 +162,8 @@ class CommunicatorImpl final : public Communicator,
   using Body = std::function<void()>;
   // Runs one operation on the calling thread (blocking API).
   void run_blocking(const OpDesc& desc, const Body& body);
+  template <typename Done>
+  void drive_until(Done done);
   // Queues one operation for the progress thread (async API).
   std::shared_ptr<Work> run_async(OpDesc desc, Body body);
   void execute_locked(const OpDesc& desc, const Body& body);
@@ -166,6 +176,7 @@ class CommunicatorImpl final : public Communicator,
   // see this rank leave. Called on the parent's driving thread, which is the only one driving this.
   void fail_from_parent(const std::string& message, transport::Transport::ErrorClass cls);
 
+  std::shared_ptr<Work> post_p2p(bool is_send, void* buf, size_t count, DataType dtype, int peer, uint32_t tag);
   // Point-to-point on an already-running op (send/recv API).
   void wait_request(transport::Transport* t, transport::RequestId id, int peer);
   transport::Transport* route(int peer) const { return route_[size_t(peer)]; }
@@ -265,6 +276,8 @@ class CommunicatorImpl final : public Communicator,
   std::chrono::nanoseconds warning_interval_{};
   std::unordered_map<uint64_t, uint32_t> send_index_, recv_index_;          // per op: (peer, slot)
   std::unordered_map<uint64_t, uint32_t> p2p_send_index_, p2p_recv_index_;  // persistent: (peer, tag)
+  std::optional<uint32_t> any_source_tag_;  // a recv from any source is waiting (for its messages)
+  int any_source_next_ = 0;                 // the peer it asks first next time (round-robin)
   struct Pending {
     coll::RequestId id;          // what the algorithm holds (unique per communicator)
     transport::RequestId tid;    // the transport's own id

@@ -362,6 +362,34 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     run_nccl("recv", bytes, [&](void* comm, void* s) { return nccl_api().Recv(buf, count, nccl_dtype(dtype), peer, comm, s); });
   }
 
+  // Host memory: the host communicator's. NCCL has no receive from any source (nor has torch's NCCL
+  // backend), and a host-side one could never match a peer's device send.
+  int recv_any(void* buf, size_t count, DataType dtype, uint32_t tag) override {
+    if (!where("recv", count, {buf})) return host_->recv_any(buf, count, dtype, tag);
+    throw InvalidArgument("recv from any source: the buffer is GPU memory, and NCCL has no receive from any source; "
+                          "name the sending rank, or receive into host memory");
+  }
+
+  // Non-blocking point to point. Host memory: the host communicator's. Device memory through NCCL:
+  // queued on the communicator's stream like the other asynchronous operations (so a send queued
+  // before the matching receive waits for it there, as ncclSend does); staged: done at once.
+  std::shared_ptr<Work> send_async(const void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override {
+    if (!where("send", count, {buf})) return host_->send_async(buf, count, dtype, peer, tag);
+    check_p2p(peer, tag);
+    if (staged()) return run_now([&] { send(buf, count, dtype, peer, tag); });
+    return queue_nccl("send", count * dtype_size(dtype), [&](void* comm, void* s) {
+      return nccl_api().Send(buf, count, nccl_dtype(dtype), peer, comm, s);
+    });
+  }
+  std::shared_ptr<Work> recv_async(void* buf, size_t count, DataType dtype, int peer, uint32_t tag) override {
+    if (!where("recv", count, {buf})) return host_->recv_async(buf, count, dtype, peer, tag);
+    check_p2p(peer, tag);
+    if (staged()) return run_now([&] { recv(buf, count, dtype, peer, tag); });
+    return queue_nccl("recv", count * dtype_size(dtype), [&](void* comm, void* s) {
+      return nccl_api().Recv(buf, count, nccl_dtype(dtype), peer, comm, s);
+    });
+  }
+
   // ---- asynchronous: NCCL work returns a handle on its event; staged work completes at once ----
   std::shared_ptr<Work> allreduce_async(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) override {
     if (!where("allreduce", count, {send, recv})) return host_->allreduce_async(send, recv, count, dtype, op);

@@ -80,6 +80,10 @@ class Transport {
   virtual bool test(RequestId id) = 0;
   // Whether a request has completed, without releasing it (for "waiting for rank N" messages).
   virtual bool peek(RequestId id) const = 0;
+  // Whether a message under `env` from `peer` has begun to arrive with no receive posted for it yet
+  // (it waits, buffered, for its irecv). A receive from any source asks this of every peer's next
+  // message before it posts the one receive that takes it.
+  virtual bool arrived(int peer, const Envelope& env) const = 0;
 
   // Drives I/O: handles whatever is ready, waiting up to timeout_ms (0 = do not wait) for
   // something to happen. Returns true when any progress was made.

@@ -35,6 +35,9 @@ class TransportBase : public Transport {
  public:
   bool test(RequestId id) override { return m_.test(id, failed_); }
   bool peek(RequestId id) const override { return m_.peek(id); }
+  bool arrived(int peer, const Envelope& env) const override {
+    return m_.unexpected.count(MessageKey{peer, env.tag, env.sub}) != 0;
+  }
   std::exception_ptr error() const override { return failed_; }
   PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
   void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }

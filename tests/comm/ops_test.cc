@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -149,6 +150,115 @@ TEST(Ops, PointToPointMatchesPerTagInOrder) {
       }
     }
   });
+}
+
+// A receive from any source takes each sender's messages in order, names the sender, and mixes with
+// receives that name it (one (peer, tag) stream either way). Ranks 1-3 each send 4 messages with tag 7
+// and one with tag 9; rank 0 takes tag 9 from rank 2 by name first, then 12 from any source.
+TEST(Ops, ReceiveFromAnySourceNamesTheSenderAndKeepsEachSendersOrder) {
+  auto store = make_memory_store();
+  run_ranks(4, [&](int rank) {
+    auto comm = make(store, rank, 4);
+    if (rank != 0) {
+      int64_t tagged = rank * 100;
+      comm->send(&tagged, 1, DataType::kInt64, 0, 9);
+      for (int i = 0; i < 4; ++i) {
+        int64_t v = rank * 10 + i;
+        comm->send(&v, 1, DataType::kInt64, 0, 7);
+      }
+      return;
+    }
+    int64_t v = -1;
+    comm->recv(&v, 1, DataType::kInt64, 2, 9);
+    EXPECT_EQ(v, 200);
+    std::map<int, std::vector<int64_t>> got;
+    for (int i = 0; i < 12; ++i) {
+      int from = comm->recv_any(&v, 1, DataType::kInt64, 7);
+      ASSERT_GE(from, 1);
+      ASSERT_LE(from, 3);
+      EXPECT_EQ(v / 10, from) << "the value names its sender";
+      got[from].push_back(v);
+    }
+    for (int r = 1; r <= 3; ++r) EXPECT_EQ(got[r], (std::vector<int64_t>{r * 10, r * 10 + 1, r * 10 + 2, r * 10 + 3}));
+    // Ranks 1 and 3 still have their tag-9 messages for rank 0: from any source, both come.
+    std::set<int> senders;
+    for (int i = 0; i < 2; ++i) senders.insert(comm->recv_any(&v, 1, DataType::kInt64, 9));
+    EXPECT_EQ(senders, (std::set<int>{1, 3}));
+  });
+}
+
+TEST(Ops, ReceiveFromAnySourceTimesOutNamingTheRanksAndTag) {
+  auto store = make_memory_store();
+  std::string error;
+  run_ranks(3, [&](int rank) {
+    auto comm = make(store, rank, 3, /*timeout_s=*/1);
+    if (rank == 0) {
+      int64_t v;
+      try {
+        comm->recv_any(&v, 1, DataType::kInt64, 5);
+      } catch (const TimeoutError& e) {
+        error = e.what();
+      }
+    }
+    store->barrier("any-done", rank, 3, std::chrono::seconds(10));
+  });
+  EXPECT_NE(error.find("a message with tag 5 from any of rank(s) 1-2 (recv from any source)"), std::string::npos)
+      << error;
+}
+
+// send_async/recv_async are posted at once: each rank posts its receive before its send, and both
+// complete (a blocking recv-then-send on both ranks would wait for ever). Large messages too (more
+// than a socket's or a ring's buffer), and each test() moves them along without a wait.
+TEST(Ops, NonBlockingSendAndReceivePostedInAnyOrderComplete) {
+  for (size_t n : {size_t(1), size_t(3) << 20}) {
+    auto store = make_memory_store();
+    run_ranks(2, [&](int rank) {
+      auto comm = make(store, rank, 2);
+      const int peer = 1 - rank;
+      std::vector<int32_t> out(n, rank + 1), in(n, -1);
+      auto r = comm->recv_async(in.data(), n, DataType::kInt32, peer, 3);
+      auto s = comm->send_async(out.data(), n, DataType::kInt32, peer, 3);
+      if (rank == 0) {
+        auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!(r->test() && s->test()) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        ASSERT_TRUE(r->test() && s->test()) << "test() alone moves the messages";
+      }
+      r->wait();
+      s->wait();
+      EXPECT_EQ(r->exception(), nullptr);
+      EXPECT_EQ(in[0], peer + 1);
+      EXPECT_EQ(in[n - 1], peer + 1);
+      // The blocking forms take the next messages of the same streams.
+      int32_t x = rank * 7, y = -1;
+      if (rank == 0) {
+        comm->send(&x, 1, DataType::kInt32, peer, 3);
+      } else {
+        comm->recv(&y, 1, DataType::kInt32, peer, 3);
+        EXPECT_EQ(y, 0);
+      }
+    });
+  }
+}
+
+TEST(Ops, NonBlockingReceiveThatNeverMatchesFailsAtTheDeadlineNamingThePeer) {
+  auto store = make_memory_store();
+  std::string error;
+  run_ranks(2, [&](int rank) {
+    auto comm = make(store, rank, 2, /*timeout_s=*/1);
+    if (rank == 0) {
+      int64_t v;
+      auto r = comm->recv_async(&v, 1, DataType::kInt64, 1, 4);
+      try {
+        r->wait();
+      } catch (const TimeoutError& e) {
+        error = e.what();
+      }
+      EXPECT_TRUE(r->test());
+      EXPECT_NE(r->exception(), nullptr);
+    }
+    store->barrier("nb-done", rank, 2, std::chrono::seconds(10));
+  });
+  EXPECT_NE(error.find("waiting for rank(s) 1"), std::string::npos) << error;
 }
 
 TEST(Ops, AsyncWorkRunsInCallOrderWithBlockingCalls) {

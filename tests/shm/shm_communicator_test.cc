@@ -224,7 +224,7 @@ TEST(ShmCommunicator, WaitsSeeAbortAndTheDeadlineNamingTheMissingRank) {
     }
     store2->barrier("timeout-part-done", r, 3, std::chrono::seconds(10));
   });
-  EXPECT_NE(timeout_error.find("(COHORT_TIMEOUT) waiting for rank(s) 2 [rank 2 ("), std::string::npos) << timeout_error;
+  EXPECT_NE(timeout_error.find("its timeout (COHORT_TIMEOUT), waiting for rank(s) 2 [rank 2 ("), std::string::npos) << timeout_error;
   EXPECT_NE(timeout_error.find("last seen in operation #1 allreduce(count=1"), std::string::npos) << timeout_error;
 }
 

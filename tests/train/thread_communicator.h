@@ -156,6 +156,9 @@ class ThreadCommunicator : public Communicator {
                  const std::vector<size_t>&, DataType) override { missing("alltoallv"); }
   void send(const void*, size_t, DataType, int, uint32_t) override { missing("send"); }
   void recv(void*, size_t, DataType, int, uint32_t) override { missing("recv"); }
+  int recv_any(void*, size_t, DataType, uint32_t) override { missing("recv_any"); }
+  std::shared_ptr<Work> send_async(const void*, size_t, DataType, int, uint32_t) override { missing("send_async"); }
+  std::shared_ptr<Work> recv_async(void*, size_t, DataType, int, uint32_t) override { missing("recv_async"); }
   std::shared_ptr<Work> reduce_scatter_async(const void*, void*, size_t, DataType, ReduceOp) override {
     missing("reduce_scatter_async");
   }
