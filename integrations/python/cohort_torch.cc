@@ -39,6 +39,7 @@
 #endif
 
 #include <pybind11/chrono.h>
+#include <pybind11/eval.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -335,6 +336,18 @@ at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
   return at::cat(flat);
 }
 
+// A tensor's elements as a flat byte tensor (a contiguous copy when it is not contiguous).
+at::Tensor as_bytes(const at::Tensor& t) {
+  at::Tensor c = t.contiguous().reshape({-1});
+  return c.numel() == 0 ? at::empty({0}, at::kByte) : c.view(at::kByte);
+}
+
+// Writes `bytes` (t.numel() * t.element_size() of them) into t's elements.
+void as_bytes_view(const at::Tensor& t, const at::Tensor& bytes) {
+  if (t.numel() == 0) return;
+  t.copy_(bytes.view(t.scalar_type()).view(t.sizes()));
+}
+
 // Copies consecutive slices of `flat` into `tensors` (the inverse of flatten).
 void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
   int64_t offset = 0;
@@ -359,10 +372,48 @@ class CohortWork : public c10d::Work {
 
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  int sourceRank() const override { return source_rank_; }
+  int sourceRank() const override { return source_rank_.load(); }
+  // A receive from any source learns its sender when it runs (before complete()).
+  void set_source_rank(int rank) { source_rank_.store(rank); }
 
-  // Called once, by the worker thread.
+  // A send or receive posted to the communicator (send_async/recv_async): wait() drives it to its end
+  // on the waiting thread, instead of sleeping until the worker thread's next look at it.
+  void set_p2p(std::shared_ptr<cohort::Work> p2p, std::function<void()> on_success) {
+    p2p_ = std::move(p2p);
+    on_success_ = std::move(on_success);
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (p2p_ && !isCompleted()) {
+      std::exception_ptr error;
+      try {
+        p2p_->wait(timeout == kNoTimeout ? Millis(0) : timeout);
+        if (on_success_) on_success_();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      complete(error);
+    }
+    return c10d::Work::wait(timeout);
+  }
+  // The worker thread's look at a posted send or receive: completes this Work when it has ended.
+  bool poll_p2p() {
+    if (!p2p_ || isCompleted()) return true;
+    if (!p2p_->test()) return false;
+    std::exception_ptr error = p2p_->exception();
+    if (!error && on_success_) {
+      try {
+        on_success_();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    complete(error);
+    return true;
+  }
+
+  // Called once per Work (the worker thread, or a waiter of a send or receive: the first one counts).
   void complete(std::exception_ptr error) {
+    if (completing_.exchange(true)) return;
     finish(error);  // sets completed_/exception_ and wakes wait()
     if (error) {
       future_->setError(error);
@@ -373,7 +424,10 @@ class CohortWork : public c10d::Work {
 
  private:
   std::vector<at::Tensor> outputs_;
-  int source_rank_;
+  std::atomic<int> source_rank_;
+  std::atomic<bool> completing_{false};
+  std::shared_ptr<cohort::Work> p2p_;  // set before the Work is handed out, then read only
+  std::function<void()> on_success_;   // a staged receive's copy back
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -486,7 +540,7 @@ class ProcessGroupCohort : public BaseGroup {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
-      pending = !queue_.empty() || busy_;
+      pending = !queue_.empty() || busy_ || !in_flight_.empty();
     }
     // Operations still queued or running would otherwise wait for peers that may never come;
     // abort them so the destructor is bounded.
@@ -520,6 +574,8 @@ class ProcessGroupCohort : public BaseGroup {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     COHORT_ROUTE_CUDA(c10d::OpType::ALLREDUCE, Args().list(tensors), Args().list(tensors), allreduce(tensors, opts));
+    if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse)
+      return sparse_allreduce(tensors[0], opts);
     check_single(tensors, "allreduce");
     const auto dtype = to_cohort_dtype(tensors[0], "allreduce");
     const auto op = to_cohort_op(opts.reduceOp, dtype, "allreduce");
@@ -531,6 +587,59 @@ class ProcessGroupCohort : public BaseGroup {
       t.copy_back();
     });
   }
+
+  // allreduce of a sparse COO tensor (SUM), as gloo does it: every rank's indices and values are
+  // gathered (allgatherv), and each rank's tensor becomes their coalesced sum. The ranks' tensors must
+  // agree in sizes and sparse/dense dimensions; their numbers of entries may differ.
+  c10::intrusive_ptr<c10d::Work> sparse_allreduce(const at::Tensor& tensor, const c10d::AllreduceOptions& opts) {
+    TORCH_CHECK(tensor.device().is_cpu(), "cohort backend: allreduce of a sparse tensor on ", tensor.device(),
+                ": only CPU sparse tensors are supported");
+    TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, "cohort backend: allreduce of a sparse tensor supports ",
+                "ReduceOp.SUM only");
+    TORCH_CHECK(tensor.dim() <= kSparseMaxDims, "cohort backend: allreduce of a sparse tensor supports up to ",
+                kSparseMaxDims, " dimensions, got ", tensor.dim());
+    const auto dtype = to_cohort_dtype(tensor, "allreduce (sparse)");
+    at::Tensor user = tensor;
+    return enqueue(opts.timeout, c10d::OpType::ALLREDUCE, {tensor}, [this, user, dtype] {
+      const at::Tensor input = user.coalesce();
+      const int64_t sparse_dim = input.sparse_dim();
+      const at::Tensor indices = input._indices().t().contiguous();  // [nnz, sparse_dim]
+      const at::Tensor values = input._values().contiguous();        // [nnz, dense sizes...]
+      const int64_t nnz = input._nnz();
+      // Metadata, the same on every rank but the count: nnz, sparse_dim, dim, sizes.
+      std::vector<int64_t> meta(3 + kSparseMaxDims, -1), all(meta.size() * size_);
+      meta[0] = nnz;
+      meta[1] = sparse_dim;
+      meta[2] = input.dim();
+      for (int64_t d = 0; d < input.dim(); ++d) meta[3 + d] = input.size(d);
+      comm_->allgather(meta.data(), all.data(), meta.size(), cohort::DataType::kInt64);
+      std::vector<size_t> entries(size_);
+      int64_t total = 0;
+      for (int r = 0; r < size_; ++r) {
+        const int64_t* theirs = &all[r * meta.size()];
+        TORCH_CHECK(std::equal(meta.begin() + 1, meta.end(), theirs + 1), "cohort backend: allreduce of a sparse ",
+                    "tensor: rank ", r, "'s tensor differs in sizes or sparse dimensions from rank ", rank_, "'s");
+        entries[r] = static_cast<size_t>(theirs[0]);
+        total += theirs[0];
+      }
+      int64_t value_row = 1;  // elements of one entry's value (the dense dimensions)
+      for (int64_t d = 1; d < values.dim(); ++d) value_row *= values.size(d);
+      std::vector<int64_t> value_shape = values.sizes().vec();
+      value_shape[0] = total;
+      at::Tensor all_indices = at::empty({total, sparse_dim}, indices.options());
+      at::Tensor all_values = at::empty(value_shape, values.options());
+      std::vector<size_t> index_counts, value_counts;
+      for (size_t e : entries) {
+        index_counts.push_back(e * static_cast<size_t>(sparse_dim));
+        value_counts.push_back(e * static_cast<size_t>(value_row));
+      }
+      comm_->allgatherv(indices.data_ptr(), nnz * sparse_dim, all_indices.data_ptr(), index_counts,
+                        cohort::DataType::kInt64);
+      comm_->allgatherv(values.data_ptr(), nnz * value_row, all_values.data_ptr(), value_counts, dtype);
+      user.copy_(at::sparse_coo_tensor(all_indices.t(), all_values, input.sizes()).coalesce());
+    });
+  }
+  static constexpr int64_t kSparseMaxDims = 13;
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
@@ -657,6 +766,46 @@ class ProcessGroupCohort : public BaseGroup {
     return enqueue(opts.timeout, c10d::OpType::_ALLGATHER_BASE, {output}, [this, in, out, dtype] {
       comm_->allgather(in.data(), out.data(), in.count(), dtype);
       out.copy_back();
+    });
+  }
+
+  // all_gather_coalesced: several tensors at once, of any shapes and dtypes (each rank's list alike).
+  // They travel as one allgather of their bytes; output_lists[r][i] receives rank r's inputs[i].
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::ALLGATHER_COALESCED, Args().lists(output_lists).list(inputs),
+                      Args().lists(output_lists), allgather_coalesced(output_lists, inputs, opts));
+    TORCH_CHECK(static_cast<int>(output_lists.size()) == size_, "cohort backend: all_gather_coalesced: ",
+                "output_tensor_lists must hold world_size (", size_, ") lists, got ", output_lists.size());
+    for (const auto& t : inputs) check_tensor(t, "all_gather_coalesced");
+    for (size_t r = 0; r < output_lists.size(); ++r) {
+      TORCH_CHECK(output_lists[r].size() == inputs.size(), "cohort backend: all_gather_coalesced: output list ", r,
+                  " holds ", output_lists[r].size(), " tensors, the input list ", inputs.size());
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        const at::Tensor& out = output_lists[r][i];
+        check_tensor(out, "all_gather_coalesced");
+        check_same_type(out, inputs[i], "all_gather_coalesced");
+        TORCH_CHECK(out.sizes() == inputs[i].sizes(), "cohort backend: all_gather_coalesced: output ", r, "[", i,
+                    "] has shape ", out.sizes(), ", its input ", inputs[i].sizes());
+      }
+    }
+    std::vector<at::Tensor> in = inputs, out;
+    for (const auto& list : output_lists) out.insert(out.end(), list.begin(), list.end());
+    return enqueue(opts.timeout, c10d::OpType::ALLGATHER_COALESCED, out, [this, in, out] {
+      std::vector<at::Tensor> bytes;
+      for (const auto& t : in) bytes.push_back(as_bytes(t));
+      at::Tensor send = bytes.empty() ? at::empty({0}, at::kByte) : at::cat(bytes);
+      const int64_t n = send.numel();
+      if (n == 0) return;
+      at::Tensor recv = at::empty({n * size_}, at::kByte);
+      comm_->allgather(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(n), cohort::DataType::kUInt8);
+      int64_t offset = 0;
+      for (const auto& t : out) {
+        const int64_t len = t.numel() * static_cast<int64_t>(t.element_size());
+        as_bytes_view(t, recv.narrow(0, offset, len));
+        offset += len;
+      }
     });
   }
 
@@ -787,6 +936,10 @@ class ProcessGroupCohort : public BaseGroup {
   }
 
   // ---- point to point ----
+  // Sends and receives are posted to the communicator at once, on the calling thread, in call order
+  // (which is what matches the messages of a (peer, tag) stream), and run beside the queued
+  // collectives: a rank may post a receive, then a send, and wait for both, as with gloo. A Work's
+  // wait() drives its transfer; the worker thread completes the ones nobody waits on.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                       int tag) override {
     COHORT_ROUTE_CUDA(c10d::OpType::SEND, Args().list(tensors), Args(), send(tensors, dst, tag));
@@ -794,9 +947,9 @@ class ProcessGroupCohort : public BaseGroup {
     check_peer(dst, "send");
     const auto dtype = to_cohort_dtype(tensors[0], "send");
     Staged t(tensors[0]);
-    return enqueue(c10d::OpType::SEND, tensors, [this, t, dtype, dst, tag] {
-      comm_->send(t.data(), t.count(), dtype, dst, static_cast<uint32_t>(tag));
-    });
+    return post_p2p(c10d::OpType::SEND, tensors, -1, [&] {
+      return comm_->send_async(t.data(), t.count(), dtype, dst, static_cast<uint32_t>(tag));
+    }, [t] {});
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
@@ -806,13 +959,90 @@ class ProcessGroupCohort : public BaseGroup {
     check_peer(src, "recv");
     const auto dtype = to_cohort_dtype(tensors[0], "recv");
     Staged t(tensors[0]);
-    return enqueue(
-        c10d::OpType::RECV, tensors,
-        [this, t, dtype, src, tag] {
-          comm_->recv(t.data(), t.count(), dtype, src, static_cast<uint32_t>(tag));
-          t.copy_back();
-        },
-        src);
+    return post_p2p(c10d::OpType::RECV, tensors, src, [&] {
+      return comm_->recv_async(t.data(), t.count(), dtype, src, static_cast<uint32_t>(tag));
+    }, [t] { t.copy_back(); });
+  }
+
+  // monitored_barrier: rank 0 hears from every rank within `opts.timeout` and names the ones it did
+  // not hear from (the first, or all with wait_all_ranks), then releases them; the others tell rank 0
+  // they arrived and wait for its release. Blocking, on the calling thread, beside queued collectives
+  // (as gloo's), with point-to-point messages under a tag of its own. The messages' wording is gloo's,
+  // which torch's own tests and users' scripts match. torch's front end calls this only for gloo: the
+  // wrapper installed at import (install_monitored_barrier) lets it reach cohort groups too. A failed
+  // barrier leaves the communicator usable; its late messages land in buffers kept for them.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    std::optional<py::gil_scoped_release> no_gil;
+    if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
+    using Clock = std::chrono::steady_clock;
+    const Millis timeout = opts.timeout;
+    const auto start = Clock::now();
+    const auto deadline = start + timeout;
+    auto state = std::make_shared<MonitoredBarrierState>(size_);
+    auto elapsed_ms = [&] { return std::chrono::duration_cast<Millis>(Clock::now() - start).count(); };
+    try {
+      if (rank_ != 0) {
+        state->works.push_back(comm_->send_async(&state->tokens[0], 1, cohort::DataType::kInt64, 0, kMonitoredBarrierTag));
+        state->works.push_back(comm_->recv_async(&state->tokens[1], 1, cohort::DataType::kInt64, 0, kMonitoredBarrierTag));
+        if (!finish_by(state->works, deadline)) {
+          keep(state);
+          TORCH_CHECK(false, "Rank ", rank_, " successfully reached monitoredBarrier, but received errors while waiting ",
+                      "for send/recv from rank 0 within ", timeout.count(), " ms. Please check rank 0 logs for faulty rank.");
+        }
+        return;
+      }
+      for (int r = 1; r < size_; ++r)
+        state->works.push_back(comm_->recv_async(&state->tokens[r], 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+      std::vector<int> failed;
+      std::vector<int> processed;
+      for (int r = 1; r < size_; ++r) {
+        if (Clock::now() >= deadline && !wait_all_ranks) {
+          keep(state);
+          TORCH_CHECK(false, "Rank 0 timed out in monitoredBarrier after ", elapsed_ms(), " ms.",
+                      processed.empty() ? "" : " Successfully processed ranks: " + join_ranks(processed));
+        }
+        std::vector<std::shared_ptr<cohort::Work>> one{state->works[r - 1]};
+        if (finish_by(one, deadline)) {
+          processed.push_back(r);
+          continue;
+        }
+        if (!wait_all_ranks) {
+          keep(state);
+          TORCH_CHECK(false, "[Rank 0]: Rank ", r, " failed to pass monitoredBarrier in ", timeout.count(), " ms");
+        }
+        failed.push_back(r);
+      }
+      if (!failed.empty()) {
+        keep(state);
+        TORCH_CHECK(false, "[Rank 0]: Ranks ", join_ranks(failed), " failed to pass monitoredBarrier in ", timeout.count(),
+                    " ms");
+      }
+      std::vector<std::shared_ptr<cohort::Work>> releases;
+      for (int r = 1; r < size_; ++r)
+        releases.push_back(comm_->send_async(&state->tokens[0], 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+      // A released rank that has gone since is its own problem, not this barrier's: the sends are left
+      // to finish with the communicator's next progress.
+      finish_by(releases, Clock::now() + timeout);
+      state->works.insert(state->works.end(), releases.begin(), releases.end());
+      keep(state);
+    } catch (const cohort::Error& e) {
+      keep(state);
+      TORCH_CHECK(false, "cohort backend: monitored_barrier on rank ", rank_, ": ", e.what());
+    }
+  }
+
+  // recv() without src: the next message with `tag` from whichever rank's comes first; the Work's
+  // _source_rank() names it (cohort::Communicator::recv_any).
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    COHORT_ROUTE_CUDA(c10d::OpType::RECVANYSOURCE, Args().list(tensors), Args().list(tensors),
+                      recvAnysource(tensors, tag));
+    check_single(tensors, "recv");
+    const auto dtype = to_cohort_dtype(tensors[0], "recv");
+    Staged t(tensors[0]);
+    return enqueue_run(c10d::kUnsetTimeout, c10d::OpType::RECVANYSOURCE, tensors, [this, t, dtype, tag](CohortWork& work) {
+      work.set_source_rank(comm_->recv_any(t.data(), t.count(), dtype, static_cast<uint32_t>(tag)));
+      t.copy_back();
+    });
   }
 
  private:
@@ -928,9 +1158,82 @@ class ProcessGroupCohort : public BaseGroup {
     return done;
   }
 
+  // Posts a send or receive (`post` returns the communicator's Work) and hands out a torch Work that
+  // completes with it; `on_success` runs first (a staged receive's copy back; it also keeps the staged
+  // tensors alive until the transfer ends).
+  template <typename Post>
+  c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, std::vector<at::Tensor> outputs, int source_rank,
+                                          Post&& post, std::function<void()> on_success) {
+    auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
+    std::shared_ptr<cohort::Work> p2p;
+    {
+      // Posting waits for the drive lock, which a collective running on the worker thread holds: let
+      // go of the GIL meanwhile, the worker may need it to complete that collective's Future.
+      std::optional<py::gil_scoped_release> no_gil;
+      if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        TORCH_CHECK(!stopping_, "cohort backend: the process group is being destroyed");
+      }
+      try {
+        p2p = post();
+      } catch (const cohort::Error& e) {
+        TORCH_CHECK(false, "cohort backend: ", c10d::opTypeToString(type), ": ", e.what());
+      }
+    }
+    work->set_p2p(std::move(p2p), std::move(on_success));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.push_back(work);
+    }
+    cv_.notify_one();
+    return work;
+  }
+
+  // monitored_barrier's messages: a tag no script is likely to use (torch's tags are ints; this is
+  // INT32_MIN + 0x4D42, "MB").
+  static constexpr uint32_t kMonitoredBarrierTag = 0x80004D42u;
+  struct MonitoredBarrierState {
+    explicit MonitoredBarrierState(int size) : tokens(static_cast<size_t>(size), 0) {}
+    std::vector<int64_t> tokens;  // what the messages carry (nothing: they only arrive)
+    std::vector<std::shared_ptr<cohort::Work>> works;
+  };
+  // Polls `works` (each test() moves the transports along) until all ended or `deadline`. True when all
+  // ended without an error.
+  static bool finish_by(const std::vector<std::shared_ptr<cohort::Work>>& works,
+                        std::chrono::steady_clock::time_point deadline) {
+    auto pause = std::chrono::microseconds(20);
+    for (;;) {
+      bool all = true;
+      for (const auto& w : works) all = w->test() && all;
+      if (all) {
+        for (const auto& w : works)
+          if (w->exception()) return false;
+        return true;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(pause);
+      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
+    }
+  }
+  // Keeps a barrier's buffers for as long as the communicator may still write into them (a late
+  // arrival, a send still queued): until this group is destroyed. Finished ones are dropped.
+  void keep(std::shared_ptr<MonitoredBarrierState> state) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(kept_barriers_, [](const auto& b) {
+      return std::all_of(b->works.begin(), b->works.end(), [](const auto& w) { return w->test(); });
+    });
+    kept_barriers_.push_back(std::move(state));
+  }
+  static std::string join_ranks(const std::vector<int>& ranks) {
+    std::string out;
+    for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    return out;
+  }
+
   struct Pending {
     c10::intrusive_ptr<CohortWork> work;
-    std::function<void()> run;
+    std::function<void(CohortWork&)> run;
     c10d::OpType type = c10d::OpType::UNKNOWN;
     Millis timeout{-1};  // the operation's own timeout (opts.timeout); negative: the group's
   };
@@ -941,6 +1244,11 @@ class ProcessGroupCohort : public BaseGroup {
   }
   c10::intrusive_ptr<c10d::Work> enqueue(Millis timeout, c10d::OpType type, std::vector<at::Tensor> outputs,
                                          std::function<void()> run, int source_rank = -1) {
+    return enqueue_run(timeout, type, std::move(outputs), [run = std::move(run)](CohortWork&) { run(); }, source_rank);
+  }
+  // The same, for an operation that fills in its Work as it runs (the sender of a recv from any source).
+  c10::intrusive_ptr<c10d::Work> enqueue_run(Millis timeout, c10d::OpType type, std::vector<at::Tensor> outputs,
+                                             std::function<void(CohortWork&)> run, int source_rank = -1) {
     auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -977,13 +1285,59 @@ class ProcessGroupCohort : public BaseGroup {
     }
   }
 
+  size_t in_flight_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return in_flight_.size();
+  }
+
+  // Completes the sends and receives in flight that have ended. Returns whether any remain.
+  bool poll_in_flight() {
+    std::vector<c10::intrusive_ptr<CohortWork>> flying;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      flying.swap(in_flight_);
+    }
+    std::vector<c10::intrusive_ptr<CohortWork>> left;
+    for (auto& w : flying)
+      if (!w->poll_p2p()) left.push_back(std::move(w));
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_.insert(in_flight_.begin(), left.begin(), left.end());
+    return !in_flight_.empty();
+  }
+
   void worker_loop() {
+    // While sends or receives are in flight and nothing is queued, the worker looks at them every
+    // `look` (from 50 us, doubling to 1 ms while nothing ends), so that one nobody waits on still ends.
+    auto look = std::chrono::microseconds(50);
     for (;;) {
       Pending next;
+      bool flying = false;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping and drained
+        flying = !in_flight_.empty();
+      }
+      if (flying) {
+        const size_t before = in_flight_count();
+        flying = poll_in_flight();
+        look = in_flight_count() < before ? std::chrono::microseconds(50)
+                                          : std::min<std::chrono::microseconds>(look * 2, std::chrono::milliseconds(1));
+      }
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (flying && queue_.empty() && !stopping_) {
+          cv_.wait_for(lock, look);
+          continue;
+        }
+        cv_.wait(lock, [this] { return stopping_ || !queue_.empty() || !in_flight_.empty(); });
+        if (queue_.empty() && !in_flight_.empty() && !stopping_) continue;
+        if (queue_.empty()) {
+          if (in_flight_.empty()) return;  // stopping and drained
+          // Stopping with sends or receives in flight: the destructor aborted the communicator, so
+          // each ends (failed) at the next look.
+          lock.unlock();
+          poll_in_flight();
+          continue;
+        }
         next = std::move(queue_.front());
         queue_.pop_front();
         busy_ = true;
@@ -996,7 +1350,7 @@ class ProcessGroupCohort : public BaseGroup {
       if (next.timeout.count() >= 0) cv_watch_.notify_all();
       std::exception_ptr error;
       try {
-        next.run();
+        next.run(*next.work);
       } catch (...) {
         error = std::current_exception();
       }
@@ -1009,6 +1363,8 @@ class ProcessGroupCohort : public BaseGroup {
     }
   }
 
+  // Declared before comm_ so that it is destroyed after it: the communicator may write into these.
+  std::vector<std::shared_ptr<MonitoredBarrierState>> kept_barriers_;
   std::shared_ptr<cohort::Communicator> comm_;
   SharedStorage shared_storage_;  // used by the worker thread only
   c10::intrusive_ptr<BaseGroup> cuda_backend_;  // torch's NCCL backend for CUDA tensors, or null
@@ -1017,6 +1373,7 @@ class ProcessGroupCohort : public BaseGroup {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> queue_;
+  std::vector<c10::intrusive_ptr<CohortWork>> in_flight_;  // posted sends and receives not yet completed
   bool busy_ = false;
   bool stopping_ = false;
   std::thread worker_;
@@ -1123,6 +1480,34 @@ PYBIND11_MODULE(cohort_torch, m) {
         "The creator registered with torch.distributed.Backend.register_backend.");
   m.attr("BACKEND_NAME") = "cohort";
   m.attr("TORCH_VERSION_MAJOR_BUILT") = TORCH_VERSION_MAJOR;
+
+  // torch.distributed.monitored_barrier refuses every backend but gloo before it reaches the process
+  // group (distributed_c10d.py, torch 1.13 and 2.x); ProcessGroupCohort implements monitoredBarrier, so
+  // the function is wrapped to let cohort groups through, unchanged for every other group.
+  py::exec(R"(
+def _install_monitored_barrier():
+    import functools
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    original = c10d.monitored_barrier
+    if getattr(original, "_cohort_wrapper", False):
+        return
+
+    @functools.wraps(original)
+    def monitored_barrier(group=c10d.GroupMember.WORLD, timeout=None, wait_all_ranks=False):
+        if c10d._rank_not_in_group(group) or c10d.get_backend(group) != "cohort":
+            return original(group, timeout, wait_all_ranks)
+        if timeout is None:
+            timeout = c10d.default_pg_timeout
+        group_to_use = c10d._get_default_group() if group is None else group
+        return group_to_use.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    monitored_barrier._cohort_wrapper = True
+    c10d.monitored_barrier = monitored_barrier
+    dist.monitored_barrier = monitored_barrier
+
+_install_monitored_barrier()
+)", m.attr("__dict__"));
 
   py::object backend = dist.attr("Backend");
   // A second import (or a reload) must not register twice: torch asserts on duplicates.

@@ -156,7 +156,7 @@ def test_group_timeout_names_where_it_came_from():
     assert line, describe(results)
     seconds = float(line[0].split()[1])
     assert seconds < 6.0, line[0]
-    assert "timed out after 3.0 s (timeout=0:00:03 given to init_process_group or new_group)" in line[0], line[0]
+    assert "timed out after 3.0 s, its timeout (timeout=0:00:03 given to init_process_group or new_group), waiting for" in line[0], line[0]
     assert "COHORT_TIMEOUT" not in line[0], line[0]
 
 
