@@ -384,21 +384,33 @@ class CohortWork : public c10d::Work {
   }
   bool wait(std::chrono::milliseconds timeout) override {
     if (p2p_ && !isCompleted()) {
-      std::exception_ptr error;
       try {
         p2p_->wait(timeout == kNoTimeout ? Millis(0) : timeout);
-        if (on_success_) on_success_();
       } catch (...) {
-        error = std::current_exception();
       }
-      complete(error);
+      end_p2p();
     }
-    return c10d::Work::wait(timeout);
+    return c10d::Work::wait(timeout);  // returns at once, or after the worker thread ended it
   }
   // The worker thread's look at a posted send or receive: completes this Work when it has ended.
   bool poll_p2p() {
     if (!p2p_ || isCompleted()) return true;
     if (!p2p_->test()) return false;
+    end_p2p();
+    return true;
+  }
+
+  // Completes the Work. Once per Work: the worker thread and a waiter may both get here for a send or
+  // receive, and only the first completes it (and runs its copy back).
+  void complete(std::exception_ptr error) {
+    if (completing_.exchange(true)) return;
+    completed(error);
+  }
+
+ private:
+  // A send or receive that ended: its copy back, then the Work's completion.
+  void end_p2p() {
+    if (completing_.exchange(true)) return;
     std::exception_ptr error = p2p_->exception();
     if (!error && on_success_) {
       try {
@@ -407,13 +419,9 @@ class CohortWork : public c10d::Work {
         error = std::current_exception();
       }
     }
-    complete(error);
-    return true;
+    completed(error);
   }
-
-  // Called once per Work (the worker thread, or a waiter of a send or receive: the first one counts).
-  void complete(std::exception_ptr error) {
-    if (completing_.exchange(true)) return;
+  void completed(std::exception_ptr error) {
     finish(error);  // sets completed_/exception_ and wakes wait()
     if (error) {
       future_->setError(error);
