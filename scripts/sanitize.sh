@@ -8,7 +8,8 @@
 #   TSan:         the transport, comm, store and parameter-server tests (the threads that share state
 #                 live there), and the flight recorder ring under concurrent writers and a reader
 #                 (FlightRing.*).
-# Both build without the PyTorch integrations and the benchmarks, at -O1 -g1: about half the compile
+# Both build without the PyTorch integrations and the benchmarks, at -O1 -g1 (what is off the data path --
+# launcher, tool commands, tests, examples -- at -O0: COHORT_OFF_PATH_OPT in CMakeLists.txt): about half the compile
 # time of -O2 -g on the 2-core CI machine, with line numbers in every report.
 #   scripts/sanitize.sh [address] [thread]      default: both, into build-asan/ and build-tsan/
 set -euo pipefail
