@@ -203,8 +203,16 @@ class MemoryCgroup {
 
 TEST(OomHint, AWorkerTheOutOfMemoryKillerKillsIsNamedOnce) {
   // 96 MiB for the launcher and its workers; rank 0 (tail reading /dev/zero keeps its one endless
-  // line in memory) grows until the kernel kills it, rank 1 waits.
+  // line in memory) grows until the kernel kills it, rank 1 waits. The kernel kills the process of the
+  // largest badness, its RSS plus oom_score_adj x limit / 1000: rank 0's 1000 decides only while the
+  // limit is well above the launcher's own RSS. Under ASan the launcher holds about 160 MB (shadow
+  // memory, quarantine), and with 96 MiB the kernel killed it instead: there, 1 GiB (tail fills it in
+  // well under a second).
+#if defined(__SANITIZE_ADDRESS__)
+  MemoryCgroup cgroup(1ull << 30);
+#else
   MemoryCgroup cgroup(96ull << 20);
+#endif
   if (cgroup.procs.empty()) GTEST_SKIP() << "no memory cgroup for the test: " << cgroup.why_not;
   std::string worker =
       "if [ $RANK = 0 ]; then echo 1000 > /proc/self/oom_score_adj; exec tail -n 1 /dev/zero; else exec sleep 30; fi";
