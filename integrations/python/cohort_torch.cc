@@ -995,7 +995,8 @@ class ProcessGroupCohort : public BaseGroup {
         if (!finish_by(state->works, deadline)) {
           keep(state);
           TORCH_CHECK(false, "Rank ", rank_, " successfully reached monitoredBarrier, but received errors while waiting ",
-                      "for send/recv from rank 0 within ", timeout.count(), " ms. Please check rank 0 logs for faulty rank.");
+                      "for send/recv from rank 0 within ", timeout.count(), " ms", cause_of(state->works),
+                      ". Please check rank 0 logs for faulty rank.");
         }
         return;
       }
@@ -1016,7 +1017,8 @@ class ProcessGroupCohort : public BaseGroup {
         }
         if (!wait_all_ranks) {
           keep(state);
-          TORCH_CHECK(false, "[Rank 0]: Rank ", r, " failed to pass monitoredBarrier in ", timeout.count(), " ms");
+          TORCH_CHECK(false, "[Rank 0]: Rank ", r, " failed to pass monitoredBarrier in ", timeout.count(), " ms",
+                      cause_of(one));
         }
         failed.push_back(r);
       }
@@ -1233,6 +1235,19 @@ class ProcessGroupCohort : public BaseGroup {
     });
     kept_barriers_.push_back(std::move(state));
   }
+  // ": <what failed>" when one of `works` ended with an error (a lost peer, an aborted communicator),
+  // "" when they only did not end in time.
+  static std::string cause_of(const std::vector<std::shared_ptr<cohort::Work>>& works) {
+    for (const auto& w : works) {
+      if (!w->test() || !w->exception()) continue;
+      try {
+        std::rethrow_exception(w->exception());
+      } catch (const std::exception& e) {
+        return std::string(" (") + e.what() + ")";
+      }
+    }
+    return "";
+  }
   static std::string join_ranks(const std::vector<int>& ranks) {
     std::string out;
     for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
@@ -1341,9 +1356,8 @@ class ProcessGroupCohort : public BaseGroup {
         if (queue_.empty()) {
           if (in_flight_.empty()) return;  // stopping and drained
           // Stopping with sends or receives in flight: the destructor aborted the communicator, so
-          // each ends (failed) at the next look.
-          lock.unlock();
-          poll_in_flight();
+          // each ends (failed) at the next look, at the top of the loop.
+          cv_.wait_for(lock, look);
           continue;
         }
         next = std::move(queue_.front());
