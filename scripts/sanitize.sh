@@ -31,7 +31,7 @@ for kind in "${kinds[@]}"; do
       # Leaks inside a library cohort talks to (libpmix) are suppressed by library
       # (scripts/lsan_suppressions.txt); every leak in cohort's own code still fails its test.
       (cd "$dir" && LSAN_OPTIONS="suppressions=$root/scripts/lsan_suppressions.txt:print_suppressions=0" \
-        ctest --output-on-failure -j 2 -LE 'python|torch_integration|fuzz|multihost|gpu$|repo' \
+        ctest --output-on-failure -j 2 -LE 'python|torch_integration|fuzz|multihost|slurm|gpu$|repo' \
         -E '^PsExample\.') || rc=1
       ;;
     thread)

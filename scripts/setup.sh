@@ -18,6 +18,8 @@ packages=(
   # peers and multi-host tests: Open MPI, network namespaces with sshd, iperf3; PMIx's headers, against which
   # the build checks the declarations it loads libpmix with (mpirun without MASTER_ADDR, src/comm/pmix.h)
   openmpi-bin libopenmpi-dev libpmix-dev iproute2 openssh-server openssh-client iperf3 procps
+  # a real Slurm cluster on the namespace hosts (tests/slurm): slurmctld, slurmd, srun/sbatch/scancel, munge
+  slurm-wlm munge
 )
 
 missing=()

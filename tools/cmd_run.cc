@@ -90,6 +90,10 @@ int run_run(std::vector<std::string> args) {
   app.add_option("-H", hosts, "hosts to fan out to: host1:8,host2:8 (mpirun -H/--host)");
   app.add_option("--hostfile", hostfile, "hostfile: 'host slots=N [max_slots=M]' lines (Open MPI / DeepSpeed)");
   app.add_option("--ssh-command", o.ssh_command, "command that starts the agent on another host")->capture_default_str();
+  app.add_option("--launcher", o.launcher,
+                 "how a fan-out starts its agents: ssh, srun (Slurm steps), or auto: srun when the hosts are the "
+                 "Slurm allocation's (docs/slurm.md), else ssh")
+      ->capture_default_str();
   app.add_option("-x", o.export_env, "forward VAR (or set VAR=value) for every worker; repeatable");
   app.add_option("--join-timeout", join_timeout, "seconds to wait for every node to join (default 300)");
   app.add_option("--rdzv-timeout,--rdzv_timeout", rdzv_timeout, "elastic jobs: how long a generation waits for MIN nodes (the same setting as --join-timeout)");

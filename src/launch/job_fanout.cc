@@ -1,6 +1,7 @@
-// Fan-out over ssh (-H / --hostfile): the head starts `cohort agent` on every other host with the
-// plan on its stdin, which then stays the control channel (signals forwarded as "sig N" lines; EOF
-// means the head is gone); an agent that ends before the job is a failure of its host.
+// Fan-out over ssh (-H / --hostfile) or srun (inside a Slurm allocation): the head starts `cohort agent`
+// on every other host with the plan on its stdin, which then stays the control channel (signals
+// forwarded as "sig N" lines; EOF means the head is gone); an agent that ends before the job is a
+// failure of its host.
 #include <poll.h>
 
 #include <errno.h>
@@ -27,7 +28,8 @@ void Job::start_agents() {
   // token, never on a command line) goes over the agent's stdin, which then stays open as the
   // control channel: "sig N" lines forward signals, EOF means the head is gone.
   auto ssh = str::split(plan_.ssh_command, ' ');
-  if (ssh.empty()) throw ConfigError("--ssh-command is empty");
+  const bool srun = plan_.agent_launcher == "srun";
+  if (!srun && ssh.empty()) throw ConfigError("--ssh-command is empty");
   for (const auto& node : plan_.nodes) {
     if (node.local) continue;
     AgentChild a;
@@ -40,8 +42,18 @@ void Job::start_agents() {
                           {"token", ctx_.token},
                           {"torch_port", torch_port_}};
     std::string line = msg.dump() + "\n";
-    std::vector<std::string> argv = ssh;
-    argv.push_back(node.host);
+    std::vector<std::string> argv;
+    if (srun) {
+      // One step per host, inside the allocation (docs/slurm.md): explicit node and task counts, since
+      // srun would otherwise take the batch job's SLURM_NTASKS; --overlap so that the step shares the
+      // node's CPUs with the batch step and with other cohort jobs of the allocation; no MPI plugin and
+      // no CPU binding of the agent (its workers are bound by cohort, --bind-to).
+      argv = {"srun", "--nodes=1", "--ntasks=1", "--nodelist=" + node.host, "--overlap", "--mpi=none",
+              "--cpu-bind=none", "--kill-on-bad-exit=0", "--quiet", "--job-name=cohort-agent"};
+    } else {
+      argv = ssh;
+      argv.push_back(node.host);
+    }
     argv.push_back(ctx_.self_exe);
     argv.push_back("agent");
     int in[2], out[2], err[2];
@@ -65,7 +77,7 @@ void Job::start_agents() {
       dup2(out[1], 1);
       dup2(err[1], 2);
       execvp(args[0], args.data());
-      dprintf(2, "cannot run ssh command '%s': %s\n", args[0], strerror(errno));
+      dprintf(2, "cannot run %s command '%s': %s\n", srun ? "srun" : "ssh", args[0], strerror(errno));
       _exit(127);
     }
     close(in[0]);

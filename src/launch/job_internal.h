@@ -5,7 +5,7 @@
 //   job_workers.cc   this node's workers: starting them (environment, CPUs, GPU), stopping, their exits
 //   job_end.cc       the store protocol of a job's end: hosting or joining the store, the watcher thread,
 //                    publishing and adopting the end record, the root cause, nodes done and exited
-//   job_fanout.cc    fan-out over ssh: the head's agents, and `cohort agent`'s control channel
+//   job_fanout.cc    fan-out over ssh or srun: the head's agents, and `cohort agent`'s control channel
 //   job_output.cc    output routing (draining workers' and agents' pipes) and the failure summary
 //   job_trace.cc     observability: the workers' flight recorder rings, the inspector thread (stall
 //                    warnings, live stats), dumps and diagnosis of a failed attempt, the merged timeline

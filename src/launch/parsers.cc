@@ -1,5 +1,6 @@
 #include "launch/parsers.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -452,6 +453,41 @@ std::string host_of(const std::string& host_port) {
 
 }  // namespace
 
+int slurm_store_port(const std::string& job_id, const std::string& step_id) {
+  const int job = parse_int_at_least(job_id, "SLURM_JOB_ID", 0);
+  const int step = parse_int_at_least(step_id, "SLURM_STEP_ID", 0);
+  return 20000 + job % 1000 * 10 + step % 10;
+}
+
+std::optional<SlurmAllocation> read_slurm_allocation(const EnvMap& env) {
+  const auto* id = find(env, "SLURM_JOB_ID");
+  const auto* list = find(env, "SLURM_JOB_NODELIST");
+  if (!id || !list || find(env, "SLURM_STEP_ID")) return std::nullopt;
+  SlurmAllocation a;
+  a.job_id = *id;
+  if (const auto* me = find(env, "SLURMD_NODENAME")) a.this_node = *me;
+  auto names = expand_slurm_nodelist(*list);
+  // Slots: the tasks the allocation has on each node (sbatch/salloc --ntasks-per-node, -n), as mpirun
+  // counts them; a GPU allocation without a task count has one slot per GPU.
+  std::vector<int> slots;
+  const auto* gpus = find(env, "SLURM_GPUS_PER_NODE");
+  if (gpus && !find(env, "SLURM_NTASKS_PER_NODE") && gpu_count(*gpus, "SLURM_GPUS_PER_NODE") > 0) {
+    slots.assign(names.size(), gpu_count(*gpus, "SLURM_GPUS_PER_NODE"));
+    a.slots_source = "SLURM_GPUS_PER_NODE";
+  } else if (const auto* t = find(env, "SLURM_TASKS_PER_NODE")) {
+    slots = expand_slurm_counts(*t, "SLURM_TASKS_PER_NODE");
+    a.slots_source = "SLURM_TASKS_PER_NODE";
+  } else {
+    slots.assign(names.size(), 1);
+    a.slots_source = "one per node (SLURM_TASKS_PER_NODE not set)";
+  }
+  if (slots.size() != names.size())
+    throw ConfigError(fmt::format("{} lists {} nodes but SLURM_JOB_NODELIST={} has {}", a.slots_source, slots.size(),
+                                  *list, names.size()));
+  for (size_t i = 0; i < names.size(); ++i) a.nodes.push_back(HostSlots{names[i], slots[i]});
+  return a;
+}
+
 SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::string>& addresses) {
   SchedulerInfo info;
   auto note = [&](const char* name) {
@@ -465,8 +501,47 @@ SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::strin
     }
   };
 
-  // Slurm: only inside an allocation step that names this node.
-  if (find(env, "SLURM_NODEID") && (find(env, "SLURM_JOB_NODELIST") || find(env, "SLURM_NODELIST"))) {
+  // Slurm, in a task of an srun step (`srun --ntasks-per-node=1 cohort run ...`): the step's nodes are
+  // the job's nodes and this node is where SLURMD_NODENAME stands in the step's node list. (SLURM_NODEID
+  // counts the job's nodes, not the step's: a step on part of the allocation would misplace it.)
+  if (find(env, "SLURM_STEP_ID") && find(env, "SLURM_STEP_NODELIST")) {
+    auto nodes = expand_slurm_nodelist(env.at("SLURM_STEP_NODELIST"));
+    note("Slurm");
+    merge(info.master_addr, nodes.front(), "SLURM_STEP_NODELIST (first node)", "master address");
+    merge(info.nnodes, static_cast<int>(nodes.size()), "SLURM_STEP_NODELIST (node count)", "node count");
+    int index = -1;
+    if (const auto* me = find(env, "SLURMD_NODENAME")) {
+      auto it = std::find(nodes.begin(), nodes.end(), *me);
+      if (it == nodes.end())
+        throw ConfigError(fmt::format("SLURMD_NODENAME={} is not in SLURM_STEP_NODELIST={}", *me,
+                                      env.at("SLURM_STEP_NODELIST")));
+      index = static_cast<int>(it - nodes.begin());
+      merge(info.node_rank, index, "SLURMD_NODENAME in SLURM_STEP_NODELIST", "node rank");
+    } else {
+      int_var(info.node_rank, "SLURM_NODEID", 0, "node rank", "Slurm");
+      if (info.node_rank) index = info.node_rank->value;
+    }
+    // One cohort per node: a second launcher on this node would start the same ranks again. The
+    // usual cause: srun inherits the batch job's task count, and then ignores --ntasks-per-node=1.
+    if (const auto* t = find(env, "SLURM_STEP_TASKS_PER_NODE"); t && index >= 0) {
+      auto tasks = expand_slurm_counts(*t, "SLURM_STEP_TASKS_PER_NODE");
+      if (static_cast<size_t>(index) < tasks.size() && tasks[static_cast<size_t>(index)] > 1)
+        throw ConfigError(fmt::format(
+            "srun started {} cohort launchers on node {} (SLURM_STEP_TASKS_PER_NODE={}); cohort run starts "
+            "the node's workers itself and wants one launcher per node: srun --ntasks={} --ntasks-per-node=1 "
+            "cohort run ... (or run cohort run once, without srun, in the batch script)",
+            tasks[static_cast<size_t>(index)], nodes[static_cast<size_t>(index)], *t, nodes.size()));
+    }
+    if (const auto* g = find(env, "SLURM_GPUS_ON_NODE"); g && gpu_count(*g, "SLURM_GPUS_ON_NODE") > 0)
+      merge(info.nproc_per_node, gpu_count(*g, "SLURM_GPUS_ON_NODE"), "SLURM_GPUS_ON_NODE", "processes per node");
+    if (const auto* id = find(env, "SLURM_JOB_ID")) {
+      merge(info.job_id, fmt::format("slurm-{}.{}", *id, env.at("SLURM_STEP_ID")), "SLURM_JOB_ID.SLURM_STEP_ID",
+            "job id");
+      info.default_master_port = Sourced<int>{slurm_store_port(*id, env.at("SLURM_STEP_ID")),
+                                              "SLURM_JOB_ID and SLURM_STEP_ID (20000 + job % 1000 * 10 + step % 10)"};
+    }
+  } else if (find(env, "SLURM_NODEID") && (find(env, "SLURM_JOB_NODELIST") || find(env, "SLURM_NODELIST"))) {
+    // Slurm variables without a step (set by hand, or by a platform that imitates Slurm): the job's.
     const char* list_var = find(env, "SLURM_JOB_NODELIST") ? "SLURM_JOB_NODELIST" : "SLURM_NODELIST";
     auto nodes = expand_slurm_nodelist(env.at(list_var));
     note("Slurm");

@@ -87,6 +87,9 @@ struct SchedulerInfo {
   std::optional<Sourced<int>> nproc_per_node;
   std::optional<Sourced<std::string>> master_addr;
   std::optional<Sourced<int>> master_port;
+  // A port to use when nothing names one (an srun step: derived from the job and step ids, so that
+  // every node picks the same one without talking and two jobs on one node pick different ones).
+  std::optional<Sourced<int>> default_master_port;
   std::optional<Sourced<std::string>> job_id;
   std::optional<Sourced<int>> ps_nodes;  // TF_CONFIG's cluster.ps: the last N nodes run one server each
   std::optional<RankTable> rank_table;   // RANK_TABLE_FILE (read and checked)
@@ -94,6 +97,20 @@ struct SchedulerInfo {
 };
 // `addresses`: this host's names and IP addresses (a rank table's node is the server listing one).
 SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::string>& addresses = {});
+
+// A Slurm allocation as a batch script or an salloc shell sees it (SLURM_JOB_ID and SLURM_JOB_NODELIST
+// set, SLURM_STEP_ID not: not inside an srun step). `cohort run` there starts one agent per node through
+// srun (docs/slurm.md). Slots per node: SLURM_TASKS_PER_NODE, or SLURM_GPUS_PER_NODE for a GPU
+// allocation without a task count. std::nullopt outside such an allocation.
+struct SlurmAllocation {
+  std::string job_id;
+  std::vector<HostSlots> nodes;  // SLURM_JOB_NODELIST, in order, with their slots
+  std::string slots_source;
+  std::string this_node;  // SLURMD_NODENAME: the batch host; "" in an salloc shell on a login node
+};
+std::optional<SlurmAllocation> read_slurm_allocation(const EnvMap& env);
+// The store port of a job that srun starts once per node: 20000 + (job % 1000) * 10 + step % 10.
+int slurm_store_port(const std::string& job_id, const std::string& step_id);
 
 // "3" -> 3, with a ConfigError "<what>=<text>: expected an integer >= min" otherwise.
 int parse_int_at_least(const std::string& text, const std::string& what, int min);

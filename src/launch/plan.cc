@@ -42,7 +42,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    set_omp_threads, tag_output, output_dir, merge_stderr, ranks_to_console,
                                    all_ranks_to_console, bind_to, device_per_rank, gpus_per_node_spec, gpus_per_node,
                                    gpu_share, abort_on_failure, max_restarts,
-                                   join_timeout_s, kill_grace_s, ssh_command, timeline_path, stats, trace_dir,
+                                   join_timeout_s, kill_grace_s, ssh_command, agent_launcher, timeline_path, stats, trace_dir,
                                    trace_dir_default, stall_warn_s, flight_recorder, program_path, program, ps_servers,
                                    num_workers, ps_mode, ps_server_program, rank_table_slots,
                                    rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s, form, logs,
@@ -531,16 +531,36 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
 
   std::optional<Sourced<std::string>> sched_job_id;
   std::optional<Sourced<int>> sched_ps_nodes;
-  if (o.hosts || o.hostfile) {
+  if (o.launcher != "auto" && o.launcher != "ssh" && o.launcher != "srun")
+    throw ConfigError(fmt::format("--launcher {}: expected auto, ssh or srun", o.launcher));
+  // Inside a Slurm allocation (a batch script, an salloc shell), with no hosts and no per-node flags:
+  // the allocation's nodes are the hosts, as mpirun takes them (docs/slurm.md). An allocation of this
+  // one node alone stays a local job.
+  std::optional<SlurmAllocation> slurm;
+  if (!o.hosts && !o.hostfile && !o.nnodes && !o.node_rank) {
+    slurm = read_slurm_allocation(env);
+    if (slurm && slurm->nodes.size() == 1 && is_local_host(slurm->nodes.front().host, machine.hostname))
+      slurm.reset();
+  }
+  if (o.launcher == "srun" && !slurm && !env.count("SLURM_JOB_ID"))
+    throw ConfigError("--launcher srun: not inside a Slurm allocation (SLURM_JOB_ID is not set); run cohort run "
+                      "in an sbatch script or an salloc shell");
+  if (o.hosts || o.hostfile || slurm) {
     // One launcher fans out to every host (mpirun / DeepSpeed style).
     if (o.hosts && o.hostfile) throw ConfigError("both -H and --hostfile given; use one of them");
     const char* hosts_flag = o.hosts ? "-H" : "--hostfile";
-    if (o.nnodes || o.node_rank)
+    if (!slurm && (o.nnodes || o.node_rank))
       throw ConfigError(fmt::format("{} and --nnodes/--node-rank both given: {} starts every node itself, "
                                     "--nnodes is for running cohort once per node",
                                     hosts_flag, hosts_flag));
-    auto hosts = o.hosts ? parse_host_list(*o.hosts) : parse_hostfile(o.hostfile_text, *o.hostfile);
-    std::string hosts_source = o.hosts ? "-H " + *o.hosts : "--hostfile " + *o.hostfile;
+    auto hosts = slurm ? slurm->nodes : o.hosts ? parse_host_list(*o.hosts) : parse_hostfile(o.hostfile_text, *o.hostfile);
+    std::string hosts_source = slurm    ? fmt::format("SLURM_JOB_NODELIST (Slurm job {}; slots: {})", slurm->job_id,
+                                                      slurm->slots_source)
+                               : o.hosts ? "-H " + *o.hosts
+                                         : "--hostfile " + *o.hostfile;
+    p.agent_launcher = o.launcher == "auto" ? (slurm ? "srun" : "ssh") : o.launcher;
+    source("agent launcher", o.launcher == "auto" ? (slurm ? "inside a Slurm allocation" : "default") : "--launcher");
+    if (slurm) sched_job_id = Sourced<std::string>{"slurm-" + slurm->job_id, "SLURM_JOB_ID"};
     if (nproc_flag)
       for (auto& h : hosts) h.slots = *nproc_flag;
     int total = 0;
@@ -557,7 +577,8 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
       NodePlan node;
       node.node_rank = static_cast<int>(p.nodes.size());
       node.host = h.host;
-      node.local = is_local_host(h.host, machine.hostname) && local_nodes == 0;
+      node.local = (is_local_host(h.host, machine.hostname) || (slurm && h.host == slurm->this_node)) &&
+                   local_nodes == 0;
       if (node.local) {
         ++local_nodes;
         p.this_node = node.node_rank;
@@ -580,7 +601,10 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   } else {
     // Per-node (torchrun style) or local. The scheduler environment fills what flags leave open.
     SchedulerInfo sched;
-    if (!o.nnodes) sched = read_scheduler_env(env, machine.addresses);
+    // With --nnodes the flags say the layout; in an srun step Slurm still says where node 0 is, which
+    // node this is and which port the job's nodes agree on.
+    const bool in_srun_step = env.count("SLURM_STEP_ID") && env.count("SLURM_STEP_NODELIST");
+    if (!o.nnodes || in_srun_step) sched = read_scheduler_env(env, machine.addresses);
     p.schedulers = sched.scheduler_names;
     sched_job_id = sched.job_id;
     sched_ps_nodes = sched.ps_nodes;
@@ -658,10 +682,14 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
                                     : fmt::format("--nnodes {} needs --master-addr (the address of node 0) or MASTER_ADDR",
                                                   p.nnodes));
       }
-      p.master_port = o.master_port ? *o.master_port : sched.master_port ? sched.master_port->value : 29500;
-      source("store port", o.master_port ? "--master-port"
-                           : sched.master_port ? sched.master_port->source
-                                               : "default (29500, as torchrun)");
+      p.master_port = o.master_port           ? *o.master_port
+                      : sched.master_port         ? sched.master_port->value
+                      : sched.default_master_port ? sched.default_master_port->value
+                                                  : 29500;
+      source("store port", o.master_port                 ? "--master-port"
+                           : sched.master_port         ? sched.master_port->source
+                           : sched.default_master_port ? sched.default_master_port->source
+                                                       : "default (29500, as torchrun)");
     }
     p.host_store = node_rank == 0;
     if (p.elastic) {

@@ -28,6 +28,9 @@ struct Options {
   std::optional<std::string> hostfile;  // path
   std::string hostfile_text;            // contents of `hostfile` (read by the caller)
   std::string ssh_command = "ssh -o BatchMode=yes";
+  // --launcher: how a fan-out starts its agents: "ssh", "srun" (inside a Slurm allocation) or "auto"
+  // (srun when the hosts are the Slurm allocation's, ssh otherwise).
+  std::string launcher = "auto";
   std::vector<std::string> export_env;  // -x VAR or VAR=value
   double join_timeout_s = 300;  // also --rdzv-timeout
   double rdzv_last_call_s = 5;  // --rdzv-conf last_call_timeout=S
@@ -169,6 +172,9 @@ struct Plan {
   double join_timeout_s = 300;
   double kill_grace_s = 5;
   std::string ssh_command;
+  // Fan-out: how the agents start. "ssh": `ssh_command HOST cohort agent`; "srun": one srun step per
+  // host inside the Slurm allocation (`srun --nodes=1 --ntasks=1 --nodelist=HOST --overlap ...`).
+  std::string agent_launcher = "ssh";
   // Elastic membership (--nnodes MIN:MAX, docs/launcher.md "Elastic jobs"): the agents meet in
   // generations (launch/rendezvous.h); nodes, node ranks and the world size above are this node's
   // guess until the first generation closes, and change with every generation. The store is hosted

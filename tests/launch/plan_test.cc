@@ -119,6 +119,99 @@ TEST(Plan, PerNodeFromFlagsAndScheduler) {
   EXPECT_EQ(build_plan(f, {{"WORLD_SIZE", "4"}, {"RANK", "9"}}, facts()).mode, Mode::kLocal);
 }
 
+TEST(Plan, InsideASlurmAllocationTheNodesAreTheHostsAndSrunStartsTheAgents) {
+  // What a batch script on h0 of `sbatch -N 3 --ntasks-per-node=2` sees.
+  EnvMap batch = {{"SLURM_JOB_ID", "812"},          {"SLURM_JOB_NODELIST", "h[0-2]"},
+                  {"SLURM_TASKS_PER_NODE", "2(x3)"}, {"SLURM_NTASKS_PER_NODE", "2"},
+                  {"SLURM_NODEID", "0"},             {"SLURMD_NODENAME", "h0"}};
+  MachineFacts here = facts();
+  here.hostname = "h0";
+  auto p = build_plan(with_program(), batch, here);
+  EXPECT_EQ(p.mode, Mode::kFanOut);
+  EXPECT_EQ(p.agent_launcher, "srun");
+  EXPECT_EQ(p.world_size, 6);
+  ASSERT_EQ(p.nodes.size(), 3u);
+  EXPECT_TRUE(p.nodes[0].local);
+  EXPECT_EQ(p.nodes[2].host, "h2");
+  EXPECT_EQ(p.nodes[2].first_rank, 4);
+  EXPECT_EQ(p.job_id, "slurm-812");
+  EXPECT_EQ(p.master_port, 0);  // the head's store binds port 0: two jobs on a node never collide
+  EXPECT_EQ(p.source_of("agent launcher"), "inside a Slurm allocation");
+  // -n and --nproc-per-node shape it as they shape a hostfile; --launcher ssh keeps the hosts.
+  auto o = with_program();
+  o.np = 3;
+  EXPECT_EQ(build_plan(o, batch, here).nodes.size(), 2u);
+  o = with_program();
+  o.launcher = "ssh";
+  EXPECT_EQ(build_plan(o, batch, here).agent_launcher, "ssh");
+  // An salloc shell on a login node: every node is remote, the head only hosts the store.
+  EnvMap salloc = {{"SLURM_JOB_ID", "9"}, {"SLURM_JOB_NODELIST", "n[1-2]"}, {"SLURM_TASKS_PER_NODE", "1(x2)"}};
+  auto s = build_plan(with_program(), salloc, facts());
+  EXPECT_EQ(s.this_node, -1);
+  EXPECT_EQ(s.world_size, 2);
+  // A GPU allocation without a task count: one slot per GPU.
+  EnvMap gpus = {{"SLURM_JOB_ID", "9"}, {"SLURM_JOB_NODELIST", "g[1-2]"}, {"SLURM_TASKS_PER_NODE", "1(x2)"},
+                 {"SLURM_GPUS_PER_NODE", "a100:4"}};
+  EXPECT_EQ(build_plan(with_program(), gpus, facts()).world_size, 8);
+  // One node, this one: a local job. --nnodes, -H: not the allocation's fan-out.
+  EnvMap one = {{"SLURM_JOB_ID", "9"}, {"SLURM_JOB_NODELIST", "h0"}, {"SLURM_TASKS_PER_NODE", "2"},
+                {"SLURM_NODEID", "0"}};
+  EXPECT_EQ(build_plan(with_program(), one, here).mode, Mode::kLocal);
+  o = with_program();
+  o.hosts = "a:1,b:1";
+  EXPECT_EQ(build_plan(o, batch, here).agent_launcher, "ssh");
+  o.launcher = "srun";
+  EXPECT_EQ(build_plan(o, batch, here).agent_launcher, "srun");
+  // --launcher srun outside Slurm, and a misspelt launcher: one line each.
+  EXPECT_EQ(error_of([&] { build_plan(o, {}, facts()); }),
+            "--launcher srun: not inside a Slurm allocation (SLURM_JOB_ID is not set); run cohort run in an sbatch "
+            "script or an salloc shell");
+  o.launcher = "rsh";
+  EXPECT_EQ(error_of([&] { build_plan(o, batch, here); }), "--launcher rsh: expected auto, ssh or srun");
+}
+
+TEST(Plan, AnSrunStepIsOneNodeOfAPerNodeJob) {
+  // `srun --ntasks=3 --ntasks-per-node=1 cohort run --nproc-per-node 2 prog`, seen on h2 (a step on
+  // nodes h1-h3 of a job on h0-h3: SLURM_NODEID counts the job's nodes, the step's list decides).
+  EnvMap step = {{"SLURM_JOB_ID", "1234"},           {"SLURM_STEP_ID", "5"},
+                 {"SLURM_JOB_NODELIST", "h[0-3]"},   {"SLURM_STEP_NODELIST", "h[1-3]"},
+                 {"SLURM_STEP_TASKS_PER_NODE", "1(x3)"}, {"SLURM_NODEID", "2"},
+                 {"SLURMD_NODENAME", "h2"},          {"SLURM_NTASKS_PER_NODE", "1"}};
+  auto o = with_program();
+  o.nproc_per_node = "2";
+  auto p = build_plan(o, step, facts());
+  EXPECT_EQ(p.mode, Mode::kPerNode);
+  EXPECT_EQ(p.nnodes, 3);
+  EXPECT_EQ(p.this_node, 1);
+  EXPECT_EQ(p.world_size, 6);
+  EXPECT_EQ(p.master_addr, "h1");
+  EXPECT_EQ(p.master_port, 20000 + 234 * 10 + 5);
+  EXPECT_EQ(p.job_id, "slurm-1234.5");
+  EXPECT_EQ(p.source_of("node rank"), "SLURMD_NODENAME in SLURM_STEP_NODELIST");
+  // MASTER_PORT set in the batch script wins over the derived port.
+  step["MASTER_PORT"] = "29999";
+  EXPECT_EQ(build_plan(o, step, facts()).master_port, 29999);
+  step.erase("MASTER_PORT");
+  // Elastic: --nnodes MIN:MAX, and Slurm still says where the store is.
+  auto e = with_program();
+  e.nnodes = 3;
+  e.min_nodes = 2;
+  e.nproc_per_node = "2";
+  auto el = build_plan(e, step, facts());
+  EXPECT_TRUE(el.elastic);
+  EXPECT_EQ(el.master_addr, "h1");
+  EXPECT_EQ(el.master_port, 20000 + 234 * 10 + 5);
+  // srun with the batch job's 2 tasks per node starts two cohorts on a node: refused, saying what to write.
+  step["SLURM_STEP_TASKS_PER_NODE"] = "2(x3)";
+  EXPECT_EQ(error_of([&] { build_plan(o, step, facts()); }),
+            "srun started 2 cohort launchers on node h2 (SLURM_STEP_TASKS_PER_NODE=2(x3)); cohort run starts the "
+            "node's workers itself and wants one launcher per node: srun --ntasks=3 --ntasks-per-node=1 cohort run "
+            "... (or run cohort run once, without srun, in the batch script)");
+  step["SLURM_STEP_TASKS_PER_NODE"] = "1(x3)";
+  step["SLURMD_NODENAME"] = "h0";
+  EXPECT_EQ(error_of([&] { build_plan(o, step, facts()); }), "SLURMD_NODENAME=h0 is not in SLURM_STEP_NODELIST=h[1-3]");
+}
+
 TEST(Plan, FanOutAssignsRanksBySlot) {
   auto o = with_program();
   o.hosts = "here:2,b:3,c:4";

@@ -1,6 +1,6 @@
 # Per-node mode (torchrun style): every host runs `cohort run --nnodes 4 --node-rank i --master-addr h0`
-# itself; and a simulated Slurm allocation: every host runs plain `cohort run prog` with SLURM_* set
-# as srun would (node list, node id, tasks per node, job id).
+# itself; and a simulated srun step: every host runs plain `cohort run --nproc-per-node 2 prog` with
+# SLURM_* set as srun sets them (tests/slurm runs the real daemons where slurm-wlm is installed).
 source "$(dirname "$0")/lib.sh"
 require_command run
 PROG=$MH_DIR/print_env.sh
@@ -14,7 +14,8 @@ expect_contains "per-node: the store is on h0:29500" "$PN_OUT" "store=h0:29500"
 expect_no_job_processes 3
 
 run_per_node slurm 60 env SLURM_JOB_ID=4242 SLURM_JOB_NODELIST='h[0-3]' SLURM_NNODES=4 SLURM_NODEID={node} \
-  SLURM_NTASKS_PER_NODE=2 SLURM_PROCID={node} "$COHORT" run --master-port 29501 "$PROG"
+  SLURM_STEP_ID=0 SLURM_STEP_NODELIST='h[0-3]' SLURM_STEP_TASKS_PER_NODE='1(x4)' SLURMD_NODENAME=h{node} \
+  SLURM_PROCID={node} "$COHORT" run --nproc-per-node 2 --master-port 29501 "$PROG"
 echo "$PN_OUT"
 for ((i = 0; i < 4; i++)); do v="PN_RC_$i"; expect_eq "slurm: launcher on h$i exit code" "${!v}" 0; done
 check_rank_lines "slurm" "$PN_OUT" 8 2
