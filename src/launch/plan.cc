@@ -829,6 +829,17 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
     set("COHORT_NUM_WORKERS", std::to_string(plan.num_workers));
     set("COHORT_PS_MODE", plan.ps_mode);
   }
+  if (launcher_env.count("SLURM_JOB_ID")) {
+    // Under Slurm a worker inherits the launcher's (or its srun step's) task variables: SLURM_PROCID=0
+    // and SLURM_NTASKS=1 in every worker of an agent. Programs that take their rank from Slurm
+    // (Lightning's SLURMEnvironment, submitit, many sbatch-era scripts) would then all be rank 0 of 1:
+    // they get the worker's own place instead, as if srun had started each rank.
+    set("SLURM_PROCID", std::to_string(rank));
+    set("SLURM_LOCALID", std::to_string(local_rank));
+    set("SLURM_NODEID", std::to_string(s.node_rank));
+    set("SLURM_NTASKS", std::to_string(world));
+    set("SLURM_NPROCS", std::to_string(world));
+  }
   set("COHORT_NODE_RANK", std::to_string(s.node_rank));
   set("COHORT_NNODES", std::to_string(plan.nnodes));
   set("COHORT_RESTART_COUNT", std::to_string(restart_count));

@@ -149,6 +149,13 @@ TEST(Plan, InsideASlurmAllocationTheNodesAreTheHostsAndSrunStartsTheAgents) {
   auto s = build_plan(with_program(), salloc, facts());
   EXPECT_EQ(s.this_node, -1);
   EXPECT_EQ(s.world_size, 2);
+  // Each worker's Slurm task variables are its own place, not the agent step's "0 of 1".
+  auto w = worker_env(p, WorkerSlot{3, 1, 2, 1, {}}, "h0:1", 2, "t", 0, batch);
+  EXPECT_EQ(env_value(w, "SLURM_PROCID"), "3");
+  EXPECT_EQ(env_value(w, "SLURM_LOCALID"), "1");
+  EXPECT_EQ(env_value(w, "SLURM_NODEID"), "1");
+  EXPECT_EQ(env_value(w, "SLURM_NTASKS"), "6");
+  EXPECT_EQ(env_value(worker_env(p, WorkerSlot{3, 1, 2, 1, {}}, "h0:1", 2, "t", 0, {}), "SLURM_PROCID"), "(unset)");
   // A GPU allocation without a task count: one slot per GPU.
   EnvMap gpus = {{"SLURM_JOB_ID", "9"}, {"SLURM_JOB_NODELIST", "g[1-2]"}, {"SLURM_TASKS_PER_NODE", "1(x2)"},
                  {"SLURM_GPUS_PER_NODE", "a100:4"}};

@@ -39,9 +39,18 @@ expect_eq "per-node: same accuracy as 4 ranks on one host" "$(grep -o "test accu
 expect_no_job_processes 5
 
 # salloc: the command runs on the submitting host (h0, in the allocation); ranks go to every node.
-out=$(on_host 0 timeout -k 5 60 salloc -N 4 --ntasks-per-node=2 "$COHORT" run "$MH_DIR/print_env.sh" 2>&1) && rc=0 || rc=$?
+# Each worker's SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID/SLURM_NTASKS are its own place (as if srun had
+# started every rank), not the agent's step's (0 of 1), for programs that read their rank from Slurm.
+WORKER='echo "slurm procid=$SLURM_PROCID localid=$SLURM_LOCALID nodeid=$SLURM_NODEID ntasks=$SLURM_NTASKS rank=$RANK"; exec '"$MH_DIR/print_env.sh"
+out=$(on_host 0 timeout -k 5 60 salloc -N 4 --ntasks-per-node=2 "$COHORT" run sh -c "$WORKER" 2>&1) && rc=0 || rc=$?
 expect_eq "salloc -N 4 cohort run: exit code" "$rc" 0
-check_rank_lines "salloc -N 4 --ntasks-per-node=2" "$out" 8 2
+check_rank_lines "salloc -N 4 --ntasks-per-node=2" "$(grep -v "slurm procid" <<<"$out")" 8 2
+bad=""
+for r in 0 1 2 3 4 5 6 7; do
+  grep -q "slurm procid=$r localid=$((r % 2)) nodeid=$((r / 2)) ntasks=8 rank=$r" <<<"$out" || bad+=" $r"
+done
+[[ -z $bad ]] && pass "every worker's SLURM_PROCID/LOCALID/NODEID/NTASKS are its own" ||
+  { fail "workers whose Slurm task variables are not their own:$bad"; grep "slurm procid" <<<"$out" >&2; }
 
 # The classic mistake: srun inherits the batch job's 2 tasks per node and ignores --ntasks-per-node=1.
 submit twice -N 2 --ntasks-per-node=2 -- "srun --ntasks-per-node=1 \"$COHORT\" run \"$MH_DIR/print_env.sh\""
