@@ -135,3 +135,7 @@ wait_for_pid() {
   return 1
 }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
+# The entries of /dev/shm, sorted, less those that tests running beside this one make for a moment:
+# Python multiprocessing's semaphores (sem.*) and Open MPI's shared-memory segments (vader_segment.*).
+# cohort's own segments are memfds, which have no name there: any other new entry is a leak of the job.
+shm_entries() { ls /dev/shm | grep -v -E '^(sem\.|vader_segment\.)' | sort || true; }

@@ -11,7 +11,7 @@ source "$(dirname "$0")/lib.sh"
 require_command run
 require_training_example
 ((COHORT_CLUSTER_K >= 5)) || { echo "FAIL: needs 5 hosts, the cluster has $COHORT_CLUSTER_K" >&2; exit 1; }
-shm_before=$(ls /dev/shm | sort)
+shm_before=$(shm_entries)
 # 2 epochs at lr 0.2 (global batch 256 on 8 ranks): far enough into training that a world size
 # changing mid-run moves the final accuracy by well under a point (0.82-0.83 either way).
 ARGS=(--model mlp --lr 0.2 --epochs 2 --checkpoint-every 25)
@@ -111,6 +111,6 @@ expect_eq "store's host lost: generation 1's workers use the moved store" "$stor
 expect_eq "store's host lost: MASTER_ADDR follows it (rank 0 on the store's new host)" "$master" "${moved%:*}"
 expect_no_job_processes 5
 
-shm_after=$(ls /dev/shm | sort)
+shm_after=$(shm_entries)
 expect_eq "no /dev/shm entry left" "$(comm -13 <(echo "$shm_before") <(echo "$shm_after") | tr '\n' ' ')" ""
 finish

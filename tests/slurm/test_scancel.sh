@@ -5,7 +5,7 @@ source "$(dirname "$0")/lib.sh"
 require_command run
 require_training_example
 LONG=(--model mlp --train-samples 3000 --epochs 1000)
-shm_before=$(ls /dev/shm | sort)
+shm_before=$(shm_entries)
 
 cancel_and_time() {  # NAME
   local t0 t1 left i
@@ -39,5 +39,5 @@ submit pernode -N 4 --ntasks-per-node=2 -- \
 wait_workers 8 60 fashion_mnist && sleep 1
 cancel_and_time "per-node (srun cohort run)"
 
-expect_eq "no /dev/shm entry left" "$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort) | tr '\n' ' ')" ""
+expect_eq "no /dev/shm entry left" "$(comm -13 <(echo "$shm_before") <(shm_entries) | tr '\n' ' ')" ""
 finish
