@@ -17,7 +17,7 @@
 #   SlurmUser=root, SlurmdUser=root  the tests run as root; no slurm account is needed.
 #   AuthInfo=socket=...              the cluster's own munged (own key), not the machine's.
 #   ProctrackType=proctrack/linuxproc, TaskPlugin=task/none
-#                                    no cgroup hierarchy per node is possible in namespaces of one
+#                                    no cgroup tree per node is possible in namespaces of one
 #                                    machine; linuxproc finds a step's processes by their parents, which
 #                                    is what a job that double-forks would escape (cohort does not).
 #   CPUs=2 per node                  what slurmd finds on this machine; more would drain the node.
@@ -117,14 +117,13 @@ cmd_up() {
     die "munged did not start (log: $dir/munge/munged.log)"
   on_host "$dir" 0 slurmctld -f "$dir/slurm.conf" || die "slurmctld did not start (log: $dir/slurmctld.log)"
   for ((i = 0; i < k; i++)); do
-    # slurmd needs the cgroup hierarchies mounted where its cgroup plugin looks, even with proctrack/
-    # linuxproc and task/none; `ip netns exec` gave the host a fresh /sys without them. The mounts are
-    # made in the host's own mount namespace, so they go with it.
+    # slurmd 22.05 starts its cgroup plugin even with proctrack/linuxproc and task/none, and fails
+    # where /sys/fs/cgroup has no hierarchy (`ip netns exec` gave the host a fresh /sys). A tmpfs with
+    # a controller-less named hierarchy (name=systemd) is enough for it, and can be mounted on cgroup
+    # v1 and v2 machines alike (controllers bound to a v2 tree could not be mounted again as v1). The
+    # mounts are in the host's own mount namespace, so they go with it.
     "$CLUSTER" exec "$dir" "$i" sh -c '
       mountpoint -q /sys/fs/cgroup || mount -t tmpfs cgroup_root /sys/fs/cgroup
-      for c in freezer cpuset memory devices cpu cpuacct pids; do
-        mkdir -p /sys/fs/cgroup/$c; mountpoint -q /sys/fs/cgroup/$c || mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c
-      done
       mkdir -p /sys/fs/cgroup/systemd
       mountpoint -q /sys/fs/cgroup/systemd || mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd
       exec env SLURM_CONF="$1/slurm.conf" slurmd -f "$1/slurm.conf"' sh "$dir" ||
