@@ -549,7 +549,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     // One launcher fans out to every host (mpirun / DeepSpeed style).
     if (o.hosts && o.hostfile) throw ConfigError("both -H and --hostfile given; use one of them");
     const char* hosts_flag = o.hosts ? "-H" : "--hostfile";
-    if (!slurm && (o.nnodes || o.node_rank))
+    if (o.nnodes || o.node_rank)  // (never with the allocation's hosts: they are read only without these)
       throw ConfigError(fmt::format("{} and --nnodes/--node-rank both given: {} starts every node itself, "
                                     "--nnodes is for running cohort once per node",
                                     hosts_flag, hosts_flag));
