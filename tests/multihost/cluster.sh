@@ -23,7 +23,9 @@
 # Addresses: 198.18.0.1 .. 198.18.0.K/24 (RFC 2544 benchmarking range). The bridge lives in a namespace of
 # its own, so nothing is added to the machine's own network namespace and parallel runs (which each have
 # their own bridge namespace) can reuse the same addresses without seeing each other.
-# Names: coh<id>b (bridge) and coh<id>h<i> (hosts), <id> = the pid of the `up` process: unique per run.
+# Names: coh<id>b (bridge) and coh<id>h<i> (hosts), <id> = the pid of the owning process (the `up` or `run`
+# process, or COHORT_CLUSTER_OWNER): unique per run. `gc` deletes clusters whose owner is gone (a test
+# killed by ctest's timeout cannot tear its cluster down); run_test.sh calls it before each test.
 # The DIR/env file (sourceable) describes the cluster to tests:
 #   COHORT_CLUSTER_DIR, COHORT_CLUSTER_K, COHORT_CLUSTER_NS_<i>, COHORT_CLUSTER_ADDR_<i>,
 #   COHORT_CLUSTER_SSH (the ssh wrapper: usable as cohort's --ssh-command), COHORT_CLUSTER_HOSTFILE
@@ -119,7 +121,10 @@ cmd_up() {
   [[ $k =~ ^[0-9]+$ ]] && ((k >= 1 && k <= 200)) || die "up: K must be 1..200, not '$k'"
   local why; why=$(why_unsupported)
   [[ -z $why ]] || die "cannot build the cluster: $why"
-  local id=$$
+  # The cluster's id names its namespaces and is the pid of the process that owns it (gc removes the
+  # clusters whose owner is gone): this process, or COHORT_CLUSTER_OWNER when a wrapper (slurm.sh) that
+  # outlives this `up` owns it.
+  local id=${COHORT_CLUSTER_OWNER:-$$}
   [[ -n $dir ]] || dir=$(mktemp -d "${TMPDIR:-/tmp}/cohort-cluster-$id.XXXXXX")
   mkdir -p "$dir"
   dir=$(readlink -f "$dir")

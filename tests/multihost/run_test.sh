@@ -6,6 +6,8 @@ set -euo pipefail
 here=$(dirname "$(readlink -f "$0")")
 test_script=${1:?usage: run_test.sh tests/multihost/test_X.sh}
 "$here/cluster.sh" check || exit 77
+# Clusters left by tests that were killed (ctest's timeout) and so could not tear theirs down.
+COHORT_CLUSTER_QUIET=1 "$here/cluster.sh" gc
 # A test may ask for a different host count with a line "# cluster-hosts: K".
 k=$(sed -n 's/^# cluster-hosts: *\([0-9]*\).*/\1/p' "$test_script" | head -1)
 exec "$here/cluster.sh" run -k "${k:-4}" -- bash "$test_script"

@@ -6,5 +6,7 @@ set -euo pipefail
 here=$(dirname "$(readlink -f "$0")")
 test_script=${1:?usage: run_test.sh tests/slurm/test_X.sh}
 "$here/slurm.sh" check || exit 77
+# Clusters (and their Slurm daemons) left by tests that were killed by ctest's timeout.
+COHORT_CLUSTER_QUIET=1 "$here/../multihost/cluster.sh" gc
 k=$(sed -n 's/^# cluster-hosts: *\([0-9]*\).*/\1/p' "$test_script" | head -1)
 exec "$here/slurm.sh" run -k "${k:-4}" -- bash "$test_script"

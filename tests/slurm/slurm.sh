@@ -99,7 +99,9 @@ cmd_up() {
   done
   local why; why=$(why_unsupported)
   [[ -z $why ]] || die "cannot build the Slurm cluster: $why"
-  UP_DIR=$(COHORT_CLUSTER_QUIET=1 "$CLUSTER" up -k "$k" "${dir_arg[@]}")
+  # The cluster belongs to whoever runs `slurm.sh up` (or to `slurm.sh run`), not to cluster.sh's own
+  # short-lived `up`: cluster.sh gc removes clusters whose owner is gone.
+  UP_DIR=$(COHORT_CLUSTER_QUIET=1 COHORT_CLUSTER_OWNER=${COHORT_CLUSTER_OWNER:-$PPID} "$CLUSTER" up -k "$k" "${dir_arg[@]}")
   local dir=$UP_DIR i
   trap '"$CLUSTER" down "$UP_DIR" >/dev/null 2>&1; echo "slurm.sh: up failed; cluster removed" >&2' EXIT
 
@@ -159,7 +161,7 @@ cmd_run() {
     esac
   done
   (($#)) || die "run: no command"
-  RUN_DIR=$(cmd_up -k "$k")
+  RUN_DIR=$(COHORT_CLUSTER_OWNER=$$ cmd_up -k "$k")
   trap 'cmd_down "$RUN_DIR" >/dev/null 2>&1' EXIT
   trap 'exit 130' INT TERM
   local rc=0
