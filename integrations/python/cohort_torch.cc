@@ -578,6 +578,13 @@ class ProcessGroupCohort : public BaseGroup {
 
   const std::string getBackendName() const override { return "cohort"; }
 
+  // Sequence numbers: torch's ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL; torch 2.x wraps any
+  // backend in it) checks before each collective that every rank is at the same one, by this number.
+  // As gloo: every rank starts at 0 and counts the collectives it issues (point-to-point operations,
+  // which the two ends need not issue alike, are not counted).
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return collectives_issued_.load(); }
+
   // ---- reductions ----
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
@@ -1278,6 +1285,7 @@ class ProcessGroupCohort : public BaseGroup {
       TORCH_CHECK(!stopping_, "cohort backend: the process group is being destroyed");
       queue_.push_back(Pending{work, std::move(run), type, timeout});
     }
+    if (type != c10d::OpType::RECVANYSOURCE) collectives_issued_.fetch_add(1);
     cv_.notify_one();
     return work;
   }
@@ -1392,6 +1400,7 @@ class ProcessGroupCohort : public BaseGroup {
   c10::intrusive_ptr<BaseGroup> cuda_backend_;  // torch's NCCL backend for CUDA tensors, or null
   std::string cuda_note_;                       // why CUDA tensors are staged (no NCCL backend)
   std::atomic<bool> warned_staging_{false};     // the staging warning is given once per group
+  std::atomic<uint64_t> collectives_issued_{0};  // getSequenceNumberForGroup()
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> queue_;
@@ -1503,9 +1512,10 @@ PYBIND11_MODULE(cohort_torch, m) {
   m.attr("BACKEND_NAME") = "cohort";
   m.attr("TORCH_VERSION_MAJOR_BUILT") = TORCH_VERSION_MAJOR;
 
+  // Two Python-side fixes of torch's front end for a third-party backend, each for cohort groups only:
   // torch.distributed.monitored_barrier refuses every backend but gloo before it reaches the process
-  // group (distributed_c10d.py, torch 1.13 and 2.x); ProcessGroupCohort implements monitoredBarrier, so
-  // the function is wrapped to let cohort groups through, unchanged for every other group.
+  // group (distributed_c10d.py, torch 1.13 and 2.x), though ProcessGroupCohort implements
+  // monitoredBarrier; and DDP's logging data names a torch 2.x custom backend "custom".
   py::exec(R"(
 def _install_monitored_barrier():
     import functools
@@ -1529,6 +1539,30 @@ def _install_monitored_barrier():
     dist.monitored_barrier = monitored_barrier
 
 _install_monitored_barrier()
+
+# torch 2.x: a process group of a third-party backend is a ProcessGroup whose backend type is CUSTOM,
+# whose getBackendName() is "custom"; DDP's logging data (model._get_ddp_logging_data(), which users
+# and torch's own suite read) then names the backend "custom". For cohort groups it says "cohort", the
+# name dist.get_backend() gives; every other group's data is unchanged.
+def _install_ddp_backend_name():
+    import functools
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    original = DistributedDataParallel._get_ddp_logging_data
+    if getattr(original, "_cohort_wrapper", False):
+        return
+
+    @functools.wraps(original)
+    def _get_ddp_logging_data(self):
+        data = original(self)
+        if data.get("backend_name") == "custom" and dist.get_backend(self.process_group) == "cohort":
+            data["backend_name"] = "cohort"
+        return data
+
+    _get_ddp_logging_data._cohort_wrapper = True
+    DistributedDataParallel._get_ddp_logging_data = _get_ddp_logging_data
+
+_install_ddp_backend_name()
 )", m.attr("__dict__"));
 
   py::object backend = dist.attr("Backend");
