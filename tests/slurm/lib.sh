@@ -1,7 +1,6 @@
 # Helpers for tests/slurm/test_*.sh, which run inside `slurm.sh run` (a real Slurm cluster of namespace
 # hosts; COHORT_CLUSTER_* and SLURM_CONF describe it). Builds on tests/multihost/lib.sh.
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../multihost/lib.sh"
-SLURM_DIR=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
 
 # Processes of jobs on host $1: everything in its namespace but the cluster's daemons (sshd, slurmd,
 # slurmctld and its slurmscriptd, munged). A slurmstepd counts: one left after a job ended is a leak too.
@@ -43,9 +42,6 @@ wait_job() {
   on_host 0 scancel "$1" 2>/dev/null || true
   return 1
 }
-
-# /dev/shm entries that cohort makes (names begin with "cohort").
-cohort_shm() { ls /dev/shm 2>/dev/null | grep '^cohort' | sort || true; }
 
 # wait_workers N SECONDS PATTERN: until N processes whose command line contains PATTERN run across the
 # cluster's hosts; fails the test if they do not within SECONDS.
