@@ -9,8 +9,11 @@
 #                 live there), and the flight recorder ring under concurrent writers and a reader
 #                 (FlightRing.*).
 # Both build without the PyTorch integrations and the benchmarks, at -O1 -g1 (what is off the data path --
-# launcher, tool commands, tests, examples -- at -O0: COHORT_OFF_PATH_OPT in CMakeLists.txt): about half the compile
+# launcher, tool commands, examples -- at -O0: COHORT_OFF_PATH_OPT in CMakeLists.txt): about half the compile
 # time of -O2 -g on the 2-core CI machine, with line numbers in every report.
+# ASan + UBSan builds with clang: GCC 12 took 44-63 s for src/comm/communicator_impl.cc with both
+# sanitizers at -O1, clang 14 31-39 s, and the whole build about 40 % less (docs/testing.md). A second
+# compiler's diagnostics come with it. TSan stays with GCC, which compiles it faster than clang.
 #   scripts/sanitize.sh [address] [thread]      default: both, into build-asan/ and build-tsan/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +29,8 @@ for kind in "${kinds[@]}"; do
     address)
       dir=$base-asan
       echo "sanitize: ASan + UBSan build in $dir"
-      cmake -S . -B "$dir" "${common[@]}" -DCOHORT_SANITIZE=address >/dev/null
+      cmake -S . -B "$dir" "${common[@]}" -DCOHORT_SANITIZE=address \
+        -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ >/dev/null
       cmake --build "$dir" -j "$(nproc)"
       # Leaks inside a library cohort talks to (libpmix) are suppressed by library
       # (scripts/lsan_suppressions.txt); every leak in cohort's own code still fails its test.
@@ -40,7 +44,8 @@ for kind in "${kinds[@]}"; do
       cmake -S . -B "$dir" "${common[@]}" -DCOHORT_SANITIZE=thread >/dev/null
       cmake --build "$dir" -j "$(nproc)" --target transport_tests comm_tests comm_worker store_tests trace_tests \
         ps_tests ps_worker cohort
-      (cd "$dir" && ctest --output-on-failure -j 2 -L 'transport|comm|store|ps') || rc=1
+      # Not the parameter-server example's accuracy run (41 s under TSan), as under ASan.
+      (cd "$dir" && ctest --output-on-failure -j 2 -L 'transport|comm|store|ps' -E '^PsExample\.') || rc=1
       (cd "$dir" && ctest --output-on-failure -R '^FlightRing\.') || rc=1
       ;;
     *) echo "sanitize: unknown sanitizer '$kind' (address or thread)" >&2; exit 2 ;;

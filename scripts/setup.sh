@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 
 packages=(
   # toolchain and libraries
-  build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
+  # (clang: the fuzz targets and the ASan + UBSan build; llvm: llvm-symbolizer, file:line in its reports)
+  build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev llvm
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev libssl-dev zlib1g-dev
   # PyTorch integrations and the training example (libtorch C++ API, the Python backend, BLAS, data)

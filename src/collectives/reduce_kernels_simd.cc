@@ -1,6 +1,7 @@
 // Vectorised reduction kernels (AVX2, AVX-512) and the run-time dispatcher behind reduce_into/reduce_to.
 //
-// Each family is compiled with GCC's `#pragma GCC target`, which gives every function in its region the
+// Each family is compiled with GCC's `#pragma GCC target` (clang: `#pragma clang attribute`, the sanitizer
+// build's compiler), which gives every function in its region the
 // same target attribute as `__attribute__((target("...")))`: the rest of the program stays baseline x86-64
 // and the family is only called after __builtin_cpu_supports() said the CPU has it. The vector body
 // handles whole vectors; the remainder (fewer than one vector) goes through the scalar reference, so odd
@@ -16,7 +17,9 @@
 //    16-bit pairs, 64-bit lanes from 32x32 partial products on AVX2 (VPMULLQ on AVX-512).
 // GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized (their `__m512 __Y = __Y` idiom for
 // "undefined" registers); the warning is about the header, not this file.
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
@@ -27,6 +30,7 @@
 #include "collectives/reduce_kernels.h"
 #include "collectives/reduce_kernels_impl.h"
 #include "cohort/error.h"
+#include "common/cpu_features.h"
 #include "common/env.h"
 
 namespace cohort::kernels {
@@ -179,8 +183,12 @@ namespace {
   };
 
 // ---------------------------------------------------------------------------------------------- AVX2
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
+#endif
 namespace avx2 {
 
 COHORT_DEFINE_PREFIXED_LANES(_mm256, si256, __m256, __m256d, __m256i, 32)
@@ -227,11 +235,19 @@ COHORT_DEFINE_BF16(_mm256, si256)
 COHORT_DEFINE_VECTOR_LOOPS
 
 }  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 // ------------------------------------------------------------------------------------------- AVX-512
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c")
+#endif
 namespace avx512 {
 
 COHORT_DEFINE_PREFIXED_LANES(_mm512, si512, __m512, __m512d, __m512i, 64)
@@ -269,7 +285,11 @@ COHORT_DEFINE_BF16(_mm512, si512)
 COHORT_DEFINE_VECTOR_LOOPS
 
 }  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 static const env::StringSetting kReduceKernels(
     "COHORT_REDUCE_KERNELS", "",
@@ -305,11 +325,11 @@ const char* family_name(KernelFamily f) {
 bool family_supported(KernelFamily f) {
   switch (f) {
     case KernelFamily::kScalar: return true;
-    case KernelFamily::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case KernelFamily::kAvx2: return __builtin_cpu_supports("avx2") && cpu_has_f16c();
     case KernelFamily::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("avx2") && cpu_has_f16c();
   }
   return false;
 }

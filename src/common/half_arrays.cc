@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "common/cpu_features.h"
 #include "common/half.h"
 #include "common/vector_clones.h"
 
@@ -11,7 +12,7 @@ namespace cohort {
 
 // bfloat16: the scalar rule (half.h) written without branches, so that the compiler vectorizes it;
 // one clone per vector width, picked at load time.
-__attribute__((COHORT_VECTOR_CLONES optimize("tree-vectorize")))
+COHORT_VECTOR_KERNEL
 void floats_to_bf16(const float* __restrict src, uint16_t* __restrict dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     uint32_t bits;
@@ -22,7 +23,7 @@ void floats_to_bf16(const float* __restrict src, uint16_t* __restrict dst, size_
   }
 }
 
-__attribute__((COHORT_VECTOR_CLONES optimize("tree-vectorize")))
+COHORT_VECTOR_KERNEL
 void bf16_to_floats(const uint16_t* __restrict src, float* __restrict dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
@@ -54,7 +55,7 @@ __attribute__((target("avx,f16c"))) size_t half_to_floats_f16c(const uint16_t* s
 // __builtin_cpu_init first: this runs among the static initializers, which may precede libgcc's own.
 const bool kHaveF16c = [] {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return cpu_has_f16c() && __builtin_cpu_supports("avx");
 }();
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "cohort/error.h"
 #include "common/half_arrays.h"
 #include "common/log.h"
+#include "common/vector_clones.h"
 #include "ps/sharding.h"
 
 namespace cohort::ps {
@@ -761,8 +762,8 @@ namespace {
 // only vectorizes loops whose trip count is a multiple of the vector width); a scalar loop costs
 // about as much per row as the row's cache misses. The baseline ISA only (no FMA contraction), so
 // every machine computes the same bits.
-__attribute__((optimize("tree-vectorize"))) void optimizer_step(const TableConfig& c, float* __restrict w,
-                                                                float* __restrict st, const float* __restrict g) {
+COHORT_VECTORIZE void optimizer_step(const TableConfig& c, float* __restrict w, float* __restrict st,
+                                     const float* __restrict g) {
   const uint32_t d = c.dim;
   const float lr = c.lr, eps = c.eps, beta1 = c.beta1, beta2 = c.beta2;
   switch (c.optimizer) {

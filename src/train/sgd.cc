@@ -6,7 +6,7 @@ namespace cohort::train {
 
 // One clone per vector width (with FMA, like torch's own kernels), picked at load time (GCC's function
 // multiversioning): the loop is memory-bound, but a scalar one would not keep up with memory.
-__attribute__((COHORT_VECTOR_CLONES optimize("tree-vectorize")))
+COHORT_VECTOR_KERNEL
 void sgd_step(float* __restrict params, const float* __restrict grads, size_t count, const SgdStep& step) {
   const float lr = step.lr, wd = step.weight_decay;
   if (wd == 0.0f) {

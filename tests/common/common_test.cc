@@ -122,7 +122,9 @@ TEST(Env, DefaultsPrintAsAUserWritesThemAndReadBack) {
   // What `cohort env` lists for the registered settings: no "60.000000".
   const env::SecondsSetting s("COHORT_TEST_SECONDS", 60.0, "a test");
   for (const auto& info : env::registered()) {
-    if (info.name == "COHORT_TEST_SECONDS") EXPECT_EQ(info.default_text, "60 s");
+    if (info.name == "COHORT_TEST_SECONDS") {
+      EXPECT_EQ(info.default_text, "60 s");
+    }
   }
 }
 

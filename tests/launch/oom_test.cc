@@ -208,7 +208,7 @@ TEST(OomHint, AWorkerTheOutOfMemoryKillerKillsIsNamedOnce) {
   // limit is well above the launcher's own RSS. Under ASan the launcher holds about 160 MB (shadow
   // memory, quarantine), and with 96 MiB the kernel killed it instead: there, 1 GiB (tail fills it in
   // well under a second).
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(COHORT_TEST_UNDER_ASAN)
   MemoryCgroup cgroup(1ull << 30);
 #else
   MemoryCgroup cgroup(96ull << 20);

@@ -35,7 +35,13 @@ struct Cluster {
   }
 };
 
-AgentInfo agent(const std::string& name, int nproc = 2) { return AgentInfo{"id-" + name, name, nproc}; }
+AgentInfo agent(const std::string& name, int nproc = 2) {
+  AgentInfo a;
+  a.id = "id-" + name;
+  a.host = name;
+  a.nproc = nproc;
+  return a;
+}
 
 RendezvousSettings bounds(int min, int max, double timeout_s = 10, double last_call_s = 10) {
   RendezvousSettings s;

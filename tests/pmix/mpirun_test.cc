@@ -123,7 +123,7 @@ TEST(Mpirun, MpiAndCohortInOneProcess) {
   // not checked in this one program; cohort's own code is leak-checked by every other test, the
   // mpirun ones included (scripts/lsan_suppressions.txt names the libraries).
   std::vector<std::string> env;
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(COHORT_TEST_UNDER_ASAN)
   env.push_back("ASAN_OPTIONS=detect_leaks=0");
 #endif
   for (std::string order : {"mpi-first", "cohort-first"}) {

@@ -263,8 +263,9 @@ TEST_P(ShmGroupWorld, AllreduceUpdateReducesAndUpdatesEveryElementOnceIntoEveryR
         ASSERT_EQ(0x5C, static_cast<unsigned char>(pbase[64 + n * sizeof(float)]));
         ASSERT_EQ(0x5C, static_cast<unsigned char>(gbase[64 + n * sizeof(float)]));
         groups[r]->barrier();
-        if (r == 0)
+        if (r == 0) {
           for (size_t i = 0; i < n; ++i) ASSERT_EQ(updated[i].load(), 1) << "element " << i << " world " << world;
+        }
         groups[r]->barrier();
       }
     }

@@ -5,6 +5,23 @@
 #include <string>
 #include <vector>
 
+// The sanitizer a test was built with, whichever the compiler: GCC defines __SANITIZE_ADDRESS__ and
+// __SANITIZE_THREAD__, clang (the ASan + UBSan build's compiler) answers __has_feature instead.
+#if defined(__SANITIZE_ADDRESS__)
+#define COHORT_TEST_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define COHORT_TEST_UNDER_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define COHORT_TEST_UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define COHORT_TEST_UNDER_TSAN 1
+#endif
+#endif
+
 namespace cohort::test {
 
 // Runs body(rank) on `world` threads and waits for all of them. An exception or failed assertion in

@@ -139,7 +139,7 @@ TEST(FlightRing, ConcurrentWritersAndAReaderNeverSeeATornEntry) {
 // again: once the writers stop, the slot must hold the last operation written there, finished. Several
 // rounds, each a fresh ring: the threads of one round may overlap only part of the time.
 TEST(FlightRing, WritersWrappingOntoSlotsInUseNeverTearAnEntryNorHideASlot) {
-#if defined(__SANITIZE_THREAD__)
+#if defined(COHORT_TEST_UNDER_TSAN)
   constexpr uint32_t kOps = 40000;  // TSan makes each atomic access ~20x slower
 #else
   constexpr uint32_t kOps = 400000;
