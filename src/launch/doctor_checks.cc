@@ -363,8 +363,14 @@ int run_doctor(const DoctorOptions& o) {
       continue;
     }
     if (!l.result.ok) {
+      // A name that does not resolve is not a firewall's doing (a root without /etc/hosts has no
+      // "localhost").
+      const bool unresolved = l.result.error.find("cannot resolve host") != std::string::npos;
       findings.push_back({Status::kFail, name, "TCP: " + l.result.error,
-                          "open the firewall between the hosts for TCP (cohort uses the store port and ephemeral ports)"});
+                          unresolved ? fmt::format("make '{}' resolve on {} (/etc/hosts or DNS), or name the host by "
+                                                   "its address", reports[l.to].host.name, reports[l.from].host.name)
+                                     : "open the firewall between the hosts for TCP (cohort uses the store port and "
+                                       "ephemeral ports)"});
       link_rows.push_back(fmt::format("{:<42} {:<5} {}", name, "FAIL", l.result.error));
       continue;
     }

@@ -21,6 +21,7 @@
 
 #include "cohort/error.h"
 #include "common/console.h"
+#include "common/build_info.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
@@ -321,6 +322,18 @@ int Job::run() {
     epoll_add(0);
     control_open_ = true;
   }
+  // Every worker and agent connects to the store's address. A name that does not resolve on the
+  // store's own host (a fresh root whose /etc/hosts lacks the host's name) would leave them retrying
+  // until the store's deadline, minutes, without a word: one line now instead.
+  if (plan_.mode == Mode::kFanOut && plan_.host_store && !ctx_.agent_mode) {
+    try {
+      net::resolve(plan_.master_addr, 0);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("the job's store address '{}' ({}) does not resolve on this host: {}; add it to "
+                                    "/etc/hosts or DNS, or give --master-addr ADDRESS that every host reaches",
+                                    plan_.master_addr, plan_.source_of("store address"), e.what()));
+    }
+  }
   start_store();
   if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
   if (plan_.set_omp_threads && plan_.this_node >= 0 && !ctx_.agent_mode)
@@ -375,10 +388,10 @@ int Job::run() {
       continue;
     }
     if (print && e.code != 0) {
-      if (e.kind == "failure" || e.kind == "done")
-        say(fmt::format("job failed (exit {}): {}", e.code, e.summary));
-      else
-        say(fmt::format("job stopped (exit {}): {}", e.code, e.summary));
+      // The summary's first line names the build, so that a pasted failure says which cohort ran.
+      console::write(2, fmt::format("cohort run {}: job {} (exit {}): {}\n", build::version_text(),
+                                    e.kind == "failure" || e.kind == "done" ? "failed" : "stopped", e.code,
+                                    e.summary));
     }
     // The flight recorders' account: the head's covers every node (it gathered their rings).
     if (print && e.code != 0)

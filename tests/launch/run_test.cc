@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "common/socket.h"
+#include "common/build_info.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
@@ -204,6 +205,19 @@ TEST(Run, PerRankFilesAndMerge) {
   EXPECT_EQ(m.out, "");
 }
 
+// A store address that does not resolve on the store's own host (a fresh root without its host name in
+// /etc/hosts) is one line at once, not workers retrying in silence until the store's deadline.
+TEST(Run, AStoreAddressThatDoesNotResolveIsOneLineAtOnce) {
+  auto r = run_process(concat(cohort_run({"-H", "localhost:1", "--master-addr", "no-such-host.invalid"}),
+                              std::vector<std::string>{"/bin/true"}),
+                       {}, 30);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_LT(r.seconds, 5.0);
+  EXPECT_NE(r.err.find("the job's store address 'no-such-host.invalid' (--master-addr) does not resolve on this host"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST(Run, FailFastReturnsTheWorkersCodeWithinTwoSeconds) {
   TempDir dir;
   auto r = run_process(concat(cohort_run({"-n", "4"}),
@@ -212,8 +226,10 @@ TEST(Run, FailFastReturnsTheWorkersCodeWithinTwoSeconds) {
                        {}, 30);
   EXPECT_EQ(r.exit_code, 3) << r.err;
   EXPECT_LT(r.seconds, 2.0);
-  // One summary naming rank, host, pid, code, run time and the last stderr lines.
+  // One summary naming the build, then rank, host, pid, code, run time and the last stderr lines.
   EXPECT_TRUE(std::regex_search(r.err, std::regex(R"(job failed \(exit 3\): rank 2 on \S+ \(pid \d+\) exited with code 3 after [0-9.]+ s; last lines of its stderr:\n +\| disk full)")))
+      << r.err;
+  EXPECT_NE(r.err.find("cohort run " + build::version_text() + ": job failed (exit 3): rank 2"), std::string::npos)
       << r.err;
   expect_no_process_left(dir, 4);
 }

@@ -65,7 +65,7 @@ out=$(cat "$MH_TMP/2.out")
 # h2's agent reaps the kill; the launcher still makes the kill the root cause (summary and exit code).
 [[ $rc == 137 ]] && pass "worker SIGKILL (abort policy): launcher exit 137 (rank 5's SIGKILL)" \
   || fail "worker SIGKILL (abort policy): launcher exit $rc, expected 137"
-summary=$(sed -n '/cohort run: job failed/,$p' <<<"$out")
+summary=$(sed -n '/cohort run .*: job failed/,$p' <<<"$out")
 expect_contains "worker SIGKILL (abort policy): summary names rank 5 on h2 and its SIGKILL" "$summary" \
   "rank 5 on h2"
 expect_contains "worker SIGKILL (abort policy): summary says SIGKILL" "$summary" "was killed by SIGKILL"
