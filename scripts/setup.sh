@@ -21,6 +21,9 @@ packages=(
   openmpi-bin libopenmpi-dev libpmix-dev iproute2 openssh-server openssh-client iperf3 procps
   # a real Slurm cluster on the namespace hosts (tests/slurm): slurmctld, slurmd, srun/sbatch/scancel, munge
   slurm-wlm munge
+  # the install tests (tests/install): the wheel built with Debian's tools into a venv, the .deb in a
+  # clean Debian 12 root
+  python3-build python3-venv python3-wheel debootstrap
 )
 
 missing=()
@@ -45,6 +48,12 @@ fi
 if [[ $(id -u) -eq 0 ]] && [[ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ]]; then
   update-alternatives --set libblas.so.3-x86_64-linux-gnu /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || true
   update-alternatives --set liblapack.so.3-x86_64-linux-gnu /usr/lib/x86_64-linux-gnu/openblas-pthread/liblapack.so.3 >/dev/null 2>&1 || true
+fi
+
+# scripts/test.sh's hook: a command to start in the background once the packages are in, so that it
+# overlaps the build (the install test's clean Debian root: downloads and unpacking, little CPU).
+if [[ -n ${COHORT_SETUP_BACKGROUND:-} ]]; then
+  bash -c "$COHORT_SETUP_BACKGROUND" </dev/null >/dev/null 2>&1 &
 fi
 
 build_dir=${COHORT_BUILD_DIR:-build}

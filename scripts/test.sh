@@ -6,6 +6,11 @@
 #                                   run after the ordinary suite when no ctest arguments are given
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The whole suite: the .deb test's clean Debian 12 root is made while the code compiles
+# (tests/install/test_deb.sh waits for it).
+if [[ $# -eq 0 && $(id -u) -eq 0 ]]; then
+  export COHORT_SETUP_BACKGROUND="tests/install/test_deb.sh --prepare"
+fi
 scripts/setup.sh
 build_dir=${COHORT_BUILD_DIR:-build}
 cd "$build_dir"

@@ -1,4 +1,4 @@
-#include "train/checkpoint.h"
+#include "cohort/train/checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>

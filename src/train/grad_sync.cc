@@ -1,4 +1,4 @@
-#include "train/grad_sync.h"
+#include "cohort/train/grad_sync.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -98,7 +98,7 @@ std::vector<std::string> lines_of(const std::string& s) {
 
 GradientSync::GradientSync(std::shared_ptr<Communicator> comm, std::vector<ParameterSpec> params,
                            GradSyncOptions options)
-    : comm_(std::move(comm)), params_(std::move(params)), options_(options) {
+    : comm_(std::move(comm)), params_(std::move(params)), options_(options), recorder_(trace::Recorder::instance()) {
   if (!comm_) throw InvalidArgument("GradientSync: communicator is null");
   if (options_.bucket_cap_bytes == 0 || options_.first_bucket_cap_bytes == 0)
     throw InvalidArgument("GradientSync: bucket sizes must be positive");

@@ -1,4 +1,4 @@
-#include "train/sampler.h"
+#include "cohort/train/sampler.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "train/sgd.h"
+#include "cohort/train/sgd.h"
 
 #include "common/vector_clones.h"
 

@@ -7,7 +7,7 @@
 #include "cohort/gpu.h"
 #include "store/memory_store.h"
 #include "support/test_support.h"
-#include "train/grad_sync.h"
+#include "cohort/train/grad_sync.h"
 
 namespace cohort::test {
 namespace {

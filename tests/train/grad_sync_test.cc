@@ -1,6 +1,6 @@
 // GradientSync (the framework-agnostic DDP engine) on ranks-as-threads over ThreadCommunicator.
-#include "train/grad_sync.h"
-#include "train/sgd.h"
+#include "cohort/train/grad_sync.h"
+#include "cohort/train/sgd.h"
 
 #include <gtest/gtest.h>
 

@@ -7,8 +7,8 @@
 
 #include "cohort/error.h"
 #include "support/test_support.h"
-#include "train/checkpoint.h"
-#include "train/sampler.h"
+#include "cohort/train/checkpoint.h"
+#include "cohort/train/sampler.h"
 
 namespace cohort::train {
 namespace {

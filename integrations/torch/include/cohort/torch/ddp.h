@@ -43,10 +43,10 @@
 #include <vector>
 
 #include "cohort/communicator.h"
-#include "train/checkpoint.h"
-#include "train/grad_sync.h"
-#include "train/sampler.h"
-#include "train/sgd.h"
+#include "cohort/train/checkpoint.h"
+#include "cohort/train/grad_sync.h"
+#include "cohort/train/sampler.h"
+#include "cohort/train/sgd.h"
 
 namespace cohort::torch {
 

@@ -34,7 +34,10 @@
 #include <vector>
 
 #include "cohort/communicator.h"
-#include "trace/recorder.h"
+
+namespace cohort::trace {
+class Recorder;  // the process's flight recorder and timeline (src/trace/recorder.h)
+}
 
 namespace cohort::train {
 
@@ -193,7 +196,7 @@ class GradientSync {
   // the previous iteration's wait ended (CLOCK_MONOTONIC ns).
   int64_t first_ready_ns_ = 0;
   int64_t last_finish_ns_ = 0;
-  trace::Recorder& recorder_ = trace::Recorder::instance();
+  trace::Recorder& recorder_;  // trace::Recorder::instance()
   size_t next_launch_ = 0;
   bool sync_enabled_ = true;
   bool rebuilt_ = false;
