@@ -27,13 +27,18 @@ foreach(layer IN LISTS COHORT_PRESENT_LAYERS)
     list(APPEND cohort_library_objects $<TARGET_OBJECTS:${layer}>)
   endif()
 endforeach()
+# lib<name>.so.<version>, exported as cohort::<export name>; 0.x: the ABI may change with each minor.
+function(cohort_installed_library target name export_name)
+  set_target_properties(${target} PROPERTIES
+    OUTPUT_NAME ${name}
+    EXPORT_NAME ${export_name}
+    VERSION ${PROJECT_VERSION}
+    SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR}
+    LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/lib)
+endfunction()
+
 add_library(cohort_shared SHARED ${cohort_library_objects})
-set_target_properties(cohort_shared PROPERTIES
-  OUTPUT_NAME cohort
-  EXPORT_NAME cohort
-  VERSION ${PROJECT_VERSION}
-  SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR}
-  LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/lib)
+cohort_installed_library(cohort_shared cohort cohort)
 # The layers' own dependencies (none of them appears in a public header).
 target_link_libraries(cohort_shared PRIVATE fmt::fmt OpenSSL::Crypto Threads::Threads ${CMAKE_DL_LIBS})
 target_include_directories(cohort_shared INTERFACE
@@ -55,12 +60,7 @@ set(COHORT_INSTALLS_TORCH OFF)
 if(TARGET cohort_libtorch)
   set(COHORT_INSTALLS_TORCH ON)
   add_library(cohort_torch_shared SHARED $<TARGET_OBJECTS:cohort_libtorch>)
-  set_target_properties(cohort_torch_shared PROPERTIES
-    OUTPUT_NAME cohort_torch
-    EXPORT_NAME torch
-    VERSION ${PROJECT_VERSION}
-    SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR}
-    LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/lib)
+  cohort_installed_library(cohort_torch_shared cohort_torch torch)
   target_link_libraries(cohort_torch_shared PUBLIC cohort_shared torch PRIVATE fmt::fmt)
   target_include_directories(cohort_torch_shared INTERFACE
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/integrations/torch/include>
