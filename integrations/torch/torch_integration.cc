@@ -174,10 +174,31 @@ void DistributedDataParallel::on_gradient_ready(size_t index) {
     grad = contiguous_grads_[index];
   }
   sync_->mark_ready(index, grad.data_ptr<float>());
-  if (options_.gradient_as_bucket_view && !contiguous_grads_[index].defined()) bind_to_bucket(index);
+  if (sync_->sharding_stage() == 2) {
+    // The gradient is in its bucket now, on its way to the rank that owns it: free it here.
+    params_[index].mutable_grad().reset();
+    contiguous_grads_[index] = ::torch::Tensor();
+  } else if (options_.gradient_as_bucket_view && !contiguous_grads_[index].defined()) {
+    bind_to_bucket(index);
+  }
+  if (!sync_->all_ready()) return;
   // With the fused update the optimizer's step reduces (step_fused).
-  if (sync_->all_ready() && !sync_->fused_update())
+  if (sync_->sharding_stage() > 0) {
+    sync_->finish_sharded();
+    contiguous_grads_.assign(params_.size(), ::torch::Tensor());
+  } else if (!sync_->fused_update()) {
     sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
+  }
+}
+
+void DistributedDataParallel::enable_sharding(int stage) {
+  if (sync_->sharding_stage() == stage) return;
+  sync_->enable_sharding(stage);
+  bind_parameters();
+  if (stage == 2) {
+    ::torch::NoGradGuard no_grad;
+    for (auto& p : params_) p.mutable_grad().reset();  // stage 2 keeps no whole-model gradient
+  }
 }
 
 void DistributedDataParallel::enable_fused_update() {
@@ -188,7 +209,8 @@ void DistributedDataParallel::enable_fused_update() {
 }
 
 void DistributedDataParallel::bind_parameters() {
-  if (!sync_->fused_update()) return;
+  if (!sync_->fused_update() && sync_->sharding_stage() == 0) return;
+  ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     std::shared_ptr<float> slot = sync_->parameter_slot(i);
     ::torch::Tensor& param = params_[i];
@@ -197,10 +219,15 @@ void DistributedDataParallel::bind_parameters() {
     // the tensor) go into the slot, and the parameter becomes a view of it: the same Variable, so
     // the optimizer and the module keep it, with new storage (what Python's `p.data = ...` does).
     float* data = slot.get();
-    ::torch::Tensor current = param.detach().contiguous();
-    std::memcpy(data, current.data_ptr<float>(), static_cast<size_t>(param.numel()) * sizeof(float));
-    param.set_data(::torch::from_blob(data, param.sizes(), [keep = std::move(slot)](void*) mutable { keep.reset(); },
-                                      ::torch::TensorOptions().dtype(::torch::kFloat32)));
+    ::torch::Tensor view = ::torch::from_blob(data, param.sizes(), [keep = std::move(slot)](void*) mutable { keep.reset(); },
+                                              ::torch::TensorOptions().dtype(::torch::kFloat32).device(device_));
+    if (device_.is_cpu()) {
+      ::torch::Tensor current = param.detach().contiguous();
+      std::memcpy(data, current.data_ptr<float>(), static_cast<size_t>(param.numel()) * sizeof(float));
+    } else {
+      view.copy_(param.detach());
+    }
+    param.set_data(view);
   }
 }
 
@@ -256,7 +283,13 @@ void DistributedDataParallel::write_back(size_t index, const float* averaged) {
 }
 
 void DistributedDataParallel::finish_gradient_sync() {
-  if (sync_->in_iteration()) sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
+  if (!sync_->in_iteration()) return;
+  if (sync_->sharding_stage() > 0) {
+    sync_->finish_sharded();
+    contiguous_grads_.assign(params_.size(), ::torch::Tensor());
+    return;
+  }
+  sync_->finish([this](size_t i, const float* avg) { write_back(i, avg); });
 }
 
 // ---------------------------------------------------------------------------------------------

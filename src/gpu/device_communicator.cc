@@ -198,12 +198,14 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     const size_t bytes = count * dtype_size(dtype);
     const size_t total = bytes * static_cast<size_t>(size());
     if (staged()) {
-      return staged_op(send, bytes, recv, total, [&](const void* in, void* out) {
+      // In place, this rank's contribution sits at its block of recv: the whole of recv goes to the host.
+      const bool in_place = send == recv;
+      return staged_op(send, in_place ? total : bytes, recv, total, [&](const void* in, void* out) {
         host_->allgather(in, out, count, dtype);
       });
     }
     run_nccl("allgather", total, [&](void* comm, void* s) {
-      return nccl_api().AllGather(send, recv, count, nccl_dtype(dtype), comm, s);
+      return nccl_api().AllGather(nccl_allgather_input(send, recv, bytes), recv, count, nccl_dtype(dtype), comm, s);
     });
   }
 
@@ -288,7 +290,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
       });
     }
     run_nccl("reduce_scatter", bytes * size(), [&](void* comm, void* s) {
-      return nccl_api().ReduceScatter(send, recv, recv_count, nccl_dtype(dtype), nccl_op(op), comm, s);
+      return nccl_reduce_scatter(send, recv, recv_count, dtype, op, comm, s);
     });
   }
 
@@ -412,7 +414,8 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     if (!where("allgather", count, {send, recv})) return host_->allgather_async(send, recv, count, dtype);
     if (staged()) return run_now([&] { allgather(send, recv, count, dtype); });
     return queue_nccl("allgather", count * dtype_size(dtype) * size(), [&](void* comm, void* s) {
-      return nccl_api().AllGather(send, recv, count, nccl_dtype(dtype), comm, s);
+      return nccl_api().AllGather(nccl_allgather_input(send, recv, count * dtype_size(dtype)), recv, count,
+                                  nccl_dtype(dtype), comm, s);
     });
   }
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType dtype,
@@ -422,7 +425,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     check_op(dtype, op);
     if (staged()) return run_now([&] { reduce_scatter(send, recv, recv_count, dtype, op); });
     return queue_nccl("reduce_scatter", recv_count * dtype_size(dtype) * size(), [&](void* comm, void* s) {
-      return nccl_api().ReduceScatter(send, recv, recv_count, nccl_dtype(dtype), nccl_op(op), comm, s);
+      return nccl_reduce_scatter(send, recv, recv_count, dtype, op, comm, s);
     });
   }
   std::shared_ptr<Work> barrier_async() override {
@@ -563,6 +566,26 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   void run_nccl(const std::string& what, size_t bytes, F&& enqueue, bool grouped = false) {
     auto work = queue_nccl(what, bytes, std::forward<F>(enqueue), grouped);
     work->wait(Millis(0));
+  }
+
+  // cohort's in-place forms (send == recv, include/cohort/communicator.h) in NCCL's terms. NCCL's
+  // in-place allgather passes this rank's block of recv as the input, which is where cohort's
+  // in-place contribution already is.
+  const void* nccl_allgather_input(const void* send, void* recv, size_t block_bytes) const {
+    if (send != recv) return send;
+    return static_cast<const char*>(recv) + static_cast<size_t>(rank()) * block_bytes;
+  }
+  // NCCL's in-place reduce-scatter leaves the result in this rank's block of the input; cohort's in
+  // the first block: one copy on the same stream moves it (for rank r > 0 the blocks do not overlap).
+  int nccl_reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op, void* comm,
+                          void* stream) {
+    if (send != recv) return nccl_api().ReduceScatter(send, recv, recv_count, nccl_dtype(dtype), nccl_op(op), comm, stream);
+    const size_t bytes = recv_count * dtype_size(dtype);
+    char* mine = static_cast<char*>(recv) + static_cast<size_t>(rank()) * bytes;
+    int rc = nccl_api().ReduceScatter(send, mine, recv_count, nccl_dtype(dtype), nccl_op(op), comm, stream);
+    if (rc == kNcclSuccess && mine != recv)
+      check_cuda(cuda().MemcpyAsync(recv, mine, bytes, kCudaMemcpyDefault, stream), "in-place reduce-scatter's copy");
+    return rc;
   }
 
   template <typename F>

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -40,6 +41,15 @@ std::string_view compression_name(WireCompression c) {
   return "?";
 }
 
+std::shared_ptr<void> BucketMemory::allocate_private(size_t bytes) {
+  // Cache-line aligned and zeroed, like the communicator's shared buckets.
+  const size_t rounded = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+  void* p = std::aligned_alloc(64, rounded);
+  if (!p) throw Error(fmt::format("DDP: cannot allocate {} bytes of bucket memory", bytes));
+  std::memset(p, 0, rounded);
+  return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+}
+
 namespace {
 
 // The default: memory the communicator hands out for buffers reduced again and again.
@@ -54,7 +64,8 @@ class HostBucketMemory final : public BucketMemory {
 class GpuBucketMemory final : public BucketMemory {
  public:
   explicit GpuBucketMemory(int device) : device_(device) {}
-  std::shared_ptr<void> allocate(Communicator&, size_t bytes) override {
+  std::shared_ptr<void> allocate(Communicator&, size_t bytes) override { return allocate_private(bytes); }
+  std::shared_ptr<void> allocate_private(size_t bytes) override {
     auto p = gpu::allocate_device(bytes, device_);
     gpu::zero_memory(p.get(), bytes);
     return p;
@@ -172,24 +183,39 @@ void GradientSync::check_compression_matches() {
 
 void GradientSync::build_buckets(const std::vector<size_t>& order) {
   buckets_.clear();
+  pool_.clear();
+  pool_buffers_ = 0;
+  pool_floats_ = 0;
+  in_flight_.clear();
+  shard_gradients_.reset();
   param_bucket_.assign(params_.size(), 0);
   param_offset_.assign(params_.size(), 0);
   Bucket current;
   size_t cap = options_.first_bucket_cap_bytes;
+  const size_t world = static_cast<size_t>(comm_->size());
+  size_t shard_floats = 0;
   auto close = [&] {
     if (current.params.empty()) return;
+    // Sharded: a whole number of equal chunks, one per rank.
+    current.padded = stage_ > 0 ? (current.numel + world - 1) / world * world : current.numel;
     // From the communicator: on one host, memory the peers map, so the bucket's allreduce reads their
     // gradients in place instead of staging copies (every rank builds the same buckets in the same order).
-    std::shared_ptr<void> memory = options_.memory->allocate(*comm_, current.numel * sizeof(float));
-    current.data = std::shared_ptr<float[]>(memory, static_cast<float*>(memory.get()));
-    if (options_.compression != WireCompression::kNone) {
-      std::shared_ptr<void> wire = options_.memory->allocate(*comm_, current.numel * sizeof(uint16_t));
-      current.wire = std::shared_ptr<uint16_t[]>(wire, static_cast<uint16_t*>(wire.get()));
+    // Stage 2 takes gradient memory only while a bucket is in use (acquire_bucket_memory).
+    if (stage_ != 2) {
+      std::shared_ptr<void> memory = options_.memory->allocate(*comm_, current.padded * sizeof(float));
+      current.data = std::shared_ptr<float[]>(memory, static_cast<float*>(memory.get()));
+      if (options_.compression != WireCompression::kNone) {
+        std::shared_ptr<void> wire = options_.memory->allocate(*comm_, current.padded * sizeof(uint16_t));
+        current.wire = std::shared_ptr<uint16_t[]>(wire, static_cast<uint16_t*>(wire.get()));
+      }
     }
-    if (fused_) {
-      std::shared_ptr<void> params = options_.memory->allocate(*comm_, current.numel * sizeof(float));
+    if (fused_ || stage_ > 0) {
+      std::shared_ptr<void> params = options_.memory->allocate(*comm_, current.padded * sizeof(float));
       current.parameters = std::shared_ptr<float[]>(params, static_cast<float*>(params.get()));
     }
+    current.shard_offset = shard_floats;
+    shard_floats += current.padded / world;
+    pool_floats_ = std::max(pool_floats_, current.padded);
     buckets_.push_back(std::move(current));
     current = Bucket{};
     cap = options_.bucket_cap_bytes;
@@ -202,6 +228,10 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     if (current.numel * sizeof(float) >= cap) close();
   }
   close();
+  if (stage_ == 2) {
+    std::shared_ptr<void> shard = options_.memory->allocate_private(std::max<size_t>(shard_floats, 1) * sizeof(float));
+    shard_gradients_ = std::shared_ptr<float[]>(shard, static_cast<float*>(shard.get()));
+  }
   reset_iteration();
 }
 
@@ -210,28 +240,35 @@ void GradientSync::reset_iteration() {
   ready_order_.clear();
   ready_count_ = 0;
   next_launch_ = 0;
+  in_flight_.clear();
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.work.reset();
+    b.reduced = false;
+    if (stage_ == 2) release_bucket_memory(b);
   }
 }
 
 std::shared_ptr<float> GradientSync::gradient_slot(size_t index) const {
   if (index >= params_.size()) throw InvalidArgument(fmt::format("DDP: no parameter #{}", index));
-  if (comm_->size() == 1) return nullptr;
+  // One rank (unsharded): nothing is copied into buckets. Stage 2: bucket memory is lent, not kept.
+  if ((comm_->size() == 1 && stage_ == 0) || stage_ == 2) return nullptr;
   const Bucket& b = buckets_[param_bucket_[index]];
   return std::shared_ptr<float>(b.data, b.data.get() + param_offset_[index]);  // aliasing: owns the bucket
 }
 
 std::shared_ptr<float> GradientSync::parameter_slot(size_t index) const {
   if (index >= params_.size()) throw InvalidArgument(fmt::format("DDP: no parameter #{}", index));
-  if (!fused_) return nullptr;
+  if (!fused_ && stage_ == 0) return nullptr;
   const Bucket& b = buckets_[param_bucket_[index]];
   return std::shared_ptr<float>(b.parameters, b.parameters.get() + param_offset_[index]);
 }
 
 void GradientSync::enable_fused_update() {
   if (fused_ || comm_->size() == 1) return;  // one rank: the framework's optimizer steps alone
+  if (stage_ > 0)
+    throw InvalidArgument("DDP: the fused update and the sharded optimizer cannot be combined (the sharded "
+                          "optimizer steps each rank's shard, then gathers the parameters)");
   if (!options_.memory->host_accessible())
     throw InvalidArgument("DDP: the fused update runs on the CPU; GPU buckets are reduced by NCCL (no fused update)");
   if (options_.compression != WireCompression::kNone)
@@ -260,10 +297,13 @@ void GradientSync::mark_ready(size_t index, const float* grad) {
         "two backward passes without a step)",
         params_[index].name));
   Bucket& b = buckets_[param_bucket_[index]];
-  // One rank: the average is the gradient itself, so it is neither copied nor written back.
+  if (stage_ == 2 && !b.data) acquire_bucket_memory(b);
+  // One rank: the average is the gradient itself, so it is neither copied nor written back (but the
+  // sharded mode steps the optimizer on bucket chunks: the gradient must be there).
   float* slot = b.data.get() + param_offset_[index];
   // A gradient that is a view of its slot is already in place.
-  if (comm_->size() > 1 && grad != slot) options_.memory->copy(slot, grad, params_[index].numel() * sizeof(float));
+  if ((comm_->size() > 1 || stage_ > 0) && grad != slot)
+    options_.memory->copy(slot, grad, params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
   if (ready_count_++ == 0) first_ready_ns_ = trace::monotonic_ns();
@@ -278,6 +318,7 @@ void GradientSync::mark_unused(size_t index) {
     throw InvalidArgument("DDP: mark_unused needs find_unused_parameters");
   if (index >= params_.size() || ready_[index]) return;
   Bucket& b = buckets_[param_bucket_[index]];
+  if (stage_ == 2 && !b.data) acquire_bucket_memory(b);
   options_.memory->zero(b.data.get() + param_offset_[index], params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
@@ -294,6 +335,29 @@ void GradientSync::launch(Bucket& b) {
   ++stats_.allreduces;
   if (recorder_.timeline_on()) recorder_.instant("bucket ready", int(&b - buckets_.data()), trace::monotonic_ns());
   if (comm_->size() == 1) return;  // the average of one rank is its own gradient
+  if (stage_ > 0) {
+    // In place: every rank passes the whole bucket and gets its averaged chunk in the first
+    // chunk-sized part (complete_reduce_scatter moves it to where shard_chunks() says).
+    const size_t chunk = chunk_of(b);
+    switch (options_.compression) {
+      case WireCompression::kNone:
+        stats_.bytes_on_wire += static_cast<int64_t>(b.padded * sizeof(float));
+        b.work = comm_->reduce_scatter_async(b.data.get(), b.data.get(), chunk, DataType::kFloat32, ReduceOp::kAvg);
+        break;
+      case WireCompression::kFloat16:
+        floats_to_half(b.data.get(), b.wire.get(), b.padded);
+        stats_.bytes_on_wire += static_cast<int64_t>(b.padded * 2);
+        b.work = comm_->reduce_scatter_async(b.wire.get(), b.wire.get(), chunk, DataType::kFloat16, ReduceOp::kAvg);
+        break;
+      case WireCompression::kBFloat16:
+        floats_to_bf16(b.data.get(), b.wire.get(), b.padded);
+        stats_.bytes_on_wire += static_cast<int64_t>(b.padded * 2);
+        b.work = comm_->reduce_scatter_async(b.wire.get(), b.wire.get(), chunk, DataType::kBFloat16, ReduceOp::kAvg);
+        break;
+    }
+    if (stage_ == 2) in_flight_.push_back(static_cast<size_t>(&b - buckets_.data()));
+    return;
+  }
   switch (options_.compression) {
     case WireCompression::kNone:
       stats_.bytes_on_wire += static_cast<int64_t>(b.numel * sizeof(float));
@@ -373,6 +437,9 @@ void GradientSync::end_iteration() {
 }
 
 bool GradientSync::finish(const std::function<void(size_t, const float*)>& write_back) {
+  if (stage_ > 0)
+    throw InvalidArgument("DDP: the gradients are sharded (each rank averages its chunk of every bucket): "
+                          "finish_sharded(), not finish()");
   if (!begin_finish()) return false;
   if (fused_) {
     // The gradients are wanted averaged before the step (to clip them, say): plain allreduces, and the
@@ -429,6 +496,166 @@ bool GradientSync::finish_update(const Communicator::ParameterUpdate& update) {
   record_wait(t0, std::chrono::steady_clock::now());
   end_iteration();
   return true;
+}
+
+}  // namespace cohort::train
+
+namespace cohort::train {
+
+// ---- sharded mode (ZeRO stages 1 and 2) ----
+
+void GradientSync::enable_sharding(int stage) {
+  if (stage != 1 && stage != 2)
+    throw InvalidArgument(fmt::format("sharded optimizer: stage {} does not exist (1: optimizer state sharded, "
+                                      "2: gradients too)",
+                                      stage));
+  if (stage_ == stage) return;
+  if (stage_ > 0)
+    throw InvalidArgument(fmt::format("sharded optimizer: the gradients are already sharded at stage {}", stage_));
+  if (fused_)
+    throw InvalidArgument("DDP: the fused update and the sharded optimizer cannot be combined (the sharded "
+                          "optimizer steps each rank's shard, then gathers the parameters)");
+  if (in_iteration()) throw InvalidArgument("sharded optimizer: enable it between iterations, not during backward");
+  // Every rank the same stage (the bucket memory below is allocated collectively), said on every rank.
+  const int size = comm_->size();
+  if (size > 1) {
+    int64_t mine = stage;
+    std::vector<int64_t> all(static_cast<size_t>(size));
+    comm_->allgather(&mine, all.data(), 1, DataType::kInt64);
+    for (int r = 1; r < size; ++r)
+      if (all[size_t(r)] != all[0])
+        throw MismatchError(fmt::format("sharded optimizer: the stage differs between ranks: {} on rank 0 but {} on "
+                                        "rank {}",
+                                        all[0], all[size_t(r)], r));
+  }
+  stage_ = stage;
+  // The layout defines the shards (and the optimizer state that lives beside them): no rebuild.
+  rebuilt_ = true;
+  std::vector<size_t> order;
+  for (const Bucket& b : buckets_) order.insert(order.end(), b.params.begin(), b.params.end());
+  build_buckets(order);
+}
+
+size_t GradientSync::padded_numel(size_t bucket) const {
+  if (bucket >= buckets_.size()) throw InvalidArgument(fmt::format("DDP: no bucket #{}", bucket));
+  return buckets_[bucket].padded;
+}
+
+std::vector<GradientSync::ShardChunk> GradientSync::shard_chunks() const {
+  std::vector<ShardChunk> out;
+  if (stage_ == 0) return out;
+  const size_t r = static_cast<size_t>(comm_->rank());
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const Bucket& b = buckets_[i];
+    const size_t chunk = chunk_of(b);
+    float* grads = stage_ == 1 ? b.data.get() + r * chunk : shard_gradients_.get() + b.shard_offset;
+    out.push_back({i, r * chunk, chunk, b.parameters.get() + r * chunk, grads});
+  }
+  return out;
+}
+
+void GradientSync::acquire_bucket_memory(Bucket& b) {
+  // At most two buckets' reduce-scatters in flight hold memory; a third bucket waits for the oldest
+  // (all ranks launched it: buckets launch in the same order everywhere) and takes its memory.
+  while (pool_.empty() && in_flight_.size() >= 2) complete_reduce_scatter(buckets_[in_flight_.front()]);
+  PooledBuffers buffers;
+  if (!pool_.empty()) {
+    buffers = std::move(pool_.back());
+    pool_.pop_back();
+  } else {
+    std::shared_ptr<void> data = options_.memory->allocate_private(pool_floats_ * sizeof(float));
+    buffers.data = std::shared_ptr<float[]>(data, static_cast<float*>(data.get()));
+    if (options_.compression != WireCompression::kNone) {
+      std::shared_ptr<void> wire = options_.memory->allocate_private(pool_floats_ * sizeof(uint16_t));
+      buffers.wire = std::shared_ptr<uint16_t[]>(wire, static_cast<uint16_t*>(wire.get()));
+    }
+    ++pool_buffers_;
+  }
+  b.data = std::move(buffers.data);
+  b.wire = std::move(buffers.wire);
+  // Every slot is written by mark_ready or mark_unused; the padding must read as zeros.
+  if (b.padded > b.numel) options_.memory->zero(b.data.get() + b.numel, (b.padded - b.numel) * sizeof(float));
+}
+
+void GradientSync::release_bucket_memory(Bucket& b) {
+  if (!b.data) return;
+  pool_.push_back({std::move(b.data), std::move(b.wire)});
+  b.data.reset();
+  b.wire.reset();
+}
+
+void GradientSync::complete_reduce_scatter(Bucket& b) {
+  if (b.reduced) return;
+  if (b.work) {
+    std::shared_ptr<Work> work = std::move(b.work);
+    b.work.reset();
+    work->wait();  // a lost peer or a deadline throws here, naming it
+  }
+  const size_t index = static_cast<size_t>(&b - buckets_.data());
+  in_flight_.erase(std::remove(in_flight_.begin(), in_flight_.end(), index), in_flight_.end());
+  const size_t chunk = chunk_of(b);
+  const size_t r = static_cast<size_t>(comm_->rank());
+  float* dst = stage_ == 1 ? b.data.get() + r * chunk : shard_gradients_.get() + b.shard_offset;
+  if (comm_->size() == 1 || options_.compression == WireCompression::kNone) {
+    // The averaged chunk is the first chunk of the bucket (on one rank: the bucket itself). For
+    // rank r > 0 the two ranges do not overlap.
+    if (dst != b.data.get()) options_.memory->copy(dst, b.data.get(), chunk * sizeof(float));
+  } else if (options_.compression == WireCompression::kFloat16) {
+    half_to_floats(b.wire.get(), dst, chunk);
+  } else {
+    bf16_to_floats(b.wire.get(), dst, chunk);
+  }
+  b.reduced = true;
+  if (stage_ == 2) release_bucket_memory(b);
+}
+
+bool GradientSync::finish_sharded() {
+  if (stage_ == 0) throw InvalidArgument("DDP: finish_sharded() needs enable_sharding()");
+  if (!begin_finish()) return false;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (auto& b : buckets_) complete_reduce_scatter(b);
+  } catch (...) {
+    wait_launched_quietly();
+    reset_iteration();
+    throw;
+  }
+  record_wait(t0, std::chrono::steady_clock::now());
+  end_iteration();
+  return true;
+}
+
+void GradientSync::gather_parameters() {
+  if (stage_ == 0) throw InvalidArgument("DDP: gather_parameters() needs enable_sharding()");
+  if (comm_->size() == 1) return;
+  // In place: rank r's chunk is already at its place in every bucket's parameters. All buckets in
+  // flight at once; the first error is rethrown after every other has ended.
+  std::vector<std::shared_ptr<Work>> works;
+  for (auto& b : buckets_) {
+    stats_.bytes_on_wire += static_cast<int64_t>(b.padded * sizeof(float));
+    works.push_back(comm_->allgather_async(b.parameters.get(), b.parameters.get(), chunk_of(b), DataType::kFloat32));
+  }
+  std::exception_ptr first;
+  for (auto& w : works) {
+    try {
+      w->wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+size_t GradientSync::gradient_bytes() const {
+  const size_t wire = options_.compression == WireCompression::kNone ? 0 : sizeof(uint16_t);
+  if (stage_ == 2) {
+    size_t shard = 0;
+    for (const auto& b : buckets_) shard += chunk_of(b);
+    return pool_buffers_ * pool_floats_ * (sizeof(float) + wire) + shard * sizeof(float);
+  }
+  size_t total = 0;
+  for (const auto& b : buckets_) total += b.padded * (sizeof(float) + wire);
+  return comm_->size() == 1 && stage_ == 0 ? 0 : total;
 }
 
 }  // namespace cohort::train

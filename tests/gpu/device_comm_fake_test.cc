@@ -157,6 +157,41 @@ TEST(GpuFake, NcclPathCollectivesMatchTheReference) {
   });
 }
 
+// cohort's in-place forms (send == recv) mean what include/cohort/communicator.h says on both GPU
+// paths: an allgather's contribution is already at recv + rank * count; a reduce-scatter's input is
+// recv and its result goes to recv's first block. NCCL's own in-place convention differs (the input
+// is this rank's block), so the NCCL path translates; the sharded optimizer relies on both forms.
+TEST(GpuFake, InPlaceAllgatherAndReduceScatterKeepCohortsMeaningOnBothPaths) {
+  const int world = 3;
+  const size_t n = 4;
+  for (DevicePath path : {DevicePath::kAuto, DevicePath::kStaged}) {
+    auto store = make_memory_store();
+    run_ranks(world, [&](int rank) {
+      auto comm = gpu::make_device_communicator(host_comm(store, rank, world), DeviceOptions{rank, path});
+      for (bool async : {false, true}) {
+        // Allgather: rank r's block holds r * 100 + i; the other blocks hold garbage (-1).
+        std::vector<float> blocks(n * world, -1.0f);
+        for (size_t i = 0; i < n; ++i) blocks[size_t(rank) * n + i] = float(rank * 100) + float(i);
+        auto ag = on_device(blocks, rank);
+        if (async) comm->allgather_async(ag.get(), ag.get(), n, DataType::kFloat32)->wait();
+        else comm->allgather(ag.get(), ag.get(), n, DataType::kFloat32);
+        auto got = to_host(ag.get(), n * world);
+        for (size_t j = 0; j < n * world; ++j)
+          EXPECT_FLOAT_EQ(got[j], float((j / n) * 100 + j % n)) << gpu::device_path_of(*comm) << ", element " << j;
+        // Reduce-scatter averaging element j = j + rank: block `rank` of the average, in the first block.
+        std::vector<float> input(n * world);
+        for (size_t j = 0; j < input.size(); ++j) input[j] = float(j) + float(rank);
+        auto rs = on_device(input, rank);
+        if (async) comm->reduce_scatter_async(rs.get(), rs.get(), n, DataType::kFloat32, ReduceOp::kAvg)->wait();
+        else comm->reduce_scatter(rs.get(), rs.get(), n, DataType::kFloat32, ReduceOp::kAvg);
+        auto first = to_host(rs.get(), n);
+        for (size_t i = 0; i < n; ++i)
+          EXPECT_FLOAT_EQ(first[i], float(size_t(rank) * n + i) + 1.0f) << gpu::device_path_of(*comm) << ", element " << i;
+      }
+    });
+  }
+}
+
 TEST(GpuFake, BadBuffersAreOneClearError) {
   const int world = 2;
   auto store = make_memory_store();

@@ -150,6 +150,11 @@ TEST_P(ShmGroupWorld, ReduceScatterAllgatherBroadcastBarrier) {
           ASSERT_TRUE(equal_bytes(in.data() + static_cast<size_t>(r) * out.size(),
                                    want_all.data() + static_cast<size_t>(r) * out.size(), out.size()))
               << "reduce_scatter in place " << label(t, op, n, world, r);
+          // cohort's in-place form (include/cohort/communicator.h): in == out, the result in the first block.
+          auto whole = make_input(t, n * static_cast<size_t>(world), r, salt);
+          groups[r]->reduce_scatter(whole.data(), whole.data(), n, t, op);
+          ASSERT_TRUE(equal_bytes(whole.data(), want_all.data() + static_cast<size_t>(r) * out.size(), out.size()))
+              << "reduce_scatter in place, result first " << label(t, op, n, world, r);
         }
       }
       // allgather of n*3+1 bytes per rank (odd), separate and in place.
@@ -164,6 +169,11 @@ TEST_P(ShmGroupWorld, ReduceScatterAllgatherBroadcastBarrier) {
       std::memcpy(inplace.data() + static_cast<size_t>(r) * bytes, mine.data(), bytes);
       groups[r]->allgather(inplace.data() + static_cast<size_t>(r) * bytes, inplace.data(), bytes);
       ASSERT_EQ(inplace, want) << "allgather in place n=" << n << " rank " << r;
+      // cohort's in-place form: in == out, the contribution already at its block.
+      std::vector<uint8_t> same(all.size(), 0);
+      std::memcpy(same.data() + static_cast<size_t>(r) * bytes, mine.data(), bytes);
+      groups[r]->allgather(same.data(), same.data(), bytes);
+      ASSERT_EQ(same, want) << "allgather in place (in == out) n=" << n << " rank " << r;
       // broadcast from every root.
       for (int root = 0; root < world; ++root) {
         std::vector<uint8_t> buf(bytes * 5, static_cast<uint8_t>(r == root ? 0 : 0xEE));

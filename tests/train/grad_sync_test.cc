@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "support/test_support.h"
@@ -327,6 +328,118 @@ TEST(GradientSync, GradientTwiceInOneIterationIsAnError) {
   std::vector<float> g(7, 1.0f);
   sync.mark_ready(1, g.data());
   EXPECT_THROW(sync.mark_ready(1, g.data()), InvalidArgument);
+}
+
+
+// Sharded mode: every rank ends with the average of its chunk of every bucket, the padding reads as
+// zeros, and gather_parameters() brings every rank's chunk of the parameters to all.
+void check_sharded_chunks(int world, int stage, WireCompression compression, float tolerance) {
+  auto comms = ThreadCommunicator::make_world(world);
+  run_ranks(world, [&](int rank) {
+    GradSyncOptions o = tiny_buckets();
+    o.compression = compression;
+    GradientSync sync(comms[size_t(rank)], small_model(), o);
+    sync.enable_sharding(stage);
+    ASSERT_EQ(sync.sharding_stage(), stage);
+    const auto layout = sync.bucket_layout();
+    const auto& params = sync.parameters();
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      std::vector<std::vector<float>> grads(params.size());
+      for (size_t p = 0; p < params.size(); ++p)
+        for (size_t i = 0; i < params[p].numel(); ++i) grads[p].push_back(grad_value(rank, p, i, iteration));
+      for (size_t p = params.size(); p-- > 0;) sync.mark_ready(p, grads[p].data());
+      ASSERT_TRUE(sync.finish_sharded());
+      for (const auto& chunk : sync.shard_chunks()) {
+        ASSERT_EQ(chunk.count * size_t(world), sync.padded_numel(chunk.bucket));
+        ASSERT_EQ(chunk.bucket_offset, size_t(rank) * chunk.count);
+        size_t at = 0;  // the bucket's parameters back to back, then padding
+        std::vector<float> want(sync.padded_numel(chunk.bucket), 0.0f);
+        for (size_t p : layout[chunk.bucket])
+          for (size_t i = 0; i < params[p].numel(); ++i, ++at) {
+            for (int r = 0; r < world; ++r) want[at] += grad_value(r, p, i, iteration);
+            want[at] /= float(world);
+          }
+        for (size_t i = 0; i < chunk.count; ++i)
+          EXPECT_NEAR(chunk.gradients[i], want[chunk.bucket_offset + i], tolerance)
+              << "stage " << stage << ", rank " << rank << ", bucket " << chunk.bucket << ", element " << i;
+      }
+    }
+    // Each rank writes its rank into its chunks; after the gather every rank sees every owner's value.
+    for (const auto& chunk : sync.shard_chunks())
+      for (size_t i = 0; i < chunk.count; ++i) chunk.parameters[i] = float(rank * 1000) + float(i);
+    sync.gather_parameters();
+    for (size_t p = 0; p < params.size(); ++p) {
+      float* slot = sync.parameter_slot(p).get();
+      ASSERT_NE(slot, nullptr);
+      const size_t b = [&] {
+        for (size_t i = 0; i < layout.size(); ++i)
+          if (std::find(layout[i].begin(), layout[i].end(), p) != layout[i].end()) return i;
+        return layout.size();
+      }();
+      size_t offset = 0;
+      for (size_t q : layout[b]) {
+        if (q == p) break;
+        offset += params[q].numel();
+      }
+      const size_t chunk = sync.padded_numel(b) / size_t(world);
+      for (size_t i = 0; i < params[p].numel(); ++i) {
+        const size_t owner = (offset + i) / chunk;
+        EXPECT_EQ(slot[i], float(owner * 1000) + float((offset + i) % chunk)) << "parameter " << p << " element " << i;
+      }
+    }
+  });
+}
+
+TEST(GradientSync, ShardedStagesOneAndTwoAverageEachRanksChunkAndGatherTheParameters) {
+  for (int world : {1, 2, 3})
+    for (int stage : {1, 2}) check_sharded_chunks(world, stage, WireCompression::kNone, 1e-5f);
+  check_sharded_chunks(3, 2, WireCompression::kBFloat16, 0.1f);
+  check_sharded_chunks(2, 1, WireCompression::kFloat16, 0.02f);
+}
+
+TEST(GradientSync, ShardedStageTwoLendsBucketMemoryAndKeepsOnlyItsChunks) {
+  // 40 parameters of 10 floats in buckets of 10: at most three buckets' memory at once (two
+  // reduce-scatters in flight and one filling), not forty.
+  std::vector<ParameterSpec> model;
+  for (int i = 0; i < 40; ++i) model.push_back({"p" + std::to_string(i), {10}});
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    GradSyncOptions o;
+    o.first_bucket_cap_bytes = o.bucket_cap_bytes = 10 * sizeof(float);
+    GradientSync sync(comms[size_t(rank)], model, o);
+    const size_t whole = sync.gradient_bytes();
+    EXPECT_EQ(whole, 400 * sizeof(float));
+    sync.enable_sharding(2);
+    EXPECT_EQ(sync.gradient_slot(0), nullptr);  // nothing for a framework's gradient to stay a view of
+    std::vector<float> grad(10, 1.0f + float(rank));
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      for (size_t p = 40; p-- > 0;) sync.mark_ready(p, grad.data());
+      ASSERT_TRUE(sync.finish_sharded());
+    }
+    // The chunks (200 floats) and at most three 10-float buffers.
+    EXPECT_LE(sync.gradient_bytes(), (200 + 3 * 10) * sizeof(float));
+    for (const auto& chunk : sync.shard_chunks())
+      for (size_t i = 0; i < chunk.count; ++i) ASSERT_FLOAT_EQ(chunk.gradients[i], 1.5f);
+  });
+}
+
+TEST(GradientSync, ShardedStageThatDiffersBetweenRanksIsAMismatchNamingBoth) {
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    GradientSync sync(comms[size_t(rank)], small_model(), tiny_buckets());
+    try {
+      sync.enable_sharding(rank + 1);
+      FAIL() << "no error";
+    } catch (const MismatchError& e) {
+      EXPECT_NE(std::string(e.what()).find("stage differs between ranks: 1 on rank 0 but 2 on rank 1"), std::string::npos)
+          << e.what();
+    }
+  });
+  auto one = ThreadCommunicator::make_world(1);
+  GradientSync sync(one[0], small_model(), tiny_buckets());
+  EXPECT_THROW(sync.enable_sharding(3), InvalidArgument);
+  sync.enable_sharding(1);
+  EXPECT_THROW(sync.finish([](size_t, const float*) {}), InvalidArgument);
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 // are exchanged through shared memory under a mutex, every operation checks that all ranks issued
 // the same op/count/dtype (MismatchError otherwise), and every wait has a deadline.
 // Async operations run in call order on a per-rank progress thread, like the real communicator.
-// Only what the training code uses is provided (allreduce, broadcast, allgather, barrier and their
-// async forms); the rest throw cohort::Error saying so.
+// Only what the training code uses is provided (allreduce, broadcast, allgather, reduce_scatter,
+// barrier and their async forms, with the in-place forms of include/cohort/communicator.h: send ==
+// recv); the rest throw cohort::Error saying so.
 
 #include <chrono>
 #include <condition_variable>
@@ -136,7 +137,10 @@ class ThreadCommunicator : public Communicator {
   std::shared_ptr<Work> allgather_async(const void* send, void* recv, size_t count, DataType dtype) override {
     return enqueue([=, this] {
       const size_t bytes = count * dtype_size(dtype);
-      auto all = exchange("allgather", count, dtype, std::string(static_cast<const char*>(send), bytes));
+      // In place: this rank's contribution is already at its place in recv.
+      const char* mine = send == recv ? static_cast<const char*>(recv) + static_cast<size_t>(rank_) * bytes
+                                      : static_cast<const char*>(send);
+      auto all = exchange("allgather", count, dtype, std::string(mine, bytes));
       for (int r = 0; r < size(); ++r)
         std::memcpy(static_cast<char*>(recv) + r * bytes, (*all)[static_cast<size_t>(r)].data() + kHeader, bytes);
     });
@@ -150,7 +154,9 @@ class ThreadCommunicator : public Communicator {
   void allgatherv(const void*, size_t, void*, const std::vector<size_t>&, DataType) override { missing("allgatherv"); }
   void gather(const void*, void*, size_t, DataType, int) override { missing("gather"); }
   void scatter(const void*, void*, size_t, DataType, int) override { missing("scatter"); }
-  void reduce_scatter(const void*, void*, size_t, DataType, ReduceOp) override { missing("reduce_scatter"); }
+  void reduce_scatter(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op) override {
+    reduce_scatter_async(send, recv, count, dtype, op)->wait();
+  }
   void alltoall(const void*, void*, size_t, DataType) override { missing("alltoall"); }
   void alltoallv(const void*, const std::vector<size_t>&, const std::vector<size_t>&, void*, const std::vector<size_t>&,
                  const std::vector<size_t>&, DataType) override { missing("alltoallv"); }
@@ -159,8 +165,20 @@ class ThreadCommunicator : public Communicator {
   int recv_any(void*, size_t, DataType, uint32_t) override { missing("recv_any"); }
   std::shared_ptr<Work> send_async(const void*, size_t, DataType, int, uint32_t) override { missing("send_async"); }
   std::shared_ptr<Work> recv_async(void*, size_t, DataType, int, uint32_t) override { missing("recv_async"); }
-  std::shared_ptr<Work> reduce_scatter_async(const void*, void*, size_t, DataType, ReduceOp) override {
-    missing("reduce_scatter_async");
+  // Sum or average only. In place (send == recv): the input is recv's size() * count elements and the
+  // result goes to its first count.
+  std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, size_t count, DataType dtype,
+                                             ReduceOp op) override {
+    if (op != ReduceOp::kSum && op != ReduceOp::kAvg) missing("reduce_scatter with an op other than sum or avg");
+    return enqueue([=, this] {
+      const size_t bytes = count * dtype_size(dtype) * static_cast<size_t>(size());
+      auto all = exchange("reduce_scatter", count, dtype, std::string(static_cast<const char*>(send), bytes));
+      std::vector<double> acc(count, 0.0);
+      for (const auto& contribution : *all)
+        for (size_t i = 0; i < count; ++i)
+          acc[i] += load(contribution.data() + kHeader, static_cast<size_t>(rank_) * count + i, dtype);
+      for (size_t i = 0; i < count; ++i) store(recv, i, dtype, op == ReduceOp::kAvg ? acc[i] / size() : acc[i]);
+    });
   }
   std::shared_ptr<Communicator> split(int, int) override { missing("split"); }
   std::shared_ptr<Communicator> subgroup(const std::vector<int>&) override { missing("subgroup"); }

@@ -19,6 +19,10 @@
 //   step in one pass (Communicator::allreduce_update): on one host each rank reduces and updates a
 //   slice and writes it into every rank's parameters, so neither the averaged gradients nor a
 //   separate optimizer pass over them exist (docs/training.md, "The fused SGD step").
+// * Sharded mode (enable_sharding, ZeRO stages 1 and 2): each bucket is split into one chunk per
+//   rank and reduce-scattered instead of allreduced; rank r averages and owns chunk r of every bucket,
+//   steps the optimizer on it alone, and gather_parameters() sends the updated chunks to every rank
+//   (docs/training.md, "The sharded optimizer").
 // * A parameter that never got a gradient is an error naming it, unless find_unused_parameters is
 //   on (then it contributes zeros, like torch's find_unused_parameters=True).
 // * Construction is collective: every rank checks that its parameter names and shapes equal rank 0's.
@@ -65,6 +69,10 @@ class BucketMemory {
   virtual void zero(void* dst, size_t bytes) = 0;
   // Whether the CPU may read and write bucket memory (wire compression converts on the CPU).
   virtual bool host_accessible() const = 0;
+  // `bytes` of this rank's own memory of the same kind (not collective, not shared with the peers):
+  // the sharded mode's stage 2 takes a bucket's gradient memory while it fills and gives it back.
+  // The default allocates host memory.
+  virtual std::shared_ptr<void> allocate_private(size_t bytes);
 };
 // Buckets in the memory of GPU `device` (cudaMalloc; copies with cudaMemcpy, which is ordered after the
 // work queued on the default stream). The communicator must take GPU buffers (gpu::make_device_communicator).
@@ -145,6 +153,49 @@ class GradientSync {
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
   bool sync_enabled() const { return sync_enabled_; }
 
+  // ---- sharded mode (ZeRO stages 1 and 2) ----
+  // Collective, between iterations, every rank alike (a different stage on some rank is a
+  // MismatchError naming both). Each bucket is padded with zeros to a multiple of size() elements
+  // and split into size() equal chunks; rank r owns chunk r of every bucket. From then on:
+  //  * a complete bucket is reduce-scattered (averaged) instead of allreduced, overlapping backward
+  //    as before; finish_sharded() waits for them and leaves this rank's averaged chunks where
+  //    shard_chunks() says;
+  //  * the parameters live in bucket memory (parameter_slot, as with the fused update), and
+  //    gather_parameters() sends every rank's chunks of them to every rank (in-place allgathers);
+  //  * stage 1 keeps every bucket's gradient memory (the framework's gradients may stay views of
+  //    it, gradient_slot); stage 2 holds a bucket's gradient memory only from its first gradient
+  //    until its reduce-scatter ends (a pool of a few buffers: while two buckets are in flight, a
+  //    third waits for the older one), keeps only this rank's averaged chunks, and gradient_slot()
+  //    is null;
+  //  * the buckets are no longer rebuilt in gradient-ready order: the layout defines the shards, and
+  //    the optimizer state that lives beside them.
+  // Wire compression works with both stages (the chunks travel as 16-bit floats). finish() and the
+  // fused update are for the unsharded mode and throw here.
+  void enable_sharding(int stage);
+  int sharding_stage() const { return stage_; }  // 0: not sharded
+  // This rank's chunk of one bucket: `count` parameters and their averaged gradients (after
+  // finish_sharded()), in the buckets' kind of memory. Element i of the chunk is element
+  // `bucket_offset + i` of the bucket's layout (bucket_layout()'s parameters back to back, then
+  // zero padding up to padded_numel).
+  struct ShardChunk {
+    size_t bucket = 0;
+    size_t bucket_offset = 0;
+    size_t count = 0;
+    float* parameters = nullptr;
+    float* gradients = nullptr;
+  };
+  std::vector<ShardChunk> shard_chunks() const;
+  // A bucket's elements including the sharded mode's padding (its parameters' numel otherwise).
+  size_t padded_numel(size_t bucket) const;
+  // Like finish(): false when nothing was marked in this iteration (or sync is disabled); the same
+  // error for a parameter without a gradient. Waits for every bucket's reduce-scatter.
+  bool finish_sharded();
+  // Collective: every rank's chunks of the parameters to every rank (all buckets' allgathers in
+  // flight together). Call after the optimizer stepped the chunks.
+  void gather_parameters();
+  // Bytes of gradient memory this rank holds now (bucket memory, stage 2's pool and shard).
+  size_t gradient_bytes() const;
+
   // Bucket layout (parameter indices per bucket, in launch order), for tests and logs.
   std::vector<std::vector<size_t>> bucket_layout() const;
   bool buckets_rebuilt() const { return rebuilt_; }
@@ -163,9 +214,17 @@ class GradientSync {
     // The compressed copy while on the wire; like `data`, memory the peers map on one host, so that
     // its allreduce runs in place too.
     std::shared_ptr<uint16_t[]> wire;
-    std::shared_ptr<float[]> parameters;  // fused update: the parameters, laid out like `data`
+    std::shared_ptr<float[]> parameters;  // fused update and sharded mode: the parameters, laid out like `data`
+    size_t padded = 0;        // numel, plus the sharded mode's padding to a multiple of size()
+    size_t shard_offset = 0;  // stage 2: where this bucket's chunk sits in shard_gradients_
     size_t pending = 0;
     std::shared_ptr<Work> work;
+    bool reduced = false;  // sharded mode: this iteration's reduce-scatter waited for and unpacked
+  };
+  // Stage 2's reusable bucket memory (gradients, and their 16-bit wire copy when compressing).
+  struct PooledBuffers {
+    std::shared_ptr<float[]> data;
+    std::shared_ptr<uint16_t[]> wire;
   };
 
   void check_parameters_match_rank0();
@@ -182,6 +241,12 @@ class GradientSync {
   void record_wait(std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point t1);
   // After a finish: the bucket rebuild (once) or the next iteration's reset.
   void end_iteration();
+  // Sharded mode: bucket memory for a bucket's first gradient (stage 2), and the end of a bucket's
+  // reduce-scatter (wait, move this rank's chunk to where shard_chunks() says, give memory back).
+  void acquire_bucket_memory(Bucket& b);
+  void complete_reduce_scatter(Bucket& b);
+  void release_bucket_memory(Bucket& b);
+  size_t chunk_of(const Bucket& b) const { return b.padded / static_cast<size_t>(comm_->size()); }
 
   std::shared_ptr<Communicator> comm_;
   std::vector<ParameterSpec> params_;
@@ -201,6 +266,12 @@ class GradientSync {
   bool sync_enabled_ = true;
   bool rebuilt_ = false;
   bool fused_ = false;
+  int stage_ = 0;
+  std::shared_ptr<float[]> shard_gradients_;  // stage 2: this rank's chunk of every bucket, back to back
+  std::vector<PooledBuffers> pool_;           // stage 2: bucket memory not in use
+  size_t pool_buffers_ = 0;                   // stage 2: buffers allocated (in the pool or in use)
+  size_t pool_floats_ = 0;                    // stage 2: each buffer's size (the largest bucket)
+  std::vector<size_t> in_flight_;             // stage 2: launched buckets not yet completed, oldest first
   GradSyncStats stats_;
 };
 

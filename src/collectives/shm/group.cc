@@ -552,7 +552,8 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
     const char* in = static_cast<const char*>(in_v);
     char* out = static_cast<char*>(out_v);
     char* own = out + static_cast<size_t>(rank_) * bytes;
-    if (in != own) std::memmove(own, in, bytes);
+    // In place (in == out, include/cohort/communicator.h): the contribution is already at `own`.
+    if (in != out && in != own) std::memmove(own, in, bytes);
     if (size_ == 1) return;
     for (size_t off = 0; off < bytes; off += chunk_.bytes) {
       const size_t c = std::min(chunk_.bytes, bytes - off);

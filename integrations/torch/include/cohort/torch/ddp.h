@@ -122,16 +122,27 @@ class DistributedDataParallel {
   // there is nothing to reduce (no backward since the last step, or it ran under no_sync, or
   // finish_gradient_sync() already averaged the gradients): the caller then steps as usual.
   bool step_fused(const train::SgdStep& step);
-  // Whether parameter `index` currently is a view of its parameter slot (fused update).
+  // Whether parameter `index` currently is a view of its parameter slot (fused update, sharded mode).
   bool parameter_is_bucket_view(size_t index) const;
 
+  // Sharded mode (ZeRO; ShardedOptimizer turns it on, collective): the buckets are reduce-scattered
+  // instead of allreduced, each rank keeps its averaged chunk of every bucket, and the parameters
+  // become views of bucket memory so that the allgather of the updated chunks lands in them. Stage 2
+  // also frees each parameter's .grad as soon as its gradient is in its bucket. After backward, .grad
+  // (stage 1) holds this rank's own gradient outside its chunks: ShardedOptimizer::clip_grad_norm
+  // clips the averaged one.
+  void enable_sharding(int stage);
+  int sharding_stage() const { return sync_->sharding_stage(); }
+
   train::GradientSync& sync() { return *sync_; }
+  ::torch::Device device() const { return device_; }
   const train::GradSyncStats& stats() const { return sync_->stats(); }
   Communicator& communicator() { return *comm_; }
   // Whether parameter `index`'s .grad currently is a view of its bucket slot (gradient_as_bucket_view).
   bool gradient_is_bucket_view(size_t index) const;
 
  private:
+  friend class ShardedOptimizer;  // re-binds the parameters after a checkpoint replaced them
   struct Hook;
   void init();
   void before_forward();
@@ -139,7 +150,8 @@ class DistributedDataParallel {
   void on_gradient_ready(size_t index);
   void write_back(size_t index, const float* averaged);
   void bind_to_bucket(size_t index);
-  // Fused update: makes every parameter a view of its slot, copying its values there first.
+  // Fused update and sharded mode: makes every parameter a view of its slot, copying its values
+  // there first (also after a checkpoint load replaced the tensors).
   void bind_parameters();
 
   template <typename M>

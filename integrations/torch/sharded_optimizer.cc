@@ -1,0 +1,460 @@
+// cohort::torch::ShardedOptimizer (ZeRO stages 1 and 2): the design is in the header and in
+// docs/training.md, "The sharded optimizer".
+#include "cohort/torch/sharded_optimizer.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <tuple>
+
+#include "cohort/error.h"
+
+namespace cohort::torch {
+
+namespace {
+
+constexpr std::string_view kShardMagic = "COHORTZERO1\n";
+constexpr size_t kDescriptionBytes = 256;  // a configuration's text, as every rank compares it
+
+std::string shard_dir(const std::string& dir, int64_t global_step) {
+  return fmt::format("{}/zero/step-{}", dir, global_step);
+}
+std::string shard_path(const std::string& dir, int64_t global_step, int rank, int world) {
+  return fmt::format("{}/shard-{}-of-{}.bin", shard_dir(dir, global_step), rank, world);
+}
+
+// One contiguous run of a chunk: `count` elements of parameter `param` from element `param_offset`,
+// at position `position` of the rank's chunks laid back to back (chunk `chunk`, from `in_chunk`).
+struct Piece {
+  size_t param = 0;
+  size_t param_offset = 0;
+  size_t count = 0;
+  size_t position = 0;
+  size_t chunk = 0;
+  size_t in_chunk = 0;
+};
+
+// This rank's chunks as runs of parameters (the padding at a bucket's end belongs to none).
+std::vector<Piece> pieces_of(const train::GradientSync& sync) {
+  const auto layout = sync.bucket_layout();
+  const auto& params = sync.parameters();
+  const auto chunks = sync.shard_chunks();
+  std::vector<Piece> out;
+  size_t position = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const auto& chunk = chunks[c];
+    const size_t lo = chunk.bucket_offset, hi = chunk.bucket_offset + chunk.count;
+    size_t at = 0;  // where the current parameter starts in the bucket
+    for (size_t index : layout[chunk.bucket]) {
+      const size_t n = params[index].numel();
+      const size_t from = std::max(lo, at), to = std::min(hi, at + n);
+      if (from < to) out.push_back({index, from - at, to - from, position + (from - lo), c, from - lo});
+      at += n;
+    }
+    position += chunk.count;
+  }
+  return out;
+}
+
+std::string format_double(double v) { return fmt::format("{}", v); }
+
+}  // namespace
+
+ShardedOptimizer::ShardedOptimizer(DistributedDataParallel& ddp, ::torch::optim::SGDOptions o, ShardedOptions sharding)
+    : ShardedOptimizer(ddp, "sgd",
+                       fmt::format("lr={} momentum={} dampening={} weight_decay={} nesterov={}", format_double(o.lr()),
+                                   format_double(o.momentum()), format_double(o.dampening()),
+                                   format_double(o.weight_decay()), o.nesterov()),
+                       [o](std::vector<::torch::Tensor> chunks) -> std::unique_ptr<::torch::optim::Optimizer> {
+                         return std::make_unique<::torch::optim::SGD>(std::move(chunks), o);
+                       },
+                       sharding) {}
+
+ShardedOptimizer::ShardedOptimizer(DistributedDataParallel& ddp, ::torch::optim::AdamOptions o, ShardedOptions sharding)
+    : ShardedOptimizer(ddp, "adam",
+                       fmt::format("lr={} betas=({}, {}) eps={} weight_decay={} amsgrad={}", format_double(o.lr()),
+                                   format_double(std::get<0>(o.betas())), format_double(std::get<1>(o.betas())),
+                                   format_double(o.eps()), format_double(o.weight_decay()), o.amsgrad()),
+                       [o](std::vector<::torch::Tensor> chunks) -> std::unique_ptr<::torch::optim::Optimizer> {
+                         return std::make_unique<::torch::optim::Adam>(std::move(chunks), o);
+                       },
+                       sharding) {}
+
+ShardedOptimizer::ShardedOptimizer(DistributedDataParallel& ddp, ::torch::optim::AdamWOptions o, ShardedOptions sharding)
+    : ShardedOptimizer(ddp, "adamw",
+                       fmt::format("lr={} betas=({}, {}) eps={} weight_decay={} amsgrad={}", format_double(o.lr()),
+                                   format_double(std::get<0>(o.betas())), format_double(std::get<1>(o.betas())),
+                                   format_double(o.eps()), format_double(o.weight_decay()), o.amsgrad()),
+                       [o](std::vector<::torch::Tensor> chunks) -> std::unique_ptr<::torch::optim::Optimizer> {
+                         return std::make_unique<::torch::optim::AdamW>(std::move(chunks), o);
+                       },
+                       sharding) {}
+
+ShardedOptimizer::ShardedOptimizer(DistributedDataParallel& ddp, std::string kind, std::string options_text,
+                                   Factory factory, ShardedOptions sharding)
+    : ddp_(ddp), kind_(std::move(kind)), options_text_(std::move(options_text)), stage_(sharding.stage) {
+  if (stage_ != 1 && stage_ != 2)
+    throw InvalidArgument(fmt::format("sharded optimizer: stage {} does not exist (1: optimizer state sharded, "
+                                      "2: gradients too)",
+                                      stage_));
+  // The whole configuration first, so that a difference is said as such rather than as a stage.
+  check_same_configuration();
+  ddp_.enable_sharding(stage_);
+  const auto options = ::torch::TensorOptions().dtype(::torch::kFloat32).device(ddp_.device());
+  for (const auto& chunk : ddp_.sync().shard_chunks()) {
+    // Views of the DDP's bucket memory, which lives as long as the DDP (no rebuild in sharded mode).
+    ::torch::Tensor p = ::torch::from_blob(chunk.parameters, {static_cast<int64_t>(chunk.count)}, options);
+    p.set_requires_grad(true);
+    p.mutable_grad() = ::torch::from_blob(chunk.gradients, {static_cast<int64_t>(chunk.count)}, options);
+    chunks_.push_back(p);
+  }
+  optimizer_ = factory(chunks_);
+}
+
+std::string ShardedOptimizer::describe() const {
+  return fmt::format("{} {}, stage {}", kind_, options_text_, stage_);
+}
+
+void ShardedOptimizer::check_same_configuration() {
+  Communicator& comm = ddp_.communicator();
+  const int size = comm.size();
+  if (size == 1) return;
+  std::string mine = describe();
+  mine.resize(kDescriptionBytes, '\0');
+  std::string all(kDescriptionBytes * static_cast<size_t>(size), '\0');
+  comm.allgather(mine.data(), all.data(), kDescriptionBytes, DataType::kUInt8);
+  auto text = [&](int r) { return std::string(all.c_str() + static_cast<size_t>(r) * kDescriptionBytes); };
+  for (int r = 1; r < size; ++r)
+    if (text(r) != text(0))
+      throw MismatchError(fmt::format("sharded optimizer: the configuration differs between ranks: rank 0 has '{}' "
+                                      "but rank {} has '{}'",
+                                      text(0), r, text(r)));
+}
+
+void ShardedOptimizer::zero_grad() {
+  ::torch::NoGradGuard no_grad;
+  for (auto& p : ddp_.parameters()) {
+    if (!p.grad().defined()) continue;
+    if (stage_ == 2) p.mutable_grad().reset();  // gradients live in the buckets, then in the chunks
+    else p.mutable_grad().zero_();              // stage 1: views of the buckets, kept as such
+  }
+  for (auto& c : chunks_) c.mutable_grad().zero_();
+}
+
+void ShardedOptimizer::step() {
+  ddp_.finish_gradient_sync();  // normally done by the last gradient's hook
+  ddp_.bind_parameters();       // a checkpoint loaded with Module::load replaced some tensors
+  {
+    ::torch::NoGradGuard no_grad;
+    optimizer_->step();
+  }
+  ddp_.sync().gather_parameters();
+  // In place, behind autograd's back: tell it, as an in-place optimizer step would have.
+  for (auto& p : ddp_.parameters()) p.unsafeGetTensorImpl()->bump_version();
+}
+
+double ShardedOptimizer::clip_grad_norm(double max_norm) {
+  ddp_.finish_gradient_sync();
+  ::torch::NoGradGuard no_grad;
+  double sum = 0;
+  for (auto& c : chunks_) sum += c.grad().to(::torch::kFloat64).pow(2).sum().item<double>();
+  Communicator& comm = ddp_.communicator();
+  if (comm.size() > 1) comm.allreduce(&sum, &sum, 1, DataType::kFloat64, ReduceOp::kSum);
+  const double norm = std::sqrt(sum);
+  const double coef = max_norm / (norm + 1e-6);  // torch::nn::utils::clip_grad_norm_'s rule
+  if (coef < 1)
+    for (auto& c : chunks_) c.mutable_grad().mul_(coef);
+  return norm;
+}
+
+void ShardedOptimizer::set_lr(double lr) {
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+}
+
+double ShardedOptimizer::lr() const { return optimizer_->param_groups().at(0).options().get_lr(); }
+
+int64_t ShardedOptimizer::shard_numel() const {
+  int64_t n = 0;
+  for (const auto& c : chunks_) n += c.numel();
+  return n;
+}
+
+std::vector<std::string> ShardedOptimizer::state_names() const {
+  if (kind_ == "sgd") return {"momentum_buffer"};
+  std::vector<std::string> names{"exp_avg", "exp_avg_sq"};
+  const auto& options = optimizer_->param_groups().at(0).options();
+  const bool amsgrad = kind_ == "adam" ? static_cast<const ::torch::optim::AdamOptions&>(options).amsgrad()
+                                       : static_cast<const ::torch::optim::AdamWOptions&>(options).amsgrad();
+  if (amsgrad) names.push_back("max_exp_avg_sq");
+  return names;
+}
+
+// The state tensor `name` of chunk `chunk`, or an undefined tensor before the first step (and for
+// SGD without momentum, which keeps none).
+::torch::Tensor ShardedOptimizer::state_tensor(size_t chunk, const std::string& name) const {
+  const auto& state = optimizer_->state();
+  auto it = state.find(c10::guts::to_string(chunks_.at(chunk).unsafeGetTensorImpl()));
+  if (it == state.end()) return {};
+  const auto* s = it->second.get();
+  if (kind_ == "sgd") return static_cast<const ::torch::optim::SGDParamState*>(s)->momentum_buffer();
+  if (kind_ == "adam") {
+    const auto* a = static_cast<const ::torch::optim::AdamParamState*>(s);
+    return name == "exp_avg" ? a->exp_avg() : name == "exp_avg_sq" ? a->exp_avg_sq() : a->max_exp_avg_sq();
+  }
+  const auto* a = static_cast<const ::torch::optim::AdamWParamState*>(s);
+  return name == "exp_avg" ? a->exp_avg() : name == "exp_avg_sq" ? a->exp_avg_sq() : a->max_exp_avg_sq();
+}
+
+int64_t ShardedOptimizer::state_step() const {
+  if (kind_ == "sgd" || chunks_.empty()) return 0;
+  const auto& state = optimizer_->state();
+  auto it = state.find(c10::guts::to_string(chunks_.front().unsafeGetTensorImpl()));
+  if (it == state.end()) return 0;
+  if (kind_ == "adam") return static_cast<const ::torch::optim::AdamParamState*>(it->second.get())->step();
+  return static_cast<const ::torch::optim::AdamWParamState*>(it->second.get())->step();
+}
+
+void ShardedOptimizer::set_state(size_t chunk, const std::vector<::torch::Tensor>& tensors, int64_t step) {
+  const std::string key = c10::guts::to_string(chunks_.at(chunk).unsafeGetTensorImpl());
+  auto names = state_names();
+  auto get = [&](const std::string& name) {
+    for (size_t i = 0; i < names.size(); ++i)
+      if (names[i] == name) return tensors.at(i);
+    return ::torch::Tensor();
+  };
+  std::unique_ptr<::torch::optim::OptimizerParamState> state;
+  if (kind_ == "sgd") {
+    auto s = std::make_unique<::torch::optim::SGDParamState>();
+    s->momentum_buffer(get("momentum_buffer"));
+    state = std::move(s);
+  } else if (kind_ == "adam") {
+    auto s = std::make_unique<::torch::optim::AdamParamState>();
+    s->step(step).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq"));
+    if (auto m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
+    state = std::move(s);
+  } else {
+    auto s = std::make_unique<::torch::optim::AdamWParamState>();
+    s->step(step).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq"));
+    if (auto m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
+    state = std::move(s);
+  }
+  optimizer_->state()[key] = std::move(state);
+}
+
+size_t ShardedOptimizer::state_bytes() const {
+  size_t bytes = 0;
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    for (const auto& name : state_names())
+      if (auto t = state_tensor(c, name); t.defined()) bytes += static_cast<size_t>(t.numel()) * t.element_size();
+  return bytes;
+}
+
+size_t ShardedOptimizer::gradient_bytes() const { return ddp_.sync().gradient_bytes(); }
+
+// ---- checkpoints ----
+
+void ShardedOptimizer::save(const std::string& dir, const train::TrainingPosition& position) {
+  Communicator& comm = ddp_.communicator();
+  const int rank = comm.rank(), world = comm.size();
+  const auto pieces = pieces_of(ddp_.sync());
+  const auto& params = ddp_.sync().parameters();
+  const auto names = state_names();
+  // This rank's shard: a JSON header line, then each state's values over the pieces, back to back.
+  nlohmann::json header;
+  header["kind"] = kind_;
+  header["options"] = options_text_;
+  header["world"] = world;
+  header["rank"] = rank;
+  header["global_step"] = position.global_step;
+  header["step"] = state_step();
+  nlohmann::json params_json = nlohmann::json::array();
+  for (const auto& p : params) params_json.push_back({p.name, p.numel()});
+  header["parameters"] = params_json;
+  nlohmann::json pieces_json = nlohmann::json::array();
+  size_t elements = 0;
+  for (const auto& p : pieces) {
+    pieces_json.push_back({p.param, p.param_offset, p.count});
+    elements += p.count;
+  }
+  header["pieces"] = pieces_json;
+  std::vector<std::string> present;
+  for (size_t i = 0; i < names.size(); ++i)
+    if (!chunks_.empty() && state_tensor(0, names[i]).defined()) present.push_back(names[i]);
+  header["states"] = present;
+  std::string bytes(kShardMagic);
+  bytes += header.dump();
+  bytes += '\n';
+  const size_t values_at = bytes.size();
+  bytes.resize(values_at + present.size() * elements * sizeof(float));
+  char* out = bytes.data() + values_at;
+  for (const auto& name : present) {
+    std::vector<::torch::Tensor> host;
+    for (size_t c = 0; c < chunks_.size(); ++c) host.push_back(state_tensor(c, name).to(::torch::kCPU).contiguous());
+    for (const auto& p : pieces) {
+      std::memcpy(out, host[p.chunk].data_ptr<float>() + p.in_chunk, p.count * sizeof(float));
+      out += p.count * sizeof(float);
+    }
+  }
+  train::write_file_atomically(shard_path(dir, position.global_step, rank, world), bytes);
+  // Every shard on disk before the checkpoint that names them.
+  if (world > 1) comm.barrier();
+  if (rank == 0) {
+    ::torch::serialize::OutputArchive archive;
+    ddp_.module()->save(archive);
+    nlohmann::json zero{{"world", world}, {"global_step", position.global_step}, {"kind", kind_}};
+    archive.write("__cohort_sharded", c10::IValue(zero.dump()));
+    std::ostringstream payload;
+    archive.save_to(payload);
+    train::write_checkpoint(dir, position, payload.str());
+    // Keep the shards of the two checkpoints on disk (the newest and the one before it).
+    std::vector<int64_t> keep{position.global_step};
+    for (const auto& path : {train::previous_checkpoint_path(dir)}) {
+      auto previous = train::read_file_if_exists(path);
+      if (!previous) continue;
+      try {
+        std::string body;
+        keep.push_back(train::decode_checkpoint(*previous, body, path).global_step);
+      } catch (const std::exception&) {
+      }
+    }
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir + "/zero", ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("step-", 0) != 0) continue;
+      int64_t step = std::atoll(name.c_str() + 5);
+      if (std::find(keep.begin(), keep.end(), step) == keep.end()) std::filesystem::remove_all(entry.path(), ec);
+    }
+  }
+  if (world > 1) comm.barrier();
+}
+
+std::optional<train::TrainingPosition> ShardedOptimizer::load(const std::string& dir) {
+  auto newest = train::newest_complete_checkpoint(dir);
+  if (!newest) return std::nullopt;
+  const std::string& path = newest->path;
+  for (const auto& why : newest->skipped) fmt::print(stderr, "checkpoint: skipped {}\n", why);
+  nlohmann::json zero;
+  auto& module = *ddp_.module();
+  try {
+    ::torch::serialize::InputArchive archive;
+    std::istringstream in(newest->payload);
+    archive.load_from(in);
+    c10::IValue value;
+    if (!archive.try_read("__cohort_sharded", value))
+      throw InvalidArgument(fmt::format("{}: not a sharded optimizer's checkpoint (load it with "
+                                        "cohort::torch::load_checkpoint)",
+                                        path));
+    zero = nlohmann::json::parse(value.toStringRef());
+    // Module::load replaces tensors with set_ and does not compare shapes: check them ourselves.
+    std::vector<std::vector<int64_t>> shapes;
+    for (auto& p : module.named_parameters(true)) shapes.push_back(p.value().sizes().vec());
+    module.load(archive);
+    size_t i = 0;
+    for (auto& p : module.named_parameters(true))
+      if (p.value().sizes().vec() != shapes[i++])
+        throw InvalidArgument(fmt::format("{}: cannot load into this model: {} is [{}] in the checkpoint", path,
+                                          p.key(), fmt::join(p.value().sizes().vec(), ", ")));
+  } catch (const c10::Error& e) {
+    throw InvalidArgument(fmt::format("{}: cannot load into this model: {}", path, e.what_without_backtrace()));
+  }
+  ddp_.bind_parameters();  // the loaded values into the buckets' parameter memory
+  if (zero.at("kind").get<std::string>() != kind_)
+    throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state; this optimizer is {}", path,
+                                      zero.at("kind").get<std::string>(), kind_));
+  const int old_world = zero.at("world").get<int>();
+  const int64_t global_step = zero.at("global_step").get<int64_t>();
+
+  // This rank's new chunks as runs of parameters, sorted to find the runs an old shard overlaps.
+  auto mine = pieces_of(ddp_.sync());
+  std::sort(mine.begin(), mine.end(),
+            [](const Piece& a, const Piece& b) { return std::tie(a.param, a.param_offset) < std::tie(b.param, b.param_offset); });
+  const auto& params = ddp_.sync().parameters();
+  const auto names = state_names();
+  std::vector<std::vector<::torch::Tensor>> state(names.size());  // [name][chunk], on the CPU
+  for (auto& per_chunk : state)
+    for (const auto& c : chunks_) per_chunk.push_back(::torch::zeros({c.numel()}, ::torch::kFloat32));
+  std::vector<bool> found(names.size(), false);
+  int64_t step = 0;
+  for (int s = 0; s < old_world; ++s) {
+    const std::string file = shard_path(dir, global_step, s, old_world);
+    auto bytes = train::read_file_if_exists(file);
+    if (!bytes)
+      throw InvalidArgument(fmt::format("{}: the optimizer shard of rank {} of {} is missing ({} names it)", file, s,
+                                        old_world, path));
+    const size_t eol = bytes->find('\n', kShardMagic.size());
+    if (bytes->compare(0, kShardMagic.size(), kShardMagic) != 0 || eol == std::string::npos)
+      throw InvalidArgument(fmt::format("{}: not a cohort optimizer shard", file));
+    nlohmann::json header;
+    try {
+      header = nlohmann::json::parse(bytes->substr(kShardMagic.size(), eol - kShardMagic.size()));
+    } catch (const nlohmann::json::exception& e) {
+      throw InvalidArgument(fmt::format("{}: a damaged header: {}", file, e.what()));
+    }
+    const auto& old_params = header.at("parameters");
+    bool same = old_params.size() == params.size();
+    for (size_t i = 0; same && i < params.size(); ++i)
+      same = old_params[i][0].get<std::string>() == params[i].name && old_params[i][1].get<size_t>() == params[i].numel();
+    if (!same)
+      throw InvalidArgument(fmt::format("{}: written for another model ({} parameters, this model has {})", file,
+                                        old_params.size(), params.size()));
+    step = header.at("step").get<int64_t>();
+    const auto states = header.at("states").get<std::vector<std::string>>();
+    size_t elements = 0;
+    for (const auto& p : header.at("pieces")) elements += p[2].get<size_t>();
+    if (bytes->size() != eol + 1 + states.size() * elements * sizeof(float))
+      throw InvalidArgument(fmt::format("{}: {} bytes, not the {} its header says", file, bytes->size(),
+                                        eol + 1 + states.size() * elements * sizeof(float)));
+    const char* values = bytes->data() + eol + 1;
+    for (size_t k = 0; k < states.size(); ++k) {
+      const auto at = std::find(names.begin(), names.end(), states[k]);
+      if (at == names.end()) continue;  // e.g. max_exp_avg_sq, now without amsgrad
+      const size_t n = static_cast<size_t>(at - names.begin());
+      found[n] = true;
+      const float* src = reinterpret_cast<const float*>(values + k * elements * sizeof(float));
+      size_t position = 0;
+      for (const auto& old_piece : header.at("pieces")) {
+        const size_t param = old_piece[0].get<size_t>(), lo = old_piece[1].get<size_t>();
+        const size_t hi = lo + old_piece[2].get<size_t>();
+        // Runs of this rank that overlap [lo, hi) of the parameter: from the last starting at or before lo.
+        auto it = std::upper_bound(mine.begin(), mine.end(), std::make_pair(param, lo), [](const auto& key, const Piece& p) {
+          return std::tie(key.first, key.second) < std::tie(p.param, p.param_offset);
+        });
+        if (it != mine.begin()) --it;
+        for (; it != mine.end() && it->param <= param; ++it) {
+          if (it->param < param) continue;
+          const size_t from = std::max(lo, it->param_offset), to = std::min(hi, it->param_offset + it->count);
+          if (it->param_offset >= hi) break;
+          if (from >= to) continue;
+          std::memcpy(state[n][it->chunk].data_ptr<float>() + it->in_chunk + (from - it->param_offset),
+                      src + position + (from - lo), (to - from) * sizeof(float));
+        }
+        position += hi - lo;
+      }
+    }
+  }
+  if (std::find(found.begin(), found.end(), true) != found.end()) {
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      std::vector<::torch::Tensor> tensors;
+      for (size_t n = 0; n < names.size(); ++n)
+        tensors.push_back(state[n][c].to(ddp_.device()));  // a state the shards lack starts at zero
+      set_state(c, tensors, step);
+    }
+  } else {
+    optimizer_->state().clear();  // written before the first step
+  }
+  return newest->position;
+}
+
+std::optional<train::TrainingPosition> resume_after_restart(const std::string& dir, ShardedOptimizer& optimizer) {
+  if (dir.empty() || restart_count() == 0) return std::nullopt;
+  return optimizer.load(dir);
+}
+
+}  // namespace cohort::torch
