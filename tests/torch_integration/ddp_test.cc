@@ -238,6 +238,40 @@ TEST_F(TorchTest, ParameterWithoutGradientIsNamed) {
   });
 }
 
+// Batch norm's running statistics: with broadcast_buffers (torch's default) every forward starts from
+// rank 0's buffers, so after a forward of the same input on every rank they are equal everywhere;
+// without it each rank keeps the statistics of its own batches.
+TEST_F(TorchTest, BufferBroadcastGivesEveryRankRankZerosRunningStatistics) {
+  for (bool broadcast : {true, false}) {
+    const int world = 3;
+    auto comms = ThreadCommunicator::make_world(world);
+    std::vector<::torch::Tensor> means(world), counts(world);
+    run_ranks(world, [&](int rank) {
+      auto net = nn::Sequential(nn::Linear(20, 8), nn::BatchNorm1d(8), nn::ReLU(), nn::Linear(8, 4));
+      DDPOptions o;
+      o.broadcast_buffers = broadcast;
+      DistributedDataParallel ddp(net, comms[size_t(rank)], o);
+      ::torch::optim::SGD opt(ddp.parameters(), 0.1);
+      for (int it = 0; it < 3; ++it) {
+        auto b = global_batch(it, world, 4);
+        auto x = b.x.narrow(0, rank * 4, 4), y = b.y.narrow(0, rank * 4, 4);
+        opt.zero_grad();
+        ::torch::nn::functional::cross_entropy(ddp->forward(x), y).backward();
+        opt.step();
+      }
+      auto same = global_batch(9, 1, 4);
+      ::torch::nn::functional::cross_entropy(ddp->forward(same.x), same.y).backward();
+      auto buffers = net->named_buffers(true);
+      means[size_t(rank)] = buffers["1.running_mean"].clone();
+      counts[size_t(rank)] = buffers["1.num_batches_tracked"].clone();
+    });
+    for (int r = 1; r < world; ++r) {
+      EXPECT_EQ(::torch::equal(means[size_t(r)], means[0]), broadcast) << "rank " << r << ", broadcast " << broadcast;
+      EXPECT_EQ(counts[size_t(r)].item<int64_t>(), 4);
+    }
+  }
+}
+
 TEST_F(TorchTest, FindUnusedParametersLetsBackwardFinish) {
   auto comms = ThreadCommunicator::make_world(2);
   run_ranks(2, [&](int rank) {

@@ -63,6 +63,11 @@ struct DDPOptions {
   // tensor object changes when it is rebound: code holding an old .grad reference must re-read it.
   // Off: .grad keeps its own memory and is copied both ways.
   bool gradient_as_bucket_view = true;
+  // torch's broadcast_buffers: before each forward that records gradients (training, sync enabled),
+  // the module's buffers (batch norm's running statistics) are broadcast from rank 0, so every rank
+  // normalises with the same statistics and a checkpoint of rank 0 holds them. One broadcast per
+  // buffer dtype (the buffers are packed), not one per buffer.
+  bool broadcast_buffers = true;
 };
 
 class DistributedDataParallel {
@@ -148,6 +153,7 @@ class DistributedDataParallel {
   void before_forward();
   void after_forward(const ::torch::Tensor& out);
   void on_gradient_ready(size_t index);
+  void broadcast_buffers();
   void write_back(size_t index, const float* averaged);
   void bind_to_bucket(size_t index);
   // Fused update and sharded mode: makes every parameter a view of its slot, copying its values
