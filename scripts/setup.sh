@@ -15,7 +15,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev libssl-dev zlib1g-dev
   # PyTorch integrations and the training example (libtorch C++ API, the Python backend, BLAS, data)
   python3 python3-dev python3-pytest pybind11-dev python3-torch libtorch-dev
-  libopenblas0-pthread dataset-fashion-mnist
+  libopenblas0-pthread dataset-fashion-mnist wordnet-base
   # peers and multi-host tests: Open MPI, network namespaces with sshd, iperf3; PMIx's headers, against which
   # the build checks the declarations it loads libpmix with (mpirun without MASTER_ADDR, src/comm/pmix.h)
   openmpi-bin libopenmpi-dev libpmix-dev iproute2 openssh-server openssh-client iperf3 procps

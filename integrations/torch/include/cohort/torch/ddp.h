@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "cohort/communicator.h"
+#include "cohort/error.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/grad_sync.h"
 #include "cohort/train/sampler.h"
@@ -72,14 +73,22 @@ struct DDPOptions {
 
 class DistributedDataParallel {
  public:
-  // `module`: a ModuleHolder (Linear, Sequential, a TORCH_MODULE) or a shared_ptr to a module whose
-  // forward takes one tensor. Collective over `comm`.
+  // `module`: a ModuleHolder (Linear, Sequential, a TORCH_MODULE) or a shared_ptr to a module. A
+  // forward of one tensor is forward(x); any other goes through forward_with(). Collective over `comm`.
   template <typename ModuleType>
   DistributedDataParallel(ModuleType module, std::shared_ptr<Communicator> comm, DDPOptions options = {})
       : comm_(std::move(comm)), options_(options) {
     auto ptr = holder_ptr(std::move(module));
     module_ = ptr;
-    forward_ = [ptr](const ::torch::Tensor& x) -> ::torch::Tensor { return ptr->forward(x); };
+    if constexpr (requires(const ::torch::Tensor& x) { ptr->forward(x); }) {
+      forward_ = [ptr](const ::torch::Tensor& x) -> ::torch::Tensor { return ptr->forward(x); };
+    } else {
+      // A forward of other arguments (a BERT's ids and masked positions): forward_with() runs it.
+      forward_ = [](const ::torch::Tensor&) -> ::torch::Tensor {
+        throw InvalidArgument("DDP: this module's forward takes other arguments: call forward_with([&] { return "
+                              "module->forward(...); })");
+      };
+    }
     init();
   }
   ~DistributedDataParallel();

@@ -1,0 +1,120 @@
+// examples/bert as processes: its PyTorch twin (bench/bert_twin.py) starts from the same weights, data
+// and masking; across real processes the sharded optimizer (ZeRO stage 2) trains as DDP does with
+// half the optimizer state per rank, and its checkpoint written by 3 ranks resumes on 2.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <regex>
+#include <thread>
+
+#include "support/test_support.h"
+
+namespace {
+
+using cohort::test::ProcessResult;
+using cohort::test::run_process;
+
+const std::string kProgram = COHORT_BERT;
+const bool kHaveData = std::filesystem::exists("/usr/share/wordnet/data.noun");
+
+std::string first_match(const std::string& text, const std::string& pattern) {
+  std::smatch m;
+  return std::regex_search(text, m, std::regex(pattern)) ? std::string(m[1]) : std::string();
+}
+std::vector<double> losses(const std::string& out) {
+  std::vector<double> v;
+  static const std::regex re("loss: ([0-9.]+)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+    v.push_back(std::stod((*it)[1]));
+  return v;
+}
+
+// A model small enough for a test: 60,616 parameters, 3,000 training glosses.
+std::vector<std::string> small_job(std::initializer_list<std::string> more) {
+  std::vector<std::string> args{kProgram, "--hidden", "32", "--vocab", "1000", "--train-samples", "3000", "--dropout", "0"};
+  args.insert(args.end(), more);
+  return args;
+}
+
+std::vector<ProcessResult> run_ranks(int world, const std::vector<std::string>& args) {
+  const int port = cohort::test::free_port();
+  std::vector<ProcessResult> results(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      results[size_t(r)] = run_process(args,
+                                       {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
+                                        "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(world),
+                                        "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+                                        "COHORT_TIMEOUT=30"},
+                                       90);
+    });
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+TEST(Bert, BadInputIsOneClearLine) {
+  auto r = run_process({kProgram, "--data-dir", "/nonexistent"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("cannot read /nonexistent/data.noun: no such file (install wordnet-base, or pass --data-dir)"),
+            std::string::npos)
+      << r.err;
+  r = run_process({kProgram, "--hidden", "30", "--heads", "4"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--hidden 30 is not a multiple of --heads 4"), std::string::npos) << r.err;
+  r = run_process({kProgram, "--zero", "3"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--zero"), std::string::npos) << r.err;
+}
+
+TEST(Bert, ThePyTorchTwinStartsFromTheSameWeightsDataAndLoss) {
+  if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
+  auto cpp = run_process(small_job({"--max-steps", "2", "--print-digest"}), {}, 60);
+  ASSERT_EQ(cpp.exit_code, 0) << cpp.err;
+  auto py = run_process({COHORT_PYTHON3, std::string(COHORT_SOURCE_DIR) + "/bench/bert_twin.py", "--hidden", "32",
+                         "--vocab", "1000", "--train-samples", "3000", "--dropout", "0", "--max-steps", "2",
+                         "--print-digest"},
+                        {}, 90);
+  ASSERT_EQ(py.exit_code, 0) << py.err;
+  const std::string weights = "initial weights digest: ([0-9a-f]+)";
+  ASSERT_FALSE(first_match(cpp.out, weights).empty()) << cpp.out;
+  EXPECT_EQ(first_match(cpp.out, weights), first_match(py.out, weights)) << cpp.out << py.out;
+  // The same vocabulary, glosses and masks: the same first loss (printed to 4 places).
+  ASSERT_FALSE(losses(cpp.out).empty()) << cpp.out;
+  EXPECT_EQ(first_match(cpp.out, "step: 0/94, loss: ([0-9.]+)"), first_match(py.out, "step: 0/94, loss: ([0-9.]+)"))
+      << cpp.out << py.out;
+  EXPECT_EQ(first_match(cpp.out, "of (\\d+)\\)"), first_match(py.out, "of (\\d+)\\)")) << "held-out masked tokens";
+}
+
+TEST(Bert, ShardedStageTwoAcrossProcessesTrainsLikeDdpAndResumesAtAnotherWorldSize) {
+  if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
+  auto ddp = run_ranks(2, small_job({"--max-steps", "11"}));
+  auto zero = run_ranks(2, small_job({"--max-steps", "11", "--zero", "2"}));
+  for (const auto& r : ddp) ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const auto& r : zero) ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto a = losses(ddp[0].out), b = losses(zero[0].out);
+  ASSERT_EQ(a.size(), 2u) << ddp[0].out;
+  ASSERT_EQ(b.size(), a.size()) << zero[0].out;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 2e-3) << "loss line " << i;
+  EXPECT_NEAR(std::stod(first_match(ddp[0].out, "held-out\\): ([0-9.]+)")),
+              std::stod(first_match(zero[0].out, "held-out\\): ([0-9.]+)")), 0.01);
+  // Each rank keeps the Adam moments of half the parameters (and a little padding).
+  const double whole = std::stod(first_match(ddp[0].out, "rank 1: optimizer state ([0-9.]+) MB"));
+  const double half = std::stod(first_match(zero[0].out, "rank 1: optimizer state ([0-9.]+) MB"));
+  EXPECT_NEAR(half, whole / 2, 0.05) << zero[0].out;
+
+  // Killed at 3 ranks after the checkpoint of step 4; resumed on 2 ranks.
+  cohort::test::TempDir tmp;
+  auto killed = run_ranks(3, small_job({"--zero", "2", "--checkpoint-dir", tmp.path(), "--checkpoint-every", "4",
+                                        "--kill-after-steps", "6"}));
+  for (const auto& r : killed) EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
+  for (int r = 0; r < 3; ++r)
+    EXPECT_TRUE(std::filesystem::exists(tmp.path() + "/zero/step-4/shard-" + std::to_string(r) + "-of-3.bin")) << r;
+  auto resumed = run_ranks(2, small_job({"--zero", "2", "--checkpoint-dir", tmp.path(), "--resume", "--max-steps", "3"}));
+  for (const auto& r : resumed) ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(resumed[0].out.find("at epoch 0, step 4 (written by 3 ranks, 2 now)"), std::string::npos) << resumed[0].out;
+  EXPECT_NE(resumed[0].out.find("masked-token accuracy (held-out): "), std::string::npos) << resumed[0].out;
+  EXPECT_TRUE(std::filesystem::exists(tmp.path() + "/zero/step-7/shard-1-of-2.bin"));  // its own at the end
+}
+
+}  // namespace
