@@ -193,7 +193,8 @@ void Job::on_ray_head(const std::string& gcs) {
                                 &port_free_here);
     attempt_store_->set(fmt::format("ray/node/{}", plan_.this_node), ray_node_ip_);
   } catch (const Error& e) {
-    fail_ray("failure", fmt::format("node {} ({}): {}", plan_.this_node, node.host, e.what()));
+    fail_ray("failure", fmt::format("node {} ({}): cannot join the Ray head at {}: {}", plan_.this_node, node.host,
+                                    gcs, e.what()));
     return;
   }
   spawn_worker(workers_[0], node, ray_attempt_, {}, {});
