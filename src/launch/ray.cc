@@ -112,28 +112,32 @@ std::vector<std::string> ray_status_argv(const std::string& ray, const std::stri
 
 namespace {
 
+// A decimal count or rank of at most 9 digits (no overflow), or -1.
+int small_number(std::string_view digits) {
+  if (digits.empty() || digits.size() > 9) return -1;
+  int v = 0;
+  for (char c : digits) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) return -1;
+    v = v * 10 + (c - '0');
+  }
+  return v;
+}
+
 // " 1 node_<id>" (a count, then a node type).
 bool node_line(std::string_view line, int* count) {
   auto words = str::split(str::trim(line), ' ');
-  if (words.size() != 2 || words[0].empty()) return false;
-  for (char c : words[0])
-    if (!std::isdigit(static_cast<unsigned char>(c))) return false;
-  *count = std::atoi(words[0].c_str());
-  return true;
+  if (words.size() != 2) return false;
+  *count = small_number(words[0]);
+  return *count >= 0;
 }
 
 // " 0.0/1.0 Rank:3": the rank, when the resource is a Rank:<n> one with a total above 0; -1 otherwise.
 int rank_of_usage_line(std::string_view line) {
   auto words = str::split(str::trim(line), ' ');
-  if (words.size() != 2) return -1;
-  const std::string& name = words[1];
-  if (name.size() < 6 || name.rfind("Rank:", 0) != 0) return -1;
-  for (size_t i = 5; i < name.size(); ++i)
-    if (!std::isdigit(static_cast<unsigned char>(name[i]))) return -1;
+  if (words.size() != 2 || words[1].rfind("Rank:", 0) != 0) return -1;
   auto slash = words[0].find('/');
-  if (slash == std::string::npos) return -1;
-  if (std::strtod(words[0].c_str() + slash + 1, nullptr) <= 0) return -1;
-  return std::atoi(name.c_str() + 5);
+  if (slash == std::string::npos || std::strtod(words[0].c_str() + slash + 1, nullptr) <= 0) return -1;
+  return small_number(std::string_view(words[1]).substr(5));
 }
 
 }  // namespace
@@ -166,7 +170,7 @@ RayStatus parse_ray_status(const std::string& text) {
       continue;
     }
     int count = 0;
-    if (section == kNodes && node_line(line, &count)) s.nodes += count;
+    if (section == kNodes && node_line(line, &count) && s.nodes <= (1 << 30) - count) s.nodes += count;
     if (section == kUsage)
       if (int rank = rank_of_usage_line(line); rank >= 0) s.ranks.insert(rank);
   }
