@@ -5,7 +5,8 @@
 # its exit code is the job's; nothing is left on any host. Then the faults: a node's Ray killed mid-job is
 # named; a node whose Ray cannot reach the head's GCS times out with its name; a node cut off from the head
 # is named at once. Last, the seed's way: TI-ONE's HEAD_ADDR/HEAD_PORT/RANK on each of h0-h3, each node
-# running `cohort run --ray` itself, where a second head on HEAD_PORT is refused before Ray starts.
+# running `cohort run --ray` itself, where a second head on HEAD_PORT is refused before Ray starts. Where
+# real Ray is installed, the bring-up and a killed node run against it too (none was, so far: docs/ray.md).
 source "$(dirname "$0")/lib.sh"
 require_command run
 mkdir -p "$MH_TMP/bin"
@@ -119,4 +120,35 @@ expect_eq "seed: h1-h3 joined with RANK's Rank:<n>" \
   "$(query "sorted((c['host'], c['resources']) for c in calls if c['event'] == 'joined')")" \
   "[('h1', {'Rank:1': 1}), ('h2', {'Rank:2': 1}), ('h3', {'Rank:3': 1})]"
 expect_no_job_processes 5
+
+# 6. Real Ray, where one is installed (a `ray` on PATH, or COHORT_TEST_REAL_RAY): the bring-up, the driver
+# once, its exit code, a node's Ray killed, nothing left. What ran is printed, for docs/ray.md.
+real_ray=${COHORT_TEST_REAL_RAY:-$(command -v ray || true)}
+if [[ -z $real_ray ]]; then
+  echo "note: no ray but the stand-in here: nothing was run against real Ray"
+else
+  echo "against real Ray: $real_ray ($("$real_ray" --version 2>&1 | head -1))"
+  REAL_DRIVER=$MH_TMP/real_driver.sh
+  sed "s|$RAY|$real_ray|" "$DRIVER" >"$REAL_DRIVER"
+  chmod +x "$REAL_DRIVER"
+  real() {
+    on_host 0 timeout -k 5 170 "$COHORT" run --ray --ray-command "$real_ray" -H h1,h2,h3,h4 \
+      --ssh-command "$COHORT_CLUSTER_SSH" --join-timeout 90 --kill-grace 10 "$@"
+  }
+  out=$(real -x DRIVER_EXIT=5 "$REAL_DRIVER" 2>&1) && rc=0 || rc=$?
+  echo "$out"
+  expect_eq "real Ray: the job's exit code is the driver's" "$rc" 5
+  expect_eq "real Ray: the driver ran once" "$(grep -c 'driver ran on' <<<"$out")" 1
+  expect_contains "real Ray: the driver sees 4 nodes" "$out" "[h1:driver] driver sees 4 nodes"
+  expect_no_job_processes 15
+  real sh -c 'exec sleep 300' >"$MH_TMP/real_killed.out" 2>&1 &
+  job=$!
+  wait_for_pid 1 "sleep 300" 120 >/dev/null || fail "real Ray: the driver did not start on h1"
+  victim=$(pids_matching 3 "ray start" | head -1)
+  [[ -n $victim ]] && kill -KILL "$victim"
+  rc=0; wait "$job" || rc=$?
+  out=$(cat "$MH_TMP/real_killed.out"); echo "$out"
+  expect_contains "real Ray: a killed node is named" "$out" "Ray node 2 on h3"
+  expect_no_job_processes 15
+fi
 finish
