@@ -171,8 +171,9 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
                           int generation);
 
 // Ray jobs (job_ray.cc), on every node but the head: waits for the head's GCS address in the store ("ray/gcs",
-// set by the head once its GCS answers) and reports it (kRayHead), or its absence after `timeout_s`
-// (kRayHeadTimeout). `store`: the attempt's prefix. Detached, like watcher_main.
+// set by the head once its GCS answers) and reports it (kRayHead), or its absence a few seconds after
+// `timeout_s`, the head's own deadline (kRayHeadTimeout). `store`: the attempt's prefix. Detached, like
+// watcher_main.
 void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                            std::shared_ptr<std::atomic<bool>> stop, int node_rank, double timeout_s, int attempt);
 

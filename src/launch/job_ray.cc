@@ -45,6 +45,7 @@ namespace {
 constexpr double kRayStatusLimitS = 10;  // a `ray status` that runs longer is stopped (and run again)
 constexpr double kRayNoteEveryS = 3;     // a line naming who is missing, as the store's join waits print
 constexpr size_t kRayStatusMaxBytes = 1 << 20;
+constexpr double kRayHeadMarginS = 5;   // the other nodes wait this much longer for the head than it for its GCS
 
 // Whether this host could bind `port` on every address now: no other socket holds it. A listening socket
 // with SO_REUSEPORT (gRPC's servers, Ray's among them, set it) still makes this bind fail, which is the
@@ -65,8 +66,10 @@ std::string seconds_text(double s) { return fmt::format("{:g} s", s); }
 void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                            std::shared_ptr<std::atomic<bool>> stop, int node_rank, double timeout_s, int attempt) {
   try {
-    const auto deadline =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+    // A little longer than the head's own deadline: the head's account of why its GCS did not answer
+    // comes first.
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(timeout_s + kRayHeadMarginS));
     for (;;) {
       if (*stop) return;
       const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
