@@ -1,6 +1,7 @@
 // libFuzzer target: the launcher's parsers of user input (src/launch/parsers.cc): hostfiles, -H lists,
 // Slurm node lists and counts, TF_CONFIG, and the scheduler environments (Slurm, torchrun/Kubeflow,
-// Open MPI, TI-ONE, TF_CONFIG) read from KEY=VALUE lines. The first input byte picks the parser.
+// Open MPI, TI-ONE, TF_CONFIG) read from KEY=VALUE lines; and what `ray status` prints, as a Ray job
+// reads it (src/launch/ray.cc). The first input byte picks the parser.
 // Invariants beyond "no crash, no sanitizer report":
 //  - bad input is a ConfigError with a message, never another exception;
 //  - what parses is sane: hosts named and with >= 1 slot, counts >= 1, node ranks inside the node
@@ -10,6 +11,7 @@
 
 #include "cohort/error.h"
 #include "launch/parsers.h"
+#include "launch/ray.h"
 
 using namespace cohort;
 using namespace cohort::launch;
@@ -48,7 +50,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
   try {
-    switch (data[0] % 7) {
+    switch (data[0] % 8) {
       case 0: check_hosts(parse_hostfile(text, "fuzz-hostfile")); break;
       case 1: check_hosts(parse_host_list(text)); break;
       case 2: {
@@ -86,6 +88,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           ranks += server.devices.size();
         }
         check(ranks == static_cast<size_t>(table.rank_size));
+        break;
+      }
+      case 7: {
+        auto status = parse_ray_status(text);
+        check(status.nodes >= 0);
+        for (int rank : status.ranks) check(rank >= 0);
         break;
       }
     }

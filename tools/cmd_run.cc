@@ -125,6 +125,13 @@ int run_run(std::vector<std::string> args) {
   app.add_option("--ps-mode", ps_mode, "parameter-server consistency: async (default), bsp or stale:K (COHORT_PS_MODE)");
   app.add_option("--ps-server", o.ps_server, "what servers run: builtin (cohort ps serve, default) or program (PROGRAM itself, which calls cohort::ps::serve_from_env() when COHORT_ROLE=server)");
   app.add_option("--run-id,--run_id,--rdzv-id,--rdzv_id", run_id, "job id (default: random; per-node: from the store address)");
+  // Ray mode (docs/ray.md).
+  int ray_port = 0;
+  std::string ray_ports, ray_command;
+  app.add_flag("--ray", o.ray, "a Ray job: bring a Ray cluster up on the job's nodes (a Rank:<n> resource each), run PROGRAM (the driver) on node 0 once every node has joined, and take the cluster down when it ends (docs/ray.md)");
+  app.add_option("--ray-port", ray_port, "the Ray head's GCS port (default: HEAD_PORT, else a free port the head picks)");
+  app.add_option("--ray-ports", ray_ports, "FIRST-LAST: where each node's other Ray ports come from (default: a block of 1000 in 20000-31999 from the job id)");
+  app.add_option("--ray-command", ray_command, "the ray executable on every node (default: ray on each node's PATH)");
 
   // How PROGRAM runs (torchrun's forms) and torch.distributed.launch's --local_rank argument.
   std::string python;
@@ -276,6 +283,9 @@ int run_run(std::vector<std::string> args) {
   o.abort_on_failure = !no_abort;
   if (app.count("--run-id")) o.run_id = run_id;
   if (app.count("--ps")) o.ps = ps_servers;
+  if (app.count("--ray-port")) o.ray_port = ray_port;
+  if (app.count("--ray-ports")) o.ray_ports = ray_ports;
+  if (app.count("--ray-command")) o.ray_command = ray_command;
   if (app.count("--ps-mode")) o.ps_mode = ps_mode;
 
   auto env = launch::current_env();

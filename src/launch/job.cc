@@ -63,6 +63,12 @@ void Job::setup_signals() {
   epoll_add(signal_fd_.get());
   epoll_add(timer_fd_.get());
   epoll_add(events_->fd());
+  if (plan_.ray.enabled) {
+    // Ray mode's own timer (job_ray.cc): its probes must not disturb the kill-grace timer's meaning.
+    ray_timer_fd_.reset(timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+    if (!ray_timer_fd_) throw Error(net::errno_string("timerfd_create", errno));
+    epoll_add(ray_timer_fd_.get());
+  }
 }
 
 void Job::arm_timer(double seconds) {
@@ -134,6 +140,10 @@ void Job::reap() {
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid <= 0) return;
+    if (pid == ray_status_pid_) {
+      on_ray_status_exit(status);
+      continue;
+    }
     bool known = false;
     for (auto& w : workers_)
       if (w.running && w.pid == pid) {
@@ -266,8 +276,20 @@ EndInfo Job::run_attempt(int attempt) {
             case WatchEvent::kJoinTimeout:
               adopt_end(EndInfo{"join", 1, ev.text});
               break;
+            case WatchEvent::kRayHead:
+              on_ray_head(ev.text);
+              break;
+            case WatchEvent::kRayHeadTimeout:
+              fail_ray("join", ev.text);
+              break;
           }
         }
+      } else if (ray_timer_fd_ && fd == ray_timer_fd_.get()) {
+        uint64_t ticks;
+        [[maybe_unused]] auto r = ::read(fd, &ticks, sizeof ticks);
+        on_ray_timer();
+      } else if (ray_status_out_ && fd == ray_status_out_.get()) {
+        drain_ray_status();
       } else if (fd == 0 && control_open_) {
         on_control_input();
       } else {
@@ -290,9 +312,11 @@ EndInfo Job::run_attempt(int attempt) {
   disarm_timer();
   *watcher_stop_ = true;
   stop_inspector();
-  // Whatever the workers left behind in their process groups goes too.
+  stop_ray_status();
+  // Whatever the workers left behind in their process groups goes too (a Ray job's driver may never have
+  // started: no pid, no group).
   for (auto& w : workers_) {
-    kill(-w.pid, SIGKILL);
+    if (w.pid > 0) kill(-w.pid, SIGKILL);
     if (w.out) drain(w.out.get(), *w.sink, false, w.out);
     if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   }
@@ -310,7 +334,9 @@ int Job::run() {
   // own host's GPUs here for the first time).
   if (const NodePlan* node = plan_.node(plan_.this_node); node && !plan_.gpus_per_node_spec.empty()) {
     if (!ctx_.gpus) ctx_.gpus = detect_gpus(ctx_.env);
-    gpus_ = assign_gpus(plan_.gpus_per_node_spec, plan_.gpu_share, node->nproc, *ctx_.gpus, net::hostname());
+    // A Ray node gets all of them (--num-gpus) and shares them out itself.
+    if (!plan_.ray.enabled)
+      gpus_ = assign_gpus(plan_.gpus_per_node_spec, plan_.gpu_share, node->nproc, *ctx_.gpus, net::hostname());
     if (plan_.gpus_per_node == 0)
       plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
   }

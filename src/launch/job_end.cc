@@ -239,7 +239,9 @@ void Job::adopt_end(const EndInfo& e) {
   end_ = e;
   end_seen_ = Clock::now();
   *watcher_stop_ = true;
-  if (e.kind != "done") begin_stop();
+  // "done" finds this node's workers finished, except in a Ray job: its driver's end is the job's, and
+  // every node's Ray still runs then.
+  if (e.kind != "done" || running_workers() > 0) begin_stop();
   if (!agents_.empty() && plan_.host_store) {
     // Remote agents stop their workers on their own (they watch the store); give them the grace
     // plus a margin before the head kills the ssh connections.

@@ -58,7 +58,8 @@ void Job::open_exit_store(int attempt) {
 void Job::publish_exit(const Worker& w) {
   // Exits while the job stops are the stop's own doing, and a store that failed once is not waited for
   // again: the main loop must not sit in store calls while workers end.
-  if (!exit_store_ || exit_store_failed_ || stopping_ || head_lost_) return;
+  // A Ray job's processes have no communicator of cohort's to tell.
+  if (!exit_store_ || exit_store_failed_ || stopping_ || head_lost_ || plan_.ray.enabled) return;
   const auto [prefix, rank] = world_of(plan_, exit_attempt_, w.rank);
   trace::RankSnapshot ring;
   if (w.ring.valid()) ring = w.ring.snapshot();

@@ -32,6 +32,7 @@
 #include "launch/job.h"
 #include "launch/oom.h"
 #include "launch/output.h"
+#include "launch/ray.h"
 #include "launch/rendezvous.h"
 #include "launch/trace_dirs.h"
 #include "store/tcp_store.h"
@@ -111,8 +112,9 @@ struct AgentChild {
 // of an earlier attempt's watcher are dropped); kAnyAttempt: news for whichever attempt runs.
 inline constexpr int kAnyAttempt = -1;
 struct WatchEvent {
-  // kStoreMoved: this agent's standby store was promoted (text: its epoch), job_elastic.cc.
-  enum Kind { kJoined, kEnd, kLost, kJoinTimeout, kRefused, kLeaseLost, kStoreMoved } kind;
+  // kStoreMoved: this agent's standby store was promoted (text: its epoch), job_elastic.cc. kRayHead: a Ray
+  // job's head answers (text: its GCS, HOST:PORT); kRayHeadTimeout: it did not in time (text: why), job_ray.cc.
+  enum Kind { kJoined, kEnd, kLost, kJoinTimeout, kRefused, kLeaseLost, kStoreMoved, kRayHead, kRayHeadTimeout } kind;
   std::string text;
   int attempt = 0;
   int lease = 0;  // kLeaseLost: which of this agent's leases (a replaced one's loss is old news)
@@ -167,6 +169,13 @@ RendezvousSettings rendezvous_settings(const Plan& plan, int64_t epoch = 0);
 void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                           std::shared_ptr<std::atomic<bool>> stop, AgentInfo self, RendezvousSettings settings,
                           int generation);
+
+// Ray jobs (job_ray.cc), on every node but the head: waits for the head's GCS address in the store ("ray/gcs",
+// set by the head once its GCS answers) and reports it (kRayHead), or its absence a few seconds after
+// `timeout_s`, the head's own deadline (kRayHeadTimeout). `store`: the attempt's prefix. Detached, like
+// watcher_main.
+void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
+                           std::shared_ptr<std::atomic<bool>> stop, int node_rank, double timeout_s, int attempt);
 
 class Job {
  public:
@@ -241,6 +250,23 @@ class Job {
   // This agent's round stopped (a split, a refusal) while members voted to move the job's store to
   // its standby store: waits for that vote's outcome. True when the standby was promoted (follow it).
   bool standby_promotion_pending();
+  // job_ray.cc: Ray mode (plan_.ray.enabled). This node's Ray node is process 0 of its workers_, the head's
+  // driver process 1 (started once the cluster is whole).
+  void start_ray(int attempt);          // from spawn_workers: the head starts, the others wait for it
+  void on_ray_head(const std::string& gcs);  // kRayHead: this node joins the head at `gcs`
+  void on_ray_timer();                  // the head: probe its GCS, then run `ray status` again
+  std::string ray_head_ip();            // the head's address that the other nodes reach; throws ConfigError
+  void start_ray_status();
+  void drain_ray_status();              // the probe's output, as the loop sees it readable
+  void on_ray_status_exit(int status);  // reap(): the probe ended; the driver starts when every node is there
+  void stop_ray_status();               // the end of an attempt: the probe (if any) and the timer stop
+  void start_ray_driver();
+  void fail_ray(const std::string& kind, const std::string& why);
+  std::string ray_node_names(const std::vector<int>& ranks);  // "3 (h3, 10.0.0.4), 4 (h4: Ray not started)"
+  void arm_ray_timer(double seconds);
+  // The path and argv of process `w` of this node: PROGRAM (or its interpreter), the built-in parameter
+  // server, or in a Ray job its node's `ray start`.
+  std::pair<std::string, std::vector<std::string>> process_command(const Worker& w);
   // job_trace.cc
   void prepare_trace(Worker& w, const NodePlan& node, std::vector<std::pair<std::string, std::string>>& vars);
   void start_inspector(int attempt);
@@ -317,6 +343,22 @@ class Job {
   int exit_attempt_ = 0;
   bool exit_store_failed_ = false;
   std::map<std::string, comm::ExitRecord> published_exits_;  // by key
+  // job_ray.cc: this attempt's Ray state. The head goes kHeadStarting (its GCS does not answer yet) ->
+  // kWaitingForNodes (`ray status` probes) -> kDriverRunning; the others kWaitingForHead -> kNodeRunning.
+  enum class RayPhase { kOff, kHeadStarting, kWaitingForNodes, kDriverRunning, kWaitingForHead, kNodeRunning };
+  RayPhase ray_phase_ = RayPhase::kOff;
+  int ray_attempt_ = 0;
+  std::string ray_gcs_;      // HOST:PORT of the head's GCS
+  std::string ray_node_ip_;  // this node's address in the Ray cluster
+  RayPorts ray_ports_;
+  Clock::time_point ray_since_, ray_deadline_, ray_next_note_;
+  double ray_retry_s_ = 0.1;  // the wait before the next `ray status` (doubles up to 1 s)
+  UniqueFd ray_timer_fd_;
+  // The `ray status` probe running (pid -1: none) and its output (stdout and stderr merged).
+  pid_t ray_status_pid_ = -1;
+  UniqueFd ray_status_out_;
+  std::string ray_status_text_;
+  std::string ray_last_status_;  // what the last probe that failed said (its last line), for the timeout's message
 };
 
 

@@ -35,6 +35,9 @@ std::string Job::failure_summary(const Worker& w) {
   double secs = std::chrono::duration<double>(w.ended - w.started).count();
   std::string s = fmt::format("{} on {} (pid {}) {} after {:.2f} s", plan_.process_name(w.rank), plan_.node(plan_.this_node)->host,
                               w.pid, describe_worker_exit(w), secs);
+  if (plan_.ray.enabled && !plan_.is_ray_driver(w.rank))
+    s += fmt::format(": {}'s Ray node is gone (its `ray start --block` runs for as long as the job)",
+                     plan_.node(plan_.this_node)->host);
   auto tail = w.sink->stderr_tail();
   if (tail.empty()) {
     s += "; it wrote nothing to stderr";

@@ -50,10 +50,9 @@ int log_file_streams(const Plan& plan, int process) {
 
 void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
                        const GpuAssignment& gpu) {
-  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu};
+  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu, ray_gcs_};
   auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
   const ProcessRole role = plan_.role_of(w.rank);
-  const bool builtin_server = role.server && !plan_.ps_server_program;
   if (!role.server) prepare_trace(w, node, vars);  // a server runs no collectives to record
   int ring_fd = w.ring.valid() ? w.ring.fd() : -1;
   // Environment: the launcher's, with cohort's variables replacing any of the same name.
@@ -70,15 +69,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   std::vector<char*> envp, argv;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::vector<std::string> args = worker_argv(plan_, w.rank);
-  std::string path = plan_.program_path;
-  if (builtin_server) {
-    // The built-in server is this very tool (the same build as the launcher).
-    std::error_code ec;
-    path = std::filesystem::read_symlink("/proc/self/exe", ec).string();
-    if (ec) throw Error(fmt::format("cannot find the cohort executable for the parameter server: {}", ec.message()));
-    args = {"cohort", "ps", "serve"};
-  }
+  auto [path, args] = process_command(w);
   for (auto& s : args) argv.push_back(s.data());
   argv.push_back(nullptr);
 
@@ -192,6 +183,19 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   }
 }
 
+std::pair<std::string, std::vector<std::string>> Job::process_command(const Worker& w) {
+  if (plan_.role_of(w.rank).server && !plan_.ps_server_program) {
+    // The built-in server is this very tool (the same build as the launcher).
+    std::error_code ec;
+    std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    if (ec) throw Error(fmt::format("cannot find the cohort executable for the parameter server: {}", ec.message()));
+    return {self, {"cohort", "ps", "serve"}};
+  }
+  if (plan_.ray.enabled && !plan_.is_ray_driver(w.rank))
+    return {plan_.ray.command_path, ray_node_argv(plan_, plan_.this_node, ray_node_ip_, ray_gcs_, ray_ports_)};
+  return {plan_.program_path, worker_argv(plan_, w.rank)};
+}
+
 void Job::spawn_workers(int attempt) {
   const NodePlan* node = plan_.node(plan_.this_node);
   if (!node) return;
@@ -222,6 +226,11 @@ void Job::spawn_workers(int attempt) {
   for (int l = 0; l < node->nproc; ++l) {
     workers_[l].rank = node->first_rank + l;
     workers_[l].local_rank = l;
+  }
+  if (plan_.ray.enabled) {
+    // This node's Ray starts (the head at once, the others once it answers), the driver once all joined.
+    start_ray(attempt);
+    return;
   }
   for (int l = 0; l < node->nproc; ++l) {
     if (end_) break;  // a signal arrived meanwhile
@@ -408,12 +417,18 @@ void Job::on_worker_exit(Worker& w, int status) {
   if (w.out) drain(w.out.get(), *w.sink, false, w.out);
   // First, before the job reacts: the ranks waiting for this one learn of its end from the store.
   publish_exit(w);
-  bool failed = status != 0;
+  // In a Ray job only the driver ends by itself: a node's `ray start --block` that ends before the job does
+  // has lost that node's Ray, whatever its exit code.
+  const bool ray_node = plan_.ray.enabled && !plan_.is_ray_driver(w.rank);
+  bool failed = status != 0 || ray_node;
+  const int code = std::max(1, exit_code_of(status));
   // A failure caused by a peer that exited with code 0 names that peer first (job_exits.cc).
   if (failed && end_ && plan_.abort_on_failure)
-    upgrade_end(EndInfo{"failure", exit_code_of(status), early_exit_cause(w) + failure_summary(w)});
+    upgrade_end(EndInfo{"failure", code, early_exit_cause(w) + failure_summary(w)});
+  // A Ray job's driver that ends well ends the job well: every node stops its Ray (adopt_end).
+  if (plan_.is_ray_driver(w.rank) && !failed && !stopping_ && !end_) publish_end(EndInfo{"done", 0, ""});
   if (failed && !stopping_ && !end_) {
-    EndInfo e{"failure", exit_code_of(status), early_exit_cause(w) + failure_summary(w)};
+    EndInfo e{"failure", code, early_exit_cause(w) + failure_summary(w)};
     if (plan_.abort_on_failure) {
       publish_end(e);
     } else {

@@ -618,6 +618,21 @@ SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::strin
     note("TI-ONE");
   }
 
+  // TI-ONE's Ray mode: every node gets HEAD_ADDR, HEAD_PORT and RANK (0: the head). Kept apart from the
+  // master address: they name Ray's head and its GCS port, which only a --ray job uses.
+  if (const auto* a = find(env, "HEAD_ADDR")) {
+    if (auto why = host_name_problem(*a))
+      throw ConfigError(fmt::format("HEAD_ADDR={}: not a host name or address ({})", *a, *why));
+    info.ray_head_addr = Sourced<std::string>{*a, "HEAD_ADDR"};
+    note("TI-ONE (Ray)");
+  }
+  if (const auto* p = find(env, "HEAD_PORT")) {
+    const int port = parse_int_at_least(*p, "HEAD_PORT", 1);
+    if (port > 65535) throw ConfigError(fmt::format("HEAD_PORT={}: the port is above 65535", *p));
+    info.ray_head_port = Sourced<int>{port, "HEAD_PORT"};
+    note("TI-ONE (Ray)");
+  }
+
   if (const auto* path = find(env, "RANK_TABLE_FILE")) {
     // Ascend: the table lists every server and its devices; this node is the server with one of
     // this host's addresses, unless another variable says which node this is.

@@ -92,6 +92,10 @@ struct SchedulerInfo {
   std::optional<Sourced<int>> default_master_port;
   std::optional<Sourced<std::string>> job_id;
   std::optional<Sourced<int>> ps_nodes;  // TF_CONFIG's cluster.ps: the last N nodes run one server each
+  // TI-ONE's Ray mode: HEAD_ADDR (the Ray head, node 0: RANK=0) and HEAD_PORT (its GCS port). Used by
+  // `cohort run --ray` only (docs/ray.md); the node rank is RANK's, read as torchrun's above.
+  std::optional<Sourced<std::string>> ray_head_addr;
+  std::optional<Sourced<int>> ray_head_port;
   std::optional<RankTable> rank_table;   // RANK_TABLE_FILE (read and checked)
   std::vector<std::string> scheduler_names;  // "Slurm", "Open MPI", ... (for the plan printout)
 };

@@ -20,11 +20,13 @@
 #include <sstream>
 #include <filesystem>
 #include <thread>
+#include <tuple>
 
 #include "cohort/error.h"
 #include "common/env.h"
 #include "common/socket.h"
 #include "common/strings.h"
+#include "launch/ray.h"
 
 namespace cohort::launch {
 namespace {
@@ -37,6 +39,8 @@ const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, working_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RankLogs, dir, redirects, tee, console_local_ranks, all_local_ranks)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RayPlan, enabled, command, command_path, head_port, head_port_source, head_address,
+                                   first_port, last_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, nodes, host_store, master_addr,
                                    master_port, job_id, token_from_env, sources, schedulers, extra_env,
                                    set_omp_threads, tag_output, output_dir, merge_stderr, ranks_to_console,
@@ -46,7 +50,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    trace_dir_default, stall_warn_s, flight_recorder, program_path, program, ps_servers,
                                    num_workers, ps_mode, ps_server_program, rank_table_slots,
                                    rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s, form, logs,
-                                   report_bindings)
+                                   report_bindings, ray)
 
 // The Python interpreter of .py programs and -m modules (read from the launcher's environment map,
 // like every setting build_plan uses, so that tests can give it).
@@ -96,11 +100,16 @@ ProcessRole Plan::role_of(int process) const {
 }
 
 std::string Plan::process_name(int process) const {
+  if (ray.enabled) {
+    if (is_ray_driver(process)) return "the driver";
+    return process == 0 ? "the Ray head (node 0)" : fmt::format("Ray node {}", process - 1);
+  }
   ProcessRole r = role_of(process);
   return r.server ? fmt::format("parameter server {}", r.index) : fmt::format("rank {}", r.index);
 }
 
 std::string Plan::process_tag(int process) const {
+  if (ray.enabled) return is_ray_driver(process) ? "driver" : fmt::format("ray{}", process == 0 ? 0 : process - 1);
   ProcessRole r = role_of(process);
   return r.server ? fmt::format("ps{}", r.index) : std::to_string(r.index);
 }
@@ -447,6 +456,109 @@ void set_rank_logs(Plan& p, const Options& o, const EnvMap& env) {
 
 }  // namespace
 
+namespace {
+
+// Ray mode's flags, checked before anything else: what a Ray job cannot mean is refused with one line.
+// Ray places the work on its nodes itself, so cohort's worker counts, per-process CPU binding and GPU
+// assignment, and its rank-based console filters have nothing to act on; a Ray job ends with its driver.
+void check_ray_flags(const Options& o) {
+  if (!o.ray) {
+    for (const auto& [given, flag] : {std::pair{o.ray_port.has_value(), "--ray-port"},
+                                      std::pair{o.ray_ports.has_value(), "--ray-ports"},
+                                      std::pair{o.ray_command.has_value(), "--ray-command"}})
+      if (given) throw ConfigError(fmt::format("{} needs --ray (a Ray job, docs/ray.md)", flag));
+    return;
+  }
+  auto refuse = [](const std::string& flag, const char* why) {
+    throw ConfigError(fmt::format("--ray and {} both given: {}", flag, why));
+  };
+  const char* placement = "a Ray job runs one Ray node on each node and the driver once, on node 0; Ray places the "
+                          "work on its nodes itself (leave it out)";
+  if (o.np) refuse(fmt::format("-n {}", *o.np), placement);
+  if (o.nproc_per_node) refuse(fmt::format("{} {}", o.nproc_per_node_flag, *o.nproc_per_node), placement);
+  if (o.map_by) refuse("--map-by " + *o.map_by, placement);
+  if (o.ps) refuse("--ps", "a job is a Ray job or a parameter-server job");
+  if (o.min_nodes) refuse(fmt::format("--nnodes {}:{}", *o.min_nodes, *o.nnodes),
+                          "a Ray cluster's membership is Ray's own; an elastic cohort job cannot hold one");
+  if (!o.abort_on_failure)
+    refuse("--no-abort-on-failure", "a Ray job ends when its driver ends or a node's Ray is lost");
+  if (o.gpu_share) refuse("--gpu-share", "each node's Ray gets all its GPUs (--num-gpus) and shares them out itself");
+  if (o.device_per_rank) refuse("--device-per-rank", "each node's Ray gets all its GPUs and shares them out itself");
+  if (o.bind_to == "core" || o.bind_to == "numa")
+    refuse("--bind-to " + o.bind_to, "Ray's processes are not bound (Ray starts and places its workers itself)");
+  if (o.ranks_to_console) refuse("--ranks-to-console", "a Ray job has no ranks of cohort's");
+  if (o.local_ranks_filter) refuse("--local-ranks-filter", "a Ray job has no ranks of cohort's");
+  if (!o.timeline.empty()) refuse("--timeline", "cohort records the operations of its own collectives, which a Ray job does not run");
+  if (o.stats) refuse("--stats", "cohort's live stats count its own collectives, which a Ray job does not run");
+  if (o.append_local_rank) refuse("--append-local-rank", "the driver is one process, on node 0");
+  if (o.ray_port && (*o.ray_port < 1 || *o.ray_port > 65535))
+    throw ConfigError(fmt::format("--ray-port {}: expected a port between 1 and 65535", *o.ray_port));
+  if (o.ray_command && o.ray_command->empty()) throw ConfigError("--ray-command: expected the ray executable");
+}
+
+// "FIRST-LAST" of --ray-ports.
+std::pair<int, int> parse_ray_ports(const std::string& text) {
+  auto bad = [&] {
+    return ConfigError(fmt::format("--ray-ports {}: expected FIRST-LAST, at least {} ports between 1024 and 65535",
+                                   text, kRayMinPortRange));
+  };
+  auto dash = text.find('-');
+  if (dash == std::string::npos) throw bad();
+  int first = 0, last = 0;
+  try {
+    size_t used = 0;
+    first = std::stoi(text.substr(0, dash), &used);
+    if (used != dash) throw bad();
+    last = std::stoi(text.substr(dash + 1), &used);
+    if (used != text.size() - dash - 1) throw bad();
+  } catch (const std::logic_error&) {
+    throw bad();
+  }
+  if (first < 1024 || last > 65535 || last - first + 1 < kRayMinPortRange) throw bad();
+  return {first, last};
+}
+
+// Ray mode's layout (docs/ray.md): one Ray node on each node of the job and the driver beside node 0's;
+// `head_address`, `head_port`: TI-ONE's HEAD_ADDR and HEAD_PORT, when a per-node job's environment has them.
+void set_ray_mode(Plan& p, const Options& o, const std::optional<Sourced<std::string>>& head_address,
+                  const std::optional<Sourced<int>>& head_port) {
+  if (p.elastic)
+    throw ConfigError(fmt::format("--ray and an elastic job ({}) both given: a Ray cluster's membership is Ray's "
+                                  "own; an elastic cohort job cannot hold one",
+                                  p.source_of("elastic")));
+  p.ray.enabled = true;
+  p.ray.command = o.ray_command.value_or("ray");
+  if (o.ray_port) {
+    p.ray.head_port = *o.ray_port;
+    p.ray.head_port_source = "--ray-port";
+  } else if (head_port) {
+    p.ray.head_port = head_port->value;
+    p.ray.head_port_source = head_port->source;
+  } else {
+    p.ray.head_port_source = "a free port node 0 picks at start, published in the job's store";
+  }
+  if (head_address) p.ray.head_address = head_address->value;
+  if (o.ray_ports) std::tie(p.ray.first_port, p.ray.last_port) = parse_ray_ports(*o.ray_ports);
+  int first = 0;
+  for (auto& n : p.nodes) {
+    n.first_rank = first;
+    n.nproc = n.node_rank == 0 ? 2 : 1;  // its Ray node; node 0's driver besides
+    n.nservers = 0;
+    first += n.nproc;
+  }
+  p.world_size = p.num_workers = first;
+  // Ray starts and places its own worker processes: none of cohort's binding, recording or rank tables.
+  p.bind_to = "none";
+  p.flight_recorder = 0;
+  p.timeline_path.clear();
+  p.stats = false;
+  p.rank_table_slots.clear();
+  p.rank_table_size = 0;
+  p.sources.emplace_back("ray", "--ray");
+}
+
+}  // namespace
+
 int std_streams(const std::string& flag, const std::string& spec, int local_rank) {
   if (spec.empty()) return 0;
   auto bad = [&] {
@@ -476,6 +588,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   auto source = [&](const std::string& setting, const std::string& from) { p.sources.emplace_back(setting, from); };
 
   if (o.program.empty()) throw ConfigError("no PROGRAM given (usage: cohort run [options] PROGRAM [ARGS...])");
+  check_ray_flags(o);
   p.program = o.program;
   set_program_form(p, o, env);
   if (o.kill_grace_s < 0) throw ConfigError(fmt::format("--kill-grace {}: expected seconds >= 0", o.kill_grace_s));
@@ -531,6 +644,8 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
 
   std::optional<Sourced<std::string>> sched_job_id;
   std::optional<Sourced<int>> sched_ps_nodes;
+  std::optional<Sourced<std::string>> ray_head_address;
+  std::optional<Sourced<int>> ray_head_port;
   if (o.launcher != "auto" && o.launcher != "ssh" && o.launcher != "srun")
     throw ConfigError(fmt::format("--launcher {}: expected auto, ssh or srun", o.launcher));
   // Inside a Slurm allocation (a batch script, an salloc shell), with no hosts and no per-node flags:
@@ -604,7 +719,15 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     // With --nnodes the flags say the layout; in an srun step Slurm still says where node 0 is, which
     // node this is and which port the job's nodes agree on.
     const bool in_srun_step = env.count("SLURM_STEP_ID") && env.count("SLURM_STEP_NODELIST");
-    if (!o.nnodes || in_srun_step) sched = read_scheduler_env(env, machine.addresses);
+    // TI-ONE's Ray mode names the head and this node's rank but not the node count: --nnodes gives it,
+    // and the platform's variables still say the rest.
+    const bool ray_platform = o.ray && env.count("HEAD_ADDR") && !env.at("HEAD_ADDR").empty();
+    if (!o.nnodes || in_srun_step || ray_platform) sched = read_scheduler_env(env, machine.addresses);
+    ray_head_address = sched.ray_head_addr;
+    ray_head_port = sched.ray_head_port;
+    if (ray_platform && !o.nnodes && !sched.nnodes)
+      throw ConfigError("HEAD_ADDR, HEAD_PORT and RANK (TI-ONE's Ray mode) do not say how many nodes the job has: give "
+                        "--nnodes N (or WORLD_SIZE or NODE_LIST)");
     p.schedulers = sched.scheduler_names;
     sched_job_id = sched.job_id;
     sched_ps_nodes = sched.ps_nodes;
@@ -675,6 +798,9 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
       } else if (sched.master_addr) {
         p.master_addr = sched.master_addr->value;
         source("store address", sched.master_addr->source);
+      } else if (o.ray && sched.ray_head_addr) {
+        p.master_addr = sched.ray_head_addr->value;
+        source("store address", "HEAD_ADDR (node 0: the Ray head hosts the job's store too)");
       } else {
         throw ConfigError(p.elastic ? fmt::format("--nnodes {}:{} needs --master-addr or --rdzv-endpoint (the host "
                                                   "whose agent hosts the job's store) or MASTER_ADDR",
@@ -704,6 +830,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     }
   }
 
+  if (o.ray) set_ray_mode(p, o, ray_head_address, ray_head_port);
   place_parameter_servers(p, o, env, sched_ps_nodes);
 
   // Job id: the same on every node (per-node mode cannot share a random one).
@@ -745,10 +872,12 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   bool omp_given = env.count("OMP_NUM_THREADS") ||
                    std::any_of(p.extra_env.begin(), p.extra_env.end(),
                                [](const auto& kv) { return kv.first == "OMP_NUM_THREADS"; });
-  p.set_omp_threads = max_per_node > 1 && !omp_given;
+  // (Ray sets OMP_NUM_THREADS for its own workers from the CPUs each task asks for.)
+  p.set_omp_threads = max_per_node > 1 && !omp_given && !p.ray.enabled;
 
-  // More local ranks than GPUs is an error unless --gpu-share (each agent checks its own node again).
-  if (gpus_here)
+  // More local ranks than GPUs is an error unless --gpu-share (each agent checks its own node again). A Ray
+  // node gets them all.
+  if (gpus_here && !p.ray.enabled)
     if (const NodePlan* mine = p.node(p.this_node))
       assign_gpus(p.gpus_per_node_spec, p.gpu_share, mine->nproc, machine.gpus, machine.hostname);
 
@@ -773,10 +902,37 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   return p;
 }
 
+namespace {
+
+// Ray mode: what TI-ONE's Ray mode gives every node (HEAD_ADDR, HEAD_PORT, and RANK: the node's rank, 0 on
+// the head), so that a program written for it runs unchanged; and for the driver RAY_ADDRESS, so that
+// ray.init() joins this job's cluster and no other cluster running on the same host. Not torchrun's
+// variables: the job's processes are Ray's nodes and its driver, not ranks of a communicator (Ray Train
+// gives its own workers those).
+std::vector<std::pair<std::string, std::string>> ray_process_env(const Plan& plan, const WorkerSlot& s) {
+  std::string ip = "<node 0's address, found at start>";
+  std::string port = plan.ray.head_port > 0 ? std::to_string(plan.ray.head_port) : "<chosen at start>";
+  if (!s.ray_gcs.empty()) {
+    auto [host, p] = net::split_host_port(s.ray_gcs);
+    ip = host;
+    port = std::to_string(p);
+  }
+  std::vector<std::pair<std::string, std::string>> e;
+  e.emplace_back("HEAD_ADDR", plan.ray.head_address.empty() ? ip : plan.ray.head_address);
+  e.emplace_back("HEAD_PORT", port);
+  e.emplace_back("RANK", std::to_string(s.node_rank));
+  if (plan.is_ray_driver(s.rank)) e.emplace_back("RAY_ADDRESS", s.ray_gcs.empty() ? ip + ":" + port : s.ray_gcs);
+  for (const auto& kv : plan.extra_env) e.push_back(kv);
+  return e;
+}
+
+}  // namespace
+
 std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, const WorkerSlot& s,
                                                             const std::string& store_addr, int torch_port,
                                                             const std::string& token, int restart_count,
                                                             const EnvMap& launcher_env) {
+  if (plan.ray.enabled) return ray_process_env(plan, s);
   std::vector<std::pair<std::string, std::string>> e;
   auto set = [&](const char* k, const std::string& v) { e.emplace_back(k, v); };
   // Host part of "host:port" / "[v6]:port" (the port may still be a placeholder in --dry-run).
@@ -872,6 +1028,20 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
 
 void resolve_worker_command(Plan& p, std::string (*resolve)(const std::string&)) {
   const std::string& program = p.program.at(0);
+  if (p.ray.enabled && p.this_node >= 0) {
+    try {
+      p.ray.command_path = resolve(p.ray.command);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{} (cohort run --ray starts each node's Ray with it: install Ray on every node, "
+                                    "or name the executable with --ray-command)",
+                                    e.what()));
+    }
+    // Only node 0 runs the driver (a fan-out head that runs no node checks it before anything starts).
+    if (p.this_node > 0) {
+      p.program_path = p.form.kind == "direct" ? program : p.form.python;
+      return;
+    }
+  }
   if (p.form.kind == "direct") {
     p.program_path = resolve(program);
     return;
@@ -1056,6 +1226,91 @@ std::vector<std::vector<int>> compute_bindings(const std::string& bind_to, int n
   return out;
 }
 
+int ray_num_cpus() { return std::max<int>(1, static_cast<int>(allowed_cpus().size())); }
+
+int ray_num_gpus(const Plan& plan) { return plan.gpus_per_node > 0 ? plan.gpus_per_node : this_machine(false).gpu_count; }
+
+std::vector<std::string> ray_node_argv(const Plan& p, int node_rank, const std::string& node_ip, const std::string& gcs,
+                                       const RayPorts& ports) {
+  RayStart start;
+  start.head = node_rank == 0;
+  start.node_rank = node_rank;
+  start.node_ip = node_ip;
+  start.num_cpus = ray_num_cpus();
+  start.num_gpus = ray_num_gpus(p);
+  start.ports = ports;
+  if (start.head) {
+    auto colon = gcs.rfind(':');
+    start.port = colon == std::string::npos ? 0 : std::atoi(gcs.c_str() + colon + 1);
+  } else {
+    start.gcs = gcs;
+  }
+  return ray_start_argv(p.ray.command_path.empty() ? p.ray.command : p.ray.command_path, start);
+}
+
+namespace {
+
+// --dry-run's account of a Ray job: how the cluster comes up, and what each of this machine's processes runs.
+std::string describe_ray(const Plan& p, const EnvMap& env) {
+  std::string s;
+  const auto [first, last] = p.ray.first_port > 0 ? std::pair{p.ray.first_port, p.ray.last_port}
+                                                  : ray_block_range(ray_default_block(p.job_id));
+  std::vector<int> others;
+  for (int r = 1; r < p.nnodes; ++r) others.push_back(r);
+  s += fmt::format("  ray             node 0 runs the Ray head{}; the driver runs on node 0 once `ray status` lists every "
+                   "node's Rank:<n> (each wait up to --join-timeout {:g} s); the driver's end ends the job, with its "
+                   "exit code\n",
+                   others.empty() ? ""
+                                  : fmt::format("; {} {} {} once the head's GCS answers (the job's store says when)",
+                                                others.size() == 1 ? "node" : "nodes", str::format_ranges(others),
+                                                others.size() == 1 ? "starts its Ray" : "start their Ray"),
+                   p.join_timeout_s);
+  s += fmt::format("  ray command     {}{}\n", p.ray.command,
+                   p.ray.command_path.empty() ? " (on each node's PATH)" : " (here " + p.ray.command_path + ")");
+  s += fmt::format("  ray ports       GCS {}  [{}]; each node's others in {}-{}{}\n",
+                   p.ray.head_port > 0 ? std::to_string(p.ray.head_port) : "<free, chosen at start>",
+                   p.ray.head_port_source, first, last,
+                   p.ray.first_port > 0 ? "  [--ray-ports]"
+                                        : fmt::format(" (from the job id; the next block of {} in {}-{} on a node where "
+                                                      "one of them is taken)",
+                                                      kRayPortBlock, kRayPortsBase,
+                                                      kRayPortsBase + kRayPortBlocks * kRayPortBlock - 1));
+  const std::string head_ip = "<node 0's address: " + (p.ray.head_address.empty() ? p.nodes.front().host + ", resolved"
+                                                                                   : "HEAD_ADDR " + p.ray.head_address + ", checked") +
+                              " there at start>";
+  const std::string gcs = p.ray.head_port > 0 ? std::to_string(p.ray.head_port) : "<chosen at start>";
+  for (const auto& node : p.nodes) {
+    const bool head = node.node_rank == 0;
+    s += fmt::format("node {} ({}{}): {}\n", node.node_rank, node.host,
+                     node.local ? ", this machine" : p.mode == Mode::kFanOut ? ", over ssh" : ", its own launcher",
+                     head ? "the Ray head, then the driver" : fmt::format("Ray node {}", node.node_rank));
+    if (!node.local) continue;
+    for (int l = 0; l < node.nproc; ++l) {
+      const int process = node.first_rank + l;
+      WorkerSlot slot{process, l, node.nproc, node.node_rank, {}};
+      std::vector<std::string> kv;
+      for (const auto& [k, v] : worker_env(p, slot, "", 0, "", 0, env)) kv.push_back(k + "=" + v);
+      std::vector<std::string> argv;
+      if (p.is_ray_driver(process)) {
+        argv = worker_argv(p, process);
+      } else {
+        argv = ray_node_argv(p, node.node_rank, head ? head_ip : "<this node's address on the route to node 0>",
+                             head ? "x:0" : "<the head's GCS, from the job's store>", ray_ports_in(first, last));
+        for (size_t i = 0; i + 1 < argv.size(); ++i)
+          if (argv[i] == "--port") argv[i + 1] = gcs;
+      }
+      s += fmt::format("  {} ({}): {}\n    command: {}\n", p.process_name(process),
+                       p.is_ray_driver(process) ? "once every node has joined"
+                       : head                   ? "first"
+                                                : "once the head's GCS answers",
+                       str::join(kv, " "), shell_line(argv));
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
 std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& store_addr,
                           const GpuInventory& gpus) {
   std::string s;
@@ -1085,12 +1340,13 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      p.mode == Mode::kFanOut ? p.source_of("hosts") : p.source_of("nnodes"));
   if (p.mode != Mode::kFanOut) {
     s += fmt::format("  this node rank  {}  [{}]\n", p.this_node, p.source_of("node rank"));
-    s += fmt::format("  nproc per node  {}  [{}]\n", p.nodes.front().nproc - p.nodes.front().nservers,
-                     p.source_of("nproc per node"));
+    if (!p.ray.enabled)
+      s += fmt::format("  nproc per node  {}  [{}]\n", p.nodes.front().nproc - p.nodes.front().nservers,
+                       p.source_of("nproc per node"));
   }
   if (p.elastic)
     s += fmt::format("  world size      {} per node times the nodes of each generation\n", p.world_size);
-  else
+  else if (!p.ray.enabled)  // a Ray job has no world of ranks: its lines below say what runs
     s += fmt::format("  world size      {}{}\n", p.world_size,
                      p.mode == Mode::kFanOut ? "  [" + p.source_of("world size") + "]" : "");
   if (p.ps_servers > 0)
@@ -1109,8 +1365,12 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                                                                        "authenticate the store)"
                                                                      : "random, 32 bytes");
   if (!p.schedulers.empty()) s += fmt::format("  scheduler env   {}\n", str::join(p.schedulers, ", "));
+  if (!p.ray.enabled && (env.count("HEAD_ADDR") || env.count("HEAD_PORT")))
+    s += "  note            HEAD_ADDR/HEAD_PORT (TI-ONE's Ray mode) are read by --ray jobs only (docs/ray.md)\n";
   s += fmt::format("  failure policy  {}, max restarts {}, kill grace {} s\n",
-                   p.abort_on_failure ? "first failure stops the job" : "others run on (--no-abort-on-failure)",
+                   p.ray.enabled           ? "the driver's end ends the job; a node's Ray that ends before it stops it"
+                   : p.abort_on_failure    ? "first failure stops the job"
+                                           : "others run on (--no-abort-on-failure)",
                    p.max_restarts, p.kill_grace_s);
   std::string log_files;
   if (!p.logs.dir.empty() && (!p.logs.redirects.empty() || !p.logs.tee.empty()))
@@ -1129,6 +1389,7 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      p.gpu_share ? ", shared by ranks (--gpu-share)" : ", one per rank",
                      p.source_of("gpus per node"));
   if (p.set_omp_threads) s += "  note            OMP_NUM_THREADS=1 for every worker (unset, and workers share a node)\n";
+  if (p.ray.enabled) return s + describe_ray(p, env);
   auto cpus = allowed_cpus();
   auto numa = numa_node_cpus();
   for (const auto& node : p.nodes) {

@@ -10,6 +10,7 @@
 #include "common/affinity.h"
 #include "launch/gpus.h"
 #include "launch/parsers.h"
+#include "launch/ray.h"
 
 namespace cohort::launch {
 
@@ -72,6 +73,12 @@ struct Options {
   std::optional<std::string> redirects;
   std::optional<std::string> tee;
   std::optional<std::string> local_ranks_filter;
+  // Ray mode (docs/ray.md): --ray, the head's GCS port (--ray-port, else HEAD_PORT), the range of the
+  // nodes' other Ray ports (--ray-ports FIRST-LAST) and the ray executable (--ray-command).
+  bool ray = false;
+  std::optional<int> ray_port;
+  std::optional<std::string> ray_ports;
+  std::optional<std::string> ray_command;
 };
 
 // Facts about the machine build_plan needs (injected so tests control them).
@@ -138,6 +145,22 @@ struct ProcessRole {
   int index = 0;
   int local_index = 0;
   int local_count = 1;
+};
+
+// Ray mode (--ray, docs/ray.md): node 0 runs the Ray head and, once every node has joined the cluster, the
+// driver (PROGRAM); every other node runs a Ray worker node; the driver's end is the job's. The processes:
+// node 0's are 0 (its Ray node) and 1 (the driver), node k's is k + 1 (its Ray node).
+struct RayPlan {
+  bool enabled = false;
+  std::string command = "ray";  // --ray-command: each node resolves it on its own PATH
+  std::string command_path;     // ... resolved on this host ("" where this host runs no Ray node)
+  int head_port = 0;            // the GCS port: --ray-port or HEAD_PORT; 0: a free one the head picks
+  std::string head_port_source;
+  // HEAD_ADDR as the platform gave it: where the other nodes reach the head ("": node 0's name in the job,
+  // resolved on node 0).
+  std::string head_address;
+  int first_port = 0;  // --ray-ports FIRST-LAST (0: each node takes the job's default block, launch/ray.h)
+  int last_port = 0;
 };
 
 struct Plan {
@@ -209,6 +232,7 @@ struct Plan {
   int num_workers = 1;
   std::string ps_mode;
   bool ps_server_program = false;
+  RayPlan ray;
 
   const NodePlan* node(int rank) const;
   // The node that runs process `process`, and its role there.
@@ -221,6 +245,8 @@ struct Plan {
   // The LOCAL_RANK process `process` gets (in a parameter-server job, its index among its node's
   // processes of its role).
   int local_rank_of(int process) const;
+  // Ray mode: whether process `process` is the driver (else it is its node's Ray node).
+  bool is_ray_driver(int process) const { return ray.enabled && process == 1; }
   std::string source_of(const std::string& setting) const;
 };
 
@@ -244,6 +270,7 @@ struct WorkerSlot {
   int local_world = 1;
   int node_rank = 0;
   GpuAssignment gpu;  // device -1: no GPU planned
+  std::string ray_gcs{};  // Ray mode: HOST:PORT of the head's GCS ("" before it is known: --dry-run)
 };
 std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, const WorkerSlot& slot,
                                                             const std::string& store_addr, int torch_port,
@@ -270,6 +297,15 @@ std::vector<std::vector<int>> physical_cores(const std::vector<int>& allowed);
 // The CPUs this process may run on (common/affinity.h; here for the launcher's callers).
 using affinity::allowed_cpus;
 std::vector<std::vector<int>> numa_node_cpus();
+
+// Ray mode: what this node's Ray is given (--num-cpus, --num-gpus): the CPUs this launcher may use (its
+// affinity, which a container's cpuset narrows), and the GPUs of --gpus-per-node, else those visible here.
+int ray_num_cpus();
+int ray_num_gpus(const Plan& plan);
+// The `ray start` command of node `node_rank` (launch/ray.h): the head (node 0) listens on `gcs`'s port,
+// the others join `gcs`; `node_ip` is this node's address that the others reach.
+std::vector<std::string> ray_node_argv(const Plan& plan, int node_rank, const std::string& node_ip,
+                                       const std::string& gcs, const RayPorts& ports);
 
 // The --dry-run text: nodes, ranks, the source of each setting, each local worker's environment.
 // `gpus`: this node's GPUs (for a GPU job, each local rank's GPU is shown).

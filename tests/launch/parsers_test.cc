@@ -1,5 +1,7 @@
 // Unit tests of the launcher's pure parsers: hostfiles, -H lists, Slurm node lists, TF_CONFIG and
 // the scheduler/platform variables.
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
 #include "cohort/error.h"
@@ -190,6 +192,28 @@ TEST(SchedulerEnv, ConflictsNameBothSources) {
   EXPECT_EQ(error_of([] { read_scheduler_env({{"WORLD_SIZE", "2"}, {"RANK", "2"}}); }),
             "node rank 2 (RANK) is not below the node count 2 (WORLD_SIZE)");
   EXPECT_EQ(error_of([] { read_scheduler_env({{"WORLD_SIZE", "two"}}); }), "WORLD_SIZE=two: expected an integer >= 1");
+}
+
+// TI-ONE's Ray mode (the seed's variables): HEAD_ADDR and HEAD_PORT name the Ray head and its GCS port,
+// RANK is the node's rank (0: the head), read as torchrun's. They are kept apart from the master address:
+// only a --ray job uses them (plan_test.cc).
+TEST(SchedulerEnv, TioneRayHeadAddrHeadPortRank) {
+  auto t = read_scheduler_env(
+      {{"HEAD_ADDR", "train-1282671078021627392-9qu5j2n90b9c-head-0"}, {"HEAD_PORT", "6379"}, {"RANK", "2"}});
+  ASSERT_TRUE(t.ray_head_addr.has_value());
+  EXPECT_EQ(t.ray_head_addr->value, "train-1282671078021627392-9qu5j2n90b9c-head-0");
+  EXPECT_EQ(t.ray_head_addr->source, "HEAD_ADDR");
+  ASSERT_TRUE(t.ray_head_port.has_value());
+  EXPECT_EQ(t.ray_head_port->value, 6379);
+  EXPECT_EQ(t.node_rank->value, 2);
+  EXPECT_FALSE(t.master_addr.has_value());
+  EXPECT_FALSE(t.nnodes.has_value());  // the seed's three variables do not say how many nodes
+  EXPECT_NE(std::find(t.scheduler_names.begin(), t.scheduler_names.end(), "TI-ONE (Ray)"), t.scheduler_names.end());
+  EXPECT_EQ(error_of([] { read_scheduler_env({{"HEAD_PORT", "70000"}}); }), "HEAD_PORT=70000: the port is above 65535");
+  EXPECT_EQ(error_of([] { read_scheduler_env({{"HEAD_PORT", "redis"}}); }), "HEAD_PORT=redis: expected an integer >= 1");
+  EXPECT_EQ(error_of([] { read_scheduler_env({{"HEAD_ADDR", "head 0"}}); }),
+            "HEAD_ADDR=head 0: not a host name or address (' ' cannot appear in one)");
+  EXPECT_FALSE(read_scheduler_env({{"RANK", "0"}}).ray_head_addr.has_value());
 }
 
 // Found by fuzz/launch_parsers_fuzz.cc: lists that expand to billions of entries were built in memory.
