@@ -337,8 +337,11 @@ void GradientSync::launch(Bucket& b) {
   if (comm_->size() == 1) return;  // the average of one rank is its own gradient
   if (stage_ > 0) {
     // In place: every rank passes the whole bucket and gets its averaged chunk in the first
-    // chunk-sized part (complete_reduce_scatter moves it to where shard_chunks() says).
+    // chunk-sized part (complete_reduce_scatter moves it to where shard_chunks() says). The rest of
+    // the bucket is the collective's scratch afterwards, the padding included: zero it again, or the
+    // last chunk's padding would average whatever the previous step left there.
     const size_t chunk = chunk_of(b);
+    if (b.padded > b.numel) options_.memory->zero(b.data.get() + b.numel, (b.padded - b.numel) * sizeof(float));
     switch (options_.compression) {
       case WireCompression::kNone:
         stats_.bytes_on_wire += static_cast<int64_t>(b.padded * sizeof(float));
