@@ -244,6 +244,7 @@ int run(const Args& a) {
   // averaging where it can, i.e. momentum 0, else it is DDP's average and then torch's step).
   // --zero 1|2: the sharded optimizer; each rank keeps the state of 1/N of the parameters.
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  cohort::torch::DistributedSGD* distributed_sgd = nullptr;  // --zero 0 --optimizer sgd
   std::unique_ptr<cohort::torch::ShardedOptimizer> sharded;
   const auto sgd_options = torch::optim::SGDOptions(lr).momentum(a.momentum);
   if (a.zero > 0) {
@@ -253,7 +254,9 @@ int run(const Args& a) {
       sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, torch::optim::AdamOptions(lr), so);
     else sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, torch::optim::AdamWOptions(lr), so);
   } else if (a.optimizer == "sgd") {
-    optimizer = std::make_unique<cohort::torch::DistributedSGD>(ddp, sgd_options);
+    auto sgd = std::make_unique<cohort::torch::DistributedSGD>(ddp, sgd_options);
+    distributed_sgd = sgd.get();
+    optimizer = std::move(sgd);
   } else if (a.optimizer == "adam") {
     optimizer = std::make_unique<torch::optim::Adam>(ddp.parameters(), torch::optim::AdamOptions(lr));
   } else {
@@ -305,7 +308,11 @@ int run(const Args& a) {
                cohort::train::compression_name(*compression),
                sharded ? "sharded (ZeRO) " + sharded->describe()
                        : fmt::format("{} lr={}{}", a.optimizer, lr,
-                                     a.optimizer == "sgd" ? fmt::format(" momentum={}", a.momentum) : ""));
+                                     !distributed_sgd ? ""
+                                     : distributed_sgd->fused()
+                                         ? fmt::format(" momentum={}, step fused with the averaging", a.momentum)
+                                         : fmt::format(" momentum={}, DDP's averaging then torch's step ({})",
+                                                       a.momentum, distributed_sgd->why_not_fused())));
   }
 
   // Every rank takes part in the sharded optimizer's save (each writes its shard); otherwise rank 0
