@@ -73,10 +73,13 @@ TEST(Resnet, BadInputIsOneClearLine) {
   EXPECT_NE(r.err.find("--resume needs --checkpoint-dir"), std::string::npos) << r.err;
 }
 
-// DDP with momentum SGD: the loss falls, and the ranks agree on the parameters and on the batch norm
-// buffers (which only the DDP's broadcasts from rank 0 keep equal: each rank's forward updates its
-// running statistics with its own batch). 2 ranks x 160 images: 20 steps.
-TEST(Resnet, TwoRanksTrainAndEndWithTheSameParametersAndBuffers) {
+// DDP with momentum SGD: the loss falls, and the ranks end with the same parameters (the averaged
+// gradients) and buffers (the job evaluates with rank 0's running statistics, broadcast once more after
+// the last step; the broadcast before every training forward is ddp_test.cc's
+// BufferBroadcastGivesEveryRankRankZerosRunningStatistics). 2 ranks x 160 images: 20 steps.
+// The same job with the optimizer state sharded (--zero 1) ends bit for bit where it does: SGD is
+// elementwise, and both ways a pair of ranks' gradients is averaged as (a + b) / 2.
+TEST(Resnet, TwoRanksTrainAndEndWithTheSameParametersAndBuffersShardedOrNot) {
   if (!kHaveData) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   auto r = run_process(job({"--train-samples", "320"}), {}, 90);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
@@ -90,6 +93,10 @@ TEST(Resnet, TwoRanksTrainAndEndWithTheSameParametersAndBuffers) {
   const auto d = digests(r);
   ASSERT_EQ(d.size(), 2u) << r.out;
   EXPECT_EQ(d.at(0), d.at(1)) << r.out;
+
+  auto sharded = run_process(job({"--train-samples", "320", "--zero", "1"}), {}, 90);
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.out << sharded.err;
+  EXPECT_EQ(digests(sharded), d) << sharded.out;
 }
 
 // The sharded optimizer through real processes: stage 2 with Adam (two state tensors per chunk),
