@@ -30,6 +30,8 @@ limit=$((60 + steps * 30))
 {
 echo "# $(date -u +%FT%TZ) git $(git rev-parse --short HEAD 2>/dev/null) rounds $rounds steps $steps width $width batch $batch; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for round in $(seq 1 "$rounds"); do
+  # Whether anything else is compiling: this guest's 2 CPUs are shared with whoever builds.
+  echo "# round $round at $(date -u +%TZ): load $(cut -d' ' -f1-3 /proc/loadavg); compilers running: $(ps -eo comm= | grep -cxE 'cc1plus|cc1|ld|collect2')"
   echo "== round $round: cohort 1 process"
   timeout "$limit" "$bin" "${common[@]}" 2>&1 | grep -E "samples/s|accuracy"
   echo "== round $round: PyTorch 1 process"
