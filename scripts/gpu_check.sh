@@ -125,6 +125,24 @@ else
   step "fashion_mnist --device cuda (1 rank per GPU)" "$out/fashion_mnist.txt" \
     "$tool" run --gpus-per-node auto "$fm" --model mlp --device cuda
 fi
+# ResNet-18 with batch norm on the GPU, plain DDP and the sharded optimizer (its chunks and state on the
+# GPU, NCCL's reduce-scatter and allgather), with a checkpoint written and read back by --resume.
+rn=$build/examples/resnet/resnet
+if [[ ! -x $rn ]]; then
+  row "resnet --device cuda" SKIP "not built (libtorch not found at $torch_prefix)"
+elif [[ ! -d /usr/share/datasets/fashion-mnist ]]; then
+  row "resnet --device cuda" SKIP "no data (Debian's dataset-fashion-mnist is not installed)"
+else
+  step "resnet --device cuda (1 rank per GPU)" "$out/resnet.txt" \
+    "$tool" run --gpus-per-node auto "$rn" --device cuda --train-samples 4096
+  rm -rf "$out/resnet-zero2"
+  step "resnet --device cuda --zero 2, checkpoint" "$out/resnet-zero2.txt" \
+    "$tool" run --gpus-per-node auto "$rn" --device cuda --optimizer adam --zero 2 --max-steps 20 \
+    --checkpoint-dir "$out/resnet-zero2"
+  step "resnet --device cuda --zero 2, --resume" "$out/resnet-zero2-resume.txt" \
+    "$tool" run --gpus-per-node auto "$rn" --device cuda --optimizer adam --zero 2 --max-steps 20 \
+    --checkpoint-dir "$out/resnet-zero2" --resume
+fi
 
 echo
 printf '%-44s %-5s %s\n' "step" "result" "detail"
