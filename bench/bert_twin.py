@@ -12,7 +12,7 @@ Options that mirror the example's: --size mini|small|base (and --layers/--hidden
 --vocab), --batch, --lr, --weight-decay, --dropout, --optimizer adamw|adam|sgd, --zero 0|1
 (1: torch.distributed.optim.ZeroRedundancyOptimizer, PyTorch's sharded optimizer state),
 --compression none|fp16 (DDP's fp16_compress_hook), --bucket-mb, --max-steps, --train-samples,
---seed, --threads (default 1), --print-digest. The output lines are the example's, so the same
+--test-samples, --seed, --threads (default 1), --print-digest. The output lines are the example's, so the same
 greps read both.
 """
 import argparse
@@ -208,6 +208,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--train-samples", type=int, default=0)
+    ap.add_argument("--test-samples", type=int, default=0)
     ap.add_argument("--data-dir", default=WORDNET)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -290,7 +291,8 @@ def main():
     model.eval()
     correct = predicted = 0
     with torch.no_grad():
-        mine = list(range(rank, len(test), world))
+        held_out = min(a.test_samples, len(test)) if a.test_samples > 0 else len(test)
+        mine = list(range(rank, held_out, world))
         for i in range(0, len(mine), 256):
             ids, masked, labels = make_batch(test, mine[i:i + 256], seq_len, vocab_size, a.seed, M64)
             correct += model(ids, masked).argmax(1).eq(labels).sum().item()

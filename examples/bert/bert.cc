@@ -220,6 +220,7 @@ struct Args {
   int64_t epochs = 1;
   int64_t max_steps = 0;
   int64_t train_samples = 0;
+  int64_t test_samples = 0;
   std::string data_dir = cohort::examples::kWordnetDir;
   uint64_t seed = 0;
   std::string checkpoint_dir;
@@ -385,7 +386,9 @@ int run(const Args& a) {
     torch::NoGradGuard no_grad;
     model->eval();
     std::vector<int64_t> mine;
-    for (int64_t i = rank; i < static_cast<int64_t>(corpus.test.size()); i += world) mine.push_back(i);
+    const int64_t held_out = a.test_samples > 0 ? std::min<int64_t>(a.test_samples, static_cast<int64_t>(corpus.test.size()))
+                                                : static_cast<int64_t>(corpus.test.size());
+    for (int64_t i = rank; i < held_out; i += world) mine.push_back(i);
     for (int64_t i = 0; i < static_cast<int64_t>(mine.size()); i += 256) {
       const int64_t n = std::min<int64_t>(256, static_cast<int64_t>(mine.size()) - i);
       auto b = make_batch(corpus.test, mine, i, n, s.seq_len, vocab, a.seed, ~uint64_t{0});
@@ -457,6 +460,8 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", a.epochs, "epochs")->check(kAtLeastOne);
   app.add_option("--max-steps", a.max_steps, "stop after N steps of this run (0: the epochs)")->check(kNotNegative);
   app.add_option("--train-samples", a.train_samples, "use only the first N training glosses (0: all)")->check(kNotNegative);
+  app.add_option("--test-samples", a.test_samples, "evaluate on the first N held-out glosses only (0: all 5,882)")
+      ->check(kNotNegative);
   app.add_option("--data-dir", a.data_dir, "WordNet's database folder (data.noun, data.verb, data.adj, data.adv)");
   app.add_option("--seed", a.seed, "seed of the model's initialisation, the sampler and the masking");
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "checkpoints go here; a restarted job resumes from the newest");
