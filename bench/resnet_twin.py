@@ -103,6 +103,8 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="0: 1 when ranks share a host")
     ap.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: this rank's GPU (LOCAL_RANK), NCCL, DDP even on 1 rank (as the C++ example)")
     args = ap.parse_args()
     lr = args.lr if args.lr > 0 else (0.01 if args.optimizer == "sgd" else 0.001)
 
@@ -110,9 +112,15 @@ def main():
     xte, yte = load_split(args.data_dir, "t10k", args.test_samples)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ddp = world > 1
+    cuda = args.device == "cuda"
+    ddp = world > 1 or cuda
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        xtr, ytr, xte, yte = xtr.to(device), ytr.to(device), xte.to(device), yte.to(device)
     if ddp:
-        dist.init_process_group("gloo", init_method="env://")
+        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
     rank = dist.get_rank() if ddp else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = args.threads if args.threads > 0 else (1 if local > 1 else torch.get_num_threads())
@@ -121,7 +129,9 @@ def main():
     torch.manual_seed(args.seed)
     net = ResNet(args.width)
     initial_sum = sum(p.detach().sum().item() for p in net.parameters())
-    model = nn.parallel.DistributedDataParallel(net) if ddp else net  # broadcast_buffers=True, 25 MiB buckets
+    net = net.to(device)
+    # broadcast_buffers=True, 25 MiB buckets
+    model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if cuda else None) if ddp else net
     if args.optimizer == "sgd":
         kind, options = torch.optim.SGD, dict(lr=lr, momentum=args.momentum)
     elif args.optimizer == "adam":
@@ -153,7 +163,7 @@ def main():
         if stop:
             break
         sampler.set_epoch(epoch)
-        idx = torch.tensor(list(iter(sampler)), dtype=torch.int64)
+        idx = torch.tensor(list(iter(sampler)), dtype=torch.int64, device=device)
         batches = torch.split(idx, args.batch)
         for step, b in enumerate(batches):
             xb, yb = xtr.index_select(0, b), ytr.index_select(0, b)
@@ -168,12 +178,14 @@ def main():
             if args.max_steps and steps_run == args.max_steps:
                 stop = True
                 break
+    if cuda:
+        torch.cuda.synchronize(device)  # the host runs ahead of the GPU: its queued work is part of the run
     if ddp:
         dist.barrier()
     seconds = time.perf_counter() - t0
     total = samples
     if ddp:
-        t = torch.tensor([samples], dtype=torch.int64)
+        t = torch.tensor([samples], dtype=torch.int64, device=device)
         dist.all_reduce(t)
         total = int(t.item())
 
@@ -190,7 +202,7 @@ def main():
             j = min(i + 200, hi)
             correct += int((net(xte[i:j]).argmax(1) == yte[i:j]).sum())
     if ddp:
-        t = torch.tensor([correct], dtype=torch.int64)
+        t = torch.tensor([correct], dtype=torch.int64, device=device)
         dist.all_reduce(t)
         correct = int(t.item())
     if rank == 0:

@@ -121,6 +121,11 @@ class Case {
     }
   }
 
+  // Waits on the host for GPU work queued so far (nothing to do in host memory).
+  void synchronize() {
+    if (device_ >= 0) gpu::synchronize(comm_);
+  }
+
   // Fills rank-dependent inputs, runs once, counts wrong elements on this rank; leaves zeros.
   int64_t check() {
     fill_inputs();
@@ -220,10 +225,12 @@ double max_over_ranks(Communicator& comm, double v) {
   return v;
 }
 
-// Seconds per op of `iters` back-to-back operations on this rank.
+// Seconds per op of `iters` back-to-back operations on this rank. GPU operations are queued in
+// stream order: the time runs until the last has run on the GPU (as nccl-tests synchronises).
 double time_ops(Case& c, int64_t iters) {
   auto t0 = Clock::now();
   for (int64_t i = 0; i < iters; ++i) c.run();
+  c.synchronize();
   return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(iters);
 }
 

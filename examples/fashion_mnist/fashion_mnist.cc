@@ -21,6 +21,7 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
+#include "common/gpu_report.h"
 #include "cohort/torch/distributed_sgd.h"
 #include "store/memory_store.h"
 #include "dataset/fashion_mnist_files.h"
@@ -261,6 +262,7 @@ int run(const Args& a) {
       }
     }
   }
+  examples::wait_for_device(device);
   comm->barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   save({a.epochs, 0, pos.global_step, world, 0, world});
@@ -269,6 +271,7 @@ int run(const Args& a) {
   comm->allreduce(&total_samples, &total_samples, 1, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
   double wait = ddp.stats().wait_seconds;
   comm->allreduce(&wait, &wait, 1, cohort::DataType::kFloat64, cohort::ReduceOp::kAvg);
+  examples::print_gpu_overlap(ddp.stats(), *comm, lead);
 
   if (lead) {
     torch::NoGradGuard no_grad;

@@ -26,6 +26,7 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
+#include "common/gpu_report.h"
 #include "cohort/torch/distributed_sgd.h"
 #include "cohort/torch/sharded_optimizer.h"
 #include "common/launch.h"
@@ -382,6 +383,7 @@ int run(const Args& a) {
       }
     }
   }
+  examples::wait_for_device(device);
   comm->barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // Where it stopped (the end of the last epoch, or the middle of one after --max-steps): a later
@@ -392,6 +394,7 @@ int run(const Args& a) {
   comm->allreduce(&total_samples, &total_samples, 1, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
   double wait = ddp.stats().wait_seconds;
   comm->allreduce(&wait, &wait, 1, cohort::DataType::kFloat64, cohort::ReduceOp::kAvg);
+  examples::print_gpu_overlap(ddp.stats(), *comm, lead);
 
   // Test accuracy: every rank evaluates its contiguous share of the test images with rank 0's
   // running statistics, and the counts are summed (one rank alone would take N times as long).

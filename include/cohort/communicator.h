@@ -50,8 +50,11 @@ class Work {
  public:
   virtual ~Work() = default;
   // Waits until the operation completes; rethrows its error. A timeout of zero means the
-  // communicator's own deadline.
+  // communicator's own deadline. GPU work (cohort/gpu.h) is waited for in stream order instead: the
+  // caller's current CUDA stream waits for the operation, and the host does not block.
   virtual void wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) = 0;
+  // Blocks the calling thread until the operation has completed, also GPU work; rethrows its error.
+  virtual void synchronize(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) { wait(timeout); }
   // True when the operation has finished (successfully or not); never blocks.
   virtual bool test() = 0;
   // The error the operation ended with, or nullptr.

@@ -12,15 +12,30 @@
 // warning. The CUDA runtime and NCCL are loaded at run time, so the same build runs on machines
 // without either (docs/gpu.md).
 //
-// Device work runs on the communicator's own CUDA stream, created on the rank's device. The stream
-// is a blocking one: it waits for work queued earlier on the legacy default stream (where PyTorch and
-// plain CUDA code queue by default) and such work waits for it, so buffers written by earlier kernels
-// are ready. Blocking calls return when the operation is complete on the GPU; *_async calls return
-// a Work whose wait() does. Every wait is bounded by the communicator's timeout: a stuck NCCL
-// operation aborts the NCCL communicator and throws TimeoutError.
+// Stream order, as in PyTorch's ProcessGroupNCCL. Device work runs on the communicator's own CUDA
+// stream, a non-blocking one created on the rank's device. Each operation first waits for what the
+// caller's current stream (current_stream below: torch's current stream where cohort's torch
+// integration is linked, else the stream a StreamGuard set, else the legacy default stream) had
+// queued when it was called, so buffers written by earlier kernels are ready. Nothing queued on the
+// caller's stream afterwards waits for the communication, so compute overlaps it, until the caller
+// waits: a blocking call, or Work::wait() of an *_async call, makes the caller's stream wait for the
+// operation's end and returns without blocking the host; Work::synchronize() (or gpu::synchronize)
+// blocks the host until the operation has run. Buffers must stay allocated until the operation has
+// run on the GPU, as with any CUDA work: freed memory reused by later work on the caller's stream is
+// safe after a wait(), memory handed to another stream is not (torch: Tensor::record_stream).
+//
+// Errors and deadlines: every operation has the communicator's timeout. A watchdog thread per NCCL
+// communicator follows every queued operation, also those nobody waits for; when one fails, NCCL
+// reports an asynchronous error, or an operation passes its deadline, it aborts the NCCL communicator
+// (ncclCommAbort ends its kernels, so work queued behind them runs and no stream stays stuck) and the
+// host communicator, and logs one line naming the rank, the GPU and the operation. Work::wait(),
+// test() and synchronize() check the same and throw it (TimeoutError, PeerLostError or Error); after
+// a failure every call throws AbortedError naming the first cause, and no NCCL function is called
+// with the aborted communicator again.
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -76,12 +91,55 @@ std::string device_path_of(const Communicator& comm);
 // The GPU a communicator from make_device_communicator uses; -1 for any other communicator.
 int device_of(const Communicator& comm);
 
+// ---- streams ----
+// The CUDA stream (a cudaStream_t) that device work of the calling thread on `device` is ordered
+// after and before: the one a StreamGuard on this thread set, else the stream provider's answer
+// (cohort's torch integration provides torch's current stream), else nullptr, the legacy default
+// stream. Never throws.
+void* current_stream(int device);
+using StreamProvider = void* (*)(int device);
+void set_stream_provider(StreamProvider provider);  // nullptr: none
+
+// Makes `stream` the calling thread's current stream on `device` for the guard's lifetime.
+class StreamGuard {
+ public:
+  StreamGuard(int device, void* stream);
+  ~StreamGuard();
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+
+ private:
+  int device_;
+};
+
+// Blocks until everything `comm` has queued on its GPU has run (bounded by its timeout); throws its
+// failure. Nothing to do for a host communicator.
+void synchronize(Communicator& comm);
+
+// ---- GPU timing (for the timeline's overlap figures) ----
+// Operations queued from now on record timed CUDA events (also COHORT_GPU_TIMING=1). No effect on a
+// host communicator.
+void enable_timing(Communicator& comm);
+bool timing_enabled(const Communicator& comm);
+// A timed event recorded on current_stream(device) now; null without a CUDA runtime.
+std::shared_ptr<void> record_marker(int device);
+// Milliseconds from `marker` to the start and the end of `work` on the GPU (negative: before the
+// marker). nullopt when the work carries no timing (host work, timing off) or has not run yet.
+struct GpuInterval {
+  double start_ms = 0, end_ms = 0;
+};
+std::optional<GpuInterval> work_interval(Work& work, const std::shared_ptr<void>& marker);
+
 // Device memory for tools and tests (cudaMalloc on `device`; freed with the last copy of the pointer).
 std::shared_ptr<void> allocate_device(size_t bytes, int device);
-// cudaMemcpy with the direction inferred (host <-> device, either way).
+// Copies with the direction inferred (host <-> device, either way) in stream order on the device
+// memory's current stream, and returns when the copy is done (as cudaMemcpy on that stream).
 void copy_memory(void* dst, const void* src, size_t bytes);
-// Sets `bytes` of GPU memory to zero (ordered after, and completed before returning like, cudaMemcpy).
+// Sets `bytes` of GPU memory to zero, likewise.
 void zero_memory(void* ptr, size_t bytes);
+// The same, queued on current_stream(device) and not waited for.
+void copy_memory_async(void* dst, const void* src, size_t bytes, int device);
+void zero_memory_async(void* ptr, size_t bytes, int device);
 // Whether `ptr` is in GPU memory (device or managed).
 bool is_device_pointer(const void* ptr);
 

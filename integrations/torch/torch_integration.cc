@@ -5,6 +5,9 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <ATen/CPUGeneratorImpl.h>
+#ifdef COHORT_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <cstring>
 #include <cstdlib>
@@ -19,6 +22,24 @@
 #include "common/log.h"
 
 namespace cohort::torch {
+
+namespace {
+
+#ifdef COHORT_TORCH_CUDA
+// torch's current CUDA stream on `device` (the calling thread's, as torch keeps it): what cohort's GPU
+// collectives wait for before they start, and what waits for them.
+void* torch_current_stream(int device) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
+#endif
+
+}  // namespace
+
+void use_torch_streams() {
+#ifdef COHORT_TORCH_CUDA
+  gpu::set_stream_provider(&torch_current_stream);
+#endif
+}
 
 namespace {
 
@@ -101,6 +122,7 @@ void DistributedDataParallel::init() {
     // A model on a GPU: buckets in its memory, reduced by NCCL. A host communicator (what
     // Communicator::from_env gives) is wrapped here, so the four-step conversion stays the same.
     const int index = device_.has_index() ? device_.index() : 0;
+    use_torch_streams();
     if (gpu::device_of(*comm_) < 0) {
       comm_ = gpu::make_device_communicator(comm_, {index, gpu::DevicePath::kAuto});
     } else if (gpu::device_of(*comm_) != index) {

@@ -19,7 +19,8 @@ static_assert(cudaSuccess == kCudaSuccess && cudaErrorNotReady == kCudaErrorNotR
 static_assert(cudaMemcpyDefault == kCudaMemcpyDefault);
 static_assert(cudaMemoryTypeUnregistered == kCudaMemoryUnregistered && cudaMemoryTypeHost == kCudaMemoryHost &&
               cudaMemoryTypeDevice == kCudaMemoryDevice && cudaMemoryTypeManaged == kCudaMemoryManaged);
-static_assert(cudaEventDisableTiming == kCudaEventDisableTiming);
+static_assert(cudaEventDisableTiming == kCudaEventDisableTiming && cudaEventDefault == kCudaEventDefault);
+static_assert(cudaStreamNonBlocking == kCudaStreamNonBlocking);
 static_assert(sizeof(cudaStream_t) == sizeof(void*) && sizeof(cudaEvent_t) == sizeof(void*));
 // Our attribute struct starts like CUDA's and is at least as large.
 static_assert(offsetof(cudaPointerAttributes, type) == offsetof(CudaPointerAttributes, type));
@@ -63,6 +64,7 @@ COHORT_SAME(cudaStreamWaitEvent, CudaApi{}.StreamWaitEvent);
 COHORT_SAME(cudaEventCreateWithFlags, CudaApi{}.EventCreateWithFlags);
 COHORT_SAME(cudaEventRecord, CudaApi{}.EventRecord);
 COHORT_SAME(cudaEventQuery, CudaApi{}.EventQuery);
+COHORT_SAME(cudaEventElapsedTime, CudaApi{}.EventElapsedTime);
 COHORT_SAME(cudaEventDestroy, CudaApi{}.EventDestroy);
 COHORT_SAME(cudaPointerGetAttributes, CudaApi{}.PointerGetAttributes);
 COHORT_SAME(cudaDeviceGetPCIBusId, CudaApi{}.DeviceGetPCIBusId);

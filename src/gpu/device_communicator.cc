@@ -5,11 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "cohort/error.h"
@@ -27,6 +29,10 @@ using Millis = std::chrono::milliseconds;
 const env::StringSetting kGpuPath("COHORT_GPU_PATH", "auto",
                                   "GPU buffers: auto (NCCL when every rank has its own GPU and NCCL), nccl, or staged "
                                   "(copied through host memory and cohort's CPU collectives)");
+
+const env::BoolSetting kGpuTiming("COHORT_GPU_TIMING", false,
+                                  "GPU collectives record timed CUDA events (their start and end on the GPU, for "
+                                  "the timeline's overlap figures)");
 
 int nccl_dtype(DataType t) {
   switch (t) {
@@ -88,23 +94,39 @@ class DoneWork final : public Work {
 
 class DeviceCommunicator;
 
-// An operation queued on the communicator's stream; done when its event has fired.
+// One operation queued on the communicator's stream, shared by its Work (if the caller kept one) and
+// the watchdog, which follows it until its end event has fired. Owns the events.
+struct Inflight {
+  void* end = nullptr;    // recorded on the communicator's stream after the operation
+  void* start = nullptr;  // recorded before it, when GPU timing is on
+  std::string what;       // "allreduce of 1024 bytes"
+  std::chrono::milliseconds timeout{0};
+  std::chrono::steady_clock::time_point deadline;
+  Inflight() = default;
+  Inflight(const Inflight&) = delete;
+  Inflight& operator=(const Inflight&) = delete;
+  ~Inflight() {
+    if (end) cuda().EventDestroy(end);
+    if (start) cuda().EventDestroy(start);
+  }
+};
+
+// The caller's handle on an operation. wait() orders the caller's current stream after it (no host
+// block), synchronize() blocks the host until it ends, test() polls; all three see NCCL's
+// asynchronous errors and the operation's deadline (include/cohort/gpu.h).
 class DeviceWork final : public Work {
  public:
-  DeviceWork(std::shared_ptr<DeviceCommunicator> owner, void* event, std::string what)
-      : owner_(std::move(owner)), event_(event), what_(std::move(what)) {}
-  ~DeviceWork() override;
+  DeviceWork(std::shared_ptr<DeviceCommunicator> owner, std::shared_ptr<Inflight> op)
+      : owner_(std::move(owner)), op_(std::move(op)) {}
   void wait(Millis timeout) override;
+  void synchronize(Millis timeout) override;
   bool test() override;
-  std::exception_ptr exception() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return error_;
-  }
+  std::exception_ptr exception() override;
+  std::optional<GpuInterval> interval(void* marker);
 
  private:
   std::shared_ptr<DeviceCommunicator> owner_;
-  void* event_;
-  std::string what_;
+  std::shared_ptr<Inflight> op_;
   std::mutex mu_;
   bool done_ = false;
   std::exception_ptr error_;
@@ -114,26 +136,41 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
  public:
   DeviceCommunicator(std::shared_ptr<Communicator> host, int device) : host_(std::move(host)), device_(device) {}
   ~DeviceCommunicator() override {
-    if (comm_ && !failed_) {
+    stop_watchdog();
+    if (comm_) {
       // ncclCommDestroy flushes outstanding work and would wait forever for a peer that is gone:
       // give queued work a bounded time (no more than 10 s) and abort instead when it does not end.
       if (stream_drained(std::min<Millis>(options().timeout, std::chrono::seconds(10)))) nccl_api().CommDestroy(comm_);
       else nccl_api().CommAbort(comm_);
+      comm_ = nullptr;
     }
+    if (ready_) cuda().EventDestroy(ready_);
     if (staging_) cuda().FreeHost(staging_);
     if (stream_) cuda().StreamDestroy(stream_);
   }
 
-  // Collective: chooses the path, creates the stream and, for NCCL, the NCCL communicator.
+  // Collective: chooses the path, creates the stream and, for NCCL, the NCCL communicator and its
+  // watchdog. The stream is non-blocking: it never waits for the legacy default stream, nor that
+  // stream for it, so that compute queued after a collective does not wait for it (overlap); each
+  // operation waits instead for what the caller's stream had queued when it was called.
   void init(DevicePath wanted) {
     const CudaApi& c = cuda();
     DeviceGuard guard(device_);
-    check_cuda(c.StreamCreateWithFlags(&stream_, 0), "cudaStreamCreateWithFlags");
+    check_cuda(c.StreamCreateWithFlags(&stream_, kCudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    check_cuda(c.EventCreateWithFlags(&ready_, kCudaEventDisableTiming), "cudaEventCreateWithFlags");
+    timing_ = kGpuTiming.get();
     path_ = choose_path(wanted);
-    if (path_ == DevicePath::kNccl) init_nccl();
-    else log::warn("GPU buffers go through host memory ({}): each operation copies them to the host and back", why_);
+    if (path_ == DevicePath::kNccl) {
+      init_nccl();
+      watchdog_ = std::thread([this] { watchdog_loop(); });
+    } else {
+      log::warn("GPU buffers go through host memory ({}): each operation copies them to the host and back", why_);
+    }
     log::debug("device communicator: rank {} on GPU {}, path {} ({})", rank(), device_, path_name(), why_);
   }
+
+  void enable_timing() { timing_ = true; }
+  bool timing() const { return timing_; }
 
   std::string path_name() const { return path_ == DevicePath::kNccl ? "nccl" : "staged"; }
   const std::string& why() const { return why_; }
@@ -344,6 +381,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
 
   // Waits for this rank's queued device work, then meets the others on the host.
   void barrier() override {
+    if (path_ == DevicePath::kNccl) check_failed();
     if (stream_) wait_stream("barrier");
     host_->barrier();
   }
@@ -429,6 +467,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     });
   }
   std::shared_ptr<Work> barrier_async() override {
+    if (path_ == DevicePath::kNccl) check_failed();
     if (stream_) wait_stream("barrier");
     return host_->barrier_async();
   }
@@ -446,71 +485,184 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   }
 
   void abort(const std::string& reason) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!failed_) {
-        failed_ = true;
-        failure_ = reason;
-        if (comm_) nccl_api().CommAbort(comm_);
-      }
-    }
+    record_failure(reason, std::make_exception_ptr(AbortedError(reason)));
     host_->abort(reason);
   }
 
   std::shared_ptr<void> allocate_shared(size_t bytes) override { return host_->allocate_shared(bytes); }
 
-  // Waits for `event` (polling, so that the deadline and NCCL's asynchronous errors are seen).
-  void wait_event(void* event, const std::string& what, Millis timeout) {
-    const CudaApi& c = cuda();
-    const Deadline deadline = Deadline::after(timeout.count() > 0 ? timeout : options().timeout);
+  // ---- what DeviceWork calls ----
+
+  // wait(): the caller's current stream waits for the operation's end (no host block). Errors known
+  // now (the communicator failed, NCCL reported one, the deadline passed) are thrown here.
+  void order_after(const Inflight& op) {
+    if (poll(op)) return;  // already over: nothing to wait for
+    DeviceGuard guard(device_);
+    check_cuda(cuda().StreamWaitEvent(current_stream(device_), op.end, 0),
+               fmt::format("cudaStreamWaitEvent (the caller's stream after {})", op.what));
+  }
+
+  // synchronize(): blocks until the operation has run, polling so that the deadline and NCCL's
+  // asynchronous errors are seen. `timeout` 0: the operation's own deadline.
+  void synchronize_op(const Inflight& op, Millis timeout) {
+    const Millis limit = timeout.count() > 0 ? timeout : op.timeout;
+    const Deadline deadline = timeout.count() > 0 ? Deadline::after(timeout) : Deadline(op.deadline);
     for (int spins = 0;; ++spins) {
-      int rc = c.EventQuery(event);
-      if (rc != kCudaSuccess && rc != kCudaErrorNotReady)
-        fail<Error>(fmt::format("rank {} (GPU {}): {} failed on the GPU: {}", rank(), device_, what, cuda_error_text(rc)));
-      // NCCL's asynchronous error is checked even when the event fired: a failed operation may still
-      // let its kernel finish, with garbage in the buffer.
-      if (comm_) {
-        int async = kNcclSuccess;
-        nccl_api().CommGetAsyncError(comm_, &async);
-        if (async != kNcclSuccess && async != kNcclInProgress) {
-          const std::string msg = fmt::format("rank {} (GPU {}): NCCL reports an error during {}: {}", rank(), device_,
-                                              what, nccl_error_text(async, comm_));
-          // ncclSystemError / ncclRemoteError: a peer or the network failed.
-          if (async == 2 || async == 6) fail<PeerLostError>(msg + " (a peer failed, or its network did)");
-          fail<Error>(msg);
-        }
-      }
-      if (rc == kCudaSuccess) return;
-      if (deadline.expired())
-        fail<TimeoutError>(fmt::format("rank {} (GPU {}): {} did not finish on the GPU within {} ms; the NCCL "
-                                       "communicator was aborted (a peer stopped calling, or its GPU hangs)",
-                                       rank(), device_, what, (timeout.count() > 0 ? timeout : options().timeout).count()));
+      if (poll(op, deadline, limit)) return;
       // Spin briefly (a small operation ends in microseconds), then sleep so a long wait costs no core.
       if (spins < 2000) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
 
-  void destroy_event(void* event) { cuda().EventDestroy(event); }
+  // True when the operation has run; throws when it failed, NCCL reports an error, the communicator
+  // failed before it ended, or its deadline has passed (which aborts NCCL, as the watchdog would).
+  bool poll(const Inflight& op) { return poll(op, Deadline(op.deadline), op.timeout); }
+  bool poll(const Inflight& op, const Deadline& deadline, Millis limit) {
+    rethrow_failure();  // an aborted communicator's kernels end early, their results unwritten
+    const int rc = cuda().EventQuery(op.end);
+    if (rc != kCudaSuccess && rc != kCudaErrorNotReady)
+      fail<Error>(fmt::format("rank {} (GPU {}): {} failed on the GPU: {}", rank(), device_, op.what, cuda_error_text(rc)));
+    // NCCL's asynchronous error is checked even when the event fired: a failed operation may still
+    // let its kernel finish, with garbage in the buffer.
+    check_async_error(op.what);
+    if (rc == kCudaSuccess) return true;
+    if (deadline.expired()) fail<TimeoutError>(timeout_message(op.what, limit));
+    return false;
+  }
+
+  // For gpu::work_interval: milliseconds from `marker` to the operation's start and end.
+  std::optional<GpuInterval> interval(const Inflight& op, void* marker) {
+    if (!op.start || !marker) return std::nullopt;
+    float to_start = 0, to_end = 0;
+    if (cuda().EventElapsedTime(&to_start, marker, op.start) != kCudaSuccess ||
+        cuda().EventElapsedTime(&to_end, marker, op.end) != kCudaSuccess) {
+      cuda().GetLastError();
+      return std::nullopt;
+    }
+    return GpuInterval{to_start, to_end};
+  }
+
+  // For gpu::synchronize: everything queued on the stream so far has run.
+  void synchronize_all() {
+    rethrow_failure();
+    if (stream_) wait_stream("synchronize");
+  }
+
+  // The failure that ended this communicator, for an operation that had not finished by then.
+  std::exception_ptr failure() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failure_error_;
+  }
 
  private:
+  // Records the first failure and aborts NCCL, once; the handle is dropped in the same breath, so no
+  // NCCL call can follow ncclCommAbort (every call site reads comm_ under mu_). True for the first.
+  bool record_failure(const std::string& message, std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) return false;
+    failed_ = true;
+    failure_ = message;
+    failure_error_ = std::move(error);
+    if (comm_) {
+      nccl_api().CommAbort(comm_);
+      comm_ = nullptr;
+    }
+    return true;
+  }
+
   template <typename E>
   [[noreturn]] void fail(const std::string& message) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!failed_) {
-        failed_ = true;
-        failure_ = message;
-        if (comm_) nccl_api().CommAbort(comm_);
-      }
-    }
-    host_->abort(message);
+    if (record_failure(message, std::make_exception_ptr(E(message)))) host_->abort(message);
     throw E(message);
+  }
+
+  void rethrow_failure() {
+    std::exception_ptr e = failure();
+    if (e) std::rethrow_exception(e);
   }
 
   void check_failed() {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_) throw AbortedError("the GPU communicator failed earlier: " + failure_);
+  }
+
+  // NCCL's asynchronous error, read under the lock while the communicator lives; thrown, naming the
+  // operation, after NCCL is aborted.
+  void check_async_error(const std::string& what) {
+    int async = kNcclSuccess;
+    std::string text;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!comm_) return;
+      nccl_api().CommGetAsyncError(comm_, &async);
+      if (async != kNcclSuccess && async != kNcclInProgress) text = nccl_error_text(async, comm_);
+    }
+    if (text.empty()) return;
+    const std::string msg = fmt::format("rank {} (GPU {}): NCCL reports an error during {}: {}", rank(), device_, what, text);
+    // ncclSystemError / ncclRemoteError: a peer or the network failed.
+    if (async == 2 || async == 6) fail<PeerLostError>(msg + " (a peer failed, or its network did)");
+    fail<Error>(msg);
+  }
+
+  std::string timeout_message(const std::string& what, Millis limit) const {
+    return fmt::format("rank {} (GPU {}): {} did not finish on the GPU within {} ms; the NCCL communicator was "
+                       "aborted (a peer stopped calling, or its GPU hangs)",
+                       rank(), device_, what, limit.count());
+  }
+
+  // ---- the watchdog (as c10d's ProcessGroupNCCL has): follows every queued operation, also those
+  // nobody waits for (blocking calls return once their work is queued in stream order), and aborts
+  // the communicator when one fails or passes its deadline, with one line naming rank, GPU and
+  // operation. Without it a rank whose peer died would hang in its next host synchronisation.
+  void watchdog_loop() {
+    const Millis period = std::clamp<Millis>(options().timeout / 10, Millis(5), Millis(100));
+    std::unique_lock<std::mutex> lock(watch_mu_);
+    while (!watch_stop_) {
+      watch_cv_.wait_for(lock, period, [&] { return watch_stop_; });
+      if (watch_stop_) break;
+      std::vector<std::shared_ptr<Inflight>> ops = inflight_;
+      lock.unlock();
+      std::vector<const Inflight*> over;
+      try {
+        for (const auto& op : ops) {
+          if (poll(*op)) over.push_back(op.get());
+        }
+        check_async_error("an operation in flight");
+      } catch (const std::exception& e) {
+        log::error("GPU watchdog: {}", e.what());
+        over.clear();
+        lock.lock();
+        inflight_.clear();  // the communicator is aborted: nothing left to follow
+        continue;
+      }
+      lock.lock();
+      std::erase_if(inflight_, [&](const std::shared_ptr<Inflight>& op) {
+        return std::find(over.begin(), over.end(), op.get()) != over.end();
+      });
+    }
+  }
+  void follow(std::shared_ptr<Inflight> op) {
+    if (!watchdog_.joinable()) return;
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    inflight_.push_back(std::move(op));
+  }
+  void stop_watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(watch_mu_);
+      watch_stop_ = true;
+    }
+    watch_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+  }
+
+  // The communicator's stream waits for what the caller's current stream has queued so far (the
+  // kernels that wrote an operation's inputs). One event, re-recorded each time: cudaStreamWaitEvent
+  // waits for the recording made before it. Under mu_.
+  int order_after_caller_locked() {
+    const CudaApi& c = cuda();
+    int rc = c.EventRecord(ready_, current_stream(device_));
+    return rc != kCudaSuccess ? rc : c.StreamWaitEvent(stream_, ready_, 0);
   }
 
   void check_root(int root) const {
@@ -561,7 +713,8 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     return device_buffers > 0;
   }
 
-  // Runs `enqueue(comm, stream)` (between ncclGroupStart/End when grouped) and waits for it.
+  // Queues `enqueue(comm, stream)` (between ncclGroupStart/End when grouped) and orders the
+  // caller's stream after it: a blocking call in stream order, as ProcessGroupNCCL's.
   template <typename F>
   void run_nccl(const std::string& what, size_t bytes, F&& enqueue, bool grouped = false) {
     auto work = queue_nccl(what, bytes, std::forward<F>(enqueue), grouped);
@@ -592,21 +745,26 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   std::shared_ptr<Work> queue_nccl(const std::string& what_op, size_t bytes, F&& enqueue, bool grouped = false) {
     const NcclApi& n = nccl_api();
     const CudaApi& c = cuda();
-    const std::string what = fmt::format("{} of {} bytes", what_op, bytes);
+    auto op = std::make_shared<Inflight>();
+    op->what = fmt::format("{} of {} bytes", what_op, bytes);
+    op->timeout = options().timeout;
     DeviceGuard guard(device_);
-    void* event = nullptr;
-    check_cuda(c.EventCreateWithFlags(&event, kCudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check_cuda(c.EventCreateWithFlags(&op->end, timing_ ? kCudaEventDefault : kCudaEventDisableTiming),
+               "cudaEventCreateWithFlags");
+    if (timing_) check_cuda(c.EventCreateWithFlags(&op->start, kCudaEventDefault), "cudaEventCreateWithFlags");
     int rc = kNcclSuccess;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (grouped) rc = n.GroupStart();
+      if (failed_) throw AbortedError("the GPU communicator failed earlier: " + failure_);
+      rc = order_after_caller_locked() == kCudaSuccess ? kNcclSuccess : -1;
+      if (rc == kNcclSuccess && op->start) rc = c.EventRecord(op->start, stream_) == kCudaSuccess ? kNcclSuccess : -1;
+      if (rc == kNcclSuccess && grouped) rc = n.GroupStart();
       int body = kNcclSuccess;
       if (rc == kNcclSuccess) {
         try {
           body = enqueue(comm_, stream_);
         } catch (...) {
           if (grouped) n.GroupEnd();
-          c.EventDestroy(event);
           throw;
         }
       }
@@ -616,14 +774,14 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
       } else if (rc == kNcclSuccess) {
         rc = body;
       }
-      if (rc == kNcclSuccess) rc = c.EventRecord(event, stream_) == kCudaSuccess ? kNcclSuccess : -1;
+      if (rc == kNcclSuccess) rc = c.EventRecord(op->end, stream_) == kCudaSuccess ? kNcclSuccess : -1;
     }
-    if (rc != kNcclSuccess) {
-      c.EventDestroy(event);
-      fail<Error>(fmt::format("rank {} (GPU {}): NCCL could not start {}: {}", rank(), device_, what,
-                              rc == -1 ? "cudaEventRecord failed" : nccl_error_text(rc, comm_)));
-    }
-    return std::make_shared<DeviceWork>(shared_from_this(), event, what);
+    if (rc != kNcclSuccess)
+      fail<Error>(fmt::format("rank {} (GPU {}): NCCL could not start {}: {}", rank(), device_, op->what,
+                              rc == -1 ? "a CUDA stream or event call failed" : nccl_error_text(rc)));
+    op->deadline = std::chrono::steady_clock::now() + op->timeout;
+    follow(op);
+    return std::make_shared<DeviceWork>(shared_from_this(), std::move(op));
   }
 
   std::shared_ptr<Work> run_now(const std::function<void()>& f) {
@@ -662,14 +820,13 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   // Blocks until everything queued on the stream so far has run (bounded like any wait).
   void wait_stream(const std::string& what) {
     DeviceGuard guard(device_);
-    void* event = nullptr;
-    check_cuda(cuda().EventCreateWithFlags(&event, kCudaEventDisableTiming), "cudaEventCreateWithFlags");
-    struct Destroy {
-      void* e;
-      ~Destroy() { cuda().EventDestroy(e); }
-    } destroy{event};
-    check_cuda(cuda().EventRecord(event, stream_), "cudaEventRecord");
-    wait_event(event, what, Millis(0));
+    Inflight marker;
+    marker.what = what;
+    marker.timeout = options().timeout;
+    marker.deadline = std::chrono::steady_clock::now() + marker.timeout;
+    check_cuda(cuda().EventCreateWithFlags(&marker.end, kCudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check_cuda(cuda().EventRecord(marker.end, stream_), "cudaEventRecord");
+    synchronize_op(marker, Millis(0));
   }
 
   // Staged path: `in_bytes` of `in` copied to pinned host memory, `host_op(host_in, host_out)` run
@@ -683,6 +840,10 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     char* host_in = static_cast<char*>(staging_);
     char* host_out = in_place ? host_in : host_in + in_room;
     DeviceGuard guard(device_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      check_cuda(order_after_caller_locked(), "ordering the staging copy after the caller's stream");
+    }
     if (in && in_bytes) {
       check_cuda(cuda().MemcpyAsync(host_in, in, in_bytes, kCudaMemcpyDefault, stream_), "staging copy to host");
       wait_stream("staging copy to host");
@@ -804,19 +965,25 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   const int device_;
   DevicePath path_ = DevicePath::kStaged;
   std::string why_;
-  void* stream_ = nullptr;
-  void* comm_ = nullptr;  // ncclComm_t (NCCL path)
-  std::mutex mu_;         // NCCL enqueueing, failure state
+  void* stream_ = nullptr;  // non-blocking, on device_
+  void* ready_ = nullptr;   // re-recorded on the caller's stream before each operation
+  std::atomic<bool> timing_{false};  // operations record timed start and end events (COHORT_GPU_TIMING, enable_timing)
+  std::mutex mu_;           // NCCL calls, failure state
+  void* comm_ = nullptr;    // ncclComm_t (NCCL path); null once aborted or destroyed
   bool failed_ = false;
   std::string failure_;
+  std::exception_ptr failure_error_;  // the first failure, as thrown
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;
+  std::vector<std::shared_ptr<Inflight>> inflight_;  // queued NCCL operations not yet seen to end
+  std::thread watchdog_;
   std::mutex staging_mu_;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
 };
 
-DeviceWork::~DeviceWork() { owner_->destroy_event(event_); }
-
-void DeviceWork::wait(Millis timeout) {
+void DeviceWork::wait(Millis) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) {
@@ -825,7 +992,25 @@ void DeviceWork::wait(Millis timeout) {
     }
   }
   try {
-    owner_->wait_event(event_, what_, timeout);
+    owner_->order_after(*op_);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = std::current_exception();
+    throw;
+  }
+}
+
+void DeviceWork::synchronize(Millis timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+  }
+  try {
+    owner_->synchronize_op(*op_, timeout);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     done_ = true;
@@ -839,13 +1024,21 @@ void DeviceWork::wait(Millis timeout) {
 bool DeviceWork::test() {
   std::lock_guard<std::mutex> lock(mu_);
   if (done_) return true;
-  int rc = cuda().EventQuery(event_);
-  if (rc == kCudaErrorNotReady) return false;
-  if (rc != kCudaSuccess) {
-    error_ = std::make_exception_ptr(Error(what_ + " failed on the GPU: " + cuda_error_text(rc)));
+  try {
+    done_ = owner_->poll(*op_);
+  } catch (...) {
+    done_ = true;
+    error_ = std::current_exception();
   }
-  done_ = true;
-  return true;
+  return done_;
+}
+
+std::optional<GpuInterval> DeviceWork::interval(void* marker) { return owner_->interval(*op_, marker); }
+
+std::exception_ptr DeviceWork::exception() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_ || done_) return error_;
+  return owner_->failure();
 }
 
 }  // namespace
@@ -1010,13 +1203,6 @@ int device_of(const Communicator& comm) {
   return d ? d->device() : -1;
 }
 
-void zero_memory(void* ptr, size_t bytes) {
-  if (bytes == 0) return;
-  const CudaApi& c = cuda();
-  check_cuda(c.MemsetAsync(ptr, 0, bytes, nullptr), fmt::format("cudaMemsetAsync of {} bytes", bytes));
-  check_cuda(c.StreamSynchronize(nullptr), "cudaStreamSynchronize");
-}
-
 std::shared_ptr<void> allocate_device(size_t bytes, int device) {
   DeviceGuard guard(device);
   void* p = nullptr;
@@ -1024,9 +1210,112 @@ std::shared_ptr<void> allocate_device(size_t bytes, int device) {
   return std::shared_ptr<void>(p, [](void* q) { cuda().Free(q); });
 }
 
+namespace {
+
+// The GPU a pointer's memory is on; -1 for host memory.
+int device_of_pointer(const void* ptr) {
+  CudaPointerAttributes a;
+  if (!ptr || cuda().PointerGetAttributes(&a, ptr) != kCudaSuccess) {
+    cuda().GetLastError();
+    return -1;
+  }
+  return a.type == kCudaMemoryDevice || a.type == kCudaMemoryManaged ? a.device : -1;
+}
+
+int device_of_either(const void* a, const void* b) {
+  int d = device_of_pointer(a);
+  return d >= 0 ? d : device_of_pointer(b);
+}
+
+// The calling thread's StreamGuard choices, per device.
+thread_local std::vector<std::pair<int, void*>> t_streams;
+std::atomic<StreamProvider> g_stream_provider{nullptr};
+
+}  // namespace
+
+void* current_stream(int device) {
+  for (auto it = t_streams.rbegin(); it != t_streams.rend(); ++it)
+    if (it->first == device) return it->second;
+  if (StreamProvider p = g_stream_provider.load()) return p(device);
+  return nullptr;
+}
+
+void set_stream_provider(StreamProvider provider) { g_stream_provider.store(provider); }
+
+StreamGuard::StreamGuard(int device, void* stream) : device_(device) {
+  t_streams.emplace_back(device, stream);
+}
+StreamGuard::~StreamGuard() {
+  for (auto it = t_streams.rbegin(); it != t_streams.rend(); ++it) {
+    if (it->first == device_) {
+      t_streams.erase(std::next(it).base());
+      break;
+    }
+  }
+}
+
+void synchronize(Communicator& comm) {
+  if (auto* d = dynamic_cast<DeviceCommunicator*>(&comm)) d->synchronize_all();
+}
+
+void enable_timing(Communicator& comm) {
+  if (auto* d = dynamic_cast<DeviceCommunicator*>(&comm)) d->enable_timing();
+}
+
+bool timing_enabled(const Communicator& comm) {
+  auto* d = dynamic_cast<const DeviceCommunicator*>(&comm);
+  return d && d->timing();
+}
+
+std::shared_ptr<void> record_marker(int device) {
+  if (!cuda_runtime().api) return nullptr;
+  DeviceGuard guard(device);
+  void* event = nullptr;
+  check_cuda(cuda().EventCreateWithFlags(&event, kCudaEventDefault), "cudaEventCreateWithFlags");
+  std::shared_ptr<void> marker(event, [](void* e) { cuda().EventDestroy(e); });
+  check_cuda(cuda().EventRecord(event, current_stream(device)), "cudaEventRecord");
+  return marker;
+}
+
+std::optional<GpuInterval> work_interval(Work& work, const std::shared_ptr<void>& marker) {
+  auto* w = dynamic_cast<DeviceWork*>(&work);
+  if (!w || !marker) return std::nullopt;
+  return w->interval(marker.get());
+}
+
 void copy_memory(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
-  check_cuda(cuda().Memcpy(dst, src, bytes, kCudaMemcpyDefault), fmt::format("cudaMemcpy of {} bytes", bytes));
+  const int device = device_of_either(dst, src);
+  if (device < 0) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  DeviceGuard guard(device);
+  void* stream = current_stream(device);
+  check_cuda(cuda().MemcpyAsync(dst, src, bytes, kCudaMemcpyDefault, stream), fmt::format("cudaMemcpyAsync of {} bytes", bytes));
+  check_cuda(cuda().StreamSynchronize(stream), fmt::format("cudaStreamSynchronize after a copy of {} bytes", bytes));
+}
+
+void zero_memory(void* ptr, size_t bytes) {
+  if (bytes == 0) return;
+  const int device = std::max(device_of_pointer(ptr), 0);
+  DeviceGuard guard(device);
+  void* stream = current_stream(device);
+  check_cuda(cuda().MemsetAsync(ptr, 0, bytes, stream), fmt::format("cudaMemsetAsync of {} bytes", bytes));
+  check_cuda(cuda().StreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+void copy_memory_async(void* dst, const void* src, size_t bytes, int device) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device);
+  check_cuda(cuda().MemcpyAsync(dst, src, bytes, kCudaMemcpyDefault, current_stream(device)),
+             fmt::format("cudaMemcpyAsync of {} bytes", bytes));
+}
+
+void zero_memory_async(void* ptr, size_t bytes, int device) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device);
+  check_cuda(cuda().MemsetAsync(ptr, 0, bytes, current_stream(device)), fmt::format("cudaMemsetAsync of {} bytes", bytes));
 }
 
 bool is_device_pointer(const void* ptr) {

@@ -100,6 +100,7 @@ Loaded<CudaApi> load_cuda() {
   bind(h, "cudaEventCreateWithFlags", api.EventCreateWithFlags, missing);
   bind(h, "cudaEventRecord", api.EventRecord, missing);
   bind(h, "cudaEventQuery", api.EventQuery, missing);
+  bind(h, "cudaEventElapsedTime", api.EventElapsedTime, missing);
   bind(h, "cudaEventDestroy", api.EventDestroy, missing);
   bind(h, "cudaPointerGetAttributes", api.PointerGetAttributes, missing);
   bind(h, "cudaDeviceGetPCIBusId", api.DeviceGetPCIBusId, missing);

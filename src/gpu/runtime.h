@@ -27,7 +27,9 @@ inline constexpr int kCudaErrorNotReady = 600;
 inline constexpr int kCudaMemcpyDefault = 4;
 // cudaMemoryType.
 inline constexpr int kCudaMemoryUnregistered = 0, kCudaMemoryHost = 1, kCudaMemoryDevice = 2, kCudaMemoryManaged = 3;
-inline constexpr unsigned kCudaEventDisableTiming = 0x02;
+inline constexpr unsigned kCudaEventDefault = 0x00, kCudaEventDisableTiming = 0x02;
+// cudaStreamCreateWithFlags: a stream that does not synchronise with the legacy default stream.
+inline constexpr unsigned kCudaStreamNonBlocking = 0x01;
 
 // cudaPointerAttributes: the four fields every version has, then room for the ones CUDA 13 added
 // (`long reserved[8]`), so that a newer runtime never writes past the end.
@@ -58,6 +60,7 @@ struct CudaApi {
   int (*EventCreateWithFlags)(void** event, unsigned flags);
   int (*EventRecord)(void* event, void* stream);
   int (*EventQuery)(void* event);
+  int (*EventElapsedTime)(float* ms, void* start, void* end);
   int (*EventDestroy)(void* event);
   int (*PointerGetAttributes)(CudaPointerAttributes* attributes, const void* ptr);
   int (*DeviceGetPCIBusId)(char* bus_id, int len, int device);

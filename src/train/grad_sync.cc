@@ -70,8 +70,10 @@ class GpuBucketMemory final : public BucketMemory {
     gpu::zero_memory(p.get(), bytes);
     return p;
   }
-  void copy(void* dst, const void* src, size_t bytes) override { gpu::copy_memory(dst, src, bytes); }
-  void zero(void* dst, size_t bytes) override { gpu::zero_memory(dst, bytes); }
+  // In stream order on the caller's current stream: a gradient copied into its bucket is ready for
+  // the allreduce queued after it (which waits for that stream), and backward goes on meanwhile.
+  void copy(void* dst, const void* src, size_t bytes) override { gpu::copy_memory_async(dst, src, bytes, device_); }
+  void zero(void* dst, size_t bytes) override { gpu::zero_memory_async(dst, bytes, device_); }
   bool host_accessible() const override { return false; }
 
  private:
@@ -118,6 +120,8 @@ GradientSync::GradientSync(std::shared_ptr<Communicator> comm, std::vector<Param
     throw InvalidArgument(fmt::format("DDP: wire compression ({}) converts buckets on the CPU; GPU buckets travel as "
                                       "float32 through NCCL (use compression none)",
                                       compression_name(options_.compression)));
+  gpu_device_ = gpu::device_of(*comm_);
+  if (gpu_device_ >= 0 && recorder_.timeline_on()) gpu::enable_timing(*comm_);
   check_parameters_match_rank0();
   check_compression_matches();
   std::vector<size_t> reverse(params_.size());
@@ -383,11 +387,39 @@ void GradientSync::wait_launched_quietly() {
   for (auto& b : buckets_) {
     if (!b.work) continue;
     try {
-      b.work->wait();
+      b.work->synchronize();  // on the host: the buckets may be freed or rebuilt next
     } catch (...) {
     }
     b.work.reset();
   }
+}
+
+// On the GPU's clock: how much of each bucket's allreduce ran before the end-of-backward marker.
+void GradientSync::resolve_gpu_timing(bool wait) const {
+  if (!pending_gpu_timing_) return;
+  PendingGpuTiming& p = *pending_gpu_timing_;
+  for (auto& w : p.works) {
+    if (wait) {
+      try {
+        w->synchronize();
+      } catch (...) {
+        pending_gpu_timing_.reset();  // failed work has no timing; the error is reported where waited for
+        return;
+      }
+    } else if (!w->test()) {
+      return;  // not run yet: try again later
+    }
+  }
+  for (auto& w : p.works) {
+    auto iv = gpu::work_interval(*w, p.marker);
+    if (!iv) continue;
+    const double length = iv->end_ms - iv->start_ms;
+    const double before_marker = std::clamp(std::min(iv->end_ms, 0.0) - iv->start_ms, 0.0, std::max(length, 0.0));
+    ++stats_.gpu_timed_buckets;
+    stats_.gpu_overlap_sum += length > 0 ? before_marker / length : (iv->start_ms < 0 ? 1.0 : 0.0);
+    stats_.gpu_allreduce_ms += std::max(length, 0.0);
+  }
+  pending_gpu_timing_.reset();
 }
 
 bool GradientSync::begin_finish() {
@@ -450,6 +482,15 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
     for (auto& b : buckets_) launch(b);
   }
   const auto t0 = std::chrono::steady_clock::now();
+  if (gpu_device_ >= 0 && gpu::timing_enabled(*comm_)) {
+    // Backward has ended in the caller's stream (every gradient is in its bucket): mark it there, and
+    // keep the buckets' work to read their GPU times once they have run.
+    resolve_gpu_timing(true);
+    PendingGpuTiming p{gpu::record_marker(gpu_device_), {}};
+    for (auto& b : buckets_)
+      if (b.work) p.works.push_back(b.work);
+    pending_gpu_timing_ = std::move(p);
+  }
   for (auto& b : buckets_) {
     if (b.work) {
       try {

@@ -273,8 +273,10 @@ TEST(GpuFake, NcclAskedForButRanksShareAGpu) {
   });
 }
 
-// Rank 1 never joins the allreduce: rank 0 gives up at its deadline, aborts NCCL, names itself and
-// the operation; later calls repeat the cause.
+// Rank 1 never joins the allreduce. Rank 0's blocking call returns once the work is queued (stream
+// order); its next host synchronisation ends at the deadline, NCCL aborted, with itself and the
+// operation named; the copy that was ordered after the allreduce is not stuck; later calls repeat
+// the cause.
 TEST(GpuFake, StuckOperationEndsAtTheDeadline) {
   auto store = make_memory_store();
   std::atomic<bool> rank0_done{false};
@@ -292,8 +294,14 @@ TEST(GpuFake, StuckOperationEndsAtTheDeadline) {
       ~Done() { flag = true; }
     } done{rank0_done};
     const auto t0 = std::chrono::steady_clock::now();
+    auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum);
+    EXPECT_LT(seconds(), 1.0) << "a blocking GPU call waits in stream order, not on the host";
+    std::vector<float> host(4, -1.0f);
+    gpu::copy_memory(host.data(), buf.get(), sizeof(float) * 4);  // ordered after the allreduce
+    EXPECT_GT(seconds(), 1.2) << "the copy ran before the allreduce it was ordered after";
     try {
-      comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum);
+      gpu::synchronize(*comm);
       ADD_FAILURE() << "no timeout";
     } catch (const TimeoutError& e) {
       EXPECT_NE(std::string(e.what()).find("rank 0 (GPU 0): allreduce of 16 bytes did not finish on the GPU within "
@@ -301,8 +309,7 @@ TEST(GpuFake, StuckOperationEndsAtTheDeadline) {
                 std::string::npos)
           << e.what();
     }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_LT(s, 5.0);
+    EXPECT_LT(seconds(), 5.0);
     try {
       comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum);
       ADD_FAILURE() << "a failed communicator accepted work";
@@ -321,7 +328,8 @@ TEST(GpuFake, AsynchronousNcclErrorIsReported) {
     auto comm = gpu::make_device_communicator(host_comm(store, rank, 2), DeviceOptions{rank, DevicePath::kAuto});
     auto buf = gpu::allocate_device(8 * sizeof(float), rank);
     try {
-      comm->allreduce(buf.get(), buf.get(), rank == 0 ? 4 : 8, DataType::kFloat32, ReduceOp::kSum);
+      auto work = comm->allreduce_async(buf.get(), buf.get(), rank == 0 ? 4 : 8, DataType::kFloat32, ReduceOp::kSum);
+      work->synchronize();
       ADD_FAILURE() << "no error";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(rank) + " (GPU " + std::to_string(rank) +

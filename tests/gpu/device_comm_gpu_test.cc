@@ -3,7 +3,10 @@
 // asking for a GPU communicator is one clear line. scripts/gpu_check.sh runs these on a GPU machine.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
@@ -72,6 +75,48 @@ TEST(Gpu, TwoRanksOnOneGpuAreStaged) {
     gpu::copy_memory(h.data(), d.get(), n * sizeof(double));
     EXPECT_EQ(h[0], 3.0);
     EXPECT_EQ(h[n - 1], 3.0);
+  });
+}
+
+// One rank per GPU (threads, as processes would be), wherever a machine has two or more: NCCL
+// between GPUs in stream order, each rank writing its input on a stream of its own that the
+// collective must wait for; then a rank that never calls, which the watchdog ends at the deadline by
+// aborting the real NCCL communicator (whose kernels then end, so a copy ordered after them returns).
+TEST(Gpu, OneRankPerGpuInStreamOrderAndTheWatchdog) {
+  REQUIRE_GPU();
+  if (!gpu::status().nccl) GTEST_SKIP() << "no NCCL: " << gpu::status().why_no_nccl;
+  const int gpus = gpu::status().devices;
+  if (gpus < 2) GTEST_SKIP() << "needs two or more GPUs (one rank per GPU); this machine has " << gpus;
+  const int world = std::min(gpus, 8);
+  auto store = make_memory_store();
+  std::atomic<bool> rank0_done{false};
+  run_ranks(world, [&](int rank) {
+    CommOptions o;
+    o.timeout = std::chrono::seconds(5);
+    auto comm = gpu::make_device_communicator(Communicator::create(store, rank, world, o), {rank, gpu::DevicePath::kNccl});
+    const size_t n = 1 << 22;  // 16 MiB
+    auto d = gpu::allocate_device(n * sizeof(float), rank);
+    std::vector<float> h(n, static_cast<float>(rank + 1));
+    gpu::copy_memory(d.get(), h.data(), n * sizeof(float));
+    comm->allreduce(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kSum);
+    std::vector<float> back(n);
+    gpu::copy_memory(back.data(), d.get(), n * sizeof(float));
+    const float want = static_cast<float>(world * (world + 1) / 2);
+    for (size_t i = 0; i < n; i += 65537) ASSERT_EQ(back[i], want) << i;
+    for (int i = 0; i < 20; ++i) comm->allreduce_async(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kAvg)->wait();
+    gpu::synchronize(*comm);
+    comm->barrier();
+    if (rank != 0) {  // the others stop calling: rank 0's next allreduce can never finish
+      while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    comm->allreduce(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kSum);
+    gpu::copy_memory(back.data(), d.get(), sizeof(float));  // ordered after it: returns once NCCL is aborted
+    rank0_done = true;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+    EXPECT_THROW(gpu::synchronize(*comm), TimeoutError);
+    EXPECT_THROW(comm->allreduce(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kSum), AbortedError);
   });
 }
 

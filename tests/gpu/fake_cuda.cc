@@ -1,18 +1,27 @@
 // libcohort_fake_cuda.so: a TEST DOUBLE of the CUDA runtime and NCCL C APIs, for machines without a
 // GPU (CI). It exports the functions src/gpu/runtime.h loads, with the same signatures, so that
-// cohort's GPU code runs unchanged with ranks as threads in one process:
+// cohort's GPU code runs unchanged with ranks as threads in one process. It is strict where real CUDA
+// and NCCL are, so that code which would misbehave on a GPU fails here:
 //
 // - "device memory" is host memory from malloc, remembered with its device so that
 //   cudaPointerGetAttributes tells device from host pointers as the real runtime does;
-// - each stream is a thread that runs its queued work in order (copies, events, NCCL operations),
-//   so enqueueing returns at once and completion is observed through events, as on a GPU;
+// - each stream is a thread that runs its queued work in order (copies, events, NCCL operations,
+//   "kernels" from cudaLaunchHostFunc), so enqueueing returns at once and completion is observed
+//   through events, as on a GPU. The legacy default stream (null, cudaStreamLegacy) is a stream of
+//   its own per device, with CUDA's implicit synchronisation: its work waits for work queued earlier
+//   on the device's blocking streams, and theirs for its; streams made with cudaStreamNonBlocking
+//   take no part. cudaMemcpy runs on it and returns when done;
+// - cudaStreamWaitEvent really orders: later work on the stream waits for the event's latest
+//   recording; timing events carry the time they ran (cudaEventElapsedTime);
 // - NCCL communicators of one unique id form a clique; a collective waits on its stream thread until
 //   every rank has queued the same operation, computes, and reports a mismatch or an abort through
-//   ncclCommGetAsyncError. Sends never block (a mailbox per pair), receives wait for the message.
+//   ncclCommGetAsyncError. Sends never block (a mailbox per pair), receives wait for the message;
+// - a communicator, stream or event used after it was aborted, destroyed or never made aborts the
+//   process with a message naming the call (a real use after free crashes, or worse, later).
 //
 // FAKE_CUDA_DEVICES sets the number of devices (default 8). Only the dtypes int8, uint8, int32,
 // int64, float32 and float64 are reduced (others: ncclInvalidArgument); it is enough to test
-// cohort's routing, staging, bootstrap, waits and error paths, not NCCL.
+// cohort's routing, staging, stream order, bootstrap, waits and error paths, not NCCL.
 #include <unistd.h>
 
 #include <atomic>
@@ -26,6 +35,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,14 +46,36 @@ namespace {
 
 using Task = std::function<void()>;
 
+[[noreturn]] void misuse(const char* fmt, const void* handle, const char* what) {
+  std::fprintf(stderr, "fake CUDA/NCCL: ");
+  std::fprintf(stderr, fmt, what, handle);
+  std::fprintf(stderr, "\n");
+  std::fflush(stderr);
+  std::abort();
+}
+
+int device_count() {
+  const char* v = std::getenv("FAKE_CUDA_DEVICES");
+  return v ? std::atoi(v) : 8;
+}
+thread_local int t_device = 0;
+
 // ---- streams: one thread each, running tasks in order ----
+// A task may first wait for other streams (the legacy default stream's implicit synchronisation)
+// or for an event (cudaStreamWaitEvent); `completed` counts the tasks that have run, so "everything
+// queued on stream S before now" is "S.completed reaches S.enqueued as read now".
 struct Stream {
+  const int device;
+  const bool blocking;  // created without cudaStreamNonBlocking (or the legacy stream itself)
+  const bool legacy;
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Task> tasks;
+  uint64_t enqueued = 0;   // under g_order_mu
+  uint64_t completed = 0;  // under mu
   bool stopping = false;
   std::thread thread;
-  Stream() {
+  Stream(int device, bool blocking, bool legacy) : device(device), blocking(blocking), legacy(legacy) {
     thread = std::thread([this] {
       for (;;) {
         Task t;
@@ -55,6 +87,9 @@ struct Stream {
           tasks.pop_front();
         }
         t();
+        std::lock_guard<std::mutex> lock(mu);
+        ++completed;
+        cv.notify_all();
       }
     });
   }
@@ -73,27 +108,79 @@ struct Stream {
     }
     cv.notify_all();
   }
-};
-
-// The legacy default stream (null): work on it runs at once on the caller's thread.
-void enqueue(void* stream, Task t) {
-  if (!stream) return t();
-  static_cast<Stream*>(stream)->push(std::move(t));
-}
-
-struct Event {
-  std::mutex mu;
-  bool ready = true;  // an event never recorded counts as complete, as in CUDA
+  void wait_completed(uint64_t n) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return completed >= n; });
+  }
 };
 
 // Handles are the objects' addresses; the registries own them, and queued work holds its own
 // reference, so a handle destroyed with work pending (as CUDA and NCCL allow) outlives that work.
+// A destroyed handle used again is a test failure: the process aborts with a message, as a real
+// use after free would, at best, crash.
 std::mutex g_handles_mu;
+std::map<void*, std::shared_ptr<Stream>> g_streams;
+std::map<int, std::shared_ptr<Stream>> g_legacy;  // per device, made on first use
+
+// cudaStreamLegacy and cudaStreamPerThread, as cuda_runtime_api.h defines them.
+void* const kStreamLegacy = reinterpret_cast<void*>(0x1);
+void* const kStreamPerThread = reinterpret_cast<void*>(0x2);
+
+std::shared_ptr<Stream> stream_of(void* h, const char* what) {
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  if (!h || h == kStreamLegacy || h == kStreamPerThread) {
+    auto& s = g_legacy[t_device];
+    if (!s) s = std::make_shared<Stream>(t_device, true, true);
+    return s;
+  }
+  auto it = g_streams.find(h);
+  if (it == g_streams.end()) misuse("%s on stream %p, which is not a live stream (destroyed?)", h, what);
+  return it->second;
+}
+
+// Serialises enqueueing, so that "queued before" is one order across streams.
+std::mutex g_order_mu;
+
+// Queues `t` on `stream` with CUDA's implicit synchronisation of the legacy default stream: work on
+// it waits for all work queued earlier on the device's blocking streams, and work on a blocking
+// stream waits for work queued earlier on the legacy stream. Non-blocking streams do neither.
+void enqueue(void* stream, Task t, const char* what = "enqueue") {
+  auto s = stream_of(stream, what);
+  std::vector<std::pair<std::shared_ptr<Stream>, uint64_t>> before;
+  std::lock_guard<std::mutex> order(g_order_mu);
+  {
+    std::lock_guard<std::mutex> lock(g_handles_mu);
+    if (s->legacy) {
+      for (auto& [h, other] : g_streams)
+        if (other->blocking && other->device == s->device && other->enqueued) before.emplace_back(other, other->enqueued);
+    } else if (s->blocking) {
+      auto it = g_legacy.find(s->device);
+      if (it != g_legacy.end() && it->second->enqueued) before.emplace_back(it->second, it->second->enqueued);
+    }
+  }
+  ++s->enqueued;
+  if (before.empty()) return s->push(std::move(t));
+  s->push([before = std::move(before), t = std::move(t)] {
+    for (auto& [other, n] : before) other->wait_completed(n);
+    t();
+  });
+}
+
+struct Event {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;   // cudaEventRecord calls
+  uint64_t completed = 0;  // of those, the latest that has run on its stream
+  bool timing = true;
+  std::chrono::steady_clock::time_point when{};
+};
+
 std::map<void*, std::shared_ptr<Event>> g_events;
-std::shared_ptr<Event> event_of(void* h) {
+std::shared_ptr<Event> event_of(void* h, const char* what) {
   std::lock_guard<std::mutex> lock(g_handles_mu);
   auto it = g_events.find(h);
-  return it == g_events.end() ? nullptr : it->second;
+  if (it == g_events.end()) misuse("%s on event %p, which is not a live event (destroyed?)", h, what);
+  return it->second;
 }
 
 // ---- memory ----
@@ -104,12 +191,6 @@ struct Allocation {
 };
 std::mutex g_mem_mu;
 std::map<uintptr_t, Allocation> g_allocations;
-
-int device_count() {
-  const char* v = std::getenv("FAKE_CUDA_DEVICES");
-  return v ? std::atoi(v) : 8;
-}
-thread_local int t_device = 0;
 
 void* remember(size_t bytes, int device, int type) {
   void* p = std::calloc(1, bytes ? bytes : 1);
@@ -161,10 +242,14 @@ struct Comm {
 std::mutex g_cliques_mu;
 std::map<std::string, std::shared_ptr<Clique>> g_cliques;
 std::map<void*, std::shared_ptr<Comm>> g_comms;  // under g_handles_mu
-std::shared_ptr<Comm> comm_of(void* h) {
+std::set<void*> g_dead_comms;                    // aborted or destroyed: any later use is a bug
+std::shared_ptr<Comm> comm_of(void* h, const char* what) {
   std::lock_guard<std::mutex> lock(g_handles_mu);
   auto it = g_comms.find(h);
-  return it == g_comms.end() ? nullptr : it->second;
+  if (it != g_comms.end()) return it->second;
+  if (g_dead_comms.count(h))
+    misuse("%s on communicator %p after ncclCommAbort/ncclCommDestroy freed it (a use after free)", h, what);
+  misuse("%s on %p, which is not an NCCL communicator", h, what);
 }
 
 size_t dtype_size(int t) {
@@ -275,12 +360,12 @@ void run_collective(const std::shared_ptr<Comm>& comm, uint64_t seq, Contributio
   if (!out.empty()) std::memcpy(mine.recv, out.data(), out.size());
 }
 
-int queue_collective(void* comm_ptr, void* stream, Contribution c) {
-  auto comm = comm_of(comm_ptr);
+int queue_collective(void* comm_ptr, void* stream, Contribution c, const char* what) {
+  auto comm = comm_of(comm_ptr, what);
   if (!comm) return kInvalidArgument;
   if ((c.kind == 0 || c.kind == 2 || c.kind == 4) && !reducible(c.dtype)) return kInvalidArgument;
   const uint64_t seq = comm->next_collective++;
-  enqueue(stream, [comm, seq, c] { run_collective(comm, seq, c); });
+  enqueue(stream, [comm, seq, c] { run_collective(comm, seq, c); }, what);
   return kSuccess;
 }
 
@@ -306,8 +391,30 @@ int cudaMalloc(void** p, size_t bytes) {
   *p = remember(bytes, t_device, 2);
   return 0;
 }
+// Like the real one, cudaFree waits for the device's streams: work queued on them may still use the
+// memory (a program that frees memory with work in flight is right on a GPU).
+static void drain_device_of(void* p) {
+  int device = -1;
+  {
+    std::lock_guard<std::mutex> lock(g_mem_mu);
+    auto it = g_allocations.find(reinterpret_cast<uintptr_t>(p));
+    if (it != g_allocations.end()) device = it->second.device;
+  }
+  std::vector<std::pair<std::shared_ptr<Stream>, uint64_t>> streams;
+  {
+    std::lock_guard<std::mutex> order(g_order_mu);
+    std::lock_guard<std::mutex> lock(g_handles_mu);
+    for (auto& [h, s] : g_streams)
+      if (s->device == device) streams.emplace_back(s, s->enqueued);
+    auto it = g_legacy.find(device);
+    if (it != g_legacy.end()) streams.emplace_back(it->second, it->second->enqueued);
+  }
+  for (auto& [s, n] : streams) s->wait_completed(n);
+}
 int cudaFree(void* p) {
-  if (p) forget(p);
+  if (!p) return 0;
+  drain_device_of(p);
+  forget(p);
   return 0;
 }
 int cudaMallocHost(void** p, size_t bytes) {
@@ -318,71 +425,122 @@ int cudaFreeHost(void* p) {
   if (p) forget(p);
   return 0;
 }
+// cudaMemcpy: on the legacy default stream of the current device, returning when done.
 int cudaMemcpy(void* dst, const void* src, size_t bytes, int) {
-  std::memcpy(dst, src, bytes);
+  auto done = std::make_shared<std::promise<void>>();
+  auto f = done->get_future();
+  enqueue(nullptr, [=] {
+    std::memcpy(dst, src, bytes);
+    done->set_value();
+  }, "cudaMemcpy");
+  f.wait();
   return 0;
 }
 int cudaMemcpyAsync(void* dst, const void* src, size_t bytes, int, void* stream) {
-  enqueue(stream, [=] { std::memcpy(dst, src, bytes); });
+  enqueue(stream, [=] { std::memcpy(dst, src, bytes); }, "cudaMemcpyAsync");
   return 0;
 }
 int cudaMemsetAsync(void* dst, int value, size_t bytes, void* stream) {
-  enqueue(stream, [=] { std::memset(dst, value, bytes); });
+  enqueue(stream, [=] { std::memset(dst, value, bytes); }, "cudaMemsetAsync");
   return 0;
 }
-int cudaStreamCreateWithFlags(void** stream, unsigned) {
-  *stream = new Stream();
+// flags: cudaStreamDefault (0, blocking) or cudaStreamNonBlocking (1).
+int cudaStreamCreateWithFlags(void** stream, unsigned flags) {
+  if (flags > 1) return 1;  // cudaErrorInvalidValue
+  auto s = std::make_shared<Stream>(t_device, (flags & 1) == 0, false);
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  *stream = s.get();
+  g_streams[s.get()] = std::move(s);
   return 0;
 }
 int cudaStreamDestroy(void* stream) {
-  delete static_cast<Stream*>(stream);
+  std::shared_ptr<Stream> s;
+  {
+    std::lock_guard<std::mutex> lock(g_handles_mu);
+    auto it = g_streams.find(stream);
+    if (it == g_streams.end()) misuse("%s on stream %p, which is not a live stream (destroyed twice?)", stream, "cudaStreamDestroy");
+    s = std::move(it->second);
+    g_streams.erase(it);
+  }
+  // Queued work still runs (as CUDA does); the thread ends with the last reference.
   return 0;
 }
 int cudaStreamSynchronize(void* stream) {
-  if (!stream) return 0;
   auto done = std::make_shared<std::promise<void>>();
   auto f = done->get_future();
-  enqueue(stream, [done] { done->set_value(); });
+  enqueue(stream, [done] { done->set_value(); }, "cudaStreamSynchronize");
   f.wait();
   return 0;
 }
 int cudaStreamQuery(void* stream) {
-  if (!stream) return 0;
-  auto* s = static_cast<Stream*>(stream);
+  auto s = stream_of(stream, "cudaStreamQuery");
+  std::lock_guard<std::mutex> order(g_order_mu);
   std::lock_guard<std::mutex> lock(s->mu);
-  return s->tasks.empty() ? 0 : 600;
+  return s->completed >= s->enqueued ? 0 : 600;
 }
-int cudaStreamWaitEvent(void*, void*, unsigned) { return 0; }
-int cudaEventCreateWithFlags(void** event, unsigned) {
+// Work queued on `stream` after this call waits until the event's latest recording has run.
+int cudaStreamWaitEvent(void* stream, void* event, unsigned) {
+  auto e = event_of(event, "cudaStreamWaitEvent");
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    target = e->recorded;
+  }
+  if (target == 0) return 0;  // never recorded: nothing to wait for, as in CUDA
+  enqueue(stream, [e, target] {
+    std::unique_lock<std::mutex> lock(e->mu);
+    e->cv.wait(lock, [&] { return e->completed >= target; });
+  }, "cudaStreamWaitEvent");
+  return 0;
+}
+// Test helper with the real function's signature: a "kernel" that runs `fn(data)` in stream order.
+int cudaLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
+  enqueue(stream, [fn, data] { fn(data); }, "cudaLaunchHostFunc");
+  return 0;
+}
+int cudaEventCreateWithFlags(void** event, unsigned flags) {
   auto e = std::make_shared<Event>();
+  e->timing = (flags & 0x02) == 0;
   std::lock_guard<std::mutex> lock(g_handles_mu);
   *event = e.get();
   g_events[e.get()] = std::move(e);
   return 0;
 }
 int cudaEventRecord(void* event, void* stream) {
-  auto e = event_of(event);
-  if (!e) return 400;  // cudaErrorInvalidResourceHandle
+  auto e = event_of(event, "cudaEventRecord");
+  uint64_t gen;
   {
     std::lock_guard<std::mutex> lock(e->mu);
-    e->ready = false;
+    gen = ++e->recorded;
   }
-  enqueue(stream, [e] {
+  enqueue(stream, [e, gen] {
     std::lock_guard<std::mutex> lock(e->mu);
-    e->ready = true;
-  });
+    if (gen > e->completed) {
+      e->completed = gen;
+      e->when = std::chrono::steady_clock::now();
+    }
+    e->cv.notify_all();
+  }, "cudaEventRecord");
   return 0;
 }
 int cudaEventQuery(void* event) {
-  auto e = event_of(event);
-  if (!e) return 400;
+  auto e = event_of(event, "cudaEventQuery");
   std::lock_guard<std::mutex> lock(e->mu);
-  return e->ready ? 0 : 600;
+  return e->completed >= e->recorded ? 0 : 600;
+}
+int cudaEventElapsedTime(float* ms, void* start, void* end) {
+  auto a = event_of(start, "cudaEventElapsedTime"), b = event_of(end, "cudaEventElapsedTime");
+  std::scoped_lock lock(a->mu, b->mu);
+  if (!a->timing || !b->timing) return 6;                                     // cudaErrorInvalidResourceHandle
+  if (!a->recorded || !b->recorded) return 400;                               // cudaErrorInvalidResourceHandle
+  if (a->completed < a->recorded || b->completed < b->recorded) return 600;  // cudaErrorNotReady
+  *ms = std::chrono::duration<float, std::milli>(b->when - a->when).count();
+  return 0;
 }
 int cudaEventDestroy(void* event) {
   std::lock_guard<std::mutex> lock(g_handles_mu);
-  g_events.erase(event);  // a recording still queued keeps its own reference
-  return 0;
+  if (!g_events.erase(event)) misuse("%s on event %p, which is not a live event (destroyed twice?)", event, "cudaEventDestroy");
+  return 0;  // a recording still queued keeps its own reference
 }
 struct Attributes {
   int type;
@@ -485,9 +643,11 @@ int ncclCommInitAll(void** comms, int ndev, const int* devices) {
   }
   return 0;
 }
-int ncclCommAbort(void* comm_ptr) {
-  auto comm = comm_of(comm_ptr);
-  if (!comm) return kInvalidArgument;
+}  // extern "C"
+namespace {
+// Frees the handle: any later call with it aborts the test (see comm_of).
+int abort_comm(void* comm_ptr, const char* what) {
+  auto comm = comm_of(comm_ptr, what);
   {
     std::lock_guard<std::mutex> lock(comm->clique->mu);
     comm->clique->aborted = true;
@@ -495,15 +655,17 @@ int ncclCommAbort(void* comm_ptr) {
   comm->clique->cv.notify_all();
   std::lock_guard<std::mutex> g(g_handles_mu);
   g_comms.erase(comm_ptr);  // queued work keeps its own reference
+  g_dead_comms.insert(comm_ptr);
   return 0;
 }
-int ncclCommDestroy(void* comm_ptr) {
-  // Peers of an aborted clique would wait forever: treat destroy like abort for the waiting ones.
-  return ncclCommAbort(comm_ptr);
-}
+
+}  // namespace
+extern "C" {
+int ncclCommAbort(void* comm_ptr) { return abort_comm(comm_ptr, "ncclCommAbort"); }
+// Peers of an aborted clique would wait forever: destroy is treated like abort for the waiting ones.
+int ncclCommDestroy(void* comm_ptr) { return abort_comm(comm_ptr, "ncclCommDestroy"); }
 int ncclCommGetAsyncError(void* comm_ptr, int* error) {
-  auto comm = comm_of(comm_ptr);
-  if (!comm) return kInvalidArgument;
+  auto comm = comm_of(comm_ptr, "ncclCommGetAsyncError");
   std::lock_guard<std::mutex> lock(comm->clique->mu);
   *error = comm->error;
   return 0;
@@ -518,31 +680,30 @@ const char* ncclGetErrorString(int r) {
   return "fake NCCL error";
 }
 const char* ncclGetLastError(void* comm_ptr) {
-  auto comm = comm_of(comm_ptr);
-  if (!comm) return "";
+  if (!comm_ptr) return "";
+  auto comm = comm_of(comm_ptr, "ncclGetLastError");
   static thread_local std::string last;
   std::lock_guard<std::mutex> lock(comm->clique->mu);
   last = comm->clique->last_error;
   return last.c_str();
 }
 int ncclAllReduce(const void* s, void* r, size_t n, int t, int op, void* comm, void* stream) {
-  return queue_collective(comm, stream, {0, s, r, n, t, op, -1});
+  return queue_collective(comm, stream, {0, s, r, n, t, op, -1}, "ncclAllReduce");
 }
 int ncclBroadcast(const void* s, void* r, size_t n, int t, int root, void* comm, void* stream) {
-  return queue_collective(comm, stream, {1, s, r, n, t, -1, root});
+  return queue_collective(comm, stream, {1, s, r, n, t, -1, root}, "ncclBroadcast");
 }
 int ncclReduce(const void* s, void* r, size_t n, int t, int op, int root, void* comm, void* stream) {
-  return queue_collective(comm, stream, {2, s, r, n, t, op, root});
+  return queue_collective(comm, stream, {2, s, r, n, t, op, root}, "ncclReduce");
 }
 int ncclAllGather(const void* s, void* r, size_t n, int t, void* comm, void* stream) {
-  return queue_collective(comm, stream, {3, s, r, n, t, -1, -1});
+  return queue_collective(comm, stream, {3, s, r, n, t, -1, -1}, "ncclAllGather");
 }
 int ncclReduceScatter(const void* s, void* r, size_t n, int t, int op, void* comm, void* stream) {
-  return queue_collective(comm, stream, {4, s, r, n, t, op, -1});
+  return queue_collective(comm, stream, {4, s, r, n, t, op, -1}, "ncclReduceScatter");
 }
 int ncclSend(const void* buf, size_t n, int t, int peer, void* comm_ptr, void* stream) {
-  auto comm = comm_of(comm_ptr);
-  if (!comm) return kInvalidArgument;
+  auto comm = comm_of(comm_ptr, "ncclSend");
   const size_t bytes = n * dtype_size(t);
   enqueue(stream, [comm, buf, bytes, peer] {
     auto& c = *comm->clique;
@@ -550,12 +711,11 @@ int ncclSend(const void* buf, size_t n, int t, int peer, void* comm_ptr, void* s
     std::lock_guard<std::mutex> lock(c.mu);
     c.mailbox[{comm->rank, peer}].push_back(std::move(msg));
     c.cv.notify_all();
-  });
+  }, "ncclSend");
   return 0;
 }
 int ncclRecv(void* buf, size_t n, int t, int peer, void* comm_ptr, void* stream) {
-  auto comm = comm_of(comm_ptr);
-  if (!comm) return kInvalidArgument;
+  auto comm = comm_of(comm_ptr, "ncclRecv");
   const size_t bytes = n * dtype_size(t);
   enqueue(stream, [comm, buf, bytes, peer] {
     auto& c = *comm->clique;
@@ -570,7 +730,7 @@ int ncclRecv(void* buf, size_t n, int t, int peer, void* comm_ptr, void* stream)
       std::memcpy(buf, q.front().data(), bytes);
     }
     q.pop_front();
-  });
+  }, "ncclRecv");
   return 0;
 }
 int ncclGroupStart() { return 0; }

@@ -96,6 +96,14 @@ struct GradSyncStats {
   double wait_seconds = 0;
   int64_t bytes_on_wire = 0;  // per rank, summed over iterations
   int64_t allreduces = 0;
+  // GPU buckets with timing on (a timeline, COHORT_GPU_TIMING, gpu::enable_timing): on the GPU's own
+  // clock, the share of each bucket's allreduce that ran before backward ended (the end of backward
+  // being when finish() was called, in the caller's stream), summed over the buckets timed. finish()
+  // waits in stream order there, so wait_seconds says nothing about overlap on a GPU; this does.
+  int64_t gpu_timed_buckets = 0;
+  double gpu_overlap_sum = 0;
+  double gpu_allreduce_ms = 0;  // their time on the GPU, summed
+  double gpu_overlap_share() const { return gpu_timed_buckets ? gpu_overlap_sum / gpu_timed_buckets : 0; }
 };
 
 class GradientSync {
@@ -199,7 +207,11 @@ class GradientSync {
   // Bucket layout (parameter indices per bucket, in launch order), for tests and logs.
   std::vector<std::vector<size_t>> bucket_layout() const;
   bool buckets_rebuilt() const { return rebuilt_; }
-  const GradSyncStats& stats() const { return stats_; }
+  // GPU timing of the last iteration is added once its work has run.
+  const GradSyncStats& stats() const {
+    resolve_gpu_timing(false);
+    return stats_;
+  }
   const std::vector<ParameterSpec>& parameters() const { return params_; }
   Communicator& communicator() { return *comm_; }
   const GradSyncOptions& options() const { return options_; }
@@ -262,6 +274,15 @@ class GradientSync {
   int64_t first_ready_ns_ = 0;
   int64_t last_finish_ns_ = 0;
   trace::Recorder& recorder_;  // trace::Recorder::instance()
+  // GPU buckets: the device (-1: host buckets), and the iteration whose timing is still to be read
+  // (the end-of-backward marker and the buckets' work), when timing is on.
+  int gpu_device_ = -1;
+  struct PendingGpuTiming {
+    std::shared_ptr<void> marker;
+    std::vector<std::shared_ptr<Work>> works;
+  };
+  mutable std::optional<PendingGpuTiming> pending_gpu_timing_;
+  void resolve_gpu_timing(bool wait) const;
   size_t next_launch_ = 0;
   bool sync_enabled_ = true;
   bool rebuilt_ = false;
@@ -272,7 +293,7 @@ class GradientSync {
   size_t pool_buffers_ = 0;                   // stage 2: buffers allocated (in the pool or in use)
   size_t pool_floats_ = 0;                    // stage 2: each buffer's size (the largest bucket)
   std::vector<size_t> in_flight_;             // stage 2: launched buckets not yet completed, oldest first
-  GradSyncStats stats_;
+  mutable GradSyncStats stats_;  // mutable: stats() adds the GPU timing that has come in
 };
 
 // Disables gradient synchronisation for its lifetime (gradient accumulation), like DDP.no_sync().

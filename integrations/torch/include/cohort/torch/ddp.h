@@ -190,6 +190,12 @@ class DistributedDataParallel {
 // Broadcasts every parameter and buffer of `module` from rank 0 (done by the DDP constructor).
 void broadcast_module(::torch::nn::Module& module, Communicator& comm);
 
+// cohort's GPU collectives follow torch's current CUDA stream from now on (cohort::gpu::current_stream):
+// each waits for what that stream had queued, and a wait orders that stream after it, as with
+// ProcessGroupNCCL. DistributedDataParallel calls it for a model on a GPU. Nothing happens with a torch
+// built without CUDA (there is no CUDA tensor to order then).
+void use_torch_streams();
+
 // torch.randperm(n, generator=torch.Generator().manual_seed(seed)), as a vector.
 std::vector<int64_t> torch_randperm(int64_t n, uint64_t seed);
 
