@@ -148,14 +148,20 @@ else
   # C++ DDP on the GPU against PyTorch DDP with NCCL (bench/resnet_twin.py): the same ResNet-18, batch
   # and samples, 1 rank per GPU, rounds interleaved; then the C++ run with GPU timing, which prints the
   # share of each bucket's allreduce that overlapped backward (on the GPU's clock).
+  # On one GPU, C++ DDP skips the buckets (the average of one rank is its gradient) where PyTorch DDP
+  # still allreduces them through NCCL: COHORT_DDP_REDUCE_ONE_RANK=1 makes C++ do the same, for the
+  # like-for-like figure and the overlap.
   for round in 1 2; do
     step "resnet C++ DDP, round $round" "$out/resnet-cpp-$round.txt" \
       "$tool" run --gpus-per-node auto "$rn" --device cuda --train-samples 8192
+    step "resnet C++ DDP, 1-rank allreduce, round $round" "$out/resnet-cpp-reduce-$round.txt" \
+      env COHORT_DDP_REDUCE_ONE_RANK=1 "$tool" run --gpus-per-node auto "$rn" --device cuda --train-samples 8192
     step "resnet PyTorch DDP + NCCL, round $round" "$out/resnet-torch-$round.txt" \
       "$tool" run --gpus-per-node auto "$python" bench/resnet_twin.py --device cuda --train-samples 8192
   done
   step "resnet C++ DDP, GPU timing (overlap)" "$out/resnet-overlap.txt" \
-    env COHORT_GPU_TIMING=1 "$tool" run --gpus-per-node auto "$rn" --device cuda --train-samples 8192
+    env COHORT_GPU_TIMING=1 COHORT_DDP_REDUCE_ONE_RANK=1 "$tool" run --gpus-per-node auto "$rn" --device cuda \
+    --train-samples 8192
 fi
 
 echo

@@ -10,12 +10,20 @@
 #include <sstream>
 
 #include "cohort/gpu.h"
+#include "common/env.h"
 #include "common/half_arrays.h"
 #include "common/log.h"
 #include "trace/recorder.h"
 #include "cohort/error.h"
 
 namespace cohort::train {
+
+namespace {
+const env::BoolSetting kReduceOneRank(
+    "COHORT_DDP_REDUCE_ONE_RANK", false,
+    "one rank goes through DDP's buckets and their allreduces as N ranks would (PyTorch DDP does), for measuring "
+    "the communication path on one GPU; otherwise one rank skips them (its average is its own gradient)");
+}  // namespace
 
 size_t ParameterSpec::numel() const {
   size_t n = 1;
@@ -120,6 +128,7 @@ GradientSync::GradientSync(std::shared_ptr<Communicator> comm, std::vector<Param
     throw InvalidArgument(fmt::format("DDP: wire compression ({}) converts buckets on the CPU; GPU buckets travel as "
                                       "float32 through NCCL (use compression none)",
                                       compression_name(options_.compression)));
+  alone_ = comm_->size() == 1 && !kReduceOneRank.get();
   gpu_device_ = gpu::device_of(*comm_);
   if (gpu_device_ >= 0 && recorder_.timeline_on()) gpu::enable_timing(*comm_);
   check_parameters_match_rank0();
@@ -256,7 +265,7 @@ void GradientSync::reset_iteration() {
 std::shared_ptr<float> GradientSync::gradient_slot(size_t index) const {
   if (index >= params_.size()) throw InvalidArgument(fmt::format("DDP: no parameter #{}", index));
   // One rank (unsharded): nothing is copied into buckets. Stage 2: bucket memory is lent, not kept.
-  if ((comm_->size() == 1 && stage_ == 0) || stage_ == 2) return nullptr;
+  if ((alone_ && stage_ == 0) || stage_ == 2) return nullptr;
   const Bucket& b = buckets_[param_bucket_[index]];
   return std::shared_ptr<float>(b.data, b.data.get() + param_offset_[index]);  // aliasing: owns the bucket
 }
@@ -306,7 +315,7 @@ void GradientSync::mark_ready(size_t index, const float* grad) {
   // sharded mode steps the optimizer on bucket chunks: the gradient must be there).
   float* slot = b.data.get() + param_offset_[index];
   // A gradient that is a view of its slot is already in place.
-  if ((comm_->size() > 1 || stage_ > 0) && grad != slot)
+  if ((!alone_ || stage_ > 0) && grad != slot)
     options_.memory->copy(slot, grad, params_[index].numel() * sizeof(float));
   ready_[index] = 1;
   ready_order_.push_back(index);
@@ -338,7 +347,7 @@ void GradientSync::launch_complete_buckets() {
 void GradientSync::launch(Bucket& b) {
   ++stats_.allreduces;
   if (recorder_.timeline_on()) recorder_.instant("bucket ready", int(&b - buckets_.data()), trace::monotonic_ns());
-  if (comm_->size() == 1) return;  // the average of one rank is its own gradient
+  if (alone_) return;  // the average of one rank is its own gradient
   if (stage_ > 0) {
     // In place: every rank passes the whole bucket and gets its averaged chunk in the first
     // chunk-sized part (complete_reduce_scatter moves it to where shard_chunks() says). The rest of
@@ -506,7 +515,7 @@ bool GradientSync::finish(const std::function<void(size_t, const float*)>& write
   }
   record_wait(t0, std::chrono::steady_clock::now());
   for (auto& b : buckets_) {
-    if (comm_->size() == 1) continue;  // gradients are already final in the framework's tensors
+    if (alone_) continue;  // gradients are already final in the framework's tensors
     {
       if (options_.compression == WireCompression::kFloat16)
         half_to_floats(b.wire.get(), b.data.get(), b.numel);

@@ -305,5 +305,32 @@ TEST(GpuStreams, GradientSyncWaitsInStreamOrderAndTimesItsBuckets) {
   });
 }
 
+// One rank normally skips the buckets; COHORT_DDP_REDUCE_ONE_RANK=1 sends them through NCCL as N ranks
+// would (PyTorch DDP does), so that one GPU can measure the overlap.
+TEST(GpuStreams, OneRankCanReduceItsBucketsToMeasureOverlap) {
+  setenv("COHORT_DDP_REDUCE_ONE_RANK", "1", 1);
+  auto comm = device_comm(make_memory_store(), 0, 1);
+  gpu::enable_timing(*comm);
+  std::vector<train::ParameterSpec> params = {{"w1", {64}}, {"w2", {32}}};
+  train::GradSyncOptions so;
+  so.memory = train::gpu_bucket_memory(0);
+  so.first_bucket_cap_bytes = 32 * sizeof(float);
+  so.bucket_cap_bytes = 32 * sizeof(float);
+  so.rebuild_buckets = false;
+  train::GradientSync sync(comm, params, so);
+  EXPECT_NE(sync.gradient_slot(0), nullptr) << "one rank that reduces keeps its gradients in buckets";
+  std::vector<std::shared_ptr<void>> grads;
+  for (const auto& p : params) grads.push_back(device_floats(std::vector<float>(p.numel(), 4.0f), 0));
+  for (size_t i = params.size(); i-- > 0;) sync.mark_ready(i, static_cast<const float*>(grads[i].get()));
+  std::vector<float> w1(64);
+  sync.finish([&](size_t i, const float* avg) {
+    if (i == 0) gpu::copy_memory(w1.data(), avg, w1.size() * sizeof(float));
+  });
+  EXPECT_EQ(w1, std::vector<float>(64, 4.0f));
+  gpu::synchronize(*comm);
+  EXPECT_EQ(sync.stats().gpu_timed_buckets, 2);
+  unsetenv("COHORT_DDP_REDUCE_ONE_RANK");
+}
+
 }  // namespace
 }  // namespace cohort::test

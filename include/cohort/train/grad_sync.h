@@ -277,6 +277,8 @@ class GradientSync {
   // GPU buckets: the device (-1: host buckets), and the iteration whose timing is still to be read
   // (the end-of-backward marker and the buckets' work), when timing is on.
   int gpu_device_ = -1;
+  // One rank that skips the buckets (its average is its own gradient), unless COHORT_DDP_REDUCE_ONE_RANK.
+  bool alone_ = false;
   struct PendingGpuTiming {
     std::shared_ptr<void> marker;
     std::vector<std::shared_ptr<Work>> works;
