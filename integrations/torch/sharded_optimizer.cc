@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <map>
 #include <sstream>
+#include <type_traits>
 #include <tuple>
 
 #include "cohort/error.h"
@@ -196,11 +197,30 @@ std::vector<std::string> ShardedOptimizer::state_names() const {
   return names;
 }
 
+namespace {
+
+// The key of a parameter's state in torch::optim::Optimizer::state(): its TensorImpl's address, as a
+// pointer in torch 2.x and as that pointer printed to a string before (c10::guts::to_string, which
+// torch 2.x no longer has). The map's own key type decides.
+using StateMap = std::decay_t<decltype(std::declval<::torch::optim::Optimizer&>().state())>;
+template <typename Map = StateMap>  // a template, so that the branch not taken is not compiled
+typename Map::key_type state_key(const ::torch::Tensor& t) {
+  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
+    std::ostringstream key;
+    key << static_cast<const void*>(t.unsafeGetTensorImpl());
+    return key.str();
+  } else {
+    return t.unsafeGetTensorImpl();
+  }
+}
+
+}  // namespace
+
 // The state tensor `name` of chunk `chunk`, or an undefined tensor before the first step (and for
 // SGD without momentum, which keeps none).
 ::torch::Tensor ShardedOptimizer::state_tensor(size_t chunk, const std::string& name) const {
   const auto& state = optimizer_->state();
-  auto it = state.find(c10::guts::to_string(chunks_.at(chunk).unsafeGetTensorImpl()));
+  auto it = state.find(state_key(chunks_.at(chunk)));
   if (it == state.end()) return {};
   const auto* s = it->second.get();
   if (kind_ == "sgd") return static_cast<const ::torch::optim::SGDParamState*>(s)->momentum_buffer();
@@ -215,14 +235,14 @@ std::vector<std::string> ShardedOptimizer::state_names() const {
 int64_t ShardedOptimizer::state_step() const {
   if (kind_ == "sgd" || chunks_.empty()) return 0;
   const auto& state = optimizer_->state();
-  auto it = state.find(c10::guts::to_string(chunks_.front().unsafeGetTensorImpl()));
+  auto it = state.find(state_key(chunks_.front()));
   if (it == state.end()) return 0;
   if (kind_ == "adam") return static_cast<const ::torch::optim::AdamParamState*>(it->second.get())->step();
   return static_cast<const ::torch::optim::AdamWParamState*>(it->second.get())->step();
 }
 
 void ShardedOptimizer::set_state(size_t chunk, const std::vector<::torch::Tensor>& tensors, int64_t step) {
-  const std::string key = c10::guts::to_string(chunks_.at(chunk).unsafeGetTensorImpl());
+  const auto key = state_key(chunks_.at(chunk));
   auto names = state_names();
   auto get = [&](const std::string& name) {
     for (size_t i = 0; i < names.size(); ++i)
