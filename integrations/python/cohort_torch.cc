@@ -88,7 +88,7 @@ using Millis = std::chrono::milliseconds;
 #define COHORT_ROUTE_CUDA(type, all, outputs, call)                                                  \
   if (auto routed_ = route_cuda(                                                                      \
           type, all, outputs, [&](BaseGroup& nccl_) { return nccl_.call; }, [&] { return this->call; })) \
-  return routed_
+  return *routed_
 #else
 #define COHORT_ROUTE_CUDA(type, all, outputs, call)
 #endif
@@ -1138,13 +1138,23 @@ class ProcessGroupCohort : public BaseGroup {
 
   // CUDA tensors go to torch's NCCL backend when there is one (it orders them on CUDA streams like
   // ProcessGroupNCCL does for any script); otherwise they are staged: copied to the host, run through
-  // cohort's collectives, copied back, and the returned Work is already complete. Returns null for a
-  // call without CUDA tensors (the CPU path runs).
+  // cohort's collectives, copied back, and the returned Work is already complete. nullopt for a call
+  // without CUDA tensors (the CPU path runs). Whether a call was routed is not read from the Work it
+  // returns: a backend may hand back no Work for an operation it had nothing to do for, and such a
+  // call must not fall through to the CPU path with CUDA tensors.
   template <typename Delegate, typename OnHost>
-  c10::intrusive_ptr<c10d::Work> route_cuda(c10d::OpType type, Args all, Args outputs, Delegate&& delegate,
-                                            OnHost&& on_host) {
-    if (!all.any_cuda()) return {};
-    if (cuda_backend_) return delegate(*cuda_backend_);
+  std::optional<c10::intrusive_ptr<c10d::Work>> route_cuda(c10d::OpType type, Args all, Args outputs,
+                                                           Delegate&& delegate, OnHost&& on_host) {
+    if (!all.any_cuda()) return std::nullopt;
+    if (cuda_backend_) {
+      c10::intrusive_ptr<c10d::Work> work = delegate(*cuda_backend_);
+      if (work) return work;
+      std::vector<at::Tensor> results;
+      for (at::Tensor* out : outputs.tensors) results.push_back(*out);
+      auto done = c10::make_intrusive<CohortWork>(rank_, type, std::move(results));
+      done->complete(nullptr);
+      return done;
+    }
     if (!warned_staging_.exchange(true))
       TORCH_WARN("cohort backend: CUDA tensors are copied to host memory for each collective (", cuda_note_,
                  "); pass backend=\"cpu:cohort,cuda:nccl\" where torch has NCCL");
