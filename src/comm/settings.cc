@@ -14,6 +14,10 @@ const env::SecondsSetting kSlowWarning("COHORT_SLOW_WARNING", 5.0,
                                        "which ranks it waits for (then again at a doubling interval)");
 const env::StringSetting kTransport("COHORT_TRANSPORT", "auto",
                                     "transport between ranks: auto (shm on one host, else tcp), tcp or shm");
+const env::BoolSetting kDdpReduceOneRank(
+    "COHORT_DDP_REDUCE_ONE_RANK", false,
+    "one rank goes through DDP's buckets and their allreduces as N ranks would (PyTorch DDP does), for measuring "
+    "the communication path on one GPU; otherwise one rank skips them (its average is its own gradient)");
 const env::BoolSetting kTorchShareStorage(
     "COHORT_TORCH_SHARE_STORAGE", true,
     "the PyTorch backend moves the storage of tensors it allreduces often (256 KiB to 64 MiB) into shared memory, "
@@ -42,5 +46,7 @@ void apply_env_overrides(CommOptions& options) {
 }
 
 bool torch_share_storage() { return kTorchShareStorage.get(); }
+
+bool ddp_reduce_one_rank() { return kDdpReduceOneRank.get(); }
 
 }  // namespace cohort::comm

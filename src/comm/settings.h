@@ -14,4 +14,9 @@ void apply_env_overrides(CommOptions& options);
 // Declared in this library, not in the module, so that every cohort binary's registry lists it.
 bool torch_share_storage();
 
+// COHORT_DDP_REDUCE_ONE_RANK (default off): a one-rank DDP (src/train/grad_sync.cc) still fills its
+// buckets and allreduces them, as PyTorch DDP does, so that one GPU can measure that path. Declared here
+// for the same reason.
+bool ddp_reduce_one_rank();
+
 }  // namespace cohort::comm

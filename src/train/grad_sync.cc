@@ -10,20 +10,13 @@
 #include <sstream>
 
 #include "cohort/gpu.h"
-#include "common/env.h"
+#include "comm/settings.h"
 #include "common/half_arrays.h"
 #include "common/log.h"
 #include "trace/recorder.h"
 #include "cohort/error.h"
 
 namespace cohort::train {
-
-namespace {
-const env::BoolSetting kReduceOneRank(
-    "COHORT_DDP_REDUCE_ONE_RANK", false,
-    "one rank goes through DDP's buckets and their allreduces as N ranks would (PyTorch DDP does), for measuring "
-    "the communication path on one GPU; otherwise one rank skips them (its average is its own gradient)");
-}  // namespace
 
 size_t ParameterSpec::numel() const {
   size_t n = 1;
@@ -128,7 +121,7 @@ GradientSync::GradientSync(std::shared_ptr<Communicator> comm, std::vector<Param
     throw InvalidArgument(fmt::format("DDP: wire compression ({}) converts buckets on the CPU; GPU buckets travel as "
                                       "float32 through NCCL (use compression none)",
                                       compression_name(options_.compression)));
-  alone_ = comm_->size() == 1 && !kReduceOneRank.get();
+  alone_ = comm_->size() == 1 && !comm::ddp_reduce_one_rank();
   gpu_device_ = gpu::device_of(*comm_);
   if (gpu_device_ >= 0 && recorder_.timeline_on()) gpu::enable_timing(*comm_);
   check_parameters_match_rank0();
