@@ -42,7 +42,7 @@ using Clock = std::chrono::steady_clock;
 
 enum class Kind { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoall, kSendrecv };
 
-struct Options {
+struct BenchOptions {
   uint64_t min_bytes = 8;
   uint64_t max_bytes = 64ull << 20;
   double factor = 2;
@@ -79,7 +79,7 @@ bool reduces(Kind k) { return k == Kind::kAllreduce || k == Kind::kReduceScatter
 // GPU copies of the buffers (`device` >= 0); the host vectors then only carry --check's values.
 class Case {
  public:
-  Case(Communicator& comm, Kind kind, const Options& o, size_t bytes, int device = -1)
+  Case(Communicator& comm, Kind kind, const BenchOptions& o, size_t bytes, int device = -1)
       : comm_(comm), kind_(kind), o_(o), n_(comm.size()), r_(comm.rank()), esize_(dtype_size(o.dtype)),
         device_(device) {
     const size_t n = static_cast<size_t>(n_);
@@ -211,7 +211,7 @@ class Case {
 
   Communicator& comm_;
   Kind kind_;
-  const Options& o_;
+  const BenchOptions& o_;
   int n_, r_;
   size_t esize_;
   size_t count_ = 0, per_rank_ = 0;
@@ -240,10 +240,10 @@ struct Row {
   int64_t wrong;  // -1 when not checked
 };
 
-std::string root_column(Kind k, const Options& o) { return k == Kind::kBroadcast ? std::to_string(o.root) : "-1"; }
+std::string root_column(Kind k, const BenchOptions& o) { return k == Kind::kBroadcast ? std::to_string(o.root) : "-1"; }
 
 int run_bench(Kind kind, const std::string& name, std::vector<std::string> args) {
-  Options o;
+  BenchOptions o;
   std::string min_s = "8", max_s = "64M", dtype_s = "float", op_s = "sum";
   // nccl-tests spells "-c 1" / "-c 0"; accept that as well as a bare -c / --check.
   std::vector<std::string> argv{args[0]};

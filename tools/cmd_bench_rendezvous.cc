@@ -102,7 +102,7 @@ int run_bench_rendezvous(std::vector<std::string> args) {
   return 0;
 }
 
-Registration reg("bench rendezvous", "measure the store's load while N elastic agents wait in a rendezvous round",
+Registration reg_bench_rendezvous("bench rendezvous", "measure the store's load while N elastic agents wait in a rendezvous round",
                  run_bench_rendezvous);
 
 }  // namespace

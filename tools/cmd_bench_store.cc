@@ -546,7 +546,7 @@ int run_bench_store(std::vector<std::string> args) {
   return any_failed ? 1 : 0;
 }
 
-Registration reg("bench store", "measure the store's join time with N clients (connect, auth, set, barrier)",
+Registration reg_bench_store("bench store", "measure the store's join time with N clients (connect, auth, set, barrier)",
                  run_bench_store);
 
 }  // namespace

@@ -73,7 +73,7 @@ int run_doctor_command(std::vector<std::string> args) {
   return doctor::run_doctor(o);
 }
 
-Registration reg("doctor", "pre-flight checks of hosts, ports, limits, links and versions", run_doctor_command);
+Registration reg_doctor("doctor", "pre-flight checks of hosts, ports, limits, links and versions", run_doctor_command);
 
 }  // namespace
 }  // namespace cohort::tools

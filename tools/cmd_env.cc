@@ -56,7 +56,7 @@ int run_env(std::vector<std::string> args) {
   return 0;
 }
 
-Registration reg("env", "list the COHORT_* environment variables and their values", run_env);
+Registration reg_env("env", "list the COHORT_* environment variables and their values", run_env);
 
 }  // namespace
 }  // namespace cohort::tools

@@ -20,7 +20,7 @@ int run_ps_serve(std::vector<std::string> args) {
   return 0;
 }
 
-Registration reg("ps serve", "run the built-in parameter server (started by cohort run --ps N)", run_ps_serve);
+Registration reg_ps("ps serve", "run the built-in parameter server (started by cohort run --ps N)", run_ps_serve);
 
 }  // namespace
 }  // namespace cohort::tools

@@ -58,7 +58,7 @@ int run_store_serve(std::vector<std::string> args) {
   return 0;
 }
 
-Registration reg("store serve", "run a rendezvous store server (until SIGINT/SIGTERM)", run_store_serve);
+Registration reg_store("store serve", "run a rendezvous store server (until SIGINT/SIGTERM)", run_store_serve);
 
 }  // namespace
 }  // namespace cohort::tools
