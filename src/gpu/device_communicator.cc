@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -621,25 +622,23 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     while (!watch_stop_) {
       watch_cv_.wait_for(lock, period, [&] { return watch_stop_; });
       if (watch_stop_) break;
-      std::vector<std::shared_ptr<Inflight>> ops = inflight_;
+      std::vector<std::shared_ptr<Inflight>> ops(inflight_.begin(), inflight_.end());
       lock.unlock();
-      std::vector<const Inflight*> over;
+      // One stream runs its operations in order: the first that has not run is the oldest still
+      // pending (the earliest deadline), and none after it has run either. So one pass costs as many
+      // event queries as operations ended since the last, plus one.
+      size_t over = 0;
       try {
-        for (const auto& op : ops) {
-          if (poll(*op)) over.push_back(op.get());
-        }
+        while (over < ops.size() && poll(*ops[over])) ++over;
         check_async_error("an operation in flight");
       } catch (const std::exception& e) {
         log::error("GPU watchdog: {}", e.what());
-        over.clear();
         lock.lock();
         inflight_.clear();  // the communicator is aborted: nothing left to follow
         continue;
       }
       lock.lock();
-      std::erase_if(inflight_, [&](const std::shared_ptr<Inflight>& op) {
-        return std::find(over.begin(), over.end(), op.get()) != over.end();
-      });
+      inflight_.erase(inflight_.begin(), inflight_.begin() + static_cast<std::ptrdiff_t>(over));
     }
   }
   void follow(std::shared_ptr<Inflight> op) {
@@ -976,7 +975,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
   bool watch_stop_ = false;
-  std::vector<std::shared_ptr<Inflight>> inflight_;  // queued NCCL operations not yet seen to end
+  std::deque<std::shared_ptr<Inflight>> inflight_;  // queued NCCL operations not yet seen to end, oldest first
   std::thread watchdog_;
   std::mutex staging_mu_;
   void* staging_ = nullptr;

@@ -35,12 +35,14 @@ std::string real_path(const std::string& path) {
 size_t lines_of(const std::string& text) { return static_cast<size_t>(std::count(text.begin(), text.end(), '\n')); }
 
 // A worker that says how it was started: its argv, its rank, whether its output is unbuffered (-u),
-// and its folder. PYTHONUNBUFFERED is cleared for the tests so that only -u can make it so.
+// and its folder. PYTHONUNBUFFERED is cleared for the tests so that only -u can make it so. The line
+// and its newline in one write: unbuffered, print() writes them apart, and the two ranks share the
+// job's stdout, so a line could be split by the other rank's (seen once under ASan's slower start).
 const char* kShowPy =
     "import os, sys\n"
-    "print('argv0=%s args=[%s] rank=%s local=%s unbuffered=%s cwd=%s main=%s' % (os.path.basename(sys.argv[0]),\n"
-    "      ' '.join(sys.argv[1:]), os.environ['RANK'], os.environ['LOCAL_RANK'], sys.stdout.write_through,\n"
-    "      os.getcwd(), __name__))\n";
+    "sys.stdout.write('argv0=%s args=[%s] rank=%s local=%s unbuffered=%s cwd=%s main=%s\\n' % (\n"
+    "      os.path.basename(sys.argv[0]), ' '.join(sys.argv[1:]), os.environ['RANK'], os.environ['LOCAL_RANK'],\n"
+    "      sys.stdout.write_through, os.getcwd(), __name__))\n";
 const std::vector<std::string> kPythonEnv = {"PYTHONUNBUFFERED="};
 
 void write_executable(const std::string& path, const std::string& text) {
