@@ -22,11 +22,17 @@
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
 #include "common/gpu_report.h"
+#include "common/launch.h"
 #include "cohort/torch/distributed_sgd.h"
 #include "store/memory_store.h"
 #include "dataset/fashion_mnist_files.h"
 
 namespace nn = torch::nn;
+using cohort::examples::env_rank;
+using cohort::examples::kAtLeastOne;
+using cohort::examples::kNotNegative;
+using cohort::examples::kPositive;
+using cohort::examples::launched;
 using cohort::ConfigError;
 
 namespace {
@@ -71,19 +77,6 @@ uint64_t weights_digest(nn::Module& m) {
     for (size_t i = 0; i < static_cast<size_t>(c.numel()) * c.element_size(); ++i) h = (h ^ b[i]) * 1099511628211ull;
   }
   return h;
-}
-
-// PMIX_RANK: a PMIx launcher that sets no other rank variable (prterun).
-bool launched() {
-  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"})
-    if (std::getenv(v)) return true;
-  return false;
-}
-
-int env_rank() {
-  for (const char* v : {"COHORT_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"})
-    if (const char* s = std::getenv(v)) return std::atoi(s);
-  return 0;
 }
 
 struct Args {
@@ -292,25 +285,6 @@ int run(const Args& a) {
   }
   return 0;
 }
-
-}  // namespace
-
-namespace {
-
-// CLI11's PositiveNumber says "Value 0 not in range 0.000000 to 1.79...e308"; this says what is wanted.
-CLI::Validator number_check(bool (*ok)(double), const char* wanted) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double value = std::strtod(text.c_str(), &end);
-        if (text.empty() || *end != '\0') return fmt::format("'{}' is not a number", text);
-        return ok(value) ? "" : fmt::format("must be {}, got {}", wanted, text);
-      },
-      wanted);
-}
-const CLI::Validator kPositive = number_check([](double v) { return v > 0; }, "positive");
-const CLI::Validator kAtLeastOne = number_check([](double v) { return v >= 1; }, "at least 1");
-const CLI::Validator kNotNegative = number_check([](double v) { return v >= 0; }, "0 or more");
 
 }  // namespace
 

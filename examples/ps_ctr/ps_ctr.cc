@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "cohort/communicator.h"
+#include "common/launch.h"
 #include "cohort/error.h"
 #include "cohort/ps.h"
 #include "store/memory_store.h"
@@ -452,18 +453,6 @@ int run(const Args& a) {
   return rc;
 }
 
-// CLI11's PositiveNumber says "Value 0 not in range 0.000000 to 1.79...e308"; this says what is wanted.
-CLI::Validator number_check(bool (*ok)(double), const char* wanted) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double value = std::strtod(text.c_str(), &end);
-        if (text.empty() || *end != '\0') return fmt::format("'{}' is not a number", text);
-        return ok(value) ? "" : fmt::format("must be {}, got {}", wanted, text);
-      },
-      wanted);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -471,9 +460,9 @@ int main(int argc, char** argv) {
                "(cohort run --ps N --nproc-per-node M ps_ctr)",
                "ps_ctr"};
   Args a;
-  const auto positive = number_check([](double v) { return v > 0; }, "positive");
-  const auto at_least_one = number_check([](double v) { return v >= 1; }, "at least 1");
-  const auto not_negative = number_check([](double v) { return v >= 0; }, "0 or more");
+  const CLI::Validator& positive = cohort::examples::kPositive;
+  const CLI::Validator& at_least_one = cohort::examples::kAtLeastOne;
+  const CLI::Validator& not_negative = cohort::examples::kNotNegative;
   app.add_option("--epochs", a.epochs, "passes over each worker's shard (0: evaluate only, with --load-dir)")
       ->check(not_negative);
   app.add_option("--batch", a.batch, "images per mini-batch, per worker")->check(at_least_one);
