@@ -123,6 +123,9 @@ void enable_timing(Communicator& comm);
 bool timing_enabled(const Communicator& comm);
 // A timed event recorded on current_stream(device) now; null without a CUDA runtime.
 std::shared_ptr<void> record_marker(int device);
+// Whether the stream has reached `marker`, polling for up to `wait` (0: just look). Never throws.
+bool marker_reached(const std::shared_ptr<void>& marker,
+                    std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 // Milliseconds from `marker` to the start and the end of `work` on the GPU (negative: before the
 // marker). nullopt when the work carries no timing (host work, timing off) or has not run yet.
 struct GpuInterval {

@@ -1276,6 +1276,21 @@ std::shared_ptr<void> record_marker(int device) {
   return marker;
 }
 
+bool marker_reached(const std::shared_ptr<void>& marker, Millis wait) {
+  if (!marker) return false;
+  const Deadline deadline = Deadline::after(wait);
+  for (;;) {
+    const int rc = cuda().EventQuery(marker.get());
+    if (rc == kCudaSuccess) return true;
+    if (rc != kCudaErrorNotReady) {
+      cuda().GetLastError();
+      return false;
+    }
+    if (deadline.expired()) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
 std::optional<GpuInterval> work_interval(Work& work, const std::shared_ptr<void>& marker) {
   auto* w = dynamic_cast<DeviceWork*>(&work);
   if (!w || !marker) return std::nullopt;

@@ -400,6 +400,11 @@ void GradientSync::wait_launched_quietly() {
 void GradientSync::resolve_gpu_timing(bool wait) const {
   if (!pending_gpu_timing_) return;
   PendingGpuTiming& p = *pending_gpu_timing_;
+  // The marker runs on the caller's stream, apart from the buckets' work: it must have run as well.
+  if (!gpu::marker_reached(p.marker, wait ? comm_->options().timeout : std::chrono::milliseconds(0))) {
+    if (wait) pending_gpu_timing_.reset();  // a stream that never got there: no figure, no hang
+    return;
+  }
   for (auto& w : p.works) {
     if (wait) {
       try {

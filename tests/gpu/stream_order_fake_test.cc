@@ -273,10 +273,13 @@ TEST(GpuStreams, NothingReachesNcclAfterAbort) {
 }
 
 // DDP's GPU buckets through the same stream rules: after finish() (which waits in stream order) the
-// averaged gradients are right when read in stream order, and with timing on each bucket's
-// allreduce has a GPU interval relative to the end of backward.
+// averaged gradients are right when read in stream order, and with timing on the overlap figure says
+// when each bucket's allreduce ran. Iteration 1: every allreduce has ended before finish() marks the
+// end of backward, so all of it overlapped (1.0). Iteration 2: rank 1 joins only after rank 0's
+// finish(), so rank 0's allreduces ran after its backward ended: next to none of it overlapped.
 TEST(GpuStreams, GradientSyncWaitsInStreamOrderAndTimesItsBuckets) {
   auto store = make_memory_store();
+  std::atomic<bool> rank0_finished{false};
   run_ranks(2, [&](int rank) {
     auto comm = device_comm(store, rank, 2);
     gpu::enable_timing(*comm);
@@ -289,19 +292,41 @@ TEST(GpuStreams, GradientSyncWaitsInStreamOrderAndTimesItsBuckets) {
     train::GradientSync sync(comm, params, so);
     std::vector<std::shared_ptr<void>> grads;
     for (const auto& p : params) grads.push_back(device_floats(std::vector<float>(p.numel(), rank + 1.0f), rank));
-    for (size_t i = params.size(); i-- > 0;) sync.mark_ready(i, static_cast<const float*>(grads[i].get()));
+    auto backward = [&] {
+      for (size_t i = params.size(); i-- > 0;) sync.mark_ready(i, static_cast<const float*>(grads[i].get()));
+    };
     std::vector<std::vector<float>> averaged(params.size());
-    sync.finish([&](size_t i, const float* avg) {
+    auto read_back = [&](size_t i, const float* avg) {
       averaged[i].resize(params[i].numel());
       gpu::copy_memory(averaged[i].data(), avg, averaged[i].size() * sizeof(float));
-    });
+    };
+
+    backward();
+    gpu::synchronize(*comm);  // both buckets' allreduces have ended before backward "ends"
+    sync.finish(read_back);
     for (const auto& a : averaged)
-      for (float v : a) EXPECT_FLOAT_EQ(v, 1.5f);
+      for (float v : a) EXPECT_FLOAT_EQ(v, 1.5f);  // read_back's copies came after the marker
+    const train::GradSyncStats first = sync.stats();
+    EXPECT_EQ(first.gpu_timed_buckets, 2) << "each bucket's allreduce should have a GPU interval";
+    EXPECT_DOUBLE_EQ(first.gpu_overlap_share(), 1.0);
+
+    if (rank == 1) EXPECT_TRUE(becomes_true(rank0_finished, 20s));
+    backward();
+    if (rank == 1) std::this_thread::sleep_for(20ms);
+    sync.finish([](size_t, const float*) {});  // no host read here: it would wait for the allreduce
+    if (rank == 0) {
+      std::this_thread::sleep_for(200ms);  // rank 0's allreduces wait for rank 1 meanwhile
+      rank0_finished = true;
+    }
     gpu::synchronize(*comm);
-    const train::GradSyncStats& st = sync.stats();
-    EXPECT_EQ(st.gpu_timed_buckets, 2) << "each bucket's allreduce should have a GPU interval";
-    EXPECT_GE(st.gpu_overlap_share(), 0.0);
-    EXPECT_LE(st.gpu_overlap_share(), 1.0);
+    std::vector<float> one(1);  // a read in the caller's stream: its end-of-backward marker has run too
+    gpu::copy_memory(one.data(), grads[0].get(), sizeof(float));
+    const train::GradSyncStats second = sync.stats();
+    EXPECT_EQ(second.gpu_timed_buckets, 4) << "rank " << rank;
+    if (rank == 0) {
+      const double share = (second.gpu_overlap_sum - first.gpu_overlap_sum) / 2;
+      EXPECT_LT(share, 0.2) << "rank 0's allreduces ran after its backward had ended";
+    }
   });
 }
 
