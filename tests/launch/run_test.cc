@@ -308,13 +308,19 @@ TEST(Run, RestartsEveryWorkerWithANewRestartCount) {
 
 TEST(Run, ForwardsSignalsToEveryWorker) {
   TempDir dir;
-  // Every worker traps USR1 and TERM; once all are ready, rank 0 signals the launcher (its parent).
+  // Every worker traps USR1 and TERM; once all are ready, rank 0 signals the launcher (its parent):
+  // USR1, then TERM once every worker has written down its USR1. It must wait for that, not for a
+  // fixed time: the forwarded USR1 also ends rank 0's own `sleep` (same process group), and a TERM
+  // that reaches a shell while it is still running its USR1 trap runs the TERM trap at once, whose
+  // `exit` cuts the USR1 trap short (dash does that; seen once in 240 runs under load).
   std::string d = dir.path();
   std::string script =
       "trap 'echo usr1 >> " + d + "/sig.$RANK' USR1; trap 'echo term >> " + d + "/sig.$RANK; exit 0' TERM; "
       "echo $$ > " + d + "/pid.$RANK; touch " + d + "/ready.$RANK; "
       "if [ $RANK = 0 ]; then while [ ! -e " + d + "/ready.1 ] || [ ! -e " + d + "/ready.2 ]; do sleep 0.02; done; "
-      "kill -USR1 $PPID; sleep 0.3; kill -TERM $PPID; fi; "
+      "kill -USR1 $PPID; j=0; "
+      "while [ $j -lt 250 ] && { [ ! -s " + d + "/sig.0 ] || [ ! -s " + d + "/sig.1 ] || [ ! -s " + d + "/sig.2 ]; }; "
+      "do sleep 0.02; j=$((j+1)); done; kill -TERM $PPID; fi; "
       "i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done";
   auto r = run_process(concat(cohort_run({"-n", "3"}), sh(script)), {}, 30);
   EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
