@@ -340,7 +340,7 @@ int run(const Args& a) {
       auto b = make_batch(corpus.train, indices, begin, len, s.seq_len, vocab, a.seed, static_cast<uint64_t>(epoch));
       auto ids = b.ids.to(device), masked = b.masked.to(device), labels = b.labels.to(device);
       if (sharded) sharded->zero_grad();
-      else optimizer->zero_grad();
+      else ddp.zero_grad();  // as torch 2.x's zero_grad(): released, or zeroed in place where a bucket view
       auto logits = ddp.forward_with([&] { return model->forward(ids, masked); });
       // An empty batch still takes part in the step (every rank's gradients are averaged): zero loss.
       auto loss = len > 0 ? torch::nn::functional::cross_entropy(logits, labels) : logits.sum() * 0.0;

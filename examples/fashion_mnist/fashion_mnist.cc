@@ -221,7 +221,7 @@ int run(const Args& a) {
       auto batch = index_tensor.narrow(0, begin, len);
       auto x = train.x.index_select(0, batch), y = train.y.index_select(0, batch);
 
-      optimizer->zero_grad();
+      ddp.zero_grad();  // as torch 2.x's zero_grad(): released, or zeroed in place where .grad is a bucket view
       auto out = ddp->forward(x);
       // An empty batch still takes part in the step (every rank's gradients are averaged): zero loss.
       auto loss = len > 0 ? torch::nn::functional::cross_entropy(out, y) : out.sum() * 0.0;

@@ -256,7 +256,7 @@ int run(const Args& a) {
   } else {
     optimizer = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(lr));
   }
-  auto zero_grad = [&] { sharded ? sharded->zero_grad() : optimizer->zero_grad(); };
+  auto zero_grad = [&] { sharded ? sharded->zero_grad() : ddp.zero_grad(); };
   auto step = [&] { sharded ? sharded->step() : static_cast<void>(optimizer->step()); };
 
   // (2) The distributed sampler: torch.utils.data.DistributedSampler's indices.

@@ -310,6 +310,20 @@ bool DistributedDataParallel::gradient_is_bucket_view(size_t index) const {
   return slot && grad.defined() && grad.data_ptr<float>() == slot.get();
 }
 
+void DistributedDataParallel::zero_grad() {
+  ::torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ::torch::Tensor& grad = params_[i].mutable_grad();
+    if (!grad.defined()) continue;
+    if (gradient_is_bucket_view(i)) {
+      grad.zero_();
+    } else {
+      grad.reset();
+      contiguous_grads_[i] = ::torch::Tensor();
+    }
+  }
+}
+
 void DistributedDataParallel::write_back(size_t index, const float* averaged) {
   ::torch::NoGradGuard no_grad;
   ::torch::Tensor& param = params_[index];
