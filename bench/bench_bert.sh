@@ -32,19 +32,47 @@ common=(--size "$SIZE" --max-steps "$STEPS" --threads 1 "${extra[@]}")
 rate() { grep -o "samples/s: [0-9.]*" | awk '{print $2}'; }
 port() { echo $((29800 + RANDOM % 1000)); }
 
+# Runs "$@" in the background and samples /proc/<pid>/smaps_rollup of every worker (pgrep -f $pattern)
+# every 0.1 s; prints each worker's peak Rss and peak Pss. Pss splits a page shared by k processes
+# k ways: cohort's buckets are shared memory that the peer rank maps, so Rss counts them once per
+# rank that touched them, and only the Pss of the ranks adds up to what the machine holds.
+sample_memory() {  # pattern command...
+  local pattern=$1 job pid rss pss
+  shift
+  "$@" >"$tmpout" 2>&1 &
+  job=$!
+  declare -A peak_rss=() peak_pss=()
+  while kill -0 "$job" 2>/dev/null; do
+    for pid in $(pgrep -f "$pattern"); do
+      read -r rss pss < <(awk '/^Rss:/ {r = $2} /^Pss:/ {p = $2} END {print r + 0, p + 0}' \
+        "/proc/$pid/smaps_rollup" 2>/dev/null) || continue
+      ((rss > ${peak_rss[$pid]:-0})) && peak_rss[$pid]=$rss
+      ((pss > ${peak_pss[$pid]:-0})) && peak_pss[$pid]=$pss
+    done
+    sleep 0.1
+  done
+  wait "$job"
+  grep -E "parameters|optimizer state|samples/s" "$tmpout"
+  for pid in "${!peak_rss[@]}"; do
+    echo "sampled worker $pid: peak Rss $((peak_rss[$pid] / 1024)) MB, peak Pss $((peak_pss[$pid] / 1024)) MB"
+  done | sort
+}
+
 if [[ ${MEMORY:-0} == 1 ]]; then
   # A model whose optimizer state dominates: BERT-base's encoder (109 M parameters), a few steps of
   # batch 2 so that activations stay small beside it.
   # The held-out evaluation of BERT-base on 1 CPU per rank would take minutes: 64 glosses.
   mem=(--size base --max-steps "${MEMSTEPS:-3}" --batch 2 --threads 1 --optimizer adam --test-samples 64 "${extra[@]}")
+  tmpout=$(mktemp)
+  trap 'rm -f "$tmpout"' EXIT
   for z in 0 1 2; do
     echo "== cohort 2 ranks, --zero $z"
-    "$COHORT" run --nproc-per-node 2 "$BERT" "${mem[@]}" --zero "$z" 2>&1 | grep -E "parameters|optimizer state|samples/s"
+    sample_memory "^$BERT " "$COHORT" run --nproc-per-node 2 "$BERT" "${mem[@]}" --zero "$z"
   done
   for z in 0 1; do
     echo "== PyTorch DDP 2 ranks, --zero $z ($([[ $z == 1 ]] && echo ZeroRedundancyOptimizer || echo Adam))"
-    /usr/bin/python3 "$PEERS/torchrun311.py" --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$(port)" \
-      "$TWIN" "${mem[@]}" --zero "$z" 2>&1 | grep -E "parameters|optimizer state|samples/s"
+    sample_memory "^/usr/bin/python3 -u $TWIN " /usr/bin/python3 "$PEERS/torchrun311.py" --nproc_per_node 2 \
+      --master_addr 127.0.0.1 --master_port "$(port)" "$TWIN" "${mem[@]}" --zero "$z"
   done
   exit 0
 fi

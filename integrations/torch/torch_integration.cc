@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <cstdlib>
+#include <malloc.h>
 #include <fstream>
 #include <sstream>
 #include <map>
@@ -243,6 +244,21 @@ void DistributedDataParallel::enable_sharding(int stage) {
     ::torch::NoGradGuard no_grad;
     for (auto& p : params_) p.mutable_grad().reset();  // stage 2 keeps no whole-model gradient
   }
+  // The parameters' (and gradients') own storage was just freed: they live in bucket memory now.
+  return_freed_memory();
+}
+
+void DistributedDataParallel::return_freed_memory(size_t at_least_bytes) {
+  // glibc keeps freed heap memory resident (it trims only the top of the heap by itself), and most of
+  // a model's tensors are below its mmap threshold: memory nothing uses any more would stay in the
+  // process's RSS. Host memory only; a no-op with another C library.
+#if defined(__GLIBC__)
+  if (!device_.is_cpu()) return;
+  if (at_least_bytes > 0 && mallinfo2().fordblks < at_least_bytes) return;
+  malloc_trim(0);
+#else
+  (void)at_least_bytes;
+#endif
 }
 
 void DistributedDataParallel::enable_fused_update() {
@@ -312,10 +328,13 @@ bool DistributedDataParallel::gradient_is_bucket_view(size_t index) const {
 
 void DistributedDataParallel::zero_grad() {
   ::torch::NoGradGuard no_grad;
+  // Views of buckets about to be replaced (the rebuild after the first iteration) are released too:
+  // then the old buckets' memory returns before the new buckets take theirs.
+  const bool rebuilding = sync_->rebuild_pending();
   for (size_t i = 0; i < params_.size(); ++i) {
     ::torch::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) continue;
-    if (gradient_is_bucket_view(i)) {
+    if (!rebuilding && gradient_is_bucket_view(i)) {
       grad.zero_();
     } else {
       grad.reset();

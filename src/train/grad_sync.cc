@@ -187,7 +187,39 @@ void GradientSync::check_compression_matches() {
                                       compression_name(static_cast<WireCompression>(all[size_t(r)])), r));
 }
 
+std::vector<std::vector<size_t>> GradientSync::group_into_buckets(const std::vector<size_t>& order) const {
+  std::vector<std::vector<size_t>> groups(1);
+  size_t cap = options_.first_bucket_cap_bytes, numel = 0;
+  for (size_t index : order) {
+    groups.back().push_back(index);
+    numel += params_[index].numel();
+    if (numel * sizeof(float) >= cap) {
+      groups.emplace_back();
+      numel = 0;
+      cap = options_.bucket_cap_bytes;
+    }
+  }
+  if (groups.back().empty()) groups.pop_back();
+  return groups;
+}
+
+std::vector<size_t> GradientSync::layout_order() const {
+  if (rebuild_pending_) return pending_order_;
+  std::vector<size_t> order;
+  for (const Bucket& b : buckets_) order.insert(order.end(), b.params.begin(), b.params.end());
+  return order;
+}
+
+void GradientSync::apply_pending_rebuild() {
+  std::vector<size_t> order = std::move(pending_order_);
+  build_buckets(order);
+  log::debug("DDP: rebuilt {} buckets in gradient-ready order", buckets_.size());
+}
+
 void GradientSync::build_buckets(const std::vector<size_t>& order) {
+  rebuild_pending_ = false;
+  pending_order_.clear();
+  // The old buckets go first (their memory returns unless a .grad view still holds it), then the new.
   buckets_.clear();
   pool_.clear();
   pool_buffers_ = 0;
@@ -197,7 +229,6 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
   param_bucket_.assign(params_.size(), 0);
   param_offset_.assign(params_.size(), 0);
   Bucket current;
-  size_t cap = options_.first_bucket_cap_bytes;
   const size_t world = static_cast<size_t>(comm_->size());
   size_t shard_floats = 0;
   auto close = [&] {
@@ -224,16 +255,16 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     pool_floats_ = std::max(pool_floats_, current.padded);
     buckets_.push_back(std::move(current));
     current = Bucket{};
-    cap = options_.bucket_cap_bytes;
   };
-  for (size_t index : order) {
-    param_bucket_[index] = buckets_.size();
-    param_offset_[index] = current.numel;
-    current.params.push_back(index);
-    current.numel += params_[index].numel();
-    if (current.numel * sizeof(float) >= cap) close();
+  for (const auto& group : group_into_buckets(order)) {
+    for (size_t index : group) {
+      param_bucket_[index] = buckets_.size();
+      param_offset_[index] = current.numel;
+      current.params.push_back(index);
+      current.numel += params_[index].numel();
+    }
+    close();
   }
-  close();
   if (stage_ == 2) {
     std::shared_ptr<void> shard = options_.memory->allocate_private(std::max<size_t>(shard_floats, 1) * sizeof(float));
     shard_gradients_ = std::shared_ptr<float[]>(shard, static_cast<float*>(shard.get()));
@@ -283,12 +314,11 @@ void GradientSync::enable_fused_update() {
                                       compression_name(options_.compression)));
   if (in_iteration()) throw InvalidArgument("DDP: enable the fused update between iterations, not during backward");
   fused_ = true;
-  std::vector<size_t> order;
-  for (const Bucket& b : buckets_) order.insert(order.end(), b.params.begin(), b.params.end());
-  build_buckets(order);  // the same layout, now with parameter memory
+  build_buckets(layout_order());  // the same layout, now with parameter memory
 }
 
 std::vector<std::vector<size_t>> GradientSync::bucket_layout() const {
+  if (rebuild_pending_) return group_into_buckets(pending_order_);
   std::vector<std::vector<size_t>> out;
   for (const auto& b : buckets_) out.push_back(b.params);
   return out;
@@ -297,6 +327,7 @@ std::vector<std::vector<size_t>> GradientSync::bucket_layout() const {
 void GradientSync::mark_ready(size_t index, const float* grad) {
   if (!sync_enabled_) return;
   if (index >= params_.size()) throw InvalidArgument(fmt::format("DDP: no parameter #{}", index));
+  if (rebuild_pending_) apply_pending_rebuild();
   if (ready_[index])
     throw InvalidArgument(fmt::format(
         "DDP: parameter {} got its gradient twice in one iteration (a module used twice in forward, or "
@@ -322,6 +353,7 @@ void GradientSync::mark_unused(size_t index) {
   if (!sync_enabled_) return;
   if (!options_.find_unused_parameters)
     throw InvalidArgument("DDP: mark_unused needs find_unused_parameters");
+  if (rebuild_pending_) apply_pending_rebuild();
   if (index >= params_.size() || ready_[index]) return;
   Bucket& b = buckets_[param_bucket_[index]];
   if (stage_ == 2 && !b.data) acquire_bucket_memory(b);
@@ -470,9 +502,16 @@ void GradientSync::end_iteration() {
     std::vector<int64_t> order(ready_order_.begin(), ready_order_.end());
     if (comm_->size() > 1) comm_->broadcast(order.data(), order.size(), DataType::kInt64, 0);
     std::vector<size_t> as_index(order.begin(), order.end());
-    build_buckets(as_index);
     rebuilt_ = true;
-    log::debug("DDP: rebuilt {} buckets in gradient-ready order", buckets_.size());
+    if (fused_) {
+      // The fused step binds the parameters to their new slots right after this (step_fused).
+      build_buckets(as_index);
+      log::debug("DDP: rebuilt {} buckets in gradient-ready order", buckets_.size());
+    } else {
+      pending_order_ = std::move(as_index);
+      rebuild_pending_ = true;
+      reset_iteration();
+    }
   } else {
     reset_iteration();
   }
@@ -582,9 +621,7 @@ void GradientSync::enable_sharding(int stage) {
   stage_ = stage;
   // The layout defines the shards (and the optimizer state that lives beside them): no rebuild.
   rebuilt_ = true;
-  std::vector<size_t> order;
-  for (const Bucket& b : buckets_) order.insert(order.end(), b.params.begin(), b.params.end());
-  build_buckets(order);
+  build_buckets(layout_order());
 }
 
 size_t GradientSync::padded_numel(size_t bucket) const {

@@ -35,8 +35,11 @@ TEST(GpuGradSyncFake, GpuBucketsAverageAcrossRanks) {
       for (size_t i = params.size(); i-- > 0;) {
         // Second iteration: the gradient lives in its bucket slot (gradient_as_bucket_view).
         const float* g = static_cast<const float*>(grads[i].get());
+        // Held until mark_ready has read it: the first mark_ready of this iteration builds the rebuilt
+        // buckets, and only this handle keeps the old slot alive until its gradient is copied over.
+        std::shared_ptr<float> slot;
         if (iteration == 1) {
-          auto slot = sync.gradient_slot(i);
+          slot = sync.gradient_slot(i);
           ASSERT_TRUE(gpu::is_device_pointer(slot.get()));
           std::vector<float> v(params[i].numel(), static_cast<float>(rank + 1));
           gpu::copy_memory(slot.get(), v.data(), v.size() * sizeof(float));
@@ -51,8 +54,9 @@ TEST(GpuGradSyncFake, GpuBucketsAverageAcrossRanks) {
         averaged[i].resize(params[i].numel());
         gpu::copy_memory(averaged[i].data(), avg, averaged[i].size() * sizeof(float));
       });
-      for (const auto& a : averaged)
-        for (float v : a) EXPECT_FLOAT_EQ(v, 2.0f);  // mean of 1, 2, 3
+      for (size_t i = 0; i < averaged.size(); ++i)
+        for (float v : averaged[i])
+          EXPECT_FLOAT_EQ(v, 2.0f) << "iteration " << iteration << " parameter " << i;  // mean of 1, 2, 3
     }
     EXPECT_TRUE(sync.buckets_rebuilt());
     EXPECT_EQ(sync.stats().synced_iterations, 2);

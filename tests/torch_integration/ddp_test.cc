@@ -149,6 +149,35 @@ TEST_F(TorchTest, DdpZeroGradReleasesGradientsButKeepsBucketViews) {
   check_ddp_matches_single_process(2, copies, kRtol, kAtol, true, true);
   check_ddp_matches_single_process(3, small_buckets(), kRtol, kAtol, true, true);
 }
+TEST_F(TorchTest, DdpZeroGradFreesTheOldBucketsBeforeTheRebuiltOnesAreAllocated) {
+  // The buckets are rebuilt in gradient-ready order after the first iteration. Their memory is taken
+  // at the next iteration's first gradient, and ddp.zero_grad() has released the .grad views that
+  // held the old buckets by then: one layout's memory at a time, never both (with BERT-base, 435 MB
+  // per rank less at the peak).
+  const int world = 2, per_rank = 4;
+  auto comms = ThreadCommunicator::make_world(world);
+  run_ranks(world, [&](int rank) {
+    ::torch::manual_seed(3);
+    auto model = make_mlp();
+    DistributedDataParallel ddp(model, comms[rank], small_buckets());
+    ::torch::optim::SGD opt(ddp.parameters(), 0.1);
+    size_t model_bytes = 0;
+    for (const auto& p : model->parameters()) model_bytes += static_cast<size_t>(p.numel()) * sizeof(float);
+    for (int it = 0; it < 3; ++it) {
+      ddp.zero_grad();
+      auto b = global_batch(it, world, per_rank);
+      ::torch::nn::functional::cross_entropy(ddp->forward(b.x.narrow(0, rank * per_rank, per_rank)),
+                                             b.y.narrow(0, rank * per_rank, per_rank))
+          .backward();
+      EXPECT_EQ(ddp.sync().rebuild_pending(), it == 0) << "iteration " << it;
+      opt.step();
+    }
+    ASSERT_TRUE(ddp.sync().buckets_rebuilt());
+    for (size_t i = 0; i < model->parameters().size(); ++i) EXPECT_TRUE(ddp.gradient_is_bucket_view(i)) << i;
+    auto& comm = static_cast<ThreadCommunicator&>(*comms[rank]);
+    EXPECT_EQ(comm.peak_shared_bytes(), model_bytes) << "one layout of buckets at a time";
+  });
+}
 TEST_F(TorchTest, Float16AndBFloat16CompressionStayClose) {
   // Gradients here are below 1: fp16 rounds at ~5e-4 relative, bf16 at ~4e-3; after 3 SGD steps
   // the looser bf16 bound still holds.

@@ -103,9 +103,13 @@ TEST(GradientSync, RebuildsBucketsInReadyOrderAfterFirstIteration) {
     // Gradients arrive in the order a, c, b, d (not the registration's reverse).
     expect_average(iterate(sync, rank, {0, 2, 1, 3}), 2, 0, 1e-5f);
     EXPECT_TRUE(sync.buckets_rebuilt());
+    // Decided, but built at the next iteration's first gradient (once the old buckets can go).
+    EXPECT_TRUE(sync.rebuild_pending());
     // a(3) + c(7) = 10 >= 8 -> first bucket; b(5) -> second; d(2) -> third.
     EXPECT_EQ(sync.bucket_layout(), (std::vector<std::vector<size_t>>{{0, 2}, {1}, {3}}));
     expect_average(iterate(sync, rank, {0, 2, 1, 3}, 1), 2, 1, 1e-5f);
+    EXPECT_FALSE(sync.rebuild_pending());
+    EXPECT_EQ(sync.bucket_layout(), (std::vector<std::vector<size_t>>{{0, 2}, {1}, {3}}));
     // A rank marking in another order still works: launches wait for bucket order.
     expect_average(iterate(sync, rank, rank == 0 ? std::vector<size_t>{3, 1, 2, 0} : std::vector<size_t>{0, 1, 2, 3}, 2), 2, 2, 1e-5f);
   });
@@ -127,6 +131,9 @@ TEST(GradientSync, BucketsLiveInAllocateSharedMemoryBeforeAndAfterTheRebuild) {
     EXPECT_TRUE(all_slots_shared());
     expect_average(iterate(sync, rank, {0, 2, 1, 3}), 2, 0, 1e-5f);
     ASSERT_TRUE(sync.buckets_rebuilt());
+    EXPECT_TRUE(all_slots_shared());
+    expect_average(iterate(sync, rank, {0, 2, 1, 3}, 1), 2, 1, 1e-5f);  // the rebuilt buckets
+    ASSERT_FALSE(sync.rebuild_pending());
     EXPECT_TRUE(all_slots_shared());
   });
 }

@@ -196,7 +196,16 @@ class ThreadCommunicator : public Communicator {
     auto memory = Communicator::allocate_shared(bytes);
     std::lock_guard<std::mutex> lock(mutex_);
     allocations_.push_back({memory, bytes});
+    size_t alive = 0;
+    for (const auto& [m, size] : allocations_)
+      if (!m.expired()) alive += size;
+    peak_shared_bytes_ = std::max(peak_shared_bytes_, alive);
     return memory;
+  }
+  // The most allocate_shared memory this rank held at once (counted at each allocation).
+  size_t peak_shared_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_shared_bytes_;
   }
   // Whether [p, p + bytes) lies in memory allocate_shared returned that is still alive (a freed
   // allocation's address may come back from the heap).
@@ -322,6 +331,7 @@ class ThreadCommunicator : public Communicator {
   std::string aborted_;
   int64_t operations_ = 0;
   std::vector<std::pair<std::weak_ptr<void>, size_t>> allocations_;
+  size_t peak_shared_bytes_ = 0;
   std::thread worker_;
 };
 

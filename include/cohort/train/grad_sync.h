@@ -155,7 +155,8 @@ class GradientSync {
   // view of this memory (PyTorch's gradient_as_bucket_view) saves both copies: mark_ready() and
   // finish() see that the pointers are equal and copy nothing. The shared_ptr keeps the memory valid
   // after a bucket rebuild moved the parameter elsewhere (the next mark_ready copies once, then the
-  // framework can rebind to the new slot).
+  // framework can rebind to the new slot): hold it while using the memory, since the rebuild happens
+  // inside the first mark_ready after it was decided (rebuild_pending).
   std::shared_ptr<float> gradient_slot(size_t index) const;
 
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
@@ -207,6 +208,13 @@ class GradientSync {
   // Bucket layout (parameter indices per bucket, in launch order), for tests and logs.
   std::vector<std::vector<size_t>> bucket_layout() const;
   bool buckets_rebuilt() const { return rebuilt_; }
+  // The rebuild is decided at the end of the first synchronised iteration, but its memory is taken at
+  // the next iteration's first gradient (mark_ready / mark_unused): the old buckets still hold the
+  // averages the optimizer steps on, and allocating the new ones before those are released would hold
+  // both layouts at once (2 x the gradients, the process's peak, with BERT-base 435 MB more per rank).
+  // While it is pending, bucket_layout() already tells the new layout. The torch DDP's zero_grad()
+  // releases the gradients that are views of the old buckets when it sees this.
+  bool rebuild_pending() const { return rebuild_pending_; }
   // GPU timing of the last iteration is added once its work has run.
   const GradSyncStats& stats() const {
     resolve_gpu_timing(false);
@@ -242,6 +250,11 @@ class GradientSync {
   void check_parameters_match_rank0();
   void check_compression_matches();
   void build_buckets(const std::vector<size_t>& order);
+  // Parameters in bucket order grouped into buckets (the first bucket_cap_bytes rule), no memory.
+  std::vector<std::vector<size_t>> group_into_buckets(const std::vector<size_t>& order) const;
+  // The parameters in the order of the layout in force (the pending rebuild's, if any).
+  std::vector<size_t> layout_order() const;
+  void apply_pending_rebuild();
   void reset_iteration();
   void launch_complete_buckets();
   void launch(Bucket& b);
@@ -288,6 +301,8 @@ class GradientSync {
   size_t next_launch_ = 0;
   bool sync_enabled_ = true;
   bool rebuilt_ = false;
+  bool rebuild_pending_ = false;
+  std::vector<size_t> pending_order_;  // the rebuild's parameter order, while pending
   bool fused_ = false;
   int stage_ = 0;
   std::shared_ptr<float[]> shard_gradients_;  // stage 2: this rank's chunk of every bucket, back to back

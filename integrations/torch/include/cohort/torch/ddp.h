@@ -122,7 +122,9 @@ class DistributedDataParallel {
   // does, with one exception. A gradient that is a view of its bucket slot (gradient_as_bucket_view,
   // the fused update) is zeroed in place, so that backward accumulates straight into the bucket.
   // Every other .grad is released, so that backward hands over its fresh gradient instead of adding
-  // it to zeros. libtorch 1.13's optimizer.zero_grad() zeroes every gradient: one memset and one add
+  // it to zeros. Right before the bucket rebuild (after the first iteration) every .grad is released,
+  // so that the old buckets are freed before the new ones are allocated (GradientSync::rebuild_pending).
+  // libtorch 1.13's optimizer.zero_grad() zeroes every gradient: one memset and one add
   // over the whole model each step that Python's loop does not pay (on one process that was 8-20 %
   // of the MLP example's step).
   void zero_grad();
@@ -177,6 +179,9 @@ class DistributedDataParallel {
   // Fused update and sharded mode: makes every parameter a view of its slot, copying its values
   // there first (also after a checkpoint load replaced the tensors).
   void bind_parameters();
+  // Hands the heap's free pages back to the system (malloc_trim), if it holds at least that much
+  // free memory: after the model's storage moved into buckets, and after each stage-2 step.
+  void return_freed_memory(size_t at_least_bytes = 0);
 
   template <typename M>
   static auto holder_ptr(M module) {
