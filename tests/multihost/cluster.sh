@@ -23,9 +23,10 @@
 # Addresses: 198.18.0.1 .. 198.18.0.K/24 (RFC 2544 benchmarking range). The bridge lives in a namespace of
 # its own, so nothing is added to the machine's own network namespace and parallel runs (which each have
 # their own bridge namespace) can reuse the same addresses without seeing each other.
-# Names: coh<id>b (bridge) and coh<id>h<i> (hosts), <id> = the pid of the owning process (the `up` or `run`
-# process, or COHORT_CLUSTER_OWNER): unique per run. `gc` deletes clusters whose owner is gone (a test
-# killed by ctest's timeout cannot tear its cluster down); run_test.sh calls it before each test.
+# Names: coh<id>b (bridge) and coh<id>h<i> (hosts), <id> = the pid of the owning process (the `run`
+# process, a keeper process that `up` leaves running until `down`, or COHORT_CLUSTER_OWNER): unique per
+# run. `gc` deletes clusters whose owner is gone (a test killed by ctest's timeout cannot tear its
+# cluster down); run_test.sh calls it before each test.
 # The DIR/env file (sourceable) describes the cluster to tests:
 #   COHORT_CLUSTER_DIR, COHORT_CLUSTER_K, COHORT_CLUSTER_NS_<i>, COHORT_CLUSTER_ADDR_<i>,
 #   COHORT_CLUSTER_SSH (the ssh wrapper: usable as cohort's --ssh-command), COHORT_CLUSTER_HOSTFILE
@@ -129,8 +130,9 @@ cmd_up() {
   mkdir -p "$dir"
   dir=$(readlink -f "$dir")
   # Anything that fails from here on removes what was already made.
-  trap 'teardown_id '"$id $k"'; rm -rf "'"$dir"'"; echo "cluster.sh: up failed; partial cluster removed" >&2' EXIT
-  echo "$id $k" >"$dir/owner"
+  local keeper=${COHORT_CLUSTER_KEEPER:-}
+  trap 'teardown_id '"$id $k"'; rm -rf "'"$dir"'"; [[ -z "'"$keeper"'" ]] || kill "'"$keeper"'" 2>/dev/null; echo "cluster.sh: up failed; partial cluster removed" >&2' EXIT
+  echo "$id $k $keeper" >"$dir/owner"
 
   # Keys: one host key for all sshds, one user key; both only for this run.
   ssh-keygen -q -t ed25519 -N '' -C "cohort-cluster-host-$id" -f "$dir/host_key"
@@ -236,9 +238,10 @@ EOF
 cmd_down() {
   local dir=${1:?down DIR}
   [[ -f $dir/owner ]] || die "$dir/owner not found: not a cluster directory"
-  local id k
-  read -r id k <"$dir/owner"
+  local id k keeper
+  read -r id k keeper <"$dir/owner"
   teardown_id "$id" "$k"
+  [[ -z $keeper ]] || kill "$keeper" 2>/dev/null || true
   rm -rf "$dir"
   log "down: cluster $id removed"
 }
@@ -486,7 +489,16 @@ main() {
   local cmd=${1:-}
   (($#)) && shift
   case $cmd in
-    up) cmd_up "$@" ;;
+    up)
+      # `up` ends before its cluster does: a keeper process stands for the cluster as its owner, so that
+      # `gc` (which removes clusters whose owner is gone, e.g. from a test run beside) leaves it alone
+      # until `down` stops the keeper. (Owned by the short-lived `up` itself, a cluster made by hand was
+      # deleted under a running benchmark by the next multi-host test's gc.)
+      if [[ -z ${COHORT_CLUSTER_OWNER:-} ]]; then
+        setsid sleep infinity </dev/null >/dev/null 2>&1 &
+        export COHORT_CLUSTER_OWNER=$! COHORT_CLUSTER_KEEPER=$!
+      fi
+      cmd_up "$@" ;;
     down) cmd_down "$@" ;;
     exec) cmd_exec "$@" ;;
     ssh) cmd_ssh "$@" ;;
