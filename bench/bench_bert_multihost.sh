@@ -24,7 +24,7 @@
 # samples/s counts the timed steps only (barrier to barrier), in both programs; data loading and the
 # held-out evaluation (all 5,882 glosses) are outside it. LOGS=DIR keeps every run's full output.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 BUILD=$(realpath "${1:-${BUILD:-build}}")
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-30}
