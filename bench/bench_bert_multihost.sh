@@ -43,7 +43,9 @@ TMP=$(mktemp -d)
 [[ -n $LOGS ]] || LOGS=$TMP
 mkdir -p "$LOGS"
 
-D=$(COHORT_CLUSTER_QUIET=1 "$CLUSTER" up -k $K) || { echo "bench_bert_multihost: cluster.sh up failed" >&2; exit 1; }
+# This script owns the cluster (COHORT_CLUSTER_OWNER): with the `up` process as its owner, which exits at
+# once, any `cluster.sh gc` (run_test.sh calls it before every multi-host test) deletes it mid-run.
+D=$(COHORT_CLUSTER_OWNER=$$ COHORT_CLUSTER_QUIET=1 "$CLUSTER" up -k $K) || { echo "bench_bert_multihost: cluster.sh up failed" >&2; exit 1; }
 # The cluster goes down whatever happens (failure, Ctrl-C): nothing outlives the run.
 trap '"$CLUSTER" down "$D" >/dev/null 2>&1; rm -rf "$TMP"' EXIT
 trap 'exit 130' INT TERM
@@ -113,6 +115,10 @@ for round in $(seq 1 "$ROUNDS"); do
     acc[$round,$c]=$(grep -o "accuracy (held-out): [0-9.]*" "$log" | awk '{print $3}')
     wait_pct=$(grep -o "communication wait: [0-9.]*%" "$log" | awk '{print ", comm wait " $3}')
     if [[ $rc != 0 || -z ${sps[$round,$c]} ]]; then
+      if ! ip netns list | awk '{print $1}' | grep -qx "$COHORT_CLUSTER_NS_0"; then
+        echo "round $round: $(label "$c") FAILED: the cluster's namespaces are gone (deleted by someone else?); stopping"
+        exit 1
+      fi
       echo "round $round: $(label "$c") FAILED (rc $rc): $(grep -iE "error|exception" "$log" "$log".node* 2>/dev/null | head -3 | tr '\n' ' ')"
       sps[$round,$c]=0
       continue
