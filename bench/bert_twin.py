@@ -11,7 +11,10 @@ Two processes, DDP over gloo (Debian's torchrun crashes on Python 3.11: use the 
 Options that mirror the example's: --size mini|small|base (and --layers/--hidden/--heads/--seq-len/
 --vocab), --batch, --lr, --weight-decay, --dropout, --optimizer adamw|adam|sgd, --zero 0|1
 (1: torch.distributed.optim.ZeroRedundancyOptimizer, PyTorch's sharded optimizer state),
---compression none|fp16 (DDP's fp16_compress_hook), --bucket-mb, --max-steps, --train-samples,
+--comm-hook none|fp16 (DDP's fp16_compress_hook from torch.distributed.algorithms.ddp_comm_hooks.default_hooks,
+registered with register_comm_hook(None, ...); --compression fp16 is its older spelling; no bf16: torch 1.13's
+DDP refuses bf16_compress_hook without CUDA, "BF16 all reduce communication hook required CUDA 11+ and NCCL
+2.10+"), --bucket-mb, --max-steps, --train-samples,
 --test-samples, --seed, --threads (default 1), --print-digest. The output lines are the example's, so the same
 greps read both.
 """
@@ -203,7 +206,9 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1])
-    ap.add_argument("--compression", default="none", choices=["none", "fp16"])
+    ap.add_argument("--comm-hook", default="none", choices=["none", "fp16"],
+                    help="DDP communication hook: fp16 puts the gradients on the wire as fp16 (fp16_compress_hook)")
+    ap.add_argument("--compression", default="none", choices=["none", "fp16"], help="old spelling of --comm-hook")
     ap.add_argument("--bucket-mb", type=float, default=25)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=0)
@@ -214,6 +219,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--print-digest", action="store_true")
     a = ap.parse_args()
+    if a.compression != "none":
+        if a.comm_hook not in ("none", a.compression):
+            ap.error(f"--compression {a.compression} and --comm-hook {a.comm_hook} disagree")
+        a.comm_hook = a.compression
     layers, hidden, heads, seq_len, vocab_size = SIZES[a.size]
     layers, hidden, heads = a.layers or layers, a.hidden or hidden, a.heads or heads
     seq_len, vocab_size = a.seq_len or seq_len, a.vocab or vocab_size
@@ -241,7 +250,7 @@ def main():
     ddp = model
     if distributed:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
-        if a.compression == "fp16":
+        if a.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     kinds = {"sgd": (torch.optim.SGD, dict(lr=a.lr, momentum=0.9, weight_decay=a.weight_decay)),
@@ -258,7 +267,8 @@ def main():
     if rank == 0:
         print(f"bert twin: {layers} layers, hidden {hidden}, {heads} heads, sequence {seq_len}, vocabulary "
               f"{vocab_size}: {nparams} parameters; {len(train)} training and {len(test)} held-out glosses; world "
-              f"{world}, batch {a.batch} per rank, {a.optimizer}{' ZeroRedundancyOptimizer' if a.zero else ''}",
+              f"{world}, batch {a.batch} per rank, {a.optimizer}{' ZeroRedundancyOptimizer' if a.zero else ''}"
+              f"{f', {a.comm_hook}_compress_hook' if distributed and a.comm_hook != 'none' else ''}",
               flush=True)
     if distributed:
         dist.barrier()
