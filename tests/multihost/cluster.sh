@@ -24,9 +24,9 @@
 # its own, so nothing is added to the machine's own network namespace and parallel runs (which each have
 # their own bridge namespace) can reuse the same addresses without seeing each other.
 # Names: coh<id>b (bridge) and coh<id>h<i> (hosts), <id> = the pid of the owning process (the `run`
-# process, a keeper process that `up` leaves running until `down`, or COHORT_CLUSTER_OWNER): unique per
-# run. `gc` deletes clusters whose owner is gone (a test killed by ctest's timeout cannot tear its
-# cluster down); run_test.sh calls it before each test.
+# process, a keeper process that `up` leaves running while the cluster's directory exists, or
+# COHORT_CLUSTER_OWNER): unique per run. `gc` deletes clusters whose owner is gone (a test killed by
+# ctest's timeout cannot tear its cluster down); run_test.sh calls it before each test.
 # The DIR/env file (sourceable) describes the cluster to tests:
 #   COHORT_CLUSTER_DIR, COHORT_CLUSTER_K, COHORT_CLUSTER_NS_<i>, COHORT_CLUSTER_ADDR_<i>,
 #   COHORT_CLUSTER_SSH (the ssh wrapper: usable as cohort's --ssh-command), COHORT_CLUSTER_HOSTFILE
@@ -130,9 +130,10 @@ cmd_up() {
   mkdir -p "$dir"
   dir=$(readlink -f "$dir")
   # Anything that fails from here on removes what was already made.
-  local keeper=${COHORT_CLUSTER_KEEPER:-}
-  trap 'teardown_id '"$id $k"'; rm -rf "'"$dir"'"; [[ -z "'"$keeper"'" ]] || kill "'"$keeper"'" 2>/dev/null; echo "cluster.sh: up failed; partial cluster removed" >&2' EXIT
-  echo "$id $k $keeper" >"$dir/owner"
+  local keeper=${COHORT_CLUSTER_KEEPER:-} pointer=${COHORT_CLUSTER_POINTER:-}
+  trap 'teardown_id '"$id $k"'; rm -rf "'"$dir"'"; stop_keeper "'"$keeper"'" "'"$pointer"'"; echo "cluster.sh: up failed; partial cluster removed" >&2' EXIT
+  echo "$id $k $keeper $pointer" >"$dir/owner"
+  [[ -z $pointer ]] || echo "$dir" >"$pointer"  # the keeper lives while $dir/owner does
 
   # Keys: one host key for all sshds, one user key; both only for this run.
   ssh-keygen -q -t ed25519 -N '' -C "cohort-cluster-host-$id" -f "$dir/host_key"
@@ -235,13 +236,19 @@ EOF
   echo "$dir"
 }
 
+# Stops `up`'s keeper (its process group: the shell and its sleep) and removes its pointer file.
+stop_keeper() {  # keeper-pid pointer-file (either may be empty)
+  [[ -z ${1:-} ]] || kill -- "-$1" 2>/dev/null || true
+  [[ -z ${2:-} ]] || rm -f "$2"
+}
+
 cmd_down() {
   local dir=${1:?down DIR}
   [[ -f $dir/owner ]] || die "$dir/owner not found: not a cluster directory"
-  local id k keeper
-  read -r id k keeper <"$dir/owner"
+  local id k keeper pointer
+  read -r id k keeper pointer <"$dir/owner"
   teardown_id "$id" "$k"
-  [[ -z $keeper ]] || kill "$keeper" 2>/dev/null || true
+  stop_keeper "$keeper" "$pointer"
   rm -rf "$dir"
   log "down: cluster $id removed"
 }
@@ -494,9 +501,14 @@ main() {
       # `gc` (which removes clusters whose owner is gone, e.g. from a test run beside) leaves it alone
       # until `down` stops the keeper. (Owned by the short-lived `up` itself, a cluster made by hand was
       # deleted under a running benchmark by the next multi-host test's gc.)
+      # The keeper lives as long as the cluster's directory (up writes its path into the pointer file
+      # within seconds): an `up` killed half-way, or a directory deleted by hand, leaves no keeper behind
+      # for long, and gc then removes the namespaces as it did before.
       if [[ -z ${COHORT_CLUSTER_OWNER:-} ]]; then
-        setsid sleep infinity </dev/null >/dev/null 2>&1 &
-        export COHORT_CLUSTER_OWNER=$! COHORT_CLUSTER_KEEPER=$!
+        COHORT_CLUSTER_POINTER=$(mktemp "${TMPDIR:-/tmp}/cohort-cluster-keeper.XXXXXX")
+        setsid bash -c 'sleep 10; while [[ -e "$(cat "$0" 2>/dev/null)/owner" ]]; do sleep 5; done; rm -f "$0"' \
+          "$COHORT_CLUSTER_POINTER" </dev/null >/dev/null 2>&1 &
+        export COHORT_CLUSTER_OWNER=$! COHORT_CLUSTER_KEEPER=$! COHORT_CLUSTER_POINTER
       fi
       cmd_up "$@" ;;
     down) cmd_down "$@" ;;
