@@ -140,12 +140,10 @@ void ShardedOptimizer::check_same_configuration() {
 }
 
 void ShardedOptimizer::zero_grad() {
+  // Stage 1: .grad are views of the buckets, zeroed in place; stage 2: released (the gradients live in
+  // the buckets, then in the chunks). DDP's zero_grad() tells the two apart.
+  ddp_.zero_grad();
   ::torch::NoGradGuard no_grad;
-  for (auto& p : ddp_.parameters()) {
-    if (!p.grad().defined()) continue;
-    if (stage_ == 2) p.mutable_grad().reset();  // gradients live in the buckets, then in the chunks
-    else p.mutable_grad().zero_();              // stage 1: views of the buckets, kept as such
-  }
   for (auto& c : chunks_) c.mutable_grad().zero_();
 }
 
