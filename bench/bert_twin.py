@@ -300,23 +300,29 @@ def main():
     seconds = time.perf_counter() - t0
     model.eval()
     correct = predicted = 0
+    loss_sum = 0.0  # summed cross-entropy of the masked tokens, as the C++ example reports it
     with torch.no_grad():
         held_out = min(a.test_samples, len(test)) if a.test_samples > 0 else len(test)
         mine = list(range(rank, held_out, world))
         for i in range(0, len(mine), 256):
             ids, masked, labels = make_batch(test, mine[i:i + 256], seq_len, vocab_size, a.seed, M64)
-            correct += model(ids, masked).argmax(1).eq(labels).sum().item()
+            logits = model(ids, masked)
+            correct += logits.argmax(1).eq(labels).sum().item()
+            loss_sum += F.cross_entropy(logits.double(), labels, reduction="sum").item()
             predicted += labels.numel()
     totals = torch.tensor([correct, predicted, samples], dtype=torch.long)
+    loss_total = torch.tensor([loss_sum], dtype=torch.float64)
     memory = torch.tensor([[state_bytes(opt.optim if a.zero and distributed else opt) / 1e6,
                             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]], dtype=torch.float64)
     gathered = [memory.clone() for _ in range(world)]
     if distributed:
         dist.all_reduce(totals)
+        dist.all_reduce(loss_total)
         dist.all_gather(gathered, memory)
     if rank == 0:
         c, n, total = totals.tolist()
         print(f"masked-token accuracy (held-out): {c / n if n else 0:.4f} ({c} of {n})")
+        print(f"masked-token loss (held-out): {loss_total.item() / n if n else 0:.4f}")
         print(f"samples/s: {total / seconds if seconds else 0:.1f} ({total} samples on {world} ranks in {seconds:.3f} s, "
               f"{steps_run} steps per rank)")
         for r, m in enumerate(gathered):

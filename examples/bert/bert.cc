@@ -375,8 +375,11 @@ int run(const Args& a) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   save(pos);
 
-  // Masked-token accuracy on the held-out glosses: each rank its share, summed.
+  // Masked-token accuracy and loss on the held-out glosses: each rank its share, summed. The loss (mean
+  // cross-entropy per masked token) tells runs apart long before the accuracy leaves the share of the most
+  // common token, which is where every run of a few hundred steps sits.
   int64_t counts[2] = {0, 0};  // correct, predicted
+  double loss_sum = 0;
   {
     torch::NoGradGuard no_grad;
     model->eval();
@@ -387,13 +390,18 @@ int run(const Args& a) {
     for (int64_t i = 0; i < static_cast<int64_t>(mine.size()); i += 256) {
       const int64_t n = std::min<int64_t>(256, static_cast<int64_t>(mine.size()) - i);
       auto b = make_batch(corpus.test, mine, i, n, s.seq_len, vocab, a.seed, ~uint64_t{0});
-      auto predicted = model->forward(b.ids.to(device), b.masked.to(device)).argmax(1).to(torch::kCPU);
-      counts[0] += predicted.eq(b.labels).sum().item<int64_t>();
+      auto logits = model->forward(b.ids.to(device), b.masked.to(device)).to(torch::kCPU);
+      counts[0] += logits.argmax(1).eq(b.labels).sum().item<int64_t>();
+      loss_sum += torch::nn::functional::cross_entropy(
+                      logits.to(torch::kFloat64), b.labels,
+                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                      .item<double>();
       counts[1] += b.labels.numel();
     }
     model->train();
   }
   comm->allreduce(counts, counts, 2, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
+  comm->allreduce(&loss_sum, &loss_sum, 1, cohort::DataType::kFloat64, cohort::ReduceOp::kSum);
   int64_t total_samples = samples;
   comm->allreduce(&total_samples, &total_samples, 1, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
   double wait = ddp.stats().wait_seconds;
@@ -406,6 +414,7 @@ int run(const Args& a) {
   if (lead) {
     fmt::print("masked-token accuracy (held-out): {:.4f} ({} of {})\n",
                counts[1] ? static_cast<double>(counts[0]) / static_cast<double>(counts[1]) : 0.0, counts[0], counts[1]);
+    fmt::print("masked-token loss (held-out): {:.4f}\n", counts[1] ? loss_sum / static_cast<double>(counts[1]) : 0.0);
     fmt::print("samples/s: {:.1f} ({} samples on {} ranks in {:.3f} s, {} steps per rank)\n",
                seconds > 0 ? static_cast<double>(total_samples) / seconds : 0.0, total_samples, world, seconds, steps_run);
     fmt::print("communication wait: {:.1f}% of step time ({:.3f} s per rank, averaged over ranks)\n",
