@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -372,6 +373,49 @@ TEST(ShmGroup, SharedMemoryOutlivesItsGroupAndIsZeroed) {
     for (size_t i = 0; i < 100000; i += 997) ASSERT_EQ(0, p[i]);
     std::memset(m.get(), 1, 100000);  // still mapped and writable
   }
+}
+
+// The resident size of the mapping that starts at `base`, from /proc/self/smaps (0 if none does).
+size_t resident_bytes_of_mapping(const void* base) {
+  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (!f) return 0;
+  char line[512];
+  bool in_it = false;
+  size_t kb = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long start = 0, end = 0;
+    if (std::sscanf(line, "%lx-%lx ", &start, &end) == 2 && std::strchr(line, ':') && !std::strstr(line, "kB")) {
+      in_it = start == reinterpret_cast<uintptr_t>(base);
+    } else if (in_it && std::sscanf(line, "Rss: %zu kB", &kb) == 1) {
+      break;
+    }
+  }
+  std::fclose(f);
+  return kb * 1024;
+}
+
+// Each rank faults in only its own part of an allocate_shared segment: a rank's RSS must show its own
+// buffer, not every rank's (with N local ranks that was N times the model's gradients per rank).
+TEST(ShmGroup, SharedMemoryIsResidentInEachRankOnlyForItsOwnPartUntilItTouchesAnother) {
+  const int world = 3;
+  const size_t bytes = 4u << 20;
+  auto groups = make_groups(world, tiny_options());
+  std::vector<std::shared_ptr<void>> memory(world);
+  test::run_ranks(world, [&](int r) { memory[r] = groups[r]->allocate_shared(bytes); });
+  // Parts are page-rounded and in rank order: rank r's mapping starts r parts before its own part.
+  const size_t part = bytes;  // a multiple of the page size already
+  for (int r = 0; r < world; ++r) {
+    const char* base = static_cast<const char*>(memory[r].get()) - static_cast<size_t>(r) * part;
+    const size_t rss = resident_bytes_of_mapping(base);
+    EXPECT_GE(rss, part) << "rank " << r << ": its own part is not resident";
+    EXPECT_LT(rss, part + part / 2) << "rank " << r << ": other ranks' parts were faulted in too";
+  }
+  // Rank 0 reads rank 1's part through its own mapping: those pages join rank 0's RSS, and hold what
+  // rank 1 wrote.
+  std::memset(memory[1].get(), 7, bytes);
+  const char* base0 = static_cast<const char*>(memory[0].get());
+  for (size_t i = 0; i < bytes; i += 4096) ASSERT_EQ(7, base0[part + i]) << i;
+  EXPECT_GE(resident_bytes_of_mapping(base0), 2 * part);
 }
 
 TEST(ShmGroup, CreateThroughStoreWithDefaultOptionsAndLargeBuffers) {

@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -78,17 +79,30 @@ void recv_exact(int fd, void* data, size_t n, Deadline deadline, const std::stri
   }
 }
 
-void* map_fd(int fd, size_t bytes) {
-  // MAP_POPULATE: fault every page in now rather than inside the first timed collectives.
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+// Maps the whole segment and faults in the pages of `populate` now rather than inside the first timed
+// collectives (the rest are mapped when first touched: minor faults, the pages exist once their owner
+// touched them).
+void* map_fd(int fd, size_t bytes, SegmentRange populate) {
+  const size_t begin = std::min(populate.offset, bytes), end = begin + std::min(populate.bytes, bytes - begin);
+  const bool whole = begin == 0 && end == bytes;
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (whole ? MAP_POPULATE : 0), fd, 0);
   if (p == MAP_FAILED) throw_errno(fmt::format("mmap of {} bytes", bytes));
+  if (whole || end == begin) return p;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  char* first = static_cast<char*>(p) + begin / page * page;
+  char* last = static_cast<char*>(p) + end;
+  // MADV_POPULATE_WRITE (Linux 5.14): allocates and maps the range in one call. Older kernels refuse it
+  // (EINVAL): touch one byte per page instead; the memfd's pages read as zero, so writing 0 changes nothing.
+  if (::madvise(first, static_cast<size_t>(last - first), MADV_POPULATE_WRITE) != 0) {
+    for (volatile char* q = first; q < last; q += page) *q = 0;
+  }
   return p;
 }
 
 }  // namespace
 
 Segment Segment::establish(const std::string& address, int local_rank, int local_size, size_t bytes,
-                           Deadline deadline) {
+                           Deadline deadline, SegmentRange populate) {
   socklen_t addr_len = 0;
   sockaddr_un addr = net::abstract_address(address, &addr_len);
   Segment seg;
@@ -97,7 +111,7 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
     UniqueFd mem(::memfd_create("cohort-shm", MFD_CLOEXEC));
     if (!mem) throw_errno("memfd_create");
     if (::ftruncate(mem.get(), static_cast<off_t>(bytes)) != 0) throw_errno(fmt::format("ftruncate to {} bytes", bytes));
-    seg.data_ = map_fd(mem.get(), bytes);
+    seg.data_ = map_fd(mem.get(), bytes, populate);
     if (local_size == 1) return seg;
     UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!listener) throw_errno("socket");
@@ -162,7 +176,7 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
   if (r != static_cast<ssize_t>(sizeof reply)) throw_errno("recvmsg of the segment descriptor");
   if (fds.size() != 1) throw Error("shm: local rank 0 sent no descriptor");
   UniqueFd mem = std::move(fds[0]);
-  seg.data_ = map_fd(mem.get(), bytes);
+  seg.data_ = map_fd(mem.get(), bytes, populate);
   return seg;
 }
 

@@ -18,13 +18,23 @@ class Store;
 
 namespace cohort::shm {
 
+// Part of a segment, in bytes from its start.
+struct SegmentRange {
+  size_t offset = 0;
+  size_t bytes = static_cast<size_t>(-1);  // -1: to the end
+};
+
 class Segment {
  public:
   // Collective over the `local_size` ranks that share `address` (an abstract socket name, e.g. from
   // rendezvous_address). Local rank 0 creates `bytes` bytes; the others must pass the same size.
   // Throws TimeoutError when a rank does not show up before `deadline`, MismatchError on a size mismatch.
+  // Every page is faulted in at once (none inside the first timed collectives), unless `populate` names
+  // a part: then only that part is, and the rest is mapped as it is touched. A rank's RSS counts the
+  // shared pages it has mapped, so a segment of N parts, one per rank, populated whole by every rank,
+  // would show each rank's RSS N parts large though only one is its own.
   static Segment establish(const std::string& address, int local_rank, int local_size, size_t bytes,
-                           Deadline deadline);
+                           Deadline deadline, SegmentRange populate = {});
 
   Segment() = default;
   ~Segment();
