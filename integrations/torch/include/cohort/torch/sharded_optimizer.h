@@ -103,11 +103,13 @@ class ShardedOptimizer {
   ::torch::Tensor state_tensor(size_t chunk, const std::string& name) const;
   int64_t state_step() const;
   void set_state(size_t chunk, const std::vector<::torch::Tensor>& tensors, int64_t step);
+  void create_state();
 
   DistributedDataParallel& ddp_;
   std::string kind_;
   std::string options_text_;
   int stage_;
+  bool stepped_ = false;  // the first step() has run (it creates the optimizer's state)
   std::vector<::torch::Tensor> chunks_;  // this rank's parameter chunks, one per bucket (.grad: the averages)
   std::unique_ptr<::torch::optim::Optimizer> optimizer_;
 };
