@@ -112,7 +112,9 @@ void check_ddp_matches_single_process(int world, DDPOptions options, double rtol
     }
     // gradient_as_bucket_view: after the rebuild every .grad is a view of its (new) bucket slot. One
     // rank copies nothing into buckets: its gradients stay torch's own.
-    if (world > 1) EXPECT_TRUE(ddp.sync().buckets_rebuilt());
+    if (world > 1) {
+      EXPECT_TRUE(ddp.sync().buckets_rebuilt());
+    }
     for (size_t i = 0; i < ps.size(); ++i)
       EXPECT_EQ(ddp.gradient_is_bucket_view(i), options.gradient_as_bucket_view && world > 1) << "param " << i;
     if (several_buckets) {

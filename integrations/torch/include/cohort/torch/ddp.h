@@ -180,7 +180,8 @@ class DistributedDataParallel {
   // there first (also after a checkpoint load replaced the tensors).
   void bind_parameters();
   // Hands the heap's free pages back to the system (malloc_trim), if it holds at least that much
-  // free memory: after the model's storage moved into buckets, and after each stage-2 step.
+  // free memory: after the model's storage moved into buckets, after the first optimizer step (at
+  // zero_grad before the rebuild, or ShardedOptimizer's first step), and after each stage-2 step.
   void return_freed_memory(size_t at_least_bytes = 0);
 
   template <typename M>
