@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <sys/resource.h>
+#include <malloc.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -21,6 +22,9 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
@@ -197,10 +201,30 @@ size_t state_bytes(torch::optim::Optimizer& opt, const std::string& kind) {
   return bytes;
 }
 
+
 double peak_rss_mb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: kilobytes
+}
+
+// This process's resident memory now, from /proc/self/smaps_rollup (Linux): Rss, and Pss, which splits
+// each shared page among the processes that map it (the buckets are shared memory the peers map).
+// Slow for a big process (it walks every mapping): for --trace-memory only.
+std::string memory_now() {
+  std::ifstream in("/proc/self/smaps_rollup");
+  std::string line;
+  double rss = 0, pss = 0, anon = 0;
+  auto field = [&](const char* key, double& mb) {  // "Rss:   123456 kB"
+    if (line.rfind(key, 0) == 0) mb = std::strtod(line.c_str() + std::strlen(key), nullptr) / 1024.0;
+  };
+  while (std::getline(in, line)) field("Rss:", rss), field("Pss:", pss), field("Anonymous:", anon);
+  double heap_free = 0;
+#if defined(__GLIBC__)
+  heap_free = static_cast<double>(mallinfo2().fordblks) / (1024.0 * 1024.0);
+#endif
+  return fmt::format("Rss {:.0f} MB (peak so far {:.0f}), Pss {:.0f} MB, anonymous {:.0f} MB, free in the heap {:.0f} MB",
+                     rss, peak_rss_mb(), pss, anon, heap_free);
 }
 
 struct Args {
@@ -228,6 +252,7 @@ struct Args {
   bool verbose = false;
   int64_t kill_after_steps = 0;
   bool print_digest = false;
+  int64_t trace_memory = 0;
 };
 
 int run(const Args& a) {
@@ -339,14 +364,23 @@ int run(const Args& a) {
       const int64_t len = std::min<int64_t>(a.batch, static_cast<int64_t>(indices.size()) - begin);
       auto b = make_batch(corpus.train, indices, begin, len, s.seq_len, vocab, a.seed, static_cast<uint64_t>(epoch));
       auto ids = b.ids.to(device), masked = b.masked.to(device), labels = b.labels.to(device);
+      const bool trace = steps_run < a.trace_memory;
+      auto phase = [&](const char* what) {
+        if (trace) fmt::print("rank {} step {} {}: {}\n", rank, steps_run, what, memory_now());
+      };
+      phase("start");
       if (sharded) sharded->zero_grad();
       else ddp.zero_grad();  // as torch 2.x's zero_grad(): released, or zeroed in place where a bucket view
+      phase("after zero_grad");
       auto logits = ddp.forward_with([&] { return model->forward(ids, masked); });
       // An empty batch still takes part in the step (every rank's gradients are averaged): zero loss.
       auto loss = len > 0 ? torch::nn::functional::cross_entropy(logits, labels) : logits.sum() * 0.0;
+      phase("after forward");
       loss.backward();
+      phase("after backward");
       if (sharded) sharded->step();
       else optimizer->step();
+      phase("after step");
       samples += len;
       ++steps_run;
       ++pos.global_step;
@@ -463,6 +497,8 @@ int main(int argc, char** argv) {
   app.add_flag("--verbose", a.verbose, "print more of the setup");
   app.add_option("--kill-after-steps", a.kill_after_steps, "testing: SIGKILL every rank after N steps of this run");
   app.add_flag("--print-digest", a.print_digest, "print a digest of the final weights (resume tests)");
+  app.add_option("--trace-memory", a.trace_memory, "print every rank's resident memory after each phase of the first N steps")
+      ->check(kNotNegative);
   const bool report = env_rank() == 0;
   try {
     app.parse(argc, argv);
