@@ -8,6 +8,7 @@
 #
 #   bench/bench_bert_multihost.sh [build_dir]     (as root: network namespaces)
 #       ROUNDS=3 STEPS=30 RATE=1gbit CASES="c32 t32 cbf16 t16 c16" PEERS=../shared/peers LOGS=DIR
+#       RUN_TIMEOUT=seconds per run (300 + 5 x STEPS)
 #       MODEL="--layers 2 --hidden 256 --heads 4 --seq-len 32 --vocab 50000 --batch 8" (both programs)
 #   e.g. flock /tmp/cohort-bench.lock bench/bench_bert_multihost.sh /path/to/build | tee out.txt
 #
@@ -32,6 +33,8 @@ BUILD=$(realpath "${1:-${BUILD:-build}}")
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-30}
 RATE=${RATE:-1gbit}
+# Each run's limit: the fp16 hook's 200 steps took over 600 s on this 2-core machine.
+RUN_TIMEOUT=${RUN_TIMEOUT:-$((300 + 5 * STEPS))}
 CASES=${CASES:-c32 t32 cbf16 t16 c16}
 MODEL=${MODEL:---layers 2 --hidden 256 --heads 4 --seq-len 32 --vocab 50000 --batch 8}
 PEERS=$(realpath "${PEERS:-../shared/peers}")  # relative to the repository root (this script cd-s there)
@@ -65,13 +68,13 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
 cohort_run() {  # log, extra bert flags...
   local log=$1; shift
-  timeout 600 "$CLUSTER" exec "$D" 0 "$COHORT" run -H "$hosts" --ssh-command "$COHORT_CLUSTER_SSH" --no-tag-output \
+  timeout "$RUN_TIMEOUT" "$CLUSTER" exec "$D" 0 "$COHORT" run -H "$hosts" --ssh-command "$COHORT_CLUSTER_SSH" --no-tag-output \
     --ranks-to-console 0 -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1 "$BERT" "${common[@]}" "$@" >"$log" 2>&1
 }
 torch_run() {  # log, extra twin flags...: one torchrun per host, node 0's output is rank 0's
   local log=$1 port=$((29500 + RANDOM % 1000)) i pids=() rc=0; shift
   for ((i = K - 1; i >= 0; i--)); do
-    timeout 600 "$CLUSTER" exec "$D" "$i" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+    timeout "$RUN_TIMEOUT" "$CLUSTER" exec "$D" "$i" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
       /usr/bin/python3 "$PEERS/torchrun311.py" --nnodes $K --node_rank "$i" --nproc_per_node 1 \
       --master_addr "$COHORT_CLUSTER_ADDR_0" --master_port "$port" "$TWIN" "${common[@]}" "$@" \
       >"$log.node$i" 2>&1 &
