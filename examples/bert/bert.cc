@@ -36,7 +36,6 @@
 #include "store/memory_store.h"
 
 namespace nn = torch::nn;
-using cohort::examples::env_rank;
 using cohort::examples::kAtLeastOne;
 using cohort::examples::kNotNegative;
 using cohort::examples::kPositive;
@@ -499,25 +498,5 @@ int main(int argc, char** argv) {
   app.add_flag("--print-digest", a.print_digest, "print a digest of the final weights (resume tests)");
   app.add_option("--trace-memory", a.trace_memory, "print every rank's resident memory after each phase of the first N steps")
       ->check(kNotNegative);
-  const bool report = env_rank() == 0;
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    if (report) std::fprintf(stderr, "bert: %s\n", e.what());
-    return 2;
-  }
-  try {
-    return run(a);
-  } catch (const ConfigError& e) {
-    if (report) std::fprintf(stderr, "bert: %s\n", e.what());
-    return 2;
-  } catch (const cohort::InvalidArgument& e) {
-    std::fprintf(stderr, "bert: rank %d: %s\n", env_rank(), e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bert: rank %d: %s\n", env_rank(), e.what());
-    return 1;
-  }
+  return cohort::examples::parse_and_run("bert", app, argc, argv, [&] { return run(a); });
 }

@@ -1,12 +1,16 @@
 #pragma once
 // What every example needs to start the same way (fashion_mnist, ps_ctr, bert, resnet): whether a
 // launcher started it, its rank before any communicator exists (so that only rank 0 reports bad
-// arguments), and CLI11 validators that say what is wanted.
+// arguments), CLI11 validators that say what is wanted, and main()'s parse-run-report tail.
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
+
+#include "cohort/error.h"
 
 namespace cohort::examples {
 
@@ -41,5 +45,35 @@ inline CLI::Validator number_check(bool (*ok)(double), const char* wanted) {
 inline const CLI::Validator kPositive = number_check([](double v) { return v > 0; }, "positive");
 inline const CLI::Validator kAtLeastOne = number_check([](double v) { return v >= 1; }, "at least 1");
 inline const CLI::Validator kNotNegative = number_check([](double v) { return v >= 0; }, "0 or more");
+
+// main()'s tail in the data-parallel examples: parses the flags, runs, and turns what went wrong into
+// one line and an exit status. 2: the user's flags or configuration (ConfigError, InvalidArgument);
+// 1: anything else (a lost peer, a timeout, a mismatch). Flags and configuration are the same on every
+// rank, so only rank 0 says what is wrong with them and a launched job prints it once; any other
+// failure may be one rank's, so every rank says its own, with its rank.
+template <typename Run>
+int parse_and_run(const char* program, CLI::App& app, int argc, char** argv, Run&& run) {
+  const bool report = env_rank() == 0;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    if (report) std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return 2;
+  }
+  try {
+    return run();
+  } catch (const ConfigError& e) {
+    if (report) std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return 2;
+  } catch (const InvalidArgument& e) {
+    std::fprintf(stderr, "%s: rank %d: %s\n", program, env_rank(), e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: rank %d: %s\n", program, env_rank(), e.what());
+    return 1;
+  }
+}
 
 }  // namespace cohort::examples

@@ -28,7 +28,6 @@
 #include "dataset/fashion_mnist_files.h"
 
 namespace nn = torch::nn;
-using cohort::examples::env_rank;
 using cohort::examples::kAtLeastOne;
 using cohort::examples::kNotNegative;
 using cohort::examples::kPositive;
@@ -314,26 +313,5 @@ int main(int argc, char** argv) {
   app.add_flag("--verbose", a.verbose, "print the setup (world, BLAS library in use, buckets)");
   app.add_option("--kill-after-steps", a.kill_after_steps, "testing: SIGKILL every rank after N steps of this run");
   app.add_flag("--print-digest", a.print_digest, "print a digest of the final weights (resume tests)");
-  // Only rank 0 reports bad arguments, so a launched job prints the problem once.
-  const bool report = env_rank() == 0;
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    if (report) std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
-    return 2;
-  }
-  try {
-    return run(a);
-  } catch (const ConfigError& e) {
-    if (report) std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
-    return 2;
-  } catch (const cohort::InvalidArgument& e) {
-    std::fprintf(stderr, "fashion_mnist: rank %d: %s\n", env_rank(), e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fashion_mnist: rank %d: %s\n", env_rank(), e.what());
-    return 1;
-  }
+  return cohort::examples::parse_and_run("fashion_mnist", app, argc, argv, [&] { return run(a); });
 }

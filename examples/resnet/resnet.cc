@@ -34,7 +34,6 @@
 #include "store/memory_store.h"
 
 namespace nn = torch::nn;
-using cohort::examples::env_rank;
 using cohort::examples::kAtLeastOne;
 using cohort::examples::kNotNegative;
 using cohort::examples::kPositive;
@@ -468,26 +467,5 @@ int main(int argc, char** argv) {
                  "testing: SIGKILL every rank after N steps of a first start (a restart goes on)")
       ->check(kNotNegative);
   app.add_flag("--print-digest", a.print_digest, "every rank prints a digest of its final parameters and buffers");
-  // Only rank 0 reports bad arguments, so a launched job prints the problem once.
-  const bool report = env_rank() == 0;
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    if (report) std::fprintf(stderr, "resnet: %s\n", e.what());
-    return 2;
-  }
-  try {
-    return run(a);
-  } catch (const ConfigError& e) {
-    if (report) std::fprintf(stderr, "resnet: %s\n", e.what());
-    return 2;
-  } catch (const cohort::InvalidArgument& e) {
-    std::fprintf(stderr, "resnet: rank %d: %s\n", env_rank(), e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "resnet: rank %d: %s\n", env_rank(), e.what());
-    return 1;
-  }
+  return cohort::examples::parse_and_run("resnet", app, argc, argv, [&] { return run(a); });
 }
