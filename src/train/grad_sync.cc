@@ -221,9 +221,8 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
   pending_order_.clear();
   // The old buckets go first (their memory returns unless a .grad view still holds it), then the new.
   buckets_.clear();
-  pool_.clear();
-  pool_buffers_ = 0;
-  pool_floats_ = 0;
+  regular_ = LentMemory{};
+  large_ = LentMemory{};
   in_flight_.clear();
   shard_gradients_.reset();
   param_bucket_.assign(params_.size(), 0);
@@ -252,7 +251,6 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     }
     current.shard_offset = shard_floats;
     shard_floats += current.padded / world;
-    pool_floats_ = std::max(pool_floats_, current.padded);
     buckets_.push_back(std::move(current));
     current = Bucket{};
   };
@@ -265,6 +263,14 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     }
     close();
   }
+  // The two sizes of stage 2's lent memory (LentMemory): with no bucket of the cap rule's size, one.
+  const size_t regular_limit = 2 * options_.bucket_cap_bytes / sizeof(float) + world;
+  for (const Bucket& b : buckets_)
+    if (b.padded <= regular_limit) regular_.floats = std::max(regular_.floats, b.padded);
+  if (regular_.floats == 0)
+    for (const Bucket& b : buckets_) regular_.floats = std::max(regular_.floats, b.padded);
+  for (const Bucket& b : buckets_)
+    if (is_large(b)) large_.floats = std::max(large_.floats, b.padded);
   if (stage_ == 2) {
     std::shared_ptr<void> shard = options_.memory->allocate_private(std::max<size_t>(shard_floats, 1) * sizeof(float));
     shard_gradients_ = std::shared_ptr<float[]>(shard, static_cast<float*>(shard.get()));
@@ -643,21 +649,27 @@ std::vector<GradientSync::ShardChunk> GradientSync::shard_chunks() const {
 }
 
 void GradientSync::acquire_bucket_memory(Bucket& b) {
-  // At most two buckets' reduce-scatters in flight hold memory; a third bucket waits for the oldest
-  // (all ranks launched it: buckets launch in the same order everywhere) and takes its memory.
-  while (pool_.empty() && in_flight_.size() >= 2) complete_reduce_scatter(buckets_[in_flight_.front()]);
+  // Of each size, at most two buckets' reduce-scatters in flight hold memory; a third bucket of that
+  // size waits for the oldest in flight (all ranks launched it: buckets launch in the same order
+  // everywhere), and for the next, until one of its size has given its memory back.
+  LentMemory& lent = lent_for(b);
+  auto in_flight_of_its_size = [&] {
+    return std::count_if(in_flight_.begin(), in_flight_.end(),
+                         [&](size_t i) { return is_large(buckets_[i]) == is_large(b); });
+  };
+  while (lent.pool.empty() && in_flight_of_its_size() >= 2) complete_reduce_scatter(buckets_[in_flight_.front()]);
   PooledBuffers buffers;
-  if (!pool_.empty()) {
-    buffers = std::move(pool_.back());
-    pool_.pop_back();
+  if (!lent.pool.empty()) {
+    buffers = std::move(lent.pool.back());
+    lent.pool.pop_back();
   } else {
-    std::shared_ptr<void> data = options_.memory->allocate_private(pool_floats_ * sizeof(float));
+    std::shared_ptr<void> data = options_.memory->allocate_private(lent.floats * sizeof(float));
     buffers.data = std::shared_ptr<float[]>(data, static_cast<float*>(data.get()));
     if (options_.compression != WireCompression::kNone) {
-      std::shared_ptr<void> wire = options_.memory->allocate_private(pool_floats_ * sizeof(uint16_t));
+      std::shared_ptr<void> wire = options_.memory->allocate_private(lent.floats * sizeof(uint16_t));
       buffers.wire = std::shared_ptr<uint16_t[]>(wire, static_cast<uint16_t*>(wire.get()));
     }
-    ++pool_buffers_;
+    ++lent.buffers;
   }
   b.data = std::move(buffers.data);
   b.wire = std::move(buffers.wire);
@@ -667,7 +679,7 @@ void GradientSync::acquire_bucket_memory(Bucket& b) {
 
 void GradientSync::release_bucket_memory(Bucket& b) {
   if (!b.data) return;
-  pool_.push_back({std::move(b.data), std::move(b.wire)});
+  lent_for(b).pool.push_back({std::move(b.data), std::move(b.wire)});
   b.data.reset();
   b.wire.reset();
 }
@@ -739,7 +751,8 @@ size_t GradientSync::gradient_bytes() const {
   if (stage_ == 2) {
     size_t shard = 0;
     for (const auto& b : buckets_) shard += chunk_of(b);
-    return pool_buffers_ * pool_floats_ * (sizeof(float) + wire) + shard * sizeof(float);
+    return (regular_.buffers * regular_.floats + large_.buffers * large_.floats) * (sizeof(float) + wire) +
+           shard * sizeof(float);
   }
   size_t total = 0;
   for (const auto& b : buckets_) total += b.padded * (sizeof(float) + wire);

@@ -430,6 +430,43 @@ TEST(GradientSync, ShardedStageTwoLendsBucketMemoryAndKeepsOnlyItsChunks) {
   });
 }
 
+TEST(GradientSync, ShardedStageTwoLendsALargeParametersBucketItsOwnSizeOfMemory) {
+  // 30 parameters of 10 floats in buckets of 10, and one of 400 (a word embedding beside the layers):
+  // the regular buckets share 10-float buffers; only the 400-float bucket takes a 400-float one. With
+  // one size for all, every buffer was 400 floats: three of them.
+  std::vector<ParameterSpec> model;
+  for (int i = 0; i < 15; ++i) model.push_back({"a" + std::to_string(i), {10}});
+  model.push_back({"embedding", {40, 10}});
+  for (int i = 0; i < 15; ++i) model.push_back({"b" + std::to_string(i), {10}});
+  for (WireCompression wire : {WireCompression::kNone, WireCompression::kBFloat16}) {
+    auto comms = ThreadCommunicator::make_world(2);
+    run_ranks(2, [&](int rank) {
+      GradSyncOptions o;
+      o.first_bucket_cap_bytes = o.bucket_cap_bytes = 10 * sizeof(float);
+      o.compression = wire;
+      GradientSync sync(comms[size_t(rank)], model, o);
+      sync.enable_sharding(2);
+      for (int iteration = 0; iteration < 3; ++iteration) {
+        for (size_t p = model.size(); p-- > 0;) {
+          std::vector<float> grad(p == 15 ? 400 : 10, float(p % 7) + float(rank));
+          sync.mark_ready(p, grad.data());
+        }
+        ASSERT_TRUE(sync.finish_sharded());
+        // Every rank's chunk holds the average of both ranks' gradients: p % 7 + 0.5.
+        for (const auto& chunk : sync.shard_chunks()) {
+          const std::vector<size_t> layout = sync.bucket_layout()[chunk.bucket];
+          ASSERT_EQ(layout.size(), 1u);
+          for (size_t i = 0; i < chunk.count; ++i)
+            ASSERT_NEAR(chunk.gradients[i], float(layout[0] % 7) + 0.5f, 0.05f) << "parameter " << layout[0];
+        }
+      }
+      // The chunks (700 floats over 2 ranks: 350), at most three 10-float buffers and one of 400.
+      const size_t per_float = sizeof(float) + (wire == WireCompression::kNone ? 0 : sizeof(uint16_t));
+      EXPECT_LE(sync.gradient_bytes(), 350 * sizeof(float) + (3 * 10 + 400) * per_float);
+    });
+  }
+}
+
 TEST(GradientSync, ShardedStageThatDiffersBetweenRanksIsAMismatchNamingBoth) {
   auto comms = ThreadCommunicator::make_world(2);
   run_ranks(2, [&](int rank) {

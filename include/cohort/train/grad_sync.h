@@ -306,9 +306,18 @@ class GradientSync {
   bool fused_ = false;
   int stage_ = 0;
   std::shared_ptr<float[]> shard_gradients_;  // stage 2: this rank's chunk of every bucket, back to back
-  std::vector<PooledBuffers> pool_;           // stage 2: bucket memory not in use
-  size_t pool_buffers_ = 0;                   // stage 2: buffers allocated (in the pool or in use)
-  size_t pool_floats_ = 0;                    // stage 2: each buffer's size (the largest bucket)
+  // Stage 2's lent bucket memory, in two sizes: buckets the cap rule made ("regular", at most twice
+  // bucket_cap_bytes) share buffers of the largest of them; a bucket that one large parameter made
+  // larger (a word embedding) takes a buffer of the largest such bucket. One size for all made every
+  // buffer as large as the embedding's bucket: three of them (BERT-base: 3 x 92 MB per rank).
+  struct LentMemory {
+    std::vector<PooledBuffers> pool;  // not in use
+    size_t buffers = 0;               // allocated (in the pool or in use)
+    size_t floats = 0;                // each buffer's size
+  };
+  bool is_large(const Bucket& b) const { return b.padded > regular_.floats; }
+  LentMemory& lent_for(const Bucket& b) { return is_large(b) ? large_ : regular_; }
+  LentMemory regular_, large_;
   std::vector<size_t> in_flight_;             // stage 2: launched buckets not yet completed, oldest first
   mutable GradSyncStats stats_;  // mutable: stats() adds the GPU timing that has come in
 };
