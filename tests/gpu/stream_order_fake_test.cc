@@ -310,7 +310,9 @@ TEST(GpuStreams, GradientSyncWaitsInStreamOrderAndTimesItsBuckets) {
     EXPECT_EQ(first.gpu_timed_buckets, 2) << "each bucket's allreduce should have a GPU interval";
     EXPECT_DOUBLE_EQ(first.gpu_overlap_share(), 1.0);
 
-    if (rank == 1) EXPECT_TRUE(becomes_true(rank0_finished, 20s));
+    if (rank == 1) {
+      EXPECT_TRUE(becomes_true(rank0_finished, 20s));
+    }
     backward();
     if (rank == 1) std::this_thread::sleep_for(20ms);
     sync.finish([](size_t, const float*) {});  // no host read here: it would wait for the allreduce
