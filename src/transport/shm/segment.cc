@@ -92,9 +92,10 @@ void* map_fd(int fd, size_t bytes, SegmentRange populate) {
   char* first = static_cast<char*>(p) + begin / page * page;
   char* last = static_cast<char*>(p) + end;
   // MADV_POPULATE_WRITE (Linux 5.14): allocates and maps the range in one call. Older kernels refuse it
-  // (EINVAL): touch one byte per page instead; the memfd's pages read as zero, so writing 0 changes nothing.
+  // (EINVAL): read one byte per page instead (a read fault on a shared memfd mapping allocates the
+  // page too), which cannot race with anything a peer writes.
   if (::madvise(first, static_cast<size_t>(last - first), MADV_POPULATE_WRITE) != 0) {
-    for (volatile char* q = first; q < last; q += page) *q = 0;
+    for (const volatile char* q = first; q < last; q += page) (void)*q;
   }
   return p;
 }
