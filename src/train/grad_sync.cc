@@ -263,14 +263,21 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     }
     close();
   }
-  // The two sizes of stage 2's lent memory (LentMemory): with no bucket of the cap rule's size, one.
+  // The two sizes of stage 2's lent memory (LentMemory), where they hold less than one size does. Each
+  // size has at most three buffers (two in flight, one filling), so one size holds 3 x the largest
+  // bucket, and two hold 3 x the largest regular one plus one large buffer per large bucket, three at
+  // most: less when large buckets are rare (a word embedding), more when most buckets are large (a
+  // model of big matrices), where one size stays.
   const size_t regular_limit = 2 * options_.bucket_cap_bytes / sizeof(float) + world;
-  for (const Bucket& b : buckets_)
-    if (b.padded <= regular_limit) regular_.floats = std::max(regular_.floats, b.padded);
-  if (regular_.floats == 0)
-    for (const Bucket& b : buckets_) regular_.floats = std::max(regular_.floats, b.padded);
-  for (const Bucket& b : buckets_)
-    if (is_large(b)) large_.floats = std::max(large_.floats, b.padded);
+  size_t largest = 0, largest_regular = 0, large_buckets = 0;
+  for (const Bucket& b : buckets_) {
+    largest = std::max(largest, b.padded);
+    if (b.padded <= regular_limit) largest_regular = std::max(largest_regular, b.padded);
+    else ++large_buckets;
+  }
+  const bool two_sizes = largest_regular > 0 && 3 * largest_regular + std::min<size_t>(large_buckets, 3) * largest < 3 * largest;
+  regular_.floats = two_sizes ? largest_regular : largest;
+  large_.floats = two_sizes ? largest : 0;
   if (stage_ == 2) {
     std::shared_ptr<void> shard = options_.memory->allocate_private(std::max<size_t>(shard_floats, 1) * sizeof(float));
     shard_gradients_ = std::shared_ptr<float[]>(shard, static_cast<float*>(shard.get()));

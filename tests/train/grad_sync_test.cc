@@ -467,6 +467,38 @@ TEST(GradientSync, ShardedStageTwoLendsALargeParametersBucketItsOwnSizeOfMemory)
   }
 }
 
+TEST(GradientSync, ShardedStageTwoKeepsOneBufferSizeWhenMostBucketsAreLarge) {
+  // 8 parameters of 400 floats (big matrices) and 4 of 10, in buckets of 10 floats: two sizes would hold
+  // three 400-float buffers and three 10-float ones; one size holds only the three 400-float ones. The
+  // large buckets come one after another, so two are in flight while a third waits: all averages right.
+  std::vector<ParameterSpec> model;
+  for (int i = 0; i < 12; ++i) model.push_back({"p" + std::to_string(i), {i % 3 == 0 ? 10 : 400}});
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    GradSyncOptions o;
+    o.first_bucket_cap_bytes = o.bucket_cap_bytes = 10 * sizeof(float);
+    GradientSync sync(comms[size_t(rank)], model, o);
+    sync.enable_sharding(2);
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      for (size_t p = model.size(); p-- > 0;) {
+        std::vector<float> grad(size_t(model[p].shape[0]), float(p % 7) + float(rank));
+        sync.mark_ready(p, grad.data());
+      }
+      ASSERT_TRUE(sync.finish_sharded());
+      for (const auto& chunk : sync.shard_chunks()) {
+        const std::vector<size_t> layout = sync.bucket_layout()[chunk.bucket];
+        for (size_t i = 0; i < chunk.count; ++i)
+          ASSERT_FLOAT_EQ(chunk.gradients[i], float(layout[0] % 7) + 0.5f) << "parameter " << layout[0];
+      }
+    }
+    // The chunks (3240 floats over 2 ranks: 1620) and at most three buffers, all of 400 floats: with
+    // two sizes some would be 10-float ones.
+    const size_t lent = sync.gradient_bytes() - 1620 * sizeof(float);
+    EXPECT_EQ(lent % (400 * sizeof(float)), 0u) << lent << " bytes lent";
+    EXPECT_LE(lent, 3 * 400 * sizeof(float));
+  });
+}
+
 TEST(GradientSync, ShardedStageThatDiffersBetweenRanksIsAMismatchNamingBoth) {
   auto comms = ThreadCommunicator::make_world(2);
   run_ranks(2, [&](int rank) {

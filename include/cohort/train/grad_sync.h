@@ -306,10 +306,11 @@ class GradientSync {
   bool fused_ = false;
   int stage_ = 0;
   std::shared_ptr<float[]> shard_gradients_;  // stage 2: this rank's chunk of every bucket, back to back
-  // Stage 2's lent bucket memory, in two sizes: buckets the cap rule made ("regular", at most twice
-  // bucket_cap_bytes) share buffers of the largest of them; a bucket that one large parameter made
-  // larger (a word embedding) takes a buffer of the largest such bucket. One size for all made every
-  // buffer as large as the embedding's bucket: three of them (BERT-base: 3 x 92 MB per rank).
+  // Stage 2's lent bucket memory, in two sizes where that holds less: buckets the cap rule made
+  // ("regular", at most twice bucket_cap_bytes) share buffers of the largest of them; a bucket that one
+  // large parameter made larger (a word embedding) takes a buffer of the largest such bucket. One size
+  // for all made every buffer as large as the embedding's bucket: three of them (BERT-base: 3 x 92 MB
+  // per rank). With one size, large_ is unused (no bucket is larger than regular_.floats).
   struct LentMemory {
     std::vector<PooledBuffers> pool;  // not in use
     size_t buffers = 0;               // allocated (in the pool or in use)
