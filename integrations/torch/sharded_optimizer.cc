@@ -152,7 +152,7 @@ void ShardedOptimizer::step() {
   ddp_.bind_parameters();       // a checkpoint loaded with Module::load replaced some tensors
   {
     ::torch::NoGradGuard no_grad;
-    if (!stepped_) create_state();
+    create_state();  // nothing once the state exists (after the first step, or a checkpoint's)
     optimizer_->step();
   }
   ddp_.sync().gather_parameters();
@@ -281,7 +281,9 @@ void ShardedOptimizer::set_state(size_t chunk, const std::vector<::torch::Tensor
 // one allocation: libtorch makes it tensor by tensor between each tensor's temporaries, which left the
 // heap in holes that raised the first step's peak by about as much as the state itself (stage 1,
 // BERT-base, Adam: 2044 MB peak RSS per rank, 1490 MB after the step). SGD's momentum buffer starts
-// as a copy of the first gradient, not zeros: left to SGD. A state loaded from a checkpoint is kept.
+// as a copy of the first gradient, not zeros: left to SGD. Any state that exists is kept (a
+// checkpoint's, or the steps'); a checkpoint written before the first step leaves none, and then this
+// makes it at the next step.
 void ShardedOptimizer::create_state() {
   if (kind_ == "sgd" || chunks_.empty() || !optimizer_->state().empty()) return;
   const auto names = state_names();
