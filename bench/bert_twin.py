@@ -308,7 +308,7 @@ def main():
             ids, masked, labels = make_batch(test, mine[i:i + 256], seq_len, vocab_size, a.seed, M64)
             logits = model(ids, masked)
             correct += logits.argmax(1).eq(labels).sum().item()
-            loss_sum += F.cross_entropy(logits.double(), labels, reduction="sum").item()
+            loss_sum += F.cross_entropy(logits, labels, reduction="none").sum(dtype=torch.float64).item()
             predicted += labels.numel()
     totals = torch.tensor([correct, predicted, samples], dtype=torch.long)
     loss_total = torch.tensor([loss_sum], dtype=torch.float64)

@@ -200,7 +200,6 @@ size_t state_bytes(torch::optim::Optimizer& opt, const std::string& kind) {
   return bytes;
 }
 
-
 double peak_rss_mb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -425,9 +424,11 @@ int run(const Args& a) {
       auto b = make_batch(corpus.test, mine, i, n, s.seq_len, vocab, a.seed, ~uint64_t{0});
       auto logits = model->forward(b.ids.to(device), b.masked.to(device)).to(torch::kCPU);
       counts[0] += logits.argmax(1).eq(b.labels).sum().item<int64_t>();
+      // Per token in the logits' precision, summed in double: a double copy of the logits (tokens x
+      // vocabulary) would double the evaluation's largest tensor.
       loss_sum += torch::nn::functional::cross_entropy(
-                      logits.to(torch::kFloat64), b.labels,
-                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                      logits, b.labels, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
+                      .sum(torch::kFloat64)
                       .item<double>();
       counts[1] += b.labels.numel();
     }
