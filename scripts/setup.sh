@@ -16,9 +16,10 @@ packages=(
   # PyTorch integrations and the training example (libtorch C++ API, the Python backend, BLAS, data)
   python3 python3-dev python3-pytest pybind11-dev python3-torch libtorch-dev
   libopenblas0-pthread dataset-fashion-mnist wordnet-base
-  # peers and multi-host tests: Open MPI, network namespaces with sshd, iperf3; PMIx's headers, against which
-  # the build checks the declarations it loads libpmix with (mpirun without MASTER_ADDR, src/comm/pmix.h)
-  openmpi-bin libopenmpi-dev libpmix-dev iproute2 openssh-server openssh-client iperf3 procps
+  # peers and multi-host tests: Open MPI, network namespaces with sshd, iperf3, Gloo's headers (the Gloo C++
+  # peer, bench/peers/bench_gloo.cc); PMIx's headers, against which the build checks the declarations it
+  # loads libpmix with (mpirun without MASTER_ADDR, src/comm/pmix.h)
+  openmpi-bin libopenmpi-dev libpmix-dev iproute2 openssh-server openssh-client iperf3 procps libgloo-dev
   # a real Slurm cluster on the namespace hosts (tests/slurm): slurmctld, slurmd, srun/sbatch/scancel, munge
   slurm-wlm munge
   # the install tests (tests/install): the wheel built with Debian's tools into a venv, the .deb in a

@@ -1,0 +1,156 @@
+// Collective benchmark for MPI in the style of nccl-tests (fp32), the Open MPI peer of `cohort bench`.
+// Build: mpicc -O2 -o bench_mpi bench_mpi.c -lm
+// Usage: mpirun -n N ./bench_mpi [OP=allreduce] [SIZES=8,1024,...,268435456] [TRIALS=5] [MIN_TIME=0.5] [TAG]
+//   OP: allreduce    MPI_Allreduce(MPI_IN_PLACE, sum)        bytes = the buffer
+//       broadcast    MPI_Bcast(root 0)                       bytes = the buffer
+//       allgather    MPI_Allgather(bytes/N in, bytes out)    bytes = the gathered total
+//       reduce_scatter MPI_Reduce_scatter_block(bytes in, bytes/N out)
+//       alltoall     MPI_Alltoall(bytes in, bytes out)
+//   TAG is appended to the peer name (e.g. "-tcp" gives peer=mpi-tcp).
+// Method (shared with bench_torch.py, bench_gloo.cc and `cohort bench`), per size:
+//   1. one correctness check with rank-dependent values, then the buffers are zeroed;
+//   2. warm-up: 5 ops, then about 0.2 s more;
+//   3. iterations per trial: the smallest count that lasts MIN_TIME (at least 2);
+//   4. TRIALS trials, each after a barrier; a trial's time per op is the slowest rank's.
+// Every count the ranks must agree on is the maximum over ranks, so all issue the same collectives.
+// Prints one line per size on rank 0:
+//   RESULT peer=mpiTAG op=OP n=N bytes=B iters=I trials=T time_us_median= time_us_min= time_us_max=
+//          algbw_GBps= busbw_GBps=
+// algbw = bytes / time (1e9 B/s); busbw as nccl-tests: allreduce 2(N-1)/N, broadcast 1, the others (N-1)/N.
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum op { ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, ALLTOALL };
+static const char *const op_names[] = {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"};
+
+static int rank, nranks;
+
+struct bufs {
+  float *in, *out;  // `out` is unused by allreduce and broadcast (in place)
+  size_t count;     // elements per call: the whole buffer, or one rank's part
+  size_t bytes;     // the size reported
+};
+
+static double max_over_ranks(double x) {
+  double y;
+  MPI_Allreduce(&x, &y, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return y;
+}
+
+static void run(enum op op, struct bufs *b) {
+  switch (op) {
+    case ALLREDUCE: MPI_Allreduce(MPI_IN_PLACE, b->in, (int)b->count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
+    case BROADCAST: MPI_Bcast(b->in, (int)b->count, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
+    case ALLGATHER:
+      MPI_Allgather(b->in, (int)b->count, MPI_FLOAT, b->out, (int)b->count, MPI_FLOAT, MPI_COMM_WORLD);
+      break;
+    case REDUCE_SCATTER:
+      MPI_Reduce_scatter_block(b->in, b->out, (int)b->count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      break;
+    case ALLTOALL:
+      MPI_Alltoall(b->in, (int)b->count, MPI_FLOAT, b->out, (int)b->count, MPI_FLOAT, MPI_COMM_WORLD);
+      break;
+  }
+}
+
+static void fail(const char *what) {
+  fprintf(stderr, "bench_mpi: %s gave a wrong result on rank %d\n", what, rank);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+// Allocates the buffers for `nbytes`, runs the operation once on known values and checks the result.
+static struct bufs prepare(enum op op, size_t nbytes) {
+  struct bufs b;
+  size_t in_count, out_count = 0;
+  if (op == ALLREDUCE || op == BROADCAST) {
+    b.count = in_count = nbytes / 4 ? nbytes / 4 : 1;
+    b.bytes = b.count * 4;
+  } else {
+    b.count = nbytes / nranks / 4 ? nbytes / nranks / 4 : 1;  // one rank's part
+    in_count = op == ALLGATHER ? b.count : b.count * nranks;
+    out_count = op == REDUCE_SCATTER ? b.count : b.count * nranks;
+    b.bytes = b.count * nranks * 4;
+  }
+  b.in = calloc(in_count, 4);
+  b.out = out_count ? calloc(out_count, 4) : NULL;
+  if (!b.in || (out_count && !b.out)) fail("allocation");
+
+  for (size_t i = 0; i < in_count; i++)
+    b.in[i] = op == BROADCAST ? rank + 7 : op == ALLTOALL ? (float)(rank * 1000 + i / b.count) : rank + 1;
+  run(op, &b);
+  float sum = nranks * (nranks + 1) / 2;
+  if (op == ALLREDUCE) {
+    for (size_t i = 0; i < in_count; i++) if (b.in[i] != sum) fail(op_names[op]);
+  } else if (op == BROADCAST) {
+    for (size_t i = 0; i < in_count; i++) if (b.in[i] != 7) fail(op_names[op]);
+  } else if (op == ALLGATHER) {
+    for (size_t i = 0; i < out_count; i++) if (b.out[i] != i / b.count + 1) fail(op_names[op]);
+  } else if (op == REDUCE_SCATTER) {
+    for (size_t i = 0; i < out_count; i++) if (b.out[i] != sum) fail(op_names[op]);
+  } else {  // alltoall: part r of the output is part `rank` of rank r's input
+    for (int r = 0; r < nranks; r++) if (b.out[r * b.count] != (float)(r * 1000 + rank)) fail(op_names[op]);
+  }
+  memset(b.in, 0, in_count * 4);  // timing runs on zeros, as the other peers do
+  if (b.out) memset(b.out, 0, out_count * 4);
+  return b;
+}
+
+// Seconds per op of `iters` ops back to back, the slowest rank's.
+static double timed(enum op op, struct bufs *b, long iters) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  double start = MPI_Wtime();
+  for (long i = 0; i < iters; i++) run(op, b);
+  return max_over_ranks((MPI_Wtime() - start) / iters);
+}
+
+static int by_value(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &nranks);
+  const char *op_name = argc > 1 ? argv[1] : "allreduce";
+  char *sizes = strdup(argc > 2 ? argv[2] : "8,1024,65536,1048576,4194304,16777216,67108864,268435456");
+  int trials = argc > 3 ? atoi(argv[3]) : 5;
+  double min_time = argc > 4 ? atof(argv[4]) : 0.5;
+  const char *tag = argc > 5 ? argv[5] : "";
+  int op = -1;
+  for (int i = 0; i < 5; i++) if (strcmp(op_name, op_names[i]) == 0) op = i;
+  if (op < 0 || trials < 1) {
+    if (rank == 0) fprintf(stderr, "bench_mpi: unknown operation %s or trials < 1\n", op_name);
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+
+  for (char *size = strtok(sizes, ","); size; size = strtok(NULL, ",")) {
+    struct bufs b = prepare(op, strtoull(size, NULL, 10));
+    double per_op = timed(op, &b, 5);                             // warm-up, 5 ops
+    long more = (long)max_over_ranks(ceil(0.2 / fmax(per_op, 1e-9)));
+    per_op = timed(op, &b, more);                                 // warm-up, ~0.2 s; calibrates one op
+    long iters = (long)max_over_ranks(fmax(2, ceil(min_time / fmax(per_op, 1e-9))));
+    double *times = malloc(sizeof(double) * trials);
+    for (int t = 0; t < trials; t++) times[t] = timed(op, &b, iters);
+    qsort(times, trials, sizeof(double), by_value);
+    double median = trials % 2 ? times[trials / 2] : (times[trials / 2 - 1] + times[trials / 2]) / 2;
+    double algbw = b.bytes / median / 1e9;
+    double busbw = op == ALLREDUCE ? algbw * 2.0 * (nranks - 1) / nranks
+                   : op == BROADCAST ? algbw : algbw * (nranks - 1) / nranks;
+    if (rank == 0)
+      printf("RESULT peer=mpi%s op=%s n=%d bytes=%zu iters=%ld trials=%d time_us_median=%.2f time_us_min=%.2f "
+             "time_us_max=%.2f algbw_GBps=%.4f busbw_GBps=%.4f\n",
+             tag, op_name, nranks, b.bytes, iters, trials, median * 1e6, times[0] * 1e6, times[trials - 1] * 1e6,
+             algbw, busbw);
+    fflush(stdout);
+    free(times);
+    free(b.in);
+    free(b.out);
+  }
+  free(sizes);
+  MPI_Finalize();
+  return 0;
+}
