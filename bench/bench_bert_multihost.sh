@@ -7,7 +7,7 @@
 # ratios.
 #
 #   bench/bench_bert_multihost.sh [build_dir]     (as root: network namespaces)
-#       ROUNDS=3 STEPS=30 RATE=1gbit CASES="c32 t32 cbf16 t16 c16" PEERS=../shared/peers LOGS=DIR
+#       ROUNDS=3 STEPS=30 RATE=1gbit CASES="c32 t32 cbf16 t16 c16" PEERS=bench/peers LOGS=DIR
 #       RUN_TIMEOUT=seconds per run (300 + 5 x STEPS)
 #       MODEL="--layers 2 --hidden 256 --heads 4 --seq-len 32 --vocab 50000 --batch 8" (both programs)
 #   e.g. flock /tmp/cohort-bench.lock bench/bench_bert_multihost.sh /path/to/build | tee out.txt
@@ -37,7 +37,7 @@ RATE=${RATE:-1gbit}
 RUN_TIMEOUT=${RUN_TIMEOUT:-$((300 + 5 * STEPS))}
 CASES=${CASES:-c32 t32 cbf16 t16 c16}
 MODEL=${MODEL:---layers 2 --hidden 256 --heads 4 --seq-len 32 --vocab 50000 --batch 8}
-PEERS=$(realpath "${PEERS:-../shared/peers}")  # relative to the repository root (this script cd-s there)
+PEERS=$(realpath "${PEERS:-bench/peers}")  # relative to the repository root (this script cd-s there)
 BERT=$BUILD/examples/bert/bert
 COHORT=$BUILD/tools/cohort
 TWIN=$PWD/bench/bert_twin.py

@@ -5,7 +5,7 @@
 #   cohort 1 process; PyTorch 1 process; the ceiling (two independent cohort 1-process runs at once,
 #   one per CPU, no communication: the most any 2-rank job can reach here); cohort 2 ranks through
 #   `cohort run --nproc-per-node 2` (workers bound to a CPU each); PyTorch DDP 2 ranks (gloo, through
-#   ../shared/peers/torchrun311.py: Debian's own torchrun dies before starting a worker).
+#   bench/peers/torchrun311.py: Debian's own torchrun dies before starting a worker).
 # Rounds are interleaved so that drift in the guest's speed lands on every row alike; every round is
 # printed, then a table of every round's figures and ratios.
 #   bench/bench_resnet.sh            ROUNDS=3 STEPS=20 WIDTH=64 BATCH=32; further arguments go to both programs
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${COHORT_BUILD_DIR:-build}/examples/resnet/resnet
 cohort=${COHORT_BUILD_DIR:-build}/tools/cohort
-peers=${PEERS_DIR:-../shared/peers}  # relative to the repository root (this script cd-s there)
+peers=${PEERS_DIR:-bench/peers}  # relative to the repository root (this script cd-s there)
 for f in "$bin" "$cohort" "$peers/torchrun311.py"; do
   [[ -e $f ]] || { echo "bench_resnet.sh: $f is missing (build resnet and cohort; PEERS_DIR= for torchrun311.py)" >&2; exit 2; }
 done

@@ -6,7 +6,7 @@ PyTorch with DistributedDataParallel (gloo), for side-by-side runs (bench/bench_
 One process:
     /usr/bin/python3 bench/bert_twin.py --max-steps 50
 Two processes, DDP over gloo (Debian's torchrun crashes on Python 3.11: use the peers' wrapper):
-    GLOO_SOCKET_IFNAME=lo /usr/bin/python3 ../shared/peers/torchrun311.py --nproc_per_node 2 \\
+    GLOO_SOCKET_IFNAME=lo /usr/bin/python3 bench/peers/torchrun311.py --nproc_per_node 2 \\
         --master_addr 127.0.0.1 --master_port 29711 bench/bert_twin.py --max-steps 50
 Options that mirror the example's: --size mini|small|base (and --layers/--hidden/--heads/--seq-len/
 --vocab), --batch, --lr, --weight-decay, --dropout, --optimizer adamw|adam|sgd, --zero 0|1

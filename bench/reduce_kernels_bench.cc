@@ -1,6 +1,6 @@
 // Reduction kernel throughput, GB/s per dtype and kernel family: dst = dst + src over buffers of
 // 64 KiB (cache resident) and 64 MiB (memory bound). Bytes counted = 3 x buffer (read dst, read src,
-// write dst), the same convention as ../shared/peers/membw.c's `a[i] += b[i]`.
+// write dst), the same convention as bench/peers/membw.c's `a[i] += b[i]`.
 //   ./build/bench/reduce_kernels_bench --benchmark_filter=float/
 #include <benchmark/benchmark.h>
 

@@ -10,7 +10,7 @@ output lines ("epoch: E, step: S, loss is L" every 10 steps, "samples/s: ...", "
 One process (no process group):
     /usr/bin/python3 bench/resnet_twin.py --threads 1 --max-steps 20
 Two ranks, DDP over gloo (from the repository root):
-    GLOO_SOCKET_IFNAME=lo /usr/bin/python3 ../shared/peers/torchrun311.py --nproc_per_node 2 \\
+    GLOO_SOCKET_IFNAME=lo /usr/bin/python3 bench/peers/torchrun311.py --nproc_per_node 2 \\
         --master_addr 127.0.0.1 --master_port 29600 bench/resnet_twin.py --threads 1 --max-steps 20
 
 Timing as the C++ example: a barrier, the steps, a barrier; samples/s = samples of all ranks over that

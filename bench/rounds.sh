@@ -11,7 +11,7 @@
 #   BIG=1 adds shm 1 GiB, a working set (2 ranks x 1 GiB in place) larger than this guest's L3.
 #   LOAD=N runs N busy loops (nice 0) for the whole run: a loaded moment, made the same for every peer
 #   (a compiler or a data loader next to the job; issue 22's slow rounds came from such moments).
-# Method as bench/side_by_side.sh and ../shared/peers/RESULTS.md: 2 ranks, fp32 sum, in place, 3 trials of
+# Method as bench/side_by_side.sh and bench/peers/README.md: 2 ranks, fp32 sum, in place, 3 trials of
 # >= 0.3 s each, time = max over ranks, median of the trials; busbw as nccl-tests (2(n-1)/n x algbw = algbw
 # for 2 ranks). Each cohort shm round also prints the link its communicator measured at start (the CPUs
 # of the two ranks, round trip, cache-to-cache against own-cache copy: docs/perf-shm.md, "The link probe").
@@ -21,7 +21,7 @@ BUILD=$(realpath "${1:-build}")
 OUT=${2:-/dev/stdout}
 ROUNDS=${ROUNDS:-10}
 BIG=${BIG:-0}
-PEERS=$(realpath ../shared/peers)
+PEERS=$(realpath bench/peers)
 COHORT=$BUILD/tools/cohort
 TMP=$(mktemp -d)
 LOAD=${LOAD:-0}

@@ -1,5 +1,5 @@
 // Intra-host collective benchmark for shm::Group, same method and output as the peers' bench_mpi.c
-// (../shared/peers): fp32, in-place allreduce (sum) / broadcast (root 0) / allgather, one correctness
+// (bench/peers): fp32, in-place allreduce (sum) / broadcast (root 0) / allgather, one correctness
 // check per size, warm-up 5 ops + ~0.2 s, iterations per trial = ceil(min_time / t_op) (>= 2, max over
 // ranks), `trials` timed trials after a barrier, time/op = max over ranks, median/min/max printed as
 //   RESULT peer=cohort-shm op=allreduce n=2 bytes=... time_us_median=... busbw_GBps=...

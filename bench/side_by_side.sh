@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run of every side-by-side comparison in docs/performance.md: cohort and the peers of
-# ../shared/peers/ (Open MPI shared memory and TCP, torch.distributed gloo, torchrun, TCPStore,
+# bench/peers/ (Open MPI shared memory and TCP, torch.distributed gloo, torchrun, TCPStore,
 # iperf3, memcpy), one after another on this machine, so each table compares like with like.
 #
 #   bench/side_by_side.sh [build_dir] [out_file]      (about 12 minutes on the 2-core VM)
@@ -8,14 +8,14 @@
 # `cohort run` binds each of its 2 workers to a CPU (--bind-to auto, its default), as mpirun does by
 # default for 2 ranks; torchrun (gloo) does not bind.
 #
-# Method as in ../shared/peers/RESULTS.md: 2 ranks, fp32 sum, in place, auto iteration count per trial,
+# Method as in bench/peers/README.md: 2 ranks, fp32 sum, in place, auto iteration count per trial,
 # time = max over ranks, median of the trials; fewer trials than the peers' reference run (3 x 0.3 s)
 # to keep the whole comparison short. Every line it prints starts with the section it belongs to.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=$(realpath "${1:-build}")
 OUT=${2:-/dev/stdout}
-PEERS=$(realpath ../shared/peers)
+PEERS=$(realpath bench/peers)
 COHORT=$BUILD/tools/cohort
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

@@ -1,13 +1,12 @@
 #!/bin/bash
 # Intra-host collectives, 2 ranks, side by side in one run: cohort shm::Group (bench/shm_collectives),
 # Open MPI with its default components (btl vader = shared memory) and torch.distributed gloo, plus
-# this machine's memcpy bandwidth (../shared/peers/membw.c), all with the peers' method (bench_mpi.c).
+# this machine's memcpy bandwidth (bench/peers/membw.c), all with the peers' method (bench_mpi.c).
 # Rounds interleave the peers so that the noisy host's drift hits all of them alike.
 # Usage: scripts/bench_shm_vs_peers.sh [rounds=2] [out=perf-shm-raw.txt]   (build bench/shm_collectives first)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PEERS=${PEERS:-$(cd "$ROOT/../shared/peers" 2>/dev/null && pwd)}  # beside the repository, as in CI
-[ -n "$PEERS" ] || { echo "bench_shm_vs_peers: ../shared/peers not found beside the repository (set PEERS)" >&2; exit 1; }
+PEERS=${PEERS:-$ROOT/bench/peers}  # the peers' programs (bench/peers/README.md)
 ROUNDS=${1:-2}
 OUT=${2:-$ROOT/perf-shm-raw.txt}
 SIZES=8,1024,65536,1048576,4194304,16777216,67108864,268435456

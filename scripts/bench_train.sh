@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side-by-side training benchmark (docs/perf-train.md): cohort's fashion_mnist vs the PyTorch DDP peer
-# (../shared/peers/ddp_train.py, gloo) on the same model, data and batch, 1 intra-op thread per rank.
+# (bench/peers/ddp_train.py, gloo) on the same model, data and batch, 1 intra-op thread per rank.
 #   scripts/bench_train.sh [model ...]      default: seed mlp; REPS=N repetitions (default 1)
 # The 2-rank cohort run goes through `cohort run`, as the main job does.
 # BRACKET=1 runs the ceiling (two independent processes) again right after the 2-rank job, so that each
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${COHORT_BUILD_DIR:-build}/examples/fashion_mnist/fashion_mnist
 cohort=${COHORT_BUILD_DIR:-build}/tools/cohort
-peers=${PEERS_DIR:-../shared/peers}  # relative to the repository root (this script cd-s there)
+peers=${PEERS_DIR:-bench/peers}  # relative to the repository root (this script cd-s there)
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo
 port=$((29800 + RANDOM % 1000))
 models=("$@"); ((${#models[@]})) || models=(seed mlp)

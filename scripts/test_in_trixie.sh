@@ -6,7 +6,7 @@
 #   scripts/test_in_trixie.sh [chroot dir (default /var/tmp/cohort-trixie)] [ctest args (default -L python)]
 #
 # The chroot is made once (debootstrap, then apt-get inside it) and reused. The sources are this
-# checkout's committed HEAD, cloned into <chroot>/src; ../shared is bind-mounted beside it when present.
+# checkout's committed HEAD, cloned into <chroot>/src (the peers' scripts come with it, in bench/peers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=${1:-/var/tmp/cohort-trixie}
@@ -36,7 +36,6 @@ bind /proc "$root/proc"
 bind /sys "$root/sys"
 bind /dev "$root/dev"
 mountpoint -q "$root/dev/pts" || { mount -t devpts devpts "$root/dev/pts"; mounts+=("$root/dev/pts"); }
-[[ -d ../shared ]] && bind "$(cd ../shared && pwd)" "$root/shared"
 
 # What scripts/setup.sh installs for the build and the Python tests, by trixie's names.
 chroot "$root" bash -c 'export DEBIAN_FRONTEND=noninteractive

@@ -7,7 +7,7 @@
 // and #wrong with --check. busbw = algbw x factor (nccl-tests PERFORMANCE.md): allreduce 2(n-1)/n,
 // allgather and reduce_scatter and alltoall (n-1)/n, broadcast and sendrecv 1.
 //
-// Timing (the peers' method, ../shared/peers/RESULTS.md §2): values zero during timing after one
+// Timing (the peers' method, bench/peers/README.md, "Method"): values zero during timing after one
 // checked run with rank-dependent values (with --check); warm-up of -w ops and then about 0.2 s;
 // iterations per trial = the smallest count estimated to take >= --min-time (0.5 s), at least 2,
 // unless -n is given; --trials (5) trials, each after a barrier; a trial's time per op is the max

@@ -6,7 +6,7 @@
 # (agent and workers) and measures the time from the kill to the first step of the next generation
 # (the "restart 1: first step done at T" line both programs print), then stops the job.
 #   cohort:   build/examples/fashion_mnist/fashion_mnist (checkpoint every 25 steps)
-#   torchrun: ../shared/peers/torchrun311.py (Debian's torchrun, one-function fix) running
+#   torchrun: bench/peers/torchrun311.py (Debian's torchrun, one-function fix) running
 #             bench/elastic/torch_elastic_train.py (PyTorch's fault-tolerance tutorial, snapshot every
 #             25 steps), gloo on eth0, torchrun's defaults otherwise (monitor interval 5 s)
 # Usage (root; writes bench/results/elastic-side-by-side-<time>.txt):
@@ -20,7 +20,7 @@ if [[ -z ${COHORT_CLUSTER_DIR:-} ]]; then
 fi
 source "$repo/tests/multihost/lib.sh"
 set +e
-PEERS_DIR=${PEERS_DIR:-$repo/../shared/peers}
+PEERS_DIR=${PEERS_DIR:-$repo/bench/peers}
 ROUNDS=${ROUNDS:-3}
 TRAIN=$COHORT_BUILD_DIR/examples/fashion_mnist/fashion_mnist
 TORCHRUN=$PEERS_DIR/torchrun311.py

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Launch latency, side by side in one run: whole-process wall time of `cohort run` against torchrun and
 # mpirun, N workers of a trivial program each (5 counted runs after 1 warm-up, min/median/max, with
-# the peers' own timing script ../shared/peers/launch_timing.py).
+# the peers' own timing script bench/peers/launch_timing.py).
 #   torchrun: torchrun311.py (python3 -m torch.distributed.run + the Python 3.11 fix) running
 #             trivial_torch.py (init_process_group gloo, one barrier, destroy); default and 0.1 s monitor
 #   mpirun:   mpi_trivial (MPI_Init, MPI_Barrier, MPI_Finalize), and /bin/true
@@ -11,7 +11,7 @@ set -euo pipefail
 BUILD=$(realpath "${1:-build}")
 N=${2:-8}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PEERS=${PEERS:-$ROOT/../shared/peers}
+PEERS=${PEERS:-$ROOT/bench/peers}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 mpicc -O2 -o "$WORK/mpi_trivial" "$PEERS/mpi_trivial.c"

@@ -19,7 +19,7 @@ BUILD=$(realpath "${1:-build}")
 ROUNDS=${ROUNDS:-5}
 COHORT=$BUILD/tools/cohort
 WORKER=$(realpath bench/slurm/first_collective.py)
-TORCHRUN=$(realpath ../shared/peers/torchrun311.py)
+TORCHRUN=$(realpath bench/peers/torchrun311.py)
 tests/slurm/slurm.sh check >/dev/null || { tests/slurm/slurm.sh check; exit 1; }
 DIR=$(tests/slurm/slurm.sh up -k 4)
 TMP=$(mktemp -d)

@@ -1,12 +1,12 @@
 #!/bin/bash
 # Store join time, side by side in one run: `cohort bench store` and PyTorch's TCPStore
-# (../shared/peers/store_bench.py, 4 client processes), same client counts, same machine.
+# (bench/peers/store_bench.py, 4 client processes), same client counts, same machine.
 # Usage: bench/store/run_side_by_side.sh [counts...]   (default 64 256 1024 4096 16384)
 # Env: COHORT (path of the cohort tool), PEERS (peer scripts), REPS (default 3), TORCH_LIMIT_S.
 set -u
 cd "$(dirname "$0")/../.."
 COHORT=${COHORT:-build/tools/cohort}
-PEERS=${PEERS:-../shared/peers}  # relative to the repository root (this script cd-s there)
+PEERS=${PEERS:-bench/peers}  # relative to the repository root (this script cd-s there)
 REPS=${REPS:-3}
 TORCH_LIMIT_S=${TORCH_LIMIT_S:-300}
 COUNTS=${*:-64 256 1024 4096 16384}

@@ -36,16 +36,16 @@ out=$(cd "$work" && timeout -k 5 120 "$venv/bin/cohort" run --nproc-per-node 2 -
   { fail "2 ranks under the venv's cohort run (exit $rc)"; echo "$out" | tail -20 >&2; }
 
 # torchrun: torch's own for torch 2.x; Debian 12's (torch 1.13 on Python 3.11) dies before starting
-# workers, so there the peers' fixed copy (../shared/peers/torchrun311.py) is the torchrun.
+# workers, so there the project's fixed copy (bench/peers/torchrun311.py) is the torchrun.
 major=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split(".")[0])')
 port=$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 if ((major >= 2)); then
   launcher=("$venv/bin/python" -m torch.distributed.run --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port")
-elif [[ -e $src/../shared/peers/torchrun311.py ]]; then
-  launcher=("$venv/bin/python" "$src/../shared/peers/torchrun311.py" --master_addr 127.0.0.1 --master_port "$port")
+elif [[ -e $src/bench/peers/torchrun311.py ]]; then
+  launcher=("$venv/bin/python" "$src/bench/peers/torchrun311.py" --master_addr 127.0.0.1 --master_port "$port")
 else
   launcher=()
-  echo "SKIP: torchrun (torch 1.13's torchrun does not start on Python 3.11 and ../shared/peers/torchrun311.py is absent)"
+  echo "SKIP: torchrun (torch 1.13's torchrun does not start on Python 3.11 and bench/peers/torchrun311.py is absent)"
 fi
 if ((${#launcher[@]})); then
   out=$(cd "$work" && timeout -k 5 120 "${launcher[@]}" --nproc_per_node 2 "$script" "${args[@]}" --out "$work/torchrun.pt" 2>&1) && rc=0 || rc=$?

@@ -2,7 +2,7 @@
 """Tables for docs/perf-pytorch.md from run_perf.sh output (RESULT lines on stdin).
 
 allreduce: per backend and size, the median over rounds of each round's median time/op
-(the peers' aggregation in ../shared/peers/aggregate.py); busbw = size/time * 2(n-1)/n.
+(the peers' aggregation in bench/peers/aggregate.py); busbw = size/time * 2(n-1)/n.
 DDP: median samples/s over rounds, with min..max."""
 import re
 import statistics

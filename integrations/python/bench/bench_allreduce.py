@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """nccl-tests-style collective benchmark for torch.distributed, backend gloo or cohort (CPU).
 
-Copy of ../shared/peers/bench_torch.py (the peers' method, unchanged) with one addition:
+bench/peers/bench_torch.py's method and RESULT lines (the peers' method, unchanged) with one addition:
 --backend {gloo,cohort} (cohort imports cohort_torch, which registers the backend).
 
 Launch (example, n=2):

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Data-parallel training baseline: PyTorch (Debian 1.13) on CPU, Fashion-MNIST, 1 epoch.
 
-Copy of ../shared/peers/ddp_train.py with one addition: --backend {gloo,cohort}
+bench/peers/ddp_train.py (the same model, data, order and RESULT line) with one addition: --backend {gloo,cohort}
 (cohort imports cohort_torch, which registers the backend); RESULT lines name the backend.
 
 Single process (no process group, no DDP):
