@@ -3,7 +3,7 @@
 # OpenBLAS, dataset-fashion-mnist, build tools) and builds via scripts/setup.sh, then trains the
 # Fashion-MNIST MLP data-parallel on 2 local ranks:
 #   scripts/main_job.sh                  # --model mlp (default here)
-#   scripts/main_job.sh --model seed     # the seeds' model (Flatten, Linear 784->10, ReLU)
+#   scripts/main_job.sh --model seed     # the MindSpore MNIST tutorial's model (Flatten, Linear 784->10, ReLU)
 # Extra arguments go to the training program (see build/examples/fashion_mnist/fashion_mnist --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."

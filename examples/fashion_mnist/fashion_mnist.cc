@@ -1,5 +1,6 @@
 // fashion_mnist: cohort's main job. Data-parallel Fashion-MNIST training with libtorch and
-// cohort::torch::DistributedDataParallel, the C++ counterpart of the seeds' MNIST example.
+// cohort::torch::DistributedDataParallel, the C++ counterpart of the data-parallel MNIST example in
+// MindSpore's tutorial (Huawei's framework; one of the users' documents the project is built for).
 //
 //   cohort run --nproc-per-node 2 build/examples/fashion_mnist/fashion_mnist --model mlp
 //   build/examples/fashion_mnist/fashion_mnist            (no launcher: one process)
@@ -51,7 +52,7 @@ Split load_split(const std::string& dir, const std::string& prefix) {
 
 // ---- models ----
 nn::Sequential make_model(const std::string& name) {
-  if (name == "seed")  // the seeds' model: the ReLU on the logits is theirs (it slows learning)
+  if (name == "seed")  // the MindSpore tutorial's model: the ReLU on the logits is theirs (it slows learning)
     return nn::Sequential(nn::Flatten(), nn::Linear(784, 10), nn::ReLU());
   if (name == "mlp")
     return nn::Sequential(nn::Flatten(), nn::Linear(784, 1024), nn::ReLU(), nn::Linear(1024, 1024), nn::ReLU(),
