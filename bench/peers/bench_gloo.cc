@@ -86,9 +86,10 @@ int main(int argc, char** argv) {
     std::vector<float> buf(count, float(rank + 1));
     float* data = buf.data();
     std::unique_ptr<gloo::Algorithm> legacy;  // the ring algorithms are built once per buffer
-    if (algo == "ring") legacy = std::make_unique<gloo::AllreduceRing<float>>(context, std::vector<float*>{data}, int(count));
+    const std::vector<float*> buffers{data};
+    if (algo == "ring") legacy = std::make_unique<gloo::AllreduceRing<float>>(context, buffers, int(count));
     if (algo == "ring_chunked")
-      legacy = std::make_unique<gloo::AllreduceRingChunked<float>>(context, std::vector<float*>{data}, int(count));
+      legacy = std::make_unique<gloo::AllreduceRingChunked<float>>(context, buffers, int(count));
     std::function<void()> run = [&] {
       if (legacy) return legacy->run();
       gloo::AllreduceOptions options(context);

@@ -83,6 +83,7 @@ int main(int argc, char **argv) {
   qsort(copy_gbs, reps, sizeof(double), by_value);
   qsort(reduce_gbs, reps, sizeof(double), by_value);
   printf("\nRESULT threads=%d memcpy_median=%.2f min=%.2f max=%.2f reduce_median=%.2f min=%.2f max=%.2f\n", threads,
-         copy_gbs[reps / 2], copy_gbs[0], copy_gbs[reps - 1], reduce_gbs[reps / 2], reduce_gbs[0], reduce_gbs[reps - 1]);
+         copy_gbs[reps / 2], copy_gbs[0], copy_gbs[reps - 1],  //
+         reduce_gbs[reps / 2], reduce_gbs[0], reduce_gbs[reps - 1]);
   return 0;
 }

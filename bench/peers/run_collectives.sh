@@ -8,11 +8,12 @@
 # (mpicc, mpirun), python3-torch and libgloo-dev.
 # Usage: bench/peers/run_collectives.sh [ROUNDS=3]
 #   SIZES=8,1024,...  allreduce sizes (default 8 B .. 256 MiB); TRIALS, MIN_TIME: per size (default 5, 0.5 s)
-#   NS="2 4"          rank counts for allreduce
+#   NS="2 4"          rank counts for allreduce; OP_SIZES=1048576,67108864: broadcast and allgather sizes
 set -euo pipefail
 cd "$(dirname "$0")"
 rounds=${1:-3}
 sizes=${SIZES:-8,1024,65536,1048576,4194304,16777216,67108864,268435456}
+op_sizes=${OP_SIZES:-1048576,67108864}
 trials=${TRIALS:-5}
 min_time=${MIN_TIME:-0.5}
 bin=$(mktemp -d)
@@ -40,10 +41,9 @@ for ((round = 1; round <= rounds; round++)); do
     ./run_gloo.sh "$n" ring_chunked "$sizes" "$trials" "$min_time" 2>&1 | results
   done
   for op in broadcast allgather; do
-    torch 2 "$op" "${OP_SIZES:-1048576,67108864}" | results
-    "${mpirun[@]}" -n 2 "$bin/bench_mpi" "$op" "${OP_SIZES:-1048576,67108864}" "$trials" "$min_time" 2>&1 | results
-    "${mpirun[@]}" "${mpi_tcp[@]}" -n 2 "$bin/bench_mpi" "$op" "${OP_SIZES:-1048576,67108864}" "$trials" "$min_time" -tcp 2>&1 |
-      results
+    torch 2 "$op" "$op_sizes" | results
+    "${mpirun[@]}" -n 2 "$bin/bench_mpi" "$op" "$op_sizes" "$trials" "$min_time" 2>&1 | results
+    "${mpirun[@]}" "${mpi_tcp[@]}" -n 2 "$bin/bench_mpi" "$op" "$op_sizes" "$trials" "$min_time" -tcp 2>&1 | results
   done
 done
 echo "# done $(date -u +%FT%TZ)"

@@ -34,9 +34,9 @@ for ((rep = 1; rep <= ${REPS:-3}; rep++)); do
           ${EXTRA:-} --tag " blas=$blas rep=$rep" | grep RESULT
       done
       port=$((port + 1))
-      with_blas "$blas" 1 /usr/bin/python3 torchrun311.py --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" \
-        ddp_train.py --model "$model" --loader "$loader" --threads 1 ${EXTRA:-} --tag " blas=$blas rep=$rep" 2>&1 |
-        grep RESULT
+      with_blas "$blas" 1 /usr/bin/python3 torchrun311.py --nproc_per_node 2 --master_addr 127.0.0.1 \
+        --master_port "$port" ddp_train.py --model "$model" --loader "$loader" --threads 1 ${EXTRA:-} \
+        --tag " blas=$blas rep=$rep" 2>&1 | grep RESULT
     done
   done
 done
