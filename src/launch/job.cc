@@ -183,9 +183,16 @@ EndInfo Job::run_attempt(int attempt) {
       watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     auto watch_store = make_prefix_store(watch_base_, fmt::format("attempt/{}", attempt));
     if (plan_.this_node >= 0) attempt_store_->set(node_key(plan_.this_node), net::hostname());
+    // An uncounted Ray job's nodes come as they start: node 0 learns how many to wait for at the end
+    // (settle_end_with_store) from this count, and each node waits for node 0 and itself only.
+    if (plan_.ray.open_membership) attempt_store_->add("joined", 1);
     if (base_client_) base_client_->set_timeout(kStoreCallTimeout);  // joined: only short requests from here
     joined_ = false;
-    WatchParams params{plan_.nnodes, plan_.this_node, plan_.join_timeout_s, store_addr_};
+    WatchParams params{{}, plan_.this_node, plan_.join_timeout_s, store_addr_};
+    if (plan_.ray.open_membership)
+      params.nodes = plan_.this_node == 0 ? std::vector<int>{0} : std::vector<int>{0, plan_.this_node};
+    else
+      for (int r = 0; r < plan_.nnodes; ++r) params.nodes.push_back(r);
     std::thread(watcher_main, watch_store, events_, watcher_stop_, params, attempt).detach();
     if (!plan_.node(plan_.this_node)) start_inspector(attempt);  // a fan-out head: the other nodes' rings
   } else {
@@ -329,7 +336,8 @@ EndInfo Job::run_attempt(int attempt) {
 }
 
 int Job::run() {
-  distributed_ = plan_.nnodes > 1 || plan_.elastic || plan_.mode == Mode::kFanOut || ctx_.agent_mode;
+  distributed_ = plan_.nnodes > 1 || plan_.elastic || plan_.mode == Mode::kFanOut || ctx_.agent_mode ||
+                 plan_.ray.open_membership;  // node 0 of an uncounted Ray job hosts the store the others join
   // A GPU job: this node's GPUs are checked before anything starts (an agent of a fan-out sees its
   // own host's GPUs here for the first time).
   if (const NodePlan* node = plan_.node(plan_.this_node); node && !plan_.gpus_per_node_spec.empty()) {

@@ -60,10 +60,10 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
     auto deadline =
         started + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(p.join_timeout_s));
     std::vector<std::string> keys;
-    for (int r = 0; r < p.nnodes; ++r) keys.push_back(node_key(r));
+    for (int r : p.nodes) keys.push_back(node_key(r));
     auto missing_nodes = [&] {
       std::vector<int> missing;
-      for (int r = 0; r < p.nnodes; ++r)
+      for (int r : p.nodes)
         if (!store->check({node_key(r)})) missing.push_back(r);
       return missing;
     };
@@ -279,7 +279,9 @@ void Job::settle_end_with_store() {
   // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
   if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
     try {
-      if (attempt_store_->add("exited", 1) == plan_.nnodes) attempt_store_->set("all_exited", "1");
+      // (An uncounted Ray job waits for the nodes that joined it, as they counted themselves.)
+      const int64_t nodes = plan_.ray.open_membership ? attempt_store_->add("joined", 0) : plan_.nnodes;
+      if (attempt_store_->add("exited", 1) >= nodes) attempt_store_->set("all_exited", "1");
       // Nodes that never joined (or a lost store) will not report: do not wait for them.
       if (plan_.host_store && end_->kind != "lost" && end_->kind != "join")
         attempt_store_->wait({"all_exited"}, Millis(static_cast<int64_t>((plan_.kill_grace_s + 10) * 1000)));

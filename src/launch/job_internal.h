@@ -148,13 +148,14 @@ class EventQueue {
 inline std::string node_key(int r) { return "node/" + std::to_string(r); }
 
 struct WatchParams {
-  int nnodes = 1;
+  std::vector<int> nodes;  // the node ranks to wait for: every node's, or in an uncounted Ray job node 0's and
+                           // this node's (plan.h, RayPlan::open_membership)
   int this_node = 0;
   double join_timeout_s = 300;
   std::string store_addr;
 };
 
-// Multi-node: waits for every node to register (saying every few seconds who is missing), then for
+// Multi-node: waits for every node (p.nodes) to register (saying every few seconds who is missing), then for
 // the attempt's "end" record, on its own store connection. It is detached: it owns everything it
 // touches, and a stop flag ends it within one wait slice without the loop ever waiting for it.
 void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,

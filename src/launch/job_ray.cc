@@ -5,7 +5,8 @@
 //   node 0, the head: picks its GCS port (--ray-port or HEAD_PORT, else a free one) and its other ports,
 //     starts `ray start --head ... --block` as its process 0 and probes the GCS port until it answers; then
 //     publishes the GCS address in the job's store ("ray/gcs") and runs `ray status` until the cluster's
-//     usage lists every node's Rank:<n> resource; then it starts the driver (PROGRAM) as its process 1.
+//     usage lists every node's Rank:<n> resource (its own only, in a job that does not count its nodes:
+//     RayPlan::open_membership); then it starts the driver (PROGRAM) as its process 1.
 //   node k: waits for "ray/gcs" in the store (a watcher thread: no sleeps), then starts
 //     `ray start --address GCS ... --block` as its process 0.
 // Each of these waits has the --join-timeout deadline, and one that runs out ends the job naming what is
@@ -123,7 +124,7 @@ std::string Job::ray_head_ip() {
   }
   const std::string ip = net::resolve(name, 0).host();
   const bool loopback = ip.rfind("127.", 0) == 0 || ip == "::1";
-  if (loopback && plan_.nnodes > 1)
+  if (loopback && (plan_.nnodes > 1 || plan_.ray.open_membership))
     throw ConfigError(fmt::format("the Ray head's address {} ({}) resolves to {} here, a loopback address the other "
                                   "nodes cannot reach; name node 0 by an address they reach",
                                   name, what, ip));
@@ -385,9 +386,15 @@ std::string Job::ray_node_names(const std::vector<int>& ranks) {
 
 void Job::start_ray_driver() {
   ray_phase_ = RayPhase::kDriverRunning;
-  say(fmt::format("the Ray cluster at {} has its {} node{} ({:.1f} s); starting the driver on {}", ray_gcs_,
-                  plan_.nnodes, plan_.nnodes == 1 ? "" : "s",
-                  std::chrono::duration<double>(Clock::now() - ray_since_).count(), plan_.node(0)->host));
+  if (plan_.ray.open_membership)
+    say(fmt::format("the Ray head at {} is up ({:.1f} s); starting the driver on {} (the job does not say how many "
+                    "nodes it has: the others join the head as they start, and Ray holds a task for Rank:<n> until "
+                    "node n has joined)",
+                    ray_gcs_, std::chrono::duration<double>(Clock::now() - ray_since_).count(), plan_.node(0)->host));
+  else
+    say(fmt::format("the Ray cluster at {} has its {} node{} ({:.1f} s); starting the driver on {}", ray_gcs_,
+                    plan_.nnodes, plan_.nnodes == 1 ? "" : "s",
+                    std::chrono::duration<double>(Clock::now() - ray_since_).count(), plan_.node(0)->host));
   spawn_worker(workers_[1], *plan_.node(0), ray_attempt_, {}, {});
 }
 

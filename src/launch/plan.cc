@@ -39,7 +39,7 @@ const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, working_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RankLogs, dir, redirects, tee, console_local_ranks, all_local_ranks)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RayPlan, enabled, command, command_path, head_port, head_port_source, head_address,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RayPlan, enabled, open_membership, command, command_path, head_port, head_port_source, head_address,
                                    first_port, last_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, nodes, host_store, master_addr,
                                    master_port, job_id, token_from_env, sources, schedulers, extra_env,
@@ -725,14 +725,21 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     if (!o.nnodes || in_srun_step || ray_platform) sched = read_scheduler_env(env, machine.addresses);
     ray_head_address = sched.ray_head_addr;
     ray_head_port = sched.ray_head_port;
-    if (ray_platform && !o.nnodes && !sched.nnodes)
-      throw ConfigError("HEAD_ADDR, HEAD_PORT and RANK (TI-ONE's Ray mode) do not say how many nodes the job has: give "
-                        "--nnodes N (or WORLD_SIZE or NODE_LIST)");
+    // Without a count (the platform gives none) the head cannot wait for "every node": it starts the driver
+    // once its own Ray is up, and the others join it whenever they start (docs/ray.md). This node knows of
+    // the head and of itself: nodes 0..RANK, of which it waits for node 0 only.
+    const bool ray_uncounted = ray_platform && !o.nnodes && !sched.nnodes;
+    p.ray.open_membership = ray_uncounted;
     p.schedulers = sched.scheduler_names;
     sched_job_id = sched.job_id;
     sched_ps_nodes = sched.ps_nodes;
-    p.nnodes = o.nnodes ? *o.nnodes : sched.nnodes ? sched.nnodes->value : 1;
-    source("nnodes", o.nnodes ? (o.min_nodes ? "--nnodes MIN:MAX" : "--nnodes") : sched.nnodes ? sched.nnodes->source : "default");
+    const int known_nodes = ray_uncounted && sched.node_rank ? sched.node_rank->value + 1 : 1;
+    p.nnodes = o.nnodes ? *o.nnodes : sched.nnodes ? sched.nnodes->value : known_nodes;
+    source("nnodes", o.nnodes ? (o.min_nodes ? "--nnodes MIN:MAX" : "--nnodes")
+                     : sched.nnodes ? sched.nnodes->source
+                     : ray_uncounted ? "none given (HEAD_ADDR, HEAD_PORT and RANK alone): the other nodes join the Ray "
+                                       "head as they start"
+                                     : "default");
     if (p.nnodes < 1) throw ConfigError(fmt::format("--nnodes {}: expected a positive number", p.nnodes));
     if (o.min_nodes) set_elastic(p, o, env, *o.min_nodes, *o.nnodes, fmt::format("--nnodes {}:{}", *o.min_nodes, *o.nnodes));
     else if (!o.nnodes && sched.min_nodes)
@@ -782,7 +789,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
       p.nnodes = 1;
       p.world_size = nproc;
     }
-    if (p.nnodes == 1 && !p.elastic) {
+    if (p.nnodes == 1 && !p.elastic && !ray_uncounted) {
       p.mode = Mode::kLocal;
       p.master_addr = "127.0.0.1";
       source("store address", "local job: loopback");
@@ -1257,14 +1264,21 @@ std::string describe_ray(const Plan& p, const EnvMap& env) {
                                                   : ray_block_range(ray_default_block(p.job_id));
   std::vector<int> others;
   for (int r = 1; r < p.nnodes; ++r) others.push_back(r);
-  s += fmt::format("  ray             node 0 runs the Ray head{}; the driver runs on node 0 once `ray status` lists every "
-                   "node's Rank:<n> (each wait up to --join-timeout {:g} s); the driver's end ends the job, with its "
-                   "exit code\n",
-                   others.empty() ? ""
-                                  : fmt::format("; {} {} {} once the head's GCS answers (the job's store says when)",
-                                                others.size() == 1 ? "node" : "nodes", str::format_ranges(others),
-                                                others.size() == 1 ? "starts its Ray" : "start their Ray"),
-                   p.join_timeout_s);
+  if (p.ray.open_membership)
+    s += fmt::format("  ray             node 0 runs the Ray head; the driver runs on node 0 once the head is up (`ray "
+                     "status` lists its Rank:0); the job does not count its nodes: each other node starts its Ray "
+                     "when it starts and the head's GCS answers, and stays until the job ends (each wait up to "
+                     "--join-timeout {:g} s); the driver's end ends the job, with its exit code\n",
+                     p.join_timeout_s);
+  else
+    s += fmt::format("  ray             node 0 runs the Ray head{}; the driver runs on node 0 once `ray status` lists "
+                     "every node's Rank:<n> (each wait up to --join-timeout {:g} s); the driver's end ends the job, "
+                     "with its exit code\n",
+                     others.empty() ? ""
+                                    : fmt::format("; {} {} {} once the head's GCS answers (the job's store says when)",
+                                                  others.size() == 1 ? "node" : "nodes", str::format_ranges(others),
+                                                  others.size() == 1 ? "starts its Ray" : "start their Ray"),
+                     p.join_timeout_s);
   s += fmt::format("  ray command     {}{}\n", p.ray.command,
                    p.ray.command_path.empty() ? " (on each node's PATH)" : " (here " + p.ray.command_path + ")");
   s += fmt::format("  ray ports       GCS {}  [{}]; each node's others in {}-{}{}\n",
@@ -1281,6 +1295,7 @@ std::string describe_ray(const Plan& p, const EnvMap& env) {
   const std::string gcs = p.ray.head_port > 0 ? std::to_string(p.ray.head_port) : "<chosen at start>";
   for (const auto& node : p.nodes) {
     const bool head = node.node_rank == 0;
+    if (p.ray.open_membership && !head && !node.local) continue;  // nodes this one neither knows nor waits for
     s += fmt::format("node {} ({}{}): {}\n", node.node_rank, node.host,
                      node.local ? ", this machine" : p.mode == Mode::kFanOut ? ", over ssh" : ", its own launcher",
                      head ? "the Ray head, then the driver" : fmt::format("Ray node {}", node.node_rank));
@@ -1300,7 +1315,7 @@ std::string describe_ray(const Plan& p, const EnvMap& env) {
           if (argv[i] == "--port") argv[i + 1] = gcs;
       }
       s += fmt::format("  {} ({}): {}\n    command: {}\n", p.process_name(process),
-                       p.is_ray_driver(process) ? "once every node has joined"
+                       p.is_ray_driver(process) ? (p.ray.open_membership ? "once the head is up" : "once every node has joined")
                        : head                   ? "first"
                                                 : "once the head's GCS answers",
                        str::join(kv, " "), shell_line(argv));
@@ -1335,6 +1350,8 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      "agent lease {:g} s)  [{}]\n",
                      p.min_nodes, p.max_nodes, p.join_timeout_s, p.rdzv_last_call_s, p.agent_lease_s,
                      p.source_of("nnodes"));
+  else if (p.ray.open_membership)
+    s += fmt::format("  nodes           not counted  [{}]\n", p.source_of("nnodes"));
   else
     s += fmt::format("  nodes           {}  [{}]\n", p.nnodes,
                      p.mode == Mode::kFanOut ? p.source_of("hosts") : p.source_of("nnodes"));

@@ -152,6 +152,10 @@ struct ProcessRole {
 // node 0's are 0 (its Ray node) and 1 (the driver), node k's is k + 1 (its Ray node).
 struct RayPlan {
   bool enabled = false;
+  // The job does not say how many nodes it has (TI-ONE's HEAD_ADDR, HEAD_PORT and RANK alone): node 0
+  // starts the driver once its own Ray is up, and each other node joins the head whenever it starts and
+  // stays until the job ends. Node 0's plan then has 1 node, node k's the nodes 0..k (it waits for node 0).
+  bool open_membership = false;
   std::string command = "ray";  // --ray-command: each node resolves it on its own PATH
   std::string command_path;     // ... resolved on this host ("" where this host runs no Ray node)
   int head_port = 0;            // the GCS port: --ray-port or HEAD_PORT; 0: a free one the head picks

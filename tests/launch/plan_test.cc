@@ -450,12 +450,33 @@ TEST(Plan, RayJobFromTionesHeadAddrHeadPortAndRank) {
   EXPECT_EQ(q.nnodes, 4);
   EXPECT_EQ(q.ray.head_port, 6380);
   EXPECT_EQ(q.ray.head_port_source, "--ray-port");
-  // Without a node count the three variables cannot say how many nodes the head waits for.
+  // The three variables alone (as TI-ONE sets them): no node count. Node 2 knows of the head and of itself,
+  // and joins the head's store and cluster whenever it starts; node 0 hosts the store even as the only node
+  // it knows of (not a local job on loopback: the others must reach it).
   auto bare = with_program();
   bare.ray = true;
-  EXPECT_EQ(error_of([&] { build_plan(bare, tione, facts()); }),
-            "HEAD_ADDR, HEAD_PORT and RANK (TI-ONE's Ray mode) do not say how many nodes the job has: give --nnodes N "
-            "(or WORLD_SIZE or NODE_LIST)");
+  auto node2_alone = build_plan(bare, tione, facts());
+  EXPECT_TRUE(node2_alone.ray.open_membership);
+  EXPECT_EQ(node2_alone.mode, Mode::kPerNode);
+  EXPECT_EQ(node2_alone.nnodes, 3);
+  EXPECT_EQ(node2_alone.this_node, 2);
+  EXPECT_FALSE(node2_alone.host_store);
+  EXPECT_EQ(node2_alone.master_addr, "train-head-0");
+  EXPECT_EQ(node2_alone.source_of("nnodes"),
+            "none given (HEAD_ADDR, HEAD_PORT and RANK alone): the other nodes join the Ray head as they start");
+  EnvMap head_env = tione;
+  head_env["RANK"] = "0";
+  auto head_alone = build_plan(bare, head_env, facts());
+  EXPECT_TRUE(head_alone.ray.open_membership);
+  EXPECT_EQ(head_alone.mode, Mode::kPerNode);
+  EXPECT_EQ(head_alone.nnodes, 1);
+  EXPECT_TRUE(head_alone.host_store);
+  EXPECT_EQ(head_alone.master_addr, "train-head-0");
+  EXPECT_EQ(head_alone.nodes[0].nproc, 2);  // its Ray head and the driver
+  EXPECT_TRUE(plan_from_json(plan_to_json(head_alone)).ray.open_membership);
+  // A count, from --nnodes or the environment, is waited for in full as before.
+  EXPECT_FALSE(p.ray.open_membership);
+  EXPECT_FALSE(q.ray.open_membership);
   // A job that is not a Ray job does not take the Ray head for its store.
   auto plain = with_program();
   EXPECT_EQ(error_of([&] { build_plan(plain, counted, facts()); }),
@@ -561,6 +582,24 @@ TEST(Plan, RayDryRunSaysHowTheClusterComesUp) {
         "    command: train --lr 0.1", "node 1 (node1, its own launcher): Ray node 1"})
     EXPECT_NE(text.find(want), std::string::npos) << "missing: " << want << "\n" << text;
   EXPECT_EQ(text.find("nproc per node"), std::string::npos) << text;
+  // Without a node count: the head starts the driver once it is up; node 2 names only the head and itself.
+  auto bare = with_program();
+  bare.ray = true;
+  const EnvMap uncounted{{"HEAD_ADDR", "here"}, {"HEAD_PORT", "6379"}, {"RANK", "0"}};
+  auto head = describe_plan(build_plan(bare, uncounted, facts()), uncounted, "here:29500");
+  for (const char* want :
+       {"  nodes           not counted  [none given (HEAD_ADDR, HEAD_PORT and RANK alone)",
+        "  ray             node 0 runs the Ray head; the driver runs on node 0 once the head is up (`ray status` lists "
+        "its Rank:0); the job does not count its nodes: each other node starts its Ray when it starts",
+        "  the driver (once the head is up): HEAD_ADDR=here HEAD_PORT=6379 RANK=0 RAY_ADDRESS="})
+    EXPECT_NE(head.find(want), std::string::npos) << "missing: " << want << "\n" << head;
+  EnvMap node2_env = uncounted;
+  node2_env["RANK"] = "2";
+  node2_env["HEAD_ADDR"] = "elsewhere";
+  auto node2 = describe_plan(build_plan(bare, node2_env, facts()), node2_env, "elsewhere:29500");
+  EXPECT_NE(node2.find("node 2 (here, this machine): Ray node 2"), std::string::npos) << node2;
+  EXPECT_NE(node2.find("node 0 (node0, its own launcher): the Ray head, then the driver"), std::string::npos) << node2;
+  EXPECT_EQ(node2.find("node 1 ("), std::string::npos) << node2;
   // Not a Ray job: the Ray variables are not used, and the plan says so.
   auto plain = with_program();
   auto local = describe_plan(build_plan(plain, {{"HEAD_ADDR", "x"}}, facts()), {{"HEAD_ADDR", "x"}}, "127.0.0.1:1");

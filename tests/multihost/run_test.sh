@@ -12,4 +12,7 @@ cluster=${COHORT_TEST_CLUSTER:-$here/cluster.sh}
 COHORT_CLUSTER_QUIET=1 "$here/cluster.sh" gc
 # A test may ask for a different host count with a line "# cluster-hosts: K".
 k=$(sed -n 's/^# cluster-hosts: *\([0-9]*\).*/\1/p' "$test_script" | head -1)
+# A Slurm test may declare its nodes' CPUs with "# slurm-cpus: N" (tests/slurm/slurm.sh).
+cpus=$(sed -n 's/^# slurm-cpus: *\([0-9]*\).*/\1/p' "$test_script" | head -1)
+[[ -z $cpus ]] || export COHORT_SLURM_CPUS=$cpus
 exec "$cluster" run -k "${k:-4}" -- bash "$test_script"

@@ -5,7 +5,8 @@
 # its exit code is the job's; nothing is left on any host. Then the faults: a node's Ray killed mid-job is
 # named; a node whose Ray cannot reach the head's GCS times out with its name; a node cut off from the head
 # is named at once. Last, the seed's way: TI-ONE's HEAD_ADDR/HEAD_PORT/RANK on each of h0-h3, each node
-# running `cohort run --ray` itself, where a second head on HEAD_PORT is refused before Ray starts. Where
+# running `cohort run --ray` itself, where a second head on HEAD_PORT is refused before Ray starts; and
+# the three variables alone (no node count): the other nodes start only once the driver runs. Where
 # real Ray is installed, the bring-up and a killed node run against it too (none was, so far: docs/ray.md).
 source "$(dirname "$0")/lib.sh"
 require_command run
@@ -121,7 +122,54 @@ expect_eq "seed: h1-h3 joined with RANK's Rank:<n>" \
   "[('h1', {'Rank:1': 1}), ('h2', {'Rank:2': 1}), ('h3', {'Rank:3': 1})]"
 expect_no_job_processes 5
 
-# 6. Real Ray, where one is installed (a `ray` on PATH, or COHORT_TEST_REAL_RAY): the bring-up, the driver
+# 6. TI-ONE's three variables alone, as the platform sets them (no node count): the head's launcher starts
+# the driver once its Ray is up, before any other node has started; the driver waits for nodes 1-3 as Ray
+# holds a task that asks for Rank:<n> until node n joins; they start afterwards, join the head, and stay
+# until the driver ends; every launcher exits 0.
+: >"$LOG"
+rm -f "$MH_TMP/driver-started"
+RANKS_DRIVER=$MH_TMP/ranks_driver.sh
+cat >"$RANKS_DRIVER" <<EOF
+#!/bin/sh
+nodes() { $RAY status --address "\$RAY_ADDRESS" | grep -c '^ 1 node_'; }
+echo "driver started with \$(nodes) node(s)"
+: >"$MH_TMP/driver-started"
+i=0
+# Rank:1-3 in Ray's usage: nodes 1-3 have joined (30 s at most).
+while [ "\$($RAY status --address "\$RAY_ADDRESS" | grep -c ' Rank:[123]\$')" != 3 ]; do
+  i=\$((i + 1)); [ \$i -le 300 ] || { echo "nodes 1-3 never joined"; exit 3; }
+  sleep 0.1
+done
+echo "driver sees \$(nodes) nodes"
+EOF
+chmod +x "$RANKS_DRIVER"
+uncounted() {  # NODE: that node's launcher, with only HEAD_ADDR, HEAD_PORT and RANK
+  on_host "$1" timeout -k 5 60 env HEAD_ADDR=h0 HEAD_PORT=6379 RANK="$1" "$COHORT" run --ray --ray-command "$RAY" \
+    --kill-grace 2 --join-timeout 20 "$RANKS_DRIVER" >"$MH_TMP/uncounted.$1.out" 2>&1
+}
+uncounted 0 &
+pids=($!)
+for ((i = 0; i < 300; i++)); do [[ -e $MH_TMP/driver-started ]] || ! kill -0 "${pids[0]}" 2>/dev/null && break; sleep 0.1; done
+[[ -e $MH_TMP/driver-started ]] && pass "uncounted: the driver started on the head alone" ||
+  fail "uncounted: the driver did not start within 30 s with the head alone"
+expect_eq "uncounted: ... before any other node's ray start" \
+  "$(query "len([c for c in calls if c['event'] == 'start' and not c['head']])")" 0
+for n in 1 2 3; do uncounted "$n" & pids+=($!); done
+for n in 0 1 2 3; do
+  rc=0; wait "${pids[$n]}" || rc=$?
+  cat "$MH_TMP/uncounted.$n.out"
+  expect_eq "uncounted: node $n's launcher exit code" "$rc" 0
+done
+out=$(cat "$MH_TMP/uncounted.0.out")
+expect_contains "uncounted: the driver started with the head only" "$out" "driver started with 1 node(s)"
+expect_contains "uncounted: ... and saw nodes 1-3 join" "$out" "driver sees 4 nodes"
+expect_contains "uncounted: the head says why it did not wait" "$out" "the job does not say how many nodes it has"
+expect_eq "uncounted: h1-h3 joined the head with RANK's Rank:<n>" \
+  "$(query "sorted((c['host'], c['gcs'], c['resources']) for c in calls if c['event'] == 'joined')")" \
+  "[('h1', '198.18.0.1:6379', {'Rank:1': 1}), ('h2', '198.18.0.1:6379', {'Rank:2': 1}), ('h3', '198.18.0.1:6379', {'Rank:3': 1})]"
+expect_no_job_processes 5
+
+# 7. Real Ray, where one is installed (a `ray` on PATH, or COHORT_TEST_REAL_RAY): the bring-up, the driver
 # once, its exit code, a node's Ray killed, nothing left. What ran is printed, for docs/ray.md.
 real_ray=${COHORT_TEST_REAL_RAY:-$(command -v ray || true)}
 if [[ -z $real_ray ]]; then
