@@ -294,6 +294,7 @@ int run_run(std::vector<std::string> args) {
   // Flags accepted from torchrun's and mpirun's command lines that cohort has no use for, or does
   // otherwise: one line each, so that nobody counts on them.
   auto note = [](const std::string& line) { fmt::print(stderr, "cohort run: note: {}\n", line); };
+  for (const auto& line : plan.notes) note(line);  // what the plan left out or chose on its own
   if (run_as_root)
     note("--allow-run-as-root means nothing to cohort: it runs as root without it (mpirun refuses to)");
   if (oversubscribe)

@@ -559,6 +559,42 @@ void set_ray_mode(Plan& p, const Options& o, const std::optional<Sourced<std::st
 
 }  // namespace
 
+namespace {
+
+// The variables a shell keeps after a DDP script was run by hand (`export MASTER_ADDR=... RANK=0
+// WORLD_SIZE=2`), which torchrun and Kubeflow's first operators also use to place a job of nodes.
+constexpr const char* kShellLeftovers[] = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"};
+
+// The scheduler environment that places a per-node or local job. `local_shape`: the command line gives
+// this node's processes (-n, --nproc-per-node, -N, --map-by ppr:N:node) and no node count or node rank.
+// Such a command is a job on this machine, as torchrun makes it: MASTER_ADDR, MASTER_PORT, WORLD_SIZE and
+// RANK alone are then a shell's leftovers, ignored with one note naming them (a job of several nodes
+// waiting 300 s for a node that never comes is what they would make). With any platform's own variables
+// beside them (Slurm's, Kubeflow's PET_*, TI-ONE's NODE_LIST, Open MPI's, a rank table, TF_CONFIG,
+// HEAD_ADDR) the environment is a platform's and places the job as it always did.
+SchedulerInfo placement_env(const EnvMap& env, bool local_shape, const std::string& shape,
+                            const MachineFacts& machine, std::vector<std::string>& notes) {
+  if (!local_shape) return read_scheduler_env(env, machine.addresses);
+  EnvMap rest = env;
+  std::vector<std::string> ignored;
+  for (const char* name : kShellLeftovers) {
+    auto it = rest.find(name);
+    if (it == rest.end()) continue;
+    if (!it->second.empty()) ignored.push_back(fmt::format("{}={}", name, it->second));
+    rest.erase(it);
+  }
+  SchedulerInfo platform = read_scheduler_env(rest, machine.addresses);
+  if (ignored.empty() || !platform.scheduler_names.empty()) return read_scheduler_env(env, machine.addresses);
+  notes.push_back(fmt::format(
+      "ignoring {} from the environment: {} without --nnodes is a job on this machine (as with torchrun), and no "
+      "platform's variables (Slurm's, Kubeflow's PET_*, TI-ONE's NODE_LIST, ...) came with them; for a job of "
+      "several nodes give --nnodes and --node-rank",
+      str::join(ignored, " "), shape));
+  return platform;
+}
+
+}  // namespace
+
 int std_streams(const std::string& flag, const std::string& spec, int local_rank) {
   if (spec.empty()) return 0;
   auto bad = [&] {
@@ -722,7 +758,12 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     // TI-ONE's Ray mode names the head and this node's rank but not the node count: --nnodes gives it,
     // and the platform's variables still say the rest.
     const bool ray_platform = o.ray && env.count("HEAD_ADDR") && !env.at("HEAD_ADDR").empty();
-    if (!o.nnodes || in_srun_step || ray_platform) sched = read_scheduler_env(env, machine.addresses);
+    const bool local_shape = (o.np || nproc_flag) && !o.nnodes && !o.node_rank;
+    // The flag that gave the shape, as typed (for the note): "-n 2", "--nproc-per-node 2", "--map-by ppr:2:node".
+    const std::string shape = !nproc_flag           ? fmt::format("-n {}", o.np.value_or(0))
+                              : o.map_by && !o.nproc_per_node ? nproc_flag_name
+                                                    : nproc_flag_name + " " + o.nproc_per_node.value_or("");
+    if (!o.nnodes || in_srun_step || ray_platform) sched = placement_env(env, local_shape, shape, machine, p.notes);
     ray_head_address = sched.ray_head_addr;
     ray_head_port = sched.ray_head_port;
     if (ray_platform && !o.nnodes && !sched.nnodes)
@@ -1365,6 +1406,7 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                                                                        "authenticate the store)"
                                                                      : "random, 32 bytes");
   if (!p.schedulers.empty()) s += fmt::format("  scheduler env   {}\n", str::join(p.schedulers, ", "));
+  for (const auto& line : p.notes) s += fmt::format("  note            {}\n", line);
   if (!p.ray.enabled && (env.count("HEAD_ADDR") || env.count("HEAD_PORT")))
     s += "  note            HEAD_ADDR/HEAD_PORT (TI-ONE's Ray mode) are read by --ray jobs only (docs/ray.md)\n";
   s += fmt::format("  failure policy  {}, max restarts {}, kill grace {} s\n",

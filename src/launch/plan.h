@@ -176,6 +176,10 @@ struct Plan {
   bool token_from_env = false;  // per-node mode: COHORT_JOB_TOKEN given on every node
   std::vector<std::pair<std::string, std::string>> sources;  // setting -> where it came from
   std::vector<std::string> schedulers;                       // scheduler environments consulted
+  // What the launcher says before it starts, one line each ("cohort run: note: ..."; --dry-run shows
+  // them too): e.g. a shell's leftover MASTER_ADDR/RANK/WORLD_SIZE that a local job ignored.
+  // Not sent to agents.
+  std::vector<std::string> notes;
   std::vector<std::pair<std::string, std::string>> extra_env;  // -x
   bool set_omp_threads = false;  // OMP_NUM_THREADS=1 for the workers (unset, >1 worker per node)
   bool tag_output = false;

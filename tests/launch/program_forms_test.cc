@@ -147,6 +147,39 @@ TEST(ProgramForms, AppendLocalRankPassesTorchDistributedLaunchsArgument) {
   EXPECT_NE(both.err.find("--use-env and --append-local-rank both given"), std::string::npos) << both.err;
 }
 
+TEST(ProgramForms, AMissingModuleNamesTheInterpreterThatRanAndHowToChooseAnother) {
+  // A pyenv or venv shell whose python3 lacks torch (issue 46): the summary says which interpreter ran.
+  // The stand-in interpreters fail as Python does; `bin/python3` comes first on PATH, as a shim does.
+  TempDir dir;
+  write_file(dir.file("ddp.py"), kShowPy);
+  mkdir(dir.file("bin").c_str(), 0755);
+  const std::string no_torch = "#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+                               "echo \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n";
+  write_executable(dir.file("bin/python3"), no_torch);
+  const char* path = getenv("PATH");
+  const std::string shim_path = "PATH=" + dir.file("bin") + ":" + (path ? path : "/usr/bin:/bin");
+  auto r = run_process(in_dir(dir.path(), cohort_run({"-n", "1", "ddp.py"})), {shim_path}, 30);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("| ModuleNotFoundError: No module named 'torch'\n  the interpreter that ran was " +
+                       dir.file("bin/python3") +
+                       " (python3, the default, found on PATH): a module it cannot import may be installed for "
+                       "another Python; --python PATH or COHORT_PYTHON=PATH chooses that one"),
+            std::string::npos)
+      << r.err;
+  auto flag = run_process(in_dir(dir.path(), cohort_run({"--python", dir.file("bin/python3"), "-m", "train"})), {}, 30);
+  EXPECT_EQ(flag.exit_code, 1) << flag.err;
+  EXPECT_NE(flag.err.find("the interpreter that ran was " + dir.file("bin/python3") + " (" + dir.file("bin/python3") +
+                          ", from --python): "),
+            std::string::npos)
+      << flag.err;
+  // Any other failure of a script is not about the interpreter: no such line.
+  write_executable(dir.file("other"), "#!/bin/sh\necho 'ValueError: bad learning rate' >&2\nexit 1\n");
+  auto other = run_process(in_dir(dir.path(), cohort_run({"ddp.py"})), {"COHORT_PYTHON=" + dir.file("other")}, 30);
+  EXPECT_EQ(other.exit_code, 1) << other.err;
+  EXPECT_NE(other.err.find("| ValueError: bad learning rate"), std::string::npos) << other.err;
+  EXPECT_EQ(other.err.find("the interpreter that ran"), std::string::npos) << other.err;
+}
+
 TEST(ProgramForms, DryRunShowsTheCommandOfEveryWorker) {
   TempDir dir;
   write_file(dir.file("ddp.py"), kShowPy);
