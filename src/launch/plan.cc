@@ -37,7 +37,8 @@ const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
 }  // namespace
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, working_dir)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, local_rank_arg,
+                                   local_rank_arg_source, working_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RankLogs, dir, redirects, tee, console_local_ranks, all_local_ranks)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RayPlan, enabled, command, command_path, head_port, head_port_source, head_address,
                                    first_port, last_port)
@@ -408,6 +409,19 @@ void set_program_form(Plan& p, const Options& o, const EnvMap& env) {
   const bool script = !o.no_python && !o.module && program.size() > 3 && program.ends_with(".py");
   p.form.kind = o.module ? "module" : script ? "script" : "direct";
   p.form.append_local_rank = o.append_local_rank;
+  if (o.local_rank_arg) {
+    const std::string& given = *o.local_rank_arg;
+    if (given != "local_rank" && given != "local-rank" && given != "auto")
+      throw ConfigError(fmt::format("--local-rank-arg {}: expected local_rank (torch 1.x's launch), local-rank "
+                                    "(torch 2.x's) or auto (as the installed torch's launch spells it)",
+                                    given));
+    if (!o.append_local_rank)
+      throw ConfigError(fmt::format("--local-rank-arg {} without a local rank argument to spell: it goes with "
+                                    "--append-local-rank (cohort launch passes one unless --use-env)",
+                                    given));
+    p.form.local_rank_arg = given == "local-rank" ? "--local-rank" : "--local_rank";
+    p.form.local_rank_arg_source = given == "auto" ? "auto" : "--local-rank-arg";
+  }
   if (p.form.kind == "direct") {
     if (o.python)
       throw ConfigError(fmt::format("--python {}: '{}' runs directly (it does not end in .py and -m is not given); "
@@ -1123,7 +1137,8 @@ std::vector<std::string> worker_argv(const Plan& p, int process) {
     argv.push_back(p.program.at(0));
   }
   // Where torch.distributed.launch put it: before the program's own arguments.
-  if (p.form.append_local_rank) argv.push_back(fmt::format("--local_rank={}", p.local_rank_of(process)));
+  if (p.form.append_local_rank)
+    argv.push_back(fmt::format("{}={}", p.form.local_rank_arg, p.local_rank_of(process)));
   argv.insert(argv.end(), p.program.begin() + 1, p.program.end());
   return argv;
 }
@@ -1365,7 +1380,8 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      str::join(p.program, " "), p.form.kind == "module" ? "a Python module" : "a .py script",
                      p.form.python, p.form.python_source, p.program_path);
   if (p.form.append_local_rank)
-    s += "  arguments       --local_rank=<local rank> before the program's own (--append-local-rank)\n";
+    s += fmt::format("  arguments       {}=<local rank> before the program's own (--append-local-rank; spelling: {})\n",
+                     p.form.local_rank_arg, p.form.local_rank_arg_source);
   if (!p.form.working_dir.empty())
     s += fmt::format("  folder          {} (every host's workers run there when it exists on the host)\n",
                      p.form.working_dir);
