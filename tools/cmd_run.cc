@@ -16,6 +16,7 @@
 #include "common/strings.h"
 #include "launch/job.h"
 #include "launch/plan.h"
+#include "launch/torch_version.h"
 
 namespace cohort::tools {
 namespace {
@@ -69,9 +70,15 @@ std::string self_exe() {
   return std::string(buf, static_cast<size_t>(n));
 }
 
-int run_run(std::vector<std::string> args) {
+// `cohort run`, and `cohort launch` (`launch_line`): python -m torch.distributed.launch's line, the same
+// flags with --local_rank=N passed to every worker unless --use-env (docs/launcher.md).
+int run_launcher(std::vector<std::string> args, bool launch_line) {
   Options o;
-  CLI::App app{"cohort run: start, watch and stop a job of PROGRAM on one machine or many", "cohort run"};
+  const std::string command = launch_line ? "cohort launch" : "cohort run";
+  CLI::App app{launch_line ? "cohort launch: python -m torch.distributed.launch's line; cohort run that passes "
+                             "--local_rank=N (torch 2.x: --local-rank=N) to each worker unless --use-env"
+                           : "cohort run: start, watch and stop a job of PROGRAM on one machine or many",
+               command};
   app.set_help_flag("-h,--help", "print this help (docs/launcher.md has the full reference)");
   std::string nproc, hosts_joined, join_timeout = "300", kill_grace = "5", ranks_to_console;
   std::vector<std::string> hosts;
@@ -140,6 +147,9 @@ int run_run(std::vector<std::string> args) {
   app.add_option("--python", python, "interpreter of a .py PROGRAM and of -m (default: COHORT_PYTHON, else python3 on each host's PATH)");
   app.add_flag("--append-local-rank", o.append_local_rank, "pass --local_rank=N to each worker before its arguments, as python -m torch.distributed.launch does");
   app.add_flag("--use-env,--use_env", o.use_env, "torch.distributed.launch's: the program reads LOCAL_RANK from its environment (what cohort always gives)");
+  std::string local_rank_arg;
+  app.add_option("--local-rank-arg", local_rank_arg, "the spelling of that argument: local_rank (torch 1.x's launch), "
+                 "local-rank (2.x's) or auto (as the installed torch's; cohort launch's default)");
   // mpirun's placement and reporting flags.
   std::string npernode, map_by;
   app.add_option("-N,--npernode", npernode, "processes per node (mpirun's -N/-npernode; the same as --nproc-per-node)");
@@ -182,7 +192,16 @@ int run_run(std::vector<std::string> args) {
   }
   o.program.assign(args.begin() + static_cast<long>(i), args.end());
   opts.insert(opts.begin(), args[0]);
-  if (!parse_command_line(app, opts, "\nusage: cohort run [options] PROGRAM [ARGS...]\n")) return 0;
+  if (!parse_command_line(app, opts, "\nusage: " + command + " [options] PROGRAM [ARGS...]\n")) return 0;
+  if (app.count("--local-rank-arg")) o.local_rank_arg = local_rank_arg;
+  if (launch_line) {
+    // torch.distributed.launch: --local_rank=N unless --use_env, in the installed torch's spelling.
+    if (o.no_python && !o.use_env)
+      throw ConfigError("--no-python without --use-env: a program run directly gets no --local_rank argument "
+                        "(torch.distributed.launch refuses this too); add --use-env and read LOCAL_RANK");
+    o.append_local_rank = o.append_local_rank || !o.use_env;  // both given: refused by the plan, as in cohort run
+    if (o.append_local_rank && !o.local_rank_arg) o.local_rank_arg = "auto";
+  }
   if (!nproc.empty()) o.nproc_per_node = nproc;
   if (app.count("-N")) {
     if (o.nproc_per_node && *o.nproc_per_node != npernode)
@@ -291,9 +310,11 @@ int run_run(std::vector<std::string> args) {
   auto env = launch::current_env();
   launch::MachineFacts machine = launch::this_machine(o.gpus_per_node.has_value());
   launch::Plan plan = launch::build_plan(o, env, machine);
+  launch::choose_local_rank_arg(plan);  // --local-rank-arg auto: asks the workers' Python for its torch
+  auto note = [&](const std::string& line) { fmt::print(stderr, "{}: note: {}\n", command, line); };
+  for (const auto& line : plan.notes) note(line);  // what the plan left out or chose on its own
   // Flags accepted from torchrun's and mpirun's command lines that cohort has no use for, or does
   // otherwise: one line each, so that nobody counts on them.
-  auto note = [](const std::string& line) { fmt::print(stderr, "cohort run: note: {}\n", line); };
   if (run_as_root)
     note("--allow-run-as-root means nothing to cohort: it runs as root without it (mpirun refuses to)");
   if (oversubscribe)
@@ -303,7 +324,7 @@ int run_run(std::vector<std::string> args) {
     note(fmt::format("--monitor-interval {}: cohort's supervision is event-driven (a worker's exit is seen the moment "
                      "the kernel reports it), so there is no interval to set; ignored",
                      monitor_interval));
-  if (o.use_env)
+  if (o.use_env && !launch_line)
     note("--use-env: every worker gets LOCAL_RANK in its environment anyway; cohort passes --local_rank=N only with "
          "--append-local-rank");
   if (o.log_dir && o.redirects.value_or("0") == "0" && o.tee.value_or("0") == "0")
@@ -340,7 +361,13 @@ int run_agent(std::vector<std::string> args) {
   return launch::run_agent_from_stdin();
 }
 
+int run_run(std::vector<std::string> args) { return run_launcher(std::move(args), false); }
+int run_launch(std::vector<std::string> args) { return run_launcher(std::move(args), true); }
+
 Registration reg_run("run", "start, watch and stop a job (torchrun / mpirun replacement)", run_run);
+Registration reg_launch("launch",
+                        "python -m torch.distributed.launch's line: cohort run passing --local_rank=N unless --use-env",
+                        run_launch);
 Registration reg_agent("agent", "one node of an ssh fan-out (started by `cohort run -H`)", run_agent);
 
 }  // namespace

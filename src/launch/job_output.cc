@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <fmt/core.h>
 
 #include "common/socket.h"
@@ -45,7 +47,26 @@ std::string Job::failure_summary(const Worker& w) {
     s += plan_.merge_stderr ? "; last lines of its output (stderr merged):" : "; last lines of its stderr:";
     for (const auto& l : tail) s += "\n    | " + l;
   }
-  return s;
+  return s + missing_module_hint(tail);
+}
+
+std::string Job::missing_module_hint(const std::vector<std::string>& tail) const {
+  // The usual cause of `No module named 'torch'` under cohort: python3 on PATH is not the Python that
+  // has it (a pyenv shim, a venv that is not active, a conda base), while the script ran fine by hand
+  // with another. Name the interpreter that ran and how to choose another.
+  if (plan_.form.kind == "direct") return "";
+  const bool missing = std::any_of(tail.begin(), tail.end(), [](const std::string& line) {
+    return line.find("ModuleNotFoundError: ") != std::string::npos ||
+           line.find("ImportError: ") != std::string::npos;
+  });
+  if (!missing) return "";
+  const std::string named = plan_.form.python + (plan_.form.python_source == "default"
+                                                     ? ", the default"
+                                                     : ", from " + plan_.form.python_source);
+  return fmt::format("\n  the interpreter that ran was {} ({}{}): a module it cannot import may be installed for another "
+                     "Python; --python PATH or COHORT_PYTHON=PATH chooses that one",
+                     plan_.program_path, named,
+                     plan_.program_path == plan_.form.python ? "" : ", found on PATH");
 }
 
 std::string Job::describe_worker_exit(const Worker& w) {

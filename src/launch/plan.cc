@@ -37,7 +37,8 @@ const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
 }  // namespace
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, working_dir)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, local_rank_arg,
+                                   local_rank_arg_source, working_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RankLogs, dir, redirects, tee, console_local_ranks, all_local_ranks)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RayPlan, enabled, open_membership, command, command_path, head_port, head_port_source, head_address,
                                    first_port, last_port)
@@ -408,6 +409,19 @@ void set_program_form(Plan& p, const Options& o, const EnvMap& env) {
   const bool script = !o.no_python && !o.module && program.size() > 3 && program.ends_with(".py");
   p.form.kind = o.module ? "module" : script ? "script" : "direct";
   p.form.append_local_rank = o.append_local_rank;
+  if (o.local_rank_arg) {
+    const std::string& given = *o.local_rank_arg;
+    if (given != "local_rank" && given != "local-rank" && given != "auto")
+      throw ConfigError(fmt::format("--local-rank-arg {}: expected local_rank (torch 1.x's launch), local-rank "
+                                    "(torch 2.x's) or auto (as the installed torch's launch spells it)",
+                                    given));
+    if (!o.append_local_rank)
+      throw ConfigError(fmt::format("--local-rank-arg {} without a local rank argument to spell: it goes with "
+                                    "--append-local-rank (cohort launch passes one unless --use-env)",
+                                    given));
+    p.form.local_rank_arg = given == "local-rank" ? "--local-rank" : "--local_rank";
+    p.form.local_rank_arg_source = given == "auto" ? "auto" : "--local-rank-arg";
+  }
   if (p.form.kind == "direct") {
     if (o.python)
       throw ConfigError(fmt::format("--python {}: '{}' runs directly (it does not end in .py and -m is not given); "
@@ -555,6 +569,42 @@ void set_ray_mode(Plan& p, const Options& o, const std::optional<Sourced<std::st
   p.rank_table_slots.clear();
   p.rank_table_size = 0;
   p.sources.emplace_back("ray", "--ray");
+}
+
+}  // namespace
+
+namespace {
+
+// The variables a shell keeps after a DDP script was run by hand (`export MASTER_ADDR=... RANK=0
+// WORLD_SIZE=2`), which torchrun and Kubeflow's first operators also use to place a job of nodes.
+constexpr const char* kShellLeftovers[] = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"};
+
+// The scheduler environment that places a per-node or local job. `local_shape`: the command line gives
+// this node's processes (-n, --nproc-per-node, -N, --map-by ppr:N:node) and no node count or node rank.
+// Such a command is a job on this machine, as torchrun makes it: MASTER_ADDR, MASTER_PORT, WORLD_SIZE and
+// RANK alone are then a shell's leftovers, ignored with one note naming them (a job of several nodes
+// waiting 300 s for a node that never comes is what they would make). With any platform's own variables
+// beside them (Slurm's, Kubeflow's PET_*, TI-ONE's NODE_LIST, Open MPI's, a rank table, TF_CONFIG,
+// HEAD_ADDR) the environment is a platform's and places the job as it always did.
+SchedulerInfo placement_env(const EnvMap& env, bool local_shape, const std::string& shape,
+                            const MachineFacts& machine, std::vector<std::string>& notes) {
+  if (!local_shape) return read_scheduler_env(env, machine.addresses);
+  EnvMap rest = env;
+  std::vector<std::string> ignored;
+  for (const char* name : kShellLeftovers) {
+    auto it = rest.find(name);
+    if (it == rest.end()) continue;
+    if (!it->second.empty()) ignored.push_back(fmt::format("{}={}", name, it->second));
+    rest.erase(it);
+  }
+  SchedulerInfo platform = read_scheduler_env(rest, machine.addresses);
+  if (ignored.empty() || !platform.scheduler_names.empty()) return read_scheduler_env(env, machine.addresses);
+  notes.push_back(fmt::format(
+      "ignoring {} from the environment: {} without --nnodes is a job on this machine (as with torchrun), and no "
+      "platform's variables (Slurm's, Kubeflow's PET_*, TI-ONE's NODE_LIST, ...) came with them; for a job of "
+      "several nodes give --nnodes and --node-rank",
+      str::join(ignored, " "), shape));
+  return platform;
 }
 
 }  // namespace
@@ -722,7 +772,12 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     // TI-ONE's Ray mode names the head and this node's rank but not the node count: --nnodes gives it,
     // and the platform's variables still say the rest.
     const bool ray_platform = o.ray && env.count("HEAD_ADDR") && !env.at("HEAD_ADDR").empty();
-    if (!o.nnodes || in_srun_step || ray_platform) sched = read_scheduler_env(env, machine.addresses);
+    const bool local_shape = (o.np || nproc_flag) && !o.nnodes && !o.node_rank;
+    // The flag that gave the shape, as typed (for the note): "-n 2", "--nproc-per-node 2", "--map-by ppr:2:node".
+    const std::string shape = !nproc_flag           ? fmt::format("-n {}", o.np.value_or(0))
+                              : o.map_by && !o.nproc_per_node ? nproc_flag_name
+                                                    : nproc_flag_name + " " + o.nproc_per_node.value_or("");
+    if (!o.nnodes || in_srun_step || ray_platform) sched = placement_env(env, local_shape, shape, machine, p.notes);
     ray_head_address = sched.ray_head_addr;
     ray_head_port = sched.ray_head_port;
     // Without a count (the platform gives none) the head cannot wait for "every node": it starts the driver
@@ -1089,7 +1144,8 @@ std::vector<std::string> worker_argv(const Plan& p, int process) {
     argv.push_back(p.program.at(0));
   }
   // Where torch.distributed.launch put it: before the program's own arguments.
-  if (p.form.append_local_rank) argv.push_back(fmt::format("--local_rank={}", p.local_rank_of(process)));
+  if (p.form.append_local_rank)
+    argv.push_back(fmt::format("{}={}", p.form.local_rank_arg, p.local_rank_of(process)));
   argv.insert(argv.end(), p.program.begin() + 1, p.program.end());
   return argv;
 }
@@ -1339,7 +1395,8 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                      str::join(p.program, " "), p.form.kind == "module" ? "a Python module" : "a .py script",
                      p.form.python, p.form.python_source, p.program_path);
   if (p.form.append_local_rank)
-    s += "  arguments       --local_rank=<local rank> before the program's own (--append-local-rank)\n";
+    s += fmt::format("  arguments       {}=<local rank> before the program's own (--append-local-rank; spelling: {})\n",
+                     p.form.local_rank_arg, p.form.local_rank_arg_source);
   if (!p.form.working_dir.empty())
     s += fmt::format("  folder          {} (every host's workers run there when it exists on the host)\n",
                      p.form.working_dir);
@@ -1382,6 +1439,7 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                                                                        "authenticate the store)"
                                                                      : "random, 32 bytes");
   if (!p.schedulers.empty()) s += fmt::format("  scheduler env   {}\n", str::join(p.schedulers, ", "));
+  for (const auto& line : p.notes) s += fmt::format("  note            {}\n", line);
   if (!p.ray.enabled && (env.count("HEAD_ADDR") || env.count("HEAD_PORT")))
     s += "  note            HEAD_ADDR/HEAD_PORT (TI-ONE's Ray mode) are read by --ray jobs only (docs/ray.md)\n";
   s += fmt::format("  failure policy  {}, max restarts {}, kill grace {} s\n",

@@ -64,6 +64,9 @@ struct Options {
   bool no_python = false;
   std::optional<std::string> python;
   bool append_local_rank = false;  // --append-local-rank: --local_rank=N after the script
+  // --local-rank-arg: how that argument is spelt: local_rank (torch 1.x's launch), local-rank (2.x's) or
+  // auto (as the installed torch's launch spells it: choose_local_rank_arg, launch/torch_version.h).
+  std::optional<std::string> local_rank_arg;
   bool use_env = false;            // --use-env (torch.distributed.launch's; nothing to do for cohort)
   // mpirun's --map-by and --report-bindings.
   std::optional<std::string> map_by;
@@ -111,6 +114,10 @@ struct ProgramForm {
   std::string python;           // the interpreter as named; every host resolves it on its own PATH
   std::string python_source;    // --python, COHORT_PYTHON or default
   bool append_local_rank = false;  // --local_rank=N right after the script (torch.distributed.launch)
+  // Its spelling: "--local_rank" (torch 1.x's launch) or "--local-rank" (torch 2.x's), and why that one
+  // ("default", "--local-rank-arg", or "auto": resolved by choose_local_rank_arg before the job starts).
+  std::string local_rank_arg = "--local_rank";
+  std::string local_rank_arg_source = "default";
   // Fan-out: the head's folder. An agent runs its workers there when the folder exists on its host, as
   // mpirun does, so relative paths (PROGRAM, a script, the program's own files) mean the same everywhere.
   std::string working_dir;
@@ -180,6 +187,10 @@ struct Plan {
   bool token_from_env = false;  // per-node mode: COHORT_JOB_TOKEN given on every node
   std::vector<std::pair<std::string, std::string>> sources;  // setting -> where it came from
   std::vector<std::string> schedulers;                       // scheduler environments consulted
+  // What the launcher says before it starts, one line each ("cohort run: note: ..."; --dry-run shows
+  // them too): e.g. a shell's leftover MASTER_ADDR/RANK/WORLD_SIZE that a local job ignored.
+  // Not sent to agents.
+  std::vector<std::string> notes;
   std::vector<std::pair<std::string, std::string>> extra_env;  // -x
   bool set_omp_threads = false;  // OMP_NUM_THREADS=1 for the workers (unset, >1 worker per node)
   bool tag_output = false;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The cohort wheel (scripts/build_wheel.sh) in a fresh virtual environment that sees Debian's torch
 # (python3 -m venv --system-site-packages), installed with the environment's own pip from the file
-# alone (--no-index): the modules import from the environment, not from the build tree; a 2-rank
-# backend="cohort" DDP job runs under the environment's `cohort run` and under torchrun.
+# alone (--no-index): the modules import from the environment, not from the build tree; `python -m
+# cohort.launch` passes torch.distributed.launch's argument; a 2-rank backend="cohort" DDP job runs under
+# the environment's `cohort run` and under torchrun.
 #   tests/install/test_wheel.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 build=$(cd "$1" && pwd)
@@ -27,6 +28,19 @@ where=$(cd "$work" && "$venv/bin/python" -c 'import cohort_torch, cohort_ps; pri
 [[ $where == "$venv"/* ]] && pass "cohort_torch imports from the venv ($where)" || fail "cohort_torch came from $where"
 [[ -x $venv/bin/cohort ]] && "$venv/bin/cohort" --version | grep -q "^cohort " && pass "the venv has bin/cohort" ||
   fail "no working bin/cohort in the venv"
+
+# python3 -m cohort.launch: torch.distributed.launch's line; its workers run under the venv's python (its
+# sys.executable) and get the local rank argument in that torch's spelling, before the script's own.
+major=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split(".")[0])')
+spelling=--local_rank
+((major >= 2)) && spelling=--local-rank
+printf 'import os, sys\nprint("launched", sys.executable, *sys.argv[1:], os.environ["RANK"])\n' >"$work/show.py"
+out=$(cd "$work" && timeout -k 5 60 "$venv/bin/python" -m cohort.launch --nproc_per_node 2 --no-tag-output show.py \
+      --lr 1 2>&1) && rc=0 || rc=$?
+[[ $rc == 0 && $out == *"launched $venv/bin/python $spelling=0 --lr 1 0"* &&
+   $out == *"launched $venv/bin/python $spelling=1 --lr 1 1"* ]] &&
+  pass "python -m cohort.launch passes $spelling=N and runs the venv's python" ||
+  { fail "python -m cohort.launch (exit $rc)"; echo "$out" | tail -20 >&2; }
 
 script=$src/tests/python/ddp_script.py
 args=(--backend cohort --epochs 1 --samples 512)

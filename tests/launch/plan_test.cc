@@ -121,6 +121,76 @@ TEST(Plan, PerNodeFromFlagsAndScheduler) {
   EXPECT_EQ(build_plan(f, {{"WORLD_SIZE", "4"}, {"RANK", "9"}}, facts()).mode, Mode::kLocal);
 }
 
+TEST(Plan, AnExplicitLocalShapeIgnoresAShellsLeftoverRankVariables) {
+  // What a shell keeps after `export MASTER_ADDR=127.0.0.1 MASTER_PORT=29592 WORLD_SIZE=2 RANK=0` for a
+  // DDP script run by hand (issue 46): with -n 2 this is a local job, as torchrun makes it.
+  const EnvMap leftovers = {{"WORLD_SIZE", "2"}, {"RANK", "0"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29592"}};
+  auto n = with_program();
+  n.np = 2;
+  auto p = build_plan(n, leftovers, facts());
+  EXPECT_EQ(p.mode, Mode::kLocal);
+  EXPECT_EQ(p.world_size, 2);
+  EXPECT_EQ(p.master_port, 0);  // the leftover MASTER_PORT is not the store's port either
+  EXPECT_EQ(p.source_of("nnodes"), "default");
+  EXPECT_TRUE(p.schedulers.empty());
+  ASSERT_EQ(p.notes.size(), 1u);
+  EXPECT_EQ(p.notes[0],
+            "ignoring MASTER_ADDR=127.0.0.1 MASTER_PORT=29592 WORLD_SIZE=2 RANK=0 from the environment: -n 2 without "
+            "--nnodes is a job on this machine (as with torchrun), and no platform's variables (Slurm's, Kubeflow's "
+            "PET_*, TI-ONE's NODE_LIST, ...) came with them; for a job of several nodes give --nnodes and --node-rank");
+  EXPECT_NE(describe_plan(p, leftovers, "127.0.0.1:1").find("\n  note            ignoring MASTER_ADDR=127.0.0.1 "),
+            std::string::npos);
+  // --nproc-per-node (and mpirun's -N, --map-by ppr:N:node) give the shape as well; contradictory
+  // leftovers (RANK beyond WORLD_SIZE) are ignored rather than refused.
+  auto g = with_program();
+  g.nproc_per_node = "2";
+  auto q = build_plan(g, {{"WORLD_SIZE", "2"}, {"RANK", "5"}}, facts());
+  EXPECT_EQ(q.mode, Mode::kLocal);
+  ASSERT_EQ(q.notes.size(), 1u);
+  EXPECT_EQ(q.notes[0].find("ignoring WORLD_SIZE=2 RANK=5 from the environment: --nproc-per-node 2 without"), 0u)
+      << q.notes[0];
+  auto m = with_program();
+  m.map_by = "ppr:2:node";
+  EXPECT_EQ(build_plan(m, leftovers, facts()).mode, Mode::kLocal);
+  // Nothing to ignore, nothing said.
+  EXPECT_TRUE(build_plan(n, {}, facts()).notes.empty());
+
+  // No shape on the command line: the variables place the job as before (torchrun / Kubeflow's first operators).
+  auto bare = build_plan(with_program(), leftovers, facts());
+  EXPECT_EQ(bare.mode, Mode::kPerNode);
+  EXPECT_EQ(bare.nnodes, 2);
+  EXPECT_TRUE(bare.notes.empty());
+  // --nnodes or --node-rank: a job of nodes meant; the environment fills what they leave open, as before.
+  auto ranked = with_program();
+  ranked.np = 2;
+  ranked.node_rank = 1;
+  auto r = build_plan(ranked, leftovers, facts());
+  EXPECT_EQ(r.mode, Mode::kPerNode);
+  EXPECT_EQ(r.source_of("store address"), "MASTER_ADDR");
+
+  // A platform's complete environment still places the job: Kubeflow's PyTorchJob (PET_* beside the four),
+  // a Slurm step, TI-ONE's NODE_LIST/INDEX.
+  EnvMap kubeflow = leftovers;
+  kubeflow["PET_NNODES"] = "2";
+  kubeflow["PET_NODE_RANK"] = "0";
+  auto k = build_plan(g, kubeflow, facts());
+  EXPECT_EQ(k.mode, Mode::kPerNode);
+  EXPECT_EQ(k.world_size, 4);
+  EXPECT_EQ(k.master_port, 29592);
+  EXPECT_TRUE(k.notes.empty());
+  auto slurm = build_plan(g, {{"SLURM_STEP_ID", "0"}, {"SLURM_STEP_NODELIST", "n[1-2]"}, {"SLURMD_NODENAME", "n2"},
+                              {"SLURM_JOB_ID", "7"}, {"MASTER_PORT", "29592"}},
+                          facts());
+  EXPECT_EQ(slurm.mode, Mode::kPerNode);
+  EXPECT_EQ(slurm.this_node, 1);
+  EXPECT_EQ(slurm.master_port, 29592);
+  auto tione = build_plan(g, {{"NODE_LIST", "10.0.0.1:2,10.0.0.2:2"}, {"INDEX", "1"}, {"MASTER_PORT", "29592"}}, facts());
+  EXPECT_EQ(tione.mode, Mode::kPerNode);
+  EXPECT_EQ(tione.master_addr, "10.0.0.1");
+  EXPECT_EQ(tione.this_node, 1);
+  EXPECT_EQ(tione.master_port, 29592);
+}
+
 TEST(Plan, InsideASlurmAllocationTheNodesAreTheHostsAndSrunStartsTheAgents) {
   // What a batch script on h0 of `sbatch -N 3 --ntasks-per-node=2` sees.
   EnvMap batch = {{"SLURM_JOB_ID", "812"},          {"SLURM_JOB_NODELIST", "h[0-2]"},

@@ -147,6 +147,101 @@ TEST(ProgramForms, AppendLocalRankPassesTorchDistributedLaunchsArgument) {
   EXPECT_NE(both.err.find("--use-env and --append-local-rank both given"), std::string::npos) << both.err;
 }
 
+TEST(ProgramForms, AMissingModuleNamesTheInterpreterThatRanAndHowToChooseAnother) {
+  // A pyenv or venv shell whose python3 lacks torch (issue 46): the summary says which interpreter ran.
+  // The stand-in interpreters fail as Python does; `bin/python3` comes first on PATH, as a shim does.
+  TempDir dir;
+  write_file(dir.file("ddp.py"), kShowPy);
+  mkdir(dir.file("bin").c_str(), 0755);
+  const std::string no_torch = "#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+                               "echo \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n";
+  write_executable(dir.file("bin/python3"), no_torch);
+  const char* path = getenv("PATH");
+  const std::string shim_path = "PATH=" + dir.file("bin") + ":" + (path ? path : "/usr/bin:/bin");
+  auto r = run_process(in_dir(dir.path(), cohort_run({"-n", "1", "ddp.py"})), {shim_path}, 30);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("| ModuleNotFoundError: No module named 'torch'\n  the interpreter that ran was " +
+                       dir.file("bin/python3") +
+                       " (python3, the default, found on PATH): a module it cannot import may be installed for "
+                       "another Python; --python PATH or COHORT_PYTHON=PATH chooses that one"),
+            std::string::npos)
+      << r.err;
+  auto flag = run_process(in_dir(dir.path(), cohort_run({"--python", dir.file("bin/python3"), "-m", "train"})), {}, 30);
+  EXPECT_EQ(flag.exit_code, 1) << flag.err;
+  EXPECT_NE(flag.err.find("the interpreter that ran was " + dir.file("bin/python3") + " (" + dir.file("bin/python3") +
+                          ", from --python): "),
+            std::string::npos)
+      << flag.err;
+  // Any other failure of a script is not about the interpreter: no such line.
+  write_executable(dir.file("other"), "#!/bin/sh\necho 'ValueError: bad learning rate' >&2\nexit 1\n");
+  auto other = run_process(in_dir(dir.path(), cohort_run({"ddp.py"})), {"COHORT_PYTHON=" + dir.file("other")}, 30);
+  EXPECT_EQ(other.exit_code, 1) << other.err;
+  EXPECT_NE(other.err.find("| ValueError: bad learning rate"), std::string::npos) << other.err;
+  EXPECT_EQ(other.err.find("the interpreter that ran"), std::string::npos) << other.err;
+}
+
+// `cohort launch ARGS` runs under cohort run's rules with torch.distributed.launch's argument.
+std::vector<std::string> cohort_launch(std::vector<std::string> args) {
+  args.insert(args.begin(), {cohort_tool(), "launch"});
+  return args;
+}
+
+// A folder for PYTHONPATH that holds only torch/version.py of the given version: what the launcher
+// reads to spell the argument (it does not import torch).
+std::string fake_torch(const TempDir& dir, const std::string& name, const std::string& version) {
+  mkdir(dir.file(name).c_str(), 0755);
+  mkdir(dir.file(name + "/torch").c_str(), 0755);
+  write_file(dir.file(name + "/torch/version.py"), "__version__ = '" + version + "'\ndebug = False\n");
+  return dir.file(name);
+}
+
+TEST(ProgramForms, LaunchIsTorchDistributedLaunchsLineWithTheInstalledTorchsSpelling) {
+  TempDir dir;
+  write_file(dir.file("ddp.py"), kShowPy);
+  // torch 2.x's launch passes --local-rank=N, before the script's own arguments.
+  const std::string torch2 = "PYTHONPATH=" + fake_torch(dir, "torch2", "2.6.0+cpu");
+  auto two = run_process(in_dir(dir.path(), cohort_launch({"--nproc_per_node", "2", "--no-tag-output", "ddp.py",
+                                                           "--lr", "1"})),
+                         {"PYTHONUNBUFFERED=", "OMP_NUM_THREADS=1", torch2}, 60);
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  EXPECT_NE(two.out.find("args=[--local-rank=0 --lr 1] rank=0"), std::string::npos) << two.out;
+  EXPECT_NE(two.out.find("args=[--local-rank=1 --lr 1] rank=1"), std::string::npos) << two.out;
+  EXPECT_EQ(two.err, "");
+  // torch 1.13's passes --local_rank=N.
+  const std::string torch1 = "PYTHONPATH=" + fake_torch(dir, "torch1", "1.13.0a0");
+  auto one = run_process(in_dir(dir.path(), cohort_launch({"--nproc_per_node=1", "ddp.py"})),
+                         {"PYTHONUNBUFFERED=", torch1}, 60);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  EXPECT_NE(one.out.find("args=[--local_rank=0] rank=0"), std::string::npos) << one.out;
+  // --dry-run says which spelling and why.
+  auto dry = run_process(in_dir(dir.path(), cohort_launch({"--dry-run", "--nproc_per_node", "2", "ddp.py"})), {torch2},
+                         30);
+  ASSERT_EQ(dry.exit_code, 0) << dry.err;
+  EXPECT_TRUE(std::regex_search(dry.out, std::regex(R"(arguments       --local-rank=<local rank> before the program's own )"
+                                                    R"(\(--append-local-rank; spelling: auto: torch 2\.6\.0\+cpu of /\S+\))")))
+      << dry.out;
+  // --use_env: the program reads LOCAL_RANK; nothing is passed (and nothing to note).
+  auto env = run_process(in_dir(dir.path(), cohort_launch({"--use_env", "ddp.py", "--x"})), {"PYTHONUNBUFFERED=", torch2},
+                         60);
+  ASSERT_EQ(env.exit_code, 0) << env.err;
+  EXPECT_NE(env.out.find("args=[--x] rank=0"), std::string::npos) << env.out;
+  EXPECT_EQ(env.err, "");
+  // The spelling by flag, whatever torch is installed (here none: no PYTHONPATH stub).
+  auto flag = run_process(in_dir(dir.path(), cohort_launch({"--local-rank-arg", "local-rank", "ddp.py"})),
+                          {"PYTHONUNBUFFERED="}, 60);
+  ASSERT_EQ(flag.exit_code, 0) << flag.err;
+  EXPECT_NE(flag.out.find("args=[--local-rank=0] rank=0"), std::string::npos) << flag.out;
+  // As torch.distributed.launch: --no_python needs --use_env (a program run directly gets no argument).
+  auto direct = run_process(in_dir(dir.path(), cohort_launch({"--no_python", "/bin/true"})), {}, 30);
+  EXPECT_EQ(direct.exit_code, 2);
+  EXPECT_EQ(direct.err, "cohort launch: --no-python without --use-env: a program run directly gets no --local_rank "
+                        "argument (torch.distributed.launch refuses this too); add --use-env and read LOCAL_RANK\n");
+  auto bad = run_process(cohort_run({"--append-local-rank", "--local-rank-arg", "localrank", "x.py"}), {}, 30);
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_EQ(lines_of(bad.err), 1u) << bad.err;
+  EXPECT_NE(bad.err.find("--local-rank-arg localrank: expected local_rank"), std::string::npos) << bad.err;
+}
+
 TEST(ProgramForms, DryRunShowsTheCommandOfEveryWorker) {
   TempDir dir;
   write_file(dir.file("ddp.py"), kShowPy);

@@ -338,7 +338,9 @@ TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
     auto r = run_process(concat(cohort_run(flags), worker), {}, 30);
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_NE(r.err.find(expected), std::string::npos) << r.err;
-    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    size_t notes = 0;
+  for (size_t at = r.err.find("note: "); at != std::string::npos; at = r.err.find("note: ", at + 1)) ++notes;
+  EXPECT_EQ(notes, 1u) << r.err;
   };
   check({"--bogus-flag"}, "--bogus-flag");
   check({"--nproc-per-node", "0"}, "--nproc-per-node 0: expected a positive number or 'auto'");
@@ -385,6 +387,24 @@ TEST(Run, ExampleHelloMeetsThroughTheStore) {
   EXPECT_NE(r.out.find("rank 0: all 4 ranks met at the store"), std::string::npos) << r.out;
   for (int rank = 0; rank < 4; ++rank)
     EXPECT_NE(r.out.find("hello from rank " + std::to_string(rank) + " of 4"), std::string::npos) << r.out;
+}
+
+TEST(Run, AShellsLeftoverRankVariablesDoNotMakeALocalJobWaitForNodes) {
+  // Left in the shell by a DDP script run by hand (issue 46): -n 2 is a job of this machine, with one
+  // note naming what it ignored. (Before, a job of 2 nodes that waited 300 s for node 1.)
+  std::string hello = std::string(COHORT_TEST_BIN_DIR) + "/../examples/hello/hello";
+  const std::string port = std::to_string(free_port());
+  auto r = run_process(cohort_run({"-n", "2", hello, "--store"}),
+                       {"WORLD_SIZE=2", "RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("rank 0: all 2 ranks met at the store"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("cohort run: note: ignoring MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+                       " WORLD_SIZE=2 RANK=0 from the environment: -n 2 without --nnodes is a job on this machine"),
+            0u)
+      << r.err;
+  size_t notes = 0;
+  for (size_t at = r.err.find("note: "); at != std::string::npos; at = r.err.find("note: ", at + 1)) ++notes;
+  EXPECT_EQ(notes, 1u) << r.err;
 }
 
 TEST(Run, TwoNodesPerNodeModeOnLoopback) {

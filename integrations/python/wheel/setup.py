@@ -1,8 +1,8 @@
 """Packs what CMake built into a wheel (scripts/build_wheel.sh runs this in a copy of this folder).
 
 CMAKE_BINARY_DIR names the CMake build folder. The wheel holds the extension modules cohort_torch
-and cohort_ps (top-level, as `import cohort_torch` expects) and the `cohort` tool, which a virtual
-environment gets as `bin/cohort`. The modules are built for one Python and one torch (those
+and cohort_ps (top-level, as `import cohort_torch` expects), the `cohort` tool, which a virtual
+environment gets as `bin/cohort`, and the package `cohort` (`python3 -m cohort.launch`). The modules are built for one Python and one torch (those
 CMake found): the wheel's tag names the Python; torch comes from the environment (Debian's
 python3-torch through --system-site-packages), not from the wheel's requirements.
 """
@@ -46,7 +46,8 @@ setup(
     long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    py_modules=[],
+    # `python3 -m cohort.launch`: torch.distributed.launch's line, handed to the tool (cohort/launch.py).
+    packages=["cohort"],
     # The tool is an ELF program, not a script setuptools could rewrite: data, into the environment's bin/.
     data_files=[("bin", [TOOL])],
     cmdclass={"build_ext": PrebuiltModules},
