@@ -360,6 +360,18 @@ TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
   check({"--master-port", port}, port);
   auto busy = run_process(concat(cohort_run({"--master-port", port}), worker), {}, 30);
   EXPECT_NE(busy.err.find("leave --master-port"), std::string::npos) << busy.err;
+  // The advice once, and where the port came from.
+  EXPECT_NE(busy.err.find("(store port from --master-port)"), std::string::npos) << busy.err;
+  EXPECT_EQ(busy.err.find("unset"), busy.err.rfind("unset")) << "the same advice twice: " << busy.err;
+  // A per-node job's nodes meet at one fixed port (29500 when none is given): leaving it unset is no
+  // way out there.
+  check({"--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port},
+        "give every node's cohort run the same free port with --master-port PORT");
+  auto per_node = run_process(
+      concat(cohort_run({"--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port}),
+             worker),
+      {}, 30);
+  EXPECT_EQ(per_node.err.find("unset"), std::string::npos) << per_node.err;
   struct stat st {};
   EXPECT_NE(stat(marker.c_str(), &st), 0) << "a worker started despite bad input";
 }
