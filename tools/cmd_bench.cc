@@ -1,6 +1,8 @@
 // `cohort bench {allreduce,allgather,reduce_scatter,broadcast,alltoall,sendrecv}`: nccl-tests-style
 // collective benchmarks, run on every rank under `cohort run -n N` (the communicator comes from
-// Communicator::from_env()); `cohort bench memcpy` measures this machine's memcpy bandwidth.
+// Communicator::from_env()), or started by hand without any launcher's variables as one rank alone
+// (as nccl-tests' all_reduce_perf runs by itself); `cohort bench memcpy` measures this machine's memcpy
+// bandwidth.
 //
 // Flags follow nccl-tests: -b/-e/-f sizes (K/M/G suffixes), -n iterations, -w warm-up, -c/--check,
 // -d dtype, -o op, -r root. Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s)
@@ -30,10 +32,12 @@
 #include "cohort/gpu.h"
 #include "cohort/types.h"
 #include "command.h"
+#include "comm/launch_env.h"
 #include "common/env.h"
 #include "common/elements.h"
 #include "common/half.h"
 #include "png_plot.h"
+#include "store/memory_store.h"
 
 namespace cohort::tools {
 namespace {
@@ -255,7 +259,8 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
     }
     argv.push_back(args[i]);
   }
-  CLI::App app("cohort " + name + ": nccl-tests-style benchmark; run under `cohort run -n N`", "cohort " + name);
+  CLI::App app("cohort " + name + ": nccl-tests-style benchmark; run under `cohort run -n N`, or alone as one rank",
+               "cohort " + name);
   app.add_option("-b,--minbytes", min_s, "smallest size in bytes (K/M/G suffixes)")->capture_default_str();
   app.add_option("-e,--maxbytes", max_s, "largest size in bytes (K/M/G suffixes)")->capture_default_str();
   app.add_option("-f,--stepfactor", o.factor, "multiply the size by this between steps")->capture_default_str();
@@ -295,7 +300,12 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
     throw InvalidArgument(fmt::format("--device {}: expected cpu or cuda", o.device));
   if (o.gpu_path != "auto" && o.gpu_path != "nccl" && o.gpu_path != "staged")
     throw InvalidArgument(fmt::format("--gpu-path {}: expected auto, nccl or staged", o.gpu_path));
-  std::shared_ptr<Communicator> comm = Communicator::from_env();
+  // Started by hand: one rank, its own world (the operations copy within the process). Under a
+  // launcher, the job's world.
+  std::shared_ptr<Communicator> comm =
+      comm::has_launch_env([](const std::string& n) { return env::get_raw(n); })
+          ? Communicator::from_env()
+          : Communicator::create(std::make_shared<MemoryStore>(), 0, 1);
   const std::string link = comm->link_report();  // rank 0's view of the intra-host link, measured at start
   int device = -1;
   std::string device_line = "host memory";

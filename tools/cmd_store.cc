@@ -47,7 +47,12 @@ int run_store_serve(std::vector<std::string> args) {
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  auto server = StoreServer::start(options);
+  std::unique_ptr<StoreServer> server;
+  try {
+    server = StoreServer::start(options);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("{}; choose another --port, or --port 0 for any free one", e.what()));
+  }
   fmt::print("cohort store serving at {} ({})\n", server->address(),
              options.token.empty() ? "no authentication" : "job token required");
   std::fflush(stdout);

@@ -31,7 +31,14 @@ std::shared_ptr<Communicator> Communicator::from_env(CommOptions options) {
   if (e.pmix) {
     comm::pmix::exchange_store_address(e, options.timeout, [&] { return start_store(0); });
   } else if (e.host_store) {
-    start_store(e.store_port);
+    try {
+      start_store(e.store_port);
+    } catch (const ConfigError& err) {
+      // The other ranks look for the store at that port: only another port for every rank helps.
+      throw ConfigError(fmt::format("rank 0 cannot host the job's store at MASTER_PORT={}: {}; give every rank "
+                                    "another free MASTER_PORT",
+                                    e.store_port, err.what()));
+    }
   }
   StoreClientOptions co;
   co.host = e.store_host;

@@ -24,7 +24,19 @@ struct Pair {
   const char* source;
 };
 
+// The launchers' (rank, world size) variables, in the order they are believed.
+const Pair kPairs[] = {{"COHORT_RANK", "COHORT_WORLD_SIZE", "cohort run"},
+                       {"RANK", "WORLD_SIZE", "torchrun"},
+                       {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"},
+                       {"SLURM_PROCID", "SLURM_NTASKS", "Slurm"}};
+
 }  // namespace
+
+bool has_launch_env(const GetEnv& get) {
+  for (const Pair& p : kPairs)
+    if (get(p.rank) || get(p.size)) return true;
+  return get("PMIX_RANK") || get("PMIX_NAMESPACE");
+}
 
 std::string job_comm_prefix(const std::string& job_id, const std::string& attempt) {
   return fmt::format("cohort/job/{}/attempt/{}/comm", job_id, attempt);
@@ -36,13 +48,9 @@ LaunchEnv resolve_launch_env(const GetEnv& get) {
 
   // Every (rank, size) pair that is set must agree: a worker started by one launcher inside another's
   // allocation would otherwise silently join the wrong job.
-  const Pair pairs[] = {{"COHORT_RANK", "COHORT_WORLD_SIZE", "cohort run"},
-                        {"RANK", "WORLD_SIZE", "torchrun"},
-                        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"},
-                        {"SLURM_PROCID", "SLURM_NTASKS", "Slurm"}};
   const Pair* chosen = nullptr;
   std::vector<std::string> seen;
-  for (const Pair& p : pairs) {
+  for (const Pair& p : kPairs) {
     auto r = get(p.rank), s = get(p.size);
     if (!r && !s) continue;
     if (!r || !s) {

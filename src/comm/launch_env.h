@@ -39,6 +39,11 @@ std::string job_comm_prefix(const std::string& job_id, const std::string& attemp
 
 using GetEnv = std::function<std::optional<std::string>(const std::string&)>;
 
+// Whether any launcher's rank variables (or a PMIx server's) are set: a process without them was
+// started by hand, and resolve_launch_env refuses it. (Set but incomplete counts as set: the refusal
+// then says what is missing.)
+bool has_launch_env(const GetEnv& get);
+
 // Reads the environment through `get` (tests pass a map). A missing or contradictory environment
 // throws one ConfigError saying what was found and what is needed.
 LaunchEnv resolve_launch_env(const GetEnv& get);

@@ -141,10 +141,9 @@ UniqueFd listen_tcp(const std::string& host, uint16_t port, int backlog, bool no
   if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0) {
     int err = errno;
     if (err == EADDRINUSE) {
-      throw ConfigError(fmt::format(
-          "port {} on {} is already in use; choose another or leave the port unset so the OS picks "
-          "a free one",
-          port, host.empty() ? "*" : host));
+      // The fact only: what to do instead depends on where the port came from, which the caller knows
+      // (the launcher, `cohort store serve`, a rank 0 that hosts the store at MASTER_PORT).
+      throw ConfigError(fmt::format("port {} on {} is already in use", port, host.empty() ? "*" : host));
     }
     throw ConfigError(errno_string(fmt::format("bind to {}", a.to_string()), err));
   }

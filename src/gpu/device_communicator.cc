@@ -1056,7 +1056,19 @@ Status status() {
     int rc = rt.api->GetDeviceCount(&count);
     if (rc != kCudaSuccess) {
       rt.api->GetLastError();
-      s.why_no_gpu = "no GPU: cudaGetDeviceCount: " + cuda_error_text(rc);
+      // The runtime's words for a host without a GPU are about versions (cudaErrorInsufficientDriver
+      // also when no driver is installed at all, which the driver version 0 tells apart): say what it is.
+      const std::string call = "cudaGetDeviceCount: " + cuda_error_text(rc);
+      if (rc == kCudaErrorInsufficientDriver && s.driver_version == 0)
+        s.why_no_gpu = "no GPU / no NVIDIA driver on this host (" + call + ")";
+      else if (rc == kCudaErrorInsufficientDriver)
+        s.why_no_gpu = fmt::format("the NVIDIA driver supports CUDA up to {}, older than the CUDA runtime {} ({}): "
+                                   "update the driver, or use a runtime built for it",
+                                   cuda_version_text(s.driver_version), cuda_version_text(s.runtime_version), call);
+      else if (rc == kCudaErrorNoDevice)
+        s.why_no_gpu = "no GPU: the NVIDIA driver is installed but sees no device (" + call + ")";
+      else
+        s.why_no_gpu = "no GPU: " + call;
     } else if (count == 0) {
       s.why_no_gpu = "no GPU: cudaGetDeviceCount found none";
     }

@@ -23,6 +23,8 @@ namespace cohort::gpu {
 // cudaError_t values used by name.
 inline constexpr int kCudaSuccess = 0;
 inline constexpr int kCudaErrorNotReady = 600;
+inline constexpr int kCudaErrorInsufficientDriver = 35;  // no driver at all, or one older than the runtime
+inline constexpr int kCudaErrorNoDevice = 100;
 // cudaMemcpyKind: cudaMemcpyDefault (direction inferred from unified virtual addressing).
 inline constexpr int kCudaMemcpyDefault = 4;
 // cudaMemoryType.

@@ -370,7 +370,9 @@ int Job::run() {
   }
   start_store();
   if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
-  if (plan_.set_omp_threads && plan_.this_node >= 0 && !ctx_.agent_mode)
+  // Once per job: by the launcher that hosts the job's store (node 0's, or the only one), not by every
+  // node's launcher of a per-node job.
+  if (plan_.set_omp_threads && plan_.this_node >= 0 && plan_.host_store && !ctx_.agent_mode)
     say(fmt::format("setting OMP_NUM_THREADS=1 for each worker (it was unset and {} processes share a node); set "
                     "it yourself to choose another value",
                     plan_.node(plan_.this_node)->nproc));

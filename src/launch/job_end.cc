@@ -123,10 +123,17 @@ void Job::start_store() {
     try {
       server_ = StoreServer::start(so);
     } catch (const ConfigError& e) {
+      // One piece of advice, the one that holds for this job: a job of one node (or one that starts the
+      // others itself) can take any free port, but the nodes of a per-node job each meet at the same
+      // fixed port, 29500 when none is given.
+      if (!plan_.elastic && plan_.mode == Mode::kPerNode)
+        throw ConfigError(fmt::format("cannot host the job's store: {} (store port from {}); give every node's "
+                                      "cohort run the same free port with --master-port PORT",
+                                      e.what(), plan_.source_of("store port")));
       if (!plan_.elastic)
-        throw ConfigError(fmt::format("cannot host the job's store: {}; leave --master-port (and MASTER_PORT) unset to "
-                                      "let the OS choose a free port",
-                                      e.what()));
+        throw ConfigError(fmt::format("cannot host the job's store: {} (store port from {}); choose another, or "
+                                      "leave --master-port and MASTER_PORT unset so the OS picks a free one",
+                                      e.what(), plan_.source_of("store port")));
       // Elastic: another agent on this host holds the port (it hosts the store); join it as a client.
       log::info("elastic job: the store's port is taken here ({}); joining it as a client", e.what());
       plan_.host_store = false;

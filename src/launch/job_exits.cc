@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cohort/error.h"
+#include "collectives/op_kind.h"
 #include "comm/launch_env.h"
 #include "common/log.h"
 #include "launch/job_internal.h"
@@ -83,15 +84,41 @@ void Job::publish_exit(const Worker& w) {
   }
 }
 
+namespace {
+
+// The newest numbered collective in `ring` (of communicator `comm`, or of any when comm is 0).
+std::optional<trace::OpRecord> last_collective(const trace::Ring& ring, uint32_t comm) {
+  if (!ring.valid()) return std::nullopt;
+  const trace::RankSnapshot snap = ring.snapshot();
+  for (auto it = snap.entries.rbegin(); it != snap.entries.rend(); ++it)
+    if (it->seq != 0 && (comm == 0 || it->comm == comm)) return *it;
+  return std::nullopt;
+}
+
+std::string op_name(const trace::OpRecord& r) { return fmt::format("{} #{}", coll::op_kind_name(r.kind), r.seq); }
+
+}  // namespace
+
 std::string Job::early_exit_cause(const Worker& failed) {
   // A parameter-server job's messages name ranks of a role's world: not mapped back here.
   if (plan_.ps_servers > 0) return "";
-  // The communicator's words for a peer whose end its launcher published (comm/peer_exits.h).
+  // The peer that `failed` reports gone: in the communicator's words when it read the launcher's record
+  // (comm/peer_exits.h), else in the transports' (a communicator built on another store, as the PyTorch
+  // backend's is on torch's, reads no records: "shm: rank 1 (host) (pid 9) exited during allreduce",
+  // "lost rank 1 (host): ...", "rank 1 (host) left ...").
   static const std::regex kExited(R"(\brank (\d+) (?:\(job rank (\d+)\) )?exited \(code 0\))");
+  static const std::regex kGone(
+      R"((?:\bshm: rank (\d+) \([^)]*\) \(pid \d+\) exited during )|(?:\blost rank (\d+)\b)|(?:\brank (\d+) \([^)]*\) left ))");
   for (const auto& line : failed.sink->stderr_tail()) {
     std::smatch m;
-    if (!std::regex_search(line, m, kExited)) continue;
-    const int rank = std::stoi(m[2].matched ? m[2].str() : m[1].str());
+    int rank = -1;
+    if (std::regex_search(line, m, kExited)) {
+      rank = std::stoi(m[2].matched ? m[2].str() : m[1].str());
+    } else if (std::regex_search(line, m, kGone)) {
+      for (int g = 1; g <= 3 && rank < 0; ++g)
+        if (m[g].matched) rank = std::stoi(m[g].str());
+    }
+    if (rank < 0 || rank >= plan_.world_size || rank == failed.rank) continue;
     const std::string key = world_of(plan_, exit_attempt_, rank).first + "/" + comm::exit_key(rank);
     std::optional<comm::ExitRecord> record;
     if (auto it = published_exits_.find(key); it != published_exits_.end()) {
@@ -103,9 +130,25 @@ std::string Job::early_exit_cause(const Worker& failed) {
       }
     }
     if (!record || record->code != 0 || record->signal != 0) return "";
-    return fmt::format(
-        "{} on {} (pid {}) exited with code 0 after {:.2f} s while the other ranks still needed it; then ",
-        plan_.process_name(rank), record->host, record->pid, record->seconds);
+    // What it did last and what the reporting rank waited in, from their flight recorders: this node's
+    // workers' rings, else the record's operation numbers (another node's worker).
+    const Worker* gone = nullptr;
+    for (const auto& w : workers_)
+      if (w.rank == rank) gone = &w;
+    std::string last = fmt::format("after {:.2f} s", record->seconds);
+    std::optional<trace::OpRecord> gone_op = gone ? last_collective(gone->ring, 0) : std::nullopt;
+    if (gone_op) {
+      last = fmt::format("{} {}", gone_op->state == trace::OpState::kDone ? "after" : "during", op_name(*gone_op));
+    } else if (!record->ops.empty()) {
+      const auto& op = record->ops.front();
+      last = fmt::format("{} operation #{}", op.state == trace::OpState::kDone ? "after" : "during", op.seq);
+    }
+    std::string waited = "while the other ranks still needed it";
+    if (auto wait_op = last_collective(failed.ring, gone_op ? gone_op->comm : 0);
+        wait_op && wait_op->state != trace::OpState::kDone)
+      waited = fmt::format("while {} waited for it in {}", plan_.process_name(failed.rank), op_name(*wait_op));
+    return fmt::format("{} on {} (pid {}) exited with code 0 {} {}; then ", plan_.process_name(rank), record->host,
+                       record->pid, last, waited);
   }
   return "";
 }

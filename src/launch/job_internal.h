@@ -279,7 +279,7 @@ class Job {
   void record_failure(int attempt);  // dumps and diagnosis_ of a failed attempt
   void merge_timeline();
   std::string timeline_rank_dir() const;
-  // The default trace folder (launch/trace_dirs.h): the oldest finished ones beyond COHORT_TRACE_KEEP
+  // The default trace folder (launch/trace_dirs.h): the finished ones older than COHORT_TRACE_KEEP_DAYS
   // go, this job's is claimed; at the end it is removed unless a failure left files in it, and the
   // summary names it when it is kept.
   void open_trace_dir();

@@ -2,9 +2,11 @@
 // (created here, handed over by descriptor), the inspector thread (stall warnings, live stats), the
 // dumps and diagnosis when an attempt fails, and the merged timeline when the job ends.
 #include <fcntl.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 
@@ -26,6 +28,19 @@ namespace cohort::launch::job_detail {
 // Short: a tick's calls are small, and stopping the inspector waits for the one in flight (a store
 // that stopped answering is given up on for good after one of them).
 constexpr Millis kInspectorStoreTimeout{500};
+
+namespace {
+
+// "2025-03-14 09:26" in this host's time zone: when a kept trace folder may go.
+std::string local_time_text(std::chrono::system_clock::time_point t) {
+  const time_t seconds = std::chrono::system_clock::to_time_t(t);
+  struct tm local;
+  char text[32];
+  if (!localtime_r(&seconds, &local) || strftime(text, sizeof text, "%Y-%m-%d %H:%M", &local) == 0) return "?";
+  return text;
+}
+
+}  // namespace
 
 std::string Job::timeline_rank_dir() const { return plan_.trace_dir + "/timeline"; }
 
@@ -203,7 +218,8 @@ void Job::merge_timeline() {
 void Job::open_trace_dir() {
   if (!plan_.trace_dir_default) return;  // the user's folder: cohort neither removes it nor its neighbours
   std::filesystem::path dir(plan_.trace_dir);
-  prune_trace_dirs(dir.parent_path().string(), trace_dirs_to_keep());
+  prune_trace_dirs(dir.parent_path().string(), std::chrono::days(trace_keep_days()),
+                   std::chrono::system_clock::now());
   // Nothing is ever written there without the flight recorder or the timeline.
   if (plan_.flight_recorder <= 0 && plan_.timeline_path.empty()) return;
   try {
@@ -218,12 +234,15 @@ void Job::close_trace_dir(int code, bool print) {
   if (!trace_claim_) return;
   bool kept = trace_claim_->release(code != 0);
   trace_claim_.reset();
-  if (kept && print)
-    say(fmt::format("trace folder kept: {} (the files the failed job left there); when a job "
-                    "starts, the finished ones in {} beyond the newest {} are removed "
-                    "(COHORT_TRACE_KEEP)",
-                    plan_.trace_dir, std::filesystem::path(plan_.trace_dir).parent_path().string(),
-                    trace_dirs_to_keep()));
+  if (!kept || !print) return;
+  const int64_t days = trace_keep_days();
+  say(days == 0 ? fmt::format("trace folder kept: {} (the files the failed job left there) until the next job "
+                              "starts (COHORT_TRACE_KEEP_DAYS=0)",
+                              plan_.trace_dir)
+                : fmt::format("trace folder kept: {} (the files the failed job left there) for {} day{}: a job "
+                              "that starts after {} removes it (COHORT_TRACE_KEEP_DAYS)",
+                              plan_.trace_dir, days, days == 1 ? "" : "s",
+                              local_time_text(std::chrono::system_clock::now() + std::chrono::days(days))));
 }
 
 }  // namespace cohort::launch::job_detail

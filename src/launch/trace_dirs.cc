@@ -6,7 +6,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -20,10 +19,10 @@
 namespace cohort::launch {
 namespace {
 
-const env::IntSetting kTraceKeep(
-    "COHORT_TRACE_KEEP", 10,
-    "cohort run keeps at most this many finished trace folders $TMPDIR/cohort-<job id> (a failed job's flight "
-    "recorder dumps): when a job starts, older ones are removed");
+const env::IntSetting kTraceKeepDays(
+    "COHORT_TRACE_KEEP_DAYS", 7,
+    "days a failed job's trace folder $TMPDIR/cohort-<job id> (its flight recorder dumps) stays after the job "
+    "ended; a later job of the same user removes it after that (0: the next job start removes it)");
 
 // The mark of a folder this user's cohort made, opened (without following links); invalid otherwise.
 UniqueFd open_mark(const std::filesystem::path& dir) {
@@ -36,38 +35,32 @@ UniqueFd open_mark(const std::filesystem::path& dir) {
 
 }  // namespace
 
-int64_t trace_dirs_to_keep() {
-  int64_t keep = kTraceKeep.get();
-  if (keep < 0) throw ConfigError(fmt::format("COHORT_TRACE_KEEP={}: expected a count >= 0", keep));
-  return keep;
+int64_t trace_keep_days() {
+  int64_t days = kTraceKeepDays.get();
+  // (Beyond about 290 years, days as a clock duration would overflow.)
+  if (days < 0 || days > 36500)
+    throw ConfigError(fmt::format("COHORT_TRACE_KEEP_DAYS={}: expected a number of days, 0 to 36500", days));
+  return days;
 }
 
-std::vector<std::string> prune_trace_dirs(const std::string& parent, int64_t keep) {
-  struct Finished {
-    std::filesystem::path dir;
-    std::chrono::nanoseconds ended;
-  };
-  std::vector<Finished> finished;
+std::vector<std::string> prune_trace_dirs(const std::string& parent, std::chrono::system_clock::duration keep,
+                                          std::chrono::system_clock::time_point now) {
+  std::vector<std::string> removed;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
     if (entry.path().filename().string().rfind("cohort-", 0) != 0) continue;
     UniqueFd mark = open_mark(entry.path());
-    if (!mark) continue;
-    // A running job holds a shared lock on its mark.
-    if (flock(mark.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    // Held while the folder goes: a running job holds a shared lock on its mark, and a job of the same
+    // id that starts meanwhile waits for this one, then makes a new folder.
+    if (!mark || flock(mark.get(), LOCK_EX | LOCK_NB) != 0) continue;
     struct stat st;
     if (fstat(mark.get(), &st) != 0) continue;
-    finished.push_back(
-        {entry.path(), std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec)});
-  }
-  std::sort(finished.begin(), finished.end(), [](const auto& a, const auto& b) { return a.ended > b.ended; });
-  std::vector<std::string> removed;
-  for (size_t i = size_t(keep); i < finished.size(); ++i) {
-    // Locked again for the removal: a job of the same id that starts meanwhile waits, then makes a new one.
-    UniqueFd mark = open_mark(finished[i].dir);
-    if (!mark || flock(mark.get(), LOCK_EX | LOCK_NB) != 0) continue;
-    std::filesystem::remove_all(finished[i].dir, ec);
-    if (!ec) removed.push_back(finished[i].dir.string());
+    const auto ended = std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
+        std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec)));
+    if (now - ended <= keep) continue;  // the summary promised it this long
+    std::error_code rm;
+    std::filesystem::remove_all(entry.path(), rm);
+    if (!rm) removed.push_back(entry.path().string());
   }
   return removed;
 }
@@ -87,8 +80,9 @@ TraceDirClaim::TraceDirClaim(const std::string& dir, const std::string& job_id) 
     if (flock(fd.get(), LOCK_SH | LOCK_NB) == 0 && fstat(fd.get(), &st) == 0 && st.st_nlink > 0) {
       if (st.st_size == 0) {
         std::string text = fmt::format(
-            "cohort run's trace folder of job {} (launcher pid {}). It is removed when the job succeeds, or when "
-            "a later job starts and more than COHORT_TRACE_KEEP newer finished folders are here.\n",
+            "cohort run's trace folder of job {} (launcher pid {}). It is removed when the job succeeds, or "
+            "when a job starts more than COHORT_TRACE_KEEP_DAYS days after this one ended (this file's "
+            "modification time).\n",
             job_id, getpid());
         [[maybe_unused]] auto w = ::write(fd.get(), text.data(), text.size());
       }

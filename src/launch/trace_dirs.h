@@ -5,11 +5,14 @@
 //    a shared flock(2) on the mark while it runs (launchers of one job on one host share the folder).
 //  * When the job ends, the folder is removed, unless the job failed and left files in it; the
 //    summary names a folder that is kept.
-//  * When a job starts, the finished folders (marked, not locked, owned by this user) beyond the newest
-//    COHORT_TRACE_KEEP next to its own are removed. A folder without the mark was not made by this
-//    version of cohort and is never touched; a user's --trace-dir / COHORT_TRACE_DIR is never claimed,
-//    so never removed.
+//  * A kept folder stays COHORT_TRACE_KEEP_DAYS days after its job ended, whatever else runs: when a
+//    job starts, it removes the finished folders next to its own (marked, not locked, owned by this
+//    user) whose job ended longer ago than that, and only those. So the summary's "kept" holds for a
+//    known time: another job of the same user (or another user's) never shortens it. A folder without
+//    the mark was not made by this version of cohort and is never touched; a user's --trace-dir /
+//    COHORT_TRACE_DIR is never claimed, so never removed.
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -20,12 +23,13 @@ namespace cohort::launch {
 
 inline constexpr const char* kTraceDirMark = ".cohort-trace-dir";
 
-// How many finished default trace folders a job start leaves (COHORT_TRACE_KEEP).
-int64_t trace_dirs_to_keep();
+// How many days a finished default trace folder stays (COHORT_TRACE_KEEP_DAYS).
+int64_t trace_keep_days();
 
-// Removes the finished trace folders in `parent` beyond the newest `keep` (by when their job ended:
-// the mark's modification time). Returns the folders removed.
-std::vector<std::string> prune_trace_dirs(const std::string& parent, int64_t keep);
+// Removes the finished trace folders in `parent` whose job ended (the mark's modification time) more
+// than `keep` before `now`. Returns the folders removed.
+std::vector<std::string> prune_trace_dirs(const std::string& parent, std::chrono::system_clock::duration keep,
+                                          std::chrono::system_clock::time_point now);
 
 class TraceDirClaim {
  public:

@@ -126,6 +126,22 @@ TEST(BenchTool, CommandGroupsPrintTheirOwnHelp) {
             "lists its commands)\n");
 }
 
+// Started by hand, with no launcher's variables: one rank, as nccl-tests' all_reduce_perf runs alone.
+TEST(BenchTool, AloneItRunsAsOneRank) {
+  for (std::string op : {"allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv"}) {
+    // `env -u`: whatever runs the tests may itself be a rank of something.
+    auto r = test::run_process({"env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "COHORT_RANK", "-u", "COHORT_WORLD_SIZE",
+                                "-u", "OMPI_COMM_WORLD_RANK", "-u", "OMPI_COMM_WORLD_SIZE", "-u", "SLURM_PROCID", "-u",
+                                "SLURM_NTASKS", "-u", "PMIX_RANK", "-u", "PMIX_NAMESPACE", test::cohort_tool(), "bench",
+                                op, "-b", "64", "-e", "64K", "-f", "4", "-n", "2", "-w", "1", "--trials", "1", "-c"},
+                               {}, 30);
+    ASSERT_EQ(r.exit_code, 0) << op << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("# cohort bench " + op + ": 1 ranks,"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("# Out of bounds values : 0 OK"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(" 65536 "), std::string::npos) << op << ": the largest size has its row\n" << r.out;
+  }
+}
+
 TEST(BenchTool, MemcpyPrintsBandwidth) {
   auto r = test::run_process({test::cohort_tool(), "bench", "memcpy", "-b", "1K", "-e", "64K", "--min-time", "0.01"},
                              {}, 30);

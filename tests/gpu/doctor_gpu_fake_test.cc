@@ -31,5 +31,23 @@ TEST(GpuDoctorFake, GpuTableAndUnequalGpuCounts) {
   EXPECT_NE(r.out.find("fix: pass --gpus-per-node 4"), std::string::npos) << r.out;
 }
 
+// A host with the CUDA runtime but no NVIDIA driver: the runtime says cudaErrorInsufficientDriver, and
+// the doctor says what that means here. A driver older than the runtime gives the same error, told apart.
+TEST(GpuDoctorFake, NoDriverIsSaidInPlainWords) {
+  for (std::string driver : {"1", "old"}) {
+    std::vector<std::string> env = {std::string("COHORT_CUDA_RUNTIME=") + COHORT_FAKE_CUDA,
+                                    std::string("COHORT_NCCL_LIBRARY=") + COHORT_FAKE_CUDA,
+                                    "FAKE_CUDA_NO_DRIVER=" + driver};
+    auto r = run_process({cohort_tool(), "doctor", "--master-port", "0", "--no-allreduce", "--probe-bytes", "64K",
+                          "--pings", "3"},
+                         env, 60);
+    const std::string why = driver == "1" ? "no GPU / no NVIDIA driver on this host (cudaGetDeviceCount: "
+                                            "cudaErrorInsufficientDriver"
+                                          : "the NVIDIA driver supports CUDA up to 12.2, older than the CUDA runtime "
+                                            "13.0 (cudaGetDeviceCount: cudaErrorInsufficientDriver";
+    EXPECT_NE(r.out.find("gpus: no GPU on any host (localhost: " + why), std::string::npos) << r.out << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace cohort::test

@@ -374,7 +374,14 @@ int queue_collective(void* comm_ptr, void* stream, Contribution c, const char* w
 extern "C" {
 
 // ---------------- CUDA runtime ----------------
+// FAKE_CUDA_NO_DRIVER=1: a host with the CUDA runtime but no NVIDIA driver, as the real runtime
+// reports it (driver version 0, cudaErrorInsufficientDriver); =old: a driver older than the runtime.
+const char* no_driver() { return std::getenv("FAKE_CUDA_NO_DRIVER"); }
 int cudaGetDeviceCount(int* count) {
+  if (no_driver()) {
+    *count = 0;
+    return 35;  // cudaErrorInsufficientDriver
+  }
   *count = device_count();
   return 0;
 }
@@ -569,7 +576,7 @@ int cudaDeviceGetPCIBusId(char* bus, int len, int device) {
   return 0;
 }
 int cudaDriverGetVersion(int* v) {
-  *v = 13000;
+  *v = !no_driver() ? 13000 : std::string(no_driver()) == "old" ? 12020 : 0;
   return 0;
 }
 int cudaRuntimeGetVersion(int* v) {
@@ -577,7 +584,9 @@ int cudaRuntimeGetVersion(int* v) {
   return 0;
 }
 int cudaGetLastError() { return 0; }
-const char* cudaGetErrorName(int e) { return e == 0 ? "cudaSuccess" : e == 600 ? "cudaErrorNotReady" : "cudaErrorFake"; }
+const char* cudaGetErrorName(int e) {
+  return e == 0 ? "cudaSuccess" : e == 600 ? "cudaErrorNotReady" : e == 35 ? "cudaErrorInsufficientDriver" : "cudaErrorFake";
+}
 const char* cudaGetErrorString(int e) { return e == 0 ? "no error" : "fake CUDA error"; }
 
 // ---------------- NCCL ----------------

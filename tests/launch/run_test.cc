@@ -157,6 +157,32 @@ TEST(Run, WorkerEnvironmentOfEveryWorker) {
   EXPECT_NE(r.err.find("OMP_NUM_THREADS=1"), std::string::npos) << r.err;
 }
 
+// The OMP_NUM_THREADS note is said once per job: by node 0's launcher, not by every node's.
+TEST(Run, TheOmpNoteIsPrintedOncePerJob) {
+  const std::string port = std::to_string(free_port());
+  auto node = [&](int rank) {
+    return run_process(cohort_run({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr", "127.0.0.1",
+                                   "--master-port", port, "--nproc-per-node", "2", "--join-timeout", "20",
+                                   "/bin/sh", "-c", "[ \"$OMP_NUM_THREADS\" = 1 ]"}),
+                       {}, 60);
+  };
+  ProcessResult second;
+  std::thread t([&] { second = node(1); });
+  auto first = node(0);
+  t.join();
+  ASSERT_EQ(first.exit_code, 0) << first.err;  // every worker of both nodes had OMP_NUM_THREADS=1
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  auto notes = [](const std::string& err) {
+    size_t n = 0;
+    for (size_t at = err.find("setting OMP_NUM_THREADS=1"); at != std::string::npos;
+         at = err.find("setting OMP_NUM_THREADS=1", at + 1))
+      ++n;
+    return n;
+  };
+  EXPECT_EQ(notes(first.err), 1u) << first.err;
+  EXPECT_EQ(notes(second.err), 0u) << second.err;
+}
+
 TEST(Run, BindToCoreAndDevicePerRank) {
   auto r = run_process(concat(cohort_run({"-n", "2", "--bind-to", "core", "--device-per-rank", "--no-tag-output"}),
                               sh("echo \"$RANK $CUDA_VISIBLE_DEVICES $(grep Cpus_allowed_list /proc/self/status | "
@@ -362,6 +388,18 @@ TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
   check({"--master-port", port}, port);
   auto busy = run_process(concat(cohort_run({"--master-port", port}), worker), {}, 30);
   EXPECT_NE(busy.err.find("leave --master-port"), std::string::npos) << busy.err;
+  // The advice once, and where the port came from.
+  EXPECT_NE(busy.err.find("(store port from --master-port)"), std::string::npos) << busy.err;
+  EXPECT_EQ(busy.err.find("unset"), busy.err.rfind("unset")) << "the same advice twice: " << busy.err;
+  // A per-node job's nodes meet at one fixed port (29500 when none is given): leaving it unset is no
+  // way out there.
+  check({"--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port},
+        "give every node's cohort run the same free port with --master-port PORT");
+  auto per_node = run_process(
+      concat(cohort_run({"--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port}),
+             worker),
+      {}, 30);
+  EXPECT_EQ(per_node.err.find("unset"), std::string::npos) << per_node.err;
   struct stat st {};
   EXPECT_NE(stat(marker.c_str(), &st), 0) << "a worker started despite bad input";
 }

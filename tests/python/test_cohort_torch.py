@@ -116,6 +116,26 @@ def test_ddp_under_cohort_run_matches_gloo(tmp_path, gloo_weights):
     _assert_weights_match(out, gloo_weights)
 
 
+def test_a_rank_that_exits_0_early_is_blamed_under_cohort_run():
+    # Rank 1 exits with code 0 after allreduce #1; rank 0 then fails in #2. The torch backend's
+    # communicator meets on torch's store, so it reads none of the launcher's exit records: the
+    # launcher itself names rank 1 first, what it did last and what rank 0 waited in.
+    tool = os.environ.get("COHORT_TOOL", "")
+    if not tool or subprocess.run([tool, "run", "--help"], capture_output=True).returncode != 0:
+        pytest.skip("`cohort run` is not built in this tree")
+    env = base_env(COHORT_TIMEOUT="30")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)  # the launcher decides
+    proc = subprocess.run([tool, "run", "-n", "2", sys.executable, os.path.join(HERE, "early_exit_worker.py")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr  # rank 0's code: an exit with code 0 fails nothing by itself
+    summary = [l for l in proc.stderr.splitlines() if "job failed (exit 1): " in l]
+    assert summary, proc.stderr
+    assert "job failed (exit 1): rank 1 on " in summary[0], proc.stderr
+    assert " exited with code 0 after allreduce #1 while rank 0 waited for it in allreduce #2; then rank 0 " \
+        in summary[0], proc.stderr
+
+
 def test_killed_rank_makes_the_others_raise_within_2s(tmp_path):
     stamp = str(tmp_path / "died_at")
     world = 3

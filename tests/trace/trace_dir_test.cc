@@ -1,7 +1,7 @@
 // The launcher's default trace folders ($TMPDIR/cohort-<job id>, launch/trace_dirs.h) with real jobs:
-// removed after a success, kept (and named) after a failure, never a user's --trace-dir, and bounded:
-// a job start removes the oldest finished folders beyond COHORT_TRACE_KEEP, never a folder cohort did
-// not make or one whose job still runs.
+// removed after a success, kept (and named) after a failure, never a user's --trace-dir, and bounded
+// in time: a job start removes the finished folders older than COHORT_TRACE_KEEP_DAYS and no other,
+// however many there are, never a folder cohort did not make or one whose job still runs.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -79,6 +79,9 @@ TEST(TraceFolders, AFailureKeepsTheFolderAndTheSummaryNamesIt) {
   EXPECT_TRUE(fs::exists(kept + "/rank0.json")) << r.err;
   EXPECT_TRUE(fs::exists(kept + "/" + kMark)) << r.err;
   EXPECT_NE(r.err.find("trace folder kept: " + kept + " "), std::string::npos) << r.err;
+  // How long it stays, and the setting that says so.
+  EXPECT_NE(r.err.find(" for 7 days: a job that starts after "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("removes it (COHORT_TRACE_KEEP_DAYS)"), std::string::npos) << r.err;
 
   // A failure that left nothing to read (no rank communicated) keeps nothing.
   TempDir tmp2;
@@ -88,7 +91,9 @@ TEST(TraceFolders, AFailureKeepsTheFolderAndTheSummaryNamesIt) {
   EXPECT_EQ(r.err.find("trace folder kept"), std::string::npos) << r.err;
 }
 
-// A finished folder as an earlier job leaves it, its mark `age_s` seconds old.
+constexpr int kDay = 24 * 3600;
+
+// A finished folder as an earlier job leaves it, its mark `age_s` seconds old (when its job ended).
 void make_finished_folder(const std::string& dir, int age_s) {
   fs::create_directories(dir);
   write_file(dir + "/rank0.json", "{}");
@@ -101,24 +106,43 @@ void make_finished_folder(const std::string& dir, int age_s) {
   ASSERT_EQ(utimensat(AT_FDCWD, mark.c_str(), times, 0), 0);
 }
 
-TEST(TraceFolders, AJobStartRemovesTheOldestFinishedFoldersOnly) {
+TEST(TraceFolders, AJobStartRemovesOnlyFoldersOlderThanTheKeptDays) {
   TempDir tmp;
-  for (int i = 0; i < 5; ++i) make_finished_folder(tmp.file("cohort-job-old" + std::to_string(i)), 1000 - 100 * i);
+  // Many recent failures (more than any count a start could keep): each stays its 7 days.
+  std::vector<std::string> recent;
+  for (int i = 0; i < 14; ++i) {
+    recent.push_back("cohort-job-recent" + std::to_string(10 + i));
+    make_finished_folder(tmp.file(recent.back()), 3600 + i * (6 * kDay / 14));
+  }
+  make_finished_folder(tmp.file("cohort-job-week-old"), 7 * kDay + 3600);
+  make_finished_folder(tmp.file("cohort-job-month-old"), 30 * kDay);
   // Older than all of them, but not cohort's (no mark) / in use (its mark locked, as a running job's is).
   fs::create_directories(tmp.file("cohort-job-foreign"));
   write_file(tmp.file("cohort-job-foreign/rank0.json"), "{}");
-  make_finished_folder(tmp.file("cohort-job-running"), 5000);
+  make_finished_folder(tmp.file("cohort-job-running"), 50 * kDay);
   int lock = open(tmp.file(std::string("cohort-job-running/") + kMark).c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(lock, 0);
   ASSERT_EQ(flock(lock, LOCK_SH), 0);
 
-  auto r = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP=3"}, 60);
+  auto r = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path()}, 60);
   close(lock);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(trace_folders(tmp.path()),
-            (std::vector<std::string>{"cohort-job-foreign", "cohort-job-old2", "cohort-job-old3", "cohort-job-old4",
-                                      "cohort-job-running"}))
-      << r.err;
+  std::vector<std::string> want = recent;
+  want.insert(want.end(), {"cohort-job-foreign", "cohort-job-running"});
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(trace_folders(tmp.path()), want) << r.err;
+
+  // A shorter time, chosen by the user: the folders older than 2 days go too, and the one whose job
+  // has ended since (its lock is gone; it ended 50 days ago by its mark).
+  r = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP_DAYS=2"}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const auto& name : trace_folders(tmp.path())) {
+    if (name == "cohort-job-foreign") continue;
+    struct stat st;
+    ASSERT_EQ(stat(tmp.file(name + "/" + kMark).c_str(), &st), 0) << name;
+    EXPECT_LE(time(nullptr) - st.st_mtime, 2 * kDay) << name << " outlived COHORT_TRACE_KEEP_DAYS=2";
+  }
+  EXPECT_EQ(trace_folders(tmp.path()).size(), 1u + 5u) << r.err;  // foreign; ages 1 h + 0..4 x 6/14 day
 }
 
 TEST(TraceFolders, ARunningJobsFolderIsNeverRemoved) {
@@ -136,7 +160,8 @@ TEST(TraceFolders, ARunningJobsFolderIsNeverRemoved) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   auto running = trace_folders(tmp.path());
   // A second job that keeps no finished folder at all.
-  auto second = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP=0"}, 60);
+  auto second =
+      run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP_DAYS=0"}, 60);
   auto after = trace_folders(tmp.path());
   write_file(flags.file("go"), "");
   job.join();
@@ -147,11 +172,13 @@ TEST(TraceFolders, ARunningJobsFolderIsNeverRemoved) {
   EXPECT_EQ(trace_folders(tmp.path()), std::vector<std::string>{}) << "both succeeded: " << first.err;
 }
 
-TEST(TraceFolders, ANegativeKeepCountIsRefused) {
+TEST(TraceFolders, ANegativeKeepTimeIsRefused) {
   TempDir tmp;
-  auto r = run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP=-1"}, 60);
+  auto r =
+      run_process(cohort_run({"-n", "1", "/bin/true"}), {"TMPDIR=" + tmp.path(), "COHORT_TRACE_KEEP_DAYS=-1"}, 60);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("COHORT_TRACE_KEEP=-1: expected a count >= 0"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("COHORT_TRACE_KEEP_DAYS=-1: expected a number of days, 0 to 36500"), std::string::npos)
+      << r.err;
 }
 
 }  // namespace
