@@ -243,6 +243,7 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
     if (app.count("--master-addr") || app.count("--master-port"))
       throw ConfigError("--rdzv-endpoint and --master-addr/--master-port both given; use one");
     auto [host, port] = split_endpoint(rdzv_endpoint);
+    o.rdzv_endpoint = true;
     o.master_addr = host;
     if (port) o.master_port = *port;
   }

@@ -120,9 +120,17 @@ void Job::on_signal(int sig) {
   if (!end_) {
     EndInfo interrupted{"interrupted", 128 + sig,
                         fmt::format("interrupted by {}{}", signal_name(sig),
-                                    plan_.nnodes > 1 ? fmt::format(" on node {}", plan_.this_node) : "")};
-    if (plan_.elastic) {
+                                    plan_.nnodes > 1 || plan_.elastic
+                                        ? fmt::format(" on node {} ({})", plan_.this_node, net::hostname())
+                                        : "")};
+    if (plan_.elastic && plan_.min_nodes < plan_.max_nodes) {
       leave_elastic_job(sig);  // this agent leaves; the job goes on without it
+      adopt_end(interrupted);
+    } else if (plan_.elastic) {
+      if (!joined_)
+        interrupted.summary =
+            fmt::format("interrupted by {} on {} before the job started", signal_name(sig), net::hostname());
+      end_fixed_size_job(interrupted);
       adopt_end(interrupted);
     } else {
       publish_end(interrupted);
@@ -132,6 +140,40 @@ void Job::on_signal(int sig) {
   if (!stopping_) {
     stopping_ = true;
     if (running_workers() > 0) arm_timer(plan_.kill_grace_s);
+  }
+}
+
+int Job::pending_interrupt() {
+  int interrupt = 0;
+  signalfd_siginfo si;
+  while (::read(signal_fd_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+    const int sig = static_cast<int>(si.ssi_signo);
+    if (sig == SIGCHLD) reap();
+    else if (!is_terminating(sig)) on_signal(sig);  // forwarded as in the loop (USR1, USR2)
+    else if (!interrupt) interrupt = sig;
+  }
+  return interrupt;
+}
+
+void Job::end_fixed_size_job(const EndInfo& interrupted) {
+  // The others must learn it now, not at their rendezvous timeout: before the round closes, the
+  // round fails with this line (they read it as a refusal); after, the generation ends with it and,
+  // not being restartable, ends the job. Either way this agent is marked gone.
+  try {
+    base_store_->set(gone_key(self_.id), self_.host + " (interrupted)");
+    if (!joined_ || !membership_) {
+      Membership failed;
+      failed.generation = round_;
+      failed.failed = interrupted.summary;
+      const std::string mine = nlohmann::json(failed).dump();
+      const std::string now = base_store_->compare_set(closed_key(round_), "", mine);
+      if (now == mine) return;
+      // The round closed just before: end the generation it started.
+    }
+    const int generation = membership_ ? membership_->generation : round_;
+    base_store_->compare_set(attempt_end_key(generation), "", end_to_string(interrupted));
+  } catch (const Error& e) {
+    log::warn("could not tell the job's store that this node was interrupted: {}", e.what());
   }
 }
 
@@ -167,6 +209,7 @@ EndInfo Job::run_attempt(int attempt) {
   stop_inspector();
   workers_.clear();
   watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
+  round_ = attempt;
   if (distributed_ && plan_.elastic) {
     // The generation's round runs on the watcher thread; kJoined brings its membership.
     attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
@@ -368,7 +411,15 @@ int Job::run() {
                                     plan_.master_addr, plan_.source_of("store address"), e.what()));
     }
   }
-  start_store();
+  try {
+    start_store();
+  } catch (const Interrupted& e) {
+    // Nothing started yet: no worker, no other node that counts on this one.
+    say(fmt::format("job stopped (exit {}): {}", 128 + e.sig(), e.what()));
+    if (server_) server_->stop();
+    close_trace_dir(128 + e.sig(), !ctx_.agent_mode);
+    return 128 + e.sig();
+  }
   if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
   // Once per job: by the launcher that hosts the job's store (node 0's, or the only one), not by every
   // node's launcher of a per-node job.

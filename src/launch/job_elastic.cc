@@ -332,6 +332,7 @@ bool Job::fail_over_store(std::string* why) {
       co.fence_epoch = epoch;
       co.timeout = kStoreCallTimeout;
       auto base = connect_tcp_store(co);
+      base->compare_set(kJobIdKey, "", plan_.job_id);  // newcomers check which job a store serves
       client_options_ = co;
       base_client_ = base;
       base_store_ = make_prefix_store(base, "cohort/launch/" + plan_.job_id);
@@ -431,6 +432,7 @@ void Job::settle_elastic_end() {
       int alive = 0;
       for (const auto& a : membership_->nodes) alive += a.id == self_.id || !member_gone(a);
       if (attempt_store_->add("exited", 0) >= alive) return;
+      if (pending_interrupt()) return;  // a second interrupt: stop waiting for the others at once
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     log::warn("not every node of generation {} reported its workers stopped", membership_->generation);

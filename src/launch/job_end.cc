@@ -2,6 +2,7 @@
 // job's store and the others join it; a watcher thread waits for every node and then for the attempt's
 // "end" record; the first node to fail claims the root cause with compare_set (a reported consequence
 // gives way to the failure it reports); nodes count themselves done and exited.
+#include <algorithm>
 #include <thread>
 
 #include "store/memory_store.h"
@@ -67,6 +68,7 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
         if (!store->check({node_key(r)})) missing.push_back(r);
       return missing;
     };
+    auto next_note = started + std::chrono::seconds(3);
     for (;;) {
       if (*stop) return;
       auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
@@ -78,9 +80,16 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
         return;
       }
       try {
-        store->wait(keys, std::min(left, Millis(3000)));
+        store->wait(keys, std::min(left, Millis(500)));
         break;
       } catch (const TimeoutError&) {
+        // A node that joined may end the job before the others came (an interrupt, a failure).
+        if (store->check({"end"})) {
+          events->push({WatchEvent::kEnd, store->get("end"), attempt});
+          return;
+        }
+        if (Clock::now() < next_note) continue;
+        next_note = Clock::now() + std::chrono::seconds(3);
         auto missing = missing_nodes();
         if (!missing.empty() && !*stop)
           say(fmt::format("{}waiting for node ranks {} to join ({:.0f} s of {} s){}",
@@ -157,25 +166,40 @@ void Job::start_store() {
   co.token = ctx_.token;
   co.reply_grace = kStoreReplyGrace;
   if (plan_.host_store) co.host = "127.0.0.1";  // our own server listens on every interface
-  // Joining nodes may start long before node 0: keep trying for the join timeout, saying so.
-  auto deadline = Deadline::after(std::chrono::duration_cast<std::chrono::nanoseconds>(
-      std::chrono::duration<double>(plan_.join_timeout_s)));
-  auto started = Clock::now();
+  // Joining nodes may start long before node 0: keep trying for the join timeout, saying so every few
+  // seconds of real time. Each try is short (kConnectSlice) so that a Ctrl-C between tries ends the
+  // wait within a second; nothing has started here yet, so there is nothing else to stop.
+  constexpr Millis kConnectSlice{250};
+  const auto started = Clock::now();
+  const auto deadline = started + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(plan_.join_timeout_s));
+  auto next_note = started + std::chrono::seconds(5);
+  const std::string whose = plan_.elastic ? "the job's store" : "node 0's store";
   for (;;) {
-    co.timeout = std::min<Millis>(Millis(5000), deadline.remaining());
+    if (int sig = pending_interrupt())
+      throw Interrupted(sig, fmt::format("interrupted by {} while waiting for {} at {} ({:.0f} s of {:g} s)",
+                                         signal_name(sig), whose, store_addr_,
+                                         std::chrono::duration<double>(Clock::now() - started).count(),
+                                         plan_.join_timeout_s));
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    co.timeout = std::clamp(left, Millis(1), kConnectSlice);
     try {
       base_store_ = connect_tcp_store(co);
+      co.timeout = Millis(5000);  // it answered: the second connection is quick
       watch_base_ = connect_tcp_store(co);
       break;
     } catch (const AuthError&) {
       throw;
     } catch (const Error& e) {
-      if (deadline.expired())
-        throw TimeoutError(fmt::format("node {}: the job's store at {} (node 0) did not answer within {} s "
-                                       "(--join-timeout): {}",
-                                       plan_.this_node, store_addr_, plan_.join_timeout_s, e.what()));
-      say(fmt::format("node {}: waiting for node 0's store at {} ({:.0f} s of {} s)", plan_.this_node, store_addr_,
-                      std::chrono::duration<double>(Clock::now() - started).count(), plan_.join_timeout_s));
+      const auto now = Clock::now();
+      if (now >= deadline)
+        throw TimeoutError(fmt::format("node {}: {} at {} did not answer within {:g} s (--join-timeout); last try: {}",
+                                       plan_.this_node, whose, store_addr_, plan_.join_timeout_s, e.what()));
+      if (now >= next_note) {
+        next_note = now + std::chrono::seconds(5);
+        say(fmt::format("node {}: waiting for {} at {} ({:.0f} s of {:g} s)", plan_.this_node, whose, store_addr_,
+                        std::chrono::duration<double>(now - started).count(), plan_.join_timeout_s));
+      }
     }
   }
   // An elastic agent is joined from the start: its calls are all short ones (the rendezvous waits in
@@ -186,6 +210,7 @@ void Job::start_store() {
   base_client_ = base_store_;
   base_store_->set_timeout(call_timeout);
   watch_base_->set_timeout(call_timeout);
+  if (plan_.mode == Mode::kPerNode) check_job_id();
   base_store_ = make_prefix_store(base_store_, "cohort/launch/" + plan_.job_id);
   watch_base_ = make_prefix_store(watch_base_, "cohort/launch/" + plan_.job_id);
   if (plan_.mode == Mode::kPerNode) {
@@ -203,6 +228,28 @@ void Job::start_store() {
                                                             : fmt::format("{}:{}", here, standby_->port());
   }
   if (plan_.elastic) open_lease();
+}
+
+void Job::check_job_id() {
+  // Several jobs may be pointed at one endpoint (torchrun's --rdzv-id tells them apart): the store
+  // serves the job of the agent that hosts it, which writes its id first thing; an agent of another
+  // job is refused with one line instead of waiting in a job that is not its own.
+  if (plan_.host_store) {
+    base_store_->compare_set(kJobIdKey, "", plan_.job_id);
+    return;
+  }
+  try {
+    base_store_->wait({kJobIdKey}, Millis(10000));
+  } catch (const TimeoutError&) {
+    throw TimeoutError(fmt::format("the store at {} does not say which job it serves (no {} within 10 s): is it a "
+                                   "cohort job's store?",
+                                   store_addr_, kJobIdKey));
+  }
+  const std::string theirs = base_store_->get(kJobIdKey);
+  if (theirs != plan_.job_id)
+    throw ConfigError(fmt::format("the store at {} serves job '{}', not this node's job '{}' ({}): give every node of a "
+                                  "job the same --rdzv-id, and another job its own endpoint",
+                                  store_addr_, theirs, plan_.job_id, plan_.source_of("job id")));
 }
 
 void Job::publish_end(const EndInfo& e) {
@@ -286,12 +333,26 @@ void Job::settle_end_with_store() {
   // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
   if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
     try {
-      // (An uncounted Ray job waits for the nodes that joined it, as they counted themselves.)
-      const int64_t nodes = plan_.ray.open_membership ? attempt_store_->add("joined", 0) : plan_.nnodes;
-      if (attempt_store_->add("exited", 1) >= nodes) attempt_store_->set("all_exited", "1");
-      // Nodes that never joined (or a lost store) will not report: do not wait for them.
-      if (plan_.host_store && end_->kind != "lost" && end_->kind != "join")
-        attempt_store_->wait({"all_exited"}, Millis(static_cast<int64_t>((plan_.kill_grace_s + 10) * 1000)));
+      attempt_store_->add("exited", 1);
+      // Only the nodes that joined will report (one that never came, or a lost store, will not): the
+      // store's host waits for those, in short slices, so that a second Ctrl-C ends the wait at once.
+      // (An uncounted Ray job's nodes count themselves in "joined" as they come.)
+      if (plan_.host_store && end_->kind != "lost" && end_->kind != "join") {
+        int64_t joined = 0;
+        if (plan_.ray.open_membership) joined = attempt_store_->add("joined", 0);
+        else
+          for (int r = 0; r < plan_.nnodes; ++r) joined += attempt_store_->check({node_key(r)}) ? 1 : 0;
+        const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                 std::chrono::duration<double>(plan_.kill_grace_s + 10));
+        while (attempt_store_->add("exited", 0) < joined) {
+          if (Clock::now() >= deadline)
+            throw TimeoutError(fmt::format("{} of the {} nodes that joined reported", attempt_store_->add("exited", 0), joined));
+          if (pending_interrupt()) throw Interrupted(SIGINT, "interrupted again");
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      }
+    } catch (const Interrupted&) {
+      // A second interrupt: the others learn the end from the store while it lasts, or see it gone.
     } catch (const Error& e) {
       log::warn("not every node reported its workers stopped: {}", e.what());
     }

@@ -58,6 +58,17 @@ int pick_free_port(const std::string& host);
 
 inline bool is_terminating(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT; }
 
+// Thrown where the launcher blocks outside its event loop (waiting for the job's store, for the other
+// nodes' last reports) when SIGINT/SIGTERM/SIGHUP/SIGQUIT arrives: the job ends there with 128 + sig.
+class Interrupted : public Error {
+ public:
+  Interrupted(int sig, const std::string& what) : Error(what), sig_(sig) {}
+  int sig() const { return sig_; }
+
+ private:
+  int sig_;
+};
+
 std::string signal_name(int sig);
 // One line on stderr, "cohort run: <line>".
 void say(const std::string& line);
@@ -146,6 +157,8 @@ class EventQueue {
 };
 
 inline std::string node_key(int r) { return "node/" + std::to_string(r); }
+// The id of the job a per-node store serves (outside every job's prefix): Job::check_job_id.
+inline constexpr const char* kJobIdKey = "cohort/job_id";
 
 struct WatchParams {
   std::vector<int> nodes;  // the node ranks to wait for: every node's, or in an uncounted Ray job node 0's and
@@ -187,6 +200,7 @@ class Job {
   // Set-up
   void setup_signals();
   void start_store();
+  void check_job_id();  // per-node jobs: the store serves this job (its --rdzv-id), or ConfigError
   void start_agents();
   // One attempt
   EndInfo run_attempt(int attempt);
@@ -195,6 +209,14 @@ class Job {
                     const GpuAssignment& gpu);
   // Loop handlers
   void on_signal(int sig);
+  // Outside the event loop: handles what the signal fd holds (children's exits, forwarded signals)
+  // and returns the first terminating signal among them, 0 if none. Every wait outside the loop
+  // calls it at least every few hundred milliseconds, so that Ctrl-C ends any phase within a second.
+  int pending_interrupt();
+  // A job whose node ranks came from the rendezvous with MIN = MAX (`--nnodes N` with
+  // --rdzv-endpoint, or N:N): it cannot go on without the interrupted node, so an interrupt ends it
+  // on every node (the round fails, or the generation ends as interrupted) instead of leaving it.
+  void end_fixed_size_job(const EndInfo& interrupted);
   void reap();
   void on_worker_exit(Worker& w, int status);
   void on_agent_exit(AgentChild& a, int status);
@@ -336,6 +358,7 @@ class Job {
   std::unique_ptr<StoreServer> standby_;  // this agent's standby store (not on the store's host)
   std::string standby_address_;            // where the others reach it
   std::optional<Membership> membership_;
+  int round_ = 0;                    // the generation this agent's round is for (run_attempt's attempt)
   int64_t store_epoch_ = 0;          // the job's store's epoch (rdzv/epoch): how often it moved
   bool standby_promoted_ = false;    // the others moved the job's store to this agent's standby
   bool torch_port_from_store_ = false;  // the store moved to another node: read its torch port when joined

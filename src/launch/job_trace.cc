@@ -142,6 +142,12 @@ void Job::record_failure(int attempt) {
         continue;
       }
       try {
+        // A node that never joined this attempt has no rings to publish: waiting for them would hold
+        // an interrupted or failed job's end for the whole gather.
+        if (!plan_.elastic && !attempt_store_->check({node_key(node.node_rank)})) {
+          diagnosis_.push_back(fmt::format("node {} never joined: no flight recorder from it", node.node_rank));
+          continue;
+        }
         auto key = node_final_trace_key(node.node_rank);
         attempt_store_->wait({key}, std::max(gather.remaining(), Millis(1)));
         for (auto& s : adopt_snapshots(attempt_store_->get(key), now)) snaps.push_back(std::move(s));

@@ -335,6 +335,17 @@ void place_parameter_servers(Plan& p, const Options& o, const EnvMap& env,
   p.ps_server_program = o.ps_server == "program";
 }
 
+// torchrun's multi-node line (`--nnodes N --rdzv-backend c10d --rdzv-endpoint H:P`, the same on every
+// node, no --node-rank): torchrun assigns node ranks at the rendezvous. So does cohort, through the
+// elastic rendezvous with MIN = MAX = N. A node rank from a flag or a scheduler, `--rdzv-backend
+// static` (torchrun's static rendezvous needs --node-rank), Ray and parameter-server jobs keep the
+// fixed layout.
+bool ranks_at_rendezvous(const Options& o, const SchedulerInfo& sched) {
+  if (!o.nnodes || *o.nnodes < 2 || o.min_nodes || o.node_rank || sched.node_rank) return false;
+  if (o.rdzv_backend == "static" || o.ray || o.ps) return false;
+  return o.rdzv_endpoint || o.rdzv_backend == "c10d";
+}
+
 // --nnodes MIN:MAX (or Kubeflow's PET_NNODES=MIN:MAX): torchrun's elastic job (the agents meet in
 // generations, launch/rendezvous.h).
 void set_elastic(Plan& p, const Options& o, const EnvMap& env, int min_nodes, int max_nodes,
@@ -799,6 +810,12 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     if (o.min_nodes) set_elastic(p, o, env, *o.min_nodes, *o.nnodes, fmt::format("--nnodes {}:{}", *o.min_nodes, *o.nnodes));
     else if (!o.nnodes && sched.min_nodes)
       set_elastic(p, o, env, sched.min_nodes->value, p.nnodes, sched.min_nodes->source);
+    else if (ranks_at_rendezvous(o, sched))
+      // torchrun's documented multi-node line, typed alike on every node: with no node rank anywhere,
+      // the agents number themselves as they meet, exactly as --nnodes N:N does (torchrun's c10d).
+      set_elastic(p, o, env, p.nnodes, p.nnodes,
+                  fmt::format("--nnodes {} with {} and no --node-rank: node ranks are assigned at the rendezvous",
+                              p.nnodes, o.rdzv_endpoint ? "--rdzv-endpoint" : "--rdzv-backend c10d"));
     int node_rank = p.elastic ? 0 : o.node_rank ? *o.node_rank : sched.node_rank ? sched.node_rank->value : 0;
     std::string node_rank_source = p.elastic ? "the rendezvous, at each generation" + std::string(o.node_rank ? " (--node-rank is ignored)" : "")
                                    : o.node_rank ? "--node-rank" : sched.node_rank ? sched.node_rank->source : "default";

@@ -36,6 +36,7 @@ struct Options {
   double join_timeout_s = 300;  // also --rdzv-timeout
   double rdzv_last_call_s = 5;  // --rdzv-conf last_call_timeout=S
   std::optional<std::string> rdzv_backend;
+  bool rdzv_endpoint = false;  // the store's address came as --rdzv-endpoint (torchrun's line), not --master-addr
   double kill_grace_s = 5;
   std::optional<bool> tag_output;
   std::string output_dir;  // --output-filename

@@ -467,6 +467,44 @@ TEST(Plan, ElasticFromTheFlagOrFromKubeflowsElasticEnvironment) {
   EXPECT_FALSE(build_plan(with_program(), {{"PET_NNODES", "3"}, {"MASTER_ADDR", "w0"}}, facts()).elastic);
 }
 
+TEST(Plan, TorchrunsMultiNodeLineWithoutANodeRankGetsItsNodeRanksAtTheRendezvous) {
+  // --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=w0:29418, the same on every node.
+  Options o = with_program();
+  o.nnodes = 2;
+  o.master_addr = "w0";
+  o.master_port = 29418;
+  o.rdzv_endpoint = true;
+  o.rdzv_backend = "c10d";
+  auto p = build_plan(o, {}, facts());
+  EXPECT_TRUE(p.elastic);
+  EXPECT_EQ(p.min_nodes, 2);
+  EXPECT_EQ(p.max_nodes, 2);
+  EXPECT_EQ(p.source_of("node rank"), "the rendezvous, at each generation");
+  EXPECT_EQ(p.source_of("elastic"),
+            "--nnodes 2 with --rdzv-endpoint and no --node-rank: node ranks are assigned at the rendezvous");
+  // --rdzv-backend c10d alone, with --master-addr, does the same.
+  Options c = o;
+  c.rdzv_endpoint = false;
+  EXPECT_TRUE(build_plan(c, {}, facts()).elastic);
+  // A node rank from the flag or a scheduler, the static backend, or neither endpoint nor c10d: the
+  // fixed per-node layout, as before.
+  Options ranked = o;
+  ranked.node_rank = 1;
+  EXPECT_FALSE(build_plan(ranked, {}, facts()).elastic);
+  Options fixed = o;
+  fixed.rdzv_backend = "static";
+  EXPECT_FALSE(build_plan(fixed, {}, facts()).elastic);
+  Options plain = o;
+  plain.rdzv_endpoint = false;
+  plain.rdzv_backend.reset();
+  EXPECT_FALSE(build_plan(plain, {}, facts()).elastic);
+  Options srun = o;
+  auto in_step = build_plan(srun, {{"SLURM_STEP_ID", "0"}, {"SLURM_STEP_NODELIST", "w[0-1]"}, {"SLURM_NODEID", "1"},
+                                   {"SLURM_JOB_NODELIST", "w[0-1]"}, {"SLURM_NNODES", "2"}},
+                            facts());
+  EXPECT_FALSE(in_step.elastic) << "Slurm says which node this is";
+}
+
 // Ray mode with the seed's environment: TI-ONE gives every node HEAD_ADDR, HEAD_PORT and RANK (0: the
 // head), and the node count some other way (here --nnodes, or WORLD_SIZE).
 TEST(Plan, RayJobFromTionesHeadAddrHeadPortAndRank) {
