@@ -266,7 +266,7 @@ def main():
                                                   seed=a.seed)
     if rank == 0:
         print(f"bert twin: {layers} layers, hidden {hidden}, {heads} heads, sequence {seq_len}, vocabulary "
-              f"{vocab_size}: {nparams} parameters; {len(train)} training and {len(test)} held-out glosses; world "
+              f"{vocab_size}: {nparams} parameters; {len(train)} training and {min(a.test_samples, len(test)) if a.test_samples > 0 else len(test)} held-out glosses; world "
               f"{world}, batch {a.batch} per rank, {a.optimizer}{' ZeroRedundancyOptimizer' if a.zero else ''}"
               f"{f', {a.comm_hook}_compress_hook' if distributed and a.comm_hook != 'none' else ''}",
               flush=True)

@@ -338,10 +338,13 @@ int run(const Args& a) {
   for (auto& p : model->parameters()) nparams += p.numel();
   // The same seed gives the twin (bench/bert_twin.py) the same weights: the twin prints this line too.
   if (lead && a.print_digest && pos.global_step == 0) fmt::print("initial weights digest: {:016x}\n", weights_digest(*model));
+  // --test-samples N evaluates the first N held-out glosses: the banner counts those, not the corpus's.
+  const int64_t held_out = a.test_samples > 0 ? std::min<int64_t>(a.test_samples, static_cast<int64_t>(corpus.test.size()))
+                                              : static_cast<int64_t>(corpus.test.size());
   if (lead)
     fmt::print("bert: {} layers, hidden {}, {} heads, sequence {}, vocabulary {}: {} parameters; {} training and {} "
                "held-out glosses; world {}, batch {} per rank, {}{}\n",
-               s.layers, s.hidden, s.heads, s.seq_len, vocab, nparams, corpus.train.size(), corpus.test.size(), world,
+               s.layers, s.hidden, s.heads, s.seq_len, vocab, nparams, corpus.train.size(), held_out, world,
                a.batch, a.optimizer, a.zero ? fmt::format(" sharded (ZeRO stage {})", a.zero) : "");
   std::fflush(stdout);
 
@@ -416,8 +419,6 @@ int run(const Args& a) {
     torch::NoGradGuard no_grad;
     model->eval();
     std::vector<int64_t> mine;
-    const int64_t held_out = a.test_samples > 0 ? std::min<int64_t>(a.test_samples, static_cast<int64_t>(corpus.test.size()))
-                                                : static_cast<int64_t>(corpus.test.size());
     for (int64_t i = rank; i < held_out; i += world) mine.push_back(i);
     for (int64_t i = 0; i < static_cast<int64_t>(mine.size()); i += 256) {
       const int64_t n = std::min<int64_t>(256, static_cast<int64_t>(mine.size()) - i);

@@ -67,6 +67,14 @@ TEST(Bert, BadInputIsOneClearLine) {
   EXPECT_NE(r.err.find("--zero"), std::string::npos) << r.err;
 }
 
+TEST(Bert, TheBannerCountsTheHeldOutGlossesItEvaluates) {
+  if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
+  // --test-samples 64 evaluates 64 glosses: the banner said the corpus's 5882.
+  auto r = run_process(small_job({"--max-steps", "1", "--test-samples", "64"}), {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(first_match(r.out, "training and ([0-9]+) held-out glosses"), "64") << r.out;
+}
+
 TEST(Bert, ThePyTorchTwinStartsFromTheSameWeightsDataAndLoss) {
   if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
   auto cpp = run_process(small_job({"--max-steps", "2", "--print-digest"}), {}, 60);
