@@ -254,6 +254,8 @@ class Job {
   void epoll_add(int fd);
   void epoll_del(int fd);
   std::string failure_summary(const Worker& w);
+  // "" or, for a worker that exited with code 2, the line saying the code is the program's, not cohort run's.
+  std::string usage_exit_hint(const Worker& w) const;
   // A .py script's or module's failure to import: which interpreter ran and how to choose another.
   std::string missing_module_hint(const std::vector<std::string>& stderr_tail) const;
   // describe_status, and for a SIGKILL who sent it, as far as the launcher and the kernel know (launch/oom.h).

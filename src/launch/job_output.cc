@@ -47,7 +47,15 @@ std::string Job::failure_summary(const Worker& w) {
     s += plan_.merge_stderr ? "; last lines of its output (stderr merged):" : "; last lines of its stderr:";
     for (const auto& l : tail) s += "\n    | " + l;
   }
-  return s + missing_module_hint(tail);
+  return s + missing_module_hint(tail) + usage_exit_hint(w);
+}
+
+std::string Job::usage_exit_hint(const Worker& w) const {
+  // Exit code 2 is what a program's command-line parser (Python's argparse, CLI11, getopt users) returns
+  // for a bad argument, and also what cohort run returns for its own bad input: say which one this is.
+  if (!WIFEXITED(w.status) || WEXITSTATUS(w.status) != 2) return "";
+  return "\n  exit code 2 is the program's own (a command-line parser such as argparse exits 2 on a bad argument: check "
+         "the arguments after PROGRAM); cohort run's own bad input stops it before any worker starts";
 }
 
 std::string Job::missing_module_hint(const std::vector<std::string>& tail) const {

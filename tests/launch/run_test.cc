@@ -364,9 +364,9 @@ TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
     auto r = run_process(concat(cohort_run(flags), worker), {}, 30);
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_NE(r.err.find(expected), std::string::npos) << r.err;
-    size_t notes = 0;
-  for (size_t at = r.err.find("note: "); at != std::string::npos; at = r.err.find("note: ", at + 1)) ++notes;
-  EXPECT_EQ(notes, 1u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    // Exit code 2 is also what a worker's argparse returns: the line says this one is cohort run's own.
+    EXPECT_NE(r.err.find("(exit 2: cohort run's own input; no worker started)"), std::string::npos) << r.err;
   };
   check({"--bogus-flag"}, "--bogus-flag");
   check({"--nproc-per-node", "0"}, "--nproc-per-node 0: expected a positive number or 'auto'");
@@ -402,6 +402,19 @@ TEST(Run, BadInputIsOneLineAndExit2BeforeAnyWorkerStarts) {
   EXPECT_EQ(per_node.err.find("unset"), std::string::npos) << per_node.err;
   struct stat st {};
   EXPECT_NE(stat(marker.c_str(), &st), 0) << "a worker started despite bad input";
+}
+
+TEST(Run, AWorkersExitCode2IsSaidToBeTheProgramsOwn) {
+  // argparse exits 2 on a bad argument, as cohort run does on its own bad input: the summary says which.
+  auto r = run_process(concat(cohort_run({"-n", "2"}), sh("echo 'usage: train.py [-h]' >&2; exit 2")), {}, 30);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("exited with code 2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("exit code 2 is the program's own"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("cohort run's own input"), std::string::npos) << r.err;
+  // Another code gets no such line.
+  auto other = run_process(concat(cohort_run({"-n", "2"}), sh("exit 3")), {}, 30);
+  EXPECT_EQ(other.exit_code, 3) << other.err;
+  EXPECT_EQ(other.err.find("exit code 2 is"), std::string::npos) << other.err;
 }
 
 TEST(Run, DryRunPrintsThePlanAndStartsNothing) {
