@@ -178,7 +178,8 @@ TEST(MpirunLines, TimeoutOfOneNodeEndsAPerNodeJob) {
   int port = free_port();
   auto node = [&](int rank, std::vector<std::string> extra) {
     std::vector<std::string> args = {"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr",
-                                     "127.0.0.1", "--master-port", std::to_string(port), "--kill-grace", "0.5"};
+                                     "127.0.0.1", "--master-port", std::to_string(port), "--kill-grace", "0.5",
+                                     "--join-timeout", "10"};
     args.insert(args.end(), extra.begin(), extra.end());
     return run_process(with_sh(cohort_run(args), waiting_worker(dir)), {}, 30);
   };
