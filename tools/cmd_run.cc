@@ -7,12 +7,14 @@
 
 #include <CLI/CLI.hpp>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "cohort/error.h"
 #include "command.h"
 #include "common/env.h"
+#include "common/socket.h"
 #include "common/strings.h"
 #include "launch/job.h"
 #include "launch/plan.h"
@@ -30,6 +32,7 @@ std::string normalise(const std::string& arg, const CLI::App& app) {
   if (arg == "-host" || arg == "--host") return "-H";
   if (arg == "-hostfile" || arg == "-machinefile" || arg == "--machinefile") return "--hostfile";
   if (arg == "-npernode") return "--npernode";
+  if (arg == "-wd" || arg == "--wd") return "--wdir";
   // mpirun takes its long options with one dash too (-bind-to none, -map-by, -report-bindings,
   // -output-filename): those that are flags of ours with two dashes mean the same.
   if (arg.size() > 2 && arg[0] == '-' && arg[1] != '-') {
@@ -70,6 +73,50 @@ std::string self_exe() {
   return std::string(buf, static_cast<size_t>(n));
 }
 
+// CLI11 would write "Usage: cohort run [OPTIONS]": the launcher's command line ends with PROGRAM and the
+// program's own arguments, which no option of ours describes.
+class RunHelp : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App*, std::string name) const override {
+    return "Usage: " + name + " [OPTIONS] PROGRAM [ARGS...]\n";
+  }
+};
+
+// The MCA parameters of Open MPI that say something cohort can do; the rest of an mpirun line's -mca
+// settings choose Open MPI's own components and are ignored with one note.
+void apply_mca(const std::vector<std::pair<std::string, std::string>>& mca, Options& o, bool& no_abort) {
+  std::vector<std::string> ignored;
+  for (const auto& [key, value] : mca) {
+    const std::string given = fmt::format("-mca {} {}", key, value);
+    if (key == "orte_abort_on_non_zero_status" || key == "prte_abort_on_non_zero_status") {
+      // The abort policy (MindSpore's and others' mpirun lines). Open MPI 5 spells it prte_...
+      if (value == "0" || value == "false") no_abort = true;
+      else if (value != "1" && value != "true")
+        throw ConfigError(fmt::format("{}: expected 0 (the job goes on after a failure) or 1 (it stops)", given));
+    } else if (key == "btl_tcp_if_include") {
+      // The interfaces the ranks' TCP traffic uses: cohort's TCP transport reads COHORT_TCP_IFNAME on
+      // each host (same-host ranks use shared memory whatever it says).
+      for (const auto& x : o.export_env)
+        if (x.rfind("COHORT_TCP_IFNAME", 0) == 0 && (x.size() == 17 || x[17] == '='))
+          throw ConfigError(fmt::format("{} and -x {} both given; use one", given, x));
+      o.export_env.push_back("COHORT_TCP_IFNAME=" + value);
+    } else if (key == "oob_tcp_if_include" && (o.hosts || o.hostfile) && !o.master_addr) {
+      // The runtime's own connections: in a fan-out, the job's store (which every agent and worker
+      // dials) listens at this host's address on those interfaces.
+      o.master_addr = net::interface_addresses(value, "-mca oob_tcp_if_include")[0];
+      o.master_addr_flag = given;
+    } else {
+      ignored.push_back(given);
+    }
+  }
+  if (!ignored.empty())
+    fmt::print(stderr,
+               "cohort run: note: {}: Open MPI's settings, which mean nothing to cohort (it picks shared memory on a "
+               "host and TCP between hosts itself; btl_tcp_if_include and oob_tcp_if_include choose its interfaces, "
+               "the latter only for a -H/--hostfile job without --master-addr); ignored\n",
+               str::join(ignored, ", "));
+}
+
 // `cohort run`, and `cohort launch` (`launch_line`): python -m torch.distributed.launch's line, the same
 // flags with --local_rank=N passed to every worker unless --use-env (docs/launcher.md).
 int run_launcher(std::vector<std::string> args, bool launch_line) {
@@ -79,7 +126,13 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
                              "--local_rank=N (torch 2.x: --local-rank=N) to each worker unless --use-env"
                            : "cohort run: start, watch and stop a job of PROGRAM on one machine or many",
                command};
+  app.formatter(std::make_shared<RunHelp>());
+  app.footer("Everything after PROGRAM is the program's own. mpirun's long flags are taken with one dash too "
+             "(-np, -host, -hostfile, -machinefile, -npernode, -wd, -bind-to, -timeout, ...); docs/launcher.md is "
+             "the reference.");
   app.set_help_flag("-h,--help", "print this help (docs/launcher.md has the full reference)");
+  // mpirun's flags in a group of their own, so that --help shows what an mpirun line may carry.
+  const std::string mpirun_group = "mpirun's flags";
   std::string nproc, hosts_joined, join_timeout = "300", kill_grace = "5", ranks_to_console;
   std::vector<std::string> hosts;
   int np = 0, node_rank = 0, master_port = 0;
@@ -87,33 +140,48 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   std::string master_addr, hostfile, run_id;
   bool tag = false, no_tag = false, no_abort = false, standalone = false;
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N or auto (GPUs, else CPU cores)");
-  app.add_option("-n,--num-processes", np, "total number of workers (mpirun -n/-np)");
+  app.add_option("-n,--num-processes", np, "total number of workers (mpirun -n/-np)")->group(mpirun_group);
   app.add_option("--nnodes", nnodes, "number of nodes, each running this same command (torchrun); MIN:MAX: an elastic "
                  "job that survives lost nodes and admits new ones (docs/launcher.md, Elastic jobs)");
   app.add_option("--node-rank,--node_rank", node_rank, "this node's rank, 0..nnodes-1");
   app.add_option("--master-addr,--master_addr", master_addr, "address of node 0 (it hosts the job's store)");
   app.add_option("--master-port,--master_port", master_port, "port of the job's store (default: OS-chosen on one node, 29500 on several)");
   app.add_flag("--standalone", standalone, "one node (torchrun's --standalone; the default without --nnodes)");
-  app.add_option("-H", hosts, "hosts to fan out to: host1:8,host2:8 (mpirun -H/--host)");
-  app.add_option("--hostfile", hostfile, "hostfile: 'host slots=N [max_slots=M]' lines (Open MPI / DeepSpeed)");
+  app.add_option("-H", hosts, "hosts to fan out to: host1:8,host2:8 (mpirun -H/--host)")->group(mpirun_group);
+  app.add_option("--hostfile", hostfile, "hostfile: 'host slots=N [max_slots=M]' lines (Open MPI / DeepSpeed)")
+      ->group(mpirun_group);
   app.add_option("--ssh-command", o.ssh_command, "command that starts the agent on another host")->capture_default_str();
   app.add_option("--launcher", o.launcher,
                  "how a fan-out starts its agents: ssh, srun (Slurm steps), or auto: srun when the hosts are the "
                  "Slurm allocation's (docs/slurm.md), else ssh")
       ->capture_default_str();
-  app.add_option("-x", o.export_env, "forward VAR (or set VAR=value) for every worker; repeatable");
+  app.add_option("-x", o.export_env, "forward VAR (or set VAR=value) for every worker; repeatable")->group(mpirun_group);
   app.add_option("--join-timeout", join_timeout, "seconds to wait for every node to join (default 300)");
   app.add_option("--rdzv-timeout,--rdzv_timeout", rdzv_timeout, "elastic jobs: how long a generation waits for MIN nodes (the same setting as --join-timeout)");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint, "HOST[:PORT] of the job's store (torchrun's name for --master-addr/--master-port)");
   app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend, "c10d or static (torchrun's; cohort's own store serves both)");
   app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "torchrun's rendezvous settings: join_timeout=S,last_call_timeout=S");
   app.add_option("--kill-grace", kill_grace, "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
-  app.add_flag("--tag-output", tag, "prefix each output line with [host:rank] (default with more than one worker)");
+  app.add_flag("--tag-output", tag, "prefix each output line with [host:rank] (default with more than one worker)")
+      ->group(mpirun_group);
   app.add_flag("--no-tag-output", no_tag, "never prefix output lines");
-  app.add_option("--output-filename,--output_filename", o.output_dir, "also write DIR/rank.N/stdout and stderr");
-  app.add_flag("--merge-stderr-to-stdout", o.merge_stderr, "send stderr where stdout goes");
+  app.add_option("--output-filename,--output_filename", o.output_dir, "also write DIR/rank.N/stdout and stderr")
+      ->group(mpirun_group);
+  app.add_flag("--merge-stderr-to-stdout", o.merge_stderr, "send stderr where stdout goes")->group(mpirun_group);
+  app.add_flag("--timestamp-output", o.timestamp_output,
+               "start each output line with the local time it was read, to the millisecond")
+      ->group(mpirun_group);
+  std::string timeout;
+  app.add_option("--timeout", timeout,
+                 "the job's wall-clock limit (30, 90s, 10m): then every worker on every node is stopped and the job "
+                 "exits 124 (MPIEXEC_TIMEOUT too)")
+      ->group(mpirun_group);
+  std::string wdir;
+  app.add_option("--wdir", wdir, "the folder every worker runs in, on every host (mpirun's -wdir/-wd)")
+      ->group(mpirun_group);
   app.add_option("--ranks-to-console", ranks_to_console, "ranks that print on the console: 0,2-3 or none (default all)");
-  app.add_option("--bind-to", o.bind_to, "auto | none | core | numa (default auto: each local worker gets an equal block of whole cores, unless there is one worker or more workers than CPUs)");
+  app.add_option("--bind-to", o.bind_to, "auto | none | core | numa (default auto: each local worker gets an equal block of whole cores, unless there is one worker or more workers than CPUs)")
+      ->group(mpirun_group);
   std::string gpus_per_node;
   app.add_option("--gpus-per-node,--gpus_per_node", gpus_per_node,
                  "a GPU job: auto (what nvidia-smi -L reports) or N; one GPU per local rank, CPUs bound next to it "
@@ -151,13 +219,28 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   app.add_option("--local-rank-arg", local_rank_arg, "the spelling of that argument: local_rank (torch 1.x's launch), "
                  "local-rank (2.x's) or auto (as the installed torch's; cohort launch's default)");
   // mpirun's placement and reporting flags.
-  std::string npernode, map_by;
-  app.add_option("-N,--npernode", npernode, "processes per node (mpirun's -N/-npernode; the same as --nproc-per-node)");
-  app.add_option("--map-by", map_by, "mpirun's placement: slot, ppr:N:node, core, socket or numa (docs/launcher.md)");
-  app.add_flag("--report-bindings", o.report_bindings, "print each rank's CPU binding on stderr as it starts (mpirun's --report-bindings)");
-  bool run_as_root = false, oversubscribe = false;
-  app.add_flag("--allow-run-as-root", run_as_root, "accepted for mpirun command lines (cohort runs as root without it)");
-  app.add_flag("--oversubscribe", oversubscribe, "accepted for mpirun command lines (cohort never caps workers at the CPU cores)");
+  std::string npernode, map_by, rank_by;
+  app.add_option("-N,--npernode", npernode, "processes per node (mpirun's -N/-npernode; the same as --nproc-per-node)")
+      ->group(mpirun_group);
+  app.add_option("--map-by", map_by, "mpirun's placement: slot, ppr:N:node, core, socket or numa (docs/launcher.md)")
+      ->group(mpirun_group);
+  app.add_option("--rank-by", rank_by, "mpirun's rank order: slot (ranks in placement order, host by host)")
+      ->group(mpirun_group);
+  app.add_flag("--report-bindings", o.report_bindings, "print each rank's CPU binding on stderr as it starts (mpirun's --report-bindings)")
+      ->group(mpirun_group);
+  bool run_as_root = false;
+  app.add_flag("--allow-run-as-root", run_as_root, "accepted for mpirun command lines (cohort runs as root without it)")
+      ->group(mpirun_group);
+  app.add_flag("--oversubscribe", o.oversubscribe,
+               "-n may exceed the -H/--hostfile slots: the rest are spread evenly over the hosts")
+      ->group(mpirun_group);
+  // Listed for --help only: -mca KEY VALUE pairs are taken out of the command line before CLI11 parses it.
+  std::vector<std::string> mca_listed;
+  app.add_option("--mca", mca_listed,
+                 "Open MPI's settings (repeatable): orte_abort_on_non_zero_status 0|1, btl_tcp_if_include and "
+                 "oob_tcp_if_include IFACES (cohort's interfaces); the rest are ignored with a note")
+      ->type_name("KEY VALUE")
+      ->group(mpirun_group);
   // torchrun's log files, console filter and monitor interval.
   std::string log_dir, redirects, tee, local_ranks_filter, monitor_interval;
   app.add_option("--log-dir,--log_dir", log_dir, "with --redirects/--tee: per-rank files DIR/<run id>/attempt_<n>/<rank>/{stdout,stderr}.log (torchrun's)");
@@ -192,7 +275,7 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   }
   o.program.assign(args.begin() + static_cast<long>(i), args.end());
   opts.insert(opts.begin(), args[0]);
-  if (!parse_command_line(app, opts, "\nusage: " + command + " [options] PROGRAM [ARGS...]\n")) return 0;
+  if (!parse_command_line(app, opts, "")) return 0;
   if (app.count("--local-rank-arg")) o.local_rank_arg = local_rank_arg;
   if (launch_line) {
     // torch.distributed.launch: --local_rank=N unless --use_env, in the installed torch's spelling.
@@ -289,18 +372,20 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   if (tag) o.tag_output = true;
   if (no_tag) o.tag_output = false;
   if (app.count("--ranks-to-console")) o.ranks_to_console = ranks_to_console;
-  for (const auto& [key, value] : mca) {
-    // The one MCA parameter people pass to a launcher (MindSpore's and others' mpirun lines): the abort
-    // policy. Open MPI 5 spells it prte_...
-    if (key != "orte_abort_on_non_zero_status" && key != "prte_abort_on_non_zero_status")
-      throw ConfigError(fmt::format("-mca {} {}: cohort takes no MCA parameters but orte_abort_on_non_zero_status "
-                                    "(0: --no-abort-on-failure); its own flags stand for the rest (docs/launcher.md)",
-                                    key, value));
-    if (value == "0" || value == "false") no_abort = true;
-    else if (value != "1" && value != "true")
-      throw ConfigError(fmt::format("-mca {} {}: expected 0 (the job goes on after a failure) or 1 (it stops)", key, value));
-  }
+  apply_mca(mca, o, no_abort);
   o.abort_on_failure = !no_abort;
+  if (app.count("--timeout")) o.timeout_s = seconds_flag("--timeout", timeout);
+  if (app.count("--rank-by") && rank_by != "slot")
+    throw ConfigError(fmt::format("--rank-by {}: cohort numbers ranks in placement order, host by host (mpirun's "
+                                  "--rank-by slot, the default); supported: slot",
+                                  rank_by));
+  if (app.count("--wdir")) {
+    // As mpirun -wdir: the workers run in DIR. The launcher works from there too (after reading the
+    // hostfile), so that PROGRAM and every other relative path mean what they mean to the workers.
+    if (chdir(wdir.c_str()) != 0) throw ConfigError(fmt::format("--wdir {}: cannot enter it: {}", wdir, strerror(errno)));
+    std::error_code ec;
+    o.wdir = std::filesystem::current_path(ec).string();
+  }
   if (app.count("--run-id")) o.run_id = run_id;
   if (app.count("--ps")) o.ps = ps_servers;
   if (app.count("--ray-port")) o.ray_port = ray_port;
@@ -318,9 +403,9 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   // otherwise: one line each, so that nobody counts on them.
   if (run_as_root)
     note("--allow-run-as-root means nothing to cohort: it runs as root without it (mpirun refuses to)");
-  if (oversubscribe)
-    note("--oversubscribe means nothing to cohort: it never caps a node's workers at its CPU cores (--bind-to auto "
-         "binds none when the workers outnumber them); -H/--hostfile slots still bound -n");
+  if (o.oversubscribe && plan.mode != launch::Mode::kFanOut)
+    note("--oversubscribe means nothing to a job without -H/--hostfile: cohort never caps a node's workers at its "
+         "CPU cores (--bind-to auto binds none when the workers outnumber them)");
   if (app.count("--monitor-interval"))
     note(fmt::format("--monitor-interval {}: cohort's supervision is event-driven (a worker's exit is seen the moment "
                      "the kernel reports it), so there is no interval to set; ignored",

@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -237,6 +239,56 @@ std::string hostname() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof buf - 1) != 0) return "localhost";
   return buf;
+}
+
+std::vector<std::string> interface_addresses(const std::string& spec, const std::string& setting) {
+  // The entries: interface names, and subnets as (network, mask) in host byte order.
+  std::vector<std::string> names;
+  std::vector<std::pair<uint32_t, uint32_t>> subnets;
+  size_t start = 0;
+  while (start <= spec.size()) {
+    size_t comma = spec.find(',', start);
+    std::string entry = spec.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    start = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    if (entry.empty()) continue;
+    auto slash = entry.find('/');
+    if (slash == std::string::npos) {
+      names.push_back(entry);
+      continue;
+    }
+    in_addr net{};
+    char* end = nullptr;
+    long bits = std::strtol(entry.c_str() + slash + 1, &end, 10);
+    if (inet_pton(AF_INET, entry.substr(0, slash).c_str(), &net) != 1 || *end != '\0' || slash + 1 == entry.size() ||
+        bits < 0 || bits > 32)
+      throw ConfigError(fmt::format("{}={}: '{}' is neither an interface name nor an IPv4 subnet such as 10.0.0.0/8",
+                                    setting, spec, entry));
+    uint32_t mask = bits == 0 ? 0 : ~uint32_t(0) << (32 - bits);
+    subnets.emplace_back(ntohl(net.s_addr) & mask, mask);
+  }
+  if (names.empty() && subnets.empty()) throw ConfigError(fmt::format("{}='{}': names no interface", setting, spec));
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) throw Error(errno_string("getifaddrs", errno));
+  std::vector<std::string> out, seen;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP)) continue;
+    const uint32_t addr = ntohl(reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr);
+    char text[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof text);
+    seen.push_back(fmt::format("{} {}", i->ifa_name, text));
+    bool match = false;
+    for (const auto& n : names) match = match || n == i->ifa_name;
+    for (const auto& [network, mask] : subnets) match = match || (addr & mask) == network;
+    if (match) out.emplace_back(text);
+  }
+  freeifaddrs(list);
+  if (out.empty()) {
+    std::string have;
+    for (const auto& s : seen) have += (have.empty() ? "" : ", ") + s;
+    throw ConfigError(fmt::format("{}={}: no interface of this host ({}) matches; its IPv4 interfaces: {}", setting,
+                                  spec, hostname(), have.empty() ? std::string("none") : have));
+  }
+  return out;
 }
 
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {

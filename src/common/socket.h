@@ -68,6 +68,12 @@ void recv_all(int fd, void* data, size_t len, Deadline deadline, const std::stri
 // This machine's host name.
 std::string hostname();
 
+// The IPv4 addresses of this host's interfaces that `spec` selects, in interface order: a comma-separated
+// list of interface names (eth0, ib0, lo) and IPv4 subnets (10.1.0.0/16), as Open MPI's
+// btl_tcp_if_include / oob_tcp_if_include take them (loopback, too, when named). Throws ConfigError naming `setting` and this host's interfaces when an entry is
+// malformed or nothing matches.
+std::vector<std::string> interface_addresses(const std::string& spec, const std::string& setting);
+
 // Unix sockets in the abstract namespace (no file is created; the name goes away with the socket).
 // Throws InvalidArgument naming `name` when it does not fit sun_path.
 sockaddr_un abstract_address(const std::string& name, socklen_t* len);

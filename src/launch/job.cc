@@ -88,6 +88,29 @@ void Job::disarm_timer() {
   timerfd_settime(timer_fd_.get(), 0, &zero, nullptr);
 }
 
+void Job::arm_time_limit() {
+  if (plan_.timeout_s <= 0 || ctx_.agent_mode) return;  // a fan-out's agents follow the head's end
+  limit_fd_.reset(timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+  if (!limit_fd_) throw Error(net::errno_string("timerfd_create", errno));
+  itimerspec its{};
+  auto ns = static_cast<long long>(plan_.timeout_s * 1e9);
+  its.it_value.tv_sec = ns / 1000000000;
+  its.it_value.tv_nsec = ns % 1000000000;
+  timerfd_settime(limit_fd_.get(), 0, &its, nullptr);
+  epoll_add(limit_fd_.get());
+}
+
+void Job::on_time_limit() {
+  uint64_t ticks;
+  [[maybe_unused]] auto r = ::read(limit_fd_.get(), &ticks, sizeof ticks);
+  if (end_) return;  // the job is ending anyway
+  // Published like any end: every other node adopts it from the store and stops its workers the same
+  // way (SIGTERM at once, SIGKILL after --kill-grace).
+  publish_end(EndInfo{"timeout", kTimeLimitExitCode,
+                      fmt::format("the wall-clock limit of {:g} s ({}) was reached; every worker was stopped",
+                                  plan_.timeout_s, plan_.timeout_flag)});
+}
+
 void Job::on_signal(int sig) {
   if (sig == SIGCHLD) {
     reap();
@@ -334,6 +357,8 @@ EndInfo Job::run_attempt(int attempt) {
               break;
           }
         }
+      } else if (limit_fd_ && fd == limit_fd_.get()) {
+        on_time_limit();
       } else if (ray_timer_fd_ && fd == ray_timer_fd_.get()) {
         uint64_t ticks;
         [[maybe_unused]] auto r = ::read(fd, &ticks, sizeof ticks);
@@ -392,6 +417,7 @@ int Job::run() {
       plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
   }
   setup_signals();
+  arm_time_limit();
   become_subreaper();
   open_trace_dir();
   if (ctx_.agent_mode) {

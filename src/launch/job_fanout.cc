@@ -188,6 +188,9 @@ int run_agent_from_stdin() {
   ctx.env = current_env();
   // As mpirun: the workers run in the head's folder when this host has it (else in the agent's own), so
   // a relative PROGRAM or script means the same file on every host.
+  if (ctx.plan.form.working_dir_required && chdir(ctx.plan.form.working_dir.c_str()) != 0)
+    throw ConfigError(fmt::format("--wdir {}: cannot enter it on host {}: {}", ctx.plan.form.working_dir,
+                                  net::hostname(), strerror(errno)));
   if (!ctx.plan.form.working_dir.empty() && chdir(ctx.plan.form.working_dir.c_str()) != 0)
     log::info("agent: the head's folder {} is not here ({}); the workers run in this agent's folder",
               ctx.plan.form.working_dir, strerror(errno));

@@ -53,6 +53,10 @@ inline constexpr Millis kStoreCallTimeout{2000};
 // this long after the deadline means a cut link or a dead host.
 inline constexpr Millis kStoreReplyGrace{1000};
 
+// The exit code of a job stopped at its wall-clock limit (--timeout): 124, the code of coreutils'
+// timeout(1), so a script tells a limit from a failure the usual way (Open MPI's mpirun exits 110).
+inline constexpr int kTimeLimitExitCode = 124;
+
 // A port the OS says is free on `host` now (bind to 0, read it, close).
 int pick_free_port(const std::string& host);
 
@@ -75,7 +79,8 @@ void say(const std::string& line);
 
 // How an attempt ended, as every node agrees through the store key "end".
 struct EndInfo {
-  // "done" (all workers finished), "failure", "interrupted", "lost", "agent", "join"; elastic jobs add
+  // "done" (all workers finished), "failure", "interrupted", "lost", "agent", "join", "timeout" (the
+  // wall-clock limit of --timeout); elastic jobs add
   // "node" (a node of the generation is gone or left), "membership" (a newcomer is admitted at the
   // next generation), "store" (the store's host is lost: the store moves, job_elastic.cc) and
   // "refused" (this agent is not admitted).
@@ -251,6 +256,10 @@ class Job {
   void drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder);
   void arm_timer(double seconds);
   void disarm_timer();
+  // --timeout: the job's wall-clock limit. Its own timer (the kill-grace timer comes and goes with each
+  // stop), armed once for the whole job, restarts included; when it fires the job ends on every node.
+  void arm_time_limit();
+  void on_time_limit();
   void epoll_add(int fd);
   void epoll_del(int fd);
   std::string failure_summary(const Worker& w);
@@ -322,6 +331,7 @@ class Job {
   std::vector<GpuAssignment> gpus_;  // per local rank (empty: not a GPU job)
   bool distributed_ = false;
   UniqueFd epoll_, signal_fd_, timer_fd_;
+  UniqueFd limit_fd_;  // --timeout's timer (invalid without a limit)
   std::unique_ptr<StoreServer> server_;
   std::string store_addr_;
   int torch_port_ = 0;

@@ -75,6 +75,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
 
   OutputTargets t;
   t.tag = plan_.tag_output ? fmt::format("[{}:{}] ", node.host, plan_.process_tag(w.rank)) : "";
+  t.timestamp = plan_.timestamp_output;
   t.merge_stderr = plan_.merge_stderr;
   t.to_console = plan_.all_ranks_to_console || std::find(plan_.ranks_to_console.begin(), plan_.ranks_to_console.end(),
                                                           w.rank) != plan_.ranks_to_console.end();
@@ -118,7 +119,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   // while nothing else was written to the terminal (common/console.h).
   // With --merge-stderr-to-stdout both descriptors share one pipe, so the order of lines is kept.
   bool merge = plan_.merge_stderr;
-  bool pipe_stdout = merge || plan_.tag_output || t.file_out || !t.to_console || plan_.stats;
+  bool pipe_stdout = merge || plan_.tag_output || plan_.timestamp_output || t.file_out || !t.to_console || plan_.stats;
   int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_err[2] = {-1, -1};
   if ((pipe_stdout && pipe2(out, O_CLOEXEC)) || (!merge && pipe2(err, O_CLOEXEC)) || pipe2(exec_err, O_CLOEXEC))
     throw Error(net::errno_string("pipe2", errno));
@@ -384,11 +385,11 @@ void Job::begin_stop() {
     return;
   }
   // A failure elsewhere (a worker, an agent): the workers here are most likely blocked on the lost
-  // peer and about to fail on their own, naming it. An interruption, a membership change, a lost
+  // peer and about to fail on their own, naming it. An interruption, the time limit, a membership change, a lost
   // store and an elastic job's lost node are signalled at once: there is nothing for the workers to
   // name (the end record names the node), or nobody to hear it, and a new generation waits for them.
   if (end_ && end_->kind != "interrupted" && end_->kind != "done" && end_->kind != "membership" &&
-      end_->kind != "lost" && end_->kind != "store" && end_->kind != "node") {
+      end_->kind != "lost" && end_->kind != "store" && end_->kind != "node" && end_->kind != "timeout") {
     reporting_ = true;
     arm_timer(std::min(kReportWindowS, plan_.kill_grace_s));
     return;

@@ -3,6 +3,8 @@
 #include <errno.h>
 #include <unistd.h>
 
+#include <cstdio>
+
 #include "common/console.h"
 
 namespace cohort::launch {
@@ -19,9 +21,24 @@ void write_fully(int fd, const char* data, size_t n) {
   }
 }
 
+std::string line_timestamp(const struct timespec& t) {
+  struct tm local {};
+  localtime_r(&t.tv_sec, &local);
+  char text[64];
+  size_t n = strftime(text, sizeof text, "%Y-%m-%d %H:%M:%S", &local);
+  snprintf(text + n, sizeof text - n, ".%03ld", t.tv_nsec / 1000000);
+  return text;
+}
+
 void OutputSink::emit_console_line(bool is_stderr, const std::string& line) {
   std::string out;
-  out.reserve(t_.tag.size() + line.size() + 1);
+  out.reserve(t_.tag.size() + line.size() + 32);
+  if (t_.timestamp) {
+    struct timespec now {};
+    clock_gettime(CLOCK_REALTIME, &now);
+    out += line_timestamp(now);
+    out += ' ';
+  }
   out += t_.tag;
   out += line;
   out += '\n';
@@ -38,7 +55,7 @@ void OutputSink::on_data(bool is_stderr, const char* data, size_t n) {
   }
 
   if (console_gets(is_stderr)) {
-    if (t_.tag.empty() && !t_.line_mode) {
+    if (t_.tag.empty() && !t_.line_mode && !t_.timestamp) {
       console::write(is_stderr && !t_.merge_stderr ? t_.console_err : t_.console_out, data, n);
     } else {
       std::string& part = partial_[is_stderr ? 1 : 0];

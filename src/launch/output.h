@@ -4,6 +4,8 @@
 // Console writes are whole lines (one write(2) each) so output of many workers never interleaves
 // inside a line.
 
+#include <time.h>
+
 #include <deque>
 #include <string>
 #include <vector>
@@ -15,6 +17,9 @@ namespace cohort::launch {
 struct OutputTargets {
   std::string tag;           // "[host:rank] " or "" (no tagging)
   bool line_mode = false;    // split into lines even without a tag (relaying agents)
+  // mpirun's --timestamp-output: each console line starts with the local time it was read,
+  // "2026-11-28 10:56:04.123 " (before the tag). Implies line mode.
+  bool timestamp = false;
   bool to_console = true;
   bool merge_stderr = false;  // stderr goes where stdout goes (console and file)
   // torchrun's --redirects: this stream goes to its file only, never to the console.
@@ -46,6 +51,9 @@ class OutputSink {
   std::string tail_partial_;     // unfinished stderr line for the tail
   std::deque<std::string> tail_;
 };
+
+// "2026-11-28 10:56:04.123": the local time `t`, to the millisecond (--timestamp-output's prefix).
+std::string line_timestamp(const struct timespec& t);
 
 // write(2) of the whole buffer, retrying on EINTR/short writes; errors (closed console) are ignored.
 void write_fully(int fd, const char* data, size_t n);

@@ -38,7 +38,7 @@ const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, local_rank_arg,
-                                   local_rank_arg_source, working_dir)
+                                   local_rank_arg_source, working_dir, working_dir_required)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RankLogs, dir, redirects, tee, console_local_ranks, all_local_ranks)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RayPlan, enabled, open_membership, command, command_path, head_port, head_port_source, head_address,
                                    first_port, last_port)
@@ -51,7 +51,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    trace_dir_default, stall_warn_s, flight_recorder, program_path, program, ps_servers,
                                    num_workers, ps_mode, ps_server_program, rank_table_slots,
                                    rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s, form, logs,
-                                   report_bindings, ray)
+                                   report_bindings, timestamp_output, timeout_s, timeout_flag, ray)
 
 // The Python interpreter of .py programs and -m modules (read from the launcher's environment map,
 // like every setting build_plan uses, so that tests can give it).
@@ -742,8 +742,19 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     int total = 0;
     for (const auto& h : hosts) total += h.slots;
     int n = o.np.value_or(total);
-    if (n > total)
-      throw ConfigError(fmt::format("-n {} is more than the {} slots of {}", n, total, hosts_source));
+    if (n > total && !o.oversubscribe)
+      throw ConfigError(fmt::format("-n {} is more than the {} slots of {} (--oversubscribe places the rest on the "
+                                    "same hosts)",
+                                    n, total, hosts_source));
+    std::string world_source = o.np ? "-n" : "sum of slots";
+    if (n > total) {
+      // mpirun --oversubscribe (Open MPI's by-slot mapper): once every slot is taken, the processes left
+      // are dealt evenly over the hosts, the first hosts taking one more when they do not divide; each
+      // host's ranks stay consecutive.
+      const int extra = n - total, count = static_cast<int>(hosts.size());
+      for (int i = 0; i < count; ++i) hosts[size_t(i)].slots += extra / count + (i < extra % count ? 1 : 0);
+      world_source = fmt::format("-n, --oversubscribe: {} more than the {} slots", extra, total);
+    }
     p.mode = Mode::kFanOut;
     int rank = 0;
     int local_nodes = 0;
@@ -767,10 +778,10 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     p.nnodes = static_cast<int>(p.nodes.size());
     p.world_size = n;
     source("hosts", hosts_source);
-    source("world size", o.np ? "-n" : "sum of slots");
+    source("world size", world_source);
     if (nproc_flag) source("slots per host", nproc_flag_name);
     p.master_addr = o.master_addr.value_or(machine.hostname);
-    source("store address", o.master_addr ? "--master-addr" : "this host's name");
+    source("store address", o.master_addr ? o.master_addr_flag : "this host's name");
     p.master_port = o.master_port.value_or(0);
     source("store port", o.master_port ? "--master-port" : "chosen by the OS");
     p.host_store = true;
@@ -931,7 +942,22 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   set_rank_logs(p, o, env);
   if (p.mode == Mode::kFanOut) {
     std::error_code ec;
-    p.form.working_dir = std::filesystem::current_path(ec).string();
+    p.form.working_dir = o.wdir ? *o.wdir : std::filesystem::current_path(ec).string();
+    p.form.working_dir_required = o.wdir.has_value();
+  }
+  p.timestamp_output = o.timestamp_output;
+  // mpirun's wall-clock limit: --timeout, else its MPIEXEC_TIMEOUT variable.
+  std::optional<double> timeout = o.timeout_s;
+  p.timeout_flag = o.timeout_flag;
+  if (!timeout && env.count("MPIEXEC_TIMEOUT") && !env.at("MPIEXEC_TIMEOUT").empty()) {
+    timeout = env::parse_seconds("MPIEXEC_TIMEOUT", env.at("MPIEXEC_TIMEOUT"));
+    p.timeout_flag = "MPIEXEC_TIMEOUT";
+  }
+  if (timeout) {
+    if (!(*timeout > 0))
+      throw ConfigError(fmt::format("{} {:g}: expected a wall-clock limit in seconds > 0", p.timeout_flag, *timeout));
+    p.timeout_s = *timeout;
+    source("wall-clock limit", p.timeout_flag);
   }
 
   for (const auto& x : o.export_env) {
@@ -1414,9 +1440,14 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
   if (p.form.append_local_rank)
     s += fmt::format("  arguments       {}=<local rank> before the program's own (--append-local-rank; spelling: {})\n",
                      p.form.local_rank_arg, p.form.local_rank_arg_source);
-  if (!p.form.working_dir.empty())
+  if (p.form.working_dir_required)
+    s += fmt::format("  folder          {} (--wdir: every host's workers run there; a host without it fails)\n",
+                     p.form.working_dir);
+  else if (!p.form.working_dir.empty())
     s += fmt::format("  folder          {} (every host's workers run there when it exists on the host)\n",
                      p.form.working_dir);
+  if (p.timeout_s > 0)
+    s += fmt::format("  time limit      {:g} s, then the job is stopped  [{}]\n", p.timeout_s, p.timeout_flag);
   s += fmt::format("  job id          {}  [{}]\n", p.job_id, p.source_of("job id"));
   if (p.elastic)
     s += fmt::format("  nodes           {} to {}, elastic: agents meet in generations; a lost node ends a generation "

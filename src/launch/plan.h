@@ -24,6 +24,9 @@ struct Options {
   std::optional<int> min_nodes;
   std::optional<int> node_rank;
   std::optional<std::string> master_addr;
+  // Where master_addr came from, for --dry-run: the flag, or mpirun's -mca oob_tcp_if_include IFACES
+  // (this host's address on those interfaces).
+  std::string master_addr_flag = "--master-addr";
   std::optional<int> master_port;
   std::optional<std::string> hosts;     // -H
   std::optional<std::string> hostfile;  // path
@@ -69,9 +72,16 @@ struct Options {
   // auto (as the installed torch's launch spells it: choose_local_rank_arg, launch/torch_version.h).
   std::optional<std::string> local_rank_arg;
   bool use_env = false;            // --use-env (torch.distributed.launch's; nothing to do for cohort)
-  // mpirun's --map-by and --report-bindings.
+  // mpirun's --map-by, --report-bindings, --oversubscribe (-n may exceed the hosts' slots),
+  // --timestamp-output, --timeout (the job's wall-clock limit, seconds) and --wdir (the workers' folder,
+  // absolute; the launcher has already entered it).
   std::optional<std::string> map_by;
   bool report_bindings = false;
+  bool oversubscribe = false;
+  bool timestamp_output = false;
+  std::optional<double> timeout_s;
+  std::string timeout_flag = "--timeout";  // or MPIEXEC_TIMEOUT (mpirun's variable), for messages
+  std::optional<std::string> wdir;
   // torchrun's per-rank log files and console filter.
   std::optional<std::string> log_dir;
   std::optional<std::string> redirects;
@@ -122,6 +132,8 @@ struct ProgramForm {
   // Fan-out: the head's folder. An agent runs its workers there when the folder exists on its host, as
   // mpirun does, so relative paths (PROGRAM, a script, the program's own files) mean the same everywhere.
   std::string working_dir;
+  // --wdir: the folder was asked for, so a host without it is an error rather than a fallback.
+  bool working_dir_required = false;
 };
 
 // torchrun's per-rank log files and console filter (--log-dir, --redirects, --tee, --local-ranks-filter).
@@ -238,6 +250,11 @@ struct Plan {
   ProgramForm form;
   RankLogs logs;
   bool report_bindings = false;  // --report-bindings: one stderr line per rank with its CPUs
+  bool timestamp_output = false;  // --timestamp-output: each console line starts with the time it was read
+  // --timeout: the job's wall-clock limit in seconds (0: none), counted by every launcher that is not a
+  // fan-out's agent from its own start; the first to reach it ends the job on every node.
+  double timeout_s = 0;
+  std::string timeout_flag = "--timeout";
   // Parameter-server mode: servers in the job (0: not a PS job), workers, the consistency mode,
   // and whether servers run the program (else `cohort ps serve`).
   // Ascend rank table (RANK_TABLE_FILE): per global rank, the table's device id and rank id, and

@@ -306,7 +306,8 @@ TEST(Plan, FanOutAssignsRanksBySlot) {
   EXPECT_EQ(p.nodes[1].nproc, 2);
   EXPECT_EQ(p.master_addr, "here");
   o.np = 10;
-  EXPECT_EQ(error_of([&] { build_plan(o, {}, facts()); }), "-n 10 is more than the 9 slots of -H here:2,b:3,c:4");
+  EXPECT_EQ(error_of([&] { build_plan(o, {}, facts()); }),
+            "-n 10 is more than the 9 slots of -H here:2,b:3,c:4 (--oversubscribe places the rest on the same hosts)");
   auto h = with_program();
   h.hostfile = "hosts";
   h.hostfile_text = "x slots=2\ny slots=2\n";

@@ -96,6 +96,23 @@ TEST(Mpirun, RankVariablesThatContradictPmixAreOneLine) {
   EXPECT_EQ(r.out.find("algbw"), std::string::npos) << "no rank ran alone: " << r.out;
 }
 
+#ifdef COHORT_HELLO
+// The quick start's example under mpirun: each process learns its rank and the world size from Open MPI's
+// variables (it read only cohort run's and torchrun's, so every process said "rank 0 of 1"), and with
+// --store rank 0 hosts the store, whose address travels through PMIx.
+TEST(Mpirun, HelloFindsItsRankAndTheStore) {
+  SKIP_WITHOUT_MPIRUN();
+  auto r = test::run_process(mpirun(2, {COHORT_HELLO}), {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("hello from rank 0 of 2 (local rank 0,"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("hello from rank 1 of 2 (local rank 1,"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("; Open MPI)\n"), std::string::npos) << r.out;
+  auto store = test::run_process(mpirun(2, {COHORT_HELLO, "--store"}), {}, 60);
+  ASSERT_EQ(store.exit_code, 0) << store.out << store.err;
+  EXPECT_NE(store.out.find("rank 0: all 2 ranks met at the store "), std::string::npos) << store.out;
+}
+#endif
+
 #ifdef COHORT_FASHION_MNIST
 TEST(Mpirun, MainJobWithNothingElseSet) {
   SKIP_WITHOUT_MPIRUN();

@@ -40,6 +40,10 @@ const env::BytesSetting kSocketBuffer("COHORT_TCP_SOCKET_BUFFER", 0,
                                       "SO_SNDBUF/SO_RCVBUF of TCP connections (0 = kernel auto-tuning)");
 const env::StringSetting kAdvertise("COHORT_TCP_ADDR", "",
                                     "address peers on other hosts dial (default: first non-loopback IPv4)");
+const env::StringSetting kInterfaces("COHORT_TCP_IFNAME", "",
+                                     "interfaces (eth0,ib0) or IPv4 subnets (10.0.0.0/8) whose addresses peers on "
+                                     "other hosts dial (mpirun's -mca btl_tcp_if_include sets it; default: every "
+                                     "non-loopback interface; COHORT_TCP_ADDR wins)");
 const env::SecondsSetting kKeepAlive("COHORT_TCP_KEEPALIVE", 10.0,
                                      "idle seconds before TCP keep-alive probes start (3 probes, 2 s apart)");
 
@@ -106,6 +110,7 @@ std::vector<std::string> local_addresses() {
   std::vector<std::string> out;
   std::string adv = kAdvertise.get();
   if (!adv.empty()) return {adv};
+  if (std::string chosen = kInterfaces.get(); !chosen.empty()) return net::interface_addresses(chosen, kInterfaces.name());
   ifaddrs* ifs = nullptr;
   if (getifaddrs(&ifs) == 0) {
     for (ifaddrs* i = ifs; i; i = i->ifa_next) {
