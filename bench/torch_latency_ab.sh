@@ -21,8 +21,9 @@ for b in "$BEFORE" "$AFTER"; do
     { echo "$b: no tools/cohort or cohort_torch module (ninja -C $b cohort cohort_torch)" >&2; exit 2; }
 done
 echo "# $(date -u +%FT%TZ) $(uname -n), $(nproc) CPUs, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "# before: $BEFORE ($(git -C "$BEFORE/.." rev-parse --short HEAD 2>/dev/null || echo '?'))"
-echo "# after:  $AFTER ($(git -C "$AFTER/.." rev-parse --short HEAD 2>/dev/null || echo '?'))"
+# The builds as given (a full path would name this machine's folders in a results file).
+echo "# before: $1 ($(git -C "$BEFORE/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
+echo "# after:  $2 ($(git -C "$AFTER/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
 run() {  # $1 = build dir, $2 = tag
   env -u MASTER_ADDR -u MASTER_PORT -u RANK -u WORLD_SIZE PYTHONPATH="$1/integrations/python" \
     GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout 300 "$1/tools/cohort" run --nproc-per-node 2 --no-tag-output \
