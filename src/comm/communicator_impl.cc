@@ -914,6 +914,19 @@ void CommunicatorImpl::allreduce_update(float* grads, float* params, size_t coun
   run_blocking(d, [&] { algo::allreduce_update(*this, grads, params, count, op, update); });
 }
 
+std::shared_ptr<void> CommunicatorImpl::allreduce_shareable(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                                           bool want_shared) {
+  validate_dtype_op(dtype, op, true);
+  validate_buffer(buf, count, "buf");
+  OpDesc d{OpKind::kAllreduce, dtype, op, 0, count, count * dtype_size(dtype)};
+  d.flags = coll::kOpFlagShareable;  // a peer calling a plain allreduce here mismatches
+  // The request is only worth passing on where allocate_shared gives memory the peers map.
+  want_shared = want_shared && one_pass_update();
+  std::shared_ptr<void> memory;
+  run_blocking(d, [&] { memory = algo::allreduce_shareable(*this, buf, count, dtype, op, want_shared); });
+  return memory;
+}
+
 bool CommunicatorImpl::one_pass_update() const {
   // What allocate_shared needs to hand out memory the peers map (the group's allreduce_update).
   return shm_group_ != nullptr && kShmSharedBuffers.get();

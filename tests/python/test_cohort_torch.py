@@ -136,6 +136,41 @@ def test_a_rank_that_exits_0_early_is_blamed_under_cohort_run():
         in summary[0], proc.stderr
 
 
+def test_operation_numbers_are_the_users_calls(tmp_path):
+    # 100 all_reduces of one 1 MiB tensor (it moves into shared memory at the second, then runs in
+    # place), then a 101st whose size differs between the ranks. Every counter the user sees counts the
+    # user's calls, not operations of the backend's own: the error names operation #101, the flight
+    # recorder's last allreduce is #101, and --stats counts 101 operations per rank (main counted 203:
+    # a 48-byte allreduce before each call, and a barrier for the move).
+    tool = os.environ.get("COHORT_TOOL", "")
+    if not tool or subprocess.run([tool, "run", "--help"], capture_output=True).returncode != 0:
+        pytest.skip("`cohort run` is not built in this tree")
+    calls = 100
+    trace_dir = tmp_path / "trace"
+    cmd = [tool, "run", "--nproc-per-node", "2", "--stats", "--trace-dir", str(trace_dir), sys.executable,
+           os.path.join(HERE, "op_count_worker.py"), str(calls)]
+    env = base_env()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)  # the launcher decides
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output  # the workers exit 3 after the mismatch
+    assert output.count("MOVED True") == 2, output  # the in-place path really ran
+    raised = [l for l in output.splitlines() if "RAISED " in l]
+    assert len(raised) == 2, output
+    for line in raised:
+        assert f"allreduce #{calls + 1} " in line and "mismatched calls" in line, line
+    import json
+    for rank in (0, 1):
+        dump = json.loads((trace_dir / f"rank{rank}.json").read_text())
+        last = max(op["seq"] for op in dump["ops"] if op["op"] == "allreduce")
+        assert last == calls + 1, f"rank {rank}: flight recorder's last allreduce #{last}"
+    summary = [json.loads(l[l.index("{"):]) for l in proc.stderr.splitlines() if "cohort_stats_summary" in l]
+    assert summary, output
+    ops = {r["rank"]: r["ops"] for r in summary[-1]["cohort_stats_summary"]["ranks"]}
+    assert ops == {0: calls + 1, 1: calls + 1}, f"--stats operations per rank: {ops}"
+
+
 def test_killed_rank_makes_the_others_raise_within_2s(tmp_path):
     stamp = str(tmp_path / "died_at")
     world = 3
