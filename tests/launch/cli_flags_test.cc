@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "launch_test_util.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
@@ -122,7 +123,7 @@ TEST(MpirunFlags, McaAbortOnNonZeroStatusIsTheAbortPolicy) {
   // mpirun -mca orte_abort_on_non_zero_status 0: a failed rank does not stop the others.
   TempDir dir;
   auto r = run_process(with_sh(cohort_run({"-np", "3", "-mca", "orte_abort_on_non_zero_status", "0"}),
-                               "if [ $RANK = 0 ]; then exit 4; fi; sleep 0.3; echo done > " + dir.path() + "/done.$RANK"),
+                               launch::rank0_fails_others_outlast_the_report_window(dir)),
                        {}, 30);
   EXPECT_EQ(r.exit_code, 4) << r.err;
   EXPECT_EQ(read_file(dir.file("done.1")), "done\n");

@@ -15,6 +15,7 @@
 
 #include "common/socket.h"
 #include "common/build_info.h"
+#include "launch_test_util.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
@@ -310,8 +311,7 @@ TEST(Run, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
 TEST(Run, NoAbortOnFailureLetsOthersFinish) {
   TempDir dir;
   auto r = run_process(concat(cohort_run({"-n", "3", "--no-abort-on-failure"}),
-                              sh("if [ $RANK = 0 ]; then exit 4; fi; sleep 0.3; echo done > " + dir.path() +
-                                 "/done.$RANK")),
+                              sh(launch::rank0_fails_others_outlast_the_report_window(dir))),
                        {}, 30);
   EXPECT_EQ(r.exit_code, 4) << r.err;
   EXPECT_EQ(read_file(dir.file("done.1")), "done\n");
