@@ -62,6 +62,7 @@ struct Outgoing {
 // worker has ended step clock - lag.
 struct Deferred {
   int worker = 0;
+  uint64_t seq = 0;  // the worker's request number: the answer, or its error, goes there
   uint64_t clock = 0;
   uint64_t lag = 0;
   std::string what;  // "pull of 'emb'", for the slow warning
@@ -237,7 +238,7 @@ class Server {
             }
           };
           if (mode_.mode == Mode::kAsync || may_answer(r.clock, 0)) return answer();
-          deferred_.push_back(Deferred{w, r.clock, 0, fmt::format("save to {}", r.text), answer});
+          deferred_.push_back(Deferred{w, seq, r.clock, 0, fmt::format("save to {}", r.text), answer});
           return;
         }
         case Op::kLoad:
@@ -392,7 +393,7 @@ class Server {
       else
         answer_pull(w, seq, *it->second, kept.data(), kept.size());
     };
-    deferred_.push_back(Deferred{w, clock, pull_lag(), fmt::format("pull of '{}'", t.name()), answer});
+    deferred_.push_back(Deferred{w, seq, clock, pull_lag(), fmt::format("pull of '{}'", t.name()), answer});
   }
 
   void answer_pull(int w, uint64_t seq, TableShard& t, const uint64_t* ids, uint64_t n) {
@@ -424,9 +425,20 @@ class Server {
         ++it;
         continue;
       }
-      auto answer = std::move(it->answer);
+      Deferred d = std::move(*it);
       it = deferred_.erase(it);
-      answer();
+      answer_deferred(d);
+    }
+  }
+
+  // A deferred answer runs inside another worker's request (the one whose clock moved): an error of
+  // it is its own worker's, under its own request number, never a second reply to the worker
+  // being handled.
+  void answer_deferred(Deferred& d) {
+    try {
+      d.answer();
+    } catch (const InvalidArgument& e) {
+      reply_error(d.worker, d.seq, fmt::format("parameter server {}: {}", index_, e.what()));
     }
   }
 
