@@ -147,6 +147,7 @@ void manifest(std::string_view text) {
     check_refusal(why);
   } else {
     check(m.servers >= 1 && m.servers <= kMaxServers);
+    check(m.shards.empty() || check_table_name(m.shards).empty());  // one name within the save's directory
     for (auto& [name, c] : m.tables) {
       check(check_table_name(name).empty());
       check_config(name, c);
