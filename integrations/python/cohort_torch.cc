@@ -986,6 +986,13 @@ class ProcessGroupCohort : public BaseGroup {
   // which torch's own tests and users' scripts match. torch's front end calls this only for gloo: the
   // wrapper installed at import (install_monitored_barrier) lets it reach cohort groups too. A failed
   // barrier leaves the communicator usable; its late messages land in buffers kept for them.
+  //
+  // Every barrier is one message each way between rank 0 and every other rank, failed or not: the
+  // messages match by their order under one tag, so a barrier where rank 0 sent nothing would leave
+  // each other rank's posted receive to take the next barrier's release, and every later barrier
+  // would wait for a message that never comes. So rank 0 always answers every rank, with its verdict
+  // (MonitoredBarrierState): the ranks it failed then fail as well, as with gloo, the late ones as
+  // soon as they arrive.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
     std::optional<py::gil_scoped_release> no_gil;
     if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
@@ -1005,15 +1012,30 @@ class ProcessGroupCohort : public BaseGroup {
                       "for send/recv from rank 0 within ", timeout.count(), " ms", cause_of(state->works),
                       ". Please check rank 0 logs for faulty rank.");
         }
+        if (const int64_t verdict = state->tokens[1]; verdict != kBarrierPassed) {
+          TORCH_CHECK(false, "Rank ", rank_, " successfully reached monitoredBarrier, but received errors while waiting ",
+                      "for send/recv from rank 0: rank 0 failed this barrier (",
+                      verdict > 0 ? "rank " + std::to_string(verdict) + " did not pass it in time"
+                                  : std::string("it timed out or met an error"),
+                      "). Please check rank 0 logs for faulty rank.");
+        }
         return;
       }
       for (int r = 1; r < size_; ++r)
         state->works.push_back(comm_->recv_async(&state->tokens[r], 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+      // Sends `verdict` to every other rank (finished with the communicator's later progress where a
+      // rank is late or gone) and keeps the barrier's buffers.
+      auto answer_all = [&](int64_t verdict) {
+        state->verdict = verdict;
+        for (int r = 1; r < size_; ++r)
+          state->works.push_back(comm_->send_async(&state->verdict, 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+        keep(state);
+      };
       std::vector<int> failed;
       std::vector<int> processed;
       for (int r = 1; r < size_; ++r) {
         if (Clock::now() >= deadline && !wait_all_ranks) {
-          keep(state);
+          answer_all(r);
           TORCH_CHECK(false, "Rank 0 timed out in monitoredBarrier after ", elapsed_ms(), " ms.",
                       processed.empty() ? "" : " Successfully processed ranks: " + join_ranks(processed));
         }
@@ -1023,25 +1045,24 @@ class ProcessGroupCohort : public BaseGroup {
           continue;
         }
         if (!wait_all_ranks) {
-          keep(state);
+          answer_all(r);
           TORCH_CHECK(false, "[Rank 0]: Rank ", r, " failed to pass monitoredBarrier in ", timeout.count(), " ms",
                       cause_of(one));
         }
         failed.push_back(r);
       }
       if (!failed.empty()) {
-        keep(state);
+        answer_all(failed.front());
         TORCH_CHECK(false, "[Rank 0]: Ranks ", join_ranks(failed), " failed to pass monitoredBarrier in ", timeout.count(),
                     " ms");
       }
-      std::vector<std::shared_ptr<cohort::Work>> releases;
-      for (int r = 1; r < size_; ++r)
-        releases.push_back(comm_->send_async(&state->tokens[0], 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+      const size_t first_release = state->works.size();
+      answer_all(kBarrierPassed);
       // A released rank that has gone since is its own problem, not this barrier's: the sends are left
       // to finish with the communicator's next progress.
+      const std::vector<std::shared_ptr<cohort::Work>> releases(state->works.begin() + long(first_release),
+                                                                state->works.end());
       finish_by(releases, Clock::now() + timeout);
-      state->works.insert(state->works.end(), releases.begin(), releases.end());
-      keep(state);
     } catch (const cohort::Error& e) {
       keep(state);
       TORCH_CHECK(false, "cohort backend: monitored_barrier on rank ", rank_, ": ", e.what());
@@ -1220,9 +1241,13 @@ class ProcessGroupCohort : public BaseGroup {
   // monitored_barrier's messages: a tag no script is likely to use (torch's tags are ints; this is
   // INT32_MIN + 0x4D42, "MB").
   static constexpr uint32_t kMonitoredBarrierTag = 0x80004D42u;
+  // Rank 0's answer to the others: kBarrierPassed, or the barrier failed: the first rank it did not
+  // hear from in time (> 0), or -1 where it failed otherwise (an error of the communicator).
+  static constexpr int64_t kBarrierPassed = 0;
   struct MonitoredBarrierState {
     explicit MonitoredBarrierState(int size) : tokens(static_cast<size_t>(size), 0) {}
-    std::vector<int64_t> tokens;  // what the messages carry (nothing: they only arrive)
+    std::vector<int64_t> tokens;  // what arrives: rank 0 from rank r in tokens[r]; rank r's verdict in tokens[1]
+    int64_t verdict = kBarrierPassed;  // rank 0: what it sends every other rank
     std::vector<std::shared_ptr<cohort::Work>> works;
   };
   // Polls `works` (each test() moves the transports along) until all ended or `deadline`. True when all

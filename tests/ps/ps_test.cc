@@ -39,6 +39,7 @@
 #include "ps/config_json.h"
 #include "ps/table.h"
 #include "ps/wire.h"
+#include "ps_test_util.h"
 #include "store/memory_store.h"
 #include "store/tcp_store.h"
 #include "support/test_support.h"
@@ -1238,7 +1239,7 @@ TEST(PsSaveLoad, RoundTripFromOneServerToTwoKeepsRowsAndOptimizerState) {
     dense_a = pull_rows(c, "dense", rows50);
   });
   ASSERT_TRUE(std::filesystem::exists(dir.file("manifest.json")));
-  ASSERT_TRUE(std::filesystem::exists(dir.file("sparse.shard-0-of-1")));
+  ASSERT_TRUE(std::filesystem::exists(test_util::shards_dir(dir.path()) + "/sparse.shard-0-of-1"));
   run_job(2, 1, {}, [&](Client& c) {
     c.load(dir.path());
     EXPECT_EQ(c.stats("sparse").rows, ids.size());

@@ -207,6 +207,28 @@ def test_operation_timeout_is_kept(tmp_path):
     assert "timeout of 300 ms" in line[0] and "ALLREDUCE" in line[0], line[0]
 
 
+def test_monitored_barrier_after_a_failed_one_passes():
+    # Barrier 0 fails because rank 1 is late; the next three, both ranks on time, pass on both ranks.
+    # Rank 0 names the late rank; rank 1 fails barrier 0 with rank 0's verdict as soon as it arrives
+    # (not after its own timeout). (A rank on time meets torch's own case, test_monitored_barrier_gloo
+    # in tests/torch_suite.)
+    results = run_ranks([os.path.join(HERE, "monitored_barrier_worker.py")], 2, timeout=60)
+    assert all(rc == 0 for rc, _, _ in results), describe(results)
+    lines = {}
+    for rank, (rc, out, err) in enumerate(results):
+        for line in out.splitlines():
+            if line.startswith("B"):
+                lines[(line.split()[0], rank)] = line
+    for i in (1, 2, 3):
+        for rank in range(2):
+            assert lines.get((f"B{i}", rank)) == f"B{i} {rank} OK", describe(results)
+    assert "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms" in lines.get(("B0", 0), ""), describe(results)
+    b0 = lines.get(("B0", 1), "")
+    assert "Rank 1 successfully reached monitoredBarrier, but received errors" in b0, describe(results)
+    assert "rank 0 failed this barrier (rank 1 did not pass it in time)" in b0, describe(results)
+    assert float(b0.split()[3]) < 0.9, b0
+
+
 def test_group_timeout_names_where_it_came_from():
     # init_process_group(timeout=3 s) is the group's deadline, and its TimeoutError names it as such,
     # not COHORT_TIMEOUT (which was not set).
