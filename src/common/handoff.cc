@@ -28,7 +28,7 @@ std::string refusal(const Credentials& peer, int expected_pid, const std::string
     return fmt::format("pid {} runs as uid {}, not as this job's uid {}", peer.pid, peer.uid, uid);
   // pid 0: the peer is in a pid namespace this process cannot see; it cannot be the pid published.
   if (expected_pid > 0 && peer.pid != expected_pid)
-    return fmt::format("pid {} is not {} (pid {}, as published in the job's store)", peer.pid, whom, expected_pid);
+    return fmt::format("pid {} is not {} (pid {})", peer.pid, whom, expected_pid);
   return {};
 }
 
