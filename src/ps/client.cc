@@ -24,6 +24,7 @@
 #include "cohort/error.h"
 #include "common/env.h"
 #include "common/fd.h"
+#include "common/handoff.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "ps/client.h"
@@ -781,13 +782,11 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
       if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) != 1) return {};
       UniqueFd conn(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
       if (!conn) return {};
-      ucred peer{};
-      socklen_t len = sizeof peer;
-      if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 && peer.pid == pid &&
-          peer.uid == ::geteuid())
-        return conn;
-      log::warn("parameter-server worker {}: ignored a connection to its socket for table '{}' from pid {} (uid {}): "
-                "not parameter server {} (pid {})", worker_, table, peer.pid, peer.uid, s, pid);
+      const handoff::Credentials peer = handoff::peer_of(conn.get());
+      const std::string why = handoff::refusal(peer, pid, fmt::format("parameter server {}", s));
+      if (why.empty()) return conn;
+      log::warn("parameter-server worker {}: ignored a connection to its socket for table '{}': {}", worker_, table,
+                why);
     }
   }
 

@@ -28,6 +28,7 @@
 
 #include "cohort/error.h"
 #include "common/fd.h"
+#include "common/handoff.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "ps/config_json.h"
@@ -352,18 +353,15 @@ class Server {
     sockaddr_un addr = net::abstract_address(socket_name, &len);
     if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
       return fmt::format("cannot reach the worker's socket: {}", std::strerror(errno));
-    ucred peer{};
-    socklen_t peer_len = sizeof peer;
-    if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0)
-      return fmt::format("cannot read the credentials of the worker's socket: {}", std::strerror(errno));
-    std::string refused;
-    if (peer.uid != ::geteuid())
-      refused = fmt::format("its socket '{}' belongs to uid {} (pid {}), not to this job's uid {}", socket_name,
-                            peer.uid, peer.pid, ::geteuid());
-    else if (peer.pid != pid)
-      refused = fmt::format("its socket '{}' belongs to pid {}, not to the worker (pid {})", socket_name, peer.pid,
-                            pid);
+    handoff::Credentials peer;
+    try {
+      peer = handoff::peer_of(sock.get());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    std::string refused = handoff::refusal(peer, int(pid), fmt::format("worker {}", w));
     if (!refused.empty()) {
+      refused = fmt::format("its socket '{}': {}", socket_name, refused);
       log::warn("parameter server {}: refused worker {}'s attach of table '{}': {}", index_, w, t.name(), refused);
       return refused;
     }

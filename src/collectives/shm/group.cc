@@ -131,21 +131,28 @@ SlotCopyChoice choose_slot_copy(const std::vector<LinkProbe>& probes, const std:
 }
 
 std::unique_ptr<Group> Group::create(Store& store, int local_rank, int local_size, const std::string& key_prefix,
-                                     std::chrono::milliseconds timeout) {
+                                     std::chrono::milliseconds timeout, std::vector<int> pids) {
   if (local_size < 1 || local_rank < 0 || local_rank >= local_size)
     throw InvalidArgument(fmt::format("shm::Group: local rank {} is not in [0, {})", local_rank, local_size));
   std::string address = local_size == 1 ? std::string("unused") : rendezvous_address(store, key_prefix, local_rank);
-  return create_at(address, local_rank, local_size, timeout, GroupOptions::from_env(local_size));
+  return create_at(address, local_rank, local_size, timeout, GroupOptions::from_env(local_size), std::move(pids));
+}
+
+size_t Group::segment_bytes(int local_size, const GroupOptions& options) {
+  return controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes;
 }
 
 std::unique_ptr<Group> Group::create_at(const std::string& address, int local_rank, int local_size,
-                                        std::chrono::milliseconds timeout, const GroupOptions& options) {
+                                        std::chrono::milliseconds timeout, const GroupOptions& options,
+                                        std::vector<int> pids) {
   if (local_size < 1 || local_rank < 0 || local_rank >= local_size)
     throw InvalidArgument(fmt::format("shm::Group: local rank {} is not in [0, {})", local_rank, local_size));
-  const size_t bytes = controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes;
-  Segment segment = Segment::establish(address, local_rank, local_size, bytes, Deadline::after(timeout));
+  if (pids.empty()) pids.assign(static_cast<size_t>(local_size), 0);
+  Segment segment = Segment::establish(address, local_rank, local_size, segment_bytes(local_size, options),
+                                       Deadline::after(timeout), SegmentRange{}, &pids);
   auto group = std::make_unique<Group>(std::move(segment), local_rank, local_size, timeout, options);
   group->address_ = address;
+  group->pids_ = std::move(pids);
   group->sync_.start();
   group->choose_wait_policy();
   group->choose_chunk_size();
@@ -235,9 +242,10 @@ std::shared_ptr<void> Group::allocate_shared(size_t bytes) {
   // (some never: a reduce-scatter reads only its shard of each). Populated whole by every rank, each
   // rank's RSS showed all N parts (ZeRO stage 1 on BERT-base: 870 MB of the peer's buckets per rank);
   // and each part's pages are now first touched, so placed, by the rank that uses them most.
+  std::vector<int> pids = pids_;  // a copy: allocations may run on several threads
   Segment segment = Segment::establish(fmt::format("{}/shared-{}", address_, id), rank_, size_,
                                        per_rank * static_cast<size_t>(size_), Deadline::after(timeout_),
-                                       SegmentRange{per_rank * static_cast<size_t>(rank_), per_rank});
+                                       SegmentRange{per_rank * static_cast<size_t>(rank_), per_rank}, &pids);
   auto region = std::make_shared<SharedRegion>(SharedRegion{std::move(segment), per_rank, id});
   {
     std::lock_guard<std::mutex> lock(shared_mutex_);

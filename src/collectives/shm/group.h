@@ -116,11 +116,17 @@ class Group {
  public:
   // Collective over the local ranks. Local rank 0 publishes the segment's (abstract socket) address
   // under "<key_prefix>/shm/address" in the store; key_prefix must be unique to the job/communicator.
+  // `pids`: the process of each local rank as the job published it (the communicator's peer entries);
+  // the segments are handed to those processes only (Segment::establish). Empty: any process of this
+  // user at the first segment, and the same processes at every later one.
   static std::unique_ptr<Group> create(Store& store, int local_rank, int local_size, const std::string& key_prefix,
-                                       std::chrono::milliseconds timeout);
+                                       std::chrono::milliseconds timeout, std::vector<int> pids = {});
   // Same, with an address agreed beforehand (shm::random_address); no store needed.
   static std::unique_ptr<Group> create_at(const std::string& address, int local_rank, int local_size,
-                                          std::chrono::milliseconds timeout, const GroupOptions& options);
+                                          std::chrono::milliseconds timeout, const GroupOptions& options,
+                                          std::vector<int> pids = {});
+  // The bytes of the segment create_at maps for `local_size` ranks with `options`.
+  static size_t segment_bytes(int local_size, const GroupOptions& options);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -258,6 +264,7 @@ class Group {
 
   Segment segment_;
   std::string address_;  // the segment's rendezvous name; allocate_shared derives its own from it
+  std::vector<int> pids_;  // each local rank's process: allocate_shared's segments go to these only
   int rank_;
   int size_;
   GroupOptions options_;
