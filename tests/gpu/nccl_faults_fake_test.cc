@@ -57,6 +57,17 @@ FakeHooks& fake() {
   return f;
 }
 
+// Blocking communicators: the fake says it is NCCL 2.13, which has no ncclCommInitRankConfig.
+class NcclMode : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    if (blocking()) setenv("FAKE_NCCL_VERSION", "21300", 1);
+  }
+  void TearDown() override { unsetenv("FAKE_NCCL_VERSION"); }
+  bool blocking() const { return GetParam(); }
+};
+std::string mode_name(const ::testing::TestParamInfo<bool>& info) { return info.param ? "Blocking" : "NonBlocking"; }
+
 std::shared_ptr<Communicator> device_comm(std::shared_ptr<Store> store, int rank, int world,
                                           std::chrono::milliseconds timeout) {
   CommOptions o;
@@ -71,6 +82,79 @@ bool becomes_true(const std::atomic<bool>& flag, std::chrono::milliseconds withi
   while (!flag && Clock::now() < end) std::this_thread::sleep_for(1ms);
   return flag;
 }
+
+// Rank 1 stops calling. Rank 0's allreduce is queued (the watchdog follows it), then rank 0's next
+// NCCL call hangs inside NCCL, as a lazy connection to the silent peer does. The watchdog must still
+// end the allreduce at its deadline; its abort ends the hung call, which throws the cause. (Before
+// the fix the hung call held the lock the watchdog needed: nothing ended until the fake's own 20 s
+// safety limit.)
+TEST_P(NcclMode, TheWatchdogEndsAJobWhoseNcclCallHangs) {
+  auto store = make_memory_store();
+  std::atomic<bool> rank0_done{false};
+  const int ended_by_abort = fake().stalls_ended_by_abort();
+  run_ranks(2, [&](int rank) {
+    auto comm = device_comm(store, rank, 2, 600ms);
+    auto buf = gpu::allocate_device(4 * sizeof(float), rank);
+    comm->barrier();
+    if (rank == 1) {
+      EXPECT_TRUE(becomes_true(rank0_done, 30s));
+      return;
+    }
+    struct Done {
+      std::atomic<bool>& flag;
+      ~Done() { flag = true; }
+    } done{rank0_done};
+    comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum);  // stuck: rank 1 never calls
+    fake().stall(0, "ncclBroadcast", 1);
+    const auto t0 = Clock::now();
+    try {
+      comm->broadcast(buf.get(), 4, DataType::kFloat32, 0);
+      ADD_FAILURE() << "the hung broadcast returned normally";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_TRUE(what.find("rank 0 (GPU 0): allreduce of 16 bytes did not finish on the GPU within 600 ms") !=
+                      std::string::npos ||
+                  what.find("rank 0 (GPU 0): NCCL could not start broadcast of 16 bytes within 600 ms") !=
+                      std::string::npos)
+          << what;
+    }
+    const auto waited = Clock::now() - t0;
+    EXPECT_LT(waited, 3s) << "the hung call was not ended by the watchdog's abort";
+    if (blocking()) {
+      EXPECT_EQ(fake().stalls_ended_by_abort(), ended_by_abort + 1) << "the stall ran out on its own";
+    }
+    // The communicator is failed for good, and says why.
+    EXPECT_THROW(comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum), AbortedError);
+  });
+}
+
+// Every rank gives up on NCCL's set-up at the communicator's timeout (400 ms); the set-up itself
+// succeeds later (1.5 s). The late communicators must be aborted, not left holding GPU memory and
+// NCCL's threads for the rest of the process.
+TEST_P(NcclMode, ACommunicatorSetUpAfterTheTimeoutIsAbortedNotLeaked) {
+  auto store = make_memory_store();
+  const int live_before = fake().live_comms();
+  fake().delay_init(1500);
+  struct Undelay {
+    ~Undelay() { fake().delay_init(0); }
+  } undelay;
+  run_ranks(2, [&](int rank) {
+    try {
+      device_comm(store, rank, 2, 400ms);
+      ADD_FAILURE() << "the set-up did not time out";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(rank) + " (GPU " + std::to_string(rank) +
+                                           "): NCCL communicator set-up did not finish within 400 ms"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+  const auto end = Clock::now() + 6s;
+  while (fake().live_comms() > live_before && Clock::now() < end) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(fake().live_comms(), live_before) << "a communicator whose set-up finished late was leaked";
+}
+
+INSTANTIATE_TEST_SUITE_P(GpuFaults, NcclMode, ::testing::Values(false, true), mode_name);
 
 // Messages above the fake's eager size (64 KiB): each send waits for its receive, as NCCL's do.
 // alltoall, gather and scatter move several at once between the same ranks; ungrouped, rank 0's
