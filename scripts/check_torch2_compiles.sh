@@ -32,7 +32,7 @@ if [[ ! -d $cache/root/usr/include/torch/csrc/distributed/c10d ]]; then
 fi
 inc=$cache/root/usr/include
 
-commands=$(ninja -C "$build" -t commands 2>/dev/null)
+commands=$(ninja -C "$build" -t commands 2>/dev/null || true)
 
 # The build's compile command for one source file, its torch include directories pointed at trixie's
 # headers, without object or dependency file. Two kinds of torch in the build:
@@ -49,15 +49,22 @@ torch2_command() {
 
 # cohort_torch.cc first: it is the file whose headers tell the torch version.
 python_cmd=$(grep -m1 -- "-c [^ ]*integrations/python/cohort_torch.cc" <<<"$commands" || true)
-[[ -n $python_cmd ]] || { echo "check_torch2_compiles: no compile command for cohort_torch.cc in $build (is torch found?)" >&2; exit 1; }
+if [[ -z $python_cmd ]]; then
+  echo "check_torch2_compiles: no compile command for cohort_torch.cc in $build (is torch found?)" >&2
+  exit 1
+fi
 python_cmd=$(torch2_command "$python_cmd")
-version=$(cd "$build" && eval "${python_cmd/ -c / -dM -E -o - -c }" | awk '/define TORCH_VERSION_M(AJOR|INOR) /{printf "%s%s", sep, $3; sep="."}')
+version=$(cd "$build" && eval "${python_cmd/ -c / -dM -E -o - -c }" |
+          awk '/define TORCH_VERSION_M(AJOR|INOR) /{printf "%s%s", sep, $3; sep="."}')
 [[ $version == 2.* ]] || { echo "check_torch2_compiles: the headers say torch '$version', not 2.x" >&2; exit 1; }
 
 # The libtorch files: every integrations/torch and examples source whose command includes libtorch.
 mapfile -t libtorch_cmds < <(grep -E -- "-c [^ ]*/(integrations/torch|examples)/[^ ]*\.cc( |$)" <<<"$commands" |
                              grep -F -- "-isystem /usr/include/torch/csrc/api/include" | sort -u)
-((${#libtorch_cmds[@]} > 0)) || { echo "check_torch2_compiles: no libtorch compile commands in $build (is libtorch-dev found?)" >&2; exit 1; }
+if ((${#libtorch_cmds[@]} == 0)); then
+  echo "check_torch2_compiles: no libtorch compile commands in $build (is libtorch-dev found?)" >&2
+  exit 1
+fi
 
 failed=()
 check() {

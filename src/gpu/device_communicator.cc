@@ -818,7 +818,8 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
       const Deadline ready_by = Deadline::after(op->timeout);
       const bool live = with_comm([&](void* comm) {
         rc = order_after_caller_locked() == kCudaSuccess ? kNcclSuccess : kCudaFailed;
-        if (rc == kNcclSuccess && op->start) rc = c.EventRecord(op->start, stream_) == kCudaSuccess ? kNcclSuccess : kCudaFailed;
+        if (rc == kNcclSuccess && op->start)
+          rc = c.EventRecord(op->start, stream_) == kCudaSuccess ? kNcclSuccess : kCudaFailed;
         if (rc == kNcclSuccess && grouped) rc = n.GroupStart();
         int body = kNcclSuccess;
         if (rc == kNcclSuccess) {
@@ -841,8 +842,9 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
         rc = wait_ready(ready_by);
         if (rc == kAborted) check_failed();
         if (rc == kNcclInProgress)
-          fail<TimeoutError>(fmt::format("rank {} (GPU {}): NCCL could not start {} within {} ms; the NCCL communicator "
-                                         "was aborted (a peer it must connect to stopped calling, or its network fails)",
+          fail<TimeoutError>(fmt::format("rank {} (GPU {}): NCCL could not start {} within {} ms; the NCCL "
+                                         "communicator was aborted (a peer it must connect to stopped calling, or its "
+                                         "network fails)",
                                          rank(), device_, op->what, op->timeout.count()));
         // Anything else is NCCL's asynchronous error (this call's, or an earlier operation's).
         if (rc != kNcclSuccess) {

@@ -46,7 +46,8 @@ struct FakeHooks {
     void* h = dlopen(COHORT_FAKE_CUDA, RTLD_NOW);
     EXPECT_NE(h, nullptr) << dlerror();
     stall = reinterpret_cast<decltype(stall)>(dlsym(h, "fake_nccl_stall"));
-    stalls_ended_by_abort = reinterpret_cast<decltype(stalls_ended_by_abort)>(dlsym(h, "fake_nccl_stalls_ended_by_abort"));
+    stalls_ended_by_abort =
+        reinterpret_cast<decltype(stalls_ended_by_abort)>(dlsym(h, "fake_nccl_stalls_ended_by_abort"));
     delay_init = reinterpret_cast<decltype(delay_init)>(dlsym(h, "fake_nccl_delay_init"));
     live_comms = reinterpret_cast<decltype(live_comms)>(dlsym(h, "fake_nccl_live_comms"));
     set_device = reinterpret_cast<decltype(set_device)>(dlsym(h, "cudaSetDevice"));
