@@ -51,6 +51,11 @@ class Store {
   // never arrived.
   virtual void barrier(const std::string& name, int rank, int world, Millis timeout);
 
+  // The secret this store's connections prove (the job token; store/auth.h), or empty when they prove
+  // none. A communicator built on the store makes its own TCP connections prove the same secret, so
+  // that whoever may not read the store cannot join the data plane either.
+  virtual std::string auth_token() const { return {}; }
+
   Millis timeout() const { return timeout_; }
   void set_timeout(Millis t) { timeout_ = t; }
 

@@ -211,7 +211,7 @@ CommunicatorImpl::~CommunicatorImpl() {
 
 void CommunicatorImpl::bootstrap() {
   Deadline deadline = Deadline::after(options_.timeout);
-  transport::TransportOptions topts{rank_, size_, prefix_, deadline, options_.slow_warning};
+  transport::TransportOptions topts{rank_, size_, prefix_, deadline, options_.slow_warning, root_store_->auth_token()};
   std::vector<std::string> available;
   for (const auto& f : transport::factories()) {
     available.push_back(f.name);

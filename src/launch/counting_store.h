@@ -42,6 +42,7 @@ class CountingStore : public Store {
     ++calls;
     base_->multi_set(keys, values);
   }
+  std::string auth_token() const override { return base_->auth_token(); }
   std::atomic<uint64_t> calls{0};
   std::atomic<uint64_t> looks{0};
 

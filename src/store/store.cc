@@ -56,6 +56,7 @@ class PrefixStore : public Store {
   void multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values) override {
     base_->multi_set(ps(keys), values);
   }
+  std::string auth_token() const override { return base_->auth_token(); }
 
  private:
   std::string p(const std::string& k) const { return prefix_ + k; }

@@ -49,6 +49,8 @@ class TcpStore : public Store {
     connect_locked(Deadline::after(options_.timeout));
   }
 
+  std::string auth_token() const override { return options_.token; }
+
   void set(const std::string& key, const std::string& value) override {
     std::lock_guard<std::mutex> g(mutex_);
     uint32_t id = begin();

@@ -123,6 +123,9 @@ struct TransportOptions {
   // connect() says who it still waits for after this long, then again at a doubling interval
   // (COHORT_SLOW_WARNING, as the communicator's other waits).
   std::chrono::nanoseconds slow_warning = std::chrono::seconds(5);
+  // The job token: TCP connections prove it to each other (HMAC challenge-response, tcp/hello.h).
+  // Empty: the hello still runs, keyed with the empty string, and proves only the scope.
+  std::string token;
 };
 using Factory = std::function<std::unique_ptr<Transport>(const TransportOptions&)>;
 struct FactoryInfo {

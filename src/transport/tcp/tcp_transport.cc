@@ -27,6 +27,7 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "transport/matching.h"
+#include "transport/tcp/hello.h"
 #include "transport/transport_base.h"
 
 namespace cohort::transport {
@@ -48,7 +49,10 @@ const env::SecondsSetting kKeepAlive("COHORT_TCP_KEEPALIVE", 10.0,
                                      "idle seconds before TCP keep-alive probes start (3 probes, 2 s apart)");
 
 constexpr uint32_t kDataMagic = 0x31544843;   // "CHT1"
-constexpr uint32_t kHelloMagic = 0x31484843;  // "CHH1"
+constexpr uint32_t kHelloMagic = 0x32484843;      // "CHH2": the dialer's hello (tcp/hello.h)
+constexpr uint32_t kChallengeMagic = 0x32434843;  // "CHC2": the acceptor's answer
+constexpr uint32_t kProofMagic = 0x32504843;      // "CHP2": the dialer's proof
+constexpr int kHelloSeconds = 10;                 // an accepted connection has this long to finish the hello
 constexpr uint32_t kAbortMagic = 0x31414843;  // "CHA1": the sender failed; payload = its error message
 constexpr uint32_t kByeMagic = 0x31424843;    // "CHB1": the sender destroys its transport; no more data
 constexpr size_t kStagingBytes = 64 * 1024;
@@ -66,13 +70,45 @@ struct WireHeader {
 };
 static_assert(sizeof(WireHeader) == 56, "wire header layout");
 
+// The three messages of the hello (tcp/hello.h has the protocol).
 struct Hello {
   uint32_t magic;
-  uint32_t rank;
-  uint32_t index;
-  uint32_t reserved;
-  uint64_t scope;
+  uint32_t rank;      // the dialer's
+  uint32_t index;     // which of its connections to the acceptor
+  uint32_t acceptor;  // the rank the dialer means to reach
+  uint64_t scope;     // scope_hash(job scope): a quick refusal of another communicator's dialer
+  char nonce[hello::kNonceBytes];
 };
+struct Challenge {
+  uint32_t magic;
+  uint32_t rank;  // the acceptor's
+  char nonce[hello::kNonceBytes];
+  char mac[hello::kMacBytes];
+};
+struct Proof {
+  uint32_t magic;
+  uint32_t reserved;
+  char mac[hello::kMacBytes];
+};
+static_assert(sizeof(Hello) == 40 && sizeof(Challenge) == 56 && sizeof(Proof) == 40, "hello layout");
+
+// A connection in the middle of its hello: dialed (waiting for the Challenge) or accepted (waiting for
+// the Hello, then for the Proof).
+struct Handshake {
+  UniqueFd fd;
+  bool dialed = false;
+  bool proof_next = false;  // accepted: the Hello was answered, the Proof comes next
+  int peer = -1;  // dialed: the rank dialed; accepted: the rank its Hello claims (once read)
+  int index = 0;
+  std::string from;      // the other end's address, for messages
+  std::string my_nonce;  // the nonce this end sent
+  std::string peer_nonce;
+  Deadline deadline = Deadline::never();
+  char buf[64];
+  size_t have = 0;  // bytes of the expected message read so far
+  size_t need = 0;  // its size
+};
+static_assert(sizeof(Handshake::buf) >= sizeof(Challenge) && sizeof(Handshake::buf) >= sizeof(Hello));
 
 const env::BytesSetting kPoolBytes("COHORT_TCP_POOL_BYTES", 64 << 20,
                                    "memory kept for reuse by messages that arrive before their receive");
@@ -135,6 +171,7 @@ class TcpTransport final : public TransportBase {
  public:
   explicit TcpTransport(const TransportOptions& o)
       : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get())), scope_(scope_hash(o.job_scope)),
+        job_scope_(o.job_scope), token_(o.token),
         slow_warning_(o.slow_warning),
         connections_(int(std::max<int64_t>(1, kConnections.get()))),
         split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())),
@@ -172,8 +209,12 @@ class TcpTransport final : public TransportBase {
   }
   bool can_reach(const std::string& d) const override { return str::starts_with(d, "tcp;"); }
 
+  // Dials the higher ranks and accepts the lower ones, every connection through the authenticated hello
+  // (tcp/hello.h). All handshakes advance together in one poll loop: a dialer waits for the acceptor's
+  // challenge, and a connection that says nothing (or the wrong thing) holds up no other.
   void connect(const std::vector<PeerInfo>& peers, const std::vector<bool>& use, Deadline deadline) override {
     for (int r = 0; r < size_; ++r) peers_[size_t(r)] = peers[size_t(r)];
+    std::vector<std::unique_ptr<Handshake>> pending;
     // Dial the higher ranks, rotated so that rank i starts with i+1.
     for (int step = 1; step < size_; ++step) {
       int j = rank_ + step;
@@ -188,45 +229,77 @@ class TcpTransport final : public TransportBase {
           throw PeerLostError(fmt::format("cannot connect to rank {} ({}) at {}: {}", j, peers_[size_t(j)].host,
                                           addr.to_string(), e.what()));
         }
-        Hello h{kHelloMagic, uint32_t(rank_), uint32_t(c), 0, scope_};
+        auto hs = std::make_unique<Handshake>();
+        hs->dialed = true;
+        hs->peer = j;
+        hs->index = c;
+        hs->from = addr.to_string();
+        hs->my_nonce = hello::make_nonce();
+        hs->deadline = deadline;
+        Hello h{kHelloMagic, uint32_t(rank_), uint32_t(c), uint32_t(j), scope_, {}};
+        std::memcpy(h.nonce, hs->my_nonce.data(), sizeof h.nonce);
         net::send_all(fd.get(), &h, sizeof h, deadline, fmt::format("rank {}", j));
-        add_conn(std::move(fd), j, c);
+        net::set_nonblocking(fd.get(), true);
+        hs->fd = std::move(fd);
+        hs->need = sizeof(Challenge);
+        pending.push_back(std::move(hs));
       }
     }
-    // Accept the lower ranks.
-    int expected = 0;
+    int expected = 0;  // connections from lower ranks still to be accepted
     for (int j = 0; j < rank_; ++j) expected += use[size_t(j)] ? connections_ : 0;
     std::vector<int> got(static_cast<size_t>(size_), 0);
+    std::set<std::pair<int, int>> taken;  // (rank, index) of the accepted connections
+    auto dials_left = [&] {
+      return std::count_if(pending.begin(), pending.end(), [](auto& h) { return h->dialed; });
+    };
+    net::set_nonblocking(listener_.get(), true);
     auto log_interval = slow_warning_;
     auto next_log = Deadline::Clock::now() + log_interval;
-    while (expected > 0) {
-      if (deadline.expired()) throw TimeoutError("TCP connect: " + missing_connections(use, got, "never connected"));
-      pollfd p{listener_.get(), POLLIN, 0};
-      int n = ::poll(&p, 1, deadline.poll_ms(1000));
+    while (expected > 0 || dials_left() > 0) {
+      if (deadline.expired()) throw TimeoutError("TCP connect: " + missing_connections(use, got, pending, "never connected"));
       if (Deadline::Clock::now() > next_log) {
-        log::warn("waiting for TCP connections: {}", missing_connections(use, got, "not connected yet"));
+        log::warn("waiting for TCP connections: {}", missing_connections(use, got, pending, "not connected yet"));
         log_interval *= 2;
         next_log = Deadline::Clock::now() + log_interval;
       }
+      // A handshake that outlived its deadline: an accepted one is dropped (an impostor, or a peer that
+      // died in the middle: a real peer dials again never, and is then named by the overall deadline).
+      auto now = Deadline::Clock::now();
+      std::erase_if(pending, [&](const std::unique_ptr<Handshake>& h) {
+        if (h->dialed || h->deadline.at() > now) return false;
+        log::warn("dropped a TCP connection from {} that did not finish the hello within {} s", h->from,
+                  kHelloSeconds);
+        return true;
+      });
+      std::vector<pollfd> fds;
+      fds.push_back({listener_.get(), POLLIN, 0});
+      for (auto& h : pending) fds.push_back({h->fd.get(), POLLIN, 0});
+      int n = ::poll(fds.data(), fds.size(), deadline.poll_ms(250));
       if (n <= 0) continue;
-      UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!fd) continue;
-      Hello h{};
-      try {
-        net::recv_all(fd.get(), &h, sizeof h, Deadline::earliest(deadline, Deadline::after(std::chrono::seconds(10))),
-                      "connecting peer");
-      } catch (const Error& e) {
-        log::warn("dropped a TCP connection that sent no valid hello: {}", e.what());
-        continue;
+      if (fds[0].revents & POLLIN) accept_pending(pending, deadline);
+      for (size_t i = 1; i < fds.size(); ++i) {
+        if (!fds[i].revents) continue;
+        Handshake& h = *pending[i - 1];
+        if (!read_handshake(h)) {
+          if (h.dialed)
+            throw PeerLostError(fmt::format("rank {} ({}) at {} closed the connection during the TCP hello", h.peer,
+                                            peers_[size_t(h.peer)].host, h.from));
+          h.fd.reset();  // an accepted connection that went away: forget it
+          continue;
+        }
+        if (h.have < h.need) continue;
+        if (h.dialed) {
+          finish_dial(h);
+        } else if (!h.proof_next) {
+          answer_hello(h, use, taken);
+        } else if (check_proof(h, taken)) {
+          taken.insert({h.peer, h.index});
+          got[size_t(h.peer)]++;
+          --expected;
+          add_conn(std::move(h.fd), h.peer, h.index);
+        }
       }
-      if (h.magic != kHelloMagic || h.scope != scope_ || int(h.rank) >= rank_ || int(h.index) >= connections_ ||
-          conns_[h.rank].size() > size_t(connections_) || !use[h.rank]) {
-        log::warn("refused a TCP connection with a foreign or malformed hello (rank {}, index {})", h.rank, h.index);
-        continue;
-      }
-      got[h.rank]++;
-      --expected;
-      add_conn(std::move(fd), int(h.rank), int(h.index));
+      std::erase_if(pending, [](const std::unique_ptr<Handshake>& h) { return !h->fd; });
     }
     for (auto& per_peer : conns_) {
       std::sort(per_peer.begin(), per_peer.end(), [](auto& a, auto& b) { return a->index < b->index; });
@@ -391,16 +464,152 @@ class TcpTransport final : public TransportBase {
     if (rr_.size() != size_t(size_)) rr_.assign(static_cast<size_t>(size_), 0);
   }
 
-  std::string missing_connections(const std::vector<bool>& use, const std::vector<int>& got, const char* what) {
-    std::vector<int> missing;
-    std::vector<std::string> hosts;
+  // "rank(s) 0-2 (host(s) a,b) never connected; rank(s) 5 (host(s) c) never answered the hello"
+  std::string missing_connections(const std::vector<bool>& use, const std::vector<int>& got,
+                                  const std::vector<std::unique_ptr<Handshake>>& pending, const char* what) {
+    std::vector<int> missing, silent;
+    std::vector<std::string> hosts, silent_hosts;
     for (int j = 0; j < rank_; ++j) {
       if (use[size_t(j)] && got[size_t(j)] < connections_) {
         missing.push_back(j);
         if (hosts.size() < 8) hosts.push_back(peers_[size_t(j)].host);
       }
     }
-    return fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(missing), str::join(hosts, ","), what);
+    for (const auto& h : pending) {
+      if (!h->dialed || (!silent.empty() && silent.back() == h->peer)) continue;
+      silent.push_back(h->peer);
+      if (silent_hosts.size() < 8) silent_hosts.push_back(peers_[size_t(h->peer)].host);
+    }
+    std::vector<std::string> parts;
+    if (!missing.empty())
+      parts.push_back(fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(missing), str::join(hosts, ","), what));
+    if (!silent.empty())
+      parts.push_back(fmt::format("rank(s) {} (host(s) {}) did not answer the hello", str::format_ranges(silent),
+                                  str::join(silent_hosts, ",")));
+    return str::join(parts, "; ");
+  }
+
+  // Takes every connection waiting on the listener; each has kHelloSeconds to send its Hello and Proof.
+  void accept_pending(std::vector<std::unique_ptr<Handshake>>& pending, const Deadline& deadline) {
+    for (;;) {
+      UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!fd) return;  // EAGAIN: none left (or a transient error: poll reports the next one)
+      auto hs = std::make_unique<Handshake>();
+      try {
+        hs->from = net::peer_address(fd.get()).to_string();
+      } catch (const Error&) {
+        hs->from = "an unknown address";
+      }
+      hs->fd = std::move(fd);
+      hs->need = sizeof(Hello);
+      hs->deadline = Deadline::earliest(deadline, Deadline::after(std::chrono::seconds(kHelloSeconds)));
+      pending.push_back(std::move(hs));
+    }
+  }
+
+  // Reads what has arrived of the message `h` waits for. False when the connection was closed or failed.
+  bool read_handshake(Handshake& h) {
+    while (h.have < h.need) {
+      ssize_t k = ::recv(h.fd.get(), h.buf + h.have, h.need - h.have, MSG_DONTWAIT);
+      if (k > 0) {
+        h.have += size_t(k);
+        continue;
+      }
+      if (k < 0 && errno == EINTR) continue;
+      return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    }
+    return true;
+  }
+
+  // A short write to a connection in its hello (a few dozen bytes into an empty socket buffer).
+  bool send_handshake(Handshake& h, const void* data, size_t bytes) {
+    try {
+      net::send_all(h.fd.get(), data, bytes, Deadline::earliest(h.deadline, Deadline::after(std::chrono::seconds(1))),
+                    h.from);
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  }
+
+  void refuse(Handshake& h, const std::string& why) {
+    log::warn("refused a TCP connection from {}: {}", h.from, why);
+    h.fd.reset();
+  }
+
+  // Accepted connection, its Hello read: a dialer of this communicator that means this rank gets the
+  // Challenge; anything else is refused.
+  void answer_hello(Handshake& h, const std::vector<bool>& use, const std::set<std::pair<int, int>>& taken) {
+    Hello m;
+    std::memcpy(&m, h.buf, sizeof m);
+    if (m.magic != kHelloMagic || m.scope != scope_)
+      return refuse(h, "not a hello of this communicator (another job, another version of cohort, or not cohort)");
+    if (m.acceptor != uint32_t(rank_) || m.rank >= uint32_t(rank_) || !use[m.rank] || m.index >= uint32_t(connections_) ||
+        taken.count({int(m.rank), int(m.index)}))
+      return refuse(h, fmt::format("its hello claims rank {} connection {} to rank {}, which this rank does not expect",
+                                   m.rank, m.index, m.acceptor));
+    h.peer = int(m.rank);
+    h.index = int(m.index);
+    h.peer_nonce.assign(m.nonce, sizeof m.nonce);
+    h.my_nonce = hello::make_nonce();
+    Challenge c{kChallengeMagic, uint32_t(rank_), {}, {}};
+    std::memcpy(c.nonce, h.my_nonce.data(), sizeof c.nonce);
+    const std::string mac = hello::mac(token_, hello::Role::kAcceptor, fields(h));
+    std::memcpy(c.mac, mac.data(), sizeof c.mac);
+    if (!send_handshake(h, &c, sizeof c)) return refuse(h, "it went away during the hello");
+    h.have = 0;
+    h.need = sizeof(Proof);
+    h.proof_next = true;
+  }
+
+  // Accepted connection, its Proof read: true when it proves the job token (the slot is then its).
+  bool check_proof(Handshake& h, const std::set<std::pair<int, int>>& taken) {
+    Proof p;
+    std::memcpy(&p, h.buf, sizeof p);
+    if (p.magic != kProofMagic || !hello::verify(token_, hello::Role::kDialer, fields(h), p.mac)) {
+      refuse(h, fmt::format("it claims to be rank {} but does not prove the job token (its HMAC is wrong: someone "
+                            "outside the job, or a rank given another COHORT_JOB_TOKEN)",
+                            h.peer));
+      return false;
+    }
+    if (taken.count({h.peer, h.index})) {
+      refuse(h, fmt::format("rank {} connection {} is connected already", h.peer, h.index));
+      return false;
+    }
+    return true;
+  }
+
+  // Dialed connection, the acceptor's Challenge read: the acceptor must prove the token first (else this
+  // rank talks to the wrong process, and says so); then this end's Proof and the connection is up.
+  void finish_dial(Handshake& h) {
+    Challenge c;
+    std::memcpy(&c, h.buf, sizeof c);
+    h.peer_nonce.assign(c.nonce, sizeof c.nonce);
+    const std::string& host = peers_[size_t(h.peer)].host;
+    if (c.magic != kChallengeMagic || c.rank != uint32_t(h.peer) ||
+        !hello::verify(token_, hello::Role::kAcceptor, fields(h), c.mac)) {
+      throw AuthError(fmt::format("rank {} ({}) at {} does not prove the job token in the TCP hello (another process "
+                                  "on that port, or rank {} was given another COHORT_JOB_TOKEN)",
+                                  h.peer, host, h.from, h.peer));
+    }
+    Proof p{kProofMagic, 0, {}};
+    const std::string mac = hello::mac(token_, hello::Role::kDialer, fields(h));
+    std::memcpy(p.mac, mac.data(), sizeof p.mac);
+    if (!send_handshake(h, &p, sizeof p))
+      throw PeerLostError(fmt::format("rank {} ({}) at {} closed the connection during the TCP hello", h.peer, host, h.from));
+    add_conn(std::move(h.fd), h.peer, h.index);
+  }
+
+  // The hello's fields of connection `h`, seen from this end.
+  hello::Fields fields(const Handshake& h) const {
+    hello::Fields f;
+    f.scope = job_scope_;
+    f.index = uint32_t(h.index);
+    f.dialer = uint32_t(h.dialed ? rank_ : h.peer);
+    f.acceptor = uint32_t(h.dialed ? h.peer : rank_);
+    f.dialer_nonce = h.dialed ? h.my_nonce : h.peer_nonce;
+    f.acceptor_nonce = h.dialed ? h.peer_nonce : h.my_nonce;
+    return f;
   }
 
   void set_want_out(Conn& c, bool on) {
@@ -702,6 +911,8 @@ class TcpTransport final : public TransportBase {
   }
 
   uint64_t scope_;
+  std::string job_scope_;
+  std::string token_;  // the job token the hello proves (tcp/hello.h); may be empty
   std::chrono::nanoseconds slow_warning_;  // connect(): first "waiting for" warning, then doubling
   int connections_;
   size_t split_bytes_;
