@@ -23,6 +23,9 @@
 namespace cohort::tools {
 namespace {
 
+const env::BoolSetting kRequireAuth("COHORT_REQUIRE_AUTH", false,
+                                    "1: cohort run refuses to start a job without a job token (as --require-auth)");
+
 using launch::Options;
 
 // mpirun spellings CLI11 cannot express directly (multi-letter single-dash options).
@@ -137,8 +140,8 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   std::vector<std::string> hosts;
   int np = 0, node_rank = 0, master_port = 0;
   std::string nnodes, rdzv_endpoint, rdzv_backend, rdzv_conf, rdzv_timeout;
-  std::string master_addr, hostfile, run_id;
-  bool tag = false, no_tag = false, no_abort = false, standalone = false;
+  std::string master_addr, hostfile, run_id, token_file;
+  bool tag = false, no_tag = false, no_abort = false, standalone = false, require_auth = false;
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N or auto (GPUs, else CPU cores)");
   app.add_option("-n,--num-processes", np, "total number of workers (mpirun -n/-np)")->group(mpirun_group);
   app.add_option("--nnodes", nnodes, "number of nodes, each running this same command (torchrun); MIN:MAX: an elastic "
@@ -156,6 +159,11 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
                  "Slurm allocation's (docs/slurm.md), else ssh")
       ->capture_default_str();
   app.add_option("-x", o.export_env, "forward VAR (or set VAR=value) for every worker; repeatable")->group(mpirun_group);
+  app.add_option("--token-file", token_file,
+                 "file holding the job token (mode 0600; per-node jobs: the same file, e.g. on a shared filesystem, "
+                 "for every node; default: COHORT_JOB_TOKEN)");
+  app.add_flag("--require-auth", require_auth,
+               "refuse to start a job whose store and connections would be open to anyone (COHORT_REQUIRE_AUTH=1)");
   app.add_option("--join-timeout", join_timeout, "seconds to wait for every node to join (default 300)");
   app.add_option("--rdzv-timeout,--rdzv_timeout", rdzv_timeout, "elastic jobs: how long a generation waits for MIN nodes (the same setting as --join-timeout)");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint, "HOST[:PORT] of the job's store (torchrun's name for --master-addr/--master-port)");
@@ -427,9 +435,27 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   }
   launch::JobContext ctx;
   ctx.env = env;
+  // The job token keys the store's and the ranks' connections (docs/security.md). A local or fan-out job
+  // makes one (it reaches the agents on ssh's or srun's stdin); the launchers of a per-node job start apart
+  // and share only what they are given: --token-file or COHORT_JOB_TOKEN.
   auto token = env.find("COHORT_JOB_TOKEN");
-  if (token != env.end() && !token->second.empty()) ctx.token = token->second;
+  if (!token_file.empty()) ctx.token = job_token(token_file);
+  else if (token != env.end() && !token->second.empty()) ctx.token = token->second;
   else if (plan.mode != launch::Mode::kPerNode) ctx.token = launch::random_token(32);
+  if (ctx.token.empty()) {
+    auto required = env.find(kRequireAuth.name());
+    if (require_auth || kRequireAuth.from(required == env.end() ? std::nullopt : std::optional(required->second)))
+      throw ConfigError(fmt::format("this per-node job has no job token, and {} refuses to start it open: "
+                                    "give every node's launcher the same --token-file PATH (mode 0600) or "
+                                    "COHORT_JOB_TOKEN",
+                                    require_auth ? "--require-auth" : "COHORT_REQUIRE_AUTH=1"));
+    // Once per job, by the launcher that hosts the store (the others' would say the same).
+    if (plan.host_store)
+      fmt::print(stderr,
+                 "{}: warning: this job is open: anyone who reaches node 0's store ({}:{}) or a rank's port can join "
+                 "it; give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN (docs/security.md)\n",
+                 command, plan.master_addr, plan.master_port);
+  }
   if (o.gpus_per_node) ctx.gpus = machine.gpus;
   ctx.plan = std::move(plan);
   ctx.self_exe = self_exe();

@@ -1,7 +1,12 @@
 // The helpers every `cohort` sub-command shares (tools/command.h).
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -210,6 +215,14 @@ std::string job_token(const std::string& token_file) {
     const char* t = std::getenv("COHORT_JOB_TOKEN");
     return t ? t : "";
   }
+  // A token others can read is no secret: the file must be its owner's alone, as ssh requires of a key.
+  struct stat st {};
+  if (::stat(token_file.c_str(), &st) != 0)
+    throw ConfigError(fmt::format("--token-file {}: {}", token_file, std::strerror(errno)));
+  if ((st.st_mode & 077) != 0 || st.st_uid != ::geteuid())
+    throw ConfigError(fmt::format("--token-file {}: mode {:04o}, owner uid {}: the job token must be readable by its "
+                                  "owner only (this user, uid {}): chmod 600 {}",
+                                  token_file, st.st_mode & 07777, st.st_uid, ::geteuid(), token_file));
   std::ifstream f(token_file);
   if (!f) throw ConfigError(fmt::format("--token-file {}: cannot read the file", token_file));
   std::stringstream ss;

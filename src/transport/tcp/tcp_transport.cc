@@ -301,6 +301,10 @@ class TcpTransport final : public TransportBase {
       }
       std::erase_if(pending, [](const std::unique_ptr<Handshake>& h) { return !h->fd; });
     }
+    // Every rank is connected: whatever is still in its hello here is not one of them.
+    for (const auto& h : pending)
+      log::warn("closed a TCP connection from {} that had not finished its hello when every rank had connected",
+                h->from);
     for (auto& per_peer : conns_) {
       std::sort(per_peer.begin(), per_peer.end(), [](auto& a, auto& b) { return a->index < b->index; });
     }

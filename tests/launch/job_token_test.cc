@@ -1,0 +1,42 @@
+// The job token of `cohort run --token-file FILE` (docs/security.md): the file must be its owner's
+// alone, and its token is the job's (every worker's COHORT_JOB_TOKEN, the key of the store and of the
+// ranks' TCP hello). The hostile side, across hosts, is tests/multihost/test_auth.sh.
+#include <sys/stat.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "support/test_support.h"
+
+namespace cohort::test {
+namespace {
+
+TEST(JobToken, ATokenFileOthersCanReadIsRefused) {
+  TempDir dir;
+  const std::string file = dir.file("token");
+  write_file(file, "0123456789abcdef\n");
+  ASSERT_EQ(::chmod(file.c_str(), 0644), 0);
+  auto r = run_process({cohort_tool(), "run", "--token-file", file, "-n", "1", "/bin/true"}, {}, 30);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--token-file " + file + ": mode 0644"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("chmod 600 " + file), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(JobToken, EveryWorkerGetsTheTokenOfTheFile) {
+  TempDir dir;
+  const std::string file = dir.file("token");
+  write_file(file, "0123456789abcdef\n");
+  ASSERT_EQ(::chmod(file.c_str(), 0600), 0);
+  auto r = run_process({cohort_tool(), "run", "--token-file", file, "-n", "2", "/bin/sh", "-c",
+                        "echo \"$COHORT_JOB_TOKEN\" > " + dir.path() + "/seen.$RANK"},
+                       {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_file(dir.file("seen.0")), "0123456789abcdef\n");
+  EXPECT_EQ(read_file(dir.file("seen.1")), "0123456789abcdef\n");
+}
+
+}  // namespace
+}  // namespace cohort::test
