@@ -276,10 +276,12 @@ class TcpTransport final : public TransportBase {
       for (auto& h : pending) fds.push_back({h->fd.get(), POLLIN, 0});
       int n = ::poll(fds.data(), fds.size(), deadline.poll_ms(250));
       if (n <= 0) continue;
+      const size_t polled = fds.size() - 1;  // pending[i] is fds[i + 1]; those accepted now come after
       if (fds[0].revents & POLLIN) accept_pending(pending, deadline);
-      for (size_t i = 1; i < fds.size(); ++i) {
-        if (!fds[i].revents) continue;
-        Handshake& h = *pending[i - 1];
+      for (size_t i = 0; i < pending.size(); ++i) {
+        // A connection accepted just now is tried at once: its Hello has usually arrived with it.
+        if (i < polled && !fds[i + 1].revents) continue;
+        Handshake& h = *pending[i];
         if (!read_handshake(h)) {
           if (h.dialed)
             throw PeerLostError(fmt::format("rank {} ({}) at {} closed the connection during the TCP hello", h.peer,
