@@ -7,7 +7,8 @@ source "$(dirname "$0")/lib.sh"
 require_command run
 require_training_example
 ARGS=(--model mlp --lr 0.2 --train-samples 20000 --epochs 1 --checkpoint-every 10 --checkpoint-dir "$MH_TMP/ckpt")
-submit elastic -N 4 --ntasks-per-node=2 -- "srun --ntasks=4 --ntasks-per-node=1 sh -c '\"$COHORT\" run --nnodes 2:4 \
+submit elastic -N 4 --ntasks-per-node=2 -- "export COHORT_JOB_TOKEN=\$(openssl rand -hex 32)
+srun --ntasks=4 --ntasks-per-node=1 sh -c '\"$COHORT\" run --nnodes 2:4 \
 --nproc-per-node 2 --max-restarts 3 --kill-grace 2 --rdzv-conf last_call_timeout=3 --ranks-to-console 0 \
 \"$TRAIN\" ${ARGS[*]}; echo \"launcher on \$SLURMD_NODENAME exited \$?\"'"
 wait_for_line() {  # FILE TEXT SECONDS

@@ -25,6 +25,7 @@ submit fanout -N 4 --ntasks-per-node=2 -- "\"$COHORT\" run \"$TRAIN\" ${LONG[*]}
 wait_workers 8 60 fashion_mnist && kill_rank5 fanout
 
 submit pernode -N 4 --ntasks-per-node=2 -- \
-  "srun --ntasks=4 --ntasks-per-node=1 \"$COHORT\" run --nproc-per-node 2 \"$TRAIN\" ${LONG[*]}"
+  "export COHORT_JOB_TOKEN=\$(openssl rand -hex 32)
+srun --ntasks=4 --ntasks-per-node=1 \"$COHORT\" run --nproc-per-node 2 \"$TRAIN\" ${LONG[*]}"
 wait_workers 8 60 fashion_mnist && kill_rank5 pernode
 finish

@@ -35,7 +35,8 @@ wait_workers 8 60 fashion_mnist && sleep 1
 cancel_and_time "fan-out (cohort run in the batch script)"
 
 submit pernode -N 4 --ntasks-per-node=2 -- \
-  "srun --ntasks=4 --ntasks-per-node=1 \"$COHORT\" run --nproc-per-node 2 \"$TRAIN\" ${LONG[*]}"
+  "export COHORT_JOB_TOKEN=\$(openssl rand -hex 32)
+srun --ntasks=4 --ntasks-per-node=1 \"$COHORT\" run --nproc-per-node 2 \"$TRAIN\" ${LONG[*]}"
 wait_workers 8 60 fashion_mnist && sleep 1
 cancel_and_time "per-node (srun cohort run)"
 

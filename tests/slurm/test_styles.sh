@@ -30,11 +30,14 @@ expect_eq "fan-out: same accuracy as 4 ranks on one host" "$(grep -o "test accur
 expect_eq "fan-out: ssh never called" "$(cat "$MH_TMP/ssh-called" 2>/dev/null)" ""
 expect_no_job_processes 5
 
-submit pernode -N 4 --ntasks-per-node=1 -- \
-  "srun --ntasks-per-node=1 \"$COHORT\" run --nproc-per-node 1 \"$TRAIN\" ${ARGS[*]}"
+# The batch script makes the job token and srun hands it to every node's launcher (docs/slurm.md's
+# per-node template): the job runs closed, and no node says it is open.
+submit pernode -N 4 --ntasks-per-node=1 -- "export COHORT_JOB_TOKEN=\$(openssl rand -hex 32)
+srun --ntasks-per-node=1 \"$COHORT\" run --nproc-per-node 1 \"$TRAIN\" ${ARGS[*]}"
 wait_job "$JOB" 120
 out=$(cat "$MH_TMP/pernode.out")
 expect_eq "per-node job $JOB: state" "$(job_field "$JOB" JobState)" COMPLETED
+expect_not_contains "per-node: the job runs with a token" "$out" "this job is open"
 expect_eq "per-node: same accuracy as 4 ranks on one host" "$(grep -o "test accuracy: [0-9.]*" <<<"$out" | head -1)" "$single"
 expect_no_job_processes 5
 
