@@ -215,36 +215,13 @@ class TcpTransport final : public TransportBase {
   void connect(const std::vector<PeerInfo>& peers, const std::vector<bool>& use, Deadline deadline) override {
     for (int r = 0; r < size_; ++r) peers_[size_t(r)] = peers[size_t(r)];
     std::vector<std::unique_ptr<Handshake>> pending;
-    // Dial the higher ranks, rotated so that rank i starts with i+1.
-    for (int step = 1; step < size_; ++step) {
-      int j = rank_ + step;
-      if (j >= size_) break;
-      if (!use[size_t(j)]) continue;
-      net::Address addr = choose_address(j);
-      for (int c = 0; c < connections_; ++c) {
-        UniqueFd fd;
-        try {
-          fd = net::connect_tcp(addr, deadline);
-        } catch (const Error& e) {
-          throw PeerLostError(fmt::format("cannot connect to rank {} ({}) at {}: {}", j, peers_[size_t(j)].host,
-                                          addr.to_string(), e.what()));
-        }
-        auto hs = std::make_unique<Handshake>();
-        hs->dialed = true;
-        hs->peer = j;
-        hs->index = c;
-        hs->from = addr.to_string();
-        hs->my_nonce = hello::make_nonce();
-        hs->deadline = deadline;
-        Hello h{kHelloMagic, uint32_t(rank_), uint32_t(c), uint32_t(j), scope_, {}};
-        std::memcpy(h.nonce, hs->my_nonce.data(), sizeof h.nonce);
-        net::send_all(fd.get(), &h, sizeof h, deadline, fmt::format("rank {}", j));
-        net::set_nonblocking(fd.get(), true);
-        hs->fd = std::move(fd);
-        hs->need = sizeof(Challenge);
-        pending.push_back(std::move(hs));
-      }
-    }
+    // The higher ranks to dial, rotated so that rank i starts with i+1. They are dialed one peer per turn
+    // of the loop below, which serves in between what has arrived: a peer's challenge is answered, and a
+    // lower rank's hello taken, without waiting for the last dial (rank 0 of 64 dials 126 connections).
+    std::vector<int> to_dial;
+    for (int j = rank_ + 1; j < size_; ++j)
+      if (use[size_t(j)]) to_dial.push_back(j);
+    size_t dialed = 0;
     int expected = 0;  // connections from lower ranks still to be accepted
     for (int j = 0; j < rank_; ++j) expected += use[size_t(j)] ? connections_ : 0;
     std::vector<int> got(static_cast<size_t>(size_), 0);
@@ -255,15 +232,15 @@ class TcpTransport final : public TransportBase {
     net::set_nonblocking(listener_.get(), true);
     auto log_interval = slow_warning_;
     auto next_log = Deadline::Clock::now() + log_interval;
-    while (expected > 0 || dials_left() > 0) {
+    while (expected > 0 || dialed < to_dial.size() || dials_left() > 0) {
       if (deadline.expired()) throw TimeoutError("TCP connect: " + missing_connections(use, got, pending, "never connected"));
       if (Deadline::Clock::now() > next_log) {
         log::warn("waiting for TCP connections: {}", missing_connections(use, got, pending, "not connected yet"));
         log_interval *= 2;
         next_log = Deadline::Clock::now() + log_interval;
       }
-      // A handshake that outlived its deadline: an accepted one is dropped (an impostor, or a peer that
-      // died in the middle: a real peer dials again never, and is then named by the overall deadline).
+      // An accepted connection that outlived its 10 s is dropped: an impostor, or a peer that died in the
+      // middle of its hello (a rank does not dial twice: it is then named when the overall deadline passes).
       auto now = Deadline::Clock::now();
       std::erase_if(pending, [&](const std::unique_ptr<Handshake>& h) {
         if (h->dialed || h->deadline.at() > now) return false;
@@ -271,10 +248,11 @@ class TcpTransport final : public TransportBase {
                   kHelloSeconds);
         return true;
       });
+      if (dialed < to_dial.size()) dial(to_dial[dialed++], deadline, pending);
       std::vector<pollfd> fds;
       fds.push_back({listener_.get(), POLLIN, 0});
       for (auto& h : pending) fds.push_back({h->fd.get(), POLLIN, 0});
-      int n = ::poll(fds.data(), fds.size(), deadline.poll_ms(250));
+      int n = ::poll(fds.data(), fds.size(), dialed < to_dial.size() ? 0 : deadline.poll_ms(250));
       if (n <= 0) continue;
       const size_t polled = fds.size() - 1;  // pending[i] is fds[i + 1]; those accepted now come after
       if (fds[0].revents & POLLIN) accept_pending(pending, deadline);
@@ -468,6 +446,34 @@ class TcpTransport final : public TransportBase {
     }
     conns_[size_t(peer)].push_back(std::move(c));
     if (rr_.size() != size_t(size_)) rr_.assign(static_cast<size_t>(size_), 0);
+  }
+
+  // Opens this rank's connections to rank `j` and sends each its Hello; the Challenge is read in connect()'s loop.
+  void dial(int j, const Deadline& deadline, std::vector<std::unique_ptr<Handshake>>& pending) {
+    net::Address addr = choose_address(j);
+    for (int c = 0; c < connections_; ++c) {
+      UniqueFd fd;
+      try {
+        fd = net::connect_tcp(addr, deadline);
+      } catch (const Error& e) {
+        throw PeerLostError(fmt::format("cannot connect to rank {} ({}) at {}: {}", j, peers_[size_t(j)].host,
+                                        addr.to_string(), e.what()));
+      }
+      auto hs = std::make_unique<Handshake>();
+      hs->dialed = true;
+      hs->peer = j;
+      hs->index = c;
+      hs->from = addr.to_string();
+      hs->my_nonce = hello::make_nonce();
+      hs->deadline = deadline;
+      Hello h{kHelloMagic, uint32_t(rank_), uint32_t(c), uint32_t(j), scope_, {}};
+      std::memcpy(h.nonce, hs->my_nonce.data(), sizeof h.nonce);
+      net::send_all(fd.get(), &h, sizeof h, deadline, fmt::format("rank {}", j));
+      net::set_nonblocking(fd.get(), true);
+      hs->fd = std::move(fd);
+      hs->need = sizeof(Challenge);
+      pending.push_back(std::move(hs));
+    }
   }
 
   // "rank(s) 0-2 (host(s) a,b) never connected; rank(s) 5 (host(s) c) never answered the hello"
