@@ -547,15 +547,26 @@ class Server {
       staged_[w] = std::move(st);
       return saved.dump();
     } catch (const InvalidArgument&) {
-      remove_files(st);
+      abandon(w, st);
       throw;
     } catch (const std::bad_alloc&) {
-      remove_files(st);
+      abandon(w, st);
       throw InvalidArgument(fmt::format("save: {}: out of memory", path));
     } catch (const std::exception& e) {  // a row lock held past the timeout, the table's memory
-      remove_files(st);
+      abandon(w, st);
       throw InvalidArgument(fmt::format("save: {}: {}", path, e.what()));
     }
+  }
+
+  // A save this server could not write: its own files go now, but not the folder, which the other
+  // servers may still be writing into (removing it would fail them too, and their error could reach
+  // the worker before this one's); the worker's discard, which every server gets once all answered,
+  // removes it.
+  void abandon(int w, Staged& st) {
+    for (const auto& f : st.files) ::unlink(f.c_str());
+    Staged folder_only;
+    folder_only.folder = st.folder;
+    staged_[w] = std::move(folder_only);
   }
 
   static bool write_all(int fd, const char* p, size_t n) {
