@@ -94,7 +94,7 @@ class Server {
         mode_(mode),
         max_request_(max_request),
         timeout_(timeout),
-        ep_(std::move(store), prefix, roles.server_rank(index), workers_only(roles), timeout) {
+        ep_(std::move(store), prefix, roles.server_rank(index), workers_only(roles), timeout, max_request) {
     inbox_.resize(size_t(roles_.num_workers));
     clock_.assign(size_t(roles_.num_workers), 0);
     log::debug("parameter server {} of {}: {} workers, mode {}", index_, roles_.num_servers, roles_.num_workers,
@@ -121,9 +121,12 @@ class Server {
             in.payload.resize(0);
             if (std::string why = check_request_frame(in.hdr, max_request_); !why.empty()) {
               // A header that is not ours, or a payload over the limit (the client refuses those
-              // against the limit this server announced): refused, and its payload, whose size is
-              // not to be trusted or allocated, is left unread. Requests are matched by number,
-              // so the worker's next one is read as usual.
+              // against the limit this server announced): refused. Its payload, whose size is not
+              // to be trusted or allocated, is never received: whatever the worker sends under this
+              // number is thrown away as it comes (one over the limit was never buffered: the
+              // transports keep nothing over max_request that no receive asked for). Requests are
+              // matched by number, so the worker's next one is read as usual.
+              ep_.discard(roles_.worker_rank(w), Msg::kRequestPayload, in.seq);
               reply_error(w, in.seq, fmt::format("parameter server {}: {}", index_, why));
               ++in.seq;
               post_header(w);

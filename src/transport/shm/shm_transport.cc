@@ -125,6 +125,7 @@ struct Peer {
   size_t msg_total = 0;
   int target_req = -1;
   Unexpected* target_unx = nullptr;
+  bool sinking = false;  // the message being read is thrown away (Matching::dropping): not copied out
   MessageKey target_key{};
   // lifecycle
   bool bye = false;     // the peer destroyed its transport (orderly)
@@ -165,7 +166,8 @@ bool recv_hello(int sock, Hello* h, UniqueFd* memfd, UniqueFd* eventfd) {
 class ShmTransport final : public TransportBase {
  public:
   explicit ShmTransport(const TransportOptions& o)
-      : TransportBase(o.rank, o.size, "shm", kUnexpectedPoolBytes), scope_(scope_hash(o.job_scope)),
+      : TransportBase(o.rank, o.size, "shm", kUnexpectedPoolBytes, o.max_unexpected_bytes),
+        scope_(scope_hash(o.job_scope)),
         slow_warning_(o.slow_warning),
         ring_bytes_(round_up_pow2(kRingBytes.get())),
         ring_mask_(ring_bytes_ - 1), spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
@@ -465,6 +467,7 @@ class ShmTransport final : public TransportBase {
       p.hdr_got = 0;
       p.target_req = -1;
       p.target_unx = nullptr;
+      p.sinking = false;
     }
     m_.clear();
   }
@@ -615,9 +618,11 @@ class ShmTransport final : public TransportBase {
         else p.in_payload = true;
       } else {
         size_t n = std::min({avail, p.dst_left, kPublishBytes});
-        ring_get(p.in_data, tail, p.dst, n);
+        if (!p.sinking) {
+          ring_get(p.in_data, tail, p.dst, n);
+          p.dst += n;
+        }
         tail += n;
-        p.dst += n;
         p.dst_left -= n;
         // Free every piece at once, so that the producer refills while this rank copies out.
         if (n == kPublishBytes) p.in->tail.store(tail, std::memory_order_release);
@@ -672,6 +677,13 @@ class ShmTransport final : public TransportBase {
           "rank {} ({}) sent two messages with the same tag {:#x} and sub {:#x}", peer, host(peer), h.tag, h.sub))));
       return;
     }
+    if (m_.dropping(k, h.total)) {
+      p.sinking = true;
+      p.target_req = -1;
+      p.target_unx = nullptr;
+      p.dst = nullptr;
+      return;
+    }
     ++stats_unexpected_;
     stats_unexpected_bytes_ += h.total;
     Unexpected& u = m_.add_unexpected(k, h.signature, h.total);
@@ -682,6 +694,11 @@ class ShmTransport final : public TransportBase {
 
   void finish_message(int peer) {
     Peer& p = peers_[size_t(peer)];
+    if (p.sinking) {
+      p.sinking = false;
+      m_.dropped_bytes(p.target_key, p.msg_total);
+      return;
+    }
     if (p.target_req >= 0) {
       Request& r = m_[size_t(p.target_req)];
       r.done = true;

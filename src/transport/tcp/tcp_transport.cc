@@ -92,6 +92,9 @@ struct Conn {
   size_t frag_bytes = 0;
   int target_req = -1;
   Unexpected* target_unx = nullptr;
+  // The fragment being read is thrown away (Matching::dropping): its bytes go through `staging`
+  // and no further, however large the message claims to be.
+  bool sinking = false;
   MessageKey target_key{};
   // send side
   std::deque<SendItem> sendq;
@@ -134,7 +137,8 @@ std::string loopback_key() {
 class TcpTransport final : public TransportBase {
  public:
   explicit TcpTransport(const TransportOptions& o)
-      : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get())), scope_(scope_hash(o.job_scope)),
+      : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get()), o.max_unexpected_bytes),
+        scope_(scope_hash(o.job_scope)),
         slow_warning_(o.slow_warning),
         connections_(int(std::max<int64_t>(1, kConnections.get()))),
         split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())),
@@ -309,6 +313,7 @@ class TcpTransport final : public TransportBase {
         c->midstream = c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0);
         c->sendq.clear();
         c->in_payload = false;
+        c->sinking = false;
       }
     }
     m_.clear();
@@ -500,7 +505,7 @@ class TcpTransport final : public TransportBase {
     for (;;) {
       if (failed_) return;
       ssize_t n;
-      if (c.in_payload) {
+      if (c.in_payload && !c.sinking) {
         if (c.st_begin == c.st_end) c.st_begin = c.st_end = 0;
         iovec iov[2] = {{c.dst, c.dst_left}, {c.staging.get() + c.st_end, kStagingBytes - c.st_end}};
         n = ::readv(c.fd.get(), iov, iov[1].iov_len ? 2 : 1);
@@ -564,6 +569,14 @@ class TcpTransport final : public TransportBase {
   }
 
   void parse_staging(Conn& c) {
+    if (c.in_payload && c.sinking) {  // what came of a fragment thrown away: skipped
+      size_t skip = std::min(c.dst_left, c.st_end - c.st_begin);
+      c.st_begin += skip;
+      c.dst_left -= skip;
+      if (c.dst_left > 0) return;
+      c.in_payload = false;
+      finish_fragment(c);
+    }
     while (!c.in_payload && !failed_ && c.st_end - c.st_begin >= sizeof(WireHeader)) {
       WireHeader h;
       std::memcpy(&h, c.staging.get() + c.st_begin, sizeof h);
@@ -589,9 +602,11 @@ class TcpTransport final : public TransportBase {
       }
       if (failed_) return;
       size_t avail = std::min(c.dst_left, c.st_end - c.st_begin);
-      if (avail) std::memcpy(c.dst, c.staging.get() + c.st_begin, avail);
+      if (avail && !c.sinking) {
+        std::memcpy(c.dst, c.staging.get() + c.st_begin, avail);
+        c.dst += avail;
+      }
       c.st_begin += avail;
-      c.dst += avail;
       c.dst_left -= avail;
       if (c.dst_left == 0) {
         finish_fragment(c);
@@ -618,6 +633,17 @@ class TcpTransport final : public TransportBase {
       c.target_req = int(it->second);
       c.target_unx = nullptr;
       c.dst = r.data + h.offset;
+      return;
+    }
+    if (Dropped* d = m_.dropping(k, h.total)) {
+      if (d->total != h.total) {
+        conn_error(c, "protocol error: fragments of one message disagree on its size");
+        return;
+      }
+      c.sinking = true;
+      c.target_req = -1;
+      c.target_unx = nullptr;
+      c.dst = nullptr;
       return;
     }
     Unexpected* u;
@@ -682,6 +708,11 @@ class TcpTransport final : public TransportBase {
         case ErrorClass::kMismatch: fail(std::make_exception_ptr(MismatchError(msg))); break;
         default: fail(std::make_exception_ptr(AbortedError(msg))); break;
       }
+      return;
+    }
+    if (c.sinking) {
+      c.sinking = false;
+      m_.dropped_bytes(c.target_key, c.frag_bytes);
       return;
     }
     if (c.target_req >= 0) {
