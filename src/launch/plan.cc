@@ -27,6 +27,7 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "launch/ray.h"
+#include "launch/trace_dirs.h"
 
 namespace cohort::launch {
 namespace {
@@ -263,7 +264,7 @@ void set_observability(Plan& p, const Options& o, const EnvMap& env) {
   std::string dir = !o.trace_dir.empty() ? o.trace_dir : get("COHORT_TRACE_DIR");
   if (dir.empty()) {
     std::string tmp = get("TMPDIR");
-    dir = fmt::format("{}/cohort-{}", tmp.empty() ? "/tmp" : tmp, p.job_id);
+    dir = default_trace_dir(tmp.empty() ? "/tmp" : tmp, p.job_id);
     p.trace_dir_default = true;
   }
   p.trace_dir = absolute(dir);
