@@ -1404,7 +1404,7 @@ std::string describe_ray(const Plan& p, const EnvMap& env) {
       const int process = node.first_rank + l;
       WorkerSlot slot{process, l, node.nproc, node.node_rank, {}};
       std::vector<std::string> kv;
-      for (const auto& [k, v] : worker_env(p, slot, "", 0, "", 0, env)) kv.push_back(k + "=" + v);
+      for (const auto& [k, v] : worker_env(p, slot, "", 0, "", 0, env)) kv.push_back(k + "=" + env::shown_value(k, v));
       std::vector<std::string> argv;
       if (p.is_ray_driver(process)) {
         argv = worker_argv(p, process);
@@ -1527,7 +1527,7 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
       WorkerSlot slot{node.first_rank + l, l, node.nproc, node.node_rank, assigned[l]};
       auto vars = worker_env(p, slot, store_addr, 0, "<token>", 0, env);
       std::vector<std::string> kv;
-      for (const auto& [k, v] : vars) kv.push_back(k + "=" + v);
+      for (const auto& [k, v] : vars) kv.push_back(k + "=" + env::shown_value(k, v));
       s += fmt::format("  {} (local {}){} cpus {}: {}\n", p.process_name(slot.rank), l,
                        assigned[l].device >= 0 ? " " + assigned[l].description + "," : "",
                        bindings[l].empty() ? "any" : str::format_ranges(bindings[l]), str::join(kv, " "));
