@@ -7,9 +7,12 @@
 //    lie within the payload, its table name is a valid one, its configuration passes validate(), and
 //    a pull's reply fits the limit; a request whose header the frame check refuses is refused;
 //  - an accepted reply's payload is the size its request gets;
+//  - an accepted attach request names a valid table, a socket name of 1 to 107 bytes without NUL
+//    (read from its JSON payload) and a process id;
 //  - an accepted manifest or shard header holds counts in range and configurations validate() takes;
 //  - every refusal is one line of printable ASCII, and a refusal's text as a worker shows it one line.
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -93,9 +96,22 @@ void request(const uint8_t* data, size_t size, bool keep_claim) {
       break;
     case Op::kSave:
     case Op::kLoad:
-    case Op::kAttach:
       check(!r.text.empty() && r.text.size() == n && r.text.find('\0') == std::string::npos);
-      check(r.text.size() <= (r.op == Op::kAttach ? kMaxSocketName : kMaxPathBytes));
+      check(r.text.size() <= kMaxPathBytes);
+      break;
+    case Op::kAttach:
+      // The payload is a JSON object {"socket", "pid"}: the socket's name is one of its fields, not
+      // the payload itself.
+      check(check_table_name(r.table).empty());
+      check(n >= 1 && n <= kMaxJsonBytes);
+      check(!r.text.empty() && r.text.size() <= kMaxSocketName && r.text.find('\0') == std::string::npos);
+      check(r.pid > 0 && r.pid <= (int64_t{1} << 22));
+      // Once per run, so that a test can see the seeds reach the attach decoder's success path
+      // (fuzz/CMakeLists.txt: fuzz.ps_wire_attach_seed).
+      if (static bool said = false; !said) {
+        said = true;
+        std::fprintf(stderr, "ps_wire_fuzz: decoded an attach request\n");
+      }
       break;
     case Op::kDescribe:
     case Op::kStats:
@@ -131,6 +147,7 @@ void manifest(std::string_view text) {
     check_refusal(why);
   } else {
     check(m.servers >= 1 && m.servers <= kMaxServers);
+    check(m.shards.empty() || check_table_name(m.shards).empty());  // one name within the save's directory
     for (auto& [name, c] : m.tables) {
       check(check_table_name(name).empty());
       check_config(name, c);

@@ -1,8 +1,8 @@
-// libFuzzer target: the checks of the shared-memory hand-off messages (src/transport/shm/handoff.cc):
+// libFuzzer target: the checks of the shared-memory hand-off messages (src/transport/shm/handoff_wire.cc):
 // the segment hello local rank 0 reads from whoever connects to its abstract socket
-// (handoff::check_segment_hello), the point-to-point hello of the shm transport
-// (handoff::check_p2p_hello), and where a peer's ring lies in the memfd it handed over
-// (handoff::p2p_ring_offset). An abstract socket has no permissions: any process of the host may send
+// (handoff_wire::check_segment_hello), the point-to-point hello of the shm transport
+// (handoff_wire::check_p2p_hello), and where a peer's ring lies in the memfd it handed over
+// (handoff_wire::p2p_ring_offset). An abstract socket has no permissions: any process of the host may send
 // these. The input's first byte picks the message; then the receiver's situation, then the bytes sent.
 // Invariants checked beyond "no crash, no sanitizer report":
 //  - an accepted segment hello names a local rank in [1, local size) and the receiver's sizes;
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <string>
 
-#include "transport/shm/handoff.h"
+#include "transport/shm/handoff_wire.h"
 
 using namespace cohort::shm;
 
@@ -45,22 +45,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (which == 0) {
     const int32_t local_size = take<int32_t>(p, n);
     const uint64_t bytes = take<uint64_t>(p, n);
-    handoff::SegmentHello h{};
-    const std::string why = handoff::check_segment_hello(p, n, local_size, bytes, &h);
+    handoff_wire::SegmentHello h{};
+    const std::string why = handoff_wire::check_segment_hello(p, n, local_size, bytes, &h);
     if (why.empty()) {
       check(n == sizeof h && local_size > 1);
       check(h.local_rank >= 1 && h.local_rank < uint32_t(local_size) && h.local_size == uint32_t(local_size));
-      check(h.bytes == bytes && h.magic == handoff::kSegmentHelloMagic);
+      check(h.bytes == bytes && h.magic == handoff_wire::kSegmentHelloMagic);
     } else {
       check(why.find('\n') == std::string::npos);
     }
   } else if (which == 1) {
     const uint64_t scope = take<uint64_t>(p, n);
     const uint64_t ring_bytes = take<uint64_t>(p, n);
-    handoff::P2pHello h{};
-    const std::string why = handoff::check_p2p_hello(p, n, scope, ring_bytes, &h);
+    handoff_wire::P2pHello h{};
+    const std::string why = handoff_wire::check_p2p_hello(p, n, scope, ring_bytes, &h);
     if (why.empty()) {
-      check(n == sizeof h && h.scope == scope && h.ring_bytes == ring_bytes && h.magic == handoff::kP2pHelloMagic);
+      check(n == sizeof h && h.scope == scope && h.ring_bytes == ring_bytes && h.magic == handoff_wire::kP2pHelloMagic);
     } else {
       check(why.find('\n') == std::string::npos);
     }
@@ -69,7 +69,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint64_t map_bytes = take<uint64_t>(p, n);
     const uint64_t stride = take<uint64_t>(p, n);
     const uint16_t line = take<uint16_t>(p, n);
-    if (auto offset = handoff::p2p_ring_offset(slot, map_bytes, stride, line)) {
+    if (auto offset = handoff_wire::p2p_ring_offset(slot, map_bytes, stride, line)) {
       check(stride > 0 && *offset >= line && (*offset - line) % stride == 0 && (*offset - line) / stride == slot);
       check(*offset <= map_bytes && map_bytes - *offset >= stride);
     }

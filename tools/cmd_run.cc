@@ -222,9 +222,11 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   std::string npernode, map_by, rank_by;
   app.add_option("-N,--npernode", npernode, "processes per node (mpirun's -N/-npernode; the same as --nproc-per-node)")
       ->group(mpirun_group);
-  app.add_option("--map-by", map_by, "mpirun's placement: slot, ppr:N:node, core, socket or numa (docs/launcher.md)")
+  app.add_option("--map-by", map_by, "mpirun's placement: slot, node (round robin over the hosts), ppr:N:node, core, "
+                 "socket or numa (docs/launcher.md)")
       ->group(mpirun_group);
-  app.add_option("--rank-by", rank_by, "mpirun's rank order: slot (ranks in placement order, host by host)")
+  app.add_option("--rank-by", rank_by, "mpirun's rank order: slot (each host's ranks in turn) or node (round robin "
+                 "over the hosts; the default after --map-by node)")
       ->group(mpirun_group);
   app.add_flag("--report-bindings", o.report_bindings, "print each rank's CPU binding on stderr as it starts (mpirun's --report-bindings)")
       ->group(mpirun_group);
@@ -375,10 +377,7 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   apply_mca(mca, o, no_abort);
   o.abort_on_failure = !no_abort;
   if (app.count("--timeout")) o.timeout_s = seconds_flag("--timeout", timeout);
-  if (app.count("--rank-by") && rank_by != "slot")
-    throw ConfigError(fmt::format("--rank-by {}: cohort numbers ranks in placement order, host by host (mpirun's "
-                                  "--rank-by slot, the default); supported: slot",
-                                  rank_by));
+  if (app.count("--rank-by")) o.rank_by = rank_by;
   if (app.count("--wdir")) {
     // As mpirun -wdir: the workers run in DIR. The launcher works from there too (after reading the
     // hostfile), so that PROGRAM and every other relative path mean what they mean to the workers.

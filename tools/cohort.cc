@@ -101,11 +101,7 @@ int main(int argc, char** argv) {
   try {
     return commands()[name].fn(std::move(rest));
   } catch (const cohort::ConfigError& e) {
-    // A worker's own exit code 2 (argparse's, for a bad argument) ends a job with the same code: the
-    // commands that start workers say that this 2 is theirs (the job summary says the other).
-    const bool starts_workers = name == "run" || name == "launch";
-    fmt::print(stderr, "cohort {}: {}{}\n", name, e.what(),
-               starts_workers ? fmt::format(" (exit 2: cohort {}'s own input; no worker started)", name) : "");
+    fmt::print(stderr, "cohort {}: {}\n", name, e.what());
     return 2;
   } catch (const cohort::InvalidArgument& e) {
     fmt::print(stderr, "cohort {}: {}\n", name, e.what());

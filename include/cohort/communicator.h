@@ -155,6 +155,22 @@ class Communicator {
   // ordinary memory. Valid while the returned pointer (or a copy of it) lives.
   virtual std::shared_ptr<void> allocate_shared(size_t bytes);
 
+  // ---- an in-place allreduce for buffers the caller did not allocate (the PyTorch backend) ----
+  // Collective: allreduce(buf, buf, count, dtype, op), where each rank's buffer may lie in
+  // allocate_shared memory or not, whatever the peers' do. When every rank passes the same range of one
+  // allocate_shared buffer it runs in place on the shared memory; where they differ it stages, as for
+  // ordinary memory (a plain allreduce would throw MismatchError). One call, one operation: the ranks
+  // learn each other's buffers from the call's own signature, with no collective of their own.
+  // `want_shared`: this rank would like its buffer to live in memory the peers map (it is reduced again
+  // and again, and `count` elements are all of it). When every rank asks for it and the call did not
+  // run in place, the call ends with a collective allocate_shared of count * dtype_size(dtype) bytes on
+  // every rank and returns that memory (the caller copies its buffer there and reduces it there from
+  // then on: in place, on every rank that did the same); otherwise, and on communicators whose
+  // allocate_shared gives ordinary memory, it returns null. Every rank calls this, not allreduce, for
+  // the same operation (the variant is part of the call's signature).
+  virtual std::shared_ptr<void> allreduce_shareable(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                                    bool want_shared);
+
   // ---- a gradient reduction fused with the optimizer's step ----
   // update(offset, count, reduced, params): applies an optimizer's step to params[0, count) from the
   // reduced gradients reduced[0, count), both starting at element `offset` of the whole buffer. It must

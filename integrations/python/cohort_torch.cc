@@ -448,14 +448,21 @@ class CohortWork : public c10d::Work {
 // every step, and an unmodified script cannot allocate them itself, so the backend moves a tensor's
 // storage there once it has seen that storage in an earlier large allreduce: the contents are copied
 // and the storage's data pointer is swapped (every view of it follows, as with share_memory_()).
-// Only storages from torch's CPU allocator move (never memory torch borrowed, e.g. from numpy), and
-// only up to kMaxBytes: the old memory is kept until the storage dies, because a raw pointer taken
-// before the move (t.numpy(), a C++ data_ptr()) must stay valid (it just no longer sees new results).
+// Only storages from torch's CPU allocator move (never memory torch borrowed, e.g. from numpy), only
+// when the tensor is all of its storage, and only up to kMaxBytes: the old memory is kept until the
+// storage dies, because a raw pointer taken before the move (t.numpy(), a C++ data_ptr()) must stay
+// valid (it just no longer sees new results).
 //
-// Whether to move, and whether every rank's tensor is already there, must be the same decision on
-// every rank (allocate_shared is collective, and the in-place path needs every rank on it): before
-// each large allreduce the ranks combine four facts with one small allreduce (min).
-// COHORT_TORCH_SHARE_STORAGE=0 turns it off.
+// Every rank must take the same path (the in-place one reads and writes the peers' memory) and move
+// together (allocation is collective), yet each rank knows only its own tensor. No collective of its
+// own decides it: every allreduce goes through Communicator::allreduce_shareable, whose ranks see in
+// the call's own signature whether all of them passed the same range of one shared allocation (then
+// in place; otherwise staged) and whether all of them asked to move (then the call ends with the
+// allocation, and every rank moves its storage there). A rank asks when its tensor is a whole storage
+// it has seen before, or one that already moved (so that ranks whose moved storages no longer line up
+// move again, together). So each allreduce of the user is one operation of the communicator: its
+// number in errors, `cohort trace` and `--stats` is the user's count. COHORT_TORCH_SHARE_STORAGE=0
+// turns it off (plain allreduces, nothing moves).
 class SharedStorage {
  public:
   static constexpr size_t kMinBytes = size_t{256} << 10;
@@ -467,33 +474,27 @@ class SharedStorage {
                comm.options().transport != "tcp";
   }
 
-  // The allreduce of `buf` (the user's own contiguous tensor), in place. Runs on the worker thread.
-  void allreduce(const at::Tensor& buf, cohort::DataType dtype, cohort::ReduceOp op) {
+  // The allreduce of `buf`, a contiguous tensor, in place: the user's own (`users`), or a staging copy,
+  // which never moves. Runs on the worker thread. Every dense allreduce of the group comes here,
+  // whatever its size: the ranks' calls must all be shareable ones, or all plain ones.
+  void allreduce(const at::Tensor& buf, bool users, cohort::DataType dtype, cohort::ReduceOp op) {
     const size_t count = static_cast<size_t>(buf.numel());
-    if (!enabled_ || buf.nbytes() < kMinBytes) return comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
+    if (!enabled_) return comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
     c10::StorageImpl* storage = buf.storage().unsafeGetStorageImpl();
     const c10::DataPtr& data = storage->data_ptr();
     const bool shared = data.get_deleter() == &release;
-    const bool movable = shared || (data.get_deleter() == c10::GetCPUAllocator()->raw_deleter() &&
-                                    storage->nbytes() <= kMaxBytes);
+    // A whole storage: then its size is count * element size on every rank (both are compared), so
+    // the ranks' allocations agree, and each moved tensor sits at the start of its part.
+    const bool whole = buf.storage_offset() == 0 && storage->nbytes() == buf.nbytes();
+    const bool movable = users && whole && buf.nbytes() >= kMinBytes &&
+                         (shared || (data.get_deleter() == c10::GetCPUAllocator()->raw_deleter() &&
+                                     storage->nbytes() <= kMaxBytes));
     const auto seen = seen_.find(storage);
     const bool seen_before = seen != seen_.end() && !seen->second.expired();
-    const int64_t bytes = static_cast<int64_t>(storage->nbytes());
-    const int64_t offset = static_cast<int64_t>(buf.storage_offset()) * static_cast<int64_t>(buf.element_size());
-    // min over ranks of: shared, wants to move, storage size, -size, offset, -offset.
-    int64_t f[6] = {shared, movable && (shared || seen_before), bytes, -bytes, offset, -offset};
-    comm_.allreduce(f, f, 6, cohort::DataType::kInt64, cohort::ReduceOp::kMin);
-    const bool same_layout = f[2] == -f[3] && f[4] == -f[5];
-    if (f[0] == 1 && same_layout) return comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
-    if (shared) {
-      // Mine is shared, a peer's is not: reduce a private copy so that the group stages it.
-      at::Tensor copy = buf.clone();
-      comm_.allreduce(copy.data_ptr(), copy.data_ptr(), count, dtype, op);
-      buf.copy_(copy);
-    } else {
-      comm_.allreduce(buf.data_ptr(), buf.data_ptr(), count, dtype, op);
-    }
-    if (f[1] == 1 && same_layout) return move(storage);
+    std::shared_ptr<void> memory =
+        comm_.allreduce_shareable(buf.data_ptr(), count, dtype, op, movable && (shared || seen_before));
+    if (memory) return move(storage, std::move(memory));
+    if (!movable || shared) return;
     if (seen_.size() >= 256) std::erase_if(seen_, [](const auto& entry) { return entry.second.expired(); });
     if (seen_.size() >= 4096) seen_.clear();  // live tensors forgotten here only move one call later
     seen_.insert_or_assign(storage, buf.storage().getWeakStorageImpl());
@@ -507,10 +508,9 @@ class SharedStorage {
   };
   static void release(void* context) { delete static_cast<Moved*>(context); }
 
-  void move(c10::StorageImpl* storage) {
-    const size_t bytes = storage->nbytes();
-    std::shared_ptr<void> memory = comm_.allocate_shared(bytes);
-    std::memcpy(memory.get(), storage->data_ptr().get(), bytes);
+  // Moves `storage` into `memory` (its size, from allreduce_shareable), after the call that gave it.
+  void move(c10::StorageImpl* storage, std::shared_ptr<void> memory) {
+    std::memcpy(memory.get(), storage->data_ptr().get(), storage->nbytes());
     void* target = memory.get();
     auto* moved = new Moved{std::move(memory), c10::DataPtr()};
     // Views read the storage's pointer on every access, so they follow; the old memory goes into the
@@ -597,8 +597,8 @@ class ProcessGroupCohort : public BaseGroup {
     Staged t(tensors[0]);
     return enqueue(opts.timeout, c10d::OpType::ALLREDUCE, tensors, [this, t, dtype, op] {
       if (t.count() == 0) return;
-      if (t.buf.is_same(t.user)) return shared_storage_.allreduce(t.buf, dtype, op);
-      comm_->allreduce(t.data(), t.data(), t.count(), dtype, op);
+      // A staged copy (a non-contiguous tensor) goes the same way: a peer's tensor may be contiguous.
+      shared_storage_.allreduce(t.buf, t.buf.is_same(t.user), dtype, op);
       t.copy_back();
     });
   }
@@ -986,6 +986,13 @@ class ProcessGroupCohort : public BaseGroup {
   // which torch's own tests and users' scripts match. torch's front end calls this only for gloo: the
   // wrapper installed at import (install_monitored_barrier) lets it reach cohort groups too. A failed
   // barrier leaves the communicator usable; its late messages land in buffers kept for them.
+  //
+  // Every barrier is one message each way between rank 0 and every other rank, failed or not: the
+  // messages match by their order under one tag, so a barrier where rank 0 sent nothing would leave
+  // each other rank's posted receive to take the next barrier's release, and every later barrier
+  // would wait for a message that never comes. So rank 0 always answers every rank, with its verdict
+  // (MonitoredBarrierState): the ranks it failed then fail as well, as with gloo, the late ones as
+  // soon as they arrive.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
     std::optional<py::gil_scoped_release> no_gil;
     if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
@@ -1005,15 +1012,30 @@ class ProcessGroupCohort : public BaseGroup {
                       "for send/recv from rank 0 within ", timeout.count(), " ms", cause_of(state->works),
                       ". Please check rank 0 logs for faulty rank.");
         }
+        if (const int64_t verdict = state->tokens[1]; verdict != kBarrierPassed) {
+          TORCH_CHECK(false, "Rank ", rank_, " successfully reached monitoredBarrier, but received errors while waiting ",
+                      "for send/recv from rank 0: rank 0 failed this barrier (",
+                      verdict > 0 ? "rank " + std::to_string(verdict) + " did not pass it in time"
+                                  : std::string("it timed out or met an error"),
+                      "). Please check rank 0 logs for faulty rank.");
+        }
         return;
       }
       for (int r = 1; r < size_; ++r)
         state->works.push_back(comm_->recv_async(&state->tokens[r], 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+      // Sends `verdict` to every other rank (finished with the communicator's later progress where a
+      // rank is late or gone) and keeps the barrier's buffers.
+      auto answer_all = [&](int64_t verdict) {
+        state->verdict = verdict;
+        for (int r = 1; r < size_; ++r)
+          state->works.push_back(comm_->send_async(&state->verdict, 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+        keep(state);
+      };
       std::vector<int> failed;
       std::vector<int> processed;
       for (int r = 1; r < size_; ++r) {
         if (Clock::now() >= deadline && !wait_all_ranks) {
-          keep(state);
+          answer_all(r);
           TORCH_CHECK(false, "Rank 0 timed out in monitoredBarrier after ", elapsed_ms(), " ms.",
                       processed.empty() ? "" : " Successfully processed ranks: " + join_ranks(processed));
         }
@@ -1023,25 +1045,24 @@ class ProcessGroupCohort : public BaseGroup {
           continue;
         }
         if (!wait_all_ranks) {
-          keep(state);
+          answer_all(r);
           TORCH_CHECK(false, "[Rank 0]: Rank ", r, " failed to pass monitoredBarrier in ", timeout.count(), " ms",
                       cause_of(one));
         }
         failed.push_back(r);
       }
       if (!failed.empty()) {
-        keep(state);
+        answer_all(failed.front());
         TORCH_CHECK(false, "[Rank 0]: Ranks ", join_ranks(failed), " failed to pass monitoredBarrier in ", timeout.count(),
                     " ms");
       }
-      std::vector<std::shared_ptr<cohort::Work>> releases;
-      for (int r = 1; r < size_; ++r)
-        releases.push_back(comm_->send_async(&state->tokens[0], 1, cohort::DataType::kInt64, r, kMonitoredBarrierTag));
+      const size_t first_release = state->works.size();
+      answer_all(kBarrierPassed);
       // A released rank that has gone since is its own problem, not this barrier's: the sends are left
       // to finish with the communicator's next progress.
+      const std::vector<std::shared_ptr<cohort::Work>> releases(state->works.begin() + long(first_release),
+                                                                state->works.end());
       finish_by(releases, Clock::now() + timeout);
-      state->works.insert(state->works.end(), releases.begin(), releases.end());
-      keep(state);
     } catch (const cohort::Error& e) {
       keep(state);
       TORCH_CHECK(false, "cohort backend: monitored_barrier on rank ", rank_, ": ", e.what());
@@ -1220,9 +1241,13 @@ class ProcessGroupCohort : public BaseGroup {
   // monitored_barrier's messages: a tag no script is likely to use (torch's tags are ints; this is
   // INT32_MIN + 0x4D42, "MB").
   static constexpr uint32_t kMonitoredBarrierTag = 0x80004D42u;
+  // Rank 0's answer to the others: kBarrierPassed, or the barrier failed: the first rank it did not
+  // hear from in time (> 0), or -1 where it failed otherwise (an error of the communicator).
+  static constexpr int64_t kBarrierPassed = 0;
   struct MonitoredBarrierState {
     explicit MonitoredBarrierState(int size) : tokens(static_cast<size_t>(size), 0) {}
-    std::vector<int64_t> tokens;  // what the messages carry (nothing: they only arrive)
+    std::vector<int64_t> tokens;  // what arrives: rank 0 from rank r in tokens[r]; rank r's verdict in tokens[1]
+    int64_t verdict = kBarrierPassed;  // rank 0: what it sends every other rank
     std::vector<std::shared_ptr<cohort::Work>> works;
   };
   // Polls `works` (each test() moves the transports along) until all ended or `deadline`. True when all

@@ -4,7 +4,8 @@
         build/tools/cohort run --ps 1 --nproc-per-node 2 /usr/bin/python3 integrations/python/ps_smoke.py
 
 Every worker declares the same tables, pushes gradients it knows, pulls the rows back and checks
-them; each prints "ps_smoke: worker W of N OK" (exit status 0) or fails with a traceback. It holds
+them; worker 0 saves, changes and loads the tables, and every worker waits for that check's result.
+Each prints "ps_smoke: worker W of N OK" (exit status 0) or fails with a traceback. It holds
 under every consistency mode (--ps-mode async, bsp, stale:K): every worker ends the same number of
 steps, a worker checks only its own rows directly, and the row every worker pushes to is polled
 until all the pushes are in. With --ps-server program the servers run this script too: they serve.
@@ -148,8 +149,20 @@ def main():
             close(ps.pull("sgd", [base, base + 1, 7]), before, "rows after save, push, load")
             shutil.rmtree(d)
 
+        # 9. Worker 0's save/load check is every worker's result: worker 0 adds 1 to a row once that
+        #    check passed, and no worker says OK before it reads it (one that did would call the job
+        #    good while worker 0 failed). A worker 0 that fails exits non-zero, which stops the job.
+        ps.create_table("saved", dim=1, dense=True, rows=1, optimizer="sgd", lr=1.0)
+        if w == 0:
+            ps.push("saved", [0], np.array([-1.0], dtype=np.float32))
+        ps.step()
+        deadline = time.monotonic() + 60
+        while ps.pull("saved", [0])[0, 0] < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        close(ps.pull("saved", [0]), [[1]], "worker 0's mark that its save, push, load check passed")
+
         clock = ps.clock()
-        check(clock == 5, f"clock() is {clock} after 5 steps")
+        check(clock == 6, f"clock() is {clock} after 6 steps")
     check(ps.closed, "the client is not closed after `with`")
     raises(ValueError, lambda: ps.step(), "a call on a closed client")
     print(f"ps_smoke: worker {w} of {n} OK (mode {mode})", flush=True)

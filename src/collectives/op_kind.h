@@ -33,6 +33,9 @@ const char* op_kind_name(OpKind k);
 // Bits of a signature's flags (transport::Signature::flags, shm::CallSignature::flags): variants of an
 // operation that peers must agree on as much as on its kind.
 inline constexpr uint8_t kOpFlagParameterUpdate = 1;  // an allreduce fused with a parameter update
+// An in-place allreduce whose ranks may pass shared memory or not, each on its own
+// (Communicator::allreduce_shareable): staged where they differ, instead of a mismatch.
+inline constexpr uint8_t kOpFlagShareable = 2;
 
 constexpr bool is_collective(OpKind k) { return k >= OpKind::kAllreduce && k <= OpKind::kBarrier; }
 // The collectives with a root rank.

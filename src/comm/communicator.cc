@@ -1,5 +1,5 @@
 // Communicator::create: validates, applies the COHORT_* overrides and bootstraps; the defaults of
-// allocate_shared and allreduce_update.
+// allocate_shared, allreduce_shareable and allreduce_update.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -36,6 +36,13 @@ std::shared_ptr<void> Communicator::allocate_shared(size_t bytes) {
   if (!p) throw std::bad_alloc();
   std::memset(p, 0, size);
   return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+}
+
+std::shared_ptr<void> Communicator::allreduce_shareable(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                                       bool /*want_shared*/) {
+  // Any communicator: a plain in-place allreduce, and no memory the peers map.
+  allreduce(buf, buf, count, dtype, op);
+  return nullptr;
 }
 
 void Communicator::allreduce_update(float* grads, float* params, size_t count, ReduceOp op,

@@ -1,6 +1,7 @@
 #include "comm/communicator_impl.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include "common/affinity.h"
 #include "comm/shm_path.h"
 #include "common/env.h"
+#include "common/handoff.h"
 #include "common/log.h"
 #include "common/strings.h"
 
@@ -231,6 +233,10 @@ void CommunicatorImpl::bootstrap() {
   // store, not a list of every CPU.
   mine["cpus"] = str::format_ranges(affinity::allowed_cpus());
   for (auto& t : transports_) mine["transports"][t->name()] = t->descriptor();
+  // This rank's process, which peers on its host check before they hand it memory or take theirs
+  // (common/handoff.h). A pid names a process only in its pid namespace, so that goes with it.
+  mine["pid"] = ::getpid();
+  mine["pidns"] = handoff::pid_namespace();
   store_->set("peer/" + std::to_string(rank_), mine.dump());
 
   // Read everyone, in batches; while waiting, say who is missing (after COHORT_SLOW_WARNING, then at a
@@ -303,6 +309,21 @@ void CommunicatorImpl::bootstrap() {
     }
   }
   topology_ = Topology::build(rank_, ids);
+  // Each rank's process as it published it; 0 where it cannot be checked from here (another pid
+  // namespace, or an entry without one): then any process of this user may stand for it.
+  std::vector<int> pids(static_cast<size_t>(size_), 0);
+  const std::string my_pidns = handoff::pid_namespace();
+  for (int r = 0; r < size_; ++r) {
+    const nlohmann::json& e = published[size_t(r)];
+    if (e.contains("pid") && e["pid"].is_number_integer() && e.value("pidns", std::string()) == my_pidns &&
+        !my_pidns.empty())
+      pids[size_t(r)] = e["pid"].get<int>();
+  }
+  auto local_pids = [&](const std::vector<int>& host_ranks) {
+    std::vector<int> out;
+    for (int r : host_ranks) out.push_back(pids[size_t(r)]);
+    return out;
+  };
   {
     // Waits yield only where the ranks on this machine share CPUs (an entry without "cpus": unknown,
     // shares). This machine: the same boot id, so the hosts that tests simulate in network namespaces
@@ -354,6 +375,7 @@ void CommunicatorImpl::bootstrap() {
       peers[size_t(r)].host = ids[size_t(r)].hostname;
       auto& tr = published[size_t(r)]["transports"];
       if (tr.contains(t->name())) peers[size_t(r)].descriptor = tr[t->name()].get<std::string>();
+      peers[size_t(r)].pid = pids[size_t(r)];
       use[size_t(r)] = r != rank_ && route_[size_t(r)] == t.get() && (connect_to_.empty() || connect_to_[size_t(r)]);
     }
     t->connect(peers, use, deadline);
@@ -370,7 +392,8 @@ void CommunicatorImpl::bootstrap() {
   const bool shm_collectives =
       kShmCollectives.get() && options_.transport != "tcp";
   if (size_ > 1 && topology_.all_local() && shm_collectives) {
-    shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout);
+    shm_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size, "shm-group", options_.timeout,
+                                    local_pids(topology_.hosts.front()));
     probe_link(*shm_group_);  // before the communicator's watch: no operation of its own runs yet
     install_shm_semantics(*shm_group_, topology_.hosts.front());
     log::debug("communicator '{}': all {} ranks on one host, collectives over shared memory", prefix_, size_);
@@ -396,7 +419,8 @@ void CommunicatorImpl::bootstrap() {
     {
       const int host = topology_.host_of_rank[size_t(rank_)];
       host_group_ = shm::Group::create(*store_, topology_.local_rank, topology_.local_size,
-                                       fmt::format("shm-group/host{}", host), options_.timeout);
+                                       fmt::format("shm-group/host{}", host), options_.timeout,
+                                       local_pids(topology_.hosts[size_t(host)]));
       probe_link(*host_group_);
       install_shm_semantics(*host_group_, topology_.hosts[size_t(host)]);
       std::vector<int> members, ring;  // the rank with my local rank on every host, in host order
@@ -912,6 +936,19 @@ void CommunicatorImpl::allreduce_update(float* grads, float* params, size_t coun
   OpDesc d{OpKind::kAllreduce, DataType::kFloat32, op, 0, count, count * sizeof(float)};
   d.flags = coll::kOpFlagParameterUpdate;  // a peer calling a plain allreduce here mismatches
   run_blocking(d, [&] { algo::allreduce_update(*this, grads, params, count, op, update); });
+}
+
+std::shared_ptr<void> CommunicatorImpl::allreduce_shareable(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                                           bool want_shared) {
+  validate_dtype_op(dtype, op, true);
+  validate_buffer(buf, count, "buf");
+  OpDesc d{OpKind::kAllreduce, dtype, op, 0, count, count * dtype_size(dtype)};
+  d.flags = coll::kOpFlagShareable;  // a peer calling a plain allreduce here mismatches
+  // The request is only worth passing on where allocate_shared gives memory the peers map.
+  want_shared = want_shared && one_pass_update();
+  std::shared_ptr<void> memory;
+  run_blocking(d, [&] { memory = algo::allreduce_shareable(*this, buf, count, dtype, op, want_shared); });
+  return memory;
 }
 
 bool CommunicatorImpl::one_pass_update() const {

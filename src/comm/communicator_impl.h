@@ -126,6 +126,8 @@ class CommunicatorImpl final : public Communicator,
   std::shared_ptr<Communicator> subgroup(const std::vector<int>& ranks) override;
   void abort(const std::string& reason) override;
   std::shared_ptr<void> allocate_shared(size_t bytes) override;
+  std::shared_ptr<void> allreduce_shareable(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                            bool want_shared) override;
   void allreduce_update(float* grads, float* params, size_t count, ReduceOp op,
                         const ParameterUpdate& update) override;
   bool one_pass_update() const override;

@@ -61,6 +61,16 @@ inline void allreduce(CommunicatorImpl& c, const void* send, void* recv, size_t 
   coll::allreduce(c, send, recv, count, dtype, op);
 }
 
+// On an all-local communicator the group decides, from the ranks' published signatures, whether the
+// call runs in place on shared memory and whether it ends with a shared allocation
+// (shm::Group::allreduce_shareable); elsewhere it is a plain allreduce and allocates nothing.
+inline std::shared_ptr<void> allreduce_shareable(CommunicatorImpl& c, void* buf, size_t count, DataType dtype,
+                                                 ReduceOp op, bool want_shared) {
+  if (shm::Group* g = local_group(c)) return g->allreduce_shareable(buf, count, dtype, op, want_shared);
+  allreduce(c, buf, buf, count, dtype, op);
+  return nullptr;
+}
+
 // One pass over shared memory where both buffers allow it (shm::Group::allreduce_update); otherwise the
 // allreduce (any of the paths above), then the update of the whole range on every rank.
 inline void allreduce_update(CommunicatorImpl& c, float* grads, float* params, size_t count, ReduceOp op,

@@ -40,6 +40,19 @@ static_assert(ncclSum == kNcclSum && ncclProd == kNcclProd && ncclMax == kNcclMa
               ncclAvg == kNcclAvg);
 static_assert(sizeof(ncclUniqueId) == sizeof(NcclUniqueId) && NCCL_UNIQUE_ID_BYTES == kNcclUniqueIdBytes);
 static_assert(sizeof(ncclComm_t) == sizeof(void*));
+// Our config is the 2.14 prefix of NCCL's: the same offsets, and no longer than the real one.
+static_assert(NCCL_CONFIG_UNDEF_INT == kNcclConfigUndefInt);
+static_assert(offsetof(ncclConfig_t, size) == offsetof(NcclConfig, size));
+static_assert(offsetof(ncclConfig_t, magic) == offsetof(NcclConfig, magic));
+static_assert(offsetof(ncclConfig_t, version) == offsetof(NcclConfig, version));
+static_assert(offsetof(ncclConfig_t, blocking) == offsetof(NcclConfig, blocking));
+static_assert(offsetof(ncclConfig_t, cgaClusterSize) == offsetof(NcclConfig, cga_cluster_size));
+static_assert(offsetof(ncclConfig_t, minCTAs) == offsetof(NcclConfig, min_ctas));
+static_assert(offsetof(ncclConfig_t, maxCTAs) == offsetof(NcclConfig, max_ctas));
+static_assert(offsetof(ncclConfig_t, netName) == offsetof(NcclConfig, net_name));
+static_assert(sizeof(NcclConfig) <= sizeof(ncclConfig_t));
+constexpr ncclConfig_t kNcclDefaultConfig = NCCL_CONFIG_INITIALIZER;
+static_assert(kNcclDefaultConfig.magic == NcclConfig{}.magic && kNcclDefaultConfig.blocking == NcclConfig{}.blocking);
 
 // The same parameter lists (handles as void*, enums as int) as the real prototypes.
 template <typename Real, typename Ours>
@@ -76,6 +89,7 @@ COHORT_SAME(cudaGetErrorString, CudaApi{}.GetErrorString);
 COHORT_SAME(ncclGetVersion, NcclApi{}.GetVersion);
 COHORT_SAME(ncclGetUniqueId, NcclApi{}.GetUniqueId);
 COHORT_SAME(ncclCommInitRank, NcclApi{}.CommInitRank);
+COHORT_SAME(ncclCommInitRankConfig, NcclApi{}.CommInitRankConfig);
 COHORT_SAME(ncclCommInitAll, NcclApi{}.CommInitAll);
 COHORT_SAME(ncclCommDestroy, NcclApi{}.CommDestroy);
 COHORT_SAME(ncclCommAbort, NcclApi{}.CommAbort);

@@ -13,6 +13,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <thread>
 
 #include "cohort/error.h"
@@ -138,12 +139,15 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   DeviceCommunicator(std::shared_ptr<Communicator> host, int device) : host_(std::move(host)), device_(device) {}
   ~DeviceCommunicator() override {
     stop_watchdog();
-    if (comm_) {
+    if (void* comm = comm_.exchange(nullptr)) {
       // ncclCommDestroy flushes outstanding work and would wait forever for a peer that is gone:
       // give queued work a bounded time (no more than 10 s) and abort instead when it does not end.
-      if (stream_drained(std::min<Millis>(options().timeout, std::chrono::seconds(10)))) nccl_api().CommDestroy(comm_);
-      else nccl_api().CommAbort(comm_);
-      comm_ = nullptr;
+      // A non-blocking communicator is aborted even then: its ncclCommDestroy may answer
+      // ncclInProgress, and with the stream drained there is nothing left for it to flush.
+      if (blocking_ && stream_drained(std::min<Millis>(options().timeout, std::chrono::seconds(10))))
+        nccl_api().CommDestroy(comm);
+      else
+        nccl_api().CommAbort(comm);
     }
     if (ready_) cuda().EventDestroy(ready_);
     if (staging_) cuda().FreeHost(staging_);
@@ -329,7 +333,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     }
     run_nccl("reduce_scatter", bytes * size(), [&](void* comm, void* s) {
       return nccl_reduce_scatter(send, recv, recv_count, dtype, op, comm, s);
-    });
+    }, false, in_place_reduce_scatter_copy(send, recv, recv_count, dtype));
   }
 
   void alltoall(const void* send, void* recv, size_t count, DataType dtype) override {
@@ -465,7 +469,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     if (staged()) return run_now([&] { reduce_scatter(send, recv, recv_count, dtype, op); });
     return queue_nccl("reduce_scatter", recv_count * dtype_size(dtype) * size(), [&](void* comm, void* s) {
       return nccl_reduce_scatter(send, recv, recv_count, dtype, op, comm, s);
-    });
+    }, false, in_place_reduce_scatter_copy(send, recv, recv_count, dtype));
   }
   std::shared_ptr<Work> barrier_async() override {
     if (path_ == DevicePath::kNccl) check_failed();
@@ -551,25 +555,69 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   }
 
   // The failure that ended this communicator, for an operation that had not finished by then.
-  std::exception_ptr failure() {
+  std::exception_ptr failure() const {
     std::lock_guard<std::mutex> lock(mu_);
     return failure_error_;
   }
 
  private:
-  // Records the first failure and aborts NCCL, once; the handle is dropped in the same breath, so no
-  // NCCL call can follow ncclCommAbort (every call site reads comm_ under mu_). True for the first.
+  // Records the first failure and aborts NCCL, once. True for the first.
   bool record_failure(const std::string& message, std::exception_ptr error) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed_) return false;
-    failed_ = true;
-    failure_ = message;
-    failure_error_ = std::move(error);
-    if (comm_) {
-      nccl_api().CommAbort(comm_);
-      comm_ = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_) return false;
+      failed_ = true;
+      failure_ = message;
+      failure_error_ = std::move(error);
     }
+    abort_nccl();
     return true;
+  }
+
+  // ---- the NCCL handle and its abort ----
+  // The abort must never wait for a lock that an NCCL call can hold: a call that hangs (a lazy
+  // connection to a dead peer, on a blocking communicator) would lock out the very abort that ends
+  // it. So no lock is held across NCCL calls but calls_mu_, shared by every thread inside a call
+  // with the handle, and the abort only tries it: it drops the handle (no call starts after that),
+  // gives the calls in flight a moment to leave (on a non-blocking communicator each returns at
+  // once, so normally none uses the handle while ncclCommAbort frees it), and aborts regardless when
+  // one is still inside NCCL after that: that call is hung, and ncclCommAbort is what ends it.
+  static constexpr Millis kAbortGrace{100};
+
+  // Runs f(handle) as one thread inside NCCL; false (f not run) once the communicator is aborted.
+  template <typename F>
+  bool with_comm(F&& f) {
+    std::shared_lock<std::shared_timed_mutex> calls(calls_mu_);
+    void* comm = comm_.load();
+    if (!comm) return false;
+    f(comm);
+    return true;
+  }
+
+  void abort_nccl() {
+    void* comm = comm_.exchange(nullptr);
+    if (!comm) return;
+    const bool alone = calls_mu_.try_lock_for(kAbortGrace);
+    if (!alone) log::warn("rank {} (GPU {}): an NCCL call is still running after {} ms; aborting NCCL under it",
+                          rank(), device_, kAbortGrace.count());
+    nccl_api().CommAbort(comm);
+    if (alone) calls_mu_.unlock();
+  }
+
+  // A non-blocking communicator's call answered ncclInProgress: NCCL finishes it on its own threads
+  // (connecting to peers, queuing the kernels) and no other call may be made meanwhile. Polls its
+  // state until it is no longer in progress (returned), the deadline passes (kNcclInProgress) or the
+  // communicator is aborted (kAborted). No lock is held between polls: the watchdog can abort.
+  static constexpr int kAborted = -2;
+  int wait_ready(const Deadline& deadline) {
+    for (int spins = 0;; ++spins) {
+      int state = kNcclInProgress;
+      if (!with_comm([&](void* comm) { nccl_api().CommGetAsyncError(comm, &state); })) return kAborted;
+      if (state != kNcclInProgress) return state;
+      if (deadline.expired()) return kNcclInProgress;
+      if (spins < 200) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
   }
 
   template <typename E>
@@ -588,18 +636,18 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     if (failed_) throw AbortedError("the GPU communicator failed earlier: " + failure_);
   }
 
-  // NCCL's asynchronous error, read under the lock while the communicator lives; thrown, naming the
-  // operation, after NCCL is aborted.
+  // NCCL's asynchronous error, read while the communicator lives; thrown, naming the operation,
+  // after NCCL is aborted. ncclInProgress is no error: a call still finishing (non-blocking).
   void check_async_error(const std::string& what) {
     int async = kNcclSuccess;
     std::string text;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!comm_) return;
-      nccl_api().CommGetAsyncError(comm_, &async);
-      if (async != kNcclSuccess && async != kNcclInProgress) text = nccl_error_text(async, comm_);
-    }
-    if (text.empty()) return;
+    with_comm([&](void* comm) {
+      nccl_api().CommGetAsyncError(comm, &async);
+      if (async != kNcclSuccess && async != kNcclInProgress) text = nccl_error_text(async, comm);
+    });
+    if (!text.empty()) fail_async(async, text, what);
+  }
+  [[noreturn]] void fail_async(int async, const std::string& text, const std::string& what) {
     const std::string msg = fmt::format("rank {} (GPU {}): NCCL reports an error during {}: {}", rank(), device_, what, text);
     // ncclSystemError / ncclRemoteError: a peer or the network failed.
     if (async == 2 || async == 6) fail<PeerLostError>(msg + " (a peer failed, or its network did)");
@@ -657,7 +705,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
 
   // The communicator's stream waits for what the caller's current stream has queued so far (the
   // kernels that wrote an operation's inputs). One event, re-recorded each time: cudaStreamWaitEvent
-  // waits for the recording made before it. Under mu_.
+  // waits for the recording made before it. Under enqueue_mu_.
   int order_after_caller_locked() {
     const CudaApi& c = cuda();
     int rc = c.EventRecord(ready_, current_stream(device_));
@@ -715,8 +763,9 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   // Queues `enqueue(comm, stream)` (between ncclGroupStart/End when grouped) and orders the
   // caller's stream after it: a blocking call in stream order, as ProcessGroupNCCL's.
   template <typename F>
-  void run_nccl(const std::string& what, size_t bytes, F&& enqueue, bool grouped = false) {
-    auto work = queue_nccl(what, bytes, std::forward<F>(enqueue), grouped);
+  void run_nccl(const std::string& what, size_t bytes, F&& enqueue, bool grouped = false,
+                std::function<int(void*)> then = nullptr) {
+    auto work = queue_nccl(what, bytes, std::forward<F>(enqueue), grouped, std::move(then));
     work->wait(Millis(0));
   }
 
@@ -729,19 +778,29 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   }
   // NCCL's in-place reduce-scatter leaves the result in this rank's block of the input; cohort's in
   // the first block: one copy on the same stream moves it (for rank r > 0 the blocks do not overlap).
+  // The copy is queue_nccl's `then` step: it must follow NCCL's kernel on the stream, which a
+  // non-blocking communicator queues only when the call is no longer in progress.
   int nccl_reduce_scatter(const void* send, void* recv, size_t recv_count, DataType dtype, ReduceOp op, void* comm,
                           void* stream) {
     if (send != recv) return nccl_api().ReduceScatter(send, recv, recv_count, nccl_dtype(dtype), nccl_op(op), comm, stream);
+    char* mine = static_cast<char*>(recv) + static_cast<size_t>(rank()) * recv_count * dtype_size(dtype);
+    return nccl_api().ReduceScatter(send, mine, recv_count, nccl_dtype(dtype), nccl_op(op), comm, stream);
+  }
+  std::function<int(void*)> in_place_reduce_scatter_copy(const void* send, void* recv, size_t recv_count,
+                                                         DataType dtype) {
     const size_t bytes = recv_count * dtype_size(dtype);
     char* mine = static_cast<char*>(recv) + static_cast<size_t>(rank()) * bytes;
-    int rc = nccl_api().ReduceScatter(send, mine, recv_count, nccl_dtype(dtype), nccl_op(op), comm, stream);
-    if (rc == kNcclSuccess && mine != recv)
-      check_cuda(cuda().MemcpyAsync(recv, mine, bytes, kCudaMemcpyDefault, stream), "in-place reduce-scatter's copy");
-    return rc;
+    if (send != recv || mine == recv) return nullptr;
+    return [this, recv, mine, bytes](void* stream) { return copy_on_stream(recv, mine, bytes, stream); };
   }
 
+  // Queues `enqueue(comm, stream)` (between ncclGroupStart/End when grouped), then `then(stream)`
+  // (CUDA work that must follow NCCL's kernels), and the operation's end event. One enqueuing thread
+  // at a time (enqueue_mu_): NCCL's calls on a communicator must not interleave, and a non-blocking
+  // communicator takes no call while one is in progress. The watchdog never needs enqueue_mu_.
   template <typename F>
-  std::shared_ptr<Work> queue_nccl(const std::string& what_op, size_t bytes, F&& enqueue, bool grouped = false) {
+  std::shared_ptr<Work> queue_nccl(const std::string& what_op, size_t bytes, F&& enqueue, bool grouped = false,
+                                   const std::function<int(void*)>& then = nullptr) {
     const NcclApi& n = nccl_api();
     const CudaApi& c = cuda();
     auto op = std::make_shared<Inflight>();
@@ -751,33 +810,57 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     check_cuda(c.EventCreateWithFlags(&op->end, timing_ ? kCudaEventDefault : kCudaEventDisableTiming),
                "cudaEventCreateWithFlags");
     if (timing_) check_cuda(c.EventCreateWithFlags(&op->start, kCudaEventDefault), "cudaEventCreateWithFlags");
+    constexpr int kCudaFailed = -1;
     int rc = kNcclSuccess;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (failed_) throw AbortedError("the GPU communicator failed earlier: " + failure_);
-      rc = order_after_caller_locked() == kCudaSuccess ? kNcclSuccess : -1;
-      if (rc == kNcclSuccess && op->start) rc = c.EventRecord(op->start, stream_) == kCudaSuccess ? kNcclSuccess : -1;
-      if (rc == kNcclSuccess && grouped) rc = n.GroupStart();
-      int body = kNcclSuccess;
-      if (rc == kNcclSuccess) {
-        try {
-          body = enqueue(comm_, stream_);
-        } catch (...) {
-          if (grouped) n.GroupEnd();
-          throw;
+      std::lock_guard<std::mutex> order(enqueue_mu_);
+      check_failed();
+      const Deadline ready_by = Deadline::after(op->timeout);
+      const bool live = with_comm([&](void* comm) {
+        rc = order_after_caller_locked() == kCudaSuccess ? kNcclSuccess : kCudaFailed;
+        if (rc == kNcclSuccess && op->start)
+          rc = c.EventRecord(op->start, stream_) == kCudaSuccess ? kNcclSuccess : kCudaFailed;
+        if (rc == kNcclSuccess && grouped) rc = n.GroupStart();
+        int body = kNcclSuccess;
+        if (rc == kNcclSuccess) {
+          try {
+            body = enqueue(comm, stream_);
+          } catch (...) {
+            if (grouped) n.GroupEnd();
+            throw;
+          }
+        }
+        if (grouped && rc == kNcclSuccess) {
+          int end = n.GroupEnd();
+          rc = body != kNcclSuccess ? body : end;
+        } else if (rc == kNcclSuccess) {
+          rc = body;
+        }
+      });
+      if (!live) check_failed();  // aborted meanwhile: throws its cause
+      if (rc == kNcclInProgress) {
+        rc = wait_ready(ready_by);
+        if (rc == kAborted) check_failed();
+        if (rc == kNcclInProgress)
+          fail<TimeoutError>(fmt::format("rank {} (GPU {}): NCCL could not start {} within {} ms; the NCCL "
+                                         "communicator was aborted (a peer it must connect to stopped calling, or its "
+                                         "network fails)",
+                                         rank(), device_, op->what, op->timeout.count()));
+        // Anything else is NCCL's asynchronous error (this call's, or an earlier operation's).
+        if (rc != kNcclSuccess) {
+          std::string text = nccl_error_text(rc);
+          with_comm([&](void* comm) { text = nccl_error_text(rc, comm); });
+          fail_async(rc, text, op->what);
         }
       }
-      if (grouped && rc == kNcclSuccess) {
-        int end = n.GroupEnd();
-        rc = body != kNcclSuccess ? body : end;
-      } else if (rc == kNcclSuccess) {
-        rc = body;
-      }
-      if (rc == kNcclSuccess) rc = c.EventRecord(op->end, stream_) == kCudaSuccess ? kNcclSuccess : -1;
+      if (rc == kNcclSuccess && then) rc = then(stream_) == kCudaSuccess ? kNcclSuccess : kCudaFailed;
+      if (rc == kNcclSuccess) rc = c.EventRecord(op->end, stream_) == kCudaSuccess ? kNcclSuccess : kCudaFailed;
     }
-    if (rc != kNcclSuccess)
+    if (rc != kNcclSuccess) {
+      check_failed();  // the call failed because the communicator was aborted under it: name the cause
       fail<Error>(fmt::format("rank {} (GPU {}): NCCL could not start {}: {}", rank(), device_, op->what,
-                              rc == -1 ? "a CUDA stream or event call failed" : nccl_error_text(rc)));
+                              rc == kCudaFailed ? "a CUDA stream or event call failed" : nccl_error_text(rc)));
+    }
     op->deadline = std::chrono::steady_clock::now() + op->timeout;
     follow(op);
     return std::make_shared<DeviceWork>(shared_from_this(), std::move(op));
@@ -840,7 +923,7 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     char* host_out = in_place ? host_in : host_in + in_room;
     DeviceGuard guard(device_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> order(enqueue_mu_);
       check_cuda(order_after_caller_locked(), "ordering the staging copy after the caller's stream");
     }
     if (in && in_bytes) {
@@ -916,12 +999,53 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     // rank that does not come. The barrier makes every rank present before NCCL's own bootstrap.
     host_->broadcast(&id, sizeof id, DataType::kUInt8, 0);
     host_->barrier();
-    // ncclCommInitRank has no deadline of its own: it runs on a helper thread that is given up
-    // (and the error thrown) when the communicator's timeout passes.
+    const NcclApi& n = nccl_api();
+    if (n.CommInitRankConfig && nccl_version() >= 21400) init_nonblocking(id);
+    else init_blocking(id);
+  }
+
+  std::string setup_timeout_message() const {
+    return fmt::format("rank {} (GPU {}): NCCL communicator set-up did not finish within {} ms (every rank had "
+                       "arrived; a peer's NCCL bootstrap or network is stuck)",
+                       rank(), device_, options().timeout.count());
+  }
+
+  // As c10d does: a non-blocking communicator (NCCL >= 2.14). ncclCommInitRankConfig returns at once
+  // with the handle, NCCL sets it up on its own threads, and its state is polled until the
+  // communicator's timeout; past that it is aborted, so nothing is left running. Every later call
+  // on it returns at once too (ncclInProgress while NCCL connects), which keeps NCCL calls from
+  // hanging with cohort's locks held.
+  void init_nonblocking(const NcclUniqueId& id) {
+    NcclConfig config;
+    config.blocking = 0;
+    void* comm = nullptr;
+    int rc = nccl_api().CommInitRankConfig(&comm, size(), id, rank(), &config);
+    blocking_ = false;
+    comm_.store(comm);  // from here on abort_nccl owns it
+    if (rc == kNcclInProgress) rc = wait_ready(Deadline::after(options().timeout));
+    if (rc == kNcclSuccess && comm) return;
+    std::string msg = rc == kNcclInProgress ? setup_timeout_message() : "";
+    if (msg.empty()) {
+      with_comm([&](void* c) { msg = nccl_error_text(rc, c); });
+      msg = fmt::format("rank {} (GPU {}): ncclCommInitRankConfig failed: {}", rank(), device_,
+                        msg.empty() ? nccl_error_text(rc) : msg);
+    }
+    abort_nccl();
+    host_->abort(msg);
+    if (rc == kNcclInProgress) throw TimeoutError(msg);
+    throw Error(msg);
+  }
+
+  // An NCCL without ncclCommInitRankConfig: ncclCommInitRank blocks and has no deadline of its own,
+  // so it runs on a helper thread that is given up (and the error thrown) when the communicator's
+  // timeout passes. The thread keeps its state: should the set-up still succeed after that, the
+  // thread aborts the communicator nobody will use (it would hold GPU memory and NCCL's threads).
+  void init_blocking(const NcclUniqueId& id) {
     struct InitState {
       std::mutex mu;
       std::condition_variable cv;
       bool done = false;
+      bool abandoned = false;  // the caller gave up: a late communicator is the thread's to abort
       int rc = kNcclSuccess;
       void* comm = nullptr;
     };
@@ -932,6 +1056,10 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
       void* comm = nullptr;
       if (rc == kNcclSuccess) rc = nccl_api().CommInitRank(&comm, n, id, r);
       std::lock_guard<std::mutex> lock(state->mu);
+      if (state->abandoned) {
+        if (comm) nccl_api().CommAbort(comm);
+        return;
+      }
       state->done = true;
       state->rc = rc;
       state->comm = comm;
@@ -939,9 +1067,9 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
     }).detach();
     std::unique_lock<std::mutex> lock(state->mu);
     if (!state->cv.wait_for(lock, options().timeout, [&] { return state->done; })) {
-      const std::string msg = fmt::format("rank {} (GPU {}): NCCL communicator set-up did not finish within {} ms (every "
-                                          "rank had arrived; a peer's NCCL bootstrap or network is stuck)",
-                                          r, device, options().timeout.count());
+      state->abandoned = true;
+      lock.unlock();
+      const std::string msg = setup_timeout_message();
       host_->abort(msg);
       throw TimeoutError(msg);
     }
@@ -951,7 +1079,8 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
       host_->abort(msg);
       throw Error(msg);
     }
-    comm_ = state->comm;
+    blocking_ = true;
+    comm_.store(state->comm);
   }
 
   std::shared_ptr<Communicator> child(std::shared_ptr<Communicator> h) {
@@ -967,8 +1096,11 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   void* stream_ = nullptr;  // non-blocking, on device_
   void* ready_ = nullptr;   // re-recorded on the caller's stream before each operation
   std::atomic<bool> timing_{false};  // operations record timed start and end events (COHORT_GPU_TIMING, enable_timing)
-  std::mutex mu_;           // NCCL calls, failure state
-  void* comm_ = nullptr;    // ncclComm_t (NCCL path); null once aborted or destroyed
+  mutable std::mutex mu_;   // the failure state below; no NCCL call is made under it
+  std::mutex enqueue_mu_;   // one thread queuing work at a time (queue_nccl, staged_op): NCCL's call order, ready_
+  std::shared_timed_mutex calls_mu_;  // shared by each NCCL call with comm_, tried by its abort (abort_nccl)
+  std::atomic<void*> comm_{nullptr};  // ncclComm_t (NCCL path); null once aborted or destroyed
+  bool blocking_ = true;    // the communicator is blocking (an NCCL without ncclCommInitRankConfig)
   bool failed_ = false;
   std::string failure_;
   std::exception_ptr failure_error_;  // the first failure, as thrown

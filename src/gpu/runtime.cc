@@ -126,6 +126,7 @@ Loaded<NcclApi> load_nccl() {
   bind(h, "ncclGetVersion", api.GetVersion, missing);
   bind(h, "ncclGetUniqueId", api.GetUniqueId, missing);
   bind(h, "ncclCommInitRank", api.CommInitRank, missing);
+  bind(h, "ncclCommInitRankConfig", api.CommInitRankConfig, missing, /*optional=*/true);
   bind(h, "ncclCommInitAll", api.CommInitAll, missing);
   bind(h, "ncclCommDestroy", api.CommDestroy, missing);
   bind(h, "ncclCommAbort", api.CommAbort, missing);

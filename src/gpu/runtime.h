@@ -76,6 +76,7 @@ struct CudaApi {
 // ncclResult_t values, ncclDataType_t and ncclRedOp_t as NCCL numbers them.
 inline constexpr int kNcclSuccess = 0;
 inline constexpr int kNcclInProgress = 7;
+inline constexpr int kNcclConfigUndefInt = -2147483647 - 1;  // NCCL_CONFIG_UNDEF_INT (INT_MIN): NCCL's default
 enum NcclDataType : int {
   kNcclInt8 = 0, kNcclUint8 = 1, kNcclInt32 = 2, kNcclUint32 = 3, kNcclInt64 = 4, kNcclUint64 = 5,
   kNcclFloat16 = 6, kNcclFloat32 = 7, kNcclFloat64 = 8, kNcclBfloat16 = 9,
@@ -86,10 +87,28 @@ struct NcclUniqueId {
   char internal[kNcclUniqueIdBytes];
 };
 
+// ncclConfig_t as NCCL 2.14 laid it out (the first version with it). NCCL reads `size` bytes of it and
+// keeps its defaults for the fields a newer NCCL added, so this prefix is a valid config for every
+// NCCL >= 2.14. Only `blocking` is set by cohort: 0 makes the communicator non-blocking (below).
+struct NcclConfig {
+  size_t size = sizeof(NcclConfig);
+  unsigned int magic = 0xcafebeef;  // what NCCL_CONFIG_INITIALIZER sets; NCCL refuses a config without it
+  unsigned int version = 21400;     // NCCL_VERSION(2, 14, 0): the fields below are that version's
+  int blocking = kNcclConfigUndefInt;
+  int cga_cluster_size = kNcclConfigUndefInt;
+  int min_ctas = kNcclConfigUndefInt;
+  int max_ctas = kNcclConfigUndefInt;
+  const char* net_name = nullptr;
+};
+
 struct NcclApi {
   int (*GetVersion)(int* version);
   int (*GetUniqueId)(NcclUniqueId* id);
   int (*CommInitRank)(void** comm, int nranks, NcclUniqueId id, int rank);
+  // NCCL >= 2.14; null before. With config.blocking = 0 every call on the communicator returns at
+  // once (ncclInProgress while it works), which is what lets a watchdog abort it (see
+  // device_communicator.cc).
+  int (*CommInitRankConfig)(void** comm, int nranks, NcclUniqueId id, int rank, NcclConfig* config);
   int (*CommInitAll)(void** comms, int ndev, const int* devices);
   int (*CommDestroy)(void* comm);
   int (*CommAbort)(void* comm);

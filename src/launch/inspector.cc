@@ -76,7 +76,7 @@ std::vector<trace::RankSnapshot> RemoteSnapshots::adopt(int node, const std::opt
     std::vector<trace::RankSnapshot> out;
     for (const auto& n : nodes_) {
       if (n.node != node) continue;
-      for (int r = n.first_rank; r < n.first_rank + n.count; ++r) {
+      for (int r : n.ranks) {
         trace::RankSnapshot s;
         s.rank = r;
         s.world = world_;

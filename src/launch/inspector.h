@@ -48,8 +48,7 @@ struct InspectedRank {
 struct NodeRanks {
   int node = 0;
   std::string host;
-  int first_rank = 0;
-  int count = 0;
+  std::vector<int> ranks;  // not always consecutive (mpirun's --rank-by node deals them over the hosts)
 };
 struct InspectorSharing {
   std::shared_ptr<Store> store;  // the attempt's prefix, on a connection of the inspector's own

@@ -114,9 +114,8 @@ void Job::on_agent_exit(AgentChild& a, int status) {
   if (a.err) drain(a.err.get(), *a.sink, true, a.err);
   if (a.out) drain(a.out.get(), *a.sink, false, a.out);
   if (!end_) {
-    std::string s = fmt::format("the agent for host {} (node {}, ranks {}-{}) {} before the job ended", a.node.host,
-                                a.node.node_rank, a.node.first_rank, a.node.first_rank + a.node.nproc - 1,
-                                describe_status(status));
+    std::string s = fmt::format("the agent for host {} (node {}, ranks {}) {} before the job ended", a.node.host,
+                                a.node.node_rank, a.node.ranks_text(), describe_status(status));
     auto tail = a.sink->stderr_tail();
     if (!tail.empty()) s += "; its last stderr lines:";
     for (const auto& l : tail) s += "\n    | " + l;

@@ -81,7 +81,11 @@ void Job::start_inspector(int attempt) {
       sharing = {make_prefix_store(base, fmt::format("attempt/{}", attempt)), plan_.this_node, plan_.nnodes,
                  plan_.host_store, {}};
       // Its workers first, then its parameter servers, which record nothing.
-      for (const auto& n : plan_.nodes) sharing.nodes.push_back({n.node_rank, n.host, n.first_rank, n.nproc - n.nservers});
+      for (const auto& n : plan_.nodes) {
+        std::vector<int> workers = n.processes();
+        workers.resize(static_cast<size_t>(n.nproc - n.nservers));  // its workers come first, then its servers
+        sharing.nodes.push_back({n.node_rank, n.host, std::move(workers)});
+      }
     } catch (const std::exception& e) {
       log::warn("stall inspector: no store connection ({}); it covers this node's ranks only", e.what());
     }

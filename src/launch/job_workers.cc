@@ -206,15 +206,15 @@ void Job::spawn_workers(int attempt) {
   // Per-rank output folders first: a folder that cannot be made stops the job before any worker runs.
   if (!plan_.output_dir.empty()) {
     for (int l = 0; l < node->nproc; ++l) {
-      std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, plan_.process_tag(node->first_rank + l));
+      std::string dir = fmt::format("{}/rank.{}", plan_.output_dir, plan_.process_tag(node->rank_of(l)));
       std::error_code ec;
       std::filesystem::create_directories(dir, ec);
       if (ec) throw ConfigError(fmt::format("--output-filename: cannot create {}: {}", dir, ec.message()));
     }
   }
   for (int l = 0; l < node->nproc; ++l) {
-    if (log_file_streams(plan_, node->first_rank + l) == 0) continue;
-    std::string dir = rank_log_dir(plan_, attempt, node->first_rank + l);
+    if (log_file_streams(plan_, node->rank_of(l)) == 0) continue;
+    std::string dir = rank_log_dir(plan_, attempt, node->rank_of(l));
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) throw ConfigError(fmt::format("--log-dir: cannot create {}: {}", dir, ec.message()));
@@ -225,7 +225,7 @@ void Job::spawn_workers(int attempt) {
   workers_.resize(static_cast<size_t>(node->nproc));
   oom_at_start_ = read_oom_counter();  // a SIGKILLed worker is blamed on memory only if this count grows
   for (int l = 0; l < node->nproc; ++l) {
-    workers_[l].rank = node->first_rank + l;
+    workers_[l].rank = node->rank_of(l);
     workers_[l].local_rank = l;
   }
   if (plan_.ray.enabled) {

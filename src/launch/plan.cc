@@ -37,7 +37,7 @@ const env::SecondsSetting kAgentLease("COHORT_AGENT_LEASE_S", 3.0,
                                       "times within this time; its end tells the others that the node is gone");
 }  // namespace
 
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodePlan, node_rank, host, local, first_rank, nproc, nservers, ranks)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ProgramForm, kind, python, python_source, append_local_rank, local_rank_arg,
                                    local_rank_arg_source, working_dir, working_dir_required)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RankLogs, dir, redirects, tee, console_local_ranks, all_local_ranks)
@@ -68,6 +68,23 @@ const char* mode_name(Mode m) {
   return "?";
 }
 
+int NodePlan::local_index_of(int process) const {
+  if (ranks.empty()) return process >= first_rank && process < first_rank + nproc ? process - first_rank : -1;
+  auto it = std::find(ranks.begin(), ranks.end(), process);
+  return it == ranks.end() ? -1 : static_cast<int>(it - ranks.begin());
+}
+
+std::vector<int> NodePlan::processes() const {
+  std::vector<int> out;
+  for (int l = 0; l < nproc; ++l) out.push_back(rank_of(l));
+  return out;
+}
+
+std::string NodePlan::ranks_text() const {
+  if (ranks.empty()) return fmt::format("{}-{}", first_rank, first_rank + nproc - 1);
+  return str::format_ranges(ranks);
+}
+
 const NodePlan* Plan::node(int rank) const {
   for (const auto& n : nodes)
     if (n.node_rank == rank) return &n;
@@ -76,7 +93,7 @@ const NodePlan* Plan::node(int rank) const {
 
 const NodePlan* Plan::node_of_process(int process) const {
   for (const auto& n : nodes)
-    if (process >= n.first_rank && process < n.first_rank + n.nproc) return &n;
+    if (n.local_index_of(process) >= 0) return &n;
   return nullptr;
 }
 
@@ -85,11 +102,13 @@ ProcessRole Plan::role_of(int process) const {
   const NodePlan* n = node_of_process(process);
   if (!n || ps_servers == 0) {
     r.index = process;
-    r.local_index = n ? process - n->first_rank : 0;
+    r.local_index = n ? n->local_index_of(process) : 0;
     r.local_count = n ? n->nproc : 1;
     return r;
   }
-  const int local = process - n->first_rank, workers_here = n->nproc - n->nservers;
+  // (A parameter-server job's nodes always hold consecutive processes: build_plan refuses --rank-by node
+  // with --ps.)
+  const int local = n->local_index_of(process), workers_here = n->nproc - n->nservers;
   // Indices count the earlier nodes' workers / servers.
   int workers_before = 0, servers_before = 0;
   for (const auto& m : nodes) {
@@ -119,7 +138,7 @@ std::string Plan::process_tag(int process) const {
 int Plan::local_rank_of(int process) const {
   if (ps_servers > 0) return role_of(process).local_index;
   const NodePlan* n = node_of_process(process);
-  return n ? process - n->first_rank : 0;
+  return n ? n->local_index_of(process) : 0;
 }
 
 std::string Plan::source_of(const std::string& setting) const {
@@ -375,35 +394,116 @@ void set_elastic(Plan& p, const Options& o, const EnvMap& env, int min_nodes, in
 
 namespace {
 
+// mpirun takes its --map-by and --rank-by words in any case (NODE, Slot).
+std::string lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  return text;
+}
+
+// What mpirun's --map-by asks of the placement.
+struct MapBy {
+  std::optional<int> per_node;  // ppr:N:node: N processes on every host
+  bool by_node = false;         // node: the processes dealt round robin over the hosts
+};
+
 // mpirun's --map-by, in the forms that say something cohort's placement and binding can do: `slot`
-// is cohort's placement (each node's ranks in turn), `ppr:N:node` is N processes per node, `core`
-// binds each local rank to a CPU and `socket`/`numa` to a NUMA node (cohort knows NUMA nodes, not
-// sockets: on the usual one-node-per-socket machine they are the same), unless --bind-to says
-// otherwise. Returns the processes per node `ppr:N:node` asks for.
-std::optional<int> apply_map_by(const std::string& given, std::string& bind_to) {
-  std::string form = given;
-  std::transform(form.begin(), form.end(), form.begin(), [](unsigned char c) { return std::tolower(c); });
-  const char* supported = "supported: slot, ppr:N:node, core, socket, numa";
-  if (form == "slot") return std::nullopt;
+// is cohort's placement (each node's slots in turn), `node` deals the processes round robin over the
+// hosts (mpirun_counts_by_node), `ppr:N:node` is N processes per node, `core` binds each local rank to
+// a CPU and `socket`/`numa` to a NUMA node (cohort knows NUMA nodes, not sockets: on the usual
+// one-node-per-socket machine they are the same), unless --bind-to says otherwise.
+MapBy apply_map_by(const std::string& given, std::string& bind_to) {
+  std::string form = lower(given);
+  const char* supported = "supported: slot, node, ppr:N:node, core, socket, numa";
+  if (form == "slot") return {};
+  if (form == "node") return MapBy{std::nullopt, true};
   if (form == "core" || form == "socket" || form == "numa") {
     if (bind_to == "auto") bind_to = form == "core" ? "core" : "numa";
-    return std::nullopt;
+    return {};
   }
-  if (form == "node")
-    throw ConfigError(fmt::format("--map-by node: cohort gives each node consecutive ranks (as torchrun numbers "
-                                  "them) and cannot deal them out round-robin; {}",
-                                  supported));
   auto parts = str::split(form, ':', true);
   if (parts.size() == 3 && parts[0] == "ppr" && parts[2] == "node") {
     char* end = nullptr;
     long n = std::strtol(parts[1].c_str(), &end, 10);
     if (parts[1].empty() || *end != '\0' || n < 1 || n > 100000)
       throw ConfigError(fmt::format("--map-by {}: expected ppr:N:node with N a positive number", given));
-    return static_cast<int>(n);
+    return MapBy{static_cast<int>(n), false};
   }
   throw ConfigError(fmt::format("--map-by {}: not a form cohort maps ({}; modifiers such as :PE=n and "
                                 "ppr:N:socket are not)",
                                 given, supported));
+}
+
+// How many of `n` processes each host gets, hosts in the order given with `slots[i]` slots each, as
+// Open MPI 4.1's mapper by slot (its default) places them: each host's slots in turn. Beyond the slots
+// (--oversubscribe) the processes left are dealt evenly over the hosts, the first hosts taking one more
+// when they do not divide.
+std::vector<int> mpirun_counts_by_slot(const std::vector<int>& slots, int n) {
+  const int hosts = static_cast<int>(slots.size());
+  int total = 0;
+  for (int s : slots) total += s;
+  std::vector<int> counts(slots.size(), 0);
+  const int extra = std::max(0, n - total);
+  for (int i = 0, left = n; i < hosts && left > 0; ++i) {
+    const int here = slots[size_t(i)] + extra / hosts + (i < extra % hosts ? 1 : 0);
+    counts[size_t(i)] = std::min(here, left);
+    left -= counts[size_t(i)];
+  }
+  return counts;
+}
+
+// The same for --map-by node, as Open MPI 4.1's by-node mapper (orte_rmaps_rr_bynode) computes it: in
+// passes, the processes left are shared evenly over the hosts that took some in the pass before (all
+// hosts at first), the first of them taking one more when they do not divide (and each at least one);
+// a host takes no more than its free slots, and a full host sits the pass out. Beyond the slots
+// (--oversubscribe) every host just takes its share, slots or not. (So -n 6 over a:1,b:4,c:2 gives
+// a 1, b 3, c 2: b takes the one a could not.)
+std::vector<int> mpirun_counts_by_node(const std::vector<int>& slots, int n) {
+  int total = 0;
+  for (int s : slots) total += s;
+  const bool beyond_slots = n > total;
+  std::vector<int> counts(slots.size(), 0);
+  int placed = 0;
+  int takers = static_cast<int>(slots.size());
+  // Every pass places at least one process while a host has a free slot (or beyond the slots, where the
+  // first pass places them all), so the passes end.
+  while (placed < n && takers > 0) {
+    const int left = n - placed;
+    const int share = std::max(1, left / takers);
+    int one_more = std::max(0, left - share * takers);  // hosts taking share + 1
+    takers = 0;
+    for (size_t h = 0; h < slots.size() && placed < n; ++h) {
+      const int free = slots[h] - counts[h];
+      if (!beyond_slots && free <= 0) continue;
+      int take = share;
+      if (one_more > 0) {
+        ++take;
+        --one_more;
+      }
+      if (!beyond_slots) take = std::min(take, free);
+      take = std::min(take, n - placed);
+      counts[h] += take;
+      placed += take;
+      ++takers;
+    }
+  }
+  return counts;
+}
+
+// mpirun's --rank-by node: the ranks are dealt round robin over the hosts (host order), one per host
+// that still has an unnumbered process in each round, until every process has one. Per host, its
+// ranks in local-index order.
+std::vector<std::vector<int>> mpirun_ranks_by_node(const std::vector<int>& counts) {
+  std::vector<std::vector<int>> ranks(counts.size());
+  int next = 0;
+  for (int round = 0, dealt = 1; dealt > 0; ++round) {
+    dealt = 0;
+    for (size_t h = 0; h < counts.size(); ++h)
+      if (round < counts[h]) {
+        ranks[h].push_back(next++);
+        ++dealt;
+      }
+  }
+  return ranks;
 }
 
 // torchrun's program forms: a PROGRAM ending in .py runs as `PYTHON -u PROGRAM ARGS` and -m MODULE as
@@ -568,6 +668,7 @@ void set_ray_mode(Plan& p, const Options& o, const std::optional<Sourced<std::st
   int first = 0;
   for (auto& n : p.nodes) {
     n.first_rank = first;
+    n.ranks.clear();  // (as dealt by --rank-by node: Ray numbers its processes its own way)
     n.nproc = n.node_rank == 0 ? 2 : 1;  // its Ray node; node 0's driver besides
     n.nservers = 0;
     first += n.nproc;
@@ -667,8 +768,10 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
   std::string nproc_flag_name = o.nproc_per_node_flag;
   if (o.nproc_per_node) nproc_flag = parse_nproc(o.nproc_per_node_flag, *o.nproc_per_node, machine, nproc_how);
   std::string bind_to = o.bind_to;
+  MapBy map_by;
   if (o.map_by) {
-    if (auto ppr = apply_map_by(*o.map_by, bind_to)) {
+    map_by = apply_map_by(*o.map_by, bind_to);
+    if (auto ppr = map_by.per_node) {
       if (nproc_flag && *nproc_flag != *ppr)
         throw ConfigError(fmt::format("--map-by {} and {} {} disagree about the processes per node", *o.map_by,
                                       o.nproc_per_node_flag, *o.nproc_per_node));
@@ -678,6 +781,25 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     }
     source("map-by", "--map-by " + *o.map_by);
   }
+  // mpirun's --rank-by: `slot` numbers each host's processes in turn (torchrun's order too), `node` deals
+  // the ranks round robin over the hosts. Without it the ranks follow the mapping, as Open MPI's do:
+  // by node after --map-by node, by slot otherwise.
+  bool rank_by_node = map_by.by_node;
+  std::string rank_by_flag = map_by.by_node ? "--map-by " + *o.map_by : "";
+  if (o.rank_by) {
+    const std::string form = lower(*o.rank_by);
+    if (form != "slot" && form != "node")
+      throw ConfigError(fmt::format("--rank-by {}: cohort numbers ranks by slot (each host's processes in turn) or "
+                                    "by node (round robin over the hosts); supported: slot, node",
+                                    *o.rank_by));
+    rank_by_node = form == "node";
+    rank_by_flag = "--rank-by " + *o.rank_by;
+    source("rank-by", rank_by_flag);
+  }
+  if (rank_by_node && o.ps)
+    throw ConfigError(fmt::format("{} and --ps both given: a parameter-server job keeps each node's processes "
+                                  "consecutive (its workers, then its servers); use --rank-by slot",
+                                  rank_by_flag));
   // GPUs: resolved against this machine's inventory when it has any; a fan-out head without GPUs
   // leaves "auto" to each node's agent (which checks its own GPUs before starting workers).
   if (o.gpu_share && !o.gpus_per_node) throw ConfigError("--gpu-share needs --gpus-per-node");
@@ -748,20 +870,21 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
                                     "same hosts)",
                                     n, total, hosts_source));
     std::string world_source = o.np ? "-n" : "sum of slots";
-    if (n > total) {
-      // mpirun --oversubscribe (Open MPI's by-slot mapper): once every slot is taken, the processes left
-      // are dealt evenly over the hosts, the first hosts taking one more when they do not divide; each
-      // host's ranks stay consecutive.
-      const int extra = n - total, count = static_cast<int>(hosts.size());
-      for (int i = 0; i < count; ++i) hosts[size_t(i)].slots += extra / count + (i < extra % count ? 1 : 0);
-      world_source = fmt::format("-n, --oversubscribe: {} more than the {} slots", extra, total);
-    }
+    if (n > total) world_source = fmt::format("-n, --oversubscribe: {} more than the {} slots", n - total, total);
+    // mpirun's two steps: the mapping says how many processes each host runs, the ranking which ranks
+    // they are (consecutive per host by slot; round robin over the hosts by node).
+    std::vector<int> slots;
+    for (const auto& h : hosts) slots.push_back(h.slots);
+    const std::vector<int> counts = map_by.by_node ? mpirun_counts_by_node(slots, n) : mpirun_counts_by_slot(slots, n);
+    const std::vector<std::vector<int>> dealt =
+        rank_by_node ? mpirun_ranks_by_node(counts) : std::vector<std::vector<int>>{};
     p.mode = Mode::kFanOut;
     int rank = 0;
     int local_nodes = 0;
     p.this_node = -1;
-    for (const auto& h : hosts) {
-      if (rank >= n) break;
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      if (counts[i] == 0) continue;  // a host the processes did not reach
+      const auto& h = hosts[i];
       NodePlan node;
       node.node_rank = static_cast<int>(p.nodes.size());
       node.host = h.host;
@@ -772,8 +895,14 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
         p.this_node = node.node_rank;
       }
       node.first_rank = rank;
-      node.nproc = std::min(h.slots, n - rank);
+      node.nproc = counts[i];
       rank += node.nproc;
+      if (rank_by_node) {
+        // A host whose dealt ranks happen to be consecutive (one host, one process each) keeps the
+        // usual form.
+        node.first_rank = dealt[i].front();
+        if (dealt[i].back() - dealt[i].front() + 1 != node.nproc) node.ranks = dealt[i];
+      }
       p.nodes.push_back(node);
     }
     p.nnodes = static_cast<int>(p.nodes.size());
@@ -921,6 +1050,11 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     }
   }
 
+  if ((map_by.by_node || rank_by_node) && p.mode == Mode::kPerNode)
+    throw ConfigError(fmt::format("{}: each node of a per-node job ({}) starts its own ranks, numbered consecutively; "
+                                  "ranks are dealt over the hosts when one cohort run starts them all (-H, --hostfile)",
+                                  map_by.by_node ? "--map-by " + *o.map_by : rank_by_flag,
+                                  p.elastic ? p.source_of("elastic") : p.source_of("nnodes")));
   if (o.ray) set_ray_mode(p, o, ray_head_address, ray_head_port);
   place_parameter_servers(p, o, env, sched_ps_nodes);
 
@@ -1401,7 +1535,7 @@ std::string describe_ray(const Plan& p, const EnvMap& env) {
                      head ? "the Ray head, then the driver" : fmt::format("Ray node {}", node.node_rank));
     if (!node.local) continue;
     for (int l = 0; l < node.nproc; ++l) {
-      const int process = node.first_rank + l;
+      const int process = node.rank_of(l);
       WorkerSlot slot{process, l, node.nproc, node.node_rank, {}};
       std::vector<std::string> kv;
       for (const auto& [k, v] : worker_env(p, slot, "", 0, "", 0, env)) kv.push_back(k + "=" + env::shown_value(k, v));
@@ -1517,14 +1651,14 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
   auto cpus = allowed_cpus();
   auto numa = numa_node_cpus();
   for (const auto& node : p.nodes) {
-    s += fmt::format("node {} ({}{}): ranks {}-{}\n", node.node_rank, node.host,
+    s += fmt::format("node {} ({}{}): ranks {}\n", node.node_rank, node.host,
                      node.local ? ", this machine" : p.mode == Mode::kFanOut ? ", over ssh" : ", its own launcher",
-                     node.first_rank, node.first_rank + node.nproc - 1);
+                     node.ranks_text());
     if (!node.local) continue;
     auto assigned = assign_gpus(p.gpus_per_node_spec, p.gpu_share, node.nproc, gpus, node.host);
     auto bindings = compute_bindings(p.bind_to, node.nproc, cpus, numa, physical_cores(cpus), near_cpus_of(assigned));
     for (int l = 0; l < node.nproc; ++l) {
-      WorkerSlot slot{node.first_rank + l, l, node.nproc, node.node_rank, assigned[l]};
+      WorkerSlot slot{node.rank_of(l), l, node.nproc, node.node_rank, assigned[l]};
       auto vars = worker_env(p, slot, store_addr, 0, "<token>", 0, env);
       std::vector<std::string> kv;
       for (const auto& [k, v] : vars) kv.push_back(k + "=" + env::shown_value(k, v));

@@ -72,10 +72,11 @@ struct Options {
   // auto (as the installed torch's launch spells it: choose_local_rank_arg, launch/torch_version.h).
   std::optional<std::string> local_rank_arg;
   bool use_env = false;            // --use-env (torch.distributed.launch's; nothing to do for cohort)
-  // mpirun's --map-by, --report-bindings, --oversubscribe (-n may exceed the hosts' slots),
+  // mpirun's --map-by, --rank-by, --report-bindings, --oversubscribe (-n may exceed the hosts' slots),
   // --timestamp-output, --timeout (the job's wall-clock limit, seconds) and --wdir (the workers' folder,
   // absolute; the launcher has already entered it).
   std::optional<std::string> map_by;
+  std::optional<std::string> rank_by;  // mpirun's --rank-by: slot or node
   bool report_bindings = false;
   bool oversubscribe = false;
   bool timestamp_output = false;
@@ -153,9 +154,21 @@ struct NodePlan {
   int node_rank = 0;
   std::string host;  // name used in tags and, for fan-out, the ssh target
   bool local = true;  // started by this launcher (in-process) rather than over ssh
-  int first_rank = 0;  // processes of this node: first_rank .. first_rank + nproc - 1
+  int first_rank = 0;  // processes of this node: first_rank .. first_rank + nproc - 1 (unless `ranks`)
   int nproc = 1;       // all of them: its workers, then its parameter servers (nservers)
   int nservers = 0;
+  // The node's processes when they are not consecutive (mpirun's --map-by node / --rank-by node deal
+  // ranks round robin over the hosts: 0 and 2 on one, 1 and 3 on the other), in local-index order;
+  // empty in the usual case, where first_rank and nproc say them.
+  std::vector<int> ranks{};
+
+  // The process with local index `local` (0 .. nproc - 1), and the local index of `process` (-1: not
+  // on this node). Every caller goes through these rather than first_rank + local.
+  int rank_of(int local) const { return ranks.empty() ? first_rank + local : ranks[static_cast<size_t>(local)]; }
+  int local_index_of(int process) const;
+  // All of them in local-index order, and as text for messages ("0-3", "0,2").
+  std::vector<int> processes() const;
+  std::string ranks_text() const;
 };
 
 // What a process of the job is: a worker (index among the workers, local index among its node's

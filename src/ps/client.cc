@@ -19,10 +19,12 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <random>
 
 #include "cohort/error.h"
 #include "common/env.h"
 #include "common/fd.h"
+#include "common/handoff.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "ps/client.h"
@@ -217,9 +219,15 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
 
   // Save and load are staged on every server, then committed, or discarded where any server refused
   // (docs/parameter-server.md, "Save and load"): all or nothing, and one error naming the server and file.
+  //
+  // A save is one step that cannot be half done: the servers write into a fresh folder of `dir` that
+  // no manifest names, and the rename of manifest.json, naming that folder, publishes it. Any failure
+  // before that rename leaves the previous manifest and the folder it names as they were (the
+  // servers delete what they wrote); after it, the previous save's folder goes.
   void save(const std::string& dir) override {
     std::lock_guard<std::mutex> g(mu_);
-    auto op = start_all(Op::kSave, "", dir, fmt::format("save to {}", dir));
+    const std::string folder = fresh_folder_name();
+    auto op = start_all(Op::kSave, "", dir + "/" + folder, fmt::format("save to {}", dir));
     run_staged(*op);
     nlohmann::json tables = nlohmann::json::object();
     for (auto& c : op->calls) {
@@ -230,20 +238,72 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
       }
       for (auto& [name, config] : saved) tables[name] = config_to_json(config);
     }
-    nlohmann::json manifest{{"format", "cohort-ps-1"}, {"servers", roles_.num_servers}, {"tables", tables}};
+    nlohmann::json manifest{
+        {"format", "cohort-ps-1"}, {"servers", roles_.num_servers}, {"shards", folder}, {"tables", tables}};
     const std::string path = dir + "/manifest.json", tmp = path + ".tmp";
+    const std::string previous = shards_folder_of(path);
     // The servers wrote their shards into `dir` on their hosts; this worker writes the manifest into
     // its own view of it, so a save needs one filesystem that all of them see.
     if (std::string why = write_text(tmp, manifest.dump(2) + "\n"); !why.empty()) {
+      ::unlink(tmp.c_str());  // what a full disk let it write
       end_staged(Op::kDiscard, op->what);
-      throw InvalidArgument(fmt::format("save: {}: {} (the servers wrote their shards to {} on their hosts: the saving "
-                                        "worker and every server must see one filesystem there)",
-                                        tmp, why, dir));
+      throw InvalidArgument(fmt::format("save: {}: {} (the servers wrote their shards to {}/{} on their hosts: the "
+                                        "saving worker and every server must see one filesystem there)",
+                                        tmp, why, dir, folder));
     }
-    end_staged(Op::kCommit, op->what);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      const std::string why = std::strerror(errno);
+      ::unlink(tmp.c_str());
+      end_staged(Op::kDiscard, op->what);
+      throw InvalidArgument(fmt::format("save: {}: cannot rename it to {}: {}", tmp, path, why));
+    }
+    sync_directory(dir);
+    end_staged(Op::kCommit, op->what);  // the servers keep their files
+    if (!previous.empty() && previous != folder) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir + "/" + previous, ec);
+      if (ec)
+        log::warn("parameter-server worker {}: save to {}: cannot remove the previous save's folder {}: {}", worker_,
+                  dir, previous, ec.message());
+    }
+  }
+
+  // "shards-<16 hex digits>": a folder no other save, of this job or another, picks.
+  static std::string fresh_folder_name() {
+    std::random_device rd;
+    const uint64_t r = (uint64_t(rd()) << 32) ^ rd();
+    return fmt::format("shards-{:016x}", r);
+  }
+
+  // The folder the manifest at `path` names, "" when there is none (no manifest, a manifest of
+  // before folders, or one that is not a valid manifest: nothing to remove then).
+  static std::string shards_folder_of(const std::string& path) {
     std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) throw InvalidArgument(fmt::format("save: {}: cannot rename it to {}: {}", tmp, path, ec.message()));
+    const auto size = std::filesystem::file_size(path, ec);
+    if (ec || size > kMaxJsonBytes) return "";
+    Manifest m;
+    if (!parse_manifest(read_small_file(path), &m).empty()) return "";
+    return m.shards;
+  }
+
+  static std::string read_small_file(const std::string& path) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    std::string text;
+    if (!fd) return text;
+    char chunk[65536];
+    for (;;) {
+      const ssize_t k = ::read(fd.get(), chunk, sizeof chunk);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0 || text.size() + size_t(k) > kMaxJsonBytes) return text;
+      text.append(chunk, size_t(k));
+    }
+  }
+
+  // The rename is on disk once the directory is (best effort: a failed sync loses durability, not
+  // the save).
+  static void sync_directory(const std::string& dir) {
+    UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (fd) ::fsync(fd.get());
   }
 
   void load(const std::string& dir) override {
@@ -722,13 +782,11 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
       if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) != 1) return {};
       UniqueFd conn(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
       if (!conn) return {};
-      ucred peer{};
-      socklen_t len = sizeof peer;
-      if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 && peer.pid == pid &&
-          peer.uid == ::geteuid())
-        return conn;
-      log::warn("parameter-server worker {}: ignored a connection to its socket for table '{}' from pid {} (uid {}): "
-                "not parameter server {} (pid {})", worker_, table, peer.pid, peer.uid, s, pid);
+      const handoff::Credentials peer = handoff::peer_of(conn.get());
+      const std::string why = handoff::refusal(peer, pid, fmt::format("parameter server {}", s));
+      if (why.empty()) return conn;
+      log::warn("parameter-server worker {}: ignored a connection to its socket for table '{}': {}", worker_, table,
+                why);
     }
   }
 

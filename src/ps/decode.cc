@@ -338,6 +338,15 @@ std::string parse_manifest(std::string_view text, Manifest* out) {
     return fmt::format("'servers': expected an integer from 1 to {}", kMaxServers);
   if (!j.contains("tables") || !j["tables"].is_object()) return "'tables': expected {table: configuration}";
   Manifest m;
+  if (j.contains("shards")) {
+    // One name inside the manifest's directory: no '/', no "..", nothing hidden.
+    if (!j["shards"].is_string()) return "'shards': expected the name of the folder that holds the shard files";
+    m.shards = j["shards"].get<std::string>();
+    if (std::string why = check_table_name(m.shards); !why.empty())
+      return fmt::format("'shards': folder '{}': expected 1 to {} characters of A-Z a-z 0-9 _ - . (not starting with "
+                         "'.')",
+                         printable(m.shards), kMaxTableName);
+  }
   m.servers = int(j["servers"].get<uint64_t>());
   for (auto& [name, cj] : j["tables"].items()) {
     if (std::string why = check_table_name(name); !why.empty()) return why;

@@ -90,6 +90,9 @@ std::string decode_saved_tables(std::string_view text, std::vector<std::pair<std
 struct Manifest {
   int servers = 0;
   std::vector<std::pair<std::string, TableConfig>> tables;
+  // The folder (in the manifest's directory) that holds the shard files: one name, checked like a
+  // table name; "" for a save of before folders, whose shards lie beside the manifest.
+  std::string shards;
 };
 std::string parse_manifest(std::string_view text, Manifest* out);
 

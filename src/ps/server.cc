@@ -28,6 +28,7 @@
 
 #include "cohort/error.h"
 #include "common/fd.h"
+#include "common/handoff.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "ps/config_json.h"
@@ -62,6 +63,7 @@ struct Outgoing {
 // worker has ended step clock - lag.
 struct Deferred {
   int worker = 0;
+  uint64_t seq = 0;  // the worker's request number: the answer, or its error, goes there
   uint64_t clock = 0;
   uint64_t lag = 0;
   std::string what;  // "pull of 'emb'", for the slow warning
@@ -99,10 +101,9 @@ class Server {
                mode_.to_string());
   }
 
-  // A save a worker staged and never ended (it was lost in between) leaves no temporary files.
+  // A save a worker staged and never ended (it was lost in between) leaves no files.
   ~Server() {
-    for (auto& [w, st] : staged_)
-      for (auto& [tmp, path] : st.renames) ::unlink(tmp.c_str());
+    for (auto& [w, st] : staged_) remove_files(st);
   }
 
   void run() {
@@ -232,12 +233,12 @@ class Server {
           auto answer = [this, w, seq, dir = r.text] {
             try {
               reply(w, seq, buffer_of(stage_save(w, dir)));
-            } catch (const InvalidArgument& e) {
+            } catch (const InvalidArgument& e) {  // stage_save makes every error of a save one
               reply_error(w, seq, fmt::format("parameter server {}: {}", index_, e.what()));
             }
           };
           if (mode_.mode == Mode::kAsync || may_answer(r.clock, 0)) return answer();
-          deferred_.push_back(Deferred{w, r.clock, 0, fmt::format("save to {}", r.text), answer});
+          deferred_.push_back(Deferred{w, seq, r.clock, 0, fmt::format("save to {}", r.text), answer});
           return;
         }
         case Op::kLoad:
@@ -352,18 +353,15 @@ class Server {
     sockaddr_un addr = net::abstract_address(socket_name, &len);
     if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
       return fmt::format("cannot reach the worker's socket: {}", std::strerror(errno));
-    ucred peer{};
-    socklen_t peer_len = sizeof peer;
-    if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0)
-      return fmt::format("cannot read the credentials of the worker's socket: {}", std::strerror(errno));
-    std::string refused;
-    if (peer.uid != ::geteuid())
-      refused = fmt::format("its socket '{}' belongs to uid {} (pid {}), not to this job's uid {}", socket_name,
-                            peer.uid, peer.pid, ::geteuid());
-    else if (peer.pid != pid)
-      refused = fmt::format("its socket '{}' belongs to pid {}, not to the worker (pid {})", socket_name, peer.pid,
-                            pid);
+    handoff::Credentials peer;
+    try {
+      peer = handoff::peer_of(sock.get());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    std::string refused = handoff::refusal(peer, int(pid), fmt::format("worker {}", w));
     if (!refused.empty()) {
+      refused = fmt::format("its socket '{}': {}", socket_name, refused);
       log::warn("parameter server {}: refused worker {}'s attach of table '{}': {}", index_, w, t.name(), refused);
       return refused;
     }
@@ -392,7 +390,7 @@ class Server {
       else
         answer_pull(w, seq, *it->second, kept.data(), kept.size());
     };
-    deferred_.push_back(Deferred{w, clock, pull_lag(), fmt::format("pull of '{}'", t.name()), answer});
+    deferred_.push_back(Deferred{w, seq, clock, pull_lag(), fmt::format("pull of '{}'", t.name()), answer});
   }
 
   void answer_pull(int w, uint64_t seq, TableShard& t, const uint64_t* ids, uint64_t n) {
@@ -424,9 +422,20 @@ class Server {
         ++it;
         continue;
       }
-      auto answer = std::move(it->answer);
+      Deferred d = std::move(*it);
       it = deferred_.erase(it);
-      answer();
+      answer_deferred(d);
+    }
+  }
+
+  // A deferred answer runs inside another worker's request (the one whose clock moved): an error of
+  // it is its own worker's, under its own request number, never a second reply to the worker
+  // being handled.
+  void answer_deferred(Deferred& d) {
+    try {
+      d.answer();
+    } catch (const InvalidArgument& e) {
+      reply_error(d.worker, d.seq, fmt::format("parameter server {}: {}", index_, e.what()));
     }
   }
 
@@ -474,13 +483,19 @@ class Server {
 
   // ---- save and load (docs/parameter-server.md: "Save and load") ----
   //
-  // Both are staged, so that they are all or nothing across the servers: a save writes each shard to
-  // <file>.tmp, a load reads and checks every file into new tables beside the old ones. The worker
-  // then tells every server to commit (rename the files into place, or swap the tables in) or, where
-  // any server refused, to discard what it staged. A worker has at most one save or load staged.
+  // Both are staged, so that they are all or nothing across the servers: a save writes each shard
+  // into a folder of its own that no manifest names yet (the worker picks a fresh one per save), a
+  // load reads and checks every file into new tables beside the old ones. The worker then tells
+  // every server to commit (keep the files, or swap the tables in) or, where any server refused, to
+  // discard what it staged (delete the files). A worker has at most one save or load staged.
+  //
+  // Any error of a save or load (a full disk, a row lock held past the timeout, memory that cannot
+  // be had) is the requesting worker's: stage_save and stage_load throw them all as
+  // InvalidArgument, and this server serves on.
 
   struct Staged {
-    std::vector<std::pair<std::string, std::string>> renames;   // save: temporary -> final name
+    std::vector<std::string> files;  // save: the shards written, deleted on discard
+    std::string folder;              // save: where they are (removed on discard once empty)
     std::map<std::string, std::unique_ptr<TableShard>> tables;  // load
   };
 
@@ -488,50 +503,59 @@ class Server {
     return fmt::format("{}/{}.shard-{}-of-{}", dir, table, k, n);
   }
 
+  // Every server writes into the same folder: the last one to leave it empty removes it.
+  static void remove_files(const Staged& st) {
+    for (const auto& f : st.files) ::unlink(f.c_str());
+    if (!st.folder.empty()) ::rmdir(st.folder.c_str());
+  }
+
   void discard(int w) {
     auto it = staged_.find(w);
     if (it == staged_.end()) return;
-    for (auto& [tmp, path] : it->second.renames) ::unlink(tmp.c_str());
+    remove_files(it->second);
     staged_.erase(it);
   }
 
+  // Nothing here can fail: a save's files are in place already (the worker's manifest names them),
+  // a load's tables are swapped in.
   void commit(int w) {
     auto it = staged_.find(w);
     if (it == staged_.end()) throw InvalidArgument("commit: this worker has no save or load staged on this server");
     Staged st = std::move(it->second);
     staged_.erase(it);
     for (auto& [name, shard] : st.tables) tables_[name] = std::move(shard);  // the old shards retire
-    for (size_t i = 0; i < st.renames.size(); ++i) {
-      const auto& [tmp, path] = st.renames[i];
-      if (::rename(tmp.c_str(), path.c_str()) != 0) {
-        const std::string why = std::strerror(errno);
-        for (size_t j = i; j < st.renames.size(); ++j) ::unlink(st.renames[j].first.c_str());
-        throw InvalidArgument(fmt::format("save: {}: cannot rename it to {}: {}", tmp, path, why));
-      }
-    }
   }
 
-  // Writes every table's shard to <file>.tmp (renamed by commit); returns {table: config} of them.
-  std::string stage_save(int w, const std::string& dir) {
+  // Writes every table's shard into `folder` (a fresh one, named by no manifest yet); returns
+  // {table: config} of them.
+  std::string stage_save(int w, const std::string& folder) {
     discard(w);
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) throw InvalidArgument(fmt::format("save: {}: cannot create the directory: {}", dir, ec.message()));
     Staged st;
-    nlohmann::json saved = nlohmann::json::object();
+    std::string path = folder;
     try {
+      std::error_code ec;
+      if (!std::filesystem::create_directories(folder, ec) && ec)
+        throw InvalidArgument(fmt::format("save: {}: cannot create the directory: {}", folder, ec.message()));
+      st.folder = folder;
+      nlohmann::json saved = nlohmann::json::object();
       for (auto& [name, t] : tables_) {
-        const std::string path = shard_path(dir, name, index_, roles_.num_servers);
-        st.renames.emplace_back(path + ".tmp", path);
-        write_shard(st.renames.back().first, *t);
+        path = shard_path(folder, name, index_, roles_.num_servers);
+        st.files.push_back(path);
+        write_shard(path, *t);
         saved[name] = config_to_json(t->config());
       }
-    } catch (...) {
-      for (auto& [tmp, path] : st.renames) ::unlink(tmp.c_str());
+      staged_[w] = std::move(st);
+      return saved.dump();
+    } catch (const InvalidArgument&) {
+      remove_files(st);
       throw;
+    } catch (const std::bad_alloc&) {
+      remove_files(st);
+      throw InvalidArgument(fmt::format("save: {}: out of memory", path));
+    } catch (const std::exception& e) {  // a row lock held past the timeout, the table's memory
+      remove_files(st);
+      throw InvalidArgument(fmt::format("save: {}: {}", path, e.what()));
     }
-    staged_[w] = std::move(st);
-    return saved.dump();
   }
 
   static bool write_all(int fd, const char* p, size_t n) {
@@ -589,6 +613,7 @@ class Server {
   }
 
   // Reads and checks dir/manifest.json and every shard it names into new tables, kept until commit.
+  // Every error is the loading worker's (InvalidArgument); what was staged is dropped.
   void stage_load(int w, const std::string& dir) {
     discard(w);
     const std::string path = dir + "/manifest.json";
@@ -598,8 +623,22 @@ class Server {
     Manifest m;
     if (std::string why = parse_manifest(text, &m); !why.empty())
       throw InvalidArgument(fmt::format("load: {}: {}", path, why));
+    // A save names its shards' folder; a manifest of before that keeps them beside it.
+    const std::string shards = m.shards.empty() ? dir : dir + "/" + m.shards;
     Staged st;
-    for (auto& [name, c] : m.tables) st.tables[name] = load_table(dir, name, c, m.servers);
+    std::string table;
+    try {
+      for (auto& [name, c] : m.tables) {
+        table = name;
+        st.tables[name] = load_table(shards, name, c, m.servers);
+      }
+    } catch (const InvalidArgument&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw InvalidArgument(fmt::format("load: {}: table '{}': out of memory", dir, table));
+    } catch (const std::exception& e) {  // the new table's memory (memfd, mmap, growing it)
+      throw InvalidArgument(fmt::format("load: {}: table '{}': {}", dir, table, e.what()));
+    }
     staged_[w] = std::move(st);
   }
 

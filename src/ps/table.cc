@@ -21,6 +21,7 @@
 
 #include "cohort/error.h"
 #include "common/half_arrays.h"
+#include "common/handoff.h"
 #include "common/log.h"
 #include "common/vector_clones.h"
 #include "ps/sharding.h"
@@ -263,6 +264,12 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   header_fd_ = std::move(fds[0]);
   arena_fd_ = std::move(fds[1]);
   index_fd_ = std::move(fds[2]);
+  // The header and every holder's undo record are mapped from the first file: it must hold them all
+  // (the rows' and the index's files are checked against the sizes the header gives, as they grow).
+  if (std::string why = handoff::too_small(header_fd_.get(), header_bytes_ + kMaxHolders * undo_stride_,
+                                           fmt::format("table '{}''s shared header", name_));
+      !why.empty())
+    throw Error(why);
   void* h = ::mmap(nullptr, header_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, header_fd_.get(), 0);
   if (h == MAP_FAILED) throw_sys("mmap");
   const auto* theirs = static_cast<const ShardHeader*>(h);
@@ -337,6 +344,8 @@ namespace {
 void map_at_least(int fd, uint64_t bytes, uint64_t file_size, uint8_t*& base, uint64_t& mapped, const std::string& what) {
   if (bytes <= mapped) return;
   if (file_size < bytes) throw Error(fmt::format("{}: the file holds {} bytes, {} are needed", what, file_size, bytes));
+  // The header says so; the file itself must agree, or the first touch past its end is a SIGBUS.
+  if (std::string why = handoff::too_small(fd, bytes, what); !why.empty()) throw Error(why);
   if (base) ::munmap(base, mapped);
   base = nullptr;
   mapped = 0;

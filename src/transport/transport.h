@@ -54,6 +54,7 @@ using MismatchFormatter =
 struct PeerInfo {
   std::string host;        // host name, for messages
   std::string descriptor;  // what the peer's transport published
+  int pid = 0;             // its process, as it published it (0: unknown); same-host handoffs check it
 };
 
 class Transport {

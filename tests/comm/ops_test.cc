@@ -396,6 +396,37 @@ TEST(Ops, AllocateSharedBuffersReduceInPlaceAndAMisplacedRangeIsAMismatch) {
   for (const auto& e : errors) EXPECT_NE(e.find("allocate_shared"), std::string::npos) << e;
 }
 
+TEST(Ops, ShareableAllreduceIsOneOperationWithItsAllocationAndAgainstAPlainAllreduceAMismatch) {
+  auto store = make_memory_store();
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank) {
+    auto comm = make(store, rank, 2, 10);
+    const size_t n = 100003;
+    std::vector<float> mine(n, float(rank + 1));
+    // Operation 1: both ranks ask for memory the peers map; the call returns it (one host).
+    std::shared_ptr<void> memory = comm->allreduce_shareable(mine.data(), n, DataType::kFloat32, ReduceOp::kSum, true);
+    ASSERT_NE(memory, nullptr);
+    EXPECT_EQ(mine[n - 1], 3.0f);
+    // Operation 2, in place on it; operation 3 on ordinary memory on rank 1 only (staged, no error).
+    float* shared = static_cast<float*>(memory.get());
+    for (float* buf : {shared, rank == 1 ? mine.data() : shared}) {
+      std::fill_n(buf, n, float(rank + 1));
+      EXPECT_EQ(comm->allreduce_shareable(buf, n, DataType::kFloat32, ReduceOp::kSum, false), nullptr);
+      EXPECT_EQ(buf[n - 1], 3.0f);
+    }
+    // Operation 4: a plain allreduce against the shareable one (their rounds differ): a mismatch that
+    // names operation 4 (no hidden operation came before it).
+    try {
+      if (rank == 0) comm->allreduce(shared, shared, n, DataType::kFloat32, ReduceOp::kSum);
+      else comm->allreduce_shareable(mine.data(), n, DataType::kFloat32, ReduceOp::kSum, false);
+      ADD_FAILURE() << "no mismatch detected on rank " << rank;
+    } catch (const MismatchError& e) {
+      errors[size_t(rank)] = e.what();
+    }
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("allreduce #4 "), std::string::npos) << e;
+}
+
 TEST(Ops, AllocateSharedWhilePeersRunAnotherOperationFailsAtOnce) {
   // allocate_shared is collective: a rank that calls it while its peer runs an allreduce gets the
   // usual MismatchError (its barrier against the allreduce), not a wait until the deadline.

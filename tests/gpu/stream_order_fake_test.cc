@@ -44,6 +44,8 @@ struct FakeCuda {
   int (*stream_create)(void** stream, unsigned flags);
   int (*stream_destroy)(void* stream);
   int (*set_device)(int device);
+  void* (*kernel_view)(const void* device_pointer);  // where a "kernel" reaches GPU memory
+  void (*exit_rank)(int device);                       // that rank's process exits
   FakeCuda() {
     void* h = dlopen(COHORT_FAKE_CUDA, RTLD_NOW);
     EXPECT_NE(h, nullptr) << dlerror();
@@ -51,6 +53,8 @@ struct FakeCuda {
     stream_create = reinterpret_cast<decltype(stream_create)>(dlsym(h, "cudaStreamCreateWithFlags"));
     stream_destroy = reinterpret_cast<decltype(stream_destroy)>(dlsym(h, "cudaStreamDestroy"));
     set_device = reinterpret_cast<decltype(set_device)>(dlsym(h, "cudaSetDevice"));
+    kernel_view = reinterpret_cast<decltype(kernel_view)>(dlsym(h, "fake_cuda_kernel_view"));
+    exit_rank = reinterpret_cast<decltype(exit_rank)>(dlsym(h, "fake_nccl_exit"));
   }
   // Queues a kernel on `stream` that sets `flag` (after `delay`, to model a long kernel).
   void set_flag(void* stream, std::atomic<bool>* flag) {
@@ -139,7 +143,7 @@ TEST(GpuStreams, ACollectiveSeesWhatTheCallersStreamWroteBeforeIt) {
       struct Write {
         float* dst;
         float value;
-      } write{static_cast<float*>(buf.get()), 10.0f * (rank + 1)};
+      } write{static_cast<float*>(fake().kernel_view(buf.get())), 10.0f * (rank + 1)};
       fake().launch_host_func(stream, [](void* p) {
         auto* w = static_cast<Write*>(p);
         std::this_thread::sleep_for(100ms);  // a long kernel
@@ -188,19 +192,24 @@ TEST(GpuStreams, TestIsBoundedByTheDeadlineWhenAPeerNeverCalls) {
   });
 }
 
-// A peer that dies (its NCCL communicator gone): test() reports NCCL's asynchronous error as a lost
-// peer, long before the deadline, where checking only the CUDA event reported success.
+// A peer whose process exits: NCCL's socket transport sees its connections close and reports an
+// asynchronous error, which test() reports as a lost peer long before the deadline (checking only
+// the CUDA event reported success). NCCL promises nothing like it for a peer that is alive but
+// stopped or aborted its communicator: that one is the deadline's (the tests above).
 TEST(GpuStreams, TestSeesAPeersFailure) {
   auto store = make_memory_store();
+  std::atomic<bool> queued{false};
   run_ranks(2, [&](int rank) {
     auto comm = device_comm(store, rank, 2, 30s);
     auto buf = gpu::allocate_device(4 * sizeof(float), rank);
     comm->barrier();
     if (rank == 1) {
-      comm->abort("rank 1 dies (test)");
+      EXPECT_TRUE(becomes_true(queued, 20s));
+      fake().exit_rank(1);
       return;
     }
     auto work = comm->allreduce_async(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum);
+    queued = true;
     const auto t0 = Clock::now();
     while (!work->test() && Clock::now() - t0 < 10s) std::this_thread::sleep_for(5ms);
     EXPECT_LT(Clock::now() - t0, 5s);

@@ -43,8 +43,18 @@ while read -r cmd; do
 done < <("$prefix/bin/cohort" --help | sed -n 's/^  \([a-z][a-z_]*\( [a-z_]*\)\?\)  .*/\1/p' | sed 's/ *$//')
 [[ -z $missing ]] && pass "the man page names every command" || fail "the man page lacks:$missing"
 
-# 2. An out-of-tree CMake project against the prefix, run under the installed launcher.
-if [[ -e $prefix/$libdir/cmake/cohort/cohortTorchTargets.cmake ]]; then
+# 2. An out-of-tree CMake project against the prefix, run under the installed launcher. Only a build
+#    without libtorch (COHORT_INSTALLS_TORCH=OFF, from CMake) has no cohort::torch to offer; where
+#    cohort_torch was built, a missing cohortTorchTargets.cmake is the install breakage to catch.
+#    (Run by hand without that variable: whether the build tree has libcohort_torch.so.)
+torch_targets=$prefix/$libdir/cmake/cohort/cohortTorchTargets.cmake
+if [[ -z ${COHORT_INSTALLS_TORCH:-} ]]; then
+  COHORT_INSTALLS_TORCH=$([[ -n $(find "$build" -maxdepth 2 -name 'libcohort_torch.so*' -print -quit) ]] && echo ON || echo OFF)
+fi
+if [[ $COHORT_INSTALLS_TORCH == ON && ! -e $torch_targets ]]; then
+  fail "not installed: $libdir/cmake/cohort/cohortTorchTargets.cmake, although this build has cohort_torch" \
+       "(cmake/install.cmake); find_package(cohort COMPONENTS torch) cannot work"
+elif [[ -e $torch_targets ]]; then
   if cmake -S "$src/tests/install/consumer" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
        -DCMAKE_PREFIX_PATH="$prefix" >"$work/consumer.log" 2>&1 &&
      cmake --build "$work/consumer" >>"$work/consumer.log" 2>&1; then

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "launch_test_util.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
@@ -75,12 +76,10 @@ TEST(MpirunFlags, MapByTakesTheFormsCohortCanDoAndRefusesTheRest) {
   EXPECT_EQ(bind_of({"--map-by", "numa"}), "numa");
   EXPECT_EQ(bind_of({"--map-by", "slot"}), "auto");
   EXPECT_EQ(bind_of({"-map-by", "core", "-bind-to", "none"}), "none");  // --bind-to wins, as in mpirun
-  expect_refused(with_sh(cohort_run({"--map-by", "node"}), "true"),
-                 "cohort run: --map-by node: cohort gives each node consecutive ranks (as torchrun numbers them) and "
-                 "cannot deal them out round-robin; supported: slot, ppr:N:node, core, socket, numa");
+  EXPECT_EQ(bind_of({"--map-by", "node"}), "auto");  // a placement over hosts (MpirunLines, MapByNode...)
   expect_refused(with_sh(cohort_run({"--map-by", "ppr:2:socket"}), "true"),
-                 "cohort run: --map-by ppr:2:socket: not a form cohort maps (supported: slot, ppr:N:node, core, socket, "
-                 "numa; modifiers such as :PE=n and ppr:N:socket are not)");
+                 "cohort run: --map-by ppr:2:socket: not a form cohort maps (supported: slot, node, ppr:N:node, core, "
+                 "socket, numa; modifiers such as :PE=n and ppr:N:socket are not)");
   expect_refused(with_sh(cohort_run({"--map-by", "ppr:2:node", "-N", "3"}), "true"),
                  "cohort run: --map-by ppr:2:node and -N/--npernode 3 disagree about the processes per node");
 }
@@ -124,7 +123,7 @@ TEST(MpirunFlags, McaAbortOnNonZeroStatusIsTheAbortPolicy) {
   // mpirun -mca orte_abort_on_non_zero_status 0: a failed rank does not stop the others.
   TempDir dir;
   auto r = run_process(with_sh(cohort_run({"-np", "3", "-mca", "orte_abort_on_non_zero_status", "0"}),
-                               "if [ $RANK = 0 ]; then exit 4; fi; sleep 0.3; echo done > " + dir.path() + "/done.$RANK"),
+                               launch::rank0_fails_others_outlast_the_report_window(dir)),
                        {}, 30);
   EXPECT_EQ(r.exit_code, 4) << r.err;
   EXPECT_EQ(read_file(dir.file("done.1")), "done\n");

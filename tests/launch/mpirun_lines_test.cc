@@ -1,6 +1,7 @@
 // The mpirun command lines people type, under the real `cohort run`: -mca settings (the interface
 // selections mapped to cohort's, the rest ignored with one note), --oversubscribe beyond the hosts'
-// slots, --timeout (the job's wall-clock limit on every node), --wdir, --timestamp-output, --rank-by,
+// slots, --timeout (the job's wall-clock limit on every node), --wdir, --timestamp-output, --rank-by and
+// --map-by node (ranks dealt over the hosts of a fan-out),
 // and a --help that shows one usage line and lists the mpirun flags taken.
 #include <sys/stat.h>
 
@@ -237,8 +238,72 @@ TEST(MpirunLines, RankBySlotIsTheOrderCohortNumbersIn) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(count_of(r.out, "\n"), 2u) << r.out;
   expect_refused(with_sh(cohort_run({"--rank-by", "core"}), "true"),
-                 "cohort run: --rank-by core: cohort numbers ranks in placement order, host by host (mpirun's "
-                 "--rank-by slot, the default); supported: slot");
+                 "cohort run: --rank-by core: cohort numbers ranks by slot (each host's processes in turn) or by node "
+                 "(round robin over the hosts); supported: slot, node");
+}
+
+// A fan-out whose ranks are dealt over the hosts: the head's own host (localhost) and others reached
+// through the ssh stand-in (COHORT_HOST_ID tells the communicator they are other hosts). Each worker
+// says what it was given; then `cohort bench allreduce --check` sums rank-dependent values over the job
+// (#wrong 0), its ranks grouped by the host they run on, not by number.
+TEST(MpirunLines, MapByNodeAndRankByNodeDealRanksOverTheHostsAndTheirAllreduceAddsUp) {
+  TempDir dir;
+  std::string shim = write_shim(dir);
+  const std::string worker = "echo \"who $RANK $LOCAL_RANK $LOCAL_WORLD_SIZE $NODE_RANK ${COHORT_HOST_ID:-head}\"; exec '" +
+                             cohort_tool() + "' bench allreduce -b 4K -e 64K -n 2 -w 1 --check";
+  auto job = [&](std::vector<std::string> placement, const std::string& level) {
+    auto argv = cohort_run({"--master-addr", "127.0.0.1", "--ssh-command", shim, "-x", "COHORT_LOG_LEVEL=" + level});
+    argv.insert(argv.end(), placement.begin(), placement.end());
+    auto r = run_process(with_sh(argv, worker), {}, 60);
+    r.out += r.err;  // the communicators' log lines come on stderr
+    return r;
+  };
+  // "[host:rank] cohort[rank R] info: communicator '<job's>' ready: rank R of W, H host(s), local rank L of N"
+  auto ready = [](const std::string& tag, int rank, int world, int hosts, int local, int local_world) {
+    return std::regex(R"(\[)" + tag + ":" + std::to_string(rank) + R"(\] cohort\[rank \d+\] info: communicator '[^']*/comm' ready: rank )" +
+                      std::to_string(rank) + " of " + std::to_string(world) + ", " + std::to_string(hosts) +
+                      R"( host\(s\), local rank )" + std::to_string(local) + " of " + std::to_string(local_world) + ",");
+  };
+
+  // mpirun -np 4 -H a:2,b:2 --map-by node: ranks 0 and 2 here, 1 and 3 on hostB. Every host has two ranks,
+  // so the allreduce is the hierarchical one: shared memory inside each host, a TCP ring per local rank.
+  auto even = job({"-np", "4", "-H", "localhost:2,hostB:2", "--map-by", "node"}, "debug");
+  ASSERT_EQ(even.exit_code, 0) << even.out;
+  EXPECT_NE(even.out.find("[localhost:0] who 0 0 2 0 head\n"), std::string::npos) << even.out;
+  EXPECT_NE(even.out.find("[localhost:2] who 2 1 2 0 head\n"), std::string::npos) << even.out;
+  EXPECT_NE(even.out.find("[hostB:1] who 1 0 2 1 hostB\n"), std::string::npos) << even.out;
+  EXPECT_NE(even.out.find("[hostB:3] who 3 1 2 1 hostB\n"), std::string::npos) << even.out;
+  EXPECT_TRUE(std::regex_search(even.out, ready("localhost", 0, 4, 2, 0, 2))) << even.out;
+  EXPECT_TRUE(std::regex_search(even.out, ready("localhost", 2, 4, 2, 1, 2))) << even.out;
+  EXPECT_TRUE(std::regex_search(even.out, ready("hostB", 1, 4, 2, 0, 2))) << even.out;
+  EXPECT_TRUE(std::regex_search(even.out, ready("hostB", 3, 4, 2, 1, 2))) << even.out;
+  EXPECT_EQ(count_of(even.out, "/comm': 2 hosts x 2 ranks, hierarchical allreduce (shm inside hosts, 2 rings across)"), 4u)
+      << even.out;
+  EXPECT_NE(even.out.find("[localhost:0] # Out of bounds values : 0 OK"), std::string::npos) << even.out;
+
+  // --rank-by node alone, uneven: placed by slot (3 here, 1 on hostB, 1 on hostC), numbered round robin.
+  auto uneven = job({"-np", "5", "-H", "localhost:3,hostB:1,hostC:2", "--rank-by", "node"}, "info");
+  ASSERT_EQ(uneven.exit_code, 0) << uneven.out;
+  EXPECT_NE(uneven.out.find("[localhost:0] who 0 0 3 0 head\n"), std::string::npos) << uneven.out;
+  EXPECT_NE(uneven.out.find("[hostB:1] who 1 0 1 1 hostB\n"), std::string::npos) << uneven.out;
+  EXPECT_NE(uneven.out.find("[hostC:2] who 2 0 1 2 hostC\n"), std::string::npos) << uneven.out;
+  EXPECT_NE(uneven.out.find("[localhost:3] who 3 1 3 0 head\n"), std::string::npos) << uneven.out;
+  EXPECT_NE(uneven.out.find("[localhost:4] who 4 2 3 0 head\n"), std::string::npos) << uneven.out;
+  EXPECT_TRUE(std::regex_search(uneven.out, ready("localhost", 3, 5, 3, 1, 3))) << uneven.out;
+  EXPECT_TRUE(std::regex_search(uneven.out, ready("localhost", 4, 5, 3, 2, 3))) << uneven.out;
+  EXPECT_TRUE(std::regex_search(uneven.out, ready("hostC", 2, 5, 3, 0, 1))) << uneven.out;
+  EXPECT_NE(uneven.out.find("[localhost:0] # Out of bounds values : 0 OK"), std::string::npos) << uneven.out;
+
+  // An agent that fails names its host's dealt ranks.
+  write_file(dir.file("bad-ssh"), "#!/bin/sh\necho \"ssh: connect to host $1 port 22: Connection refused\" >&2\nexit 255\n");
+  chmod(dir.file("bad-ssh").c_str(), 0755);
+  auto bad = run_process(with_sh(cohort_run({"-np", "4", "-H", "hostA:2,hostB:2", "--map-by", "node", "--master-addr",
+                                             "127.0.0.1", "--ssh-command", dir.file("bad-ssh")}),
+                                 "true"),
+                         {}, 30);
+  EXPECT_EQ(bad.exit_code, 255) << bad.err;
+  EXPECT_TRUE(std::regex_search(bad.err, std::regex(R"(the agent for host (hostA \(node 0, ranks 0,2\)|hostB \(node 1, ranks 1,3\)) exited)")))
+      << bad.err;
 }
 
 TEST(MpirunLines, HelpHasOneUsageLineAndListsTheMpirunFlags) {

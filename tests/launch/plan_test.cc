@@ -317,6 +317,114 @@ TEST(Plan, FanOutAssignsRanksBySlot) {
   EXPECT_EQ(q.source_of("hosts"), "--hostfile hosts");
 }
 
+// Where each process runs, in mpirun --display-map's order: "a: 0 2 | b: 1 3" (hosts in node order,
+// each host's processes in local-index order).
+std::string layout(const Plan& p) {
+  std::string s;
+  for (const auto& n : p.nodes) {
+    s += (s.empty() ? "" : " | ") + n.host + ":";
+    for (int l = 0; l < n.nproc; ++l) s += " " + std::to_string(n.rank_of(l));
+  }
+  return s;
+}
+
+// mpirun's --map-by node and --rank-by node over -H hosts. Every expected layout below is what Open MPI
+// 4.1.4's `mpirun --do-not-launch --display-map --bind-to none ARGS true` printed for the same ARGS.
+TEST(Plan, MapByNodeAndRankByNodeDealRanksOverTheHostsAsMpirunDoes) {
+  auto placed = [](const std::string& hosts, std::optional<int> np, std::optional<std::string> map_by,
+                   std::optional<std::string> rank_by, bool oversubscribe = false) {
+    auto o = with_program();
+    o.hosts = hosts;
+    o.np = np;
+    o.map_by = map_by;
+    o.rank_by = rank_by;
+    o.oversubscribe = oversubscribe;
+    return layout(build_plan(o, {}, facts()));
+  };
+  // --map-by node: round robin over the hosts, the ranks following the mapping.
+  EXPECT_EQ(placed("a:2,b:2", 4, "node", {}), "a: 0 2 | b: 1 3");
+  EXPECT_EQ(placed("a:4,b:4,c:4", 6, "node", {}), "a: 0 3 | b: 1 4 | c: 2 5");  // man mpirun's example
+  EXPECT_EQ(placed("a:2,b:2,c:2", 5, "NODE", {}), "a: 0 3 | b: 1 4 | c: 2");
+  EXPECT_EQ(placed("a:2,b:2,c:2", 2, "node", {}), "a: 0 | b: 1");  // c gets none
+  // A host whose slots run out sits the next rounds out; the others take what it could not.
+  EXPECT_EQ(placed("a:1,b:4,c:2", 6, "node", {}), "a: 0 | b: 1 3 5 | c: 2 4");
+  EXPECT_EQ(placed("a:1,b:4,c:4", 9, "node", {}), "a: 0 | b: 1 3 5 7 | c: 2 4 6 8");
+  EXPECT_EQ(placed("a:1,b:4,c:4", 8, "node", {}), "a: 0 | b: 1 3 5 7 | c: 2 4 6");
+  EXPECT_EQ(placed("a:2,b:3,c:1", 6, "node", {}), "a: 0 3 | b: 1 4 5 | c: 2");
+  // Beyond the slots (--oversubscribe) every host takes its even share, slots or not.
+  EXPECT_EQ(placed("a:2,b:1", 7, "node", {}, true), "a: 0 2 4 6 | b: 1 3 5");
+  EXPECT_EQ(placed("a:2,b:3,c:1", 11, "node", {}, true), "a: 0 3 6 9 | b: 1 4 7 10 | c: 2 5 8");
+  // --rank-by node alone: placed by slot (each host's slots in turn), numbered round robin.
+  EXPECT_EQ(placed("a:2,b:2", 4, {}, "node"), "a: 0 2 | b: 1 3");
+  EXPECT_EQ(placed("a:3,b:1,c:2", 5, {}, "node"), "a: 0 3 4 | b: 1 | c: 2");
+  EXPECT_EQ(placed("a:3,b:1,c:1", 3, {}, "node"), "a: 0 1 2");
+  EXPECT_EQ(placed("a:2,b:3,c:1", 10, {}, "Node", true), "a: 0 3 6 8 | b: 1 4 7 9 | c: 2 5");
+  // --map-by node --rank-by slot: the by-node counts, each host's ranks consecutive.
+  EXPECT_EQ(placed("a:3,b:1,c:2", 6, "node", "slot"), "a: 0 1 2 | b: 3 | c: 4 5");
+  EXPECT_EQ(placed("a:2,b:2,c:2", {}, "ppr:2:node", "node"), "a: 0 3 | b: 1 4 | c: 2 5");
+
+  // -N 2 with --map-by node: two on every host, dealt round robin.
+  auto o = with_program();
+  o.hosts = "here,b,c";
+  o.nproc_per_node = "2";
+  o.nproc_per_node_flag = "-N/--npernode";
+  o.map_by = "node";
+  o.bind_to = "none";  // the default (auto) depends on this machine's CPUs
+  auto p = build_plan(o, {}, facts());
+  EXPECT_EQ(layout(p), "here: 0 3 | b: 1 4 | c: 2 5");
+  // One accessor answers every question about a node's processes.
+  const NodePlan& b = p.nodes[1];
+  EXPECT_EQ(b.processes(), (std::vector<int>{1, 4}));
+  EXPECT_EQ(b.local_index_of(4), 1);
+  EXPECT_EQ(b.local_index_of(2), -1);
+  EXPECT_EQ(b.ranks_text(), "1,4");
+  EXPECT_EQ(p.node_of_process(4)->host, "b");
+  EXPECT_EQ(p.node_of_process(5)->host, "c");
+  EXPECT_EQ(p.local_rank_of(3), 1);
+  EXPECT_EQ(p.process_name(3), "rank 3");
+  // The agents get the dealt ranks with their plan; the dry run shows them with each local worker's variables.
+  auto q = plan_from_json(plan_to_json(p));
+  EXPECT_EQ(layout(q), layout(p));
+  auto text = describe_plan(p, {}, "here:1234");
+  EXPECT_NE(text.find("\nnode 1 (b, over ssh): ranks 1,4\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("rank 3 (local 1) cpus any: RANK=3 LOCAL_RANK=1 WORLD_SIZE=6 LOCAL_WORLD_SIZE=2 GROUP_RANK=0 "),
+            std::string::npos)
+      << text;
+  // Consecutive ranks keep the usual form (no list), whatever the flags.
+  o.map_by = "slot";
+  auto slot = build_plan(o, {}, facts());
+  EXPECT_EQ(layout(slot), "here: 0 1 | b: 2 3 | c: 4 5");
+  for (const auto& n : slot.nodes) EXPECT_TRUE(n.ranks.empty());
+  EXPECT_TRUE(build_plan(with_program(), {}, facts()).nodes[0].ranks.empty());
+  // A local job is one host: by node is by slot there.
+  auto local = with_program();
+  local.np = 3;
+  local.map_by = "node";
+  EXPECT_EQ(layout(build_plan(local, {}, facts())), "here: 0 1 2");
+
+  // What it refuses, in one line each.
+  auto bad = with_program();
+  bad.rank_by = "core";
+  EXPECT_EQ(error_of([&] { build_plan(bad, {}, facts()); }),
+            "--rank-by core: cohort numbers ranks by slot (each host's processes in turn) or by node (round robin over "
+            "the hosts); supported: slot, node");
+  bad = with_program();
+  bad.hosts = "a:2,b:2";
+  bad.rank_by = "node";
+  bad.ps = 1;
+  EXPECT_EQ(error_of([&] { build_plan(bad, {}, facts()); }),
+            "--rank-by node and --ps both given: a parameter-server job keeps each node's processes consecutive (its "
+            "workers, then its servers); use --rank-by slot");
+  bad = with_program();
+  bad.nnodes = 2;
+  bad.node_rank = 0;
+  bad.master_addr = "m";
+  bad.map_by = "node";
+  EXPECT_EQ(error_of([&] { build_plan(bad, {}, facts()); }),
+            "--map-by node: each node of a per-node job (--nnodes) starts its own ranks, numbered consecutively; ranks "
+            "are dealt over the hosts when one cohort run starts them all (-H, --hostfile)");
+}
+
 // --ps N: server k runs on node k mod nnodes, after that node's workers; workers keep a dense
 // RANK 0..W-1 among themselves and servers are numbered apart (docs/parameter-server.md).
 TEST(Plan, ParameterServersArePlacedAfterEachNodesWorkers) {

@@ -77,9 +77,16 @@ require_training_example() {
     echo "SKIP: dataset-fashion-mnist is not installed"; exit 77
   fi
 }
-require_command() {  # skip (77) when this build lacks a cohort sub-command that the test needs
-  if ! "$COHORT" --help 2>/dev/null | grep -q "^  $1 "; then
-    echo "SKIP: this cohort build has no '$1' command (branch not merged yet)"; exit 77
+# require_command "bench allreduce": fails the test (exit 1, never a skip) unless `cohort <command>
+# --help` succeeds. Every build has every command, so one that lacks it or crashes is broken; asking
+# the command itself, rather than reading the layout of `cohort --help`, leaves help's format free.
+require_command() {
+  local rc=0 err
+  # shellcheck disable=SC2086  # "bench allreduce" is two words
+  err=$("$COHORT" $1 --help 2>&1 >/dev/null) || rc=$?
+  if ((rc != 0)); then
+    echo "FAIL: '$COHORT $1 --help' exited $rc (this build lacks the '$1' command, or it crashed): ${err:0:300}" >&2
+    exit 1
   fi
 }
 # run_per_node NAME TIMEOUT CMD...: runs CMD on every host at once (on hosts 0..PN_HOSTS-1 when set),

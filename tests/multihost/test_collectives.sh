@@ -1,5 +1,5 @@
-# Collectives across hosts: `cohort bench allreduce --check` on 4 hosts x 2 ranks (ssh fan-out and
-# per-node mode), several dtypes and ops; every size must check out (#wrong 0) exactly as the same
+# Collectives across hosts: `cohort bench allreduce --check` on 4 hosts x 2 ranks (ssh fan-out, also with
+# --map-by node, and per-node mode), several dtypes and ops; every size must check out (#wrong 0) exactly as the same
 # benchmark does with 8 ranks on one host.
 source "$(dirname "$0")/lib.sh"
 require_command run
@@ -21,6 +21,14 @@ for spec in "float sum" "int32 max" "bfloat16 sum" "double avg"; do
   expect_eq "4x2 fan-out allreduce $1 $2: exit code" "$rc" 0
   check_table "4x2 fan-out allreduce $1 $2" "$out"
 done
+expect_no_job_processes 3
+
+# Ranks dealt round robin over the hosts (mpirun's --map-by node: h0 has ranks 0 and 4, ...): the ranks of
+# each host still share memory and the hosts still meet over TCP.
+out=$(on_host 0 timeout -k 5 90 "$COHORT" run -H h0:2,h1:2,h2:2,h3:2 --map-by node --ssh-command "$COHORT_CLUSTER_SSH" \
+  "${BENCH[@]}" -d float -o sum 2>&1) && rc=0 || rc=$?
+expect_eq "4x2 fan-out --map-by node allreduce float sum: exit code" "$rc" 0
+check_table "4x2 fan-out --map-by node allreduce float sum" "$out"
 expect_no_job_processes 3
 
 run_per_node coll 90 "$COHORT" run --nnodes 4 --node-rank {node} --nproc-per-node 2 --master-addr h0 \

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "cohort/error.h"
+#include "ps/sharding.h"
 #include "ps_test_util.h"
 
 namespace cohort::ps {
@@ -23,6 +25,7 @@ namespace {
 namespace fs = std::filesystem;
 using test_util::pull_rows;
 using test_util::run_job;
+using test_util::shards_dir;
 
 std::string slurp(const std::string& path) { return test::read_file(path); }
 
@@ -98,22 +101,22 @@ TEST(PsSaveLoad, ABadManifestOrShardFileIsOneErrorNamingItAndEveryServerKeepsIts
       {"a table of dim 0", manifest_with("dim", 0), "manifest.json", "table 't': dim 0: expected 1 to 1048576"},
       {"an unknown optimizer", manifest_with("optimizer", "rmsprop"), "manifest.json",
        "table 't': optimizer 'rmsprop': expected sgd, adagrad or adam"},
-      {"a missing shard", [](const std::string& dir) { fs::remove(dir + "/t.shard-1-of-2"); }, "t.shard-1-of-2",
+      {"a missing shard", [](const std::string& dir) { fs::remove(shards_dir(dir) + "/t.shard-1-of-2"); }, "t.shard-1-of-2",
        "cannot open it: No such file or directory"},
       {"a truncated shard",
-       [&](const std::string& dir) { edit(dir + "/t.shard-1-of-2", [](std::string& t) { t.resize(t.size() - 10); }); },
+       [&](const std::string& dir) { edit(shards_dir(dir) + "/t.shard-1-of-2", [](std::string& t) { t.resize(t.size() - 10); }); },
        "t.shard-1-of-2", "rows its header counts"},
       {"a shard whose header is not JSON",
-       [&](const std::string& dir) { edit(dir + "/t.shard-0-of-2", [](std::string& t) { t[0] = 'x'; }); },
+       [&](const std::string& dir) { edit(shards_dir(dir) + "/t.shard-0-of-2", [](std::string& t) { t[0] = 'x'; }); },
        "t.shard-0-of-2", "header line is not valid JSON"},
       {"a shard with bytes after its rows",
-       [&](const std::string& dir) { edit(dir + "/t.shard-0-of-2", [](std::string& t) { t += "xyz"; }); },
+       [&](const std::string& dir) { edit(shards_dir(dir) + "/t.shard-0-of-2", [](std::string& t) { t += "xyz"; }); },
        "t.shard-0-of-2", "holds more than the"},
       // Server 1's shard has one id twice. Only server 1 holds that id now, so only server 1 can
       // tell; server 0 stages its tables without fault and must drop them too.
       {"a shard with an id twice, seen by one server",
        [&](const std::string& dir) {
-         edit(dir + "/t.shard-1-of-2", [&](std::string& t) {
+         edit(shards_dir(dir) + "/t.shard-1-of-2", [&](std::string& t) {
            const size_t first = t.find('\n') + 1;
            std::memcpy(t.data() + first + record, t.data() + first, 8);  // record 1's id := record 0's
          });
@@ -132,9 +135,11 @@ TEST(PsSaveLoad, ABadManifestOrShardFileIsOneErrorNamingItAndEveryServerKeepsIts
       const Case& k = cases[i];
       const std::string bad = tmp.file("bad" + std::to_string(i));
       fs::copy(good, bad, fs::copy_options::recursive);
+      // The manifest, or a shard in the folder the manifest names.
+      const std::string file = (k.file == "manifest.json" ? bad : shards_dir(bad)) + "/" + k.file;
       k.damage(bad);
       const std::string m = refusal([&] { c.load(bad); });
-      EXPECT_NE(m.find("load: " + bad + "/" + k.file + ": "), std::string::npos) << k.what << ": " << m;
+      EXPECT_NE(m.find("load: " + file + ": "), std::string::npos) << k.what << ": " << m;
       EXPECT_NE(m.find(k.expect), std::string::npos) << k.what << ": " << m;
       EXPECT_EQ(m.rfind("parameter server ", 0), 0u) << k.what << ": " << m;
       EXPECT_EQ(m.find('\n'), std::string::npos) << k.what << ": " << m;
@@ -170,40 +175,50 @@ TEST(PsSaveLoad, AManifestConfigurationPassesTheChecksOfANewTable) {
 }
 
 // A save that one server cannot write is one error naming that server, the file and why; the other
-// server's shard is not renamed into place, so the directory still holds the previous save whole.
+// server's shard is deleted again, and the directory still holds the previous save whole. Server 1
+// holds 1000 rows, server 0 one, and no file may grow past 8 KiB: only server 1's disk is "full".
 TEST(PsSaveLoad, ASaveThatOneServerCannotWriteIsOneErrorAndThePreviousSaveStaysWhole) {
   test::TempDir tmp;
   TableConfig cfg;
   cfg.dim = 2;
   cfg.lr = 1.0f;
   std::vector<uint64_t> ids;
-  for (uint64_t i = 0; i < 100; ++i) ids.push_back(i);
+  for (uint64_t id = 0; ids.size() < 1000; ++id)
+    if (shard_of_id(id, 2) == 1) ids.push_back(id);
+  for (uint64_t id = 0;; ++id)
+    if (shard_of_id(id, 2) == 0) {
+      ids.push_back(id);
+      break;
+    }
   std::vector<float> g(ids.size() * 2, 1.0f);
   const std::string dir = tmp.file("ckpt");
   run_job(2, 1, {}, [&](Client& c) {
     c.create_table("t", cfg);
     c.push("t", ids.data(), ids.size(), g.data());
     c.save(dir);  // rows at -1
+    const std::string good = shards_dir(dir);
     c.push("t", ids.data(), ids.size(), g.data());  // -2
-    // Server 1's temporary file cannot be created: a directory has its name.
-    fs::create_directory(dir + "/t.shard-1-of-2.tmp");
-    const std::string m = refusal([&] { c.save(dir); });
-    EXPECT_EQ(m.rfind("parameter server 1: save: " + dir + "/t.shard-1-of-2.tmp: cannot create it: Is a directory", 0),
-              0u)
-        << m;
+    std::string m;
+    {
+      test_util::FileSizeLimit full(8192);
+      m = refusal([&] { c.save(dir); });
+    }
+    EXPECT_EQ(m.rfind("parameter server 1: save: " + dir + "/shards-", 0), 0u) << m;
+    EXPECT_NE(m.find("/t.shard-1-of-2: cannot write it: File too large"), std::string::npos) << m;
     EXPECT_EQ(m.find('\n'), std::string::npos) << m;
-    EXPECT_FALSE(fs::exists(dir + "/t.shard-0-of-2.tmp")) << "server 0 left its staged file";
-    EXPECT_FALSE(fs::exists(dir + "/manifest.json.tmp"));
-    fs::remove(dir + "/t.shard-1-of-2.tmp");
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+    std::sort(left.begin(), left.end());
+    EXPECT_EQ(left, (std::vector<std::string>{"manifest.json", fs::path(good).filename().string()}))
+        << "the failed save left files behind";
     c.load(dir);
     EXPECT_EQ(pull_rows(c, "t", ids), std::vector<float>(ids.size() * 2, -1.0f)) << "the previous save was mixed "
                                                                                    "with the failed one";
     // A directory that cannot be made (its parent is a file) is one error naming it; the servers serve on.
     test::write_file(tmp.file("file"), "x");
     const std::string m2 = refusal([&] { c.save(tmp.file("file") + "/sub"); });
-    EXPECT_NE(m2.find("save: " + tmp.file("file") + "/sub: cannot create the directory: Not a directory"),
-              std::string::npos)
-        << m2;
+    EXPECT_NE(m2.find("save: " + tmp.file("file") + "/sub/shards-"), std::string::npos) << m2;
+    EXPECT_NE(m2.find(": cannot create the directory: Not a directory"), std::string::npos) << m2;
     EXPECT_EQ(pull_rows(c, "t", ids), std::vector<float>(ids.size() * 2, -1.0f));
   });
 }
@@ -256,7 +271,7 @@ TEST(PsSaveLoad, ASaveCountsTheRowsItWroteWhileWorkersCreateRows) {
       for (int s = 0; s < kSaves; ++s) {
         const std::string dir = tmp.file("s" + std::to_string(s));
         c.save(dir);
-        ShardFile f = read_shard(dir + "/t.shard-0-of-1");
+        ShardFile f = read_shard(shards_dir(dir) + "/t.shard-0-of-1");
         counted[size_t(s)] = f.head.at("rows").get<uint64_t>();
         EXPECT_EQ(f.records.size(), counted[size_t(s)] * record)
             << "job " << job << " save " << s << ": its header counts " << counted[size_t(s)]

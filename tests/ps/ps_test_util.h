@@ -2,7 +2,12 @@
 // Helpers of the parameter-server tests that run servers and workers as threads of this process
 // (real transports over loopback and shared memory, a memory store).
 
+#include <nlohmann/json.hpp>
+
+#include <sys/resource.h>
+
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -53,6 +58,37 @@ class ScopedEnv {
   const char* name_;
   std::string old_;
   bool had_ = false;
+};
+
+// The folder of a save in `dir` that holds its shard files: the one its manifest names.
+inline std::string shards_dir(const std::string& dir) {
+  auto j = nlohmann::json::parse(test::read_file(dir + "/manifest.json"));
+  return dir + "/" + j.at("shards").get<std::string>();
+}
+
+// A full disk, for one scope: no file of this process (the servers and workers of run_job are its
+// threads) grows past `bytes` (RLIMIT_FSIZE): a write there fails with EFBIG, as a full disk's with
+// ENOSPC, and so does growing a memfd (a table's shared memory). SIGXFSZ, which would end the
+// process, is ignored meanwhile.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &old_);
+    old_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim = old_;
+    lim.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &old_);
+    std::signal(SIGXFSZ, old_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit old_{};
+  void (*old_handler_)(int) = nullptr;
 };
 
 }  // namespace cohort::ps::test_util

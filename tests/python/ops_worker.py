@@ -310,6 +310,28 @@ def test_shared_storage(rank, world):
     assert x.data_ptr() == a.ctypes.data, "a numpy-backed tensor must keep numpy's memory"
     same("numpy-backed all_reduce", torch.from_numpy(a[:4].copy()),
          torch.full((4,), float(sum(range(1, world + 1)) * world ** 2)))
+    # The ranks disagree: both move a reused tensor, then rank 1 switches to a fresh one while rank 0
+    # keeps its moved one (staged, no error), and when rank 1 reuses its new tensor both move again
+    # (rank 0's tensor a second time), so that their tensors line up and run in place again.
+    a = make(rank, n, torch.float32)
+    for _ in range(2):
+        dist.all_reduce(a, group=COHORT)
+    moved_a = a.data_ptr()
+    b = make(rank, n, torch.float32)
+    for salt in range(4):
+        mine = a if rank == 0 else b
+        mine.copy_(make(rank, n, torch.float32, salt))
+        ref = mine.clone()
+        before_call = mine.data_ptr()
+        dist.all_reduce(mine, group=COHORT)
+        dist.all_reduce(ref, group=GLOO)
+        same(f"one rank on a moved tensor, the other not #{salt}", mine, ref)
+        if local and salt == 0:
+            assert mine.data_ptr() == before_call, "nothing moves while only one rank asks"
+        if local and salt == 1:  # rank 1's tensor seen before, rank 0's moved: both ask, both move
+            assert mine.data_ptr() != before_call, f"rank {rank}: expected a move at the second call"
+    if local and rank == 0:
+        assert a.data_ptr() != moved_a, "rank 0's tensor must have moved a second time"
     # Same sizes, different offsets into equal storages on different ranks.
     big = torch.zeros(n + 64)
     offset = 0 if rank == 0 else 16

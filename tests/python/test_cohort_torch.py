@@ -101,10 +101,18 @@ def test_ddp_under_torchrun_matches_gloo(tmp_path, gloo_weights):
     _assert_weights_match(out, gloo_weights)
 
 
-def test_ddp_under_cohort_run_matches_gloo(tmp_path, gloo_weights):
+def _cohort_tool():
+    """The built `cohort` (ctest sets COHORT_TOOL). It is built wherever these tests are, so a tool
+    missing or one whose `run --help` fails is a failure here, never a skip."""
     tool = os.environ.get("COHORT_TOOL", "")
-    if not tool or subprocess.run([tool, "run", "--help"], capture_output=True).returncode != 0:
-        pytest.skip("`cohort run` is not built in this tree")
+    assert tool, "COHORT_TOOL is not set: run these tests through ctest, or set it to build/tools/cohort"
+    shown = subprocess.run([tool, "run", "--help"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, f"`{tool} run --help` exited {shown.returncode}: {shown.stderr.strip()}"
+    return tool
+
+
+def test_ddp_under_cohort_run_matches_gloo(tmp_path, gloo_weights):
+    tool = _cohort_tool()
     out = str(tmp_path / "cohort_run.pt")
     cmd = [tool, "run", "--nproc-per-node", str(WORLD), sys.executable,
            os.path.join(HERE, "ddp_script.py"), "--backend", "cohort", "--out", out]
@@ -120,9 +128,7 @@ def test_a_rank_that_exits_0_early_is_blamed_under_cohort_run():
     # Rank 1 exits with code 0 after allreduce #1; rank 0 then fails in #2. The torch backend's
     # communicator meets on torch's store, so it reads none of the launcher's exit records: the
     # launcher itself names rank 1 first, what it did last and what rank 0 waited in.
-    tool = os.environ.get("COHORT_TOOL", "")
-    if not tool or subprocess.run([tool, "run", "--help"], capture_output=True).returncode != 0:
-        pytest.skip("`cohort run` is not built in this tree")
+    tool = _cohort_tool()
     env = base_env(COHORT_TIMEOUT="30")
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         env.pop(k, None)  # the launcher decides
@@ -134,6 +140,41 @@ def test_a_rank_that_exits_0_early_is_blamed_under_cohort_run():
     assert "job failed (exit 1): rank 1 on " in summary[0], proc.stderr
     assert " exited with code 0 after allreduce #1 while rank 0 waited for it in allreduce #2; then rank 0 " \
         in summary[0], proc.stderr
+
+
+def test_operation_numbers_are_the_users_calls(tmp_path):
+    # 100 all_reduces of one 1 MiB tensor (it moves into shared memory at the second, then runs in
+    # place), then a 101st whose size differs between the ranks. Every counter the user sees counts the
+    # user's calls, not operations of the backend's own: the error names operation #101, the flight
+    # recorder's last allreduce is #101, and --stats counts 101 operations per rank (main counted 203:
+    # a 48-byte allreduce before each call, and a barrier for the move).
+    tool = os.environ.get("COHORT_TOOL", "")
+    if not tool or subprocess.run([tool, "run", "--help"], capture_output=True).returncode != 0:
+        pytest.skip("`cohort run` is not built in this tree")
+    calls = 100
+    trace_dir = tmp_path / "trace"
+    cmd = [tool, "run", "--nproc-per-node", "2", "--stats", "--trace-dir", str(trace_dir), sys.executable,
+           os.path.join(HERE, "op_count_worker.py"), str(calls)]
+    env = base_env()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)  # the launcher decides
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output  # the workers exit 3 after the mismatch
+    assert output.count("MOVED True") == 2, output  # the in-place path really ran
+    raised = [l for l in output.splitlines() if "RAISED " in l]
+    assert len(raised) == 2, output
+    for line in raised:
+        assert f"allreduce #{calls + 1} " in line and "mismatched calls" in line, line
+    import json
+    for rank in (0, 1):
+        dump = json.loads((trace_dir / f"rank{rank}.json").read_text())
+        last = max(op["seq"] for op in dump["ops"] if op["op"] == "allreduce")
+        assert last == calls + 1, f"rank {rank}: flight recorder's last allreduce #{last}"
+    summary = [json.loads(l[l.index("{"):]) for l in proc.stderr.splitlines() if "cohort_stats_summary" in l]
+    assert summary, output
+    ops = {r["rank"]: r["ops"] for r in summary[-1]["cohort_stats_summary"]["ranks"]}
+    assert ops == {0: calls + 1, 1: calls + 1}, f"--stats operations per rank: {ops}"
 
 
 def test_killed_rank_makes_the_others_raise_within_2s(tmp_path):
@@ -164,6 +205,28 @@ def test_operation_timeout_is_kept(tmp_path):
     seconds = float(line[0].split()[1])
     assert 0.25 <= seconds < 2.0, line[0]
     assert "timeout of 300 ms" in line[0] and "ALLREDUCE" in line[0], line[0]
+
+
+def test_monitored_barrier_after_a_failed_one_passes():
+    # Barrier 0 fails because rank 1 is late; the next three, both ranks on time, pass on both ranks.
+    # Rank 0 names the late rank; rank 1 fails barrier 0 with rank 0's verdict as soon as it arrives
+    # (not after its own timeout). (A rank on time meets torch's own case, test_monitored_barrier_gloo
+    # in tests/torch_suite.)
+    results = run_ranks([os.path.join(HERE, "monitored_barrier_worker.py")], 2, timeout=60)
+    assert all(rc == 0 for rc, _, _ in results), describe(results)
+    lines = {}
+    for rank, (rc, out, err) in enumerate(results):
+        for line in out.splitlines():
+            if line.startswith("B"):
+                lines[(line.split()[0], rank)] = line
+    for i in (1, 2, 3):
+        for rank in range(2):
+            assert lines.get((f"B{i}", rank)) == f"B{i} {rank} OK", describe(results)
+    assert "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms" in lines.get(("B0", 0), ""), describe(results)
+    b0 = lines.get(("B0", 1), "")
+    assert "Rank 1 successfully reached monitoredBarrier, but received errors" in b0, describe(results)
+    assert "rank 0 failed this barrier (rank 1 did not pass it in time)" in b0, describe(results)
+    assert float(b0.split()[3]) < 0.9, b0
 
 
 def test_group_timeout_names_where_it_came_from():

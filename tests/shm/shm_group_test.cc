@@ -362,6 +362,59 @@ TEST(ShmGroup, SharedMemoryAgainstOrdinaryMemoryIsAMismatch) {
   });
 }
 
+// allreduce_shareable (the PyTorch backend's allreduce): the ranks may pass shared memory or not, each
+// on its own. In place only when all pass the same range; staged, with the right result and no error,
+// when they differ; and shared memory handed out only when every rank asks for it.
+TEST(ShmGroup, ShareableAllreduceRunsInPlaceOnlyOnTheSameRangeEverywhereAndStagesOtherwise) {
+  constexpr int kWorld = 3;
+  auto groups = make_groups(kWorld, tiny_options());
+  test::run_ranks(kWorld, [&](int r) {
+    Group& g = *groups[r];
+    auto memory = g.allocate_shared(1 << 16);
+    float* shared = static_cast<float*>(memory.get());
+    std::vector<float> ordinary(1000);
+    const float expected = 1.0f + 2.0f + 3.0f;
+    auto reduce = [&](float* buf) {
+      std::fill_n(buf, 1000, float(r + 1));
+      EXPECT_EQ(g.allreduce_shareable(buf, 1000, DataType::kFloat32, ReduceOp::kSum, false), nullptr);
+      EXPECT_EQ(buf[0], expected);
+      EXPECT_EQ(buf[999], expected);
+    };
+    reduce(shared);  // the same range everywhere: in place
+    EXPECT_EQ(g.shared_allreduces(), 1u);
+    reduce(r == 1 ? ordinary.data() : shared);  // one rank on ordinary memory: staged
+    reduce(shared + (r == 2 ? 16 : 0));         // one rank 16 floats further in: staged
+    EXPECT_EQ(g.shared_allreduces(), 1u);
+    reduce(shared);
+    EXPECT_EQ(g.shared_allreduces(), 2u);
+    g.barrier();  // the group is still in step
+  });
+}
+
+TEST(ShmGroup, ShareableAllreduceHandsOutSharedMemoryOnlyWhenEveryRankAsks) {
+  auto groups = make_groups(2, tiny_options());
+  test::run_ranks(2, [&](int r) {
+    Group& g = *groups[r];
+    std::vector<float> buf(1000, float(r + 1));
+    // Only rank 1 asks: nobody gets memory.
+    EXPECT_EQ(g.allreduce_shareable(buf.data(), 1000, DataType::kFloat32, ReduceOp::kSum, r == 1), nullptr);
+    // Both ask, but the call is at the small limit (it could never run in place): nobody gets memory.
+    EXPECT_EQ(g.allreduce_shareable(buf.data(), 64, DataType::kFloat32, ReduceOp::kSum, true), nullptr);
+    // Both ask: both get memory, after the reduction, which still went into their own buffers.
+    std::fill(buf.begin(), buf.end(), float(r + 1));
+    std::shared_ptr<void> memory = g.allreduce_shareable(buf.data(), 1000, DataType::kFloat32, ReduceOp::kSum, true);
+    ASSERT_NE(memory, nullptr);
+    EXPECT_EQ(buf[999], 3.0f);
+    // The caller moves its buffer there: from then on its calls run in place, and asking again
+    // (ranks whose moved buffers no longer line up would move again) allocates nothing.
+    float* moved = static_cast<float*>(memory.get());
+    std::fill_n(moved, 1000, float(r + 1));
+    EXPECT_EQ(g.allreduce_shareable(moved, 1000, DataType::kFloat32, ReduceOp::kSum, true), nullptr);
+    EXPECT_EQ(g.shared_allreduces(), 1u);
+    EXPECT_EQ(moved[999], 3.0f);
+  });
+}
+
 TEST(ShmGroup, SharedMemoryOutlivesItsGroupAndIsZeroed) {
   std::vector<std::shared_ptr<void>> memory(2);
   {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "cohort/error.h"
@@ -273,6 +274,30 @@ struct Raw {
   explicit Raw(const StoreServer& server)
       : fd(net::connect_tcp(net::resolve("127.0.0.1", server.port()), Deadline::after(5s))) {}
   void send(const std::string& bytes) { net::send_all(fd.get(), bytes.data(), bytes.size(), Deadline::after(5s), "store"); }
+  // Reads frames until the reply to request `id` (skipping the handshake's and other replies);
+  // returns its op, or nothing when none came within `limit` or the connection ended first.
+  std::optional<proto::Op> reply_to(uint32_t id, Millis limit) {
+    Deadline d = Deadline::after(limit);
+    for (;;) {
+      proto::FrameView frame;
+      auto r = proto::decode_frame(pending.data(), pending.size(), proto::kDefaultMaxFrame, &frame);
+      if (r.status == proto::DecodeStatus::kBad) return std::nullopt;
+      if (r.status == proto::DecodeStatus::kFrame) {
+        bool match = frame.id == id && frame.op != proto::Op::kChallenge && frame.op != proto::Op::kWelcome;
+        proto::Op op = frame.op;
+        pending.erase(0, r.consumed);
+        if (match) return op;
+        continue;
+      }
+      pollfd p{fd.get(), POLLIN, 0};
+      if (::poll(&p, 1, d.poll_ms()) <= 0) return std::nullopt;
+      char buf[4096];
+      ssize_t n = ::recv(fd.get(), buf, sizeof buf, 0);
+      if (n <= 0) return std::nullopt;
+      pending.append(buf, static_cast<size_t>(n));
+    }
+  }
+  std::string pending;  // bytes read by reply_to that are not yet a whole frame
   // Reads until the server closes the connection; returns what came, or "<open>" if it stays open.
   std::string until_closed(Millis limit) {
     std::string got;
@@ -566,7 +591,11 @@ TEST(TcpStoreEpoch, AStaleConnectionsWillsAreNotSet) {
       proto::encode_fence(frames, 1, "job/epoch", 3);
       proto::encode_lease(frames, 2, 0, {key}, {"gone"});
       raw.send(frames);
-      std::this_thread::sleep_for(50ms);
+      // The server has taken the fence and the will (it answers in order) before the epoch rises. A
+      // fence it read only after the rise would itself be refused as stale, and the will would stay
+      // unset for that reason rather than because a will of an older epoch is dropped at the end.
+      EXPECT_EQ(raw.reply_to(1, 5s), proto::Op::kOk) << "the fence at epoch 3";
+      EXPECT_EQ(raw.reply_to(2, 5s), proto::Op::kOk) << "the lease with the will " << key;
       if (raise_epoch) s->set("job/epoch", "4");
     }  // ends without a release
     try {

@@ -5,8 +5,9 @@
 
 Prints, per world size: tests run, passed, failed, skipped for each backend, side by side (the table of
 docs/pytorch.md); then every test that gloo passes and cohort does not, every test that cohort skips for a
-reason gloo does not skip it for, and the environment's failures (tests that fail for gloo too), with the
-first line of their error. Exits 1 when cohort fails or is skipped anywhere gloo passes.
+reason gloo does not skip it for, every test that gloo skips and cohort fails, and the environment's failures (tests that fail for gloo too), with the
+first line of their error. Exits 1 when cohort fails or is skipped anywhere gloo passes, or fails a test
+that gloo skips.
 """
 import glob
 import json
@@ -79,6 +80,9 @@ def main():
         skipped = [t for t, r in cohort.items()
                    if r["status"] == "SKIP" and gloo.get(t, {}).get("status") == "SKIP"
                    and not same_reason(r["detail"], gloo[t]["detail"])]
+        # gloo cannot run these here, yet cohort tried and failed: a failure of cohort's all the same.
+        failed_where_gloo_skips = [t for t, r in cohort.items() if r["status"] in ("FAIL", "ERROR")
+                                   and gloo.get(t, {}).get("status") == "SKIP"]
         both_fail = [t for t, r in gloo.items()
                      if r["status"] in ("FAIL", "ERROR") and cohort.get(t, {}).get("status") in ("FAIL", "ERROR")]
         print(f"\nworld size {world}:")
@@ -89,10 +93,14 @@ def main():
         print(f"  skipped by both, for another reason with cohort: {len(skipped)}")
         for t in skipped:
             print(f"    {t}: cohort '{first_line(cohort[t]['detail'])}', gloo '{first_line(gloo[t]['detail'])}'")
+        print(f"  skipped by gloo, failed by cohort: {len(failed_where_gloo_skips)}")
+        for t in failed_where_gloo_skips:
+            print(f"    {t}: {cohort[t]['status']} {first_line(cohort[t]['detail'])}, gloo skipped: "
+                  f"'{first_line(gloo[t]['detail'])}'")
         print(f"  failed by both (the environment's): {len(both_fail)}")
         for t in both_fail:
             print(f"    {t}: {first_line(gloo[t]['detail'])}")
-        bad += len(missing) + len(skipped)
+        bad += len(missing) + len(skipped) + len(failed_where_gloo_skips)
     return 1 if bad else 0
 
 

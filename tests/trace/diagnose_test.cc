@@ -348,7 +348,7 @@ TEST(Diagnose, ANodeThatStoppedPublishingIsSilentSinceItsLastSnapshot) {
   theirs.process_state = "stopped (SIGSTOP)";
   theirs.taken_at = 900 * kSecond;  // node 1's clock, unrelated to this host's
   const std::string text = launch::publish_snapshots({theirs}, 16);
-  launch::RemoteSnapshots remote({{1, "host1", 1, 1}}, 2, kSecond);
+  launch::RemoteSnapshots remote({{1, "host1", {1}}}, 2, kSecond);
   // First read at `entered`: its times are moved onto this host's clock, and its age counts from there.
   auto first = remote.adopt(1, text, entered);
   ASSERT_EQ(first.size(), 1u);
@@ -392,7 +392,7 @@ TEST(Diagnose, ANodeThatStoppedPublishingIsSilentSinceItsLastSnapshot) {
       << st->text();
   // A node that never published: its ranks are unknown at first (no warning), then silent since the
   // attempt began.
-  launch::RemoteSnapshots unknown({{1, "host1", 1, 1}}, 2, kSecond);
+  launch::RemoteSnapshots unknown({{1, "host1", {1}}}, 2, kSecond);
   auto none = unknown.adopt(1, std::nullopt, entered + 2 * kSecond);
   ASSERT_EQ(none.size(), 1u);
   EXPECT_EQ(none[0].rank, 1);

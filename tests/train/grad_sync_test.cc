@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <atomic>
 #include <cmath>
 
 #include "support/test_support.h"
@@ -55,6 +57,42 @@ GradSyncOptions tiny_buckets() {
   o.bucket_cap_bytes = 5 * sizeof(float);
   return o;
 }
+
+// Host bucket memory that counts what the engine holds through it: what stage 2 keeps is measured
+// here, outside the engine, so memory it kept beside its own counter (gradient_bytes()) shows too.
+// `shared`: allocate() (the communicator's memory: buckets, parameters); `private_`: allocate_private()
+// (stage 2's shard and lent buffers). Each counts the bytes asked for, live and at their peak.
+class CountingMemory final : public BucketMemory {
+ public:
+  struct Count {
+    std::atomic<size_t> live{0}, peak{0};
+    void add(size_t bytes) {
+      size_t now = live += bytes;
+      for (size_t p = peak; now > p && !peak.compare_exchange_weak(p, now);) {}
+    }
+  };
+  Count shared, private_;
+
+  std::shared_ptr<void> allocate(Communicator& comm, size_t bytes) override {
+    return counted(comm.allocate_shared(bytes), bytes, shared);
+  }
+  std::shared_ptr<void> allocate_private(size_t bytes) override {
+    return counted(BucketMemory::allocate_private(bytes), bytes, private_);
+  }
+  void copy(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
+  bool host_accessible() const override { return true; }
+
+ private:
+  static std::shared_ptr<void> counted(std::shared_ptr<void> memory, size_t bytes, Count& count) {
+    count.add(bytes);
+    void* p = memory.get();
+    return std::shared_ptr<void>(p, [memory = std::move(memory), bytes, &count](void*) mutable {
+      count.live -= bytes;
+      memory.reset();
+    });
+  }
+};
 
 TEST(GradientSync, BucketsFollowReverseOrderWithSmallFirstBucket) {
   auto comms = ThreadCommunicator::make_world(1);
@@ -411,11 +449,14 @@ TEST(GradientSync, ShardedStageTwoLendsBucketMemoryAndKeepsOnlyItsChunks) {
   for (int i = 0; i < 40; ++i) model.push_back({"p" + std::to_string(i), {10}});
   auto comms = ThreadCommunicator::make_world(2);
   run_ranks(2, [&](int rank) {
+    auto memory = std::make_shared<CountingMemory>();
     GradSyncOptions o;
     o.first_bucket_cap_bytes = o.bucket_cap_bytes = 10 * sizeof(float);
+    o.memory = memory;
     GradientSync sync(comms[size_t(rank)], model, o);
     const size_t whole = sync.gradient_bytes();
     EXPECT_EQ(whole, 400 * sizeof(float));
+    EXPECT_EQ(memory->shared.live, whole);
     sync.enable_sharding(2);
     EXPECT_EQ(sync.gradient_slot(0), nullptr);  // nothing for a framework's gradient to stay a view of
     std::vector<float> grad(10, 1.0f + float(rank));
@@ -423,8 +464,12 @@ TEST(GradientSync, ShardedStageTwoLendsBucketMemoryAndKeepsOnlyItsChunks) {
       for (size_t p = 40; p-- > 0;) sync.mark_ready(p, grad.data());
       ASSERT_TRUE(sync.finish_sharded());
     }
-    // The chunks (200 floats) and at most three 10-float buffers.
-    EXPECT_LE(sync.gradient_bytes(), (200 + 3 * 10) * sizeof(float));
+    // Counted through the memory: the communicator's memory holds the parameters (400 floats) and no
+    // gradient bucket; the rank's own holds the chunks (200 floats) and, at any time, at most three
+    // 10-float buffers. The engine's counter says what is held now.
+    EXPECT_EQ(memory->shared.live, 400 * sizeof(float));
+    EXPECT_LE(memory->private_.peak, (200 + 3 * 10) * sizeof(float));
+    EXPECT_EQ(sync.gradient_bytes(), memory->private_.live);
     for (const auto& chunk : sync.shard_chunks())
       for (size_t i = 0; i < chunk.count; ++i) ASSERT_FLOAT_EQ(chunk.gradients[i], 1.5f);
   });
@@ -441,9 +486,11 @@ TEST(GradientSync, ShardedStageTwoLendsALargeParametersBucketItsOwnSizeOfMemory)
   for (WireCompression wire : {WireCompression::kNone, WireCompression::kBFloat16}) {
     auto comms = ThreadCommunicator::make_world(2);
     run_ranks(2, [&](int rank) {
+      auto memory = std::make_shared<CountingMemory>();
       GradSyncOptions o;
       o.first_bucket_cap_bytes = o.bucket_cap_bytes = 10 * sizeof(float);
       o.compression = wire;
+      o.memory = memory;
       GradientSync sync(comms[size_t(rank)], model, o);
       sync.enable_sharding(2);
       for (int iteration = 0; iteration < 3; ++iteration) {
@@ -460,9 +507,11 @@ TEST(GradientSync, ShardedStageTwoLendsALargeParametersBucketItsOwnSizeOfMemory)
             ASSERT_NEAR(chunk.gradients[i], float(layout[0] % 7) + 0.5f, 0.05f) << "parameter " << layout[0];
         }
       }
-      // The chunks (700 floats over 2 ranks: 350), at most three 10-float buffers and one of 400.
+      // Counted through the memory: the chunks (700 floats over 2 ranks: 350), at most three 10-float
+      // buffers and one of 400 (each with its wire copy when compressed), never more at once.
       const size_t per_float = sizeof(float) + (wire == WireCompression::kNone ? 0 : sizeof(uint16_t));
-      EXPECT_LE(sync.gradient_bytes(), 350 * sizeof(float) + (3 * 10 + 400) * per_float);
+      EXPECT_LE(memory->private_.peak, 350 * sizeof(float) + (3 * 10 + 400) * per_float);
+      EXPECT_EQ(sync.gradient_bytes(), memory->private_.live);
     });
   }
 }
@@ -475,8 +524,10 @@ TEST(GradientSync, ShardedStageTwoKeepsOneBufferSizeWhenMostBucketsAreLarge) {
   for (int i = 0; i < 12; ++i) model.push_back({"p" + std::to_string(i), {i % 3 == 0 ? 10 : 400}});
   auto comms = ThreadCommunicator::make_world(2);
   run_ranks(2, [&](int rank) {
+    auto memory = std::make_shared<CountingMemory>();
     GradSyncOptions o;
     o.first_bucket_cap_bytes = o.bucket_cap_bytes = 10 * sizeof(float);
+    o.memory = memory;
     GradientSync sync(comms[size_t(rank)], model, o);
     sync.enable_sharding(2);
     for (int iteration = 0; iteration < 3; ++iteration) {
@@ -493,9 +544,11 @@ TEST(GradientSync, ShardedStageTwoKeepsOneBufferSizeWhenMostBucketsAreLarge) {
     }
     // The chunks (3240 floats over 2 ranks: 1620) and at most three buffers, all of 400 floats: with
     // two sizes some would be 10-float ones.
-    const size_t lent = sync.gradient_bytes() - 1620 * sizeof(float);
+    // Counted through the memory, as the test above.
+    const size_t lent = memory->private_.live - 1620 * sizeof(float);
     EXPECT_EQ(lent % (400 * sizeof(float)), 0u) << lent << " bytes lent";
-    EXPECT_LE(lent, 3 * 400 * sizeof(float));
+    EXPECT_LE(memory->private_.peak, (1620 + 3 * 400) * sizeof(float));
+    EXPECT_EQ(sync.gradient_bytes(), memory->private_.live);
   });
 }
 

@@ -131,21 +131,28 @@ SlotCopyChoice choose_slot_copy(const std::vector<LinkProbe>& probes, const std:
 }
 
 std::unique_ptr<Group> Group::create(Store& store, int local_rank, int local_size, const std::string& key_prefix,
-                                     std::chrono::milliseconds timeout) {
+                                     std::chrono::milliseconds timeout, std::vector<int> pids) {
   if (local_size < 1 || local_rank < 0 || local_rank >= local_size)
     throw InvalidArgument(fmt::format("shm::Group: local rank {} is not in [0, {})", local_rank, local_size));
   std::string address = local_size == 1 ? std::string("unused") : rendezvous_address(store, key_prefix, local_rank);
-  return create_at(address, local_rank, local_size, timeout, GroupOptions::from_env(local_size));
+  return create_at(address, local_rank, local_size, timeout, GroupOptions::from_env(local_size), std::move(pids));
+}
+
+size_t Group::segment_bytes(int local_size, const GroupOptions& options) {
+  return controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes;
 }
 
 std::unique_ptr<Group> Group::create_at(const std::string& address, int local_rank, int local_size,
-                                        std::chrono::milliseconds timeout, const GroupOptions& options) {
+                                        std::chrono::milliseconds timeout, const GroupOptions& options,
+                                        std::vector<int> pids) {
   if (local_size < 1 || local_rank < 0 || local_rank >= local_size)
     throw InvalidArgument(fmt::format("shm::Group: local rank {} is not in [0, {})", local_rank, local_size));
-  const size_t bytes = controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes;
-  Segment segment = Segment::establish(address, local_rank, local_size, bytes, Deadline::after(timeout));
+  if (pids.empty()) pids.assign(static_cast<size_t>(local_size), 0);
+  Segment segment = Segment::establish(address, local_rank, local_size, segment_bytes(local_size, options),
+                                       Deadline::after(timeout), SegmentRange{}, &pids);
   auto group = std::make_unique<Group>(std::move(segment), local_rank, local_size, timeout, options);
   group->address_ = address;
+  group->pids_ = std::move(pids);
   group->sync_.start();
   group->choose_wait_policy();
   group->choose_chunk_size();
@@ -235,9 +242,10 @@ std::shared_ptr<void> Group::allocate_shared(size_t bytes) {
   // (some never: a reduce-scatter reads only its shard of each). Populated whole by every rank, each
   // rank's RSS showed all N parts (ZeRO stage 1 on BERT-base: 870 MB of the peer's buckets per rank);
   // and each part's pages are now first touched, so placed, by the rank that uses them most.
+  std::vector<int> pids = pids_;  // a copy: allocations may run on several threads
   Segment segment = Segment::establish(fmt::format("{}/shared-{}", address_, id), rank_, size_,
                                        per_rank * static_cast<size_t>(size_), Deadline::after(timeout_),
-                                       SegmentRange{per_rank * static_cast<size_t>(rank_), per_rank});
+                                       SegmentRange{per_rank * static_cast<size_t>(rank_), per_rank}, &pids);
   auto region = std::make_shared<SharedRegion>(SharedRegion{std::move(segment), per_rank, id});
   {
     std::lock_guard<std::mutex> lock(shared_mutex_);
@@ -284,19 +292,34 @@ void Group::wait_all(const char* what) {
 void Group::check_calls() {
   compare_pending_ = false;
   const unsigned entry = static_cast<unsigned>((calls_ - 1) & 1u);
+  // A shareable call's ranks may pass different memory and ask differently: its tag and request bit
+  // are tallied, and the rest of the signature is compared.
+  auto compared = [this](CallSignature c) {
+    if (tally_.enabled) {
+      c.reserved = 0;
+      c.flags = static_cast<uint8_t>(c.flags & ~kCallWantsShared);
+    }
+    return c;
+  };
+  const CallSignature ours = compared(active_);
+  tally_.same_shared_range = active_.reserved != 0;
+  tally_.all_want_shared = (active_.flags & kCallWantsShared) != 0;
   // Every peer has posted at least the step after which it published this entry, and cannot publish
   // into it again before this rank posts once more (it would need this rank's next post first).
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
-    const CallSignature theirs = sync_.control(q).call[entry];
-    if (!(theirs == active_)) {
+    const CallSignature published = sync_.control(q).call[entry];
+    tally_.same_shared_range = tally_.same_shared_range && published.reserved == active_.reserved;
+    tally_.all_want_shared = tally_.all_want_shared && (published.flags & kCallWantsShared) != 0;
+    const CallSignature theirs = compared(published);
+    if (!(theirs == ours)) {
       std::string text = mismatch_formatter_
-                             ? mismatch_formatter_(q, theirs, active_)
+                             ? mismatch_formatter_(q, theirs, ours)
                              : fmt::format("mismatched calls: local rank {} called op {} (count {}, seq {}) but local "
                                            "rank {} called op {} (count {}, seq {})",
-                                           q, theirs.kind, theirs.count, theirs.seq, rank_, active_.kind,
-                                           active_.count, active_.seq);
-      if (theirs.reserved != active_.reserved)
+                                           q, theirs.kind, theirs.count, theirs.seq, rank_, ours.kind,
+                                           ours.count, ours.seq);
+      if (theirs.reserved != ours.reserved)
         text += " (the ranks did not pass the same range of one allocate_shared buffer)";
       throw MismatchError(text);
     }
@@ -304,12 +327,14 @@ void Group::check_calls() {
 }
 
 template <typename Body>
-void Group::guarded(const char* what, Body&& body, uint32_t shared_tag) {
+void Group::guarded(const char* what, Body&& body, uint32_t shared_tag, bool tally, uint8_t group_flags) {
   if (!failure_.empty()) throw AbortedError("shm group failed earlier: " + failure_);
   try {
     // Publish this call's signature before its first post (the peers read it after seeing that post).
     active_ = call_;
     active_.reserved = shared_tag;
+    active_.flags = static_cast<uint8_t>(active_.flags | group_flags);
+    tally_ = Tally{tally, false, false};
     sync_.control(rank_).call[calls_ & 1u] = active_;
     ++calls_;
     compare_pending_ = size_ > 1;
@@ -427,13 +452,49 @@ void Group::allreduce_large(const void* in_v, void* out_v, size_t count, DataTyp
   }
 }
 
+std::shared_ptr<void> Group::allreduce_shareable(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                                bool want_shared) {
+  if (!op_supported(dtype, op))
+    throw InvalidArgument(fmt::format("allreduce: op {} is not defined for dtype {}", reduce_op_name(op),
+                                      dtype_name(dtype)));
+  const size_t bytes = count * dtype_size(dtype);
+  // Equal on every rank (the count and dtype are compared): only such calls can run in place, so only
+  // they ask for memory.
+  const bool large = size_ > 1 && bytes > options_.small_bytes;
+  std::shared_ptr<SharedRegion> shared;
+  size_t offset = 0;
+  if (large) shared = find_shared(buf, bytes, &offset);
+  std::shared_ptr<void> memory;
+  guarded(
+      "allreduce",
+      [&] {
+        if (size_ == 1) return;
+        if (!large) return allreduce_small(buf, buf, count, dtype, op);
+        // The in-place path's first round, on every rank: afterwards every buffer holds its
+        // contribution, and the signatures (compared and tallied here) say which path all ranks take.
+        sync_.post();
+        wait_all("allreduce");
+        if (shared && tally_.same_shared_range) return reduce_shared(*shared, offset, count, dtype, op);
+        const auto start = std::chrono::steady_clock::now();
+        allreduce_large(buf, buf, count, dtype, op);
+        if (bytes >= chunk_.bytes) after_large_allreduce(bytes, std::chrono::steady_clock::now() - start);
+        if (tally_.all_want_shared) memory = allocate_shared(bytes);
+      },
+      shared ? shared_tag(shared->id, offset) : 0, /*tally=*/true, want_shared && large ? kCallWantsShared : 0);
+  return memory;
+}
+
 void Group::allreduce_shared(const SharedRegion& region, size_t offset, size_t count, DataType dtype, ReduceOp op) {
-  const size_t es = dtype_size(dtype);
-  const Slices sl(count, size_, es);
-  auto at = [&](int q, size_t element) { return region.part(q) + offset + element * es; };
   // Round 1: every rank's buffer holds its contribution (and the signatures are compared).
   sync_.post();
   wait_all("allreduce");
+  reduce_shared(region, offset, count, dtype, op);
+}
+
+void Group::reduce_shared(const SharedRegion& region, size_t offset, size_t count, DataType dtype, ReduceOp op) {
+  const size_t es = dtype_size(dtype);
+  const Slices sl(count, size_, es);
+  auto at = [&](int q, size_t element) { return region.part(q) + offset + element * es; };
   // Reduce my slice from every rank's buffer, in rank order, a piece small enough to stay in this
   // core's cache at a time, and write each piece's result into every peer's buffer while it is hot.
   // Peers touch other slices only, and no rank changes its buffer before the second round.

@@ -116,11 +116,17 @@ class Group {
  public:
   // Collective over the local ranks. Local rank 0 publishes the segment's (abstract socket) address
   // under "<key_prefix>/shm/address" in the store; key_prefix must be unique to the job/communicator.
+  // `pids`: the process of each local rank as the job published it (the communicator's peer entries);
+  // the segments are handed to those processes only (Segment::establish). Empty: any process of this
+  // user at the first segment, and the same processes at every later one.
   static std::unique_ptr<Group> create(Store& store, int local_rank, int local_size, const std::string& key_prefix,
-                                       std::chrono::milliseconds timeout);
+                                       std::chrono::milliseconds timeout, std::vector<int> pids = {});
   // Same, with an address agreed beforehand (shm::random_address); no store needed.
   static std::unique_ptr<Group> create_at(const std::string& address, int local_rank, int local_size,
-                                          std::chrono::milliseconds timeout, const GroupOptions& options);
+                                          std::chrono::milliseconds timeout, const GroupOptions& options,
+                                          std::vector<int> pids = {});
+  // The bytes of the segment create_at maps for `local_size` ranks with `options`.
+  static size_t segment_bytes(int local_size, const GroupOptions& options);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -168,6 +174,20 @@ class Group {
   // Allreduces that took the in-place path on allocate_shared memory (tests, logs).
   uint64_t shared_allreduces() const { return shared_allreduces_; }
 
+  // An in-place allreduce of `buf` whose ranks may each pass allocate_shared memory or not
+  // (Communicator::allreduce_shareable). The ranks learn each other's buffers from the signatures they
+  // publish anyway, so it costs no extra call: above the small limit, the in-place path's first round
+  // (post, wait) comes first on every rank; when every rank's tag names the same range of one
+  // allocation the call goes on in place, otherwise every rank stages it (allreduce_large), where a
+  // plain allreduce would throw MismatchError. `want_shared`, on a call above the small limit that did
+  // not run in place: when every rank passed it, the call ends with allocate_shared(count * dtype size)
+  // on every rank (same order everywhere, like any call) and returns that memory; null otherwise.
+  // Not concurrently with allocate_shared (both number the allocations).
+  std::shared_ptr<void> allreduce_shareable(void* buf, size_t count, DataType dtype, ReduceOp op, bool want_shared);
+  // In a shareable call's published flags: this rank asks for shared memory (tallied, never compared).
+  // The operation's own flags (collectives/op_kind.h) use the low bits.
+  static constexpr uint8_t kCallWantsShared = 0x80;
+
   // An allreduce fused with an optimizer's step (Communicator::allreduce_update), when `grads` and
   // `params` (count float32 each) are both ranges of allocate_shared memory; returns false, having
   // done nothing, otherwise (the caller then reduces and updates in two steps). After one wait, rank r
@@ -211,8 +231,11 @@ class Group {
   };
 
   // `shared_tag` goes into the signature this call publishes (0: not on shared memory).
+  // `tally`: the call is shareable (allreduce_shareable): its signatures are compared without the shared
+  // tag and the request bit, which are tallied into tally_ instead; `group_flags` go into the published
+  // flags (kCallWantsShared).
   template <typename Body>
-  void guarded(const char* what, Body&& body, uint32_t shared_tag = 0);
+  void guarded(const char* what, Body&& body, uint32_t shared_tag = 0, bool tally = false, uint8_t group_flags = 0);
   char* slot(int rank, unsigned parity) const;
   unsigned next_parity() { return round_++ & 1u; }
   // sync_.wait_all, then (once per call) the signature comparison.
@@ -234,11 +257,14 @@ class Group {
   void allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   void allreduce_large(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   void allreduce_shared(const SharedRegion& region, size_t offset, size_t count, DataType dtype, ReduceOp op);
+  // allreduce_shared after its first round.
+  void reduce_shared(const SharedRegion& region, size_t offset, size_t count, DataType dtype, ReduceOp op);
   // The live allocation holding [data, data + bytes) in this rank's part, and the offset there.
   std::shared_ptr<SharedRegion> find_shared(const void* data, size_t bytes, size_t* offset);
 
   Segment segment_;
   std::string address_;  // the segment's rendezvous name; allocate_shared derives its own from it
+  std::vector<int> pids_;  // each local rank's process: allocate_shared's segments go to these only
   int rank_;
   int size_;
   GroupOptions options_;
@@ -248,6 +274,13 @@ class Group {
   CallSignature active_{};      // what the running call published: call_ plus its shared tag
   uint64_t calls_ = 0;          // group calls so far; call_ goes to control line entry calls_ & 1
   bool compare_pending_ = false;
+  // What check_calls found in a shareable call's signatures (every rank sees the same ones, so every
+  // rank finds the same): all ranks on the same range of one allocation; all ranks asking for memory.
+  struct Tally {
+    bool enabled = false;  // this call is shareable
+    bool same_shared_range = false;
+    bool all_want_shared = false;
+  } tally_;
   MismatchFormatter mismatch_formatter_;
   std::string failure_;  // first error; later calls repeat it
   std::string wait_policy_;

@@ -19,13 +19,15 @@
 #include "cohort/error.h"
 #include "cohort/store.h"
 #include "common/fd.h"
+#include "common/handoff.h"
+#include "common/log.h"
 #include "common/socket.h"
-#include "transport/shm/handoff.h"
+#include "transport/shm/handoff_wire.h"
 
 namespace cohort::shm {
 namespace {
 
-using Hello = handoff::SegmentHello;
+using Hello = handoff_wire::SegmentHello;
 
 [[noreturn]] void throw_errno(const std::string& what) {
   throw Error(fmt::format("shm: {}: {}", what, std::strerror(errno)));
@@ -96,7 +98,11 @@ void* map_fd(int fd, size_t bytes, SegmentRange populate) {
 }  // namespace
 
 Segment Segment::establish(const std::string& address, int local_rank, int local_size, size_t bytes,
-                           Deadline deadline, SegmentRange populate) {
+                           Deadline deadline, SegmentRange populate, std::vector<int>* pids) {
+  if (pids && pids->size() != static_cast<size_t>(local_size))
+    throw InvalidArgument(fmt::format("shm: {} pids for a group of {} local ranks", pids->size(), local_size));
+  // The process local rank k must be (0: any of this user's).
+  auto pid_of = [&](int k) { return pids ? (*pids)[static_cast<size_t>(k)] : 0; };
   socklen_t addr_len = 0;
   sockaddr_un addr = net::abstract_address(address, &addr_len);
   Segment seg;
@@ -125,13 +131,35 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
         }
         throw_errno("accept");
       }
+      // Before reading anything: a process of another user, or none of the group's, gets nothing and
+      // cannot hold this rank up by never saying hello.
+      const handoff::Credentials peer = handoff::peer_of(conn.get());
+      std::string refused = handoff::refusal(peer, 0, "");
+      if (refused.empty() && pids) {
+        bool member = false;
+        for (int k = 1; k < local_size; ++k)
+          member = member || (!seen[static_cast<size_t>(k)] && (pid_of(k) == 0 || pid_of(k) == peer.pid));
+        if (!member) refused = fmt::format("pid {} is none of the group's local ranks", peer.pid);
+      }
       Hello hello{};
-      recv_exact(conn.get(), &hello, sizeof hello, deadline, "reading a local rank's hello");
-      std::string why = handoff::check_segment_hello(&hello, sizeof hello, local_size, bytes, &hello);
+      if (refused.empty()) {
+        recv_exact(conn.get(), &hello, sizeof hello, deadline, "reading a local rank's hello");
+        // (Unsigned: a local rank read as a negative int would index the group's pids out of bounds.)
+        if (hello.local_rank > 0 && hello.local_rank < static_cast<uint32_t>(local_size))
+          refused = handoff::refusal(peer, pid_of(static_cast<int>(hello.local_rank)),
+                                     fmt::format("local rank {}", hello.local_rank));
+      }
+      if (!refused.empty()) {
+        log::warn("shm: local rank 0 refused a connection to the segment's socket '{}': {}", address, refused);
+        --served;
+        continue;
+      }
+      std::string why = handoff_wire::check_segment_hello(&hello, sizeof hello, local_size, bytes, &hello);
       if (why.empty() && seen[hello.local_rank])
         why = fmt::format("local rank {} asked for the segment twice", hello.local_rank);
       if (!why.empty()) throw MismatchError("shm: " + why);
       seen[hello.local_rank] = true;
+      if (pids) (*pids)[hello.local_rank] = peer.pid;
       // Reply: the size again, with the memfd attached.
       uint64_t reply = bytes;
       wait_fd(conn.get(), POLLOUT, deadline, "sending the segment");
@@ -154,9 +182,16 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
                                      local_rank));
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  // The name came from the store, but anyone could have bound it first: only local rank 0's process
+  // may hand this rank memory (SO_PEERCRED of a connected socket: the process that listens).
+  const handoff::Credentials owner = handoff::peer_of(conn.get());
+  if (std::string why = handoff::refusal(owner, pid_of(0), "local rank 0"); !why.empty())
+    throw Error(fmt::format("shm: local rank {} will not take the segment offered at '{}': {}", local_rank, address,
+                            why));
+  if (pids) (*pids)[0] = owner.pid;
   int flags = ::fcntl(conn.get(), F_GETFL);
   ::fcntl(conn.get(), F_SETFL, flags | O_NONBLOCK);
-  Hello hello{handoff::kSegmentHelloMagic, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), 0,
+  Hello hello{handoff_wire::kSegmentHelloMagic, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), 0,
               bytes};
   send_exact(conn.get(), &hello, sizeof hello, deadline, "sending hello to local rank 0");
   uint64_t reply = 0;
@@ -169,6 +204,8 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
   if (r != static_cast<ssize_t>(sizeof reply)) throw_errno("recvmsg of the segment descriptor");
   if (fds.size() != 1) throw Error("shm: local rank 0 sent no descriptor");
   UniqueFd mem = std::move(fds[0]);
+  if (std::string why = handoff::too_small(mem.get(), bytes, "the segment local rank 0 sent"); !why.empty())
+    throw MismatchError(fmt::format("shm: local rank {}: {}", local_rank, why));
   seg.data_ = map_fd(mem.get(), bytes, populate);
   return seg;
 }

@@ -6,9 +6,14 @@
 // the descriptor to every other local rank with SCM_RIGHTS. Each rank maps it once; after the
 // handshake no name exists anywhere, so the memory goes away with the last process that maps it,
 // whether the job ends normally, fails or is killed with SIGKILL.
+//
+// The abstract socket's name is no secret (/proc/net/unix lists it to every user), so the handoff
+// checks who is at the other end (common/handoff.h): local rank 0 hands the descriptor only to the
+// processes of the group's local ranks, and they take one only from local rank 0's process.
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "common/deadline.h"
 
@@ -33,8 +38,14 @@ class Segment {
   // a part: then only that part is, and the rest is mapped as it is touched. A rank's RSS counts the
   // shared pages it has mapped, so a segment of N parts, one per rank, populated whole by every rank,
   // would show each rank's RSS N parts large though only one is its own.
+  // `pids` (null, or local_size entries) is the process of each local rank, as the job's store names it:
+  // local rank 0 hands the memory to those processes only (anyone else who connects gets a warning in
+  // the log and nothing more; the wait goes on), the others take it only from local rank 0's process.
+  // An entry of 0 accepts any process of this user, and the pid seen fills it, so that a group's later
+  // segments are checked against the processes of its first (create_at's callers agree the address
+  // out of band and have no pids to give).
   static Segment establish(const std::string& address, int local_rank, int local_size, size_t bytes,
-                           Deadline deadline, SegmentRange populate = {});
+                           Deadline deadline, SegmentRange populate = {}, std::vector<int>* pids = nullptr);
 
   Segment() = default;
   ~Segment();

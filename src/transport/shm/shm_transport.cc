@@ -1,6 +1,6 @@
 // Shared-memory point-to-point transport: the design is described in shm_transport.h.
 #include "transport/shm/shm_transport.h"
-#include "transport/shm/handoff.h"
+#include "transport/shm/handoff_wire.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -25,6 +25,7 @@
 #include "cohort/error.h"
 #include "common/env.h"
 #include "common/fd.h"
+#include "common/handoff.h"
 #include "common/socket.h"
 #include "common/host_identity.h"
 #include "common/log.h"
@@ -51,7 +52,7 @@ constexpr size_t kPublishBytes = 64 * 1024;
 // how late a missed condition (none known) could be seen.
 constexpr int kSliceMs = 100;
 
-using Hello = shm::handoff::P2pHello;
+using Hello = shm::handoff_wire::P2pHello;
 
 struct CtlRecord {
   uint32_t magic;
@@ -230,7 +231,8 @@ class ShmTransport final : public TransportBase {
       p.in_data = base + sizeof(RingIndices);
     }
     auto hello_for = [&](int peer) {
-      return Hello{shm::handoff::kP2pHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_, slot[size_t(peer)]};
+      return Hello{shm::handoff_wire::kP2pHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_,
+                   slot[size_t(peer)]};
     };
 
     // Dial the higher ranks (their listeners exist since construction: the backlog holds us until
@@ -255,6 +257,13 @@ class ShmTransport final : public TransportBase {
           throw TimeoutError(fmt::format("shm transport connect: rank {} ({}) did not accept in time", j, host(j)));
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
+      // Whoever listens on the published name gets this rank's memory with the hello: it must be rank
+      // j's process (SO_PEERCRED of a connected socket names the listener's), not one that bound the
+      // name first.
+      if (std::string why = handoff::refusal(handoff::peer_of(s.get()), info_[size_t(j)].pid, fmt::format("rank {}", j));
+          !why.empty())
+        throw PeerLostError(fmt::format("will not connect to rank {} ({}) over shm: its socket '{}' is held by another "
+                                        "process: {}", j, host(j), name, why));
       if (!send_hello(s.get(), hello_for(j), mem.get(), event_.get()))
         throw PeerLostError(fmt::format("cannot send the shm hello to rank {} ({}): {}", j, host(j), std::strerror(errno)));
       peers_[size_t(j)].sock = std::move(s);
@@ -262,10 +271,16 @@ class ShmTransport final : public TransportBase {
     }
     int expected_accepts = 0;
     for (int j = 0; j < rank_; ++j) expected_accepts += peers_[size_t(j)].used ? 1 : 0;
-    std::vector<UniqueFd> accepted;  // accepted sockets whose hello has not arrived yet
+    // Accepted sockets whose hello has not arrived yet, with the process at their other end.
+    struct Accepted {
+      UniqueFd sock;
+      handoff::Credentials who;
+    };
+    std::vector<Accepted> accepted;
     auto log_interval = slow_warning_;
     auto next_log = Deadline::Clock::now() + log_interval;
-    while (expected_accepts > 0 || !awaiting_reply.empty() || !accepted.empty()) {
+    // Not until `accepted` is empty: a stray connection that never says hello must not hold this up.
+    while (expected_accepts > 0 || !awaiting_reply.empty()) {
       if (deadline.expired())
         throw TimeoutError("shm transport connect: " + missing(awaiting_reply, "never connected"));
       if (Deadline::Clock::now() > next_log) {
@@ -275,19 +290,28 @@ class ShmTransport final : public TransportBase {
       }
       std::vector<pollfd> fds;
       fds.push_back({listener_.get(), POLLIN, 0});
-      for (auto& a : accepted) fds.push_back({a.get(), POLLIN, 0});
+      for (auto& a : accepted) fds.push_back({a.sock.get(), POLLIN, 0});
       for (int j : awaiting_reply) fds.push_back({peers_[size_t(j)].sock.get(), POLLIN, 0});
       if (::poll(fds.data(), fds.size(), deadline.poll_ms(100)) <= 0) continue;
       if (fds[0].revents & POLLIN) {
         UniqueFd a(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-        if (a) accepted.push_back(std::move(a));
+        if (a) {
+          // The socket's name is in /proc/net/unix for every user to see: a process of another user, or
+          // none of the lower ranks this rank waits for, is dropped before it can say anything.
+          handoff::Credentials who = handoff::peer_of(a.get());
+          std::string why = handoff::refusal(who, 0, "");
+          if (why.empty() && !awaited_lower_rank(who.pid))
+            why = fmt::format("pid {} is none of the ranks this rank waits for", who.pid);
+          if (why.empty()) accepted.push_back(Accepted{std::move(a), who});
+          else log::warn("shm transport rank {}: refused a connection to its socket '{}': {}", rank_, socket_name_, why);
+        }
       }
       for (size_t i = 0; i < accepted.size();) {
         Hello h{};
         UniqueFd their_mem, their_event;
         bool got = false;
         try {
-          got = recv_hello(accepted[i].get(), &h, &their_mem, &their_event);
+          got = recv_hello(accepted[i].sock.get(), &h, &their_mem, &their_event);
         } catch (const Error& e) {
           log::warn("dropped a shm connection that sent no valid hello: {}", e.what());
           accepted.erase(accepted.begin() + long(i));
@@ -298,17 +322,25 @@ class ShmTransport final : public TransportBase {
           continue;
         }
         // (Unsigned: a rank read as a negative int would index peers_ out of bounds.)
-        if (!shm::handoff::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() || h.rank >= uint32_t(rank_) ||
-            !peers_[h.rank].used || peers_[h.rank].sock) {
+        if (!shm::handoff_wire::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() ||
+            h.rank >= uint32_t(rank_) || !peers_[h.rank].used || peers_[h.rank].sock) {
           log::warn("refused a shm connection with a foreign or mismatched hello (rank {}, ring {} bytes)", h.rank,
                     h.ring_bytes);
           accepted.erase(accepted.begin() + long(i));
           continue;
         }
-        if (!send_hello(accepted[i].get(), hello_for(int(h.rank)), mem.get(), event_.get()))
+        // The hello says which rank it is; the kernel says which process: they must agree.
+        if (std::string why = handoff::refusal(accepted[i].who, info_[h.rank].pid, fmt::format("rank {}", h.rank));
+            !why.empty()) {
+          log::warn("shm transport rank {}: refused a hello from a process claiming to be rank {}: {}", rank_, h.rank,
+                    why);
+          accepted.erase(accepted.begin() + long(i));
+          continue;
+        }
+        if (!send_hello(accepted[i].sock.get(), hello_for(int(h.rank)), mem.get(), event_.get()))
           throw PeerLostError(fmt::format("cannot answer the shm hello of rank {} ({}): {}", h.rank, host(int(h.rank)),
                                           std::strerror(errno)));
-        attach(int(h.rank), std::move(accepted[i]), their_mem, std::move(their_event), h);
+        attach(int(h.rank), std::move(accepted[i].sock), their_mem, std::move(their_event), h);
         accepted.erase(accepted.begin() + long(i));
         --expected_accepts;
       }
@@ -326,7 +358,7 @@ class ShmTransport final : public TransportBase {
           ++i;
           continue;
         }
-        if (!shm::handoff::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() || h.rank != uint32_t(j))
+        if (!shm::handoff_wire::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() || h.rank != uint32_t(j))
           throw MismatchError(fmt::format("shm handshake: rank {} ({}) answered with a foreign or mismatched hello "
                                           "(rank {}, ring {} bytes; this rank has ring {} bytes)",
                                           j, host(j), h.rank, h.ring_bytes, ring_bytes_));
@@ -468,8 +500,28 @@ class ShmTransport final : public TransportBase {
     return fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(ranks), str::join(hosts, ","), what);
   }
 
+  // Whether a process with this pid may be one of the lower ranks still to connect (a rank that
+  // published no pid, such as ranks as threads in the conformance suite: any process of this user).
+  bool awaited_lower_rank(int pid) const {
+    for (int j = 0; j < rank_; ++j) {
+      const Peer& p = peers_[size_t(j)];
+      if (p.used && !p.sock && (info_[size_t(j)].pid == 0 || info_[size_t(j)].pid == pid)) return true;
+    }
+    return false;
+  }
+
   void attach(int r, UniqueFd sock, const UniqueFd& their_mem, UniqueFd their_event, const Hello& h) {
     Peer& p = peers_[size_t(r)];
+    // The sizes come from the peer: checked before anything is mapped (a memfd shorter than the
+    // mapping kills this process with SIGBUS at the first touch past its end).
+    const size_t stride = sizeof(RingIndices) + ring_bytes_;
+    const auto offset = shm::handoff_wire::p2p_ring_offset(h.your_slot, h.map_bytes, stride, kLine);
+    if (h.your_slot >= uint64_t(size_) || !offset)
+      throw MismatchError(fmt::format("shm handshake: rank {} ({}) offered ring {} of a {}-byte segment", r, host(r),
+                                      h.your_slot, h.map_bytes));
+    if (std::string why = handoff::too_small(their_mem.get(), h.map_bytes, fmt::format("rank {}'s rings", r));
+        !why.empty())
+      throw MismatchError(fmt::format("shm handshake: rank {} ({}): {}", r, host(r), why));
     p.sock = std::move(sock);
     p.event = std::move(their_event);
     p.theirs.bytes = h.map_bytes;
@@ -479,11 +531,6 @@ class ShmTransport final : public TransportBase {
       throw_errno(fmt::format("mmap of rank {}'s {} bytes", r, h.map_bytes));
     }
     char* base = static_cast<char*>(p.theirs.p);
-    const size_t stride = sizeof(RingIndices) + ring_bytes_;
-    const auto offset = shm::handoff::p2p_ring_offset(h.your_slot, h.map_bytes, stride, kLine);
-    if (!offset)
-      throw MismatchError(fmt::format("shm handshake: rank {} ({}) offered ring {} of a {}-byte segment", r, host(r),
-                                      h.your_slot, h.map_bytes));
     p.their_bell = reinterpret_cast<Doorbell*>(base);
     p.out = reinterpret_cast<RingIndices*>(base + *offset);
     p.out_data = base + *offset + sizeof(RingIndices);

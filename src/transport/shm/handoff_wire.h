@@ -5,16 +5,16 @@
 //    answers with the segment's size and its memfd attached;
 //  * the point-to-point hello (shm_transport.cc): two ranks exchange their memfds and eventfds, and
 //    each says which ring of its memfd the other writes.
-// An abstract socket has no permissions: any process of the host may connect and send anything, so
-// every field is checked before it sizes or indexes anything (docs/security.md, "Shared memory on one
-// host").
+// An abstract socket has no permissions: the process at the other end is checked first
+// (common/handoff.h), and then every field it sent, before it sizes or indexes anything
+// (docs/security.md, "Shared memory on one host").
 
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
 
-namespace cohort::shm::handoff {
+namespace cohort::shm::handoff_wire {
 
 inline constexpr uint32_t kSegmentHelloMagic = 0x53484d31;  // "SHM1"
 
@@ -55,4 +55,4 @@ std::string check_p2p_hello(const void* data, size_t n, uint64_t scope, uint64_t
 // without overflow, whatever the peer sent).
 std::optional<size_t> p2p_ring_offset(uint64_t slot, uint64_t map_bytes, size_t stride, size_t line);
 
-}  // namespace cohort::shm::handoff
+}  // namespace cohort::shm::handoff_wire

@@ -1,10 +1,10 @@
-#include "transport/shm/handoff.h"
+#include "transport/shm/handoff_wire.h"
 
 #include <cstring>
 
 #include <fmt/core.h>
 
-namespace cohort::shm::handoff {
+namespace cohort::shm::handoff_wire {
 
 std::string check_segment_hello(const void* data, size_t n, int local_size, uint64_t bytes, SegmentHello* out) {
   if (n != sizeof(SegmentHello)) return fmt::format("a hello of {} bytes (expected {})", n, sizeof(SegmentHello));
@@ -41,4 +41,4 @@ std::optional<size_t> p2p_ring_offset(uint64_t slot, uint64_t map_bytes, size_t 
   return static_cast<size_t>(line + slot * stride);
 }
 
-}  // namespace cohort::shm::handoff
+}  // namespace cohort::shm::handoff_wire
