@@ -50,7 +50,8 @@ trace::RingHeader* launcher_ring() {
   char line[512];
   void* found = nullptr;
   while (!found && std::fgets(line, sizeof line, maps))
-    if (std::strstr(line, "cohort-flight-recorder-rank")) found = reinterpret_cast<void*>(std::strtoull(line, nullptr, 16));
+    if (std::strstr(line, "cohort-flight-recorder-rank"))
+      found = reinterpret_cast<void*>(std::strtoull(line, nullptr, 16));
   std::fclose(maps);
   return static_cast<trace::RingHeader*>(found);
 }

@@ -149,7 +149,8 @@ TEST(LauncherTrace, AWorkerThatCorruptsItsRingCannotCrashOrMisleadTheLauncher) {
     EXPECT_EQ(dumps[0].world, 2) << how;
     EXPECT_EQ(dumps[0].host, std::string(host)) << how;
     EXPECT_GE(dumps[0].pid, 0) << how;
-    for (const auto& e : dumps[0].entries) EXPECT_EQ(e.kind, coll::OpKind::kAllreduce) << how << ": " << trace::describe(e);
+    for (const auto& e : dumps[0].entries)
+      EXPECT_EQ(e.kind, coll::OpKind::kAllreduce) << how << ": " << trace::describe(e);
     ASSERT_FALSE(dumps[1].entries.empty()) << how;
     EXPECT_EQ(dumps[1].entries.back().seq, 3u) << how << ": rank 1's ring is intact";
   }
