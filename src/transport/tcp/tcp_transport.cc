@@ -27,6 +27,7 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "transport/matching.h"
+#include "transport/tcp/tcp_hello.h"
 #include "transport/transport_base.h"
 
 namespace cohort::transport {
@@ -48,7 +49,6 @@ const env::SecondsSetting kKeepAlive("COHORT_TCP_KEEPALIVE", 10.0,
                                      "idle seconds before TCP keep-alive probes start (3 probes, 2 s apart)");
 
 constexpr uint32_t kDataMagic = 0x31544843;   // "CHT1"
-constexpr uint32_t kHelloMagic = 0x31484843;  // "CHH1"
 constexpr uint32_t kAbortMagic = 0x31414843;  // "CHA1": the sender failed; payload = its error message
 constexpr uint32_t kByeMagic = 0x31424843;    // "CHB1": the sender destroys its transport; no more data
 constexpr size_t kStagingBytes = 64 * 1024;
@@ -65,14 +65,6 @@ struct WireHeader {
   uint64_t offset;
 };
 static_assert(sizeof(WireHeader) == 56, "wire header layout");
-
-struct Hello {
-  uint32_t magic;
-  uint32_t rank;
-  uint32_t index;
-  uint32_t reserved;
-  uint64_t scope;
-};
 
 const env::BytesSetting kPoolBytes("COHORT_TCP_POOL_BYTES", 64 << 20,
                                    "memory kept for reuse by messages that arrive before their receive");
@@ -192,7 +184,7 @@ class TcpTransport final : public TransportBase {
           throw PeerLostError(fmt::format("cannot connect to rank {} ({}) at {}: {}", j, peers_[size_t(j)].host,
                                           addr.to_string(), e.what()));
         }
-        Hello h{kHelloMagic, uint32_t(rank_), uint32_t(c), 0, scope_};
+        tcp_hello::Hello h = tcp_hello::make(rank_, c, scope_);
         net::send_all(fd.get(), &h, sizeof h, deadline, fmt::format("rank {}", j));
         add_conn(std::move(fd), j, c);
       }
@@ -215,7 +207,7 @@ class TcpTransport final : public TransportBase {
       if (n <= 0) continue;
       UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
       if (!fd) continue;
-      Hello h{};
+      tcp_hello::Hello h{};
       try {
         net::recv_all(fd.get(), &h, sizeof h, Deadline::earliest(deadline, Deadline::after(std::chrono::seconds(10))),
                       "connecting peer");
@@ -223,9 +215,10 @@ class TcpTransport final : public TransportBase {
         log::warn("dropped a TCP connection that sent no valid hello: {}", e.what());
         continue;
       }
-      if (h.magic != kHelloMagic || h.scope != scope_ || int(h.rank) >= rank_ || int(h.index) >= connections_ ||
-          conns_[h.rank].size() > size_t(connections_) || !use[h.rank]) {
-        log::warn("refused a TCP connection with a foreign or malformed hello (rank {}, index {})", h.rank, h.index);
+      if (std::string why = tcp_hello::check(&h, sizeof h, scope_, rank_, connections_, &h);
+          !why.empty() || conns_[h.rank].size() > size_t(connections_) || !use[h.rank]) {
+        log::warn("refused a TCP connection with a foreign or malformed hello (rank {}, index {}){}", h.rank, h.index,
+                  why.empty() ? "" : ": " + why);
         continue;
       }
       got[h.rank]++;

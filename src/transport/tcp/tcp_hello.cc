@@ -1,0 +1,29 @@
+#include "transport/tcp/tcp_hello.h"
+
+#include <cstring>
+
+#include <fmt/core.h>
+
+namespace cohort::transport::tcp_hello {
+
+Hello make(int rank, int index, uint64_t scope) {
+  return Hello{kMagic, static_cast<uint32_t>(rank), static_cast<uint32_t>(index), 0, scope};
+}
+
+std::string check(const void* data, size_t n, uint64_t scope, int self, int connections, Hello* out) {
+  if (n != sizeof(Hello)) return fmt::format("a hello of {} bytes (expected {})", n, sizeof(Hello));
+  Hello h;
+  std::memcpy(&h, data, sizeof h);
+  *out = h;
+  if (h.magic != kMagic) return fmt::format("not a cohort TCP hello (magic {:#x})", h.magic);
+  if (h.scope != scope) return fmt::format("a hello of another job or communicator (scope {:#x})", h.scope);
+  // Unsigned comparisons: a rank or index read as a negative int would pass a signed one and then
+  // index the acceptor's tables out of bounds.
+  if (self <= 0 || h.rank >= static_cast<uint32_t>(self))
+    return fmt::format("a hello from rank {} (only ranks below {} dial this one)", h.rank, self);
+  if (connections <= 0 || h.index >= static_cast<uint32_t>(connections))
+    return fmt::format("a hello for connection {} (this transport has {} per peer)", h.index, connections);
+  return {};
+}
+
+}  // namespace cohort::transport::tcp_hello
