@@ -18,7 +18,9 @@ void print_group(const std::vector<env::SettingInfo>& all, bool provided) {
   std::sort(group.begin(), group.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
   for (const auto& s : group) {
     auto v = env::get_raw(s.name);
-    std::string now = v ? fmt::format(" [set here: {}]", *v) : "";
+    // A secret's value (the store's token) is never printed: `cohort env` runs inside workers and in CI
+    // logs, where it would hand the job's store to whoever reads them.
+    std::string now = v ? fmt::format(" [set here: {}]", env::shown_value(s.name, *v)) : "";
     if (provided)
       fmt::print("  {:<30} {}{}\n", s.name, s.doc, now);
     else
@@ -31,7 +33,8 @@ int run_env(std::vector<std::string> args) {
     fmt::print(
         "usage: cohort env [--names]\n"
         "Lists the COHORT_* environment variables cohort reads: the settings you may choose (default, meaning,\n"
-        "and the value set in this environment), then the ones `cohort run` sets for every worker.\n"
+        "and the value set in this environment; a secret's, such as COHORT_JOB_TOKEN's, is not shown), then the\n"
+        "ones `cohort run` sets for every worker.\n"
         "Durations are written as 30, 30s, 500ms or 2m; sizes as 4096, 64K, 16M or 1G; booleans as 1/0.\n"
         "--names: only the names, one per line.\n");
     return 0;

@@ -201,7 +201,9 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   app.add_flag("--dry-run", o.dry_run, "print the plan (nodes, ranks, where each setting came from, worker environment) and exit");
   app.add_option("--timeline", o.timeline, "record every rank's operations and training steps and merge them into this Chrome-trace/Perfetto JSON file (COHORT_TIMELINE)");
   app.add_flag("--stats", o.stats, "print live per-rank stats every second: operations, bytes, busbw, time in communication, DDP wait share (a table on a terminal, JSON lines otherwise)");
-  app.add_option("--trace-dir", o.trace_dir, "where flight recorder dumps and timeline rank files go (COHORT_TRACE_DIR; default $TMPDIR/cohort-<job id>)");
+  app.add_option("--trace-dir", o.trace_dir,
+                 "where flight recorder dumps and timeline rank files go (COHORT_TRACE_DIR; default "
+                 "$TMPDIR/cohort-traces-<uid>/<job id>)");
   int ps_servers = 0;
   std::string ps_mode;
   app.add_option("--ps", ps_servers, "parameter-server job: start N servers besides the workers (docs/parameter-server.md)");

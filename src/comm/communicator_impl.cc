@@ -188,6 +188,7 @@ CommunicatorImpl::CommunicatorImpl(CommSetup s)
       child_(s.child),
       connections_only_(s.connections_only),
       connect_to_(std::move(s.connect_to)),
+      max_unexpected_bytes_(s.max_unexpected_bytes),
       exits_(std::move(s.exits)) {
   if (!connect_to_.empty() && connect_to_.size() != size_t(size_))
     throw std::logic_error("CommSetup::connect_to must name every rank");
@@ -211,8 +212,10 @@ CommunicatorImpl::~CommunicatorImpl() {
 
 void CommunicatorImpl::bootstrap() {
   Deadline deadline = Deadline::after(options_.timeout);
-  transport::TransportOptions topts{rank_, size_, prefix_, deadline, options_.slow_warning, root_store_->auth_token()};
+  transport::TransportOptions topts{rank_, size_, prefix_, deadline, options_.slow_warning};
+  topts.token = root_store_->auth_token();
   std::vector<std::string> available;
+  topts.max_unexpected_bytes = max_unexpected_bytes_;
   for (const auto& f : transport::factories()) {
     available.push_back(f.name);
     // "auto": every transport, each peer served by the best one both sides accept (shm on the same

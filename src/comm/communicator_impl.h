@@ -70,6 +70,8 @@ struct CommSetup {
   // connects workers to servers only, never workers to workers.
   std::vector<bool> connect_to;
   std::shared_ptr<const ExitWatch> exits;  // null: nobody publishes exits
+  // TransportOptions::max_unexpected_bytes: the parameter server's world sets its request limit.
+  size_t max_unexpected_bytes = SIZE_MAX;
 };
 
 class CommunicatorImpl final : public Communicator,
@@ -257,6 +259,7 @@ class CommunicatorImpl final : public Communicator,
   bool child_ = false;
   bool connections_only_ = false;  // CommSetup::connections_only
   std::vector<bool> connect_to_;    // CommSetup::connect_to
+  size_t max_unexpected_bytes_ = SIZE_MAX;  // CommSetup::max_unexpected_bytes
   std::shared_ptr<const ExitWatch> exits_;  // CommSetup::exits
   std::shared_ptr<Communicator> cross_host_;  // several hosts: same local rank on every host
 

@@ -1,6 +1,7 @@
 #include "common/env.h"
 
 #include <cerrno>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <strings.h>
@@ -22,7 +23,7 @@ std::vector<SettingInfo>& registry() {
 }
 
 [[noreturn]] void bad(const std::string& name, const std::string& value, const char* expected) {
-  throw ConfigError(fmt::format("{}={}: expected {}", name, value, expected));
+  throw ConfigError(fmt::format("{}={}: expected {}", name, shown_value(name, value), expected));
 }
 
 // Splits "123.5K" into number and suffix.
@@ -54,7 +55,8 @@ const SettingInfo kProvided[] = {
     {"COHORT_STORE_ADDR", "", "host:port of the job's store (hosted by the head / node 0 launcher)", true},
     {"COHORT_JOB_ID", "", "the job id; the store keys of different jobs never mix", true},
     {"COHORT_JOB_TOKEN", "",
-     "the store's authentication token (set it yourself on every node of a per-node job to authenticate it)", true},
+     "the store's authentication token (set it yourself on every node of a per-node job to authenticate it)", true,
+     true},
     {"COHORT_RANK", "", "this worker's global rank", true},
     {"COHORT_WORLD_SIZE", "", "the number of workers", true},
     {"COHORT_LOCAL_RANK", "", "this worker's rank on its node", true},
@@ -82,11 +84,26 @@ std::vector<SettingInfo> registered() {
     for (auto& s : all) {
       if (s.name != p.name) continue;
       s.provided = true;
+      s.secret = s.secret || p.secret;
       known = true;
     }
     if (!known) all.push_back(p);
   }
   return all;
+}
+
+bool is_secret(const std::string& name) {
+  std::string upper;
+  for (char c : name) upper += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  for (const char* word : {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "PRIVATE_KEY"})
+    if (upper.find(word) != std::string::npos) return true;
+  for (const auto& s : registered())
+    if (s.secret && s.name == name) return true;
+  return false;
+}
+
+std::string shown_value(const std::string& name, const std::string& value) {
+  return is_secret(name) && !value.empty() ? kSecretShown : value;
 }
 
 void register_setting(SettingInfo info) {

@@ -30,10 +30,21 @@ struct SettingInfo {
   std::string default_text;  // as a user would write it: "300 s", "1 MiB", "auto"; "" = none
   std::string doc;
   bool provided = false;     // set by `cohort run` for every worker, not chosen by the user
+  bool secret = false;       // its value is a secret: never printed (see shown_value)
 };
 // Every setting declared so far (static declarations register at start-up).
 std::vector<SettingInfo> registered();
 void register_setting(SettingInfo info);
+
+// Whether the value of variable `name` is a secret that cohort never prints (docs/security.md): a
+// setting registered as secret (COHORT_JOB_TOKEN), or any variable whose name says it holds one
+// (containing TOKEN, SECRET, PASSWORD, PASSWD, CREDENTIAL, API_KEY or PRIVATE_KEY, in any case: a
+// user's -x HF_TOKEN is passed on, not shown).
+bool is_secret(const std::string& name);
+// `value` as cohort prints variable `name`: kSecretShown for a secret's (set, but not shown), `value`
+// otherwise.
+inline constexpr const char* kSecretShown = "<secret, not shown>";
+std::string shown_value(const std::string& name, const std::string& value);
 
 // Parsers shared with the command-line flags. Each throws ConfigError("<name>=<value>: expected ...").
 int64_t parse_int(const std::string& name, const std::string& value);

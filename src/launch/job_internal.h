@@ -349,6 +349,9 @@ class Job {
   std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
   OomCounter oom_at_start_;               // this cgroup's OOM kills when the attempt's workers started
   std::unique_ptr<TraceDirClaim> trace_claim_;  // this job's default trace folder, while it runs
+  // Why the default trace folder cannot be used (not this user's own, not creatable): nothing is
+  // written there then. Empty when it can, and for a user's --trace-dir.
+  std::string trace_dir_refused_;
   // Attempt state
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)

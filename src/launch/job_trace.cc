@@ -15,6 +15,7 @@
 #include "cohort/error.h"
 #include "common/deadline.h"
 #include "common/log.h"
+#include "common/private_files.h"
 #include "common/strings.h"
 #include "store/tcp_store.h"
 #include "launch/inspector.h"
@@ -171,6 +172,7 @@ void Job::record_failure(int attempt) {
   std::sort(snaps.begin(), snaps.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   std::string dir = attempt == 0 ? plan_.trace_dir : fmt::format("{}/attempt{}", plan_.trace_dir, attempt);
   try {
+    if (!trace_dir_refused_.empty()) throw Error(trace_dir_refused_);
     std::filesystem::create_directories(dir);
     for (const auto& s : snaps) trace::write_dump(fmt::format("{}/rank{}.json", dir, s.rank), s);
   } catch (const std::exception& e) {
@@ -204,9 +206,10 @@ void Job::merge_timeline() {
     std::string tmp = plan_.timeline_path + ".tmp";
     trace::MergeSummary merged;
     {
-      std::ofstream out(tmp, std::ios::trunc);
-      if (!out) throw Error(fmt::format("cannot write {}", tmp));
-      merged = trace::merge_timelines(usable, out);
+      // Created afresh (a link planted at the name is not written through), then renamed over the path.
+      auto out = files::ostream_of(files::create_new(tmp));
+      merged = trace::merge_timelines(usable, *out);
+      if (!out->flush()) throw Error(fmt::format("cannot write {}", tmp));
     }
     std::filesystem::rename(tmp, plan_.timeline_path);
     std::string note = missing.empty() ? "" : fmt::format(" (no timeline from rank(s) {}: killed before exit?)",
@@ -227,16 +230,30 @@ void Job::merge_timeline() {
 
 void Job::open_trace_dir() {
   if (!plan_.trace_dir_default) return;  // the user's folder: cohort neither removes it nor its neighbours
-  std::filesystem::path dir(plan_.trace_dir);
-  prune_trace_dirs(dir.parent_path().string(), std::chrono::days(trace_keep_days()),
-                   std::chrono::system_clock::now());
-  // Nothing is ever written there without the flight recorder or the timeline.
-  if (plan_.flight_recorder <= 0 && plan_.timeline_path.empty()) return;
+  const std::string parent = std::filesystem::path(plan_.trace_dir).parent_path().string();
+  // Nothing is ever written there without the flight recorder or the timeline: the parent is then
+  // neither made nor, when it is not this user's own, complained about.
+  const bool writes = plan_.flight_recorder > 0 || !plan_.timeline_path.empty();
+  const auto keep = std::chrono::days(trace_keep_days());  // a bad setting ends the start (ConfigError)
   try {
+    // Only inside a folder of this user's own: another user's could hold anything under the names
+    // the pruning removes.
+    if (files::ensure_private_dir(parent, writes))
+      prune_trace_dirs(parent, keep, std::chrono::system_clock::now());
+    if (!writes) return;
     trace_claim_ = std::make_unique<TraceDirClaim>(plan_.trace_dir, plan_.job_id);
   } catch (const Error& e) {
-    // Dumps are written when a failure needs them, and say so when they cannot be.
-    log::warn("{} (a failure's flight recorder dumps may not be written)", e.what());
+    if (!writes) return;
+    trace_dir_refused_ = e.what();
+    // The timeline's rank files have nowhere else to go: the job does not start. The flight recorder's
+    // dumps are only written after a failure: the job runs, and a failure's diagnosis says they were not.
+    if (!plan_.timeline_path.empty())
+      throw ConfigError(fmt::format("--timeline: {} (--trace-dir DIR or COHORT_TRACE_DIR chooses another folder "
+                                    "for the rank files)",
+                                    e.what()));
+    log::warn("{}: a failure's flight recorder dumps will not be written (--trace-dir DIR or COHORT_TRACE_DIR "
+              "chooses another folder)",
+              e.what());
   }
 }
 

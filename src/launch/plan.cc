@@ -27,6 +27,7 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "launch/ray.h"
+#include "launch/trace_dirs.h"
 
 namespace cohort::launch {
 namespace {
@@ -282,7 +283,7 @@ void set_observability(Plan& p, const Options& o, const EnvMap& env) {
   std::string dir = !o.trace_dir.empty() ? o.trace_dir : get("COHORT_TRACE_DIR");
   if (dir.empty()) {
     std::string tmp = get("TMPDIR");
-    dir = fmt::format("{}/cohort-{}", tmp.empty() ? "/tmp" : tmp, p.job_id);
+    dir = default_trace_dir(tmp.empty() ? "/tmp" : tmp, p.job_id);
     p.trace_dir_default = true;
   }
   p.trace_dir = absolute(dir);
@@ -1537,7 +1538,7 @@ std::string describe_ray(const Plan& p, const EnvMap& env) {
       const int process = node.rank_of(l);
       WorkerSlot slot{process, l, node.nproc, node.node_rank, {}};
       std::vector<std::string> kv;
-      for (const auto& [k, v] : worker_env(p, slot, "", 0, "", 0, env)) kv.push_back(k + "=" + v);
+      for (const auto& [k, v] : worker_env(p, slot, "", 0, "", 0, env)) kv.push_back(k + "=" + env::shown_value(k, v));
       std::vector<std::string> argv;
       if (p.is_ray_driver(process)) {
         argv = worker_argv(p, process);
@@ -1660,7 +1661,7 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
       WorkerSlot slot{node.rank_of(l), l, node.nproc, node.node_rank, assigned[l]};
       auto vars = worker_env(p, slot, store_addr, 0, "<token>", 0, env);
       std::vector<std::string> kv;
-      for (const auto& [k, v] : vars) kv.push_back(k + "=" + v);
+      for (const auto& [k, v] : vars) kv.push_back(k + "=" + env::shown_value(k, v));
       s += fmt::format("  {} (local {}){} cpus {}: {}\n", p.process_name(slot.rank), l,
                        assigned[l].device >= 0 ? " " + assigned[l].description + "," : "",
                        bindings[l].empty() ? "any" : str::format_ranges(bindings[l]), str::join(kv, " "));

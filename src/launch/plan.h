@@ -55,7 +55,7 @@ struct Options {
   std::optional<std::string> run_id;
   std::string timeline;   // --timeline PATH (default COHORT_TIMELINE)
   bool stats = false;     // --stats
-  std::string trace_dir;  // --trace-dir DIR (default COHORT_TRACE_DIR, else $TMPDIR/cohort-<job id>)
+  std::string trace_dir;  // --trace-dir DIR (default COHORT_TRACE_DIR, else $TMPDIR/cohort-traces-<uid>/<job id>)
   // Parameter-server mode (docs/parameter-server.md): --ps N servers besides the workers,
   // --ps-mode, and whether servers run the built-in `cohort ps serve` or the program itself.
   std::optional<int> ps;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -14,6 +15,7 @@
 
 #include "cohort/error.h"
 #include "common/env.h"
+#include "common/private_files.h"
 #include "common/socket.h"
 
 namespace cohort::launch {
@@ -21,8 +23,8 @@ namespace {
 
 const env::IntSetting kTraceKeepDays(
     "COHORT_TRACE_KEEP_DAYS", 7,
-    "days a failed job's trace folder $TMPDIR/cohort-<job id> (its flight recorder dumps) stays after the job "
-    "ended; a later job of the same user removes it after that (0: the next job start removes it)");
+    "days a failed job's trace folder $TMPDIR/cohort-traces-<uid>/<job id> (its flight recorder dumps) stays "
+    "after the job ended; a later job of the same user removes it after that (0: the next job start removes it)");
 
 // The mark of a folder this user's cohort made, opened (without following links); invalid otherwise.
 UniqueFd open_mark(const std::filesystem::path& dir) {
@@ -34,6 +36,14 @@ UniqueFd open_mark(const std::filesystem::path& dir) {
 }
 
 }  // namespace
+
+std::string default_trace_dir(const std::string& tmpdir, const std::string& job_id) {
+  std::string name = job_id.empty() ? "_" : job_id;
+  for (char& c : name)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') c = '_';
+  if (name.front() == '.') name.front() = '_';  // never ".." or a hidden folder
+  return fmt::format("{}/cohort-traces-{}/{}", tmpdir, geteuid(), name);
+}
 
 int64_t trace_keep_days() {
   int64_t days = kTraceKeepDays.get();
@@ -48,7 +58,6 @@ std::vector<std::string> prune_trace_dirs(const std::string& parent, std::chrono
   std::vector<std::string> removed;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
-    if (entry.path().filename().string().rfind("cohort-", 0) != 0) continue;
     UniqueFd mark = open_mark(entry.path());
     // Held while the folder goes: a running job holds a shared lock on its mark, and a job of the same
     // id that starts meanwhile waits for this one, then makes a new folder.
@@ -71,9 +80,10 @@ TraceDirClaim::TraceDirClaim(const std::string& dir, const std::string& job_id) 
   // it takes well under a second; then the folder is made anew.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   for (;;) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) throw Error(fmt::format("cannot create the trace folder {}: {}", dir, ec.message()));
+    // Both folders are this user's only: nobody else can put anything in them (a link where a dump
+    // goes) or take the dumps.
+    files::ensure_private_dir(std::filesystem::path(dir).parent_path().string());
+    files::ensure_private_dir(dir);
     UniqueFd fd(::open(mark.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644));
     if (!fd) throw Error(net::errno_string("cannot create " + mark, errno));
     struct stat st;

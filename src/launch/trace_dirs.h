@@ -1,6 +1,10 @@
 #pragma once
-// The launcher's default trace folders, $TMPDIR/cohort-<job id> (flight recorder dumps of a failed
-// attempt, the timeline's rank files): kept only when a failure left something in them, and bounded.
+// The launcher's default trace folders, $TMPDIR/cohort-traces-<uid>/<job id> (flight recorder dumps of
+// a failed attempt, the timeline's rank files): kept only when a failure left something in them, and
+// bounded.
+//  * They live in a folder of this user's only (mode 0700; docs/security.md): job ids are predictable,
+//    and a folder another user made, or a link planted at its name, would receive the dumps and have
+//    them removed at the end. A parent folder that is not this user's own is refused, never used.
 //  * A job claims its folder when it starts: it creates it with a mark file (kTraceDirMark) and holds
 //    a shared flock(2) on the mark while it runs (launchers of one job on one host share the folder).
 //  * When the job ends, the folder is removed, unless the job failed and left files in it; the
@@ -23,6 +27,11 @@ namespace cohort::launch {
 
 inline constexpr const char* kTraceDirMark = ".cohort-trace-dir";
 
+// The default trace folder of job `job_id`: `tmpdir`/cohort-traces-<effective uid>/<job id> (a job id's
+// characters other than letters, digits, '.', '_' and '-' become '_', and a leading '.' too, so that
+// the id names one folder inside the parent).
+std::string default_trace_dir(const std::string& tmpdir, const std::string& job_id);
+
 // How many days a finished default trace folder stays (COHORT_TRACE_KEEP_DAYS).
 int64_t trace_keep_days();
 
@@ -33,7 +42,9 @@ std::vector<std::string> prune_trace_dirs(const std::string& parent, std::chrono
 
 class TraceDirClaim {
  public:
-  // Creates `dir` and its mark, and takes the shared lock. Throws Error when it cannot.
+  // Makes `dir`'s parent and `dir` this user's private folders (files::ensure_private_dir), creates the
+  // mark, and takes the shared lock. Throws Error when it cannot, or when either folder is not this
+  // user's own (naming its owner).
   TraceDirClaim(const std::string& dir, const std::string& job_id);
   TraceDirClaim(const TraceDirClaim&) = delete;
   TraceDirClaim& operator=(const TraceDirClaim&) = delete;

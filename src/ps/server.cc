@@ -94,7 +94,7 @@ class Server {
         mode_(mode),
         max_request_(max_request),
         timeout_(timeout),
-        ep_(std::move(store), prefix, roles.server_rank(index), workers_only(roles), timeout) {
+        ep_(std::move(store), prefix, roles.server_rank(index), workers_only(roles), timeout, max_request) {
     inbox_.resize(size_t(roles_.num_workers));
     clock_.assign(size_t(roles_.num_workers), 0);
     log::debug("parameter server {} of {}: {} workers, mode {}", index_, roles_.num_servers, roles_.num_workers,
@@ -121,9 +121,12 @@ class Server {
             in.payload.resize(0);
             if (std::string why = check_request_frame(in.hdr, max_request_); !why.empty()) {
               // A header that is not ours, or a payload over the limit (the client refuses those
-              // against the limit this server announced): refused, and its payload, whose size is
-              // not to be trusted or allocated, is left unread. Requests are matched by number,
-              // so the worker's next one is read as usual.
+              // against the limit this server announced): refused. Its payload, whose size is not
+              // to be trusted or allocated, is never received: whatever the worker sends under this
+              // number is thrown away as it comes (one over the limit was never buffered: the
+              // transports keep nothing over max_request that no receive asked for). Requests are
+              // matched by number, so the worker's next one is read as usual.
+              ep_.discard(roles_.worker_rank(w), Msg::kRequestPayload, in.seq);
               reply_error(w, in.seq, fmt::format("parameter server {}: {}", index_, why));
               ++in.seq;
               post_header(w);
@@ -547,15 +550,26 @@ class Server {
       staged_[w] = std::move(st);
       return saved.dump();
     } catch (const InvalidArgument&) {
-      remove_files(st);
+      abandon(w, st);
       throw;
     } catch (const std::bad_alloc&) {
-      remove_files(st);
+      abandon(w, st);
       throw InvalidArgument(fmt::format("save: {}: out of memory", path));
     } catch (const std::exception& e) {  // a row lock held past the timeout, the table's memory
-      remove_files(st);
+      abandon(w, st);
       throw InvalidArgument(fmt::format("save: {}: {}", path, e.what()));
     }
+  }
+
+  // A save this server could not write: its own files go now, but not the folder, which the other
+  // servers may still be writing into (removing it would fail them too, and their error could reach
+  // the worker before this one's); the worker's discard, which every server gets once all answered,
+  // removes it.
+  void abandon(int w, Staged& st) {
+    for (const auto& f : st.files) ::unlink(f.c_str());
+    Staged folder_only;
+    folder_only.folder = st.folder;
+    staged_[w] = std::move(folder_only);
   }
 
   static bool write_all(int fd, const char* p, size_t n) {

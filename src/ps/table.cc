@@ -85,6 +85,27 @@ uint32_t holder_of(uint64_t word) { return uint32_t(word >> kHolderShift); }
 // when preempted), and a look costs a few system calls.
 constexpr std::chrono::milliseconds kCheckEvery{5};
 
+std::atomic<int> g_lock_waits{0};  // lock_waits_in_process()
+
+// Counts its thread in lock_waits_in_process() from begin() until it goes.
+class CountedWait {
+ public:
+  CountedWait() = default;
+  CountedWait(const CountedWait&) = delete;
+  CountedWait& operator=(const CountedWait&) = delete;
+  ~CountedWait() {
+    if (counted_) g_lock_waits.fetch_sub(1, std::memory_order_release);
+  }
+  void begin() {
+    if (counted_) return;
+    counted_ = true;
+    g_lock_waits.fetch_add(1, std::memory_order_release);
+  }
+
+ private:
+  bool counted_ = false;
+};
+
 // Waits with a spin, then yielding the core (on a guest with fewer cores than processes the holder
 // needs ours). Every kCheckEvery of waiting, stuck(expired) looks at what it waits for: it may find
 // the holder dead and recover the lock (the next attempt then goes through); it throws once
@@ -93,8 +114,10 @@ template <typename Try, typename Stuck>
 void spin_until(Try&& attempt, std::chrono::milliseconds timeout, Stuck&& stuck) {
   using Clock = std::chrono::steady_clock;
   Clock::time_point start{}, next_check{};
+  CountedWait counted;  // from the first attempt that fails: a wait has begun
   for (uint64_t spins = 0;; ++spins) {
     if (attempt()) return;
+    counted.begin();
     if (spins < 64) {
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
@@ -178,6 +201,8 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t
 
 size_t header_insert_lock_offset() { return offsetof(ShardHeader, insert_lock); }
 size_t header_rows_offset() { return offsetof(ShardHeader, rows); }
+
+int lock_waits_in_process() { return g_lock_waits.load(std::memory_order_acquire); }
 
 size_t bytes_per_row(const TableConfig& c) {
   size_t row = align8(16 + state_floats(c) * 4 + size_t(c.dim) * storage_bytes(c.storage));

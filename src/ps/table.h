@@ -79,6 +79,11 @@ struct ShardHeader;  // table.cc: the shared header's layout
 size_t header_insert_lock_offset();
 size_t header_rows_offset();
 
+// Threads of this process in a wait on a shard's row (its lock, or a pull's consistent copy) or on
+// its insert lock: counted from the first attempt that fails until the wait ends (the lock taken,
+// or an error). For tests that must know a wait has begun before they end it (killing the holder).
+int lock_waits_in_process();
+
 class TableShard {
  public:
   // Processes that may write one shard: its server and up to this many attached workers.

@@ -64,7 +64,7 @@ Buffer buffer_of(const std::string& text) {
 }
 
 Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, const std::vector<bool>& peers,
-                   std::chrono::milliseconds timeout)
+                   std::chrono::milliseconds timeout, size_t max_unexpected_bytes)
     : rank_(rank), size_(int(peers.size())) {
   CommOptions options;
   options.timeout = timeout;
@@ -80,6 +80,7 @@ Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int 
   s.child = true;
   s.connections_only = true;
   s.connect_to = peers;
+  s.max_unexpected_bytes = max_unexpected_bytes;
   comm_ = std::make_shared<comm::CommunicatorImpl>(std::move(s));
   comm_->bootstrap();
   std::map<transport::Transport*, int> served;
@@ -111,6 +112,16 @@ Posted Endpoint::irecv(int peer, Msg kind, uint64_t sub, void* data, size_t byte
   transport::Transport* t = comm_->transport_to(peer);
   transport::Envelope env{kTagBase | uint64_t(kind), sub, kSignature};
   return Posted{t, t->irecv(peer, env, data, bytes), false};
+}
+
+void Endpoint::discard(int peer, Msg kind, uint64_t sub) {
+  comm_->transport_to(peer)->discard(peer, transport::Envelope{kTagBase | uint64_t(kind), sub, kSignature});
+}
+
+size_t Endpoint::buffered_bytes() const {
+  size_t n = 0;
+  for (const auto& t : comm_->transports()) n += t->buffered_bytes();
+  return n;
 }
 
 bool Endpoint::test(Posted& p) {

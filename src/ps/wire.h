@@ -141,9 +141,11 @@ class Endpoint {
  public:
   // Collective over the PS world: publishes under `prefix` of `store`, waits for every rank (bounded
   // by `timeout`), connects.
-  // Only `peers` (true for each rank to connect to) are connected: workers to servers.
+  // Only `peers` (true for each rank to connect to) are connected: workers to servers. A message
+  // over `max_unexpected_bytes` that arrives before its receive is thrown away, not buffered
+  // (TransportOptions::max_unexpected_bytes): a server passes its request limit.
   Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, const std::vector<bool>& peers,
-           std::chrono::milliseconds timeout);
+           std::chrono::milliseconds timeout, size_t max_unexpected_bytes = SIZE_MAX);
   ~Endpoint();
 
   int rank() const { return rank_; }
@@ -154,6 +156,11 @@ class Endpoint {
 
   Posted isend(int peer, Msg kind, uint64_t sub, const void* data, size_t bytes);
   Posted irecv(int peer, Msg kind, uint64_t sub, void* data, size_t bytes);
+  // The message will not be received (Transport::discard): what came of it is freed, the rest is
+  // thrown away as it comes.
+  void discard(int peer, Msg kind, uint64_t sub);
+  // Bytes held in messages that arrived before their receive, over every transport.
+  size_t buffered_bytes() const;
   // True once complete (then stays true); rethrows the transport's error.
   bool test(Posted& p);
   // Drives every transport; waits up to timeout_ms when nothing is ready. True on progress.

@@ -13,6 +13,7 @@
 
 #include "cohort/error.h"
 #include "cohort/types.h"
+#include "common/private_files.h"
 
 namespace cohort::trace {
 namespace {
@@ -108,9 +109,11 @@ RankSnapshot snapshot_from_json(const nlohmann::json& j) {
 void write_dump(const std::string& path, const RankSnapshot& s) {
   std::string tmp = fmt::format("{}.tmp.{}", path, getpid());
   {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << to_json(s).dump(1) << '\n';
-    if (!out.flush()) throw Error(fmt::format("cannot write {}", tmp));
+    // A new file (never one planted at the name, nor a link's target), renamed over `path` (a rename
+    // replaces a link there, it does not follow it).
+    auto out = files::ostream_of(files::create_new(tmp));
+    *out << to_json(s).dump(1) << '\n';
+    if (!out->flush()) throw Error(fmt::format("cannot write {}", tmp));
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);

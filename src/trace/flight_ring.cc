@@ -200,6 +200,7 @@ Ring Ring::create(uint32_t capacity, int rank, int world, const std::string& hos
   h.rank = rank;
   h.world = world;
   std::snprintf(h.host, sizeof h.host, "%s", host.c_str());
+  ring.identity_ = {capacity, rank, world, std::string(h.host, strnlen(h.host, sizeof h.host))};
   return ring;
 }
 
@@ -229,6 +230,9 @@ Ring Ring::adopt(int fd) {
         "operations in its own memory only (the launcher's stall warnings and failure diagnosis cannot see them)",
         fd, std::isprint(static_cast<unsigned char>(magic[7])) ? std::string(1, magic[7]) : std::string("?"),
         kRingLayout));
+  // The worker's side: the launcher that made the ring wrote these.
+  const RingHeader& h = *ring.header_;
+  ring.identity_ = {h.capacity, h.rank, h.world, std::string(h.host, strnlen(h.host, sizeof h.host))};
   ring.fd_ = fd;
   return ring;
 }
@@ -244,6 +248,7 @@ Ring& Ring::operator=(Ring&& o) noexcept {
     bytes_ = std::exchange(o.bytes_, 0);
     header_ = std::exchange(o.header_, nullptr);
     entries_ = std::exchange(o.entries_, nullptr);
+    identity_ = std::exchange(o.identity_, {});
   }
   return *this;
 }
@@ -265,16 +270,34 @@ void Ring::unmap() {
   entries_ = nullptr;
 }
 
-RankSnapshot Ring::snapshot(size_t max) const { return snapshot_of(*header_, max); }
+RankSnapshot Ring::snapshot(size_t max) const { return snapshot_of(*header_, identity_, max); }
 
-RankSnapshot snapshot_of(const RingHeader& h, size_t max) {
+namespace {
+
+// Whether a record copied from a ring can describe an operation of this host's: a known operation and
+// state, and times of this host's monotonic clock up to the moment of the copy. (Anything else was
+// written by a worker whose memory is corrupt; describing it could index past a table.)
+bool plausible(const OpRecord& r, int64_t now) {
+  if (r.kind > coll::kLastOpKind) return false;
+  if (r.state != OpState::kQueued && r.state != OpState::kRunning && r.state != OpState::kDone &&
+      r.state != OpState::kFailed)
+    return false;
+  for (int64_t t : {r.t_queued, r.t_start, r.t_end})
+    if (t < 0 || (t > now && t > monotonic_ns())) return false;  // (written since `now` was read: fine)
+  return true;
+}
+
+}  // namespace
+
+RankSnapshot snapshot_of(const RingHeader& h, const RingIdentity& known, size_t max) {
   RankSnapshot s;
   const auto* entries = reinterpret_cast<const RingEntry*>(reinterpret_cast<const char*>(&h) + sizeof(RingHeader));
-  s.rank = h.rank;
-  s.world = h.world;
-  s.host = std::string(h.host, strnlen(h.host, sizeof h.host));
-  s.pid = h.pid.load(std::memory_order_acquire);
+  s.rank = known.rank;
+  s.world = known.world;
+  s.host = known.host;
+  s.pid = std::max(h.pid.load(std::memory_order_acquire), 0);
   s.started = s.pid != 0;
+  if (known.capacity == 0) return s;
   s.taken_at = monotonic_ns();
   const auto& c = h.counters;
   s.counters = {c.ops.load(std::memory_order_relaxed),   c.bytes.load(std::memory_order_relaxed),
@@ -282,9 +305,9 @@ RankSnapshot snapshot_of(const RingHeader& h, size_t max) {
                 c.step_ns.load(std::memory_order_relaxed), c.wait_ns.load(std::memory_order_relaxed)};
   uint64_t next = h.next.load(std::memory_order_acquire);
   s.total = next;
-  uint64_t n = std::min<uint64_t>({next, h.capacity, max});
+  uint64_t n = std::min<uint64_t>({next, known.capacity, max});
   for (uint64_t i = next - n; i < next; ++i) {
-    const RingEntry& e = entries[i % h.capacity];
+    const RingEntry& e = entries[i % known.capacity];
     uint32_t v1 = e.version.load(std::memory_order_acquire);
     if (v1 & 1) continue;  // being written: its older contents are gone, its newer are not there yet
     // Another operation's entry: an earlier one whose slot this one has not reached yet, or a later one
@@ -305,7 +328,7 @@ RankSnapshot snapshot_of(const RingHeader& h, size_t max) {
     r.t_start = get(e.t_start);
     r.t_end = get(e.t_end);
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (e.version.load(std::memory_order_relaxed) != v1 || r.state == OpState::kEmpty) continue;
+    if (e.version.load(std::memory_order_relaxed) != v1 || !plausible(r, s.taken_at)) continue;
     s.entries.push_back(r);
   }
   return s;

@@ -129,6 +129,17 @@ struct RankSnapshot {
   CounterSnapshot counters;
 };
 
+// What the reader of a ring knows of it without reading the ring: the launcher's own record of a ring
+// it created. The ring's memory is the worker's to write, and a worker whose memory is corrupt (when
+// the recorder matters most) may have written anything there, its header included; the reader takes
+// the size and the identity from here and checks the rest it reads (docs/security.md).
+struct RingIdentity {
+  uint32_t capacity = 0;
+  int rank = -1;
+  int world = 0;
+  std::string host;
+};
+
 // A ring the launcher created: the memfd (inherited by the worker) and the launcher's mapping.
 class Ring {
  public:
@@ -146,7 +157,9 @@ class Ring {
   int fd() const { return fd_; }
   void close_fd();  // the mapping stays
   RingHeader& header() const { return *header_; }
-  RingEntry& slot(uint64_t i) const { return entries_[i % header_->capacity]; }
+  RingEntry& slot(uint64_t i) const { return entries_[i % identity_.capacity]; }
+  // The size and identity the ring was created (or, by the worker, adopted) with.
+  const RingIdentity& identity() const { return identity_; }
   // A consistent copy of the last `max` entries (entries being written are skipped).
   RankSnapshot snapshot(size_t max = SIZE_MAX) const;
 
@@ -157,6 +170,7 @@ class Ring {
   size_t bytes_ = 0;
   RingHeader* header_ = nullptr;
   RingEntry* entries_ = nullptr;
+  RingIdentity identity_;
 };
 
 // Writing (the recorder; tests): append an operation as running, then finish it. Several threads may
@@ -185,8 +199,11 @@ OpRecord finished_record(const OpBegin& op, bool ok, int64_t t_end);
 // `op` is what was appended (the counters take its bytes and start even when the slot was reused).
 void ring_finish(RingHeader& h, uint64_t handle, const OpBegin& op, bool ok, int64_t t_end);
 
-// A consistent copy of the last `max` entries of a ring (entries being written are skipped).
-RankSnapshot snapshot_of(const RingHeader& h, size_t max = SIZE_MAX);
+// A consistent copy of the last `max` entries of a ring of `known.capacity` entries (entries being
+// written are skipped), its rank, world and host those of `known`. The header's capacity and identity
+// are not read; an entry whose operation, state or times cannot be (a corrupt worker's) is left out,
+// as is a process id below 0.
+RankSnapshot snapshot_of(const RingHeader& h, const RingIdentity& known, size_t max = SIZE_MAX);
 
 int64_t monotonic_ns();
 

@@ -209,7 +209,9 @@ RankSnapshot Recorder::snapshot() const {
   RankSnapshot s;
   if (!ring_) return s;
   // A non-owning view with the same reading rules as the launcher's.
-  s = snapshot_of(*ring_);
+  // This process's own ring (or the one the launcher made for it): its header is its own to trust.
+  s = snapshot_of(*ring_, {ring_->capacity, ring_->rank, ring_->world,
+                           std::string(ring_->host, strnlen(ring_->host, sizeof ring_->host))});
   s.process_state = "running";
   return s;
 }

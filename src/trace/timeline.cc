@@ -19,6 +19,7 @@
 #include "cohort/error.h"
 #include "cohort/types.h"
 #include "common/env.h"
+#include "common/private_files.h"
 
 namespace cohort::trace {
 namespace {
@@ -123,8 +124,10 @@ void TimelineWriter::flush_locked() {
   bool note = dropped_ > 0 && !truncation_noted_;
   if (blocks_.empty() && header_written_ && !note) return;
   std::string path = replace_rank(path_, rank_);
-  std::ofstream out(path, header_written_ ? std::ios::app | std::ios::binary : std::ios::trunc | std::ios::binary);
-  if (!out) throw Error(fmt::format("cannot write the timeline to {}", path));
+  // The first flush creates the file afresh, later ones append to that file: a link planted at the name
+  // (the rank files go to a trace folder) is never written through.
+  auto stream = files::ostream_of(header_written_ ? files::open_append(path) : files::create_new(path));
+  std::ostream& out = *stream;
   if (!header_written_) {
     // The clock anchor: a realtime reading bracketed by two monotonic ones.
     int64_t m0 = monotonic_ns(), real = realtime_ns(), m1 = monotonic_ns();

@@ -1,6 +1,7 @@
 #include "transport/matching.h"
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 
 #include <fmt/core.h>
@@ -17,6 +18,12 @@ uint64_t scope_hash(const std::string& job_scope) {
   }
   return h;
 }
+
+namespace {
+std::atomic<uint64_t> g_buffered_bytes{0};  // every Matching's buffered_bytes_, summed
+}  // namespace
+
+uint64_t buffered_bytes_in_process() { return g_buffered_bytes.load(std::memory_order_relaxed); }
 
 // ---- BufferPool ----
 
@@ -158,34 +165,100 @@ void Matching::adopt(uint32_t idx, Unexpected& u) {
     if (r.bytes) std::memcpy(r.data, u.buf.get(), r.bytes);
     r.done = true;
     r.remaining = 0;
-    unexpected.erase(r.key);
+    erase_unexpected(unexpected.find(r.key));
   } else {
     u.attached = int(idx);
   }
 }
 
 void Matching::unexpected_arrived(const MessageKey& key, Unexpected& u) {
+  if (u.discarded) return erase_unexpected(unexpected.find(key));
   if (u.attached < 0) return;  // its receive is not posted yet: irecv() will adopt it
   Request& r = reqs_[size_t(u.attached)];
   if (r.bytes) std::memcpy(r.data, u.buf.get(), r.bytes);
   r.done = true;
   r.remaining = 0;
-  unexpected.erase(key);
+  erase_unexpected(unexpected.find(key));
 }
 
 Unexpected& Matching::add_unexpected(const MessageKey& key, const Signature& signature, size_t total) {
-  Unexpected& u = unexpected[key];
+  auto [it, fresh] = unexpected.try_emplace(key);
+  Unexpected& u = it->second;
+  if (!fresh) buffered_bytes_ -= u.total, g_buffered_bytes -= u.total;
   u.total = total;
   u.received = 0;
   u.signature = signature;
   u.attached = -1;
+  u.discarded = false;
   u.buf.allocate(&pool_, total);
+  buffered_bytes_ += total;
+  g_buffered_bytes += total;
   return u;
+}
+
+void Matching::erase_unexpected(std::unordered_map<MessageKey, Unexpected, MessageKeyHash>::iterator it) {
+  buffered_bytes_ -= it->second.total;
+  g_buffered_bytes -= it->second.total;
+  unexpected.erase(it);
 }
 
 void Matching::clear() {
   posted.clear();
+  g_buffered_bytes -= buffered_bytes_;
+  buffered_bytes_ = 0;
   unexpected.clear();
+  dropped.clear();
+}
+
+void Matching::discard(const MessageKey& key) {
+  if (posted.count(key))
+    throw std::logic_error(fmt::format("{} transport: discard of a message whose receive is posted", transport_));
+  if (auto u = unexpected.find(key); u != unexpected.end()) {
+    // A receive may still be attached to it only if it was posted, which is excluded above.
+    if (u->second.received == u->second.total) return erase_unexpected(u);
+    u->second.discarded = true;  // its remaining bytes land in the buffer they were promised
+    return;
+  }
+  auto [it, fresh] = dropped.try_emplace(key);
+  if (fresh) return;  // not arrived yet: thrown away as it comes
+  Dropped& d = it->second;
+  d.over_limit = false;  // it is claimed: the record goes with its last byte
+  if (d.received == d.total) dropped.erase(it);
+}
+
+Dropped* Matching::dropping(const MessageKey& key, size_t total) {
+  if (dropped.empty() && total <= max_unexpected_) return nullptr;  // the common case, without a lookup
+  if (auto it = dropped.find(key); it != dropped.end()) {
+    if (it->second.total == Dropped::kUnknown) it->second.total = total;
+    return &it->second;
+  }
+  if (total <= max_unexpected_ || unexpected.count(key)) return nullptr;
+  Dropped& d = dropped[key];
+  d.total = total;
+  d.over_limit = true;
+  return &d;
+}
+
+void Matching::dropped_bytes(const MessageKey& key, size_t bytes) {
+  auto it = dropped.find(key);
+  if (it == dropped.end()) return;
+  it->second.received += bytes;
+  if (it->second.received == it->second.total && !it->second.over_limit) dropped.erase(it);
+}
+
+std::string Matching::take_dropped(const Request& r, const std::string& host) {
+  if (dropped.empty()) return "";
+  auto it = dropped.find(r.key);
+  if (it == dropped.end()) return "";
+  if (!it->second.over_limit)
+    throw std::logic_error(fmt::format("{} transport: a receive posted for a message this rank discarded", transport_));
+  std::string why = fmt::format(
+      "rank {} ({}) sent a message of {} bytes before its receive was posted, more than the {} bytes this rank "
+      "buffers for a receive not posted yet: it was dropped (tag {:#x}, sub {:#x})",
+      r.peer, host, it->second.total, max_unexpected_, r.env.tag, r.env.sub);
+  it->second.over_limit = false;
+  if (it->second.received == it->second.total) dropped.erase(it);
+  return why;
 }
 
 }  // namespace cohort::transport

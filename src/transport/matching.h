@@ -4,9 +4,10 @@
 // Both transports move bytes differently (sockets vs. shared-memory rings) but agree on what a
 // request is and how a message finds its receive: by (peer, tag, sub) exactly (transport.h). A
 // receive posted first waits in `posted` until its message arrives; a message that arrives first
-// is buffered whole in `unexpected` until its receive is posted. Request ids carry a generation so
-// that a stale id (one already completed and reused) is caught instead of completing someone else's
-// request.
+// is buffered whole in `unexpected` until its receive is posted. A message the receiver will never
+// take (discard()), or one too large to buffer, is read and thrown away as it arrives (`dropped`).
+// Request ids carry a generation so that a stale id (one already completed and reused) is caught
+// instead of completing someone else's request.
 //
 // Not thread-safe: it belongs to its transport, which is driven by one thread at a time.
 
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -93,12 +95,35 @@ struct Unexpected {
   size_t received = 0;
   Signature signature;
   int attached = -1;  // the request waiting for the rest of it, once posted
+  bool discarded = false;  // discard()ed while it arrived: dropped as soon as it is whole
 };
+
+// A message whose bytes are thrown away as they arrive instead of being buffered: the receiver
+// discarded it before it came, or it came with no receive posted and is larger than the transport
+// buffers (Matching's `max_unexpected`).
+struct Dropped {
+  size_t total = kUnknown;  // its size, once its first bytes arrived
+  size_t received = 0;      // bytes thrown away so far
+  // Dropped for its size, and nobody on this rank has asked for it yet: the record outlives the
+  // message, so that a receive posted for it fails (instead of waiting for what is gone) and a
+  // discard() of it finds it. Otherwise the record goes when the last byte is thrown away.
+  bool over_limit = false;
+  static constexpr size_t kUnknown = std::numeric_limits<size_t>::max();
+};
+
+// Bytes that every transport of this process holds in messages that arrived before their receive
+// (the sum of Matching::buffered_bytes): what a peer's unanswered messages cost this process.
+uint64_t buffered_bytes_in_process();
 
 class Matching {
  public:
-  // `transport` names the owner in logic errors; `pool_limit` bounds the reuse pool.
-  Matching(const char* transport, size_t pool_limit) : transport_(transport), pool_(pool_limit) {}
+  // `transport` names the owner in logic errors; `pool_limit` bounds the reuse pool; a message
+  // larger than `max_unexpected` that arrives before its receive is dropped, not buffered.
+  Matching(const char* transport, size_t pool_limit, size_t max_unexpected = SIZE_MAX)
+      : transport_(transport), pool_(pool_limit), max_unexpected_(max_unexpected) {}
+  ~Matching() { clear(); }
+  Matching(const Matching&) = delete;
+  Matching& operator=(const Matching&) = delete;
 
   // A fresh request in a free slot (its generation bumped). The reference stays valid until the
   // next alloc().
@@ -152,15 +177,36 @@ class Matching {
   // After a failure: nothing is posted or buffered any more.
   void clear();
 
+  // Transport::discard: the message under `key` is not wanted. Buffered whole, it is freed now;
+  // still arriving, once whole; not arrived yet (or dropped for its size), its bytes are thrown
+  // away as they come. Throws std::logic_error when a receive is posted for it.
+  void discard(const MessageKey& key);
+  // Bytes of a message under `key` (of `total` bytes) arrive with no receive posted: the record to
+  // throw them into, or nullptr to buffer them (add_unexpected, or the message already buffered).
+  // A message not seen before that is larger than `max_unexpected` gets an over-limit record.
+  Dropped* dropping(const MessageKey& key, size_t total);
+  // `bytes` more of the message under `key` were thrown away (dropping() gave its record).
+  void dropped_bytes(const MessageKey& key, size_t bytes);
+  // A receive just allocated whose message was dropped for its size: why it cannot complete (and
+  // the record is let go), or "" when none was. `host` names the sender.
+  std::string take_dropped(const Request& r, const std::string& host);
+  // Bytes held in unexpected messages (allocated in full when their first bytes arrive).
+  size_t buffered_bytes() const { return buffered_bytes_; }
+
  private:
+  void erase_unexpected(std::unordered_map<MessageKey, Unexpected, MessageKeyHash>::iterator it);
+
   const char* transport_;
   BufferPool pool_;  // before `unexpected`: its buffers go back to the pool when they are destroyed
   std::vector<Request> reqs_;
   std::vector<uint32_t> free_;
+  size_t max_unexpected_;
+  size_t buffered_bytes_ = 0;
 
  public:
   std::unordered_map<MessageKey, uint32_t, MessageKeyHash> posted;        // receives waiting for their message
   std::unordered_map<MessageKey, Unexpected, MessageKeyHash> unexpected;  // messages waiting for their receive
+  std::unordered_map<MessageKey, Dropped, MessageKeyHash> dropped;        // messages thrown away as they arrive
 };
 
 }  // namespace cohort::transport

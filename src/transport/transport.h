@@ -85,6 +85,12 @@ class Transport {
   // (it waits, buffered, for its irecv). A receive from any source asks this of every peer's next
   // message before it posts the one receive that takes it.
   virtual bool arrived(int peer, const Envelope& env) const = 0;
+  // The message under `env` from `peer` will never be received here: what of it arrived is freed,
+  // and what is still to come is read and thrown away, never buffered. No receive may be posted for
+  // it. (The parameter server refuses an over-limit request without reading its payload.)
+  virtual void discard(int peer, const Envelope& env) = 0;
+  // Bytes this transport holds in messages that arrived before their receive was posted.
+  virtual size_t buffered_bytes() const = 0;
 
   // Drives I/O: handles whatever is ready, waiting up to timeout_ms (0 = do not wait) for
   // something to happen. Returns true when any progress was made.
@@ -123,6 +129,11 @@ struct TransportOptions {
   // connect() says who it still waits for after this long, then again at a doubling interval
   // (COHORT_SLOW_WARNING, as the communicator's other waits).
   std::chrono::nanoseconds slow_warning = std::chrono::seconds(5);
+  // A message larger than this that arrives before its receive is read and thrown away instead of
+  // being buffered (a buffer is allocated in full when a message's first bytes arrive); a receive
+  // posted for it later fails, naming the sender and the size. For a communicator whose peers may
+  // not be trusted to send only what is asked for (the parameter server's).
+  size_t max_unexpected_bytes = SIZE_MAX;
   // The job token: TCP connections prove it to each other (HMAC challenge-response, tcp/hello.h).
   // Empty: the hello still runs, keyed with the empty string, and proves only the scope.
   std::string token;

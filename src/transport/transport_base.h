@@ -38,13 +38,19 @@ class TransportBase : public Transport {
   bool arrived(int peer, const Envelope& env) const override {
     return m_.unexpected.count(MessageKey{peer, env.tag, env.sub}) != 0;
   }
+  void discard(int peer, const Envelope& env) override {
+    check_peer(peer);
+    m_.discard(MessageKey{peer, env.tag, env.sub});
+  }
+  size_t buffered_bytes() const override { return m_.buffered_bytes(); }
   std::exception_ptr error() const override { return failed_; }
   PeerProgress last_seen(int peer) const override { return last_seen_.at(size_t(peer)); }
   void set_mismatch_formatter(MismatchFormatter f) override { mismatch_formatter_ = std::move(f); }
 
  protected:
-  TransportBase(int rank, int size, const char* name, size_t unexpected_pool_bytes)
-      : rank_(rank), size_(size), m_(name, unexpected_pool_bytes), last_seen_(static_cast<size_t>(size)) {}
+  TransportBase(int rank, int size, const char* name, size_t unexpected_pool_bytes, size_t max_unexpected_bytes)
+      : rank_(rank), size_(size), m_(name, unexpected_pool_bytes, max_unexpected_bytes),
+        last_seen_(static_cast<size_t>(size)) {}
 
   // Host name of `peer`, for messages.
   virtual std::string peer_host(int peer) const = 0;
@@ -79,6 +85,13 @@ class TransportBase : public Transport {
       check_match(peer, u->signature, u->total, r);
       m_.adopt(idx, *u);
       matched = true;
+    } else if (!m_.dropped.empty()) {
+      // Its message came first and was too large to keep: this receive fails, the transport serves on.
+      if (std::string why = m_.take_dropped(r, peer_host(peer)); !why.empty()) {
+        r.error = std::make_exception_ptr(InvalidArgument(why));
+        r.done = true;
+        matched = true;
+      }
     }
     return idx;
   }

@@ -17,6 +17,9 @@
 //     late-join:<ms>      rank 1 sleeps <ms> before it creates its communicator; then one allreduce
 //     exit-before-subgroup:<how>  one allreduce, then rank 1 ends while the others build a subgroup of
 //                         every rank
+//     corrupt-ring:<how>  3 allreduces, then rank 0 scribbles over its flight recorder ring's header and
+//                         entries, as a worker with corrupt memory would, and every rank exits 3. <how>:
+//                         "zero" (capacity 0) or "huge" (capacity and entry count far past the ring)
 //
 // Errors print "ERROR <class>: <message>" on stderr and exit with 3.
 #include <signal.h>
@@ -25,6 +28,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,10 +36,25 @@
 #include "cohort/communicator.h"
 #include "cohort/error.h"
 #include "store/tcp_store.h"
+#include "trace/flight_ring.h"
 
 using namespace cohort;
 
 namespace {
+
+// This process's mapping of the flight recorder ring the launcher handed it (its memfd is named
+// "cohort-flight-recorder-rank<N>"), found in /proc/self/maps; nullptr when there is none.
+trace::RingHeader* launcher_ring() {
+  std::FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (!maps) return nullptr;
+  char line[512];
+  void* found = nullptr;
+  while (!found && std::fgets(line, sizeof line, maps))
+    if (std::strstr(line, "cohort-flight-recorder-rank"))
+      found = reinterpret_cast<void*>(std::strtoull(line, nullptr, 16));
+  std::fclose(maps);
+  return static_cast<trace::RingHeader*>(found);
+}
 
 const char* error_class(const std::exception& e) {
   if (dynamic_cast<const PeerLostError*>(&e)) return "PeerLostError";
@@ -177,6 +196,31 @@ int main(int argc, char** argv) {
       sub->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
       std::printf("rank %d: subgroup built, no error\n", rank);
       return 0;
+    }
+    if (mode == "corrupt-ring") {
+      for (int i = 1; i <= 3; ++i)
+        comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum);
+      if (rank == 0) {
+        trace::RingHeader* h = launcher_ring();
+        if (!h) {
+          std::fprintf(stderr, "ERROR Error: no flight recorder ring mapped (COHORT_FLIGHT_RECORDER_FD?)\n");
+          return 4;
+        }
+        // What a worker with corrupt memory may leave: any header field, any entry (the first one's
+        // operation and state out of range). The entries this ring really has stay readable.
+        const uint32_t capacity = h->capacity;
+        auto* entries = reinterpret_cast<trace::RingEntry*>(reinterpret_cast<char*>(h) + sizeof(trace::RingHeader));
+        std::memset(reinterpret_cast<char*>(&entries[0]) + 4, 0xee, sizeof(trace::RingEntry) - 4);
+        h->capacity = how == "zero" ? 0 : 0xffffffffu;
+        h->next.store(how == "zero" ? 5 : (uint64_t(1) << 40), std::memory_order_release);
+        h->rank = -77;
+        h->world = 1 << 30;
+        std::memset(h->host, 0xff, sizeof h->host);
+        h->pid.store(-5);
+        std::printf("rank 0 corrupted its ring of %u entries\n", capacity);
+        std::fflush(stdout);
+      }
+      return 3;
     }
     if (mode == "stop") {
       for (int i = 1;; ++i) {

@@ -437,6 +437,16 @@ void stop_while(int pid, const std::function<bool()>& held, const std::function<
   FAIL() << "never stopped process " << pid << " while it held the lock";
 }
 
+// Waits (at most 20 s) until `n` threads of this process wait for a shard's lock (table.h), so that
+// a test ends the holder only once its waiters are caught in the wait it is about. On failure the
+// test goes on, so that the holder is still killed and nothing waits for it.
+void wait_for_lock_waits(int n) {
+  for (auto until = Clock::now() + std::chrono::seconds(20); lock_waits_in_process() < n;) {
+    ASSERT_LT(Clock::now(), until) << lock_waits_in_process() << " of " << n << " threads wait for the lock";
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 // ps_worker hold: worker 1 of 1 server and `workers` workers pushes to row 7 of "big" (one row of
 // 2^20 float32 values, SGD, lr 1), which lives at the start of the server's rows file.
 constexpr uint32_t kBigDim = 1u << 20;
@@ -508,7 +518,7 @@ TEST(PsShared, AWorkerKilledHoldingARowsLockStallsNobodyAndItsHalfUpdateIsUndone
     }
     saved = Clock::now();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // both wait by now
+  wait_for_lock_waits(2);  // the push and the save's read of row 7
   const Clock::time_point killed = Clock::now();
   const int dead = holder.pid();
   holder.kill();
@@ -582,7 +592,7 @@ TEST(PsShared, ALockWaitThatTimesOutNamesTheRowsHolder) {
       push_error = e.what();
     }
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  wait_for_lock_waits(1);
   holder.kill();
   pusher.join();
   EXPECT_EQ(push_error, "");
@@ -639,7 +649,7 @@ TEST(PsShared, AWorkerKilledHoldingTheLockThatCreatesRowsStallsNobody) {
     }
     pushed = Clock::now();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  wait_for_lock_waits(1);  // for the insert lock
   const Clock::time_point killed = Clock::now();
   const int dead = creator.pid();
   creator.kill();

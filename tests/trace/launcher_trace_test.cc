@@ -2,6 +2,7 @@
 // processes: comm_worker ranks (tests/comm/comm_worker.cc) that skip an operation, stop themselves,
 // call with a different size, or just work.
 #include <signal.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <regex>
@@ -125,6 +126,34 @@ TEST(LauncherTrace, LiveStatsAreJsonLinesWhenNotATerminal) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.err, m, line)) << r.err;
   EXPECT_GT(std::stod(m[1]), 0.0) << m[0];
+}
+
+// The flight recorder's ring is memory the worker writes; a worker whose memory is corrupt (when the
+// recorder matters most) may write anything there, its header included: a capacity of 0 (a division by
+// zero in the launcher) or far past the ring (reads out of bounds), a rank, world and host of its
+// choosing, entries of no known operation. The launcher reads the ring with the size and identity it
+// created it with and leaves out what cannot be an operation: the job ends with the workers' exit code,
+// and rank 0's dump names rank 0 of 2 on this host.
+TEST(LauncherTrace, AWorkerThatCorruptsItsRingCannotCrashOrMisleadTheLauncher) {
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
+  for (const std::string how : {"zero", "huge"}) {
+    TempDir dir;
+    auto r = run_process(run_workers(2, "corrupt-ring:" + how, {"--trace-dir", dir.path()}), {"COHORT_TIMEOUT=20"}, 60);
+    EXPECT_EQ(r.exit_code, 3) << how << "\n" << r.err;
+    EXPECT_NE(r.out.find("rank 0 corrupted its ring"), std::string::npos) << how << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("dumps of every rank in " + dir.path()), std::string::npos) << how << "\n" << r.err;
+    auto dumps = trace::read_dump_dir(dir.path());
+    ASSERT_EQ(dumps.size(), 2u) << how << "\n" << r.err;
+    EXPECT_EQ(dumps[0].rank, 0) << how;
+    EXPECT_EQ(dumps[0].world, 2) << how;
+    EXPECT_EQ(dumps[0].host, std::string(host)) << how;
+    EXPECT_GE(dumps[0].pid, 0) << how;
+    for (const auto& e : dumps[0].entries)
+      EXPECT_EQ(e.kind, coll::OpKind::kAllreduce) << how << ": " << trace::describe(e);
+    ASSERT_FALSE(dumps[1].entries.empty()) << how;
+    EXPECT_EQ(dumps[1].entries.back().seq, 3u) << how << ": rank 1's ring is intact";
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The conformance suite (see conformance.h) and its TCP and shared-memory instantiations.
 #include "conformance.h"
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <chrono>
@@ -23,11 +24,14 @@ using transport::RequestId;
 using transport::Transport;
 
 // Builds `world` connected transports (construct, exchange descriptors, connect concurrently).
-std::vector<std::unique_ptr<Transport>> make_world(const TransportParam& p, int world, const std::string& scope) {
+std::vector<std::unique_ptr<Transport>> make_world(const TransportParam& p, int world, const std::string& scope,
+                                                   size_t max_unexpected_bytes = SIZE_MAX) {
   std::vector<std::unique_ptr<Transport>> ts(static_cast<size_t>(world));
   std::vector<transport::PeerInfo> peers(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
-    ts[size_t(r)] = p.make({r, world, scope, Deadline::after(std::chrono::seconds(20))});
+    transport::TransportOptions o{r, world, scope, Deadline::after(std::chrono::seconds(20))};
+    o.max_unexpected_bytes = max_unexpected_bytes;
+    ts[size_t(r)] = p.make(o);
     peers[size_t(r)] = {"localhost", ts[size_t(r)]->descriptor()};
   }
   run_ranks(world, [&](int r) {
@@ -113,6 +117,96 @@ TEST_P(TransportConformance, UnexpectedMessagesAreBufferedAndMatchedBySub) {
         ASSERT_EQ(b, std::vector<char>(b.size(), char('a' + i))) << i;
       }
     }
+  });
+}
+
+// Drives `t` until `done()`; fails the test after 20 s.
+template <typename Done>
+void poll_until(Transport& t, Done done, const char* what) {
+  for (auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20); !done(); t.poll(1))
+    ASSERT_LT(std::chrono::steady_clock::now(), end) << "no " << what << " within 20 s";
+}
+
+// A message its receiver discards is freed: at once when it came whole, else once it is. One
+// discarded before it comes is read and thrown away, never buffered, and the stream goes on (the
+// message after it arrives intact). Messages of 1 MiB: split across TCP's connections, so the one
+// after it, received, comes after every byte of it.
+TEST_P(TransportConformance, ADiscardedMessageIsFreedAndOneDiscardedBeforeItComesIsNeverBuffered) {
+  auto ts = make_world(GetParam(), 2, "discard");
+  const size_t bytes = 1u << 20;
+  run_ranks(2, [&](int rank) {
+    Transport& t = *ts[size_t(rank)];
+    std::vector<char> out(bytes), in(bytes, 0);
+    for (size_t i = 0; i < bytes; ++i) out[i] = char(i % 251);
+    char go = 0;
+    if (rank == 0) {
+      wait(t, t.isend(1, env(20, 0), out.data(), bytes));  // comes first, never received
+      wait(t, t.irecv(1, env(21), &go, 1));
+      auto dropped = t.isend(1, env(20, 1), out.data(), bytes);  // discarded before it comes
+      auto received = t.isend(1, env(20, 2), out.data(), bytes);
+      wait(t, dropped);
+      wait(t, received);
+      return;
+    }
+    poll_until(t, [&] { return t.arrived(0, env(20, 0)); }, "early message");
+    EXPECT_EQ(t.buffered_bytes(), bytes);
+    t.discard(0, env(20, 0));
+    poll_until(t, [&] { return t.buffered_bytes() == 0; }, "freeing of the discarded message");
+    EXPECT_FALSE(t.arrived(0, env(20, 0)));
+
+    t.discard(0, env(20, 1));
+    auto r = t.irecv(0, env(20, 2), in.data(), bytes);
+    auto g = t.isend(0, env(21), &go, 1);
+    size_t most = 0;
+    poll_until(t, [&] { most = std::max(most, t.buffered_bytes()); return t.test(r); }, "message after the discarded one");
+    wait(t, g);
+    EXPECT_EQ(most, 0u) << "the message discarded before it came was buffered";
+    EXPECT_EQ(t.buffered_bytes(), 0u);
+    EXPECT_FALSE(t.arrived(0, env(20, 1)));
+    for (size_t i = 0; i < bytes; i += 4097) ASSERT_EQ(in[i], char(i % 251)) << i;
+  });
+}
+
+// With max_unexpected_bytes, a larger message that comes before its receive is never buffered: its
+// receive, posted later, fails naming the sender and the sizes, and the transport serves on (a
+// receive posted first takes a large message as ever; a small early one is buffered as ever).
+TEST_P(TransportConformance, AMessageOverTheLimitThatComesBeforeItsReceiveIsDroppedAndTheReceiveFails) {
+  auto ts = make_world(GetParam(), 2, "overlimit", /*max_unexpected_bytes=*/64 << 10);
+  const size_t big = 1u << 20, small = 1000;
+  run_ranks(2, [&](int rank) {
+    Transport& t = *ts[size_t(rank)];
+    std::vector<char> out(big, 'x'), in(big, 0);
+    char go = 0;
+    if (rank == 0) {
+      wait(t, t.irecv(1, env(31), &go, 1));
+      auto early = t.isend(1, env(30, 0), out.data(), big);
+      auto posted = t.isend(1, env(30, 1), out.data(), big);
+      auto little = t.isend(1, env(30, 2), out.data(), small);
+      wait(t, early);
+      wait(t, posted);
+      wait(t, little);
+      return;
+    }
+    auto r = t.irecv(0, env(30, 1), in.data(), big);
+    auto g = t.isend(0, env(31), &go, 1);
+    size_t most = 0;
+    poll_until(t, [&] { most = std::max(most, t.buffered_bytes()); return t.test(r); }, "posted large message");
+    wait(t, g);
+    EXPECT_LE(most, small) << "the early message over the limit was buffered";
+    EXPECT_EQ(in, out);
+    try {
+      wait(t, t.irecv(0, env(30, 0), in.data(), big));
+      ADD_FAILURE() << "a receive of a dropped message completed";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 0 (localhost) sent a message of 1048576 bytes before its receive "
+                                           "was posted, more than the 65536 bytes this rank buffers"),
+                std::string::npos)
+          << e.what();
+    }
+    std::vector<char> little(small, 0);
+    wait(t, t.irecv(0, env(30, 2), little.data(), small));
+    EXPECT_EQ(little, std::vector<char>(small, 'x'));
+    EXPECT_EQ(t.buffered_bytes(), 0u);
   });
 }
 

@@ -19,7 +19,7 @@
 #include "common/strings.h"
 #include "support/test_support.h"
 #include "transport/matching.h"
-#include "transport/tcp/hello.h"
+#include "transport/tcp/tcp_hello.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace cohort::test {
@@ -137,7 +137,7 @@ net::Address listening_address(const Transport& t) {
 std::string impostor_hello(const net::Address& to, const std::string& scope, uint32_t index, const std::string& token) {
   UniqueFd fd = net::connect_tcp(to, Deadline::after(std::chrono::seconds(5)));
   const Deadline d = Deadline::after(std::chrono::seconds(10));
-  const std::string nonce = transport::hello::make_nonce();
+  const std::string nonce = transport::tcp_hello::make_nonce();
   // Hello: magic "CHH2", rank, index, acceptor, scope hash, nonce.
   std::string hello(24, '\0');
   const uint32_t head[4] = {0x32484843, 0, index, 1};
@@ -148,8 +148,8 @@ std::string impostor_hello(const net::Address& to, const std::string& scope, uin
   net::send_all(fd.get(), hello.data(), hello.size(), d, "rank 1");
   char challenge[56];
   net::recv_all(fd.get(), challenge, sizeof challenge, d, "rank 1");
-  transport::hello::Fields f{scope, 0, index, 1, nonce, std::string_view(challenge + 8, 16)};
-  const std::string mac = transport::hello::mac(token, transport::hello::Role::kDialer, f);
+  transport::tcp_hello::Fields f{scope, 0, index, 1, nonce, std::string_view(challenge + 8, 16)};
+  const std::string mac = transport::tcp_hello::mac(token, transport::tcp_hello::Role::kDialer, f);
   std::string proof(8, '\0');
   const uint32_t proof_head[2] = {0x32504843, 0};
   std::memcpy(proof.data(), proof_head, 8);

@@ -22,19 +22,12 @@
 #include "common/handoff.h"
 #include "common/log.h"
 #include "common/socket.h"
+#include "transport/shm/handoff_wire.h"
 
 namespace cohort::shm {
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x53484d31;  // "SHM1"
-
-struct Hello {
-  uint32_t magic;
-  uint32_t local_rank;
-  uint32_t local_size;
-  uint32_t reserved;
-  uint64_t bytes;
-};
+using Hello = handoff_wire::SegmentHello;
 
 [[noreturn]] void throw_errno(const std::string& what) {
   throw Error(fmt::format("shm: {}: {}", what, std::strerror(errno)));
@@ -151,7 +144,8 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
       Hello hello{};
       if (refused.empty()) {
         recv_exact(conn.get(), &hello, sizeof hello, deadline, "reading a local rank's hello");
-        if (hello.local_rank > 0 && static_cast<int>(hello.local_rank) < local_size)
+        // (Unsigned: a local rank read as a negative int would index the group's pids out of bounds.)
+        if (hello.local_rank > 0 && hello.local_rank < static_cast<uint32_t>(local_size))
           refused = handoff::refusal(peer, pid_of(static_cast<int>(hello.local_rank)),
                                      fmt::format("local rank {}", hello.local_rank));
       }
@@ -160,12 +154,10 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
         --served;
         continue;
       }
-      if (hello.magic != kHelloMagic || static_cast<int>(hello.local_size) != local_size ||
-          hello.local_rank == 0 || static_cast<int>(hello.local_rank) >= local_size || seen[hello.local_rank] ||
-          hello.bytes != bytes)
-        throw MismatchError(fmt::format(
-            "shm: local rank {} joined with local size {} and {} bytes; local rank 0 has local size {} and {} bytes",
-            hello.local_rank, hello.local_size, hello.bytes, local_size, bytes));
+      std::string why = handoff_wire::check_segment_hello(&hello, sizeof hello, local_size, bytes, &hello);
+      if (why.empty() && seen[hello.local_rank])
+        why = fmt::format("local rank {} asked for the segment twice", hello.local_rank);
+      if (!why.empty()) throw MismatchError("shm: " + why);
       seen[hello.local_rank] = true;
       if (pids) (*pids)[hello.local_rank] = peer.pid;
       // Reply: the size again, with the memfd attached.
@@ -199,7 +191,8 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
   if (pids) (*pids)[0] = owner.pid;
   int flags = ::fcntl(conn.get(), F_GETFL);
   ::fcntl(conn.get(), F_SETFL, flags | O_NONBLOCK);
-  Hello hello{kHelloMagic, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), 0, bytes};
+  Hello hello{handoff_wire::kSegmentHelloMagic, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), 0,
+              bytes};
   send_exact(conn.get(), &hello, sizeof hello, deadline, "sending hello to local rank 0");
   uint64_t reply = 0;
   wait_fd(conn.get(), POLLIN, deadline, fmt::format("local rank {} waiting for the segment from local rank 0", local_rank));

@@ -1,5 +1,6 @@
 // Shared-memory point-to-point transport: the design is described in shm_transport.h.
 #include "transport/shm/shm_transport.h"
+#include "transport/shm/handoff_wire.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -40,7 +41,6 @@ const env::BytesSetting kRingBytes("COHORT_SHM_P2P_RING_BYTES", 1 << 20,
 const env::IntSetting kSpinUs("COHORT_SHM_P2P_SPIN_US", 20,
                               "microseconds a shm transport poll() spins before it sleeps on its eventfd");
 
-constexpr uint32_t kHelloMagic = 0x50534843;  // "CHSP"
 constexpr uint32_t kAbortMagic = 0x41534843;  // "CHSA": the sender failed; the text follows
 constexpr uint32_t kByeMagic = 0x42534843;    // "CHSB": the sender destroys its transport
 constexpr uint64_t kMsgMagic = 0x314d5348434f48ull;
@@ -52,14 +52,7 @@ constexpr size_t kPublishBytes = 64 * 1024;
 // how late a missed condition (none known) could be seen.
 constexpr int kSliceMs = 100;
 
-struct Hello {
-  uint32_t magic;
-  uint32_t rank;
-  uint64_t scope;
-  uint64_t map_bytes;
-  uint64_t ring_bytes;
-  uint64_t your_slot;  // index of the ring the receiver of this hello writes into, in the sender's memfd
-};
+using Hello = shm::handoff_wire::P2pHello;
 
 struct CtlRecord {
   uint32_t magic;
@@ -125,6 +118,7 @@ struct Peer {
   size_t msg_total = 0;
   int target_req = -1;
   Unexpected* target_unx = nullptr;
+  bool sinking = false;  // the message being read is thrown away (Matching::dropping): not copied out
   MessageKey target_key{};
   // lifecycle
   bool bye = false;     // the peer destroyed its transport (orderly)
@@ -165,7 +159,8 @@ bool recv_hello(int sock, Hello* h, UniqueFd* memfd, UniqueFd* eventfd) {
 class ShmTransport final : public TransportBase {
  public:
   explicit ShmTransport(const TransportOptions& o)
-      : TransportBase(o.rank, o.size, "shm", kUnexpectedPoolBytes), scope_(scope_hash(o.job_scope)),
+      : TransportBase(o.rank, o.size, "shm", kUnexpectedPoolBytes, o.max_unexpected_bytes),
+        scope_(scope_hash(o.job_scope)),
         slow_warning_(o.slow_warning),
         ring_bytes_(round_up_pow2(kRingBytes.get())),
         ring_mask_(ring_bytes_ - 1), spin_(std::chrono::microseconds(std::max<int64_t>(0, kSpinUs.get()))),
@@ -238,7 +233,8 @@ class ShmTransport final : public TransportBase {
       p.in_data = base + sizeof(RingIndices);
     }
     auto hello_for = [&](int peer) {
-      return Hello{kHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_, slot[size_t(peer)]};
+      return Hello{shm::handoff_wire::kP2pHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_,
+                   slot[size_t(peer)]};
     };
 
     // Dial the higher ranks (their listeners exist since construction: the backlog holds us until
@@ -327,8 +323,9 @@ class ShmTransport final : public TransportBase {
           ++i;
           continue;
         }
-        if (h.magic != kHelloMagic || h.scope != scope_ || int(h.rank) >= rank_ || !peers_[h.rank].used ||
-            peers_[h.rank].sock || h.ring_bytes != ring_bytes_) {
+        // (Unsigned: a rank read as a negative int would index peers_ out of bounds.)
+        if (!shm::handoff_wire::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() ||
+            h.rank >= uint32_t(rank_) || !peers_[h.rank].used || peers_[h.rank].sock) {
           log::warn("refused a shm connection with a foreign or mismatched hello (rank {}, ring {} bytes)", h.rank,
                     h.ring_bytes);
           accepted.erase(accepted.begin() + long(i));
@@ -363,7 +360,7 @@ class ShmTransport final : public TransportBase {
           ++i;
           continue;
         }
-        if (h.magic != kHelloMagic || h.scope != scope_ || int(h.rank) != j || h.ring_bytes != ring_bytes_)
+        if (!shm::handoff_wire::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() || h.rank != uint32_t(j))
           throw MismatchError(fmt::format("shm handshake: rank {} ({}) answered with a foreign or mismatched hello "
                                           "(rank {}, ring {} bytes; this rank has ring {} bytes)",
                                           j, host(j), h.rank, h.ring_bytes, ring_bytes_));
@@ -465,6 +462,7 @@ class ShmTransport final : public TransportBase {
       p.hdr_got = 0;
       p.target_req = -1;
       p.target_unx = nullptr;
+      p.sinking = false;
     }
     m_.clear();
   }
@@ -520,7 +518,8 @@ class ShmTransport final : public TransportBase {
     // The sizes come from the peer: checked before anything is mapped (a memfd shorter than the
     // mapping kills this process with SIGBUS at the first touch past its end).
     const size_t stride = sizeof(RingIndices) + ring_bytes_;
-    if (h.your_slot >= uint64_t(size_) || kLine + (h.your_slot + 1) * stride > h.map_bytes)
+    const auto offset = shm::handoff_wire::p2p_ring_offset(h.your_slot, h.map_bytes, stride, kLine);
+    if (h.your_slot >= uint64_t(size_) || !offset)
       throw MismatchError(fmt::format("shm handshake: rank {} ({}) offered ring {} of a {}-byte segment", r, host(r),
                                       h.your_slot, h.map_bytes));
     if (std::string why = handoff::too_small(their_mem.get(), h.map_bytes, fmt::format("rank {}'s rings", r));
@@ -536,8 +535,8 @@ class ShmTransport final : public TransportBase {
     }
     char* base = static_cast<char*>(p.theirs.p);
     p.their_bell = reinterpret_cast<Doorbell*>(base);
-    p.out = reinterpret_cast<RingIndices*>(base + kLine + h.your_slot * stride);
-    p.out_data = base + kLine + h.your_slot * stride + sizeof(RingIndices);
+    p.out = reinterpret_cast<RingIndices*>(base + *offset);
+    p.out_data = base + *offset + sizeof(RingIndices);
     // The memfd descriptor itself is not kept: the mapping holds the memory.
   }
 
@@ -615,9 +614,11 @@ class ShmTransport final : public TransportBase {
         else p.in_payload = true;
       } else {
         size_t n = std::min({avail, p.dst_left, kPublishBytes});
-        ring_get(p.in_data, tail, p.dst, n);
+        if (!p.sinking) {
+          ring_get(p.in_data, tail, p.dst, n);
+          p.dst += n;
+        }
         tail += n;
-        p.dst += n;
         p.dst_left -= n;
         // Free every piece at once, so that the producer refills while this rank copies out.
         if (n == kPublishBytes) p.in->tail.store(tail, std::memory_order_release);
@@ -672,6 +673,13 @@ class ShmTransport final : public TransportBase {
           "rank {} ({}) sent two messages with the same tag {:#x} and sub {:#x}", peer, host(peer), h.tag, h.sub))));
       return;
     }
+    if (m_.dropping(k, h.total)) {
+      p.sinking = true;
+      p.target_req = -1;
+      p.target_unx = nullptr;
+      p.dst = nullptr;
+      return;
+    }
     ++stats_unexpected_;
     stats_unexpected_bytes_ += h.total;
     Unexpected& u = m_.add_unexpected(k, h.signature, h.total);
@@ -682,6 +690,11 @@ class ShmTransport final : public TransportBase {
 
   void finish_message(int peer) {
     Peer& p = peers_[size_t(peer)];
+    if (p.sinking) {
+      p.sinking = false;
+      m_.dropped_bytes(p.target_key, p.msg_total);
+      return;
+    }
     if (p.target_req >= 0) {
       Request& r = m_[size_t(p.target_req)];
       r.done = true;

@@ -27,7 +27,7 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "transport/matching.h"
-#include "transport/tcp/hello.h"
+#include "transport/tcp/tcp_hello.h"
 #include "transport/transport_base.h"
 
 namespace cohort::transport {
@@ -49,10 +49,7 @@ const env::SecondsSetting kKeepAlive("COHORT_TCP_KEEPALIVE", 10.0,
                                      "idle seconds before TCP keep-alive probes start (3 probes, 2 s apart)");
 
 constexpr uint32_t kDataMagic = 0x31544843;   // "CHT1"
-constexpr uint32_t kHelloMagic = 0x32484843;      // "CHH2": the dialer's hello (tcp/hello.h)
-constexpr uint32_t kChallengeMagic = 0x32434843;  // "CHC2": the acceptor's answer
-constexpr uint32_t kProofMagic = 0x32504843;      // "CHP2": the dialer's proof
-constexpr int kHelloSeconds = 10;                 // an accepted connection has this long to finish the hello
+constexpr int kHelloSeconds = 10;  // an accepted connection has this long to finish its hello (tcp/tcp_hello.h)
 constexpr uint32_t kAbortMagic = 0x31414843;  // "CHA1": the sender failed; payload = its error message
 constexpr uint32_t kByeMagic = 0x31424843;    // "CHB1": the sender destroys its transport; no more data
 constexpr size_t kStagingBytes = 64 * 1024;
@@ -70,27 +67,9 @@ struct WireHeader {
 };
 static_assert(sizeof(WireHeader) == 56, "wire header layout");
 
-// The three messages of the hello (tcp/hello.h has the protocol).
-struct Hello {
-  uint32_t magic;
-  uint32_t rank;      // the dialer's
-  uint32_t index;     // which of its connections to the acceptor
-  uint32_t acceptor;  // the rank the dialer means to reach
-  uint64_t scope;     // scope_hash(job scope): a quick refusal of another communicator's dialer
-  char nonce[hello::kNonceBytes];
-};
-struct Challenge {
-  uint32_t magic;
-  uint32_t rank;  // the acceptor's
-  char nonce[hello::kNonceBytes];
-  char mac[hello::kMacBytes];
-};
-struct Proof {
-  uint32_t magic;
-  uint32_t reserved;
-  char mac[hello::kMacBytes];
-};
-static_assert(sizeof(Hello) == 40 && sizeof(Challenge) == 56 && sizeof(Proof) == 40, "hello layout");
+using tcp_hello::Challenge;
+using tcp_hello::Hello;
+using tcp_hello::Proof;
 
 // A connection in the middle of its hello: dialed (waiting for the Challenge) or accepted (waiting for
 // the Hello, then for the Proof).
@@ -128,6 +107,9 @@ struct Conn {
   size_t frag_bytes = 0;
   int target_req = -1;
   Unexpected* target_unx = nullptr;
+  // The fragment being read is thrown away (Matching::dropping): its bytes go through `staging`
+  // and no further, however large the message claims to be.
+  bool sinking = false;
   MessageKey target_key{};
   // send side
   std::deque<SendItem> sendq;
@@ -170,8 +152,8 @@ std::string loopback_key() {
 class TcpTransport final : public TransportBase {
  public:
   explicit TcpTransport(const TransportOptions& o)
-      : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get())), scope_(scope_hash(o.job_scope)),
-        job_scope_(o.job_scope), token_(o.token),
+      : TransportBase(o.rank, o.size, "tcp", size_t(kPoolBytes.get()), o.max_unexpected_bytes),
+        scope_(scope_hash(o.job_scope)), job_scope_(o.job_scope), token_(o.token),
         slow_warning_(o.slow_warning),
         connections_(int(std::max<int64_t>(1, kConnections.get()))),
         split_bytes_(std::max<uint64_t>(4096, kSplitBytes.get())),
@@ -210,7 +192,7 @@ class TcpTransport final : public TransportBase {
   bool can_reach(const std::string& d) const override { return str::starts_with(d, "tcp;"); }
 
   // Dials the higher ranks and accepts the lower ones, every connection through the authenticated hello
-  // (tcp/hello.h). All handshakes advance together in one poll loop: a dialer waits for the acceptor's
+  // (tcp/tcp_hello.h). All handshakes advance together in one poll loop: a dialer waits for the acceptor's
   // challenge, and a connection that says nothing (or the wrong thing) holds up no other.
   void connect(const std::vector<PeerInfo>& peers, const std::vector<bool>& use, Deadline deadline) override {
     for (int r = 0; r < size_; ++r) peers_[size_t(r)] = peers[size_t(r)];
@@ -366,6 +348,7 @@ class TcpTransport final : public TransportBase {
         c->midstream = c->midstream || (!c->sendq.empty() && c->sendq.front().written != 0);
         c->sendq.clear();
         c->in_payload = false;
+        c->sinking = false;
       }
     }
     m_.clear();
@@ -464,10 +447,9 @@ class TcpTransport final : public TransportBase {
       hs->peer = j;
       hs->index = c;
       hs->from = addr.to_string();
-      hs->my_nonce = hello::make_nonce();
+      hs->my_nonce = tcp_hello::make_nonce();
       hs->deadline = deadline;
-      Hello h{kHelloMagic, uint32_t(rank_), uint32_t(c), uint32_t(j), scope_, {}};
-      std::memcpy(h.nonce, hs->my_nonce.data(), sizeof h.nonce);
+      Hello h = tcp_hello::make(rank_, c, j, scope_, hs->my_nonce);
       net::send_all(fd.get(), &h, sizeof h, deadline, fmt::format("rank {}", j));
       net::set_nonblocking(fd.get(), true);
       hs->fd = std::move(fd);
@@ -553,20 +535,18 @@ class TcpTransport final : public TransportBase {
   // Challenge; anything else is refused.
   void answer_hello(Handshake& h, const std::vector<bool>& use, const std::set<std::pair<int, int>>& taken) {
     Hello m;
-    std::memcpy(&m, h.buf, sizeof m);
-    if (m.magic != kHelloMagic || m.scope != scope_)
-      return refuse(h, "not a hello of this communicator (another job, another version of cohort, or not cohort)");
-    if (m.acceptor != uint32_t(rank_) || m.rank >= uint32_t(rank_) || !use[m.rank] || m.index >= uint32_t(connections_) ||
-        taken.count({int(m.rank), int(m.index)}))
-      return refuse(h, fmt::format("its hello claims rank {} connection {} to rank {}, which this rank does not expect",
-                                   m.rank, m.index, m.acceptor));
+    if (std::string why = tcp_hello::check(h.buf, sizeof(Hello), scope_, rank_, connections_, &m); !why.empty())
+      return refuse(h, why);
+    if (!use[m.rank] || taken.count({int(m.rank), int(m.index)}))
+      return refuse(h, fmt::format("its hello claims rank {} connection {}, which this rank does not expect", m.rank,
+                                   m.index));
     h.peer = int(m.rank);
     h.index = int(m.index);
     h.peer_nonce.assign(m.nonce, sizeof m.nonce);
-    h.my_nonce = hello::make_nonce();
-    Challenge c{kChallengeMagic, uint32_t(rank_), {}, {}};
+    h.my_nonce = tcp_hello::make_nonce();
+    Challenge c{tcp_hello::kChallengeMagic, uint32_t(rank_), {}, {}};
     std::memcpy(c.nonce, h.my_nonce.data(), sizeof c.nonce);
-    const std::string mac = hello::mac(token_, hello::Role::kAcceptor, fields(h));
+    const std::string mac = tcp_hello::mac(token_, tcp_hello::Role::kAcceptor, fields(h));
     std::memcpy(c.mac, mac.data(), sizeof c.mac);
     if (!send_handshake(h, &c, sizeof c)) return refuse(h, "it went away during the hello");
     h.have = 0;
@@ -578,7 +558,7 @@ class TcpTransport final : public TransportBase {
   bool check_proof(Handshake& h, const std::set<std::pair<int, int>>& taken) {
     Proof p;
     std::memcpy(&p, h.buf, sizeof p);
-    if (p.magic != kProofMagic || !hello::verify(token_, hello::Role::kDialer, fields(h), p.mac)) {
+    if (p.magic != tcp_hello::kProofMagic || !tcp_hello::verify(token_, tcp_hello::Role::kDialer, fields(h), p.mac)) {
       refuse(h, fmt::format("it claims to be rank {} but does not prove the job token (its HMAC is wrong: someone "
                             "outside the job, or a rank given another COHORT_JOB_TOKEN)",
                             h.peer));
@@ -598,14 +578,14 @@ class TcpTransport final : public TransportBase {
     std::memcpy(&c, h.buf, sizeof c);
     h.peer_nonce.assign(c.nonce, sizeof c.nonce);
     const std::string& host = peers_[size_t(h.peer)].host;
-    if (c.magic != kChallengeMagic || c.rank != uint32_t(h.peer) ||
-        !hello::verify(token_, hello::Role::kAcceptor, fields(h), c.mac)) {
+    if (c.magic != tcp_hello::kChallengeMagic || c.rank != uint32_t(h.peer) ||
+        !tcp_hello::verify(token_, tcp_hello::Role::kAcceptor, fields(h), c.mac)) {
       throw AuthError(fmt::format("rank {} ({}) at {} does not prove the job token in the TCP hello (another process "
                                   "on that port, or rank {} was given another COHORT_JOB_TOKEN)",
                                   h.peer, host, h.from, h.peer));
     }
-    Proof p{kProofMagic, 0, {}};
-    const std::string mac = hello::mac(token_, hello::Role::kDialer, fields(h));
+    Proof p{tcp_hello::kProofMagic, 0, {}};
+    const std::string mac = tcp_hello::mac(token_, tcp_hello::Role::kDialer, fields(h));
     std::memcpy(p.mac, mac.data(), sizeof p.mac);
     if (!send_handshake(h, &p, sizeof p))
       throw PeerLostError(fmt::format("rank {} ({}) at {} closed the connection during the TCP hello", h.peer, host, h.from));
@@ -613,8 +593,8 @@ class TcpTransport final : public TransportBase {
   }
 
   // The hello's fields of connection `h`, seen from this end.
-  hello::Fields fields(const Handshake& h) const {
-    hello::Fields f;
+  tcp_hello::Fields fields(const Handshake& h) const {
+    tcp_hello::Fields f;
     f.scope = job_scope_;
     f.index = uint32_t(h.index);
     f.dialer = uint32_t(h.dialed ? rank_ : h.peer);
@@ -721,7 +701,7 @@ class TcpTransport final : public TransportBase {
     for (;;) {
       if (failed_) return;
       ssize_t n;
-      if (c.in_payload) {
+      if (c.in_payload && !c.sinking) {
         if (c.st_begin == c.st_end) c.st_begin = c.st_end = 0;
         iovec iov[2] = {{c.dst, c.dst_left}, {c.staging.get() + c.st_end, kStagingBytes - c.st_end}};
         n = ::readv(c.fd.get(), iov, iov[1].iov_len ? 2 : 1);
@@ -785,6 +765,14 @@ class TcpTransport final : public TransportBase {
   }
 
   void parse_staging(Conn& c) {
+    if (c.in_payload && c.sinking) {  // what came of a fragment thrown away: skipped
+      size_t skip = std::min(c.dst_left, c.st_end - c.st_begin);
+      c.st_begin += skip;
+      c.dst_left -= skip;
+      if (c.dst_left > 0) return;
+      c.in_payload = false;
+      finish_fragment(c);
+    }
     while (!c.in_payload && !failed_ && c.st_end - c.st_begin >= sizeof(WireHeader)) {
       WireHeader h;
       std::memcpy(&h, c.staging.get() + c.st_begin, sizeof h);
@@ -810,9 +798,11 @@ class TcpTransport final : public TransportBase {
       }
       if (failed_) return;
       size_t avail = std::min(c.dst_left, c.st_end - c.st_begin);
-      if (avail) std::memcpy(c.dst, c.staging.get() + c.st_begin, avail);
+      if (avail && !c.sinking) {
+        std::memcpy(c.dst, c.staging.get() + c.st_begin, avail);
+        c.dst += avail;
+      }
       c.st_begin += avail;
-      c.dst += avail;
       c.dst_left -= avail;
       if (c.dst_left == 0) {
         finish_fragment(c);
@@ -839,6 +829,17 @@ class TcpTransport final : public TransportBase {
       c.target_req = int(it->second);
       c.target_unx = nullptr;
       c.dst = r.data + h.offset;
+      return;
+    }
+    if (Dropped* d = m_.dropping(k, h.total)) {
+      if (d->total != h.total) {
+        conn_error(c, "protocol error: fragments of one message disagree on its size");
+        return;
+      }
+      c.sinking = true;
+      c.target_req = -1;
+      c.target_unx = nullptr;
+      c.dst = nullptr;
       return;
     }
     Unexpected* u;
@@ -905,6 +906,11 @@ class TcpTransport final : public TransportBase {
       }
       return;
     }
+    if (c.sinking) {
+      c.sinking = false;
+      m_.dropped_bytes(c.target_key, c.frag_bytes);
+      return;
+    }
     if (c.target_req >= 0) {
       Request& r = m_[size_t(c.target_req)];
       r.remaining -= c.frag_bytes;
@@ -924,7 +930,7 @@ class TcpTransport final : public TransportBase {
 
   uint64_t scope_;
   std::string job_scope_;
-  std::string token_;  // the job token the hello proves (tcp/hello.h); may be empty
+  std::string token_;  // the job token the hello proves (tcp/tcp_hello.h); may be empty
   std::chrono::nanoseconds slow_warning_;  // connect(): first "waiting for" warning, then doubling
   int connections_;
   size_t split_bytes_;

@@ -1,13 +1,13 @@
-#include "transport/tcp/hello.h"
-
+// The hello's nonces and macs (OpenSSL): tcp_hello.h has the protocol.
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
 #include "cohort/error.h"
+#include "transport/tcp/tcp_hello.h"
 
-namespace cohort::transport::hello {
+namespace cohort::transport::tcp_hello {
 
 namespace {
 constexpr std::string_view kContext = "cohort-tcp-hello-v1";
@@ -42,7 +42,8 @@ std::string mac(std::string_view token, Role role, const Fields& f) {
   unsigned char out[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   if (HMAC(EVP_sha256(), token.data(), int(token.size()), reinterpret_cast<const unsigned char*>(m.data()), m.size(),
-           out, &len) == nullptr || len != kMacBytes)
+           out, &len) == nullptr ||
+      len != kMacBytes)
     throw Error("tcp transport: OpenSSL HMAC-SHA256 failed");
   return std::string(reinterpret_cast<const char*>(out), len);
 }
@@ -52,4 +53,4 @@ bool verify(std::string_view token, Role role, const Fields& f, const void* rece
   return CRYPTO_memcmp(expected.data(), received, kMacBytes) == 0;
 }
 
-}  // namespace cohort::transport::hello
+}  // namespace cohort::transport::tcp_hello
