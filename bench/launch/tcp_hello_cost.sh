@@ -10,7 +10,8 @@ set -euo pipefail
 a=${1:?usage: tcp_hello_cost.sh BUILD_A BUILD_B [N] [ROUNDS]} b=${2:?usage}
 n=${3:-8} rounds=${4:-10}
 for d in "$a" "$b"; do
-  [[ -x $d/tools/cohort && -x $d/examples/barrier/barrier ]] || { echo "$d: tools/cohort or examples/barrier/barrier not built" >&2; exit 1; }
+  [[ -x $d/tools/cohort && -x $d/examples/barrier/barrier ]] ||
+    { echo "$d: tools/cohort or examples/barrier/barrier not built" >&2; exit 1; }
 done
 once() {  # wall seconds of one job of build $1
   local t0 t1
@@ -29,7 +30,11 @@ for ((r = 1; r <= rounds; r++)); do
   A+=("$x"); B+=("$y")
   echo "$r $x $y"
 done
-stats() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "min %.3f median %.3f max %.3f", v[1], m, v[NR] }'; }
+stats() {  # min, median, max of the arguments
+  printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1}
+    END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+          printf "min %.3f median %.3f max %.3f", v[1], m, v[NR] }'
+}
 echo "A: $(stats "${A[@]}")"
 echo "B: $(stats "${B[@]}")"
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"

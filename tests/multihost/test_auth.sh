@@ -35,7 +35,8 @@ done
 
 STORE_OUT=$(on_host 3 timeout 20 python3 "$IMPOSTOR" store "$(addr 0)" $PORT $JOB 2>&1 || true)
 echo "$STORE_OUT"
-expect_contains "h3's store connection without the token is refused" "$STORE_OUT" "store: refused: the client has no job token"
+expect_contains "h3's store connection without the token is refused" "$STORE_OUT" \
+  "store: refused: the client has no job token"
 
 on_host 3 env IMPOSTOR_SECONDS=25 timeout 40 python3 "$IMPOSTOR" data "$(addr 1)" "$DATA_PORT" \
   "cohort/job/$JOB/attempt/0/comm" 0 2 >"$MH_TMP/impostor.out" 2>&1 &
@@ -66,7 +67,8 @@ PN_HOSTS=2 run_per_node open 60 env -u COHORT_JOB_TOKEN "$COHORT" run --nnodes 2
 expect_eq "open job: node 0 exit code" "$PN_RC_0" 0
 expect_eq "open job: node 1 exit code" "$PN_RC_1" 0
 expect_eq "open job: one warning" "$(grep -c 'warning: this job is open' <<<"$PN_OUT")" 1
-expect_contains "open job: the warning says how to close it" "$PN_OUT" "give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN"
+expect_contains "open job: the warning says how to close it" "$PN_OUT" \
+  "give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN"
 PN_HOSTS=2 run_per_node required 60 env -u COHORT_JOB_TOKEN COHORT_REQUIRE_AUTH=1 "$COHORT" run --nnodes 2 \
   --node-rank {node} --nproc-per-node 1 --master-addr h0 --master-port 29512 /bin/true
 expect_eq "COHORT_REQUIRE_AUTH=1: node 0 refuses (exit 2)" "$PN_RC_0" 2

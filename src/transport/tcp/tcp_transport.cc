@@ -197,9 +197,9 @@ class TcpTransport final : public TransportBase {
   void connect(const std::vector<PeerInfo>& peers, const std::vector<bool>& use, Deadline deadline) override {
     for (int r = 0; r < size_; ++r) peers_[size_t(r)] = peers[size_t(r)];
     std::vector<std::unique_ptr<Handshake>> pending;
-    // The higher ranks to dial, rotated so that rank i starts with i+1. They are dialed one peer per turn
-    // of the loop below, which serves in between what has arrived: a peer's challenge is answered, and a
-    // lower rank's hello taken, without waiting for the last dial (rank 0 of 64 dials 126 connections).
+    // The higher ranks to dial, in ascending order. They are dialed one peer per turn of the loop below,
+    // which serves in between what has arrived: a peer's Challenge is answered, and a lower rank's Hello
+    // taken, without waiting for the last dial (rank 0 of 64 dials 126 connections).
     std::vector<int> to_dial;
     for (int j = rank_ + 1; j < size_; ++j)
       if (use[size_t(j)]) to_dial.push_back(j);
@@ -215,7 +215,8 @@ class TcpTransport final : public TransportBase {
     auto log_interval = slow_warning_;
     auto next_log = Deadline::Clock::now() + log_interval;
     while (expected > 0 || dialed < to_dial.size() || dials_left() > 0) {
-      if (deadline.expired()) throw TimeoutError("TCP connect: " + missing_connections(use, got, pending, "never connected"));
+      if (deadline.expired())
+        throw TimeoutError("TCP connect: " + missing_connections(use, got, pending, "never connected"));
       if (Deadline::Clock::now() > next_log) {
         log::warn("waiting for TCP connections: {}", missing_connections(use, got, pending, "not connected yet"));
         log_interval *= 2;
@@ -458,7 +459,7 @@ class TcpTransport final : public TransportBase {
     }
   }
 
-  // "rank(s) 0-2 (host(s) a,b) never connected; rank(s) 5 (host(s) c) never answered the hello"
+  // "rank(s) 0-2 (host(s) a,b) never connected; rank(s) 5 (host(s) c) did not answer the hello"
   std::string missing_connections(const std::vector<bool>& use, const std::vector<int>& got,
                                   const std::vector<std::unique_ptr<Handshake>>& pending, const char* what) {
     std::vector<int> missing, silent;
@@ -476,7 +477,8 @@ class TcpTransport final : public TransportBase {
     }
     std::vector<std::string> parts;
     if (!missing.empty())
-      parts.push_back(fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(missing), str::join(hosts, ","), what));
+      parts.push_back(
+          fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(missing), str::join(hosts, ","), what));
     if (!silent.empty())
       parts.push_back(fmt::format("rank(s) {} (host(s) {}) did not answer the hello", str::format_ranges(silent),
                                   str::join(silent_hosts, ",")));
@@ -588,7 +590,8 @@ class TcpTransport final : public TransportBase {
     const std::string mac = tcp_hello::mac(token_, tcp_hello::Role::kDialer, fields(h));
     std::memcpy(p.mac, mac.data(), sizeof p.mac);
     if (!send_handshake(h, &p, sizeof p))
-      throw PeerLostError(fmt::format("rank {} ({}) at {} closed the connection during the TCP hello", h.peer, host, h.from));
+      throw PeerLostError(
+          fmt::format("rank {} ({}) at {} closed the connection during the TCP hello", h.peer, host, h.from));
     add_conn(std::move(h.fd), h.peer, h.index);
   }
 
