@@ -1,9 +1,9 @@
 // TCP transport specifics (the common semantics are in the conformance suite): only a holder of the job
-// token gets a rank's place (the hello, tcp/tcp_hello.h), and a rank with another token is named; a failure
-// notice sent
-// while a message is half written still reaches the peer (the fragment is finished first, so the
-// stream stays parseable), instead of the peer seeing only the connection close later; and a rank whose
-// send finds the peer gone reads the notice that peer left in its receive queue before naming it.
+// token gets a rank's place (the hello, tcp/tcp_hello.h), and a rank with another token is named; a
+// failure notice sent while a message is half written still reaches the peer (the fragment is finished
+// first, so the stream stays parseable), instead of the peer seeing only the connection close later; and
+// a rank whose send finds the peer gone reads the notice that peer left in its receive queue before
+// naming it.
 #include <gtest/gtest.h>
 
 #include <chrono>
