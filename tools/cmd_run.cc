@@ -405,6 +405,7 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   auto env = launch::current_env();
   launch::MachineFacts machine = launch::this_machine(o.gpus_per_node.has_value());
   launch::Plan plan = launch::build_plan(o, env, machine);
+  plan.token_file = token_file;
   launch::choose_local_rank_arg(plan);  // --local-rank-arg auto: asks the workers' Python for its torch
   auto note = [&](const std::string& line) { fmt::print(stderr, "{}: note: {}\n", command, line); };
   for (const auto& line : plan.notes) note(line);  // what the plan left out or chose on its own
@@ -428,6 +429,8 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
                      *o.log_dir));
   else if (!o.log_dir && !plan.logs.dir.empty())
     note(fmt::format("the ranks' log files go under {} (--log-dir chooses the folder)", plan.logs.dir));
+  // The token file is checked (owner-only, not empty) before anything starts, --dry-run included.
+  const std::string file_token = token_file.empty() ? std::string() : job_token(token_file);
   if (o.dry_run) {
     std::string store = plan.mode == launch::Mode::kPerNode || plan.master_port != 0
                             ? fmt::format("{}:{}", plan.master_addr, plan.master_port)
@@ -441,7 +444,7 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
   // makes one (it reaches the agents on ssh's or srun's stdin); the launchers of a per-node job start apart
   // and share only what they are given: --token-file or COHORT_JOB_TOKEN.
   auto token = env.find("COHORT_JOB_TOKEN");
-  if (!token_file.empty()) ctx.token = job_token(token_file);
+  if (!token_file.empty()) ctx.token = file_token;
   else if (token != env.end() && !token->second.empty()) ctx.token = token->second;
   else if (plan.mode != launch::Mode::kPerNode) ctx.token = launch::random_token(32);
   if (ctx.token.empty()) {
@@ -451,12 +454,6 @@ int run_launcher(std::vector<std::string> args, bool launch_line) {
                                     "give every node's launcher the same --token-file PATH (mode 0600) or "
                                     "COHORT_JOB_TOKEN",
                                     require_auth ? "--require-auth" : "COHORT_REQUIRE_AUTH=1"));
-    // Once per job, by the launcher that hosts the store (the others' would say the same).
-    if (plan.host_store)
-      fmt::print(stderr,
-                 "{}: warning: this job is open: anyone who reaches node 0's store ({}:{}) or a rank's port can join "
-                 "it; give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN (docs/security.md)\n",
-                 command, plan.master_addr, plan.master_port);
   }
   if (o.gpus_per_node) ctx.gpus = machine.gpus;
   ctx.plan = std::move(plan);

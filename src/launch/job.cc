@@ -448,7 +448,13 @@ int Job::run() {
   }
   if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
   // Once per job: by the launcher that hosts the job's store (node 0's, or the only one), not by every
-  // node's launcher of a per-node job.
+  // node's launcher of a per-node job. A job without a token (per-node, none given: tools/cmd_run.cc)
+  // is open to anyone who reaches it: say so, and how to close it (docs/security.md).
+  if (ctx_.token.empty() && plan_.host_store && !ctx_.agent_mode)
+    say(fmt::format("warning: this job is open: anyone who reaches node 0's store ({}) or a rank's port can join "
+                    "it; give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN "
+                    "(docs/security.md)",
+                    store_addr_));
   if (plan_.set_omp_threads && plan_.this_node >= 0 && plan_.host_store && !ctx_.agent_mode)
     say(fmt::format("setting OMP_NUM_THREADS=1 for each worker (it was unset and {} processes share a node); set "
                     "it yourself to choose another value",

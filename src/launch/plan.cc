@@ -1617,10 +1617,12 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                                                "agent here holds the port first"
                                              : "the agent on the master address's host")
                    : p.mode == Mode::kPerNode ? "node 0's launcher" : "this launcher");
-  s += fmt::format("  job token       {}\n", p.token_from_env ? "from COHORT_JOB_TOKEN"
-                                          : p.mode == Mode::kPerNode ? "none (set COHORT_JOB_TOKEN on every node to "
-                                                                       "authenticate the store)"
-                                                                     : "random, 32 bytes");
+  s += fmt::format("  job token       {}\n", !p.token_file.empty() ? "from --token-file " + p.token_file
+                                          : p.token_from_env          ? std::string("from COHORT_JOB_TOKEN")
+                                          : p.mode == Mode::kPerNode
+                                              ? std::string("none: the job is open (give every node the same "
+                                                            "--token-file PATH or COHORT_JOB_TOKEN)")
+                                              : std::string("random, 32 bytes"));
   if (!p.schedulers.empty()) s += fmt::format("  scheduler env   {}\n", str::join(p.schedulers, ", "));
   for (const auto& line : p.notes) s += fmt::format("  note            {}\n", line);
   if (!p.ray.enabled && (env.count("HEAD_ADDR") || env.count("HEAD_PORT")))

@@ -211,6 +211,7 @@ struct Plan {
   int master_port = 0;         // 0: chosen by the OS when the store starts
   std::string job_id;
   bool token_from_env = false;  // per-node mode: COHORT_JOB_TOKEN given on every node
+  std::string token_file;       // cohort run --token-file (it wins over COHORT_JOB_TOKEN)
   std::vector<std::pair<std::string, std::string>> sources;  // setting -> where it came from
   std::vector<std::string> schedulers;                       // scheduler environments consulted
   // What the launcher says before it starts, one line each ("cohort run: note: ..."; --dry-run shows

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "support/test_support.h"
 
@@ -36,6 +37,27 @@ TEST(JobToken, EveryWorkerGetsTheTokenOfTheFile) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(read_file(dir.file("seen.0")), "0123456789abcdef\n");
   EXPECT_EQ(read_file(dir.file("seen.1")), "0123456789abcdef\n");
+}
+
+// --dry-run says where a per-node job's token comes from, and that a job without one is open.
+TEST(JobToken, TheDryRunSaysWhereTheTokenComesFrom) {
+  TempDir dir;
+  const std::string file = dir.file("token");
+  write_file(file, "0123456789abcdef\n");
+  ASSERT_EQ(::chmod(file.c_str(), 0600), 0);
+  const std::vector<std::string> per_node = {cohort_tool(), "run", "--dry-run", "--nnodes", "2", "--node-rank", "1",
+                                             "--master-addr", "127.0.0.1", "--master-port", "29400",
+                                             "--nproc-per-node", "1"};
+  auto with = per_node;
+  with.insert(with.end(), {"--token-file", file, "/bin/true"});
+  auto r = run_process(with, {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("job token       from --token-file " + file), std::string::npos) << r.out;
+  auto without = per_node;
+  without.push_back("/bin/true");
+  r = run_process(without, {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("job token       none: the job is open"), std::string::npos) << r.out;
 }
 
 }  // namespace
