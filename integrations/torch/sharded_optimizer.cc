@@ -2,11 +2,16 @@
 // docs/training.md, "The sharded optimizer".
 #include "cohort/torch/sharded_optimizer.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -16,6 +21,7 @@
 #include <tuple>
 
 #include "cohort/error.h"
+#include "common/fd.h"
 
 namespace cohort::torch {
 
@@ -65,6 +71,118 @@ std::vector<Piece> pieces_of(const train::GradientSync& sync) {
 }
 
 std::string format_double(double v) { return fmt::format("{}", v); }
+
+// What Module::load(archive) would stop at or change the shape of, found without changing `module`: ""
+// when the archive holds every parameter and buffer with the module's shape. Module::load replaces
+// tensors with set_, compares no shapes, and stops at the first missing tensor with the earlier ones
+// already replaced; this walks the module tree the way it does.
+std::string archive_mismatch(const ::torch::nn::Module& module, ::torch::serialize::InputArchive& archive,
+                             const std::string& prefix) {
+  auto check = [&](const std::string& key, const ::torch::Tensor& tensor, bool is_buffer) -> std::string {
+    ::torch::Tensor stored;
+    if (!archive.try_read(key, stored, is_buffer)) return fmt::format("{}{} is not in the checkpoint", prefix, key);
+    if (stored.sizes() != tensor.sizes())
+      return fmt::format("{}{} is [{}] in the checkpoint, [{}] in this model", prefix, key,
+                         fmt::join(stored.sizes().vec(), ", "), fmt::join(tensor.sizes().vec(), ", "));
+    return "";
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/false))
+    if (auto why = check(p.key(), p.value(), false); !why.empty()) return why;
+  for (const auto& b : module.named_buffers(/*recurse=*/false))
+    if (auto why = check(b.key(), b.value(), true); !why.empty()) return why;
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    ::torch::serialize::InputArchive child_archive;
+    if (!archive.try_read(child.key(), child_archive))
+      return fmt::format("{}{} is not in the checkpoint", prefix, child.key());
+    if (auto why = archive_mismatch(*child.value(), child_archive, prefix + child.key() + "."); !why.empty()) return why;
+  }
+  return "";
+}
+
+// An old rank's shard as its header line describes it: the states it holds, its runs of parameter
+// elements (Piece::position: where the run starts among the shard's values of one state), and where
+// the values start in the file.
+struct OldShard {
+  std::string file;
+  int64_t step = 0;
+  std::vector<std::string> states;
+  std::vector<Piece> pieces;
+  size_t elements = 0;     // values per state
+  uint64_t values_at = 0;  // the file offset of the first state's first value
+};
+
+// `bytes` at `offset` of `fd` (the file `file`), or an error naming the file.
+void read_range(int fd, const std::string& file, char* into, size_t bytes, uint64_t offset) {
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, into, bytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw InvalidArgument(fmt::format("{}: cannot read: {}", file, std::strerror(errno)));
+    if (n == 0) throw InvalidArgument(fmt::format("{}: ends at byte {}, before the values its header names", file, offset));
+    into += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+}
+
+// Reads shard `s` of `old_world` (named by the checkpoint `checkpoint`) up to its header line and checks
+// it against this model's parameters and the file's length; reads none of its values.
+OldShard read_shard_header(const std::string& file, int s, int old_world, const std::string& checkpoint,
+                           const std::vector<train::ParameterSpec>& params) {
+  UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd && errno == ENOENT)
+    throw InvalidArgument(fmt::format("{}: the optimizer shard of rank {} of {} is missing ({} names it)", file, s,
+                                      old_world, checkpoint));
+  if (!fd) throw InvalidArgument(fmt::format("{}: cannot open: {}", file, std::strerror(errno)));
+  struct stat st{};
+  if (::fstat(fd.get(), &st) != 0) throw InvalidArgument(fmt::format("{}: cannot stat: {}", file, std::strerror(errno)));
+  const auto size = static_cast<uint64_t>(st.st_size);
+  // The header line is a few kilobytes (one entry per parameter and per run): read in growing steps
+  // until its end, so that a small shard is not read whole for its header.
+  std::string text;
+  size_t eol = std::string::npos;
+  for (size_t step = 4096; eol == std::string::npos && text.size() < size; step *= 2) {
+    const size_t searched = text.size();
+    text.resize(std::min<uint64_t>(size, searched + step));
+    read_range(fd.get(), file, text.data() + searched, text.size() - searched, searched);
+    eol = text.find('\n', std::max(searched, kShardMagic.size()));
+  }
+  if (text.compare(0, kShardMagic.size(), kShardMagic) != 0 || eol == std::string::npos)
+    throw InvalidArgument(fmt::format("{}: not a cohort optimizer shard", file));
+  OldShard shard;
+  shard.file = file;
+  shard.values_at = eol + 1;
+  try {
+    const auto header = nlohmann::json::parse(text.substr(kShardMagic.size(), eol - kShardMagic.size()));
+    const auto& old_params = header.at("parameters");
+    bool same = old_params.size() == params.size();
+    for (size_t i = 0; same && i < params.size(); ++i)
+      same = old_params[i][0].get<std::string>() == params[i].name && old_params[i][1].get<size_t>() == params[i].numel();
+    if (!same)
+      throw InvalidArgument(fmt::format("{}: written for another model ({} parameters, this model has {})", file,
+                                        old_params.size(), params.size()));
+    shard.step = header.at("step").get<int64_t>();
+    shard.states = header.at("states").get<std::vector<std::string>>();
+    for (const auto& p : header.at("pieces")) {
+      Piece piece;
+      piece.param = p[0].get<size_t>();
+      piece.param_offset = p[1].get<size_t>();
+      piece.count = p[2].get<size_t>();
+      piece.position = shard.elements;
+      if (piece.param >= params.size() || piece.param_offset + piece.count > params[piece.param].numel())
+        throw InvalidArgument(fmt::format("{}: a damaged header: a run of {} elements from element {} of parameter {}, "
+                                          "outside the model",
+                                          file, piece.count, piece.param_offset, piece.param));
+      shard.elements += piece.count;
+      shard.pieces.push_back(piece);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw InvalidArgument(fmt::format("{}: a damaged header: {}", file, e.what()));
+  }
+  const uint64_t want = shard.values_at + shard.states.size() * shard.elements * sizeof(float);
+  if (size != want) throw InvalidArgument(fmt::format("{}: {} bytes, not the {} its header says", file, size, want));
+  return shard;
+}
 
 }  // namespace
 
@@ -386,14 +504,17 @@ void ShardedOptimizer::save(const std::string& dir, const train::TrainingPositio
 }
 
 std::optional<train::TrainingPosition> ShardedOptimizer::load(const std::string& dir) {
+  // Everything is read and checked before anything changes: a load that fails (a missing or damaged
+  // shard, another model or optimizer) leaves the model's weights and this optimizer's state as they
+  // were, so a program that catches the error does not train from checkpoint weights with fresh state.
   auto newest = train::newest_complete_checkpoint(dir);
   if (!newest) return std::nullopt;
   const std::string& path = newest->path;
   for (const auto& why : newest->skipped) fmt::print(stderr, "checkpoint: skipped {}\n", why);
-  nlohmann::json zero;
   auto& module = *ddp_.module();
+  ::torch::serialize::InputArchive archive;
+  nlohmann::json zero;
   try {
-    ::torch::serialize::InputArchive archive;
     std::istringstream in(newest->payload);
     archive.load_from(in);
     c10::IValue value;
@@ -402,76 +523,51 @@ std::optional<train::TrainingPosition> ShardedOptimizer::load(const std::string&
                                         "cohort::torch::load_checkpoint)",
                                         path));
     zero = nlohmann::json::parse(value.toStringRef());
-    // Module::load replaces tensors with set_ and does not compare shapes: check them ourselves.
-    std::vector<std::vector<int64_t>> shapes;
-    for (auto& p : module.named_parameters(true)) shapes.push_back(p.value().sizes().vec());
-    module.load(archive);
-    size_t i = 0;
-    for (auto& p : module.named_parameters(true))
-      if (p.value().sizes().vec() != shapes[i++])
-        throw InvalidArgument(fmt::format("{}: cannot load into this model: {} is [{}] in the checkpoint", path,
-                                          p.key(), fmt::join(p.value().sizes().vec(), ", ")));
+    if (zero.at("kind").get<std::string>() != kind_)
+      throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state; this optimizer is {}", path,
+                                        zero.at("kind").get<std::string>(), kind_));
+    if (const std::string why = archive_mismatch(module, archive, ""); !why.empty())
+      throw InvalidArgument(fmt::format("{}: cannot load into this model: {}", path, why));
   } catch (const c10::Error& e) {
     throw InvalidArgument(fmt::format("{}: cannot load into this model: {}", path, e.what_without_backtrace()));
+  } catch (const nlohmann::json::exception& e) {
+    throw InvalidArgument(fmt::format("{}: a damaged sharded optimizer record: {}", path, e.what()));
   }
-  ddp_.bind_parameters();  // the loaded values into the buckets' parameter memory
-  if (zero.at("kind").get<std::string>() != kind_)
-    throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state; this optimizer is {}", path,
-                                      zero.at("kind").get<std::string>(), kind_));
   const int old_world = zero.at("world").get<int>();
   const int64_t global_step = zero.at("global_step").get<int64_t>();
 
-  // This rank's new chunks as runs of parameters, sorted to find the runs an old shard overlaps.
+  // Every old shard's header, checked against this model and its file's length.
+  const auto& params = ddp_.sync().parameters();
+  const auto names = state_names();
+  std::vector<OldShard> shards;
+  for (int s = 0; s < old_world; ++s)
+    shards.push_back(read_shard_header(shard_path(dir, global_step, s, old_world), s, old_world, path, params));
+  std::vector<bool> found(names.size(), false);
+  for (const auto& shard : shards)
+    for (const auto& name : shard.states)
+      if (auto at = std::find(names.begin(), names.end(), name); at != names.end()) found[size_t(at - names.begin())] = true;
+  const bool any_state = std::find(found.begin(), found.end(), true) != found.end();
+
+  // This rank's new chunks as runs of parameters, sorted to find the runs an old shard overlaps. Only
+  // the overlapping ranges are read: each rank reads about 1/N of the state, not every shard whole.
   auto mine = pieces_of(ddp_.sync());
   std::sort(mine.begin(), mine.end(),
             [](const Piece& a, const Piece& b) { return std::tie(a.param, a.param_offset) < std::tie(b.param, b.param_offset); });
-  const auto& params = ddp_.sync().parameters();
-  const auto names = state_names();
   std::vector<std::vector<::torch::Tensor>> state(names.size());  // [name][chunk], on the CPU
-  for (auto& per_chunk : state)
-    for (const auto& c : chunks_) per_chunk.push_back(::torch::zeros({c.numel()}, ::torch::kFloat32));
-  std::vector<bool> found(names.size(), false);
-  int64_t step = 0;
-  for (int s = 0; s < old_world; ++s) {
-    const std::string file = shard_path(dir, global_step, s, old_world);
-    auto bytes = train::read_file_if_exists(file);
-    if (!bytes)
-      throw InvalidArgument(fmt::format("{}: the optimizer shard of rank {} of {} is missing ({} names it)", file, s,
-                                        old_world, path));
-    const size_t eol = bytes->find('\n', kShardMagic.size());
-    if (bytes->compare(0, kShardMagic.size(), kShardMagic) != 0 || eol == std::string::npos)
-      throw InvalidArgument(fmt::format("{}: not a cohort optimizer shard", file));
-    nlohmann::json header;
-    try {
-      header = nlohmann::json::parse(bytes->substr(kShardMagic.size(), eol - kShardMagic.size()));
-    } catch (const nlohmann::json::exception& e) {
-      throw InvalidArgument(fmt::format("{}: a damaged header: {}", file, e.what()));
-    }
-    const auto& old_params = header.at("parameters");
-    bool same = old_params.size() == params.size();
-    for (size_t i = 0; same && i < params.size(); ++i)
-      same = old_params[i][0].get<std::string>() == params[i].name && old_params[i][1].get<size_t>() == params[i].numel();
-    if (!same)
-      throw InvalidArgument(fmt::format("{}: written for another model ({} parameters, this model has {})", file,
-                                        old_params.size(), params.size()));
-    step = header.at("step").get<int64_t>();
-    const auto states = header.at("states").get<std::vector<std::string>>();
-    size_t elements = 0;
-    for (const auto& p : header.at("pieces")) elements += p[2].get<size_t>();
-    if (bytes->size() != eol + 1 + states.size() * elements * sizeof(float))
-      throw InvalidArgument(fmt::format("{}: {} bytes, not the {} its header says", file, bytes->size(),
-                                        eol + 1 + states.size() * elements * sizeof(float)));
-    const char* values = bytes->data() + eol + 1;
-    for (size_t k = 0; k < states.size(); ++k) {
-      const auto at = std::find(names.begin(), names.end(), states[k]);
+  if (any_state)
+    for (auto& per_chunk : state)
+      for (const auto& c : chunks_) per_chunk.push_back(::torch::zeros({c.numel()}, ::torch::kFloat32));
+  for (const auto& shard : shards) {
+    if (!any_state) break;  // written before the first step: no values to read
+    UniqueFd fd(::open(shard.file.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) throw InvalidArgument(fmt::format("{}: cannot open: {}", shard.file, std::strerror(errno)));
+    for (size_t k = 0; k < shard.states.size(); ++k) {
+      const auto at = std::find(names.begin(), names.end(), shard.states[k]);
       if (at == names.end()) continue;  // e.g. max_exp_avg_sq, now without amsgrad
       const size_t n = static_cast<size_t>(at - names.begin());
-      found[n] = true;
-      const float* src = reinterpret_cast<const float*>(values + k * elements * sizeof(float));
-      size_t position = 0;
-      for (const auto& old_piece : header.at("pieces")) {
-        const size_t param = old_piece[0].get<size_t>(), lo = old_piece[1].get<size_t>();
-        const size_t hi = lo + old_piece[2].get<size_t>();
+      const uint64_t state_at = shard.values_at + k * shard.elements * sizeof(float);
+      for (const auto& old_piece : shard.pieces) {
+        const size_t param = old_piece.param, lo = old_piece.param_offset, hi = lo + old_piece.count;
         // Runs of this rank that overlap [lo, hi) of the parameter: from the last starting at or before lo.
         auto it = std::upper_bound(mine.begin(), mine.end(), std::make_pair(param, lo), [](const auto& key, const Piece& p) {
           return std::tie(key.first, key.second) < std::tie(p.param, p.param_offset);
@@ -482,20 +578,28 @@ std::optional<train::TrainingPosition> ShardedOptimizer::load(const std::string&
           const size_t from = std::max(lo, it->param_offset), to = std::min(hi, it->param_offset + it->count);
           if (it->param_offset >= hi) break;
           if (from >= to) continue;
-          std::memcpy(state[n][it->chunk].data_ptr<float>() + it->in_chunk + (from - it->param_offset),
-                      src + position + (from - lo), (to - from) * sizeof(float));
+          read_range(fd.get(), shard.file,
+                     reinterpret_cast<char*>(state[n][it->chunk].data_ptr<float>() + it->in_chunk + (from - it->param_offset)),
+                     (to - from) * sizeof(float), state_at + (old_piece.position + (from - lo)) * sizeof(float));
         }
-        position += hi - lo;
       }
     }
   }
-  if (std::find(found.begin(), found.end(), true) != found.end()) {
-    for (size_t c = 0; c < chunks_.size(); ++c) {
-      std::vector<::torch::Tensor> tensors;
+  std::vector<std::vector<::torch::Tensor>> on_device(chunks_.size());  // [chunk][name]
+  if (any_state)
+    for (size_t c = 0; c < chunks_.size(); ++c)
       for (size_t n = 0; n < names.size(); ++n)
-        tensors.push_back(state[n][c].to(ddp_.device()));  // a state the shards lack starts at zero
-      set_state(c, tensors, step);
-    }
+        on_device[c].push_back(state[n][c].to(ddp_.device()));  // a state the shards lack starts at zero
+
+  // Only now the model and the state change.
+  try {
+    module.load(archive);
+  } catch (const c10::Error& e) {
+    throw InvalidArgument(fmt::format("{}: cannot load into this model: {}", path, e.what_without_backtrace()));
+  }
+  ddp_.bind_parameters();  // the loaded values into the buckets' parameter memory
+  if (any_state) {
+    for (size_t c = 0; c < chunks_.size(); ++c) set_state(c, on_device[c], shards.back().step);
   } else {
     optimizer_->state().clear();  // written before the first step
   }

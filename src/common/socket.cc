@@ -149,7 +149,13 @@ UniqueFd listen_tcp(const std::string& host, uint16_t port, int backlog, bool no
     }
     throw ConfigError(errno_string(fmt::format("bind to {}", a.to_string()), err));
   }
-  if (::listen(fd.get(), backlog) != 0) throw Error(errno_string("listen", errno));
+  if (::listen(fd.get(), backlog) != 0) {
+    // With SO_REUSEADDR two processes may both bind a port that neither listens on yet; the second to
+    // listen is the one told it is taken (two launchers started at once with one --rdzv-endpoint).
+    if (errno == EADDRINUSE)
+      throw ConfigError(fmt::format("port {} on {} is already in use", port, host.empty() ? "*" : host));
+    throw Error(errno_string("listen", errno));
+  }
   return fd;
 }
 

@@ -17,6 +17,7 @@
 
 #include "cohort/error.h"
 #include "common/log.h"
+#include "common/pipe.h"
 #include "common/socket.h"
 #include "common/strings.h"
 #include "launch/job_internal.h"
@@ -56,15 +57,25 @@ void Job::start_agents() {
     }
     argv.push_back(ctx_.self_exe);
     argv.push_back("agent");
-    int in[2], out[2], err[2];
-    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC))
-      throw Error(net::errno_string("pipe2", errno));
     std::vector<char*> args;
     for (auto& s : argv) args.push_back(s.data());
     args.push_back(nullptr);
     pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0) throw Error(net::errno_string("fork", errno));
+    // Owned from their creation: a pipe or fork that fails closes the ones made before it.
+    Pipe in, out, err;
+    pid_t pid = -1;
+    try {
+      in = make_pipe("its stdin pipe");
+      out = make_pipe("its stdout pipe");
+      err = make_pipe("its stderr pipe");
+      pid = fork();
+      if (pid < 0) throw Error(net::errno_string("fork", errno));
+    } catch (const Error& e) {
+      // The agents started so far go too (their hosts' workers stop when the connection closes).
+      stop_agents_now();
+      throw Error(fmt::format("cannot start the agent for host {} (node {}): {}", node.host, node.node_rank, e.what()));
+    }
+    const int in_r = in.read_end.get(), out_w = out.write_end.get(), err_w = err.write_end.get();
     if (pid == 0) {
       setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGTERM);
@@ -73,21 +84,21 @@ void Job::start_agents() {
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);
       signal(SIGPIPE, SIG_DFL);
-      dup2(in[0], 0);
-      dup2(out[1], 1);
-      dup2(err[1], 2);
+      dup2(in_r, 0);
+      dup2(out_w, 1);
+      dup2(err_w, 2);
       execvp(args[0], args.data());
       dprintf(2, "cannot run %s command '%s': %s\n", srun ? "srun" : "ssh", args[0], strerror(errno));
       _exit(127);
     }
-    close(in[0]);
-    close(out[1]);
-    close(err[1]);
+    in.read_end.reset();  // the agent's ends
+    out.write_end.reset();
+    err.write_end.reset();
     a.pid = pid;
     a.running = true;
-    a.in.reset(in[1]);
-    a.out.reset(out[0]);
-    a.err.reset(err[0]);
+    a.in = std::move(in.write_end);
+    a.out = std::move(out.read_end);
+    a.err = std::move(err.read_end);
     // drain() reads until EAGAIN: blocking pipes would stall the event loop (and with it SIGTERM
     // handling) as soon as an agent's ssh session prints anything (found by tests/multihost).
     net::set_nonblocking(a.out.get(), true);
@@ -100,6 +111,20 @@ void Job::start_agents() {
     epoll_add(a.err.get());
     agents_.push_back(std::move(a));
   }
+}
+
+void Job::stop_agents_now() {
+  for (auto& a : agents_) {
+    if (!a.running) continue;
+    a.in.reset();  // EOF: the agent stops its workers
+    kill(-a.pid, SIGKILL);  // the ssh or srun client's group (it may not have made it yet: the pid too)
+    kill(a.pid, SIGKILL);
+    int status = 0;
+    while (waitpid(a.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    a.running = false;
+  }
+  agents_.clear();
 }
 
 int Job::running_agents() const {

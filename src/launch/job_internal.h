@@ -207,6 +207,8 @@ class Job {
   void start_store();
   void check_job_id();  // per-node jobs: the store serves this job (its --rdzv-id), or ConfigError
   void start_agents();
+  // A fan-out that cannot start all its agents: the ones started are killed and reaped at once.
+  void stop_agents_now();
   // One attempt
   EndInfo run_attempt(int attempt);
   void spawn_workers(int attempt);

@@ -23,6 +23,7 @@
 
 #include "cohort/error.h"
 #include "common/log.h"
+#include "common/pipe.h"
 #include "common/socket.h"
 #include "common/strings.h"
 #include "launch/job_internal.h"
@@ -120,9 +121,13 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   // With --merge-stderr-to-stdout both descriptors share one pipe, so the order of lines is kept.
   bool merge = plan_.merge_stderr;
   bool pipe_stdout = merge || plan_.tag_output || plan_.timestamp_output || t.file_out || !t.to_console || plan_.stats;
-  int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_err[2] = {-1, -1};
-  if ((pipe_stdout && pipe2(out, O_CLOEXEC)) || (!merge && pipe2(err, O_CLOEXEC)) || pipe2(exec_err, O_CLOEXEC))
-    throw Error(net::errno_string("pipe2", errno));
+  // Owned from their creation: a pipe or fork that fails (the open-file limit, RLIMIT_NPROC) closes
+  // the ones made before it; the launcher may go on (a restart, an elastic agent) and must not leak.
+  Pipe out, err;
+  if (pipe_stdout) out = make_pipe("its stdout pipe");
+  if (!merge) err = make_pipe("its stderr pipe");
+  Pipe exec_err = make_pipe("its exec-status pipe");
+  const int out_w = out.write_end.get(), err_w = err.write_end.get(), exec_err_w = exec_err.write_end.get();
   cpu_set_t cpuset;
   CPU_ZERO(&cpuset);
   for (int c : cpus) CPU_SET(c, &cpuset);
@@ -132,7 +137,7 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   pid_t pid = fork();
   if (pid < 0) throw Error(net::errno_string("fork", errno));
   if (pid == 0) {
-    // Child: only async-signal-safe calls until exec.
+    // Child: only async-signal-safe calls until exec (and no destructors: it execs or _exits).
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(1);  // the launcher died before prctl took effect
@@ -146,28 +151,28 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
       int devnull = ::open("/dev/null", O_RDONLY);
       if (devnull >= 0) dup2(devnull, 0);
     }
-    if (out[1] >= 0) dup2(out[1], 1);
-    dup2(merge ? out[1] : err[1], 2);
+    if (out_w >= 0) dup2(out_w, 1);
+    dup2(merge ? out_w : err_w, 2);
     execve(path.c_str(), argv.data(), envp.data());
     int e = errno;
-    [[maybe_unused]] auto r = ::write(exec_err[1], &e, sizeof e);
+    [[maybe_unused]] auto r = ::write(exec_err_w, &e, sizeof e);
     _exit(127);
   }
   setpgid(pid, pid);  // also from the parent: no window where a signal to the group misses it
   w.ring.close_fd();  // the worker has it; the launcher keeps its mapping
-  if (out[1] >= 0) close(out[1]);
-  if (err[1] >= 0) close(err[1]);
-  close(exec_err[1]);
+  out.write_end.reset();
+  err.write_end.reset();
+  exec_err.write_end.reset();
   int child_errno = 0;
   ssize_t got;
-  do got = ::read(exec_err[0], &child_errno, sizeof child_errno);
+  do got = ::read(exec_err.read_end.get(), &child_errno, sizeof child_errno);
   while (got < 0 && errno == EINTR);
-  close(exec_err[0]);
+  exec_err.read_end.reset();
   w.pid = pid;
   w.running = true;
   w.started = Clock::now();
-  if (out[0] >= 0) w.out.reset(out[0]);
-  if (err[0] >= 0) w.err.reset(err[0]);
+  w.out = std::move(out.read_end);
+  w.err = std::move(err.read_end);
   w.sink = std::make_unique<OutputSink>(std::move(t));
   if (got == static_cast<ssize_t>(sizeof child_errno)) {
     // exec failed: the child exits 127 at once; the summary says why.
@@ -235,7 +240,17 @@ void Job::spawn_workers(int attempt) {
   }
   for (int l = 0; l < node->nproc; ++l) {
     if (end_) break;  // a signal arrived meanwhile
-    spawn_worker(workers_[l], *node, attempt, bindings[l], gpus_.empty() ? GpuAssignment{} : gpus_[l]);
+    try {
+      spawn_worker(workers_[l], *node, attempt, bindings[l], gpus_.empty() ? GpuAssignment{} : gpus_[l]);
+    } catch (const ConfigError&) {
+      throw;  // a flag's file or folder that cannot be made: said before the job, as any configuration error
+    } catch (const Error& e) {
+      // Out of descriptors or processes: the job ends here, as at a failure, and the workers started
+      // so far are stopped like any others (nothing is left running when the launcher ends).
+      publish_end(EndInfo{"spawn", 1, fmt::format("cannot start {} on {}: {}", plan_.process_name(workers_[l].rank),
+                                                  node->host, e.what())});
+      break;
+    }
     if (plan_.report_bindings) {
       // mpirun's --report-bindings: one line per rank, on the launcher's stderr (an agent's reaches
       // the head's).

@@ -1,6 +1,7 @@
 // examples/bert as processes: its PyTorch twin (bench/bert_twin.py) starts from the same weights, data
 // and masking; across real processes the sharded optimizer (ZeRO stage 2) trains as DDP does with
-// half the optimizer state per rank, and its checkpoint written by 3 ranks resumes on 2.
+// half the optimizer state per rank, and its checkpoint written by 3 ranks resumes on 2 to the held-out loss
+// of the unsharded optimizer resumed the same way.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -119,11 +120,30 @@ TEST(Bert, ShardedStageTwoAcrossProcessesTrainsLikeDdpAndResumesAtAnotherWorldSi
   for (const auto& r : killed) EXPECT_EQ(r.exit_code, 128 + 9) << r.err;
   for (int r = 0; r < 3; ++r)
     EXPECT_TRUE(std::filesystem::exists(tmp.path() + "/zero/step-4/shard-" + std::to_string(r) + "-of-3.bin")) << r;
-  auto resumed = run_ranks(2, small_job({"--zero", "2", "--checkpoint-dir", tmp.path(), "--resume", "--max-steps", "3"}));
+  // 256 held-out glosses tell the losses below apart as well as all 5,882, in a third of the time.
+  auto resumed = run_ranks(2, small_job({"--zero", "2", "--checkpoint-dir", tmp.path(), "--resume", "--max-steps", "3",
+                                         "--test-samples", "256"}));
   for (const auto& r : resumed) ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(resumed[0].out.find("at epoch 0, step 4 (written by 3 ranks, 2 now)"), std::string::npos) << resumed[0].out;
-  EXPECT_NE(resumed[0].out.find("masked-token accuracy (held-out): "), std::string::npos) << resumed[0].out;
   EXPECT_TRUE(std::filesystem::exists(tmp.path() + "/zero/step-7/shard-1-of-2.bin"));  // its own at the end
+
+  // The result: the same 4 steps at 3 ranks and 3 at 2 with the unsharded optimizer, whose checkpoint is
+  // whole (nothing to re-cut at 2 ranks), reach the same held-out loss. Adam moments lost or misplaced
+  // in re-cutting 3 shards into 2 move it by a hundredth (the shards of ranks 1 and 2 dropped: 6.7896
+  // against 6.7794); the sharded and unsharded optimizers agree to 4 places here.
+  cohort::test::TempDir unsharded_dir;
+  auto before = run_ranks(3, small_job({"--checkpoint-dir", unsharded_dir.path(), "--max-steps", "4", "--test-samples", "64"}));
+  for (const auto& r : before) ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto unsharded = run_ranks(
+      2, small_job({"--checkpoint-dir", unsharded_dir.path(), "--resume", "--max-steps", "3", "--test-samples", "256"}));
+  for (const auto& r : unsharded) ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_NE(unsharded[0].out.find("at epoch 0, step 4 (written by 3 ranks, 2 now)"), std::string::npos) << unsharded[0].out;
+  const std::string held_out_loss = "masked-token loss \\(held-out\\): ([0-9.]+)";
+  ASSERT_FALSE(first_match(resumed[0].out, held_out_loss).empty()) << resumed[0].out;
+  ASSERT_FALSE(first_match(unsharded[0].out, held_out_loss).empty()) << unsharded[0].out;
+  EXPECT_NEAR(std::stod(first_match(resumed[0].out, held_out_loss)), std::stod(first_match(unsharded[0].out, held_out_loss)),
+              2e-3)
+      << "sharded, resumed at 2 ranks:\n" << resumed[0].out << "unsharded, resumed at 2 ranks:\n" << unsharded[0].out;
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <filesystem>
 #include <set>
+#include <sstream>
 
 #include "cohort/error.h"
 #include "cohort/torch/sharded_optimizer.h"
@@ -277,6 +278,181 @@ TEST_F(ShardedCheckpointTest, AMissingShardOrAnotherOptimizerIsNamed) {
     EXPECT_NE(std::string(e.what()).find("shard-1-of-2.bin: the optimizer shard of rank 1 of 2 is missing"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// The weights of `model` and every state tensor of `opt`'s own optimizer (SGD's momentum, Adam's
+// moments), copied: what a failed load must leave as it was.
+std::vector<::torch::Tensor> weights_and_state(nn::Module& model, ShardedOptimizer& opt) {
+  std::vector<::torch::Tensor> out;
+  for (auto& p : model.parameters()) out.push_back(p.detach().clone());
+  // In the order of the state's keys (whatever their type in this libtorch): the same before and after.
+  using Entry = std::remove_reference_t<decltype(*opt.shard_optimizer().state().begin())>;
+  std::vector<const Entry*> entries;
+  for (const auto& entry : opt.shard_optimizer().state()) entries.push_back(&entry);
+  std::sort(entries.begin(), entries.end(), [](const Entry* a, const Entry* b) { return a->first < b->first; });
+  for (const Entry* entry : entries) {
+    if (auto* sgd = dynamic_cast<::torch::optim::SGDParamState*>(entry->second.get()))
+      out.push_back(sgd->momentum_buffer().clone());
+    if (auto* adam = dynamic_cast<::torch::optim::AdamParamState*>(entry->second.get())) {
+      out.push_back(adam->exp_avg().clone());
+      out.push_back(adam->exp_avg_sq().clone());
+      out.push_back(::torch::tensor(adam->step()));
+    }
+  }
+  return out;
+}
+
+// Loads `dir` into `opt`, expects an InvalidArgument that says `expected`, and that the weights and the
+// optimizer's state are bit for bit what they were.
+void expect_failed_load_changes_nothing(const std::string& dir, nn::Module& model, ShardedOptimizer& opt,
+                                        const std::string& expected) {
+  const auto before = weights_and_state(model, opt);
+  ASSERT_GT(before.size(), model.parameters().size()) << "the optimizer has no state to compare";
+  try {
+    opt.load(dir);
+    ADD_FAILURE() << "no error (expected '" << expected << "')";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+  const auto after = weights_and_state(model, opt);
+  ASSERT_EQ(after.size(), before.size()) << "the load removed or added optimizer state";
+  for (size_t i = 0; i < before.size(); ++i)
+    EXPECT_TRUE(::torch::equal(after[i], before[i])) << "tensor " << i << " changed by a load that failed ("
+                                                     << expected << ")";
+}
+
+TEST_F(ShardedCheckpointTest, AFailedLoadChangesNeitherTheWeightsNorTheState) {
+  // A 2-rank SGD checkpoint; then one rank with other weights and momentum of its own tries to load it
+  // damaged in four ways. Each load fails, and the model and the momentum are left as they were (a
+  // program that catches the error must not go on from checkpoint weights with its own state).
+  std::vector<::torch::Tensor> initial;
+  reference_trajectory(Kind::kSgdMomentum, 1, initial);
+  {
+    auto comms = ThreadCommunicator::make_world(2);
+    run_ranks(2, [&](int rank) {
+      auto model = model_with(initial, rank);
+      DistributedDataParallel ddp(model, comms[size_t(rank)], small_buckets());
+      auto opt = make_sharded(Kind::kSgdMomentum, ddp, 2);
+      auto b = share(global_batch(0), rank, 2);
+      ::torch::nn::functional::cross_entropy(ddp->forward(b.x), b.y).backward();
+      opt->step();
+      train::TrainingPosition pos;
+      pos.global_step = 7;
+      opt->save(dir_, pos);
+    });
+  }
+  auto comms1 = ThreadCommunicator::make_world(1);
+  // One rank's model and optimizer, one step taken (so that it has state of its own to lose).
+  auto trained = [&](nn::Sequential model, Kind kind) {
+    auto ddp = std::make_unique<DistributedDataParallel>(model, comms1[0], small_buckets());
+    auto opt = make_sharded(kind, *ddp, 2);
+    auto b = global_batch(5);
+    opt->zero_grad();
+    ::torch::nn::functional::cross_entropy((*ddp)->forward(b.x), b.y).backward();
+    opt->step();
+    return std::make_pair(std::move(ddp), std::move(opt));
+  };
+  const std::string shard1 = dir_ + "/zero/step-7/shard-1-of-2.bin";
+  const std::string good = cohort::test::read_file(shard1);
+  ::torch::manual_seed(100);
+  {
+    SCOPED_TRACE("a damaged shard (its last value cut off)");
+    cohort::test::write_file(shard1, good.substr(0, good.size() - 4));
+    auto model = make_model();
+    auto [ddp, opt] = trained(model, Kind::kSgdMomentum);
+    expect_failed_load_changes_nothing(dir_, *model, *opt, "shard-1-of-2.bin: " + std::to_string(good.size() - 4) +
+                                                               " bytes, not the " + std::to_string(good.size()));
+    cohort::test::write_file(shard1, good);
+  }
+  {
+    SCOPED_TRACE("a missing shard");
+    std::filesystem::rename(shard1, shard1 + ".away");
+    auto model = make_model();
+    auto [ddp, opt] = trained(model, Kind::kSgdMomentum);
+    expect_failed_load_changes_nothing(dir_, *model, *opt, "the optimizer shard of rank 1 of 2 is missing");
+    std::filesystem::rename(shard1 + ".away", shard1);
+  }
+  {
+    SCOPED_TRACE("another optimizer");
+    auto model = make_model();
+    auto [ddp, opt] = trained(model, Kind::kAdam);
+    expect_failed_load_changes_nothing(dir_, *model, *opt, "the checkpoint holds sgd state; this optimizer is adam");
+  }
+  {
+    SCOPED_TRACE("a model with one more layer than the checkpoint's");
+    auto model = make_model();
+    model->push_back(nn::Linear(4, 4));
+    auto [ddp, opt] = trained(model, Kind::kSgdMomentum);
+    expect_failed_load_changes_nothing(dir_, *model, *opt, "cannot load into this model: 6 is not in the checkpoint");
+  }
+  {
+    // The same checkpoint, intact, loads: the failures above were the damage's.
+    auto model = make_model();
+    auto [ddp, opt] = trained(model, Kind::kSgdMomentum);
+    const auto before = weights_and_state(*model, *opt);
+    ASSERT_TRUE(opt->load(dir_).has_value());
+    EXPECT_FALSE(::torch::equal(model->parameters()[0], before[0]));
+  }
+}
+
+// The bytes this thread has read through read(2)/pread(2) so far (the kernel's per-thread count).
+uint64_t bytes_read_by_this_thread() {
+  std::istringstream io(cohort::test::read_file("/proc/thread-self/io"));
+  std::string key;
+  uint64_t value = 0;
+  while (io >> key >> value)
+    if (key == "rchar:") return value;
+  ADD_FAILURE() << "no rchar in /proc/thread-self/io";
+  return 0;
+}
+
+TEST_F(ShardedCheckpointTest, EachRankReadsOnlyThePartsOfTheShardsItLoads) {
+  // A model whose optimizer state (SGD's momentum, 4 x 66,820 bytes) dwarfs the shards' headers. At 2
+  // ranks each rank's new shard is half of the old shards' values: it reads those ranges, the headers
+  // and the checkpoint itself, not both shards whole.
+  auto big = [] { return nn::Sequential(nn::Linear(256, 256), nn::Linear(256, 4)); };
+  auto batch = [](int rank) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + rank);
+    return Batch{::torch::randn({3, 256}, gen), ::torch::randint(0, 4, {3}, gen, ::torch::kLong)};
+  };
+  auto comms = ThreadCommunicator::make_world(2);
+  run_ranks(2, [&](int rank) {
+    ::torch::manual_seed(7);
+    auto model = big();
+    DistributedDataParallel ddp(model, comms[size_t(rank)]);
+    auto opt = make_sharded(Kind::kSgdMomentum, ddp, 2);
+    auto b = batch(rank);
+    ::torch::nn::functional::cross_entropy(ddp->forward(b.x), b.y).backward();
+    opt->step();
+    train::TrainingPosition pos;
+    pos.global_step = 1;
+    opt->save(dir_, pos);
+  });
+  uint64_t shards = 0, checkpoints = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir_)) {
+    if (!e.is_regular_file()) continue;
+    (e.path().filename().string().rfind("shard-", 0) == 0 ? shards : checkpoints) += e.file_size();
+  }
+  ASSERT_GT(shards, 4u * 66000);
+  auto comms2 = ThreadCommunicator::make_world(2);
+  std::vector<uint64_t> read(2);
+  run_ranks(2, [&](int rank) {
+    ::torch::manual_seed(8);
+    auto model = big();
+    DistributedDataParallel ddp(model, comms2[size_t(rank)]);
+    auto opt = make_sharded(Kind::kSgdMomentum, ddp, 2);
+    const uint64_t start = bytes_read_by_this_thread();
+    ASSERT_TRUE(opt->load(dir_).has_value());
+    read[size_t(rank)] = bytes_read_by_this_thread() - start;
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    // About half the shards' bytes (the ranks' halves differ by a bucket's padding); reading both whole
+    // would be all of them.
+    EXPECT_LT(read[size_t(rank)], checkpoints + shards * 6 / 10)
+        << "rank " << rank << " read " << read[size_t(rank)] << " bytes; the checkpoint is " << checkpoints
+        << " and the shards " << shards;
+    EXPECT_GT(read[size_t(rank)], shards * 4 / 10) << "rank " << rank;
   }
 }
 
