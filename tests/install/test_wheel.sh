@@ -35,8 +35,9 @@ major=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split(".")[
 spelling=--local_rank
 ((major >= 2)) && spelling=--local-rank
 printf 'import os, sys\nprint("launched", sys.executable, *sys.argv[1:], os.environ["RANK"])\n' >"$work/show.py"
-out=$(cd "$work" && timeout -k 5 60 "$venv/bin/python" -m cohort.launch --nproc_per_node 2 --no-tag-output show.py \
-      --lr 1 2>&1) && rc=0 || rc=$?
+# (COHORT_PYTHON, which ctest sets for this script, would name the workers' interpreter instead.)
+out=$(cd "$work" && env -u COHORT_PYTHON timeout -k 5 60 "$venv/bin/python" -m cohort.launch --nproc_per_node 2 \
+      --no-tag-output show.py --lr 1 2>&1) && rc=0 || rc=$?
 [[ $rc == 0 && $out == *"launched $venv/bin/python $spelling=0 --lr 1 0"* &&
    $out == *"launched $venv/bin/python $spelling=1 --lr 1 1"* ]] &&
   pass "python -m cohort.launch passes $spelling=N and runs the venv's python" ||
