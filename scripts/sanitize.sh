@@ -77,9 +77,12 @@ run_tests() {  # KIND
     address)
       # Leaks inside a library cohort talks to (libpmix) are suppressed by library
       # (scripts/lsan_suppressions.txt); every leak in cohort's own code still fails its test.
+      # The Descriptors tests run the launcher with no descriptor to spare, and the sanitizers' runtime
+      # needs some of its own: UBSan's vptr check probes memory through a pipe, and with none to be had
+      # it reports every virtual call as "invalid vptr" (seen there on the EventQueue's shared_ptr).
       (cd "$dir" && LSAN_OPTIONS="suppressions=$root/scripts/lsan_suppressions.txt:print_suppressions=0" \
         ctest --output-on-failure -j 2 -LE 'python|torch_integration|fuzz|multihost|slurm|gpu$|repo' \
-        -E '^PsExample\.') || rc=1
+        -E '^(PsExample|Descriptors)\.') || rc=1
       ;;
     thread)
       # Not the parameter-server example's accuracy run (41 s under TSan), as under ASan.
