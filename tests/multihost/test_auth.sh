@@ -54,7 +54,14 @@ IMP=$(cat "$MH_TMP/impostor.out")
 echo "$OUT" | grep -v '^\[h0:0\] *[0-9]' || true
 echo "$IMP"
 expect_contains "every allreduce value right" "$(cat "$MH_TMP/node.0.out")" "Out of bounds values : 0 OK"
-expect_contains "rank 2 names h3's connections it refused" "$OUT" "refused a TCP connection from $(addr 3):"
+# Rank 2 names h3's connections either way it ended them: refused (their hello came while it waited for its
+# peers) or closed unfinished (every real rank had connected first); which one is a matter of timing.
+if [[ $OUT == *"refused a TCP connection from $(addr 3):"* || $OUT == *"closed a TCP connection from $(addr 3):"* ]]; then
+  pass "rank 2 names h3's connections it refused or closed"
+else
+  fail "rank 2 names h3's connections: neither 'refused' nor 'closed a TCP connection from $(addr 3):' in:"
+  echo "$OUT" | sed 's/^/    | /' >&2
+fi
 expect_contains "the guessed token is refused" "$IMP" "new hello, connection 1: refused"
 expect_contains "the hello of before gets nowhere" "$IMP" "old hello, connection 1: refused"
 expect_not_contains "no data reached h3" "$IMP" "bytes of data"
