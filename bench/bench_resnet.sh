@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ResNet-18 side by side (docs/performance.md, "ResNet-18 on Fashion-MNIST 32x32"): examples/resnet
+# ResNet-18 side by side (docs/performance.md, "Data-parallel training"; bench/results/performance-diary-2026-11.md, "ResNet-18 on Fashion-MNIST 32x32"): examples/resnet
 # against its PyTorch twin bench/resnet_twin.py on the same model, data, batch, seed and optimizer,
 # 1 intra-op thread per rank, STEPS steps per rank (--max-steps). Each round runs, one after the other:
 #   cohort 1 process; PyTorch 1 process; the ceiling (two independent cohort 1-process runs at once,

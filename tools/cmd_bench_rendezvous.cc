@@ -8,7 +8,7 @@
 // Columns: agents, seconds the round was open, requests in all, requests per second at the store,
 // the looks at the round (waits for its "closed" key: one per agent every 100 ms), and requests per
 // agent per look.
-// docs/performance.md ("Elastic jobs: the store's load during a rendezvous") has the figures.
+// bench/results/performance-diary-2026-11.md ("Elastic jobs: the store's load during a rendezvous") has the figures.
 #include <algorithm>
 #include <atomic>
 #include <chrono>

@@ -5,7 +5,7 @@
 # admitted at the generation after (world 8). The final test accuracy must be within 1 point of the
 # same job uninterrupted, every surviving agent exits 0, and nothing of the job is left on any host
 # (no process, no /dev/shm entry). Prints the time from the kill to the first step of generation 1
-# (docs/performance.md, "Elastic jobs"). Then the store's host itself is lost: the survivors move the
+# (docs/performance.md, "Slurm and elastic jobs"). Then the store's host itself is lost: the survivors move the
 # job's store to the standby store of h1 or h2 and go on.
 source "$(dirname "$0")/lib.sh"
 require_command run
