@@ -107,7 +107,7 @@ struct NcclApi {
   int (*CommInitRank)(void** comm, int nranks, NcclUniqueId id, int rank);
   // NCCL >= 2.14; null before. With config.blocking = 0 every call on the communicator returns at
   // once (ncclInProgress while it works), which is what lets a watchdog abort it (see
-  // device_communicator.cc).
+  // nccl_calls.cc).
   int (*CommInitRankConfig)(void** comm, int nranks, NcclUniqueId id, int rank, NcclConfig* config);
   int (*CommInitAll)(void** comms, int ndev, const int* devices);
   int (*CommDestroy)(void* comm);
