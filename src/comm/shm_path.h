@@ -3,7 +3,7 @@
 // when every rank of a communicator is on one host (equal HostIdentity::shm_key()), allreduce,
 // reduce_scatter, allgather, broadcast and barrier run on a shm::Group (src/collectives/shm/group.h)
 // working in shared memory directly; everything else, and every communicator spanning hosts, uses the
-// coll:: algorithms over the transports. communicator_impl.cc calls the collectives through this
+// coll:: algorithms over the transports. communicator_ops.cc calls the collectives through this
 // namespace (`algo::`).
 //
 // Error semantics are the transports' (communicator_impl_shm.cc): each call publishes the operation's
