@@ -16,6 +16,7 @@ Differences from Horovod (docs/horovod.md says more):
 """
 import datetime
 import itertools
+import math
 import os
 import socket
 import threading
@@ -64,6 +65,8 @@ class _State:
         self.initialized = False
         self.owns_default_group = False  # init() built torch's default group, so shutdown() destroys it
         self.store = None                # the store our groups are built on (None: the user's default group)
+        self.store_for = None            # (MASTER_ADDR, MASTER_PORT, rank, size) it was built for
+        self.world_group = None
         self.generation = 0              # groups built after a failed one (each on its own store prefix)
         self.timeout = None
         self.rank = 0
@@ -278,11 +281,16 @@ def init(comm=None, process_sets=None):
                 if rank is not None or size is not None:
                     raise ValueError("hvd.init(): only one of RANK and WORLD_SIZE is set")
                 rank, size = 0, 1  # a plain `python3 train.py`: a world of one
-                _state.store = dist.HashStore()
+                _state.store, _state.store_for = dist.HashStore(), None
             else:
                 if not 0 <= rank < size:
                     raise ValueError(f"hvd.init(): RANK={rank} is outside WORLD_SIZE={size}")
-                _state.store = _make_store(rank, size)
+                where = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), rank, size)
+                if _state.store is None or _state.store_for != where:
+                    # A store per job; a second init() in the same job (after shutdown()) reuses it
+                    # under the next generation's prefix, since rank 0 cannot host a second store on
+                    # the same port while the others may still reach the first.
+                    _state.store, _state.store_for = _make_store(rank, size), where
             _state.rank, _state.size = rank, size
             _build_world_group()
             _state.owns_default_group = True
@@ -340,7 +348,7 @@ def shutdown():
         elif _state.world_group is not dist.group.WORLD:
             dist.destroy_process_group(_state.world_group)
         _state.world_group = None
-        _state.store = None
+        _state.generation += 1  # a later init() builds its groups under a fresh prefix of the same store
         _state.initialized = False
 
 
@@ -518,35 +526,30 @@ def _translate_errors(what, fn, *args):
         raise
     except RuntimeError as e:
         message = str(e)
-        if not _is_cohort_failure(message):
-            raise  # a refusal at the call (bad dtype, shape): the group is unharmed, torch's error stands
-        _recover()
+        if "mismatched calls" in message:
+            _recover()
         raise HorovodInternalError(f"{what} failed: {message}") from e
-
-
-def _is_cohort_failure(message):
-    # The backend's refusals at the call start with "cohort backend:" and leave the group usable;
-    # everything else from a collective (mismatch, lost peer, timeout, abort) has failed the communicator.
-    return "cohort backend:" not in message
 
 
 def _recover():
     """After a failed communicator: every rank that saw the failure builds the next generation of the
     world group on the same store (a new key prefix), so the next operation runs, as Horovod's does
-    after an error. Process sets are dropped (their groups were built on the failed world) and must be
-    added again."""
+    after an error. Only after a mismatch: every rank saw it and is here, whereas after a lost rank a
+    rebuild would wait for it (the elastic layer handles that case)."""
     if not _state.owns_default_group or _state.store is None:
         return  # the user's own default group: theirs to rebuild
     for handle in list(_state.handles):
         _state.handles.pop(handle)
     _state.names_in_flight.clear()
-    for ps in list(_state.process_sets.values()):
-        if ps is not global_process_set:
-            ps._invalidate()
-    _state.process_sets = {0: global_process_set}
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # every group, the process sets' too
     _state.generation += 1
     _build_world_group()
+    # The process sets live on: each gets a new group, in registration order on every rank.
+    for set_id in sorted(_state.process_sets):
+        ps = _state.process_sets[set_id]
+        if ps is not global_process_set:
+            group = _new_group(ps.ranks)
+            ps._group = group if _state.rank in ps.ranks else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -698,6 +701,15 @@ def _check_root(root_rank, process_set, what):
     members = range(_state.size) if process_set in (None, global_process_set) else process_set.ranks
     if root_rank not in members:
         raise ValueError(f"{what}: root_rank {root_rank} is not a rank of the process set ({_set_size(process_set)} ranks)")
+
+
+def _wire_factor(dtype):
+    """How many wire elements one element of `dtype` becomes in _as_wire."""
+    if dtype in _REDUCIBLE:
+        return 1
+    if dtype.is_complex:
+        return 2
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _as_wire(tensor):
@@ -873,3 +885,323 @@ def allgather(tensor, name=None, process_set=global_process_set):
     if tensor.requires_grad and torch.is_grad_enabled():
         return _AllgatherGrad.apply(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Starts an allgather of each tensor of the list; synchronize() returns the list of results."""
+    handles = [allgather_async(t, None, process_set) for t in tensors]
+    return _start("grouped_allgather_async", name, lambda: None,
+                  lambda: [synchronize(h) for h in handles])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """allgather of each tensor of the list; returns the list of results."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped allreduce: one allreduce per dtype over the tensors flattened into one buffer
+# ---------------------------------------------------------------------------------------------
+def _grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set, what):
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError(f"{what}: expected a non-empty list of tensors")
+    for t in tensors:
+        _check_tensor(t, what)
+        _check_reducible(t, what)
+    group = _group_of(process_set)
+    divisor = _set_size(process_set) if op == Average else 1
+    # One flat buffer per dtype, in first-seen order (the same order on every rank, which the
+    # communicator's signatures check through the buffers' counts and dtypes).
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    buffers = []
+    for dtype, indices in by_dtype.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        _scale(flat, prescale_factor)
+        buffers.append((flat, indices))
+
+    def launch():
+        works = [dist.all_reduce(flat, _TORCH_OP[op], group=group, async_op=True) for flat, _ in buffers]
+        return _AllWork(works)
+
+    def finish():
+        for flat, indices in buffers:
+            _scale(flat, postscale_factor)
+            _divide(flat, divisor)
+            offset = 0
+            for i in indices:
+                n = tensors[i].numel()
+                outputs[i].copy_(flat[offset:offset + n].view(tensors[i].shape))
+                offset += n
+        return list(outputs)
+
+    return _start(what, name, launch, finish)
+
+
+class _AllWork:
+    """Several torch Works as one (a grouped operation's handle)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set):
+    """Starts the allreduce of a list of tensors as one operation per dtype; returns a handle whose
+    synchronize() gives the list of results."""
+    op = _reduce_op(op, average, "grouped_allreduce_async")
+    outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    return _grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set,
+                                    "grouped_allreduce_async")
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set):
+    """Starts the in-place allreduce of a list of tensors; returns a handle."""
+    op = _reduce_op(op, average, "grouped_allreduce_async_")
+    return _grouped_allreduce_start(tensors, list(tensors), name, op, prescale_factor, postscale_factor,
+                                    process_set, "grouped_allreduce_async_")
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set):
+    """The reductions of a list of tensors (Average by default); the inputs are unchanged."""
+    op = _reduce_op(op, average, "grouped_allreduce")
+    ctxs = None
+    if compression is not None:
+        pairs = [compression.compress(t) for t in tensors]
+        tensors, ctxs = [p[0] for p in pairs], [p[1] for p in pairs]
+    outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    results = synchronize(_grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postscale_factor,
+                                                   process_set, "grouped_allreduce"))
+    if compression is not None:
+        results = [compression.decompress(r, c) for r, c in zip(results, ctxs)]
+    return results
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
+    """Reduces a list of tensors in place and returns it."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Starts the allreduce of a sparse COO tensor (Sum or Average): every rank's entries gathered and
+    coalesced; returns a handle whose synchronize() gives the sparse result."""
+    if op not in (Sum, Average):
+        raise ValueError("sparse_allreduce_async: only Sum and Average are supported for sparse tensors")
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async: expected a sparse COO tensor")
+    group = _group_of(process_set)
+    output = tensor.clone()
+    n = _set_size(process_set)
+
+    def finish():
+        return output / n if op == Average else output
+
+    return _start("sparse_allreduce_async", name,
+                  lambda: dist.all_reduce(output, dist.ReduceOp.SUM, group=group, async_op=True), finish)
+
+
+# ---------------------------------------------------------------------------------------------
+# alltoall
+# ---------------------------------------------------------------------------------------------
+def _alltoall_start(tensor, splits, name, process_set, what):
+    _check_tensor(tensor, what)
+    group = _group_of(process_set)
+    n = _set_size(process_set)
+    source = tensor.contiguous()
+    if source.dim() == 0:
+        raise ValueError(f"{what}: the tensor needs at least one dimension")
+    rows = source.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"{what}: splits not given, but the first dimension ({rows}) is not a multiple "
+                             f"of the number of ranks ({n})")
+        send = [rows // n] * n
+    else:
+        send = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(send) != n:
+            raise ValueError(f"{what}: splits has {len(send)} entries; the process set has {n} ranks")
+        if any(s < 0 for s in send) or sum(send) > rows:
+            raise ValueError(f"{what}: splits {send} must be >= 0 and sum to at most the first dimension ({rows})")
+        source = source[:sum(send)]
+    # One small alltoall first: rank j learns how many rows each rank sends it, and every rank
+    # checks that the others' tensors agree in dtype and in every dimension but the first.
+    slots = 10
+    if source.dim() > slots - 2:
+        raise ValueError(f"{what}: tensors of more than {slots - 2} dimensions are not supported")
+    info = torch.full((n, slots), -1, dtype=torch.int64)
+    info[:, 0] = torch.tensor(send, dtype=torch.int64)
+    info[:, 1] = _DTYPE_CODE.get(source.dtype, 99)
+    info[:, 2:2 + source.dim() - 1] = torch.tensor(source.shape[1:], dtype=torch.int64) if source.dim() > 1 else -1
+    info[:, 9] = source.dim()
+    got = torch.empty_like(info)
+    _translate_errors(what, dist.all_to_all_single, got, info, None, None, group)
+    mine = info[0, 1:]
+    for r in range(n):
+        if not torch.equal(got[r, 1:], mine):
+            raise HorovodInternalError(
+                f"{what}: mismatched tensors: rank {r} of the process set sends {_describe_alltoall(got[r])} "
+                f"but rank {_set_rank(process_set)} has {_describe_alltoall(info[0])} (they may differ in the "
+                "first dimension only)")
+    received = got[:, 0].tolist()
+    output = source.new_empty([sum(received)] + list(source.shape[1:]))
+    # Split sizes count elements of the flat wire tensors: a row is row_numel elements of the dtype,
+    # and more of them where the dtype travels as its float pairs or bytes (_as_wire).
+    per_row = math.prod(source.shape[1:]) * _wire_factor(source.dtype)
+    wire_in, wire_out = _as_wire(source).reshape(-1), _as_wire(output).reshape(-1)
+
+    def launch():
+        return dist.all_to_all_single(wire_out, wire_in, [r * per_row for r in received],
+                                      [s * per_row for s in send], group=group, async_op=True)
+
+    received_splits = (splits.new_tensor(received) if isinstance(splits, torch.Tensor)
+                       else torch.tensor(received, dtype=torch.int32))
+
+    def finish():
+        return output if splits is None else (output, received_splits)
+
+    return _start(what, name, launch, finish)
+
+
+def _describe_alltoall(row):
+    dims = int(row[9])
+    dtype = str(_CODE_DTYPE.get(int(row[1]), "unknown dtype")).replace("torch.", "")
+    return f"{dtype}[*, {', '.join(str(d) for d in row[2:2 + dims - 1].tolist())}]" if dims > 1 else f"{dtype}[*]"
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Starts an alltoall: rows of `tensor` go to the ranks (splits[j] rows to rank j, or an even split),
+    each rank receives its rows from every rank in rank order. synchronize() returns the output, or
+    (output, received_splits) when splits were given."""
+    return _alltoall_start(tensor, splits, name, process_set, "alltoall_async")
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Blocking alltoall; see alltoall_async."""
+    return synchronize(_alltoall_start(tensor, splits, name, process_set, "alltoall"))
+
+
+# ---------------------------------------------------------------------------------------------
+# reducescatter: the reduction's first dimension split over the ranks (the first ones get one row
+# more when it does not divide evenly, as Horovod's)
+# ---------------------------------------------------------------------------------------------
+def _scatter_rows(rows, n):
+    return [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+
+
+def _reducescatter_start(tensor, name, op, process_set, prescale_factor, postscale_factor, what):
+    _check_tensor(tensor, what)
+    _check_reducible(tensor, what)
+    op = _reduce_op(op, None, what)
+    if tensor.dim() == 0:
+        raise ValueError(f"{what}: the tensor needs at least one dimension")
+    group = _group_of(process_set)
+    n = _set_size(process_set)
+    me = _set_rank(process_set)
+    counts = _scatter_rows(tensor.shape[0], n)
+    source = tensor.contiguous().clone()
+    _scale(source, prescale_factor)
+    reduce_scatter = getattr(dist, "reduce_scatter_tensor", None) or dist._reduce_scatter_base
+    longest = counts[0]
+    if len(set(counts)) == 1:
+        output = tensor.new_empty([longest] + list(tensor.shape[1:]))
+        launch = lambda: reduce_scatter(output, source, _TORCH_OP[op], group=group, async_op=True)  # noqa: E731
+        result = lambda: output  # noqa: E731
+    else:
+        # Uneven rows: each rank's block is padded to the longest (rank 0's), reduced and scattered
+        # as even blocks; every rank keeps its real rows (the padding rows only meet padding).
+        padded = source.new_zeros([n * longest] + list(tensor.shape[1:]))
+        offset = 0
+        for r, rows in enumerate(counts):
+            padded[r * longest:r * longest + rows] = source[offset:offset + rows]
+            offset += rows
+        block = tensor.new_empty([longest] + list(tensor.shape[1:]))
+        launch = lambda: reduce_scatter(block, padded, _TORCH_OP[op], group=group, async_op=True)  # noqa: E731
+        result = lambda: block[:counts[me]]  # noqa: E731
+
+    def finish():
+        out = result()
+        _scale(out, postscale_factor)
+        if op == Average:
+            _divide(out, n)
+        return out
+
+    return _start(what, name, launch, finish)
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Starts a reducescatter: the reduction (Average by default) of every rank's `tensor`, of which each
+    rank gets its block of rows; returns a handle."""
+    return _reducescatter_start(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                "reducescatter_async")
+
+
+def reducescatter(tensor, name=None, compression=None, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Blocking reducescatter; see reducescatter_async."""
+    ctx = None
+    if compression is not None:
+        tensor, ctx = compression.compress(tensor)
+    out = synchronize(_reducescatter_start(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                           "reducescatter"))
+    return compression.decompress(out, ctx) if compression is not None else out
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Starts a reducescatter of each tensor of the list; synchronize() returns the list of results."""
+    handles = [_reducescatter_start(t, None, op, process_set, prescale_factor, postscale_factor,
+                                    "grouped_reducescatter_async") for t in tensors]
+    return _start("grouped_reducescatter_async", name, lambda: None, lambda: [synchronize(h) for h in handles])
+
+
+def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=global_process_set,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    """Blocking grouped reducescatter."""
+    ctxs = None
+    if compression is not None:
+        pairs = [compression.compress(t) for t in tensors]
+        tensors, ctxs = [p[0] for p in pairs], [p[1] for p in pairs]
+    outs = synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor))
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)] if compression is not None else outs
+
+
+# ---------------------------------------------------------------------------------------------
+# barrier / join
+# ---------------------------------------------------------------------------------------------
+def barrier(process_set=global_process_set):
+    """Returns when every rank of the process set has called it."""
+    group = _group_of(process_set)
+    _translate_errors("barrier", dist.barrier, group)
+
+
+_join_count = itertools.count()
+
+
+def join(device=-1):
+    """Waits until every rank has called join() and returns the rank that joined last.
+
+    Unlike Horovod's, a rank that has joined does not stand in (with zeros) for the allreduces the
+    others still issue: every rank must issue the same collectives before join() (docs/horovod.md)."""
+    if not _state.initialized:
+        raise _not_initialized()
+    # The order of arrival comes from the store's counter (one key per join); the last to arrive
+    # publishes itself through the allreduce that every rank then waits in.
+    store = _state.store if _state.store is not None else dist.distributed_c10d._get_default_store()
+    key = f"cohort.horovod/join/{_state.generation}/{next(_join_count)}"
+    arrived = store.add(key, 1)
+    last = torch.tensor([_state.rank if arrived == _state.size else -1], dtype=torch.int64)
+    _translate_errors("join", dist.all_reduce, last, dist.ReduceOp.MAX, _state.world_group)
+    return int(last.item())
