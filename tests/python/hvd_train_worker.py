@@ -352,6 +352,27 @@ def check_sync_batch_norm():
               f"{what}: eval mode uses the running statistics", rtol=1e-5, atol=1e-6)
     raises(ValueError, lambda: hvd.SyncBatchNorm(3)(torch.randn(3)), "a 1-D input is refused")
 
+    # Together with DistributedOptimizer: a model with SyncBatchNorm trained on 2 ranks (each its half,
+    # its own mean loss) ends as the model with BatchNorm trained in one process on the whole batch.
+    def bn_mlp(norm):
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(8, 12), norm(12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
+    distributed, single = bn_mlp(hvd.SyncBatchNorm), bn_mlp(torch.nn.BatchNorm1d)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(distributed.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=distributed.named_parameters())
+    reference_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = global_batch(step, n, PER_RANK)
+        opt.zero_grad()
+        loss_of(distributed, x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]).backward()
+        opt.step()
+        reference_opt.zero_grad()
+        loss_of(single, x, y).backward()
+        reference_opt.step()
+    for (name, got), (_, expected) in zip(distributed.state_dict().items(), single.state_dict().items()):
+        close(got, expected, f"SyncBatchNorm + DistributedOptimizer against BatchNorm in one process: {name}",
+              rtol=1e-4, atol=1e-5)
+
 
 def main():
     hvd.init()

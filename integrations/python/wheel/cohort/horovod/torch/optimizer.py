@@ -126,7 +126,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return p.register_post_accumulate_grad_hook(lambda param: self._gradient_ready(p))
         # torch < 2.1: a hook on the node that accumulates p's gradient (reached through a view of p,
         # whose grad_fn leads to it); the node must be kept alive, hence the reference in the handle.
-        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+        with torch.enable_grad():  # the view needs a grad_fn even when the optimizer is built under no_grad
+            accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
         handle = accumulator.register_hook(lambda *unused: self._gradient_ready(p))
         return (accumulator, handle)
 

@@ -74,7 +74,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count = rows.size(1)
         # Statistics in float64: the combination over ranks subtracts nearly equal numbers.
         if count > 0:
-            var, mean = torch.var_mean(rows.double(), dim=1, unbiased=False)
+            rows = rows.double()
+            mean = rows.mean(1)
+            var = (rows - mean.unsqueeze(1)).square().mean(1)  # biased (var_mean's keyword differs in torch 2)
         else:
             var = mean = torch.zeros(channels, dtype=torch.float64, device=input.device)
         local = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=input.device), mean, var * count])
