@@ -1,8 +1,8 @@
 """One rank of the Horovod training-API checks (test_horovod_train.py starts 2 under `cohort run`).
 
 Written as a Horovod user writes (`import ... as hvd`), against references computed on this rank
-with plain torch and no communication: the same model trained on the whole batch in one process,
-BatchNorm on the concatenated batch. Every rank can build every rank's data (seeded), so each checks
+with plain torch and no communication (the same model trained on the whole batch in one process,
+BatchNorm on the concatenated batch), and against torch's DDP over gloo. Every rank can build every rank's data (seeded), so each checks
 its own results, and rank-specific values (the root's model, its optimizer state) are rebuilt locally.
 All the checks run in one launch: starting the ranks (importing torch) costs far more than they do.
 
@@ -120,9 +120,33 @@ def same_weights(model, reference, what, rtol=1e-5, atol=1e-6):
     check(not torch.allclose(model.state_dict()["0.weight"], initial["0.weight"]), f"{what}: training moved the weights")
 
 
+def train_ddp_gloo(passes, group, steps=STEPS):
+    """The same training under torch's DistributedDataParallel over gloo (no_sync() for all passes
+    but the last of each step, where DDP reduces the accumulated gradients)."""
+    model = torch.nn.parallel.DistributedDataParallel(mlp(0), process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    r, n = hvd.rank(), hvd.size()
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = global_batch(step * passes + k, n, PER_RANK)
+            x, y = x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]
+            if k < passes - 1:
+                with model.no_sync():
+                    loss_of(model, x, y).backward()
+            else:
+                loss_of(model, x, y).backward()
+        opt.step()
+    return model.module
+
+
 def check_distributed_optimizer():
+    # hvd.init() made torch's default group a cohort one: gloo's group for DDP is built beside it.
+    gloo = torch.distributed.new_group(backend="gloo")
     for passes in (1, 2):
-        same_weights(train_distributed(passes), train_reference(passes), f"backward_passes_per_step={passes}")
+        hvd_model = train_distributed(passes)
+        same_weights(hvd_model, train_reference(passes), f"backward_passes_per_step={passes}")
+        same_weights(hvd_model, train_ddp_gloo(passes, gloo), f"backward_passes_per_step={passes} against DDP over gloo")
     # fp16 compression: float16 carries about 3 significant digits of each gradient.
     fp16 = train_distributed(1, compression=hvd.Compression.fp16)
     same_weights(fp16, train_reference(1), "Compression.fp16", rtol=1e-2, atol=2e-3)

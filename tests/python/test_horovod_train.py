@@ -14,8 +14,8 @@ from dist_util import HERE, base_env
 
 
 def test_horovod_training_api_matches_torch_on_2_ranks():
-    """DistributedOptimizer ends with the weights of one process trained on the whole batch
-    (backward_passes_per_step 1 and 2, fp16 compression, Sum, predivide, groups, synchronize +
+    """DistributedOptimizer ends with the weights of one process trained on the whole batch and of
+    DDP over gloo (backward_passes_per_step 1 and 2, fp16 compression, Sum, predivide, groups, synchronize +
     skip_synchronize, an unused parameter) and its allreduces complete inside backward; the
     broadcasts and allgather_object deliver the root's / every rank's values; SyncBatchNorm matches
     BatchNorm on the concatenated batch (output, gradients, running statistics)."""
