@@ -174,6 +174,39 @@ def check_distributed_optimizer():
     same_weights(unused, train_reference(1, unused_branch=True), "a parameter without a gradient")
 
 
+def check_ranks_with_different_graphs():
+    """Rank 0's forward uses branch a, rank 1's branch b, of the same shapes. Horovod pairs the
+    allreduces by name; cohort pairs them by order, which DistributedOptimizer's launch order keeps
+    the same on every rank: a's gradient on rank 0 meets a's zeros on rank 1, never b's gradient.
+    Three steps: the first in the reverse parameter order, the next in rank 0's learned order."""
+    def model():
+        torch.manual_seed(5)
+        return torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "b": torch.nn.Linear(8, 8),
+                                    "head": torch.nn.Linear(8, 4)})
+
+    def forward(m, x, branch):
+        return m["head"](torch.tanh(m[branch](x)))
+
+    r, n = hvd.rank(), hvd.size()
+    distributed, single = model(), model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(distributed.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=distributed.named_parameters())
+    reference_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    branches = "ab"
+    for step in range(3):
+        x, y = global_batch(step, n, PER_RANK)
+        part = slice(r * PER_RANK, (r + 1) * PER_RANK)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(forward(distributed, x[part], branches[r]), y[part]).backward()
+        opt.step()
+        reference_opt.zero_grad()
+        sum(torch.nn.functional.mse_loss(forward(single, x[k * PER_RANK:(k + 1) * PER_RANK], branches[k]),
+                                         y[k * PER_RANK:(k + 1) * PER_RANK]) for k in range(n)).div(n).backward()
+        reference_opt.step()
+    for (name, got), (_, expected) in zip(distributed.state_dict().items(), single.state_dict().items()):
+        close(got, expected, f"ranks using different branches: {name}")
+
+
 def check_overlap():
     """An allreduce starts, and finishes, while backward is still running.
 
@@ -402,6 +435,7 @@ def main():
     hvd.init()
     check(hvd.size() == 2, f"2 ranks expected, got {hvd.size()}")
     check_distributed_optimizer()
+    check_ranks_with_different_graphs()
     check_overlap()
     check_optimizer_errors()
     check_broadcasts()

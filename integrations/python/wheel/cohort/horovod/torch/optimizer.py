@@ -17,9 +17,13 @@ gradients are averaged (or summed, ...) across the ranks before each step:
   group's last gradient is ready.
 
 cohort's communicator pairs operations by their order, not by their names as Horovod's coordinator
-does: every rank must produce its gradients in the same order (the same model, the same graph), and
-gradients that a rank's backward did not produce (unused parameters) are reduced at `synchronize()`
-in the parameters' order, as zeros, on every rank that lacks them.
+does. So the allreduces start in one launch order, the same on every rank, whatever order the
+gradients become ready in: a gradient ready early waits for those before it in that order (as torch
+DDP's buckets do). The first step's order is the reverse of the parameters' (backward's usual order);
+after it, every rank takes the order in which rank 0's gradients became ready. A gradient that a
+rank's backward did not produce (a parameter its forward did not use, while another rank's did) is
+reduced at `synchronize()` as zeros, in its place in the order: ranks whose graphs differ still pair
+the right tensors.
 """
 import os
 import warnings
@@ -78,6 +82,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._units = list(self._trained)
         self._group_ready = {}
         self._handles = {}  # unit -> (handle, compression context), in the order they were started
+        # The launch order (see the module's docstring): units start only in this order.
+        self._launch_order = []
+        self._next_launch = 0  # the index in _launch_order of the next unit to start
+        self._ready = set()  # units whose gradients are ready this step
+        self._ready_sequence = []  # ... in the order they became ready (rank 0's becomes the launch order)
+        self._order_learned = False
         self._hooks = []
         self._synchronized = False
         self._should_synchronize = True
@@ -86,6 +96,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         if groups is not None:
             self._form_groups(groups)
+        self._launch_order = list(reversed(self._units))
         if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             for p in self._trained:
                 self._hooks.append(self._register_gradient_hook(p))
@@ -103,8 +114,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif not isinstance(groups, int) or groups <= 0:
             raise ValueError("DistributedOptimizer: groups must be a positive number of groups or a list of "
                              "lists of parameters")
-        # Rank 0's order of the parameters, so that every rank forms the same groups.
-        order = broadcast_object([self._parameter_names[p] for p in self._trained], root_rank=0,
+        # The first rank's order of the parameters, so that every rank forms the same groups.
+        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        order = broadcast_object([self._parameter_names[p] for p in self._trained], root_rank=root,
                                  name="DistributedOptimizer.groups", process_set=self.process_set)
         by_name = {self._parameter_names[p]: p for p in self._trained}
         ordered = [by_name[name] for name in order]
@@ -145,7 +157,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._group_ready[unit] += 1
             if self._group_ready[unit] < len(unit):
                 return
-        self._start(unit)
+        self._ready.add(unit)
+        self._ready_sequence.append(unit)
+        # Start this unit if it is next in the launch order, and the ready ones it held back.
+        while self._next_launch < len(self._launch_order) and self._launch_order[self._next_launch] in self._ready:
+            self._start(self._launch_order[self._next_launch])
+            self._next_launch += 1
 
     def _scale_factors(self):
         # For Average, the collective divides by the number of ranks after the sum; the predivide
@@ -191,9 +208,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         if self._hooks:
-            for unit in self._units:
-                if unit not in self._handles:
-                    self._start(unit)
+            # The units backward did not make ready (unused parameters, or fewer passes than
+            # backward_passes_per_step), and those that waited behind them, in the launch order.
+            for unit in self._launch_order[self._next_launch:]:
+                self._start(unit)
         for unit, (handle, context) in self._handles.items():
             reduced = synchronize(handle)
             if isinstance(unit, tuple):
@@ -202,14 +220,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self._write_back(unit, reduced, context)
         self._handles.clear()
+        if self._hooks and not self._order_learned:
+            self._learn_launch_order()
         self._reset_passes()
         self._synchronized = True
+
+    def _unit_name(self, unit):
+        return self._parameter_names[unit[0] if isinstance(unit, tuple) else unit]
+
+    def _learn_launch_order(self):
+        """From now on, start the allreduces in the order rank 0's gradients became ready in this
+        first step (one broadcast, once); units rank 0 did not see ready keep their order at the end."""
+        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        names = broadcast_object([self._unit_name(u) for u in self._ready_sequence], root_rank=root,
+                                 name="DistributedOptimizer.order", process_set=self.process_set)
+        by_name = {self._unit_name(u): u for u in self._units}
+        learned = [by_name[name] for name in names]
+        seen = set(learned)
+        self._launch_order = learned + [u for u in self._launch_order if u not in seen]
+        self._order_learned = True
 
     def _reset_passes(self):
         for p in self._passes_left:
             self._passes_left[p] = self.backward_passes_per_step
         for unit in self._group_ready:
             self._group_ready[unit] = 0
+        self._next_launch = 0
+        self._ready.clear()
+        self._ready_sequence.clear()
 
     @contextmanager
     def skip_synchronize(self):
