@@ -14,3 +14,8 @@ from cohort.horovod.torch.mpi_ops import (  # noqa: F401
     mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rank, reducescatter,
     reducescatter_async, remove_process_set, rocm_built, shutdown, size, sparse_allreduce_async,
     start_timeline, stop_timeline, synchronize)
+from cohort.horovod.torch.compression import Compression  # noqa: F401
+from cohort.horovod.torch.functions import (  # noqa: F401
+    allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters)
+from cohort.horovod.torch.optimizer import DistributedOptimizer  # noqa: F401
+from cohort.horovod.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
