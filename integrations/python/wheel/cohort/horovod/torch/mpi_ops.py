@@ -604,13 +604,24 @@ def _check_reducible(tensor, what):
 # ---------------------------------------------------------------------------------------------
 # allreduce
 # ---------------------------------------------------------------------------------------------
+def _torch_op(op, tensor, n):
+    """The backend's op for Horovod's `op` on `tensor`, and what to divide the result by afterwards.
+    Average on floating dtypes is the backend's AVG, which divides as it reduces (one pass over the
+    tensor less than a sum and a division); on integers it is a sum, then Horovod's floor division."""
+    if op == Average:
+        if tensor.is_floating_point():
+            return dist.ReduceOp.AVG, 1
+        return dist.ReduceOp.SUM, n
+    return _TORCH_OP[op], 1
+
+
 def _allreduce_start(tensor, output, name, op, prescale_factor, postscale_factor, process_set, what):
     _check_tensor(tensor, what)
     _check_reducible(tensor, what)
     group = _group_of(process_set)
-    divisor = _set_size(process_set) if op == Average else 1
-    if output is not tensor:
-        output.copy_(tensor)
+    torch_op, divisor = _torch_op(op, tensor, _set_size(process_set))
+    if output is None:
+        output = tensor.clone(memory_format=torch.contiguous_format)
     _scale(output, prescale_factor)
 
     def finish():
@@ -618,15 +629,14 @@ def _allreduce_start(tensor, output, name, op, prescale_factor, postscale_factor
         _divide(output, divisor)
         return output
 
-    return _start(what, name, lambda: dist.all_reduce(output, _TORCH_OP[op], group=group, async_op=True), finish)
+    return _start(what, name, lambda: dist.all_reduce(output, torch_op, group=group, async_op=True), finish)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
     """Starts an allreduce of `tensor` into a new tensor; returns a handle for poll()/synchronize()."""
     op = _reduce_op(op, average, "allreduce_async")
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _allreduce_start(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
+    return _allreduce_start(tensor, None, name, op, prescale_factor, postscale_factor, process_set,
                             "allreduce_async")
 
 
@@ -639,19 +649,20 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 
 def _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, process_set, what):
-    """The blocking path, without a handle: the per-call cost matters for many small gradients."""
+    """The blocking path, without a handle: the per-call cost matters for many small gradients.
+    output None: the result goes to a new contiguous tensor."""
     _check_tensor(tensor, what)
     _check_reducible(tensor, what)
     group = _group_of(process_set)
     if name is not None and name in _state.names_in_flight:
         _claim_name(name, what)  # raises the duplicate-name error
-    if output is not tensor:
-        output.copy_(tensor)
+    torch_op, divisor = _torch_op(op, tensor, _set_size(process_set))
+    if output is None:
+        output = tensor.clone(memory_format=torch.contiguous_format)
     _scale(output, prescale_factor)
-    _translate_errors(what, dist.all_reduce, output, _TORCH_OP[op], group)
+    _translate_errors(what, dist.all_reduce, output, torch_op, group)
     _scale(output, postscale_factor)
-    if op == Average:
-        _divide(output, _set_size(process_set))
+    _divide(output, divisor)
     return output
 
 
@@ -661,14 +672,12 @@ class _AllreduceGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, process_set, "allreduce")
+        return _allreduce_now(tensor, None, name, op, prescale_factor, postscale_factor, process_set, "allreduce")
 
     @staticmethod
     def backward(ctx, grad):
         op, pre, post, ps = ctx.args
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        return _allreduce_now(grad, out, None, op, pre, post, ps, "allreduce (backward)"), None, None, None, None, None
+        return _allreduce_now(grad, None, None, op, pre, post, ps, "allreduce (backward)"), None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
@@ -682,8 +691,7 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     if tensor.requires_grad and torch.is_grad_enabled():
         result = _AllreduceGrad.apply(tensor, name, op, prescale_factor, postscale_factor, process_set)
     else:
-        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        result = _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, process_set, "allreduce")
+        result = _allreduce_now(tensor, None, name, op, prescale_factor, postscale_factor, process_set, "allreduce")
     return compression.decompress(result, ctx) if compression is not None else result
 
 
@@ -756,8 +764,7 @@ class _BroadcastGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         root_rank, ps = ctx.args
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        summed = _allreduce_now(grad, out, None, Sum, 1.0, 1.0, ps, "broadcast (backward)")
+        summed = _allreduce_now(grad, None, None, Sum, 1.0, 1.0, ps, "broadcast (backward)")
         if _state.rank != root_rank:
             summed.zero_()
         return summed, None, None, None
@@ -873,8 +880,7 @@ class _AllgatherGrad(torch.autograd.Function):
     def backward(ctx, grad):
         ps = ctx.process_set
         rows = allgather(torch.tensor([ctx.rows]), process_set=ps).tolist()
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        summed = _allreduce_now(grad, out, None, Sum, 1.0, 1.0, ps, "allgather (backward)")
+        summed = _allreduce_now(grad, None, None, Sum, 1.0, 1.0, ps, "allgather (backward)")
         me = _set_rank(ps)
         start = sum(rows[:me])
         return summed[start:start + rows[me]], None, None
@@ -909,7 +915,7 @@ def _grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postsc
         _check_tensor(t, what)
         _check_reducible(t, what)
     group = _group_of(process_set)
-    divisor = _set_size(process_set) if op == Average else 1
+    n = _set_size(process_set)
     # One flat buffer per dtype, in first-seen order (the same order on every rank, which the
     # communicator's signatures check through the buffers' counts and dtypes).
     by_dtype = {}
@@ -919,14 +925,14 @@ def _grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postsc
     for dtype, indices in by_dtype.items():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
         _scale(flat, prescale_factor)
-        buffers.append((flat, indices))
+        buffers.append((flat, indices) + _torch_op(op, flat, n))
 
     def launch():
-        works = [dist.all_reduce(flat, _TORCH_OP[op], group=group, async_op=True) for flat, _ in buffers]
+        works = [dist.all_reduce(flat, torch_op, group=group, async_op=True) for flat, _, torch_op, _ in buffers]
         return _AllWork(works)
 
     def finish():
-        for flat, indices in buffers:
+        for flat, indices, _, divisor in buffers:
             _scale(flat, postscale_factor)
             _divide(flat, divisor)
             offset = 0
