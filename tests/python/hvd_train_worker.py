@@ -347,6 +347,21 @@ def check_broadcasts():
     moments = hvd.allgather(torch.cat([adam.state[p]["exp_avg"].flatten() for p in model.parameters()]).unsqueeze(0))
     close(moments[0], moments[1], "broadcast_optimizer_state(Adam): first moments agree", rtol=0, atol=0)
 
+    # pytorch_synthetic_benchmark's order: wrap first, then broadcast the (fresh) state of the
+    # DistributedOptimizer: its state is created with the wrapped optimizer's step, no allreduce.
+    model = bn_model(r)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    check(opt.param_groups[0]["lr"] == 0.1, "broadcast_optimizer_state(DistributedOptimizer): root 0's learning rate")
+    check(all(p.grad is None for p in model.parameters()), "creating the state leaves the gradients as they were")
+    check(all("momentum_buffer" in opt.state[p] for p in model.parameters()), "a DistributedOptimizer's state")
+    model(torch.randn(5, 8)).sum().backward()
+    opt.step()
+    stepped = hvd.allgather(torch.cat([p.detach().flatten() for p in model.parameters()]).unsqueeze(0))
+    close(stepped[0], stepped[1], "after a step of the DistributedOptimizer the ranks agree", rtol=0, atol=0)
+
     got = hvd.broadcast_object({"epoch": 7, "name": "root"} if r == 1 else None, root_rank=1)
     check(got == {"epoch": 7, "name": "root"}, f"broadcast_object from root 1: {got}")
     got = hvd.broadcast_object(torch.arange(r, r + 3), root_rank=0)

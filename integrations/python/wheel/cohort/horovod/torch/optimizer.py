@@ -118,8 +118,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         root = self.process_set.ranks[0] if self.process_set.ranks else 0
         order = broadcast_object([self._parameter_names[p] for p in self._trained], root_rank=root,
                                  name="DistributedOptimizer.groups", process_set=self.process_set)
-        by_name = {self._parameter_names[p]: p for p in self._trained}
-        ordered = [by_name[name] for name in order]
+        ordered = self._by_names(order, {self._parameter_names[p]: p for p in self._trained}, root)
         if isinstance(groups, list):
             trained_ids = {id(p) for p in ordered}
             units = [tuple(p for p in group if id(p) in trained_ids) for group in groups]
@@ -131,6 +130,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._units = units
         self._unit_of = {p: unit for unit in units for p in unit}
         self._group_ready = {unit: 0 for unit in units}
+
+    def _by_names(self, names, known, root):
+        """The items `known` maps `names` (another rank's parameter names) to; a clear error when
+        that rank's model has a parameter this one lacks."""
+        missing = [name for name in names if name not in known]
+        if missing:
+            raise ValueError(f"DistributedOptimizer: rank {root}'s model has parameters this rank's lacks: "
+                             f"{', '.join(missing[:5])}; every rank must build the same model")
+        return [known[name] for name in names]
 
     def _register_gradient_hook(self, p):
         """Calls _gradient_ready(p) each time backward has accumulated p's gradient into p.grad."""
@@ -234,8 +242,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         root = self.process_set.ranks[0] if self.process_set.ranks else 0
         names = broadcast_object([self._unit_name(u) for u in self._ready_sequence], root_rank=root,
                                  name="DistributedOptimizer.order", process_set=self.process_set)
-        by_name = {self._unit_name(u): u for u in self._units}
-        learned = [by_name[name] for name in names]
+        learned = self._by_names(names, {self._unit_name(u): u for u in self._units}, root)
         seen = set(learned)
         self._launch_order = learned + [u for u in self._launch_order if u not in seen]
         self._order_learned = True
