@@ -15,6 +15,8 @@ gradients are averaged (or summed, ...) across the ranks before each step:
   1/k for a mean).
 - `groups`: the allreduces of a group's gradients start together, as one grouped allreduce, once the
   group's last gradient is ready.
+- `op=hvd.Adasum`: the ranks' parameter changes, not their gradients, are combined
+  (_DistributedAdasumOptimizer).
 
 cohort's communicator pairs operations by their order, not by their names as Horovod's coordinator
 does. So the allreduces start in one launch order, the same on every rank, whatever order the
