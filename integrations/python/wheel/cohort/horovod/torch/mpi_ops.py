@@ -219,12 +219,16 @@ def _env_int(*names):
 
 
 def _timeout():
-    # The per-operation deadline of our groups: COHORT_TIMEOUT (the backend reads it itself too) or
-    # HOROVOD_GLOO_TIMEOUT_SECONDS' counterpart, else torch's default.
-    seconds = os.environ.get("HOROVOD_TIMEOUT_SECONDS")
-    if seconds:
+    """The deadline of our groups' rendezvous and operations: Horovod's HOROVOD_GLOO_TIMEOUT_SECONDS
+    when set, else torch's default (30 min). COHORT_TIMEOUT, which the backend reads itself, overrides
+    both for the operations (docs/pytorch.md)."""
+    seconds = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")
+    if not seconds:
+        return datetime.timedelta(minutes=30)
+    try:
         return datetime.timedelta(seconds=float(seconds))
-    return datetime.timedelta(minutes=30)
+    except ValueError:
+        raise ValueError(f"hvd.init(): HOROVOD_GLOO_TIMEOUT_SECONDS={seconds!r} is not a number of seconds") from None
 
 
 def _make_store(rank, size):
