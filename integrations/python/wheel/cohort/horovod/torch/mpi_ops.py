@@ -737,11 +737,36 @@ def _broadcast_start(tensor, output, root_rank, name, process_set, what):
     _check_tensor(tensor, what)
     group = _group_of(process_set)
     _check_root(root_rank, process_set, what)
+    _agree_on_broadcast(tensor, root_rank, group, _set_size(process_set), what)
     if output is not tensor:
         output.copy_(tensor)
     wire = _as_wire(output)
     return _start(what, name, lambda: dist.broadcast(wire, root_rank, group=group, async_op=True),
                   lambda: output)
+
+
+def _agree_on_broadcast(tensor, root_rank, group, n, what):
+    """One small allgather of every rank's (root, dtype, shape) before the data moves: a broadcast whose
+    ranks name different roots would otherwise pass unnoticed across hosts (each "root" only sends, so
+    no rank receives a message whose signature could disagree). Raises the same error on every rank."""
+    if n == 1:
+        return
+    slots = 11
+    if tensor.dim() > slots - 3:
+        raise ValueError(f"{what}: tensors of more than {slots - 3} dimensions are not supported")
+    mine = torch.full((slots,), -1, dtype=torch.int64)
+    mine[0] = root_rank
+    mine[1] = _DTYPE_CODE.get(tensor.dtype, 99)
+    mine[2] = tensor.dim()
+    mine[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    every = torch.empty(n, slots, dtype=torch.int64)
+    _translate_errors(what, _all_gather_into, every, mine, group)
+    for r in range(1, n):
+        if not torch.equal(every[r], every[0]):
+            def text(row):
+                return f"root_rank={int(row[0])} with {_describe_row(row[1:])}"
+            raise HorovodInternalError(f"{what}: mismatched calls: rank {r} of the process set called it with "
+                                       f"{text(every[r])} but its rank 0 with {text(every[0])}")
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
