@@ -433,10 +433,12 @@ def nccl_built(verbose=False):
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         return 0
     version = torch.cuda.nccl.version()
-    if isinstance(version, tuple):
-        major, minor, patch = (list(version) + [0, 0, 0])[:3]
-        return major * 1000 + minor * 100 + patch if major < 3 and minor < 10 else major * 10000 + minor * 100 + patch
-    return int(version)
+    if not isinstance(version, tuple):
+        return int(version)  # torch 1.x: already NCCL_VERSION_CODE
+    # NCCL_VERSION_CODE, as Horovod reports it: major*1000 + minor*100 + patch before NCCL 2.9,
+    # major*10000 + minor*100 + patch from 2.9 on.
+    major, minor, patch = (list(version) + [0, 0, 0])[:3]
+    return (major * 1000 if (major, minor) < (2, 9) else major * 10000) + minor * 100 + patch
 
 
 def ddl_built(verbose=False):
