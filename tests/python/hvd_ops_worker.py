@@ -274,8 +274,13 @@ def main():
     raises("op and average together", ValueError, lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum))
     raises("alltoall splits of the wrong length", ValueError, lambda: hvd.alltoall(torch.ones(n), splits=[1]))
 
+    finished = hvd.allreduce_async(torch.full((2,), 2.0), op=hvd.Sum)
+    while not hvd.poll(finished):
+        pass
     message = raises("allreduce of different sizes", hvd.HorovodInternalError,
                      lambda: hvd.allreduce(torch.ones(3 + me)))
+    same("a handle finished before the mismatch keeps its result", hvd.synchronize(finished),
+         torch.full((2,), 2.0 * n))
     # (Which pair of ranks it names depends on who meets whom first: the counts are 3 + rank.)
     expect(f"the mismatch names the counts: {message}", "mismatched calls" in message
            and any(f"count={3 + r}" in message for r in everyone if r != me))
@@ -300,6 +305,12 @@ def main():
     if me % 2 == 0:
         same("process set after the mismatches", hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=evens),
              torch.full((1,), float(len(range(0, n, 2)))))
+    # A mismatch inside a process set: its ranks raise; the set cannot be rebuilt without the others
+    # (torch builds groups with every rank), but the world goes on.
+    if me % 2 == 0:
+        message = raises("a mismatch inside a process set", hvd.HorovodInternalError,
+                         lambda: hvd.allreduce(torch.ones(3 + me), process_set=evens))
+        expect(f"the set's failure says so: {message}", "failed for good" in message)
     same("allreduce after every error", hvd.allreduce(torch.full((3,), float(me)), op=hvd.Max),
          torch.full((3,), float(n - 1)))
 
