@@ -36,6 +36,8 @@ const std::map<std::string, std::string>& valued_flags() {
       {"--start-timeout", "--start-timeout"},
       {"--output-filename", "--output-filename"},
       {"--timeline-filename", "--timeline-filename"},
+      // cohort's own: the ssh line that -p and -i are added to (default ssh -o BatchMode=yes).
+      {"--ssh-command", "--ssh-command"},
       // Horovod's elastic driver: refused below with what to run instead.
       {"--min-np", "--min-np"},
       {"--min-num-proc", "--min-np"},
@@ -72,6 +74,7 @@ const char* kHelp =
     "  --verbose                       the workers and the launcher log at level info (COHORT_LOG_LEVEL=info)\n"
     "  --output-filename DIR           each rank's output also goes to DIR/rank.N/stdout and stderr\n"
     "  --timeline-filename FILE        cohort's timeline of every rank's operations (cohort run --timeline)\n"
+    "  --ssh-command CMD               cohort's: the ssh line that starts the other hosts' agents (-p and -i are added)\n"
     "  --dry-run                       cohort's: print the plan (hosts, ranks, every worker's environment), start nothing\n"
     "  -h, --help                      this help\n"
     "Horovod's elastic driver (--min-np, --max-np, --host-discovery-script) is not served: docs/horovod.md says what\n"
@@ -125,7 +128,7 @@ HorovodLine parse_line(const std::vector<std::string>& args) {
     std::string guess = closest_match(name, known);
     throw ConfigError(fmt::format("unknown flag {}{}: cohort serves horovodrun's -np, -H, --hostfile, -p, -i, "
                                   "--network-interface, --start-timeout, --gloo, --mpi, --verbose, --output-filename "
-                                  "and --timeline-filename, and cohort's --dry-run (docs/horovod.md)",
+                                  "and --timeline-filename, and cohort's --ssh-command and --dry-run (docs/horovod.md)",
                                   name, guess.empty() ? "" : fmt::format(" (did you mean {}?)", guess)));
   }
   line.command.assign(args.begin() + static_cast<long>(i), args.end());
@@ -155,7 +158,7 @@ std::vector<std::string> run_arguments(const HorovodLine& line) {
   if (given("-p") || given("-i")) {
     // The agents of the other hosts start over this ssh line (cohort run --ssh-command splits it on
     // spaces, so an identity file whose path has one cannot be named there).
-    std::string ssh = "ssh -o BatchMode=yes";
+    std::string ssh = given("--ssh-command") ? value("--ssh-command") : "ssh -o BatchMode=yes";
     if (given("-p")) {
       const std::string& port = value("-p");
       if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos || std::stol(port) < 1 ||
@@ -170,6 +173,8 @@ std::vector<std::string> run_arguments(const HorovodLine& line) {
       ssh += " -i " + identity;
     }
     out.insert(out.end(), {"--ssh-command", ssh});
+  } else if (given("--ssh-command")) {
+    out.insert(out.end(), {"--ssh-command", value("--ssh-command")});
   }
   if (given("--network-interface")) {
     // Horovod's --network-interface chooses the interfaces of its own traffic: cohort's counterparts are
