@@ -47,7 +47,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     # `python3 -m cohort.launch`: torch.distributed.launch's line, handed to the tool (cohort/launch.py).
-    packages=["cohort"],
+    # cohort.horovod.torch: Horovod's PyTorch API over cohort (docs/horovod.md).
+    packages=["cohort", "cohort.horovod", "cohort.horovod.torch"],
     # The tool is an ELF program, not a script setuptools could rewrite: data, into the environment's bin/.
     data_files=[("bin", [TOOL])],
     cmdclass={"build_ext": PrebuiltModules},
