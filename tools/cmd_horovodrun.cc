@@ -13,9 +13,17 @@
 
 #include "cohort/error.h"
 #include "command.h"
+#include "common/env.h"
 
 namespace cohort::tools {
 namespace {
+
+// Read by the Python package `horovod` (integrations/python/wheel/cohort/horovod_shim/horovod/__init__.py),
+// declared here so that `cohort env` lists it with the launcher's other settings.
+const env::StringSetting kCohortHorovod("COHORT_HOROVOD", "",
+                                        "import horovod: 1 = cohort's horovod.torch even where a real Horovod is "
+                                        "installed, 0 = never cohort's; unset = cohort's only where no other "
+                                        "horovod package is on sys.path");
 
 // horovodrun's flags that take a value, each under every spelling horovodrun accepts (its argparse
 // names), mapped to one canonical name.
