@@ -140,6 +140,24 @@ def train_ddp_gloo(passes, group, steps=STEPS):
     return model.module
 
 
+def check_compression():
+    x = torch.randn(5, dtype=torch.float64)
+    sent, ctx = hvd.Compression.fp16.compress(x)
+    check(sent.dtype == torch.float16, f"Compression.fp16 sends float16, not {sent.dtype}")
+    back = hvd.Compression.fp16.decompress(sent, ctx)
+    check(back.dtype == torch.float64, "Compression.fp16 gives back the original dtype")
+    close(back, x, "Compression.fp16 round trip", rtol=1e-3, atol=1e-3)
+    counts = torch.arange(4)
+    sent, ctx = hvd.Compression.fp16.compress(counts)
+    check(sent is counts and hvd.Compression.fp16.decompress(sent, ctx) is counts, "integers travel unchanged")
+    sent, ctx = hvd.Compression.none.compress(x)
+    check(sent is x and hvd.Compression.none.decompress(sent, ctx) is x, "Compression.none is the identity")
+    # allreduce's own compression argument (mpi_ops) takes these compressors too.
+    reduced = hvd.allreduce(torch.full((3,), float(hvd.rank() + 1)), compression=hvd.Compression.fp16, op=hvd.Sum)
+    close(reduced, torch.full((3,), float(sum(range(1, hvd.size() + 1)))), "allreduce(compression=fp16)")
+    check(reduced.dtype == torch.float32, "allreduce(compression=fp16) returns float32")
+
+
 def check_distributed_optimizer():
     # hvd.init() made torch's default group a cohort one: gloo's group for DDP is built beside it.
     gloo = torch.distributed.new_group(backend="gloo")
@@ -488,6 +506,7 @@ def check_sync_batch_norm():
 def main():
     hvd.init()
     check(hvd.size() == 2, f"2 ranks expected, got {hvd.size()}")
+    check_compression()
     check_distributed_optimizer()
     check_ranks_with_different_graphs()
     check_adasum()
