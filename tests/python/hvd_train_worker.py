@@ -307,6 +307,33 @@ def check_overlap():
     opt.step()
     print(f"overlap: started before backward ended: {seen['started']}", flush=True)
 
+    # A model whose layers are registered in the reverse of the order it uses them: the first
+    # step's launch order (the reverse of the parameters') is backward's reverse, so its allreduces
+    # wait behind the last-ready gradient; from the second step on, the order learned from rank 0's
+    # first backward lets them start during backward again.
+    class Reordered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.last = torch.nn.Linear(256, 10)
+            self.middle = torch.nn.Linear(256, 256)
+            self.first = torch.nn.Linear(64, 256)
+
+        def forward(self, x):
+            return self.last(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+    model = Reordered()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    started_by_step = []
+    for step in range(2):
+        x = torch.randn(32, 64, requires_grad=True)
+        x.register_hook(lambda grad: started_by_step.append([opt._parameter_names[p] for p in opt._handles]))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    check({"last.weight", "last.bias", "middle.weight", "middle.bias"} <= set(started_by_step[1]),
+          f"after the first step the learned order starts allreduces during backward: {started_by_step}")
+
 
 def check_optimizer_errors():
     model = mlp(0)
