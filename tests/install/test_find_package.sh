@@ -30,6 +30,8 @@ for f in bin/cohort include/cohort/cohort.h include/cohort/version.h include/coh
 done
 ls "$prefix"/lib/python3/dist-packages/cohort_torch*.so >/dev/null 2>&1 && pass "installed the cohort_torch module" ||
   fail "cohort_torch not in lib/python3/dist-packages"
+[[ -e $prefix/lib/python3/dist-packages/cohort/horovod/torch/mpi_ops.py ]] && pass "installed the package cohort.horovod.torch" ||
+  fail "cohort/horovod/torch not in lib/python3/dist-packages"
 # Only the API: every installed header is under include/cohort, and none names a private folder.
 stray=$(cd "$prefix/include" && find . -type f ! -path './cohort/*')
 [[ -z $stray ]] && pass "every installed header is under include/cohort" || fail "headers outside include/cohort: $stray"

@@ -26,6 +26,11 @@ unset PYTHONPATH
 pass "pip installed the wheel into a fresh venv"
 where=$(cd "$work" && "$venv/bin/python" -c 'import cohort_torch, cohort_ps; print(cohort_torch.__file__)')
 [[ $where == "$venv"/* ]] && pass "cohort_torch imports from the venv ($where)" || fail "cohort_torch came from $where"
+# Horovod's API from the wheel: a script started alone is a world of one (docs/horovod.md).
+out=$(cd "$work" && "$venv/bin/python" -c 'import torch, cohort.horovod.torch as hvd; hvd.init()
+print(hvd.__file__, hvd.size(), hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist())' 2>&1) && rc=0 || rc=$?
+[[ $rc == 0 && $out == "$venv"/*" 1 [1.0, 1.0]" ]] && pass "cohort.horovod.torch runs from the venv" ||
+  fail "cohort.horovod.torch from the venv (exit $rc): $out"
 [[ -x $venv/bin/cohort ]] && "$venv/bin/cohort" --version | grep -q "^cohort " && pass "the venv has bin/cohort" ||
   fail "no working bin/cohort in the venv"
 

@@ -1,0 +1,1 @@
+"""Horovod's API served by cohort: `cohort.horovod.torch` is Horovod's `horovod.torch` (docs/horovod.md)."""
