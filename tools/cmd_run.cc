@@ -122,9 +122,11 @@ void apply_mca(const std::vector<std::pair<std::string, std::string>>& mca, Opti
 
 // `cohort run`, and `cohort launch` (`launch_line`): python -m torch.distributed.launch's line, the same
 // flags with --local_rank=N passed to every worker unless --use-env (docs/launcher.md).
-int run_launcher(std::vector<std::string> args, bool launch_line) {
+int run_launcher(std::vector<std::string> args, LaunchLine line) {
   Options o;
-  const std::string command = launch_line ? "cohort launch" : "cohort run";
+  const bool launch_line = line == LaunchLine::kTorchLaunch;
+  o.horovod_env = line == LaunchLine::kHorovodrun;
+  const std::string command = launch_line ? "cohort launch" : o.horovod_env ? "cohort horovodrun" : "cohort run";
   CLI::App app{launch_line ? "cohort launch: python -m torch.distributed.launch's line; cohort run that passes "
                              "--local_rank=N (torch 2.x: --local-rank=N) to each worker unless --use-env"
                            : "cohort run: start, watch and stop a job of PROGRAM on one machine or many",
@@ -471,8 +473,8 @@ int run_agent(std::vector<std::string> args) {
   return launch::run_agent_from_stdin();
 }
 
-int run_run(std::vector<std::string> args) { return run_launcher(std::move(args), false); }
-int run_launch(std::vector<std::string> args) { return run_launcher(std::move(args), true); }
+int run_run(std::vector<std::string> args) { return run_launcher(std::move(args), LaunchLine::kRun); }
+int run_launch(std::vector<std::string> args) { return run_launcher(std::move(args), LaunchLine::kTorchLaunch); }
 
 Registration reg_run("run", "start, watch and stop a job (torchrun / mpirun replacement)", run_run);
 Registration reg_launch("launch",
@@ -481,4 +483,7 @@ Registration reg_launch("launch",
 Registration reg_agent("agent", "one node of an ssh fan-out (started by `cohort run -H`)", run_agent);
 
 }  // namespace
+
+int run_launcher_line(std::vector<std::string> args, LaunchLine line) { return run_launcher(std::move(args), line); }
+
 }  // namespace cohort::tools

@@ -56,6 +56,9 @@ Registration::Registration(std::string name, std::string summary, CommandFn fn) 
 int main(int argc, char** argv) {
   using namespace cohort::tools;
   std::vector<std::string> args(argv + 1, argv + argc);
+  // Installed under the name `horovodrun` too (a link to this tool): then it is `cohort horovodrun`.
+  std::string invoked = argc > 0 ? argv[0] : "";
+  if (invoked.substr(invoked.rfind('/') + 1) == "horovodrun") args.insert(args.begin(), "horovodrun");
   if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
     print_usage(args.empty() ? stderr : stdout);
     return args.empty() ? 2 : 0;

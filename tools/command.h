@@ -38,4 +38,11 @@ std::string closest_match(const std::string& word, const std::vector<std::string
 // naming the file when it cannot be read or is empty), else COHORT_JOB_TOKEN, else "".
 std::string job_token(const std::string& token_file);
 
+// The launcher's command lines, all run by `cohort run`'s code (tools/cmd_run.cc): its own; `cohort launch`
+// (python -m torch.distributed.launch's: --local_rank=N for every worker unless --use-env); `cohort
+// horovodrun` (horovodrun's line, translated by tools/cmd_horovodrun.cc into cohort run's flags: Horovod's
+// variables for every worker). `args[0]` is the command's name, as a CommandFn receives it.
+enum class LaunchLine { kRun, kTorchLaunch, kHorovodrun };
+int run_launcher_line(std::vector<std::string> args, LaunchLine line);
+
 }  // namespace cohort::tools

@@ -52,7 +52,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Plan, mode, nnodes, this_node, world_size, no
                                    trace_dir_default, stall_warn_s, flight_recorder, program_path, program, ps_servers,
                                    num_workers, ps_mode, ps_server_program, rank_table_slots,
                                    rank_table_size, elastic, min_nodes, max_nodes, rdzv_last_call_s, agent_lease_s, form, logs,
-                                   report_bindings, timestamp_output, timeout_s, timeout_flag, ray)
+                                   report_bindings, timestamp_output, timeout_s, timeout_flag, ray, horovod_env)
 
 // The Python interpreter of .py programs and -m modules (read from the launcher's environment map,
 // like every setting build_plan uses, so that tests can give it).
@@ -1081,6 +1081,7 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
     p.form.working_dir_required = o.wdir.has_value();
   }
   p.timestamp_output = o.timestamp_output;
+  p.horovod_env = o.horovod_env;
   // mpirun's wall-clock limit: --timeout, else its MPIEXEC_TIMEOUT variable.
   std::optional<double> timeout = o.timeout_s;
   p.timeout_flag = o.timeout_flag;
@@ -1212,6 +1213,29 @@ std::vector<std::pair<std::string, std::string>> worker_env(const Plan& plan, co
   set("COHORT_WORLD_SIZE", std::to_string(world));
   set("COHORT_LOCAL_RANK", std::to_string(local_rank));
   set("COHORT_LOCAL_WORLD_SIZE", std::to_string(local_world));
+  if (plan.horovod_env) {
+    // As `horovodrun --gloo` sets them (Horovod's runner, slot by slot): the cross ranks of local rank l
+    // are the nodes that have an l-th worker, numbered in node order; with equal nodes, the node rank and
+    // the node count. Programs that read them (and Horovod's own probes) see the job as Horovod's.
+    int cross_rank = 0, cross_size = 0;
+    for (const auto& node : plan.nodes) {
+      if (node.nproc - node.nservers <= local_rank) continue;
+      if (node.node_rank < s.node_rank) ++cross_rank;
+      ++cross_size;
+    }
+    if (plan.elastic || cross_size == 0) {  // an elastic plan lists this node only: its nodes are equal
+      cross_rank = s.node_rank;
+      cross_size = plan.nnodes;
+    }
+    const NodePlan* node = plan.node_of_process(s.rank);
+    set("HOROVOD_RANK", std::to_string(rank));
+    set("HOROVOD_SIZE", std::to_string(world));
+    set("HOROVOD_LOCAL_RANK", std::to_string(local_rank));
+    set("HOROVOD_LOCAL_SIZE", std::to_string(local_world));
+    set("HOROVOD_CROSS_RANK", std::to_string(cross_rank));
+    set("HOROVOD_CROSS_SIZE", std::to_string(cross_size));
+    set("HOROVOD_HOSTNAME", node ? node->host : std::string("localhost"));
+  }
   if (!plan.rank_table_slots.empty() && size_t(s.rank) < plan.rank_table_slots.size()) {
     // As the Ascend launch scripts set them for each process of a rank table.
     set("DEVICE_ID", std::to_string(plan.rank_table_slots[size_t(s.rank)].first));
@@ -1617,6 +1641,12 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
                                                "agent here holds the port first"
                                              : "the agent on the master address's host")
                    : p.mode == Mode::kPerNode ? "node 0's launcher" : "this launcher");
+  if (p.mode == Mode::kFanOut && std::any_of(p.nodes.begin(), p.nodes.end(), [](const NodePlan& n) { return !n.local; }))
+    s += fmt::format("  agents          started {}, the nodes meet within {:g} s (--join-timeout)\n",
+                     p.agent_launcher == "srun" ? std::string("as srun steps") : "by `" + p.ssh_command + " HOST`",
+                     p.join_timeout_s);
+  if (!p.timeline_path.empty())
+    s += fmt::format("  timeline        {} (every rank's operations, merged at the end)\n", p.timeline_path);
   s += fmt::format("  job token       {}\n", !p.token_file.empty() ? "from --token-file " + p.token_file
                                           : p.token_from_env          ? std::string("from COHORT_JOB_TOKEN")
                                           : p.mode == Mode::kPerNode

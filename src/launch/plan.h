@@ -72,6 +72,9 @@ struct Options {
   // auto (as the installed torch's launch spells it: choose_local_rank_arg, launch/torch_version.h).
   std::optional<std::string> local_rank_arg;
   bool use_env = false;            // --use-env (torch.distributed.launch's; nothing to do for cohort)
+  // `cohort horovodrun` (horovodrun's line): every worker also gets Horovod's variables (HOROVOD_RANK,
+  // HOROVOD_SIZE, HOROVOD_LOCAL_*, HOROVOD_CROSS_*, HOROVOD_HOSTNAME), as `horovodrun --gloo` sets them.
+  bool horovod_env = false;
   // mpirun's --map-by, --rank-by, --report-bindings, --oversubscribe (-n may exceed the hosts' slots),
   // --timestamp-output, --timeout (the job's wall-clock limit, seconds) and --wdir (the workers' folder,
   // absolute; the launcher has already entered it).
@@ -265,6 +268,7 @@ struct Plan {
   RankLogs logs;
   bool report_bindings = false;  // --report-bindings: one stderr line per rank with its CPUs
   bool timestamp_output = false;  // --timestamp-output: each console line starts with the time it was read
+  bool horovod_env = false;       // `cohort horovodrun`: HOROVOD_* for every worker (Options::horovod_env)
   // --timeout: the job's wall-clock limit in seconds (0: none), counted by every launcher that is not a
   // fan-out's agent from its own start; the first to reach it ends the job on every node.
   double timeout_s = 0;

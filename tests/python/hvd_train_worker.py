@@ -174,6 +174,78 @@ def check_distributed_optimizer():
     same_weights(unused, train_reference(1, unused_branch=True), "a parameter without a gradient")
 
 
+def check_ranks_with_different_graphs():
+    """Rank 0's forward uses branch a, rank 1's branch b, of the same shapes. Horovod pairs the
+    allreduces by name; cohort pairs them by order, which DistributedOptimizer's launch order keeps
+    the same on every rank: a's gradient on rank 0 meets a's zeros on rank 1, never b's gradient.
+    Three steps: the first in the reverse parameter order, the next in rank 0's learned order."""
+    def model():
+        torch.manual_seed(5)
+        return torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "b": torch.nn.Linear(8, 8),
+                                    "head": torch.nn.Linear(8, 4)})
+
+    def forward(m, x, branch):
+        return m["head"](torch.tanh(m[branch](x)))
+
+    r, n = hvd.rank(), hvd.size()
+    distributed, single = model(), model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(distributed.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=distributed.named_parameters())
+    reference_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    branches = "ab"
+    for step in range(3):
+        x, y = global_batch(step, n, PER_RANK)
+        part = slice(r * PER_RANK, (r + 1) * PER_RANK)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(forward(distributed, x[part], branches[r]), y[part]).backward()
+        opt.step()
+        reference_opt.zero_grad()
+        sum(torch.nn.functional.mse_loss(forward(single, x[k * PER_RANK:(k + 1) * PER_RANK], branches[k]),
+                                         y[k * PER_RANK:(k + 1) * PER_RANK]) for k in range(n)).div(n).backward()
+        reference_opt.step()
+    for (name, got), (_, expected) in zip(distributed.state_dict().items(), single.state_dict().items()):
+        close(got, expected, f"ranks using different branches: {name}")
+
+
+def check_adasum():
+    """op=hvd.Adasum: each rank steps SGD with momentum (its own momentum buffers) on its own gradient,
+    and the parameters move by the Adasum of the ranks' changes. The reference simulates both ranks
+    here: one model and one optimizer per rank, all starting each step from the shared parameters."""
+    def adasum2(a, b):  # the Adasum paper's rule for two ranks, in float64
+        a, b = a.double(), b.double()
+        dot = (a * b).sum()
+        return (1 - dot / (2 * (a * a).sum())) * a + (1 - dot / (2 * (b * b).sum())) * b
+
+    r, n = hvd.rank(), hvd.size()
+    model = mlp(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    shared = mlp(0)
+    replicas = [mlp(0) for _ in range(n)]
+    replica_opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in replicas]
+    for step in range(3):
+        x, y = global_batch(step, n, PER_RANK)
+        opt.zero_grad()
+        loss_of(model, x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]).backward()
+        opt.step()
+        deltas = []
+        for k, (replica, replica_opt) in enumerate(zip(replicas, replica_opts)):
+            replica.load_state_dict(shared.state_dict())
+            replica_opt.zero_grad()
+            loss_of(replica, x[k * PER_RANK:(k + 1) * PER_RANK], y[k * PER_RANK:(k + 1) * PER_RANK]).backward()
+            replica_opt.step()
+            deltas.append({name: v - shared.state_dict()[name] for name, v in replica.state_dict().items()})
+        with torch.no_grad():
+            for name, value in shared.state_dict().items():
+                value.add_(adasum2(deltas[0][name], deltas[1][name]).to(value.dtype))
+    for name, value in shared.state_dict().items():
+        close(model.state_dict()[name], value, f"op=hvd.Adasum: {name}")
+    plain_average = train_distributed(1, steps=3)
+    check(any(not torch.allclose(a, b) for a, b in zip(model.state_dict().values(), plain_average.state_dict().values())),
+          "op=hvd.Adasum differs from op=hvd.Average")
+    raises(AssertionError, lambda: opt.skip_synchronize().__enter__(), "skip_synchronize() with Adasum raises")
+
+
 def check_overlap():
     """An allreduce starts, and finishes, while backward is still running.
 
@@ -236,8 +308,8 @@ def check_optimizer_errors():
     opt.zero_grad()
 
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
-    raises(NotImplementedError, lambda: hvd.DistributedOptimizer(sgd(model), model.named_parameters(), op=hvd.Adasum),
-           "op=Adasum is refused clearly")
+    raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(model), model.named_parameters(), op=hvd.Adasum, groups=2),
+           "op=Adasum with groups is refused")
     twice = [("same", model[0].weight), ("same", model[0].bias)]
     raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(model), twice), "repeated names are refused")
     raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(model), list(model.named_parameters())[:2]),
@@ -313,6 +385,21 @@ def check_broadcasts():
     check(steps[0] == steps[1], f"broadcast_optimizer_state(Adam): step counts {steps}")
     moments = hvd.allgather(torch.cat([adam.state[p]["exp_avg"].flatten() for p in model.parameters()]).unsqueeze(0))
     close(moments[0], moments[1], "broadcast_optimizer_state(Adam): first moments agree", rtol=0, atol=0)
+
+    # pytorch_synthetic_benchmark's order: wrap first, then broadcast the (fresh) state of the
+    # DistributedOptimizer: its state is created with the wrapped optimizer's step, no allreduce.
+    model = bn_model(r)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    check(opt.param_groups[0]["lr"] == 0.1, "broadcast_optimizer_state(DistributedOptimizer): root 0's learning rate")
+    check(all(p.grad is None for p in model.parameters()), "creating the state leaves the gradients as they were")
+    check(all("momentum_buffer" in opt.state[p] for p in model.parameters()), "a DistributedOptimizer's state")
+    model(torch.randn(5, 8)).sum().backward()
+    opt.step()
+    stepped = hvd.allgather(torch.cat([p.detach().flatten() for p in model.parameters()]).unsqueeze(0))
+    close(stepped[0], stepped[1], "after a step of the DistributedOptimizer the ranks agree", rtol=0, atol=0)
 
     got = hvd.broadcast_object({"epoch": 7, "name": "root"} if r == 1 else None, root_rank=1)
     check(got == {"epoch": 7, "name": "root"}, f"broadcast_object from root 1: {got}")
@@ -402,6 +489,8 @@ def main():
     hvd.init()
     check(hvd.size() == 2, f"2 ranks expected, got {hvd.size()}")
     check_distributed_optimizer()
+    check_ranks_with_different_graphs()
+    check_adasum()
     check_overlap()
     check_optimizer_errors()
     check_broadcasts()

@@ -14,6 +14,7 @@ import shutil
 from setuptools import Distribution, setup
 from setuptools.command.build_ext import build_ext
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.environ["CMAKE_BINARY_DIR"]
 MODULES = sorted(glob.glob(os.path.join(BUILD, "integrations", "python", "cohort_*.so")))
 TOOL = os.path.join(BUILD, "tools", "cohort")
@@ -30,6 +31,9 @@ class PrebuiltModules(build_ext):
         os.makedirs(self.build_lib, exist_ok=True)
         for module in MODULES:
             shutil.copy2(module, os.path.join(self.build_lib, os.path.basename(module)))
+        # Beside the packages: puts cohort/horovod_shim (the `horovod` name, used where Horovod is not
+        # installed) at the end of sys.path, so that no file of an installed Horovod is overwritten.
+        shutil.copy2(os.path.join(HERE, "cohort-horovod.pth"), os.path.join(self.build_lib, "cohort-horovod.pth"))
 
 
 class BinaryDistribution(Distribution):
@@ -48,7 +52,9 @@ setup(
     python_requires=">=3.9",
     # `python3 -m cohort.launch`: torch.distributed.launch's line, handed to the tool (cohort/launch.py).
     # cohort.horovod.torch: Horovod's PyTorch API over cohort (docs/horovod.md).
-    packages=["cohort", "cohort.horovod", "cohort.horovod.torch"],
+    packages=["cohort", "cohort.horovod", "cohort.horovod.torch", "cohort.horovod.torch.elastic",
+              # `import horovod.torch` where Horovod is not installed (cohort-horovod.pth, docs/horovod.md).
+              "cohort.horovod_shim.horovod", "cohort.horovod_shim.horovod.torch"],
     # The tool is an ELF program, not a script setuptools could rewrite: data, into the environment's bin/.
     data_files=[("bin", [TOOL])],
     cmdclass={"build_ext": PrebuiltModules},

@@ -19,3 +19,4 @@ from cohort.horovod.torch.functions import (  # noqa: F401
     allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from cohort.horovod.torch.optimizer import DistributedOptimizer  # noqa: F401
 from cohort.horovod.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
+from cohort.horovod.torch import elastic  # noqa: F401,E402  (hvd.elastic: run, TorchState; docs/horovod.md)

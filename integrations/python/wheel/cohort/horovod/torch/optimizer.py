@@ -15,11 +15,17 @@ gradients are averaged (or summed, ...) across the ranks before each step:
   1/k for a mean).
 - `groups`: the allreduces of a group's gradients start together, as one grouped allreduce, once the
   group's last gradient is ready.
+- `op=hvd.Adasum`: the ranks' parameter changes, not their gradients, are combined
+  (_DistributedAdasumOptimizer).
 
 cohort's communicator pairs operations by their order, not by their names as Horovod's coordinator
-does: every rank must produce its gradients in the same order (the same model, the same graph), and
-gradients that a rank's backward did not produce (unused parameters) are reduced at `synchronize()`
-in the parameters' order, as zeros, on every rank that lacks them.
+does. So the allreduces start in one launch order, the same on every rank, whatever order the
+gradients become ready in: a gradient ready early waits for those before it in that order (as torch
+DDP's buckets do). The first step's order is the reverse of the parameters' (backward's usual order);
+after it, every rank takes the order in which rank 0's gradients became ready. A gradient that a
+rank's backward did not produce (a parameter its forward did not use, while another rank's did) is
+reduced at `synchronize()` as zeros, in its place in the order: ranks whose graphs differ still pair
+the right tensors.
 """
 import os
 import warnings
@@ -29,7 +35,8 @@ import torch
 
 from .compression import Compression
 from .functions import broadcast_object
-from .mpi_ops import Adasum, Average, allreduce_async_, global_process_set, grouped_allreduce_async_, size, synchronize
+from .mpi_ops import (Adasum, Average, allgather_async, allreduce_async_, global_process_set, grouped_allreduce_async_,
+                      size, synchronize)
 
 
 def _split_evenly(items, parts):
@@ -78,6 +85,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._units = list(self._trained)
         self._group_ready = {}
         self._handles = {}  # unit -> (handle, compression context), in the order they were started
+        # The launch order (see the module's docstring): units start only in this order.
+        self._launch_order = []
+        self._next_launch = 0  # the index in _launch_order of the next unit to start
+        self._ready = set()  # units whose gradients are ready this step
+        self._ready_sequence = []  # ... in the order they became ready (rank 0's becomes the launch order)
+        self._order_learned = False
         self._hooks = []
         self._synchronized = False
         self._should_synchronize = True
@@ -86,6 +99,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         if groups is not None:
             self._form_groups(groups)
+        self._launch_order = list(reversed(self._units))
         if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             for p in self._trained:
                 self._hooks.append(self._register_gradient_hook(p))
@@ -103,11 +117,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif not isinstance(groups, int) or groups <= 0:
             raise ValueError("DistributedOptimizer: groups must be a positive number of groups or a list of "
                              "lists of parameters")
-        # Rank 0's order of the parameters, so that every rank forms the same groups.
-        order = broadcast_object([self._parameter_names[p] for p in self._trained], root_rank=0,
+        # The first rank's order of the parameters, so that every rank forms the same groups.
+        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        order = broadcast_object([self._parameter_names[p] for p in self._trained], root_rank=root,
                                  name="DistributedOptimizer.groups", process_set=self.process_set)
-        by_name = {self._parameter_names[p]: p for p in self._trained}
-        ordered = [by_name[name] for name in order]
+        ordered = self._by_names(order, {self._parameter_names[p]: p for p in self._trained}, root)
         if isinstance(groups, list):
             trained_ids = {id(p) for p in ordered}
             units = [tuple(p for p in group if id(p) in trained_ids) for group in groups]
@@ -119,6 +133,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._units = units
         self._unit_of = {p: unit for unit in units for p in unit}
         self._group_ready = {unit: 0 for unit in units}
+
+    def _by_names(self, names, known, root):
+        """The items `known` maps `names` (another rank's parameter names) to; a clear error when
+        that rank's model has a parameter this one lacks."""
+        missing = [name for name in names if name not in known]
+        if missing:
+            raise ValueError(f"DistributedOptimizer: rank {root}'s model has parameters this rank's lacks: "
+                             f"{', '.join(missing[:5])}; every rank must build the same model")
+        return [known[name] for name in names]
 
     def _register_gradient_hook(self, p):
         """Calls _gradient_ready(p) each time backward has accumulated p's gradient into p.grad."""
@@ -145,7 +168,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._group_ready[unit] += 1
             if self._group_ready[unit] < len(unit):
                 return
-        self._start(unit)
+        self._ready.add(unit)
+        self._ready_sequence.append(unit)
+        # Start this unit if it is next in the launch order, and the ready ones it held back.
+        while self._next_launch < len(self._launch_order) and self._launch_order[self._next_launch] in self._ready:
+            self._start(self._launch_order[self._next_launch])
+            self._next_launch += 1
 
     def _scale_factors(self):
         # For Average, the collective divides by the number of ranks after the sum; the predivide
@@ -191,9 +219,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         if self._hooks:
-            for unit in self._units:
-                if unit not in self._handles:
-                    self._start(unit)
+            # The units backward did not make ready (unused parameters, or fewer passes than
+            # backward_passes_per_step), and those that waited behind them, in the launch order.
+            for unit in self._launch_order[self._next_launch:]:
+                self._start(unit)
         for unit, (handle, context) in self._handles.items():
             reduced = synchronize(handle)
             if isinstance(unit, tuple):
@@ -202,14 +231,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self._write_back(unit, reduced, context)
         self._handles.clear()
+        if self._hooks and not self._order_learned:
+            self._learn_launch_order()
         self._reset_passes()
         self._synchronized = True
+
+    def _unit_name(self, unit):
+        return self._parameter_names[unit[0] if isinstance(unit, tuple) else unit]
+
+    def _learn_launch_order(self):
+        """From now on, start the allreduces in the order rank 0's gradients became ready in this
+        first step (one broadcast, once); units rank 0 did not see ready keep their order at the end."""
+        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        names = broadcast_object([self._unit_name(u) for u in self._ready_sequence], root_rank=root,
+                                 name="DistributedOptimizer.order", process_set=self.process_set)
+        learned = self._by_names(names, {self._unit_name(u): u for u in self._units}, root)
+        seen = set(learned)
+        self._launch_order = learned + [u for u in self._launch_order if u not in seen]
+        self._order_learned = True
 
     def _reset_passes(self):
         for p in self._passes_left:
             self._passes_left[p] = self.backward_passes_per_step
         for unit in self._group_ready:
             self._group_ready[unit] = 0
+        self._next_launch = 0
+        self._ready.clear()
+        self._ready_sequence.clear()
 
     @contextmanager
     def skip_synchronize(self):
@@ -251,6 +299,84 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._reset_passes()
 
 
+def _adasum_pair(a, b):
+    """Adasum of two vectors: (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b. Orthogonal vectors add,
+    equal ones give the vector once; a zero vector leaves the other as it is."""
+    dot, aa, bb = torch.dot(a, b), torch.dot(a, a), torch.dot(b, b)
+    a_scale = 1 - dot / (2 * aa) if aa > 0 else 0.0
+    b_scale = 1 - dot / (2 * bb) if bb > 0 else 0.0
+    return a_scale * a + b_scale * b
+
+
+def _adasum(rows):
+    """Adasum of the ranks' vectors (in rank order), in float64, over a binary tree as Horovod's
+    recursive halving-doubling combines them: ranks 0+1, 2+3, ..., then those results pairwise.
+    With a rank count that is not a power of two, the odd one out of a level goes up unchanged."""
+    level = [row.double() for row in rows]
+    while len(level) > 1:
+        paired = [_adasum_pair(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        level = paired + level[len(level) - len(level) % 2:]
+    return level[0]
+
+
+class _DistributedAdasumOptimizer(_DistributedOptimizer):
+    """op=hvd.Adasum, as Horovod's: each rank applies the wrapped optimizer to its own gradient, and
+    the ranks' parameter changes (deltas), not their gradients, are combined with Adasum.
+
+    The hook of a parameter runs the wrapped optimizer's step for that parameter alone, takes the
+    delta and puts the parameter back, then starts an allgather of the delta (cohort has no Adasum
+    reduction: each rank combines the gathered deltas itself, in the same order, so all get the same
+    result; memory: one delta per rank). step() waits, and adds the combined delta to the parameter.
+    """
+
+    def _start(self, unit):
+        p = unit
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        before = p.detach().clone()
+        self._step_one_parameter(p)
+        with torch.no_grad():
+            delta = p.detach() - before
+            p.copy_(before)
+        payload, context = self._compression.compress(delta.reshape(1, -1))
+        handle = allgather_async(payload, name=self._parameter_names[p], process_set=self.process_set)
+        self._handles[p] = (handle, context)
+
+    def _step_one_parameter(self, p):
+        """The wrapped optimizer's step, with every parameter group holding only p (or nothing)."""
+        kept = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [q for q in group["params"] if q is p]
+            super(_DistributedOptimizer, self).step()
+        finally:
+            for group, params in zip(self.param_groups, kept):
+                group["params"] = params
+
+    def synchronize(self):
+        for unit in self._launch_order[self._next_launch:]:
+            self._start(unit)
+        with torch.no_grad():
+            for p, (handle, context) in self._handles.items():
+                deltas = self._compression.decompress(synchronize(handle), context)
+                p.add_(_adasum(list(deltas)).view_as(p).to(p.dtype))
+        self._handles.clear()
+        if not self._order_learned:
+            self._learn_launch_order()
+        self._reset_passes()
+
+    @contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("DistributedOptimizer: skip_synchronize() is not supported with op=hvd.Adasum "
+                             "(its step happens in synchronize())")
+        yield  # a generator, for contextmanager
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.synchronize()
+        return loss
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set):
@@ -259,12 +385,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     instance of a subclass of `optimizer`'s class sharing its parameter groups and state; use it in
     `optimizer`'s place. See the module's docstring, and Horovod's documentation for the arguments.
 
-    op=hvd.Adasum is not implemented: on more than one rank it raises NotImplementedError.
-    Sparse gradients are reduced as dense tensors and made sparse again.
+    op=hvd.Adasum combines the ranks' parameter changes with Adasum (see _DistributedAdasumOptimizer),
+    on the global process set only, without groups. Sparse gradients are reduced as dense tensors and
+    made sparse again.
     """
-    if op == Adasum and size() > 1:
-        raise NotImplementedError("DistributedOptimizer: op=hvd.Adasum is not implemented by cohort's Horovod API; "
-                                  "use op=hvd.Average (the default) or hvd.Sum")
+    adasum = op == Adasum and size() > 1  # on one rank, Horovod too falls back to the plain optimizer
+    if adasum and process_set is not global_process_set:
+        raise NotImplementedError("DistributedOptimizer: op=hvd.Adasum works on the global process set only, as in Horovod")
+    if adasum and groups is not None:
+        raise ValueError("DistributedOptimizer: op=hvd.Adasum reduces each parameter on its own: groups do not apply")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("DistributedOptimizer: gradient_predivide_factor is only for op=hvd.Average")
     if backward_passes_per_step <= 0:
@@ -274,7 +403,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         groups = num_groups if groups is None else groups
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("DistributedOptimizer: this optimizer is already a DistributedOptimizer")
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    base = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    cls = type(optimizer.__class__.__name__, (base, optimizer.__class__), {})
     # The new object takes over the wrapped one's attributes (its param_groups, its state, its
     # defaults) rather than being constructed again, so nothing the optimizer already holds is lost.
     distributed = cls.__new__(cls)

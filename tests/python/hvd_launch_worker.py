@@ -1,0 +1,26 @@
+"""One rank of a Horovod-style script under horovodrun's line (`horovodrun -np 2 python3 this.py`).
+
+`import horovod.torch` must be cohort's (no Horovod is installed in the test's environment), hvd's ranks
+and sizes must be the HOROVOD_* variables the launcher set, and a collective must add up. Prints
+"HVD OK rank=R" at the end; a failed check raises.
+"""
+import os
+import socket
+
+import torch
+
+import horovod.torch as hvd
+
+hvd.init()
+assert hvd.__name__ == "cohort.horovod.torch", hvd.__name__
+env = {k: int(os.environ[f"HOROVOD_{k}"]) for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
+                                                    "CROSS_SIZE")}
+got = dict(RANK=hvd.rank(), SIZE=hvd.size(), LOCAL_RANK=hvd.local_rank(), LOCAL_SIZE=hvd.local_size(),
+           CROSS_RANK=hvd.cross_rank(), CROSS_SIZE=hvd.cross_size())
+assert got == env, f"hvd says {got}, the launcher's HOROVOD_* say {env}"
+# The host as -H names it; without -H, this machine (cohort names it as its tags do).
+assert os.environ["HOROVOD_HOSTNAME"] == socket.gethostname(), os.environ["HOROVOD_HOSTNAME"]
+total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+assert total.item() == hvd.size() * (hvd.size() + 1) / 2, total
+hvd.shutdown()
+print(f"HVD OK rank={env['RANK']}", flush=True)

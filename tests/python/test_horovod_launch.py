@@ -1,0 +1,97 @@
+"""The `horovod` name, horovodrun's line and hvd.elastic under cohort (docs/horovod.md), with real processes.
+
+Run through ctest (label `python`), or by hand:
+    COHORT_TORCH_MODULE_DIR=build/integrations/python COHORT_TOOL=build/tools/cohort \
+        /usr/bin/python3 -m pytest -q tests/python/test_horovod_launch.py
+The build folder's integrations/python holds the modules and links to the packages `cohort` and `horovod`
+(integrations/python/CMakeLists.txt): that one folder on PYTHONPATH serves `import horovod.torch`.
+"""
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+from dist_util import HERE, base_env
+
+
+def _tool():
+    tool = os.environ.get("COHORT_TOOL", "")
+    assert tool, "COHORT_TOOL is not set: run these tests through ctest, or set it to build/tools/cohort"
+    return tool
+
+
+def _env(**extra):
+    env = base_env(**extra)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "COHORT_HOROVOD"):
+        env.pop(k, None)  # the launcher decides
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _fake_real_horovod(folder):
+    """A stand-in for an installed Horovod: a `horovod` package whose torch module says whose it is."""
+    os.makedirs(os.path.join(folder, "horovod", "torch"))
+    with open(os.path.join(folder, "horovod", "__init__.py"), "w") as f:
+        f.write("WHOSE = 'the real one'\n")
+    with open(os.path.join(folder, "horovod", "torch", "__init__.py"), "w") as f:
+        f.write("import horovod\nWHOSE = horovod.WHOSE\n")
+
+
+PROBE = """
+import horovod, horovod.torch as hvd
+print(getattr(hvd, 'WHOSE', hvd.__name__), horovod.__file__)
+"""
+
+
+def _probe(pythonpath, **extra):
+    env = _env(**extra)
+    env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip()
+
+
+def test_horovod_name_is_cohorts_only_where_no_real_horovod_is_found():
+    built = os.environ["COHORT_TORCH_MODULE_DIR"]
+    with tempfile.TemporaryDirectory() as real:
+        _fake_real_horovod(real)
+        # No Horovod installed: cohort's.
+        assert _probe([built]).startswith("cohort.horovod.torch "), _probe([built])
+        # A real Horovod after cohort's on the path, or before it: the real one, whole.
+        for order in ([built, real], [real, built]):
+            out = _probe(order)
+            assert out == f"the real one {real}/horovod/__init__.py", (order, out)
+        # Asked for: cohort's even then.
+        out = _probe([built, real], COHORT_HOROVOD="1")
+        assert out.startswith("cohort.horovod.torch "), out
+        # And cohort.horovod.torch is always cohort's.
+        env = _env()
+        env["PYTHONPATH"] = os.pathsep.join([real, built])
+        proc = subprocess.run([sys.executable, "-c", "import cohort.horovod.torch as h; print(h.__name__)"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.stdout.strip() == "cohort.horovod.torch", proc.stdout + proc.stderr
+
+
+def test_a_horovod_script_runs_under_the_horovodrun_line():
+    horovodrun = os.path.join(os.path.dirname(_tool()), "horovodrun")
+    proc = subprocess.run([horovodrun, "-np", "2", "--gloo", sys.executable, os.path.join(HERE, "hvd_launch_worker.py")],
+                          env=_env(), capture_output=True, text=True, timeout=90)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    for r in range(2):
+        assert f"HVD OK rank={r}" in proc.stdout, output
+
+
+def test_elastic_training_resumes_from_the_last_commit_after_a_killed_rank():
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([_tool(), "run", "-n", "2", "--max-restarts", "1", "--kill-grace", "1",
+                               sys.executable, os.path.join(HERE, "hvd_elastic_worker.py")],
+                              env=_env(TMPDIR=tmp), capture_output=True, text=True, timeout=90)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output
+        oks = [l for l in proc.stdout.splitlines() if "ELASTIC OK attempt=1" in l]
+        assert len(oks) == 2, output
+        # Both ranks resumed from one commit, and the commit files are gone after the success.
+        assert len({l.split("resumed=")[1] for l in oks}) == 1, output
+        assert glob.glob(os.path.join(tmp, "cohort-hvd-elastic-*", "*", "*")) == [], output
