@@ -6,6 +6,7 @@ with what hvd returned: exactly for integers, within the dtype's tolerance for f
 come last: a mismatch must raise on every rank, and the next operation must work again.
 Prints "OK <checks>" at the end; any failed check raises (non-zero exit).
 """
+import datetime
 import os
 import sys
 
@@ -68,6 +69,23 @@ def reference(op, tensors):
     if op == hvd.Average:
         out = out / len(tensors) if dtype.is_floating_point else torch.floor(out / len(tensors))
     return out.to(dtype)
+
+
+_store = None
+
+
+def settle(tag):
+    """Returns once every rank has got here, through the job's store rather than a collective: a rank
+    leaves a collective as soon as its own part is done, possibly before a slower rank has finished it,
+    and cohort fails every pending operation of a communicator that fails. So before a mismatch that is
+    meant to fail one known call on every rank, every rank must have finished the calls before it."""
+    global _store
+    if _store is None:
+        _store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                            is_master=False, timeout=datetime.timedelta(seconds=30))
+    if _store.add(f"hvd_ops_worker/settle/{tag}", 1) == hvd.size():
+        _store.set(f"hvd_ops_worker/settled/{tag}", "1")
+    _store.wait([f"hvd_ops_worker/settled/{tag}"], datetime.timedelta(seconds=30))
 
 
 def raises(what, exc, fn):
@@ -277,6 +295,7 @@ def main():
     finished = hvd.allreduce_async(torch.full((2,), 2.0), op=hvd.Sum)
     while not hvd.poll(finished):
         pass
+    settle("sizes")
     message = raises("allreduce of different sizes", hvd.HorovodInternalError,
                      lambda: hvd.allreduce(torch.ones(3 + me)))
     same("a handle finished before the mismatch keeps its result", hvd.synchronize(finished),
@@ -285,6 +304,7 @@ def main():
     expect(f"the mismatch names the counts: {message}", "mismatched calls" in message
            and any(f"count={3 + r}" in message for r in everyone if r != me))
     same("allreduce after the mismatch", hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    settle("dtypes")
     message = raises("allreduce of different dtypes", hvd.HorovodInternalError,
                      lambda: hvd.allreduce(torch.ones(4, dtype=torch.float32 if me == 0 else torch.float64)))
     expect(f"dtype mismatch message: {message}", "mismatched calls" in message)
@@ -307,6 +327,7 @@ def main():
              torch.full((1,), float(len(range(0, n, 2)))))
     # A mismatch inside a process set: its ranks raise; the set cannot be rebuilt without the others
     # (torch builds groups with every rank), but the world goes on.
+    settle("process set")
     if me % 2 == 0:
         message = raises("a mismatch inside a process set", hvd.HorovodInternalError,
                          lambda: hvd.allreduce(torch.ones(3 + me), process_set=evens))

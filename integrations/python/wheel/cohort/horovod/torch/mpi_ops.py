@@ -551,10 +551,11 @@ def _translate_errors(what, group, fn, *args):
         if "mismatched calls" in message:
             if group is _state.world_group:
                 _recover(message)
-            else:
+            elif any(ps._group is group for ps in _state.process_sets.values()):
                 # Only the set's ranks saw it, and torch builds a group only with every rank of the
                 # world taking part, so the set's group cannot be rebuilt here.
                 message += " (the process set's group is failed for good; the world's still works)"
+            # else: a group that an earlier rebuild replaced (a handle from before it): nothing to rebuild.
         raise HorovodInternalError(message) from e
 
 
