@@ -123,8 +123,6 @@ void apply_mca(const std::vector<std::pair<std::string, std::string>>& mca, Opti
                str::join(ignored, ", "));
 }
 
-// `cohort run`, and `cohort launch` (`launch_line`): python -m torch.distributed.launch's line, the same
-// flags with --local_rank=N passed to every worker unless --use-env (docs/launcher.md).
 // A launcher that srun started as a task of a step (per-node mode) and that has no token: the step's
 // nodes share a munge realm, so the job gets a token through it (launch/munge.h). This node's place is
 // where SLURMD_NODENAME stands in SLURM_STEP_NODELIST, as for its node rank (docs/slurm.md).
@@ -142,6 +140,8 @@ launch::JobContext::SlurmMunge slurm_munge(const launch::EnvMap& env) {
   return m;
 }
 
+// `cohort run`, and `cohort launch` (`launch_line`): python -m torch.distributed.launch's line, the same
+// flags with --local_rank=N passed to every worker unless --use-env (docs/launcher.md).
 int run_launcher(std::vector<std::string> args, bool launch_line) {
   Options o;
   const std::string command = launch_line ? "cohort launch" : "cohort run";
