@@ -79,6 +79,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                                         frame.payload.size()) == 0);
       }
     }
+    // A notice request (read before authentication): one string, re-encoded to the same payload.
+    std::string_view notice_name;
+    if (parse_notice(frame.payload, &notice_name)) {
+      std::string again;
+      encode_notice(again, notice_name);
+      check(again.size() == frame.payload.size() + kHeaderSize &&
+            std::memcmp(again.data() + kHeaderSize, frame.payload.data(), frame.payload.size()) == 0);
+    }
     // Replies as the client reads them.
     Reader reader(frame.payload);
     reader.u32();

@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,8 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "launch/job.h"
+#include "launch/munge.h"
+#include "launch/parsers.h"
 #include "launch/plan.h"
 #include "launch/torch_version.h"
 
@@ -118,6 +121,23 @@ void apply_mca(const std::vector<std::pair<std::string, std::string>>& mca, Opti
                "host and TCP between hosts itself; btl_tcp_if_include and oob_tcp_if_include choose its interfaces, "
                "the latter only for a -H/--hostfile job without --master-addr); ignored\n",
                str::join(ignored, ", "));
+}
+
+// A launcher that srun started as a task of a step (per-node mode) and that has no token: the step's
+// nodes share a munge realm, so the job gets a token through it (launch/munge.h). This node's place is
+// where SLURMD_NODENAME stands in SLURM_STEP_NODELIST, as for its node rank (docs/slurm.md).
+launch::JobContext::SlurmMunge slurm_munge(const launch::EnvMap& env) {
+  launch::JobContext::SlurmMunge m;
+  auto step = env.find("SLURM_STEP_ID"), list = env.find("SLURM_STEP_NODELIST"), me = env.find("SLURMD_NODENAME");
+  if (step == env.end() || list == env.end() || me == env.end()) return m;
+  const auto nodes = launch::expand_slurm_nodelist(list->second);
+  const auto here = std::find(nodes.begin(), nodes.end(), me->second);
+  if (here == nodes.end()) return m;
+  m.enabled = true;
+  m.node = static_cast<int>(here - nodes.begin());
+  m.nodes = static_cast<int>(nodes.size());
+  m.socket = launch::munge::socket_path(env, &m.socket_source);
+  return m;
 }
 
 // `cohort run`, and `cohort launch` (`launch_line`): python -m torch.distributed.launch's line, the same
@@ -445,13 +465,18 @@ int run_launcher(std::vector<std::string> args, LaunchLine line) {
   // The job token keys the store's and the ranks' connections (docs/security.md). A local or fan-out job
   // makes one (it reaches the agents on ssh's or srun's stdin); the launchers of a per-node job start apart
   // and share only what they are given: --token-file or COHORT_JOB_TOKEN.
+  // Under srun they have the cluster's munge realm in common: node 0's launcher makes the token and the
+  // others decode it from munge credentials (launch/munge.h) when the job starts.
   auto token = env.find("COHORT_JOB_TOKEN");
   if (!token_file.empty()) ctx.token = file_token;
   else if (token != env.end() && !token->second.empty()) ctx.token = token->second;
   else if (plan.mode != launch::Mode::kPerNode) ctx.token = launch::random_token(32);
-  if (ctx.token.empty()) {
-    auto required = env.find(kRequireAuth.name());
-    if (require_auth || kRequireAuth.from(required == env.end() ? std::nullopt : std::optional(required->second)))
+  else ctx.munge = slurm_munge(env);
+  auto required = env.find(kRequireAuth.name());
+  ctx.require_auth =
+      require_auth || kRequireAuth.from(required == env.end() ? std::nullopt : std::optional(required->second));
+  if (ctx.token.empty() && !ctx.munge.enabled) {
+    if (ctx.require_auth)
       throw ConfigError(fmt::format("this per-node job has no job token, and {} refuses to start it open: "
                                     "give every node's launcher the same --token-file PATH (mode 0600) or "
                                     "COHORT_JOB_TOKEN",

@@ -452,9 +452,9 @@ int Job::run() {
   // is open to anyone who reaches it: say so, and how to close it (docs/security.md).
   if (ctx_.token.empty() && plan_.host_store && !ctx_.agent_mode)
     say(fmt::format("warning: this job is open: anyone who reaches node 0's store ({}) or a rank's port can join "
-                    "it; give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN "
+                    "it; {}give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN "
                     "(docs/security.md)",
-                    store_addr_));
+                    store_addr_, open_reason_.empty() ? "" : open_reason_ + "; "));
   if (plan_.set_omp_threads && plan_.this_node >= 0 && plan_.host_store && !ctx_.agent_mode)
     say(fmt::format("setting OMP_NUM_THREADS=1 for each worker (it was unset and {} processes share a node); set "
                     "it yourself to choose another value",

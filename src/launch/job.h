@@ -19,6 +19,17 @@ struct JobContext {
   Plan plan;
   EnvMap env;               // the launcher's environment
   std::string token;        // job token ("" = store without authentication)
+  // A Slurm per-node job given no token (tools/cmd_run.cc): node 0's launcher makes one and the others
+  // decode it from munge credentials that node 0's store serves (launch/munge.h).
+  struct SlurmMunge {
+    bool enabled = false;
+    int node = 0;            // this node's place in SLURM_STEP_NODELIST
+    int nodes = 0;           // the step's node count: node 0 makes a credential for each other node
+    std::string socket;      // munged's socket ("" = munge's default)
+    std::string socket_source;
+  } munge;
+  // --require-auth / COHORT_REQUIRE_AUTH=1 where the token is settled only when the job starts (munge).
+  bool require_auth = false;
   int torch_port = 0;       // remote agents: MASTER_PORT chosen by the head
   bool agent_mode = false;  // a remote agent: stdin is the control channel from the head
   std::string self_exe;     // this cohort binary (the head starts the same path over ssh)

@@ -22,6 +22,7 @@
 #include "common/socket.h"
 #include "common/strings.h"
 #include "launch/job_internal.h"
+#include "launch/munge.h"
 
 namespace cohort::launch::job_detail {
 
@@ -128,6 +129,10 @@ void Job::start_store() {
     StoreServerOptions so;
     so.host = local ? "127.0.0.1" : "";
     so.port = static_cast<uint16_t>(plan_.master_port);
+    if (ctx_.munge.enabled && ctx_.token.empty()) {
+      so.notices = make_munge_credentials();
+      require_settled_token();  // before anything listens
+    }
     so.token = ctx_.token;
     try {
       server_ = StoreServer::start(so);
@@ -146,6 +151,8 @@ void Job::start_store() {
       // Elastic: another agent on this host holds the port (it hosts the store); join it as a client.
       log::info("elastic job: the store's port is taken here ({}); joining it as a client", e.what());
       plan_.host_store = false;
+      // A token made here for a store that others host is nobody's: take theirs (munge) instead.
+      if (!so.notices.empty()) ctx_.token.clear();
     }
   }
   if (plan_.host_store) {
@@ -158,6 +165,7 @@ void Job::start_store() {
   }
   if (!distributed_) {
     base_store_ = make_memory_store();
+    require_settled_token();
     return;
   }
   StoreClientOptions co;
@@ -175,6 +183,13 @@ void Job::start_store() {
                                       std::chrono::duration<double>(plan_.join_timeout_s));
   auto next_note = started + std::chrono::seconds(5);
   const std::string whose = plan_.elastic ? "the job's store" : "node 0's store";
+  bool need_munge = ctx_.munge.enabled && ctx_.token.empty() && !plan_.host_store;
+  // A node that cannot decode need not ask node 0 (and --require-auth refuses at once, not after node 0
+  // answers): if node 0 made a token, its store refuses this node with the usual line.
+  if (need_munge && !munge_usable_here()) {
+    need_munge = false;
+    require_settled_token();
+  }
   for (;;) {
     if (int sig = pending_interrupt())
       throw Interrupted(sig, fmt::format("interrupted by {} while waiting for {} at {} ({:.0f} s of {:g} s)",
@@ -184,6 +199,10 @@ void Job::start_store() {
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     co.timeout = std::clamp(left, Millis(1), kConnectSlice);
     try {
+      if (need_munge) {
+        take_munge_token(co);  // retried like the connection until node 0's store answers
+        need_munge = false;
+      }
       base_store_ = connect_tcp_store(co);
       co.timeout = Millis(5000);  // it answered: the second connection is quick
       watch_base_ = connect_tcp_store(co);
@@ -202,6 +221,7 @@ void Job::start_store() {
       }
     }
   }
+  require_settled_token();
   // An elastic agent is joined from the start: its calls are all short ones (the rendezvous waits in
   // slices). The others wait long for node 0 while they join, then switch to kStoreCallTimeout.
   const Millis call_timeout = plan_.elastic ? kStoreCallTimeout : Millis(60000);
@@ -228,6 +248,55 @@ void Job::start_store() {
                                                             : fmt::format("{}:{}", here, standby_->port());
   }
   if (plan_.elastic) open_lease();
+}
+
+std::map<std::string, std::string> Job::make_munge_credentials() {
+  if (!munge_usable_here()) return {};  // the job runs open, as before, and the warning says why
+  const std::string token = random_token(32);
+  std::map<std::string, std::string> credentials;
+  for (int node = 0; node < ctx_.munge.nodes; ++node) {
+    if (node == ctx_.munge.node) continue;
+    auto made = munge::encode(token, geteuid(), ctx_.munge.socket, kMungeTimeout);
+    if (!made.ok) {
+      open_reason_ = fmt::format("no munge token: {} (socket from {})", made.why, ctx_.munge.socket_source);
+      return {};
+    }
+    credentials[munge::notice_name(node)] = made.value;
+  }
+  ctx_.token = token;
+  log::info("job token made here; {} munge credential(s) for the other nodes, restricted to uid {}",
+            credentials.size(), geteuid());
+  return credentials;
+}
+
+bool Job::munge_usable_here() {
+  std::string why;
+  if (munge::available(ctx_.munge.socket, &why)) return true;
+  open_reason_ = fmt::format("no munge token: {} (socket from {})", why, ctx_.munge.socket_source);
+  return false;
+}
+
+void Job::take_munge_token(StoreClientOptions& co) {
+  auto credential = fetch_store_notice(co, munge::notice_name(ctx_.munge.node));
+  if (!credential) {
+    open_reason_ = "no munge token: node 0's store has no munge credential for this node (node 0 could not make one)";
+    return;
+  }
+  auto token = munge::decode(*credential, geteuid(), ctx_.munge.socket, kMungeTimeout);
+  if (!token.ok)
+    throw AuthError(fmt::format("node {} ({}): cannot read the job token from the munge credential that node 0's "
+                                "store at {} serves: {} (socket from {})",
+                                ctx_.munge.node, net::hostname(), store_addr_, token.why, ctx_.munge.socket_source));
+  ctx_.token = token.value;
+  co.token = token.value;
+}
+
+void Job::require_settled_token() {
+  if (ctx_.require_auth && ctx_.token.empty())
+    throw ConfigError(fmt::format("node {} ({}): this per-node job has no job token{}, and --require-auth "
+                                  "(COHORT_REQUIRE_AUTH=1) refuses to start it open: give every node's launcher the "
+                                  "same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN",
+                                  plan_.this_node, net::hostname(), open_reason_.empty() ? "" : ": " + open_reason_));
 }
 
 void Job::check_job_id() {

@@ -52,6 +52,8 @@ inline constexpr Millis kStoreCallTimeout{2000};
 // answers in milliseconds (and within about a second while thousands of clients join), so no answer
 // this long after the deadline means a cut link or a dead host.
 inline constexpr Millis kStoreReplyGrace{1000};
+// One munge or unmunge run (a local daemon's answer: milliseconds when it is up).
+inline constexpr Millis kMungeTimeout{10000};
 
 // The exit code of a job stopped at its wall-clock limit (--timeout): 124, the code of coreutils'
 // timeout(1), so a script tells a limit from a failure the usual way (Open MPI's mpirun exits 110).
@@ -205,6 +207,12 @@ class Job {
   // Set-up
   void setup_signals();
   void start_store();
+  // Slurm per-node jobs without a token (JobContext::munge): node 0 makes the token and a munge
+  // credential of it for each other node; the others fetch theirs from node 0's store and decode it.
+  std::map<std::string, std::string> make_munge_credentials();
+  bool munge_usable_here();  // false: open_reason_ says why
+  void take_munge_token(StoreClientOptions& co);
+  void require_settled_token();
   void check_job_id();  // per-node jobs: the store serves this job (its --rdzv-id), or ConfigError
   void start_agents();
   // A fan-out that cannot start all its agents: the ones started are killed and reaped at once.
@@ -336,6 +344,7 @@ class Job {
   UniqueFd limit_fd_;  // --timeout's timer (invalid without a limit)
   std::unique_ptr<StoreServer> server_;
   std::string store_addr_;
+  std::string open_reason_;  // why a job that could have had a token has none (munge failed): for the warning
   int torch_port_ = 0;
   std::shared_ptr<Store> base_store_;   // coordination (main thread)
   std::shared_ptr<Store> base_client_;  // the TCP client under base_store_ (its default timeout)

@@ -1649,6 +1649,10 @@ std::string describe_plan(const Plan& p, const EnvMap& env, const std::string& s
     s += fmt::format("  timeline        {} (every rank's operations, merged at the end)\n", p.timeline_path);
   s += fmt::format("  job token       {}\n", !p.token_file.empty() ? "from --token-file " + p.token_file
                                           : p.token_from_env          ? std::string("from COHORT_JOB_TOKEN")
+                                          : p.mode == Mode::kPerNode && env.count("SLURM_STEP_ID") &&
+                                                    env.count("SLURM_STEP_NODELIST") && env.count("SLURMD_NODENAME")
+                                              ? std::string("made by node 0's launcher, through munge to the "
+                                                            "others (open if munged does not answer)")
                                           : p.mode == Mode::kPerNode
                                               ? std::string("none: the job is open (give every node the same "
                                                             "--token-file PATH or COHORT_JOB_TOKEN)")

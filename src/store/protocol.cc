@@ -33,6 +33,7 @@ const char* op_name(Op op) {
     case Op::kHello: return "hello";
     case Op::kWelcome: return "welcome";
     case Op::kRefused: return "refused";
+    case Op::kNotice: return "notice";
     case Op::kSet: return "set";
     case Op::kGet: return "get";
     case Op::kAdd: return "add";
@@ -262,6 +263,17 @@ void encode_challenge(std::string& out, bool auth_required, std::string_view non
 void encode_hello(std::string& out, std::string_view proof) {
   Writer w(out);
   w.begin(Op::kHello, 0).u32(kMagic).u16(kVersion).bytes(proof).end();
+}
+
+void encode_notice(std::string& out, std::string_view name) {
+  Writer w(out);
+  w.begin(Op::kNotice, 0).bytes(name).end();
+}
+
+bool parse_notice(std::string_view payload, std::string_view* name) {
+  Reader r(payload);
+  *name = r.bytes();
+  return r.at_end();
 }
 
 void encode_set(std::string& out, uint32_t id, std::string_view key, std::string_view value) {

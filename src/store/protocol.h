@@ -34,6 +34,11 @@ enum class Op : uint8_t {
   kHello = 2,      // client: magic u32, version u16, proof bytes (empty: no token)
   kWelcome = 3,    // server: (empty)
   kRefused = 4,    // server: reason string; the connection is then closed
+  // Before the Hello, a client may ask for one of the server's notices: values it serves to anyone,
+  // unauthenticated, because they are no secret (StoreServerOptions::notices; a Slurm per-node job's
+  // munge credentials, docs/security.md). The server answers Ok(value), or Error when it has none by
+  // that name; the connection stays in the handshake (a Hello may follow, or the client closes).
+  kNotice = 5,     // client: name string                -> Ok(value) | Error
   // Requests (client -> server).
   kSet = 16,         // key, value                      -> Ok()
   kGet = 17,         // timeout_ms u32, key             -> Ok(value) | TimedOut
@@ -156,6 +161,9 @@ bool parse_hello(std::string_view payload, Hello* out);
 // Encoders used by the client, the bench clients and the server.
 void encode_challenge(std::string& out, bool auth_required, std::string_view nonce);
 void encode_hello(std::string& out, std::string_view proof);
+void encode_notice(std::string& out, std::string_view name);
+// The name a kNotice frame asks for; false when its payload is not exactly one string.
+bool parse_notice(std::string_view payload, std::string_view* name);
 void encode_set(std::string& out, uint32_t id, std::string_view key, std::string_view value);
 void encode_get(std::string& out, uint32_t id, std::string_view key, uint32_t timeout_ms);
 void encode_add(std::string& out, uint32_t id, std::string_view key, int64_t delta);

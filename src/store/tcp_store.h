@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +28,10 @@ struct StoreServerOptions {
   // (a half-open or stalled peer); a connection idle between frames is fine.
   Millis frame_timeout{std::chrono::seconds(30)};
   uint32_t max_frame = 64u << 20;  // larger length fields close the connection
+  // Values served to anyone who asks before authenticating (proto::Op::kNotice), so they must be
+  // nothing a stranger could use: a Slurm per-node job's munge credentials, which only the job's
+  // user can decode (docs/security.md, "How each mode gets its token").
+  std::map<std::string, std::string> notices;
 };
 
 class StoreServer {
@@ -95,6 +101,11 @@ class StoreLease {
   // "" while the lease holds; otherwise why it was lost.
   virtual std::string lost() const = 0;
 };
+
+// Asks the store at options.host:port for its notice `name` (StoreServerOptions::notices) without
+// authenticating, retrying the connection like connect_tcp_store until options.timeout. Returns
+// nullopt when the store has no such notice; throws TimeoutError/PeerLostError when it is unreachable.
+std::optional<std::string> fetch_store_notice(const StoreClientOptions& options, const std::string& name);
 
 // Connects to "host:port" with the job token from COHORT_JOB_TOKEN (if set) and `timeout`.
 std::shared_ptr<Store> connect_tcp_store(const std::string& address, Millis timeout);

@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -41,7 +42,10 @@ struct Reply {
 
 class TcpStore : public Store {
  public:
-  explicit TcpStore(const StoreClientOptions& options) : options_(options) {
+  // With `notice`, the connection asks for that notice before authenticating and ends there
+  // (fetch_store_notice): notice_value() then holds the answer.
+  explicit TcpStore(const StoreClientOptions& options, const std::string* notice = nullptr)
+      : options_(options), notice_(notice) {
     address_ = options_.host.find(':') != std::string::npos ? fmt::format("[{}]:{}", options_.host, options_.port)
                                                             : fmt::format("{}:{}", options_.host, options_.port);
     timeout_ = options_.timeout;
@@ -50,6 +54,7 @@ class TcpStore : public Store {
   }
 
   std::string auth_token() const override { return options_.token; }
+  const std::optional<std::string>& notice_value() const { return notice_value_; }
 
   void set(const std::string& key, const std::string& value) override {
     std::lock_guard<std::mutex> g(mutex_);
@@ -263,6 +268,17 @@ class TcpStore : public Store {
     std::string proof;
     if (ch.auth_required && !options_.token.empty()) proof = store_auth::proof(options_.token, ch.nonce);
     consume_frame();
+    if (notice_) {
+      out_.clear();
+      proto::encode_notice(out_, *notice_);
+      send_pending(deadline, "notice", {});
+      read_frame(deadline, "notice", &f);
+      if (f.op == Op::kOk) notice_value_ = string_payload(f.payload);
+      else if (f.op != Op::kError)
+        throw PeerLostError(fmt::format("unexpected reply {} to the notice request", static_cast<unsigned>(f.op)));
+      consume_frame();
+      return;  // not authenticated: this connection is only for the notice
+    }
     out_.clear();
     proto::encode_hello(out_, proof);
     send_pending(deadline, "handshake", {});
@@ -470,6 +486,8 @@ class TcpStore : public Store {
   std::mutex mutex_;
   UniqueFd fd_;
   bool connected_ = false;  // handshake done: a lost connection now breaks the store for good
+  const std::string* notice_ = nullptr;
+  std::optional<std::string> notice_value_;
   std::string broken_;      // set when the connection is lost: every later call throws it
   uint32_t last_id_ = 0;
   std::string out_;
@@ -601,6 +619,11 @@ std::unique_ptr<StoreLease> StoreLease::open(const StoreClientOptions& options, 
 
 std::shared_ptr<Store> connect_tcp_store(const StoreClientOptions& options) {
   return std::make_shared<TcpStore>(options);
+}
+
+std::optional<std::string> fetch_store_notice(const StoreClientOptions& options, const std::string& name) {
+  TcpStore once(options, &name);
+  return once.notice_value();
 }
 
 std::shared_ptr<Store> connect_tcp_store(const std::string& address, Millis timeout) {

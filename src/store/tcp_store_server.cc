@@ -306,6 +306,7 @@ class TcpStoreServer : public StoreServer {
 
   bool handle_hello(Conn& c, const proto::FrameView& frame) {
     proto::Hello hello;
+    if (frame.op == Op::kNotice) return handle_notice(c, frame);
     if (frame.op != Op::kHello) {
       close_conn(c.id, fmt::format("expected the handshake, got operation {}", static_cast<unsigned>(frame.op)),
                  log::Level::kInfo, true);
@@ -337,6 +338,22 @@ class TcpStoreServer : public StoreServer {
     c.authenticated = true;
     c.nonce.clear();
     proto::Writer(c.out).begin(Op::kWelcome, frame.id).end();
+    return true;
+  }
+
+  // A notice is served before authentication and leaves the connection in the handshake: it is what
+  // lets a node without the token yet (a Slurm per-node job's) fetch what it decodes the token from.
+  bool handle_notice(Conn& c, const proto::FrameView& frame) {
+    std::string_view name;
+    if (!proto::parse_notice(frame.payload, &name)) {
+      close_conn(c.id, "malformed notice request (not a cohort store client)", log::Level::kInfo, true);
+      return false;
+    }
+    auto it = options_.notices.find(std::string(name));
+    if (it == options_.notices.end())
+      proto::encode_string_reply(c.out, Op::kError, frame.id, fmt::format("this store has no notice '{}'", name));
+    else
+      proto::encode_string_reply(c.out, Op::kOk, frame.id, it->second);
     return true;
   }
 

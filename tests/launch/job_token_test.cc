@@ -58,6 +58,14 @@ TEST(JobToken, TheDryRunSaysWhereTheTokenComesFrom) {
   r = run_process(without, {}, 30);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("job token       none: the job is open"), std::string::npos) << r.out;
+  // A task of an srun step: node 0 makes the token and the others decode it through munge.
+  r = run_process({cohort_tool(), "run", "--dry-run", "--nproc-per-node", "1", "/bin/true"},
+                  {"SLURM_JOB_ID=7", "SLURM_STEP_ID=0", "SLURM_STEP_NODELIST=h[0-1]", "SLURMD_NODENAME=h1",
+                   "SLURM_STEP_TASKS_PER_NODE=1(x2)"},
+                  30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("job token       made by node 0's launcher, through munge to the others"), std::string::npos)
+      << r.out;
 }
 
 }  // namespace

@@ -4,6 +4,9 @@
   impostor.py store HOST PORT JOB_ID
       connects to the job's store without a proof and pipelines a write of the job's end key (which would
       stop every node); prints 'store: refused: <reason>' or 'store: accepted'.
+  impostor.py notice HOST PORT NAME
+      asks the job's store for its notice NAME before authenticating, as anyone may (a Slurm per-node job's
+      munge credentials, src/launch/munge.h); prints the value, or 'no notice: <reason>' and exits 1.
   impostor.py data HOST PORT SCOPE CLAIMED_RANK TARGET_RANK
       connects to a rank's data port four times, posing as CLAIMED_RANK: two connections with the hello
       of cohort before issue 47 (magic and scope hash: all it asked for), two through the authenticated
@@ -59,6 +62,32 @@ def store(host, port, job_id):
         print("store: accepted" if data else "store: closed without an answer")
 
 
+def notice(host, port, name):
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(frame(5, string(name.encode())))
+    data = b""
+    while True:  # the Challenge, then the reply to the notice
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) >= 4 and len(data) >= 4 + struct.unpack_from("<I", data)[0] + 4:
+            (first,) = struct.unpack_from("<I", data)
+            reply = data[4 + first:]
+            if len(reply) >= 4 and len(reply) >= 4 + struct.unpack_from("<I", reply)[0]:
+                break
+    (first,) = struct.unpack_from("<I", data)
+    reply = data[4 + first:]
+    op = reply[4]
+    (n,) = struct.unpack_from("<I", reply, 9)
+    text = reply[13:13 + n].decode(errors="replace")
+    if op == 64:
+        print(text)
+    else:
+        print("no notice:", text)
+        sys.exit(1)
+
+
 def data(host, port, scope, claimed, target):
     claimed, target = int(claimed), int(target)
     conns = []
@@ -110,4 +139,4 @@ def data(host, port, scope, claimed, target):
 
 
 if __name__ == "__main__":
-    {"store": store, "data": data}[sys.argv[1]](*sys.argv[2:])
+    {"store": store, "notice": notice, "data": data}[sys.argv[1]](*sys.argv[2:])

@@ -66,6 +66,35 @@ TEST(Mpirun, BenchAllreduceWithNothingElseSet) {
   EXPECT_NE(r.out.find("# cohort bench allreduce: 2 ranks"), std::string::npos) << r.out;
 }
 
+#ifdef COHORT_IMPOSTOR
+// A job that mpirun starts is closed with no token of the user's (issue 47): rank 0 makes one and it
+// travels only through PMIx (src/comm/pmix.cc), whose server hands it to this job's ranks only. Rank 1,
+// before it joins, reads where rank 0's store listens from rank 0's log and connects as someone outside
+// the job who knows that address and the job's keys (tests/multihost/impostor.py, without the token):
+// refused. The job then completes with every value right.
+TEST(Mpirun, TheStoreRefusesAProcessWithoutTheTokenThatPmixCarried) {
+  SKIP_WITHOUT_MPIRUN();
+  test::TempDir dir;
+  const std::string script = R"(d=$1 tool=$2 impostor=$3
+bench() { exec "$tool" bench allreduce -b 8 -e 64K -f 64 -n 2 -w 1 --trials 1 -c "$@"; }
+[ "$OMPI_COMM_WORLD_RANK" = 0 ] && bench 2>"$d/rank0.err"
+for i in $(seq 600); do grep -q "store: serving at" "$d/rank0.err" 2>/dev/null && break; sleep 0.05; done
+addr=$(sed -n 's/.*store: serving at \([^ ]*\) .*/\1/p' "$d/rank0.err" | head -1)
+python3 "$impostor" store "${addr%:*}" "${addr##*:}" pmix-job >"$d/impostor.out" 2>&1
+bench)";
+  auto r = test::run_process(mpirun(2, {"-x", "COHORT_LOG_LEVEL=info", "sh", "-c", script, "sh", dir.path(),
+                                        test::cohort_tool(), COHORT_IMPOSTOR}),
+                             {}, 120);
+  const std::string rank0 = test::read_file(dir.path() + "/rank0.err");
+  const std::string impostor = test::read_file(dir.path() + "/impostor.out");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err << rank0 << impostor;
+  EXPECT_NE(rank0.find("job token required"), std::string::npos) << rank0;
+  EXPECT_NE(impostor.find("store: refused: the client has no job token"), std::string::npos) << impostor;
+  EXPECT_NE(rank0.find("store: refused connection from"), std::string::npos) << rank0;
+  EXPECT_NE(r.out.find("# Out of bounds values : 0 OK"), std::string::npos) << r.out;
+}
+#endif
+
 // Rank 1 never builds its communicator: rank 0 waits in the PMIx fence until COHORT_TIMEOUT, then fails
 // with one line, and mpirun ends the job.
 TEST(Mpirun, ARankThatNeverComesEndsTheFenceAtTheDeadline) {

@@ -386,6 +386,36 @@ TEST(TcpStoreMalformed, RequestBeforeHandshakeClosesTheConnection) {
   EXPECT_FALSE(ok->check({"k"}));  // the set before the handshake never happened
 }
 
+// A Slurm per-node job's node 0 serves munge credentials as notices (src/launch/munge.h): anyone may read
+// one before authenticating, and doing so gives no access to the store itself.
+TEST(TcpStore, NoticesAreServedBeforeAuthenticationAndOpenNothingElse) {
+  StoreServerOptions so;
+  so.host = "127.0.0.1";
+  so.token = "s3cret-token";
+  so.notices["cohort/munge-credential/node/1"] = "MUNGE:credential-of-node-1:";
+  auto server = StoreServer::start(so);
+  auto ok = connect(*server, "s3cret-token");
+  ok->set("k", "v");
+  StoreClientOptions co;
+  co.host = "127.0.0.1";
+  co.port = server->port();
+  co.timeout = 5s;  // no token
+  EXPECT_EQ(fetch_store_notice(co, "cohort/munge-credential/node/1"), "MUNGE:credential-of-node-1:");
+  EXPECT_EQ(fetch_store_notice(co, "cohort/munge-credential/node/2"), std::nullopt);
+  // A notice then a request on the same connection: the request is still before the handshake.
+  Raw raw(*server);
+  std::string out;
+  proto::encode_notice(out, "cohort/munge-credential/node/1");
+  proto::encode_set(out, 1, "k", "stolen");
+  raw.send(out);
+  std::string got = raw.until_closed(3s);
+  ASSERT_NE(got, "<open>");
+  EXPECT_NE(got.find("MUNGE:credential-of-node-1:"), std::string::npos) << got;
+  EXPECT_NE(got.find("expected the handshake"), std::string::npos) << got;
+  EXPECT_EQ(ok->get("k"), "v");
+  EXPECT_EQ(server->requests(), 2u);  // the set and the get of the authenticated client only
+}
+
 TEST(TcpStoreMalformed, SilentClientIsClosedAtTheHandshakeDeadline) {
   auto server = start_server("", Millis(300));
   auto other = connect(*server);
