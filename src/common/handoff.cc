@@ -76,7 +76,8 @@ Read read_hello(int sock, const Expect& expect, Received* out, std::string* why)
     return Read::kClosed;
   }
   const Hello& h = out->hello;
-  *why = n < 0 ? fmt::format("recvmsg: {}", std::strerror(errno)) : parse_hello(buf, size_t(n), expect.scope, &out->hello);
+  *why = n < 0 ? fmt::format("recvmsg: {}", std::strerror(errno))
+                : parse_hello(buf, size_t(n), expect.scope, &out->hello);
   if (why->empty() && !expect.pids.count(h.role))
     *why = fmt::format("its hello claims {} {}, which is not awaited ({})", expect.role, h.role, expect.awaited());
   if (why->empty() && (fds.size() != h.fds || h.fds != expect.fds))
@@ -121,7 +122,8 @@ std::optional<Received> receive(int sock, const Expect& expect, Deadline until, 
   for (Read r = Read::kNothing; r == Read::kNothing;) {
     if (!wait_for(sock, POLLIN, until)) return std::nullopt;
     r = read_hello(sock, expect, &got, &why);
-    if (r == Read::kClosed) throw PeerLostError(fmt::format("{} closed the connection instead of sending its hello", from));
+    if (r == Read::kClosed)
+      throw PeerLostError(fmt::format("{} closed the connection instead of sending its hello", from));
     if (r == Read::kBad) throw MismatchError(fmt::format("{} sent no valid memory handoff hello: {}", from, why));
   }
   got.from = peer_of(sock);
