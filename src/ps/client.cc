@@ -745,7 +745,6 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
     if (!got)
       throw Error(fmt::format("parameter-server worker {}: server {} said it sent table '{}''s memory, but it did not "
                               "arrive", worker_, s, table));
-    std::vector<UniqueFd> fds = std::move(got->fds);
     if (pid != ::getpid() && server_pid_[size_t(s)] != pid) {
       // A server that dies leaves its memory mapped here: its pidfd says so (check_servers_alive).
       // Without one (a kernel before 5.3), messages, which notice a dead server by themselves.
@@ -767,7 +766,7 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
                                         "dim {}", table, now.dim, c.dim));
     tables_[table] = now;
     a.shard = std::make_unique<TableShard>(table, now, j.at("first_row").get<uint64_t>(), j.at("rows").get<uint64_t>(),
-                                           std::move(fds), timeout_, j.at("holder").get<uint32_t>());
+                                           std::move(got->fds), timeout_, j.at("holder").get<uint32_t>());
   }
 
   // Direct calls send nothing, so nothing would notice a server that died: a pidfd per server

@@ -342,14 +342,12 @@ class Server {
     reply(w, seq, buffer_of(j.dump()));
   }
 
-  // Sends the shard's memfds to the worker's abstract socket; "" on success, else why not (a
-  // worker in another network namespace has no such socket here). Abstract sockets have no
-  // permissions, so the socket's owner is checked (SO_PEERCRED) before: it must be the process that
-  // asked (`pid`, of this job's connection to worker w), of this server's user. It becomes one of
-  // the shard's holders (table.h), so that a process waiting for its locks can see it die.
+  // Sends the shard's memfds to the worker's abstract socket (the memfd handoff, common/handoff.h:
+  // scope, the socket's name; role, this server's index); "" on success, else why not. The socket must
+  // be the process that asked (`pid`, of this job's connection to worker w), which then becomes one of
+  // the shard's holders (table.h), so that a process waiting for its locks can see it die. The worker
+  // listens already (no waiting), and checks the tables' sizes as it maps them.
   std::string hand_over(TableShard& t, int w, const std::string& socket_name, int64_t pid, uint32_t* holder) {
-    // The memfd handoff (common/handoff.h): scope, the socket's name; role, this server's index; the
-    // worker listens already (no waiting), and checks the tables' sizes as it maps them (table.h).
     const std::string whom = fmt::format("worker {}", w);
     try {
       UniqueFd sock = handoff::connect(socket_name, int(pid), whom, Deadline::after(std::chrono::seconds(0)));

@@ -53,9 +53,8 @@ Segment Segment::establish(const std::string& address, int local_rank, int local
     throw InvalidArgument(fmt::format("shm: {} pids for a group of {} local ranks", pids->size(), local_size));
   // The process local rank k must be (0: any of this user's).
   auto pid_of = [&](int k) { return pids ? (*pids)[static_cast<size_t>(k)] : 0; };
-  // The handoff (common/handoff.h): the hellos' scope is the address, role k is local rank k; each
-  // rank's hello says the group's size and the segment's (values), local rank 0's reply attaches the
-  // memfd sized `bytes`, which the protocol checks before it is mapped.
+  // The memfd handoff (common/handoff.h): scope, the address; role k, local rank k; values, the group's
+  // size and the segment's. Local rank 0's reply attaches the memfd, checked before it is mapped.
   const uint64_t scope = handoff::scope_of(address);
   Segment seg;
   seg.size_ = bytes;

@@ -203,9 +203,8 @@ class ShmTransport final : public TransportBase {
       p.in = new (base) RingIndices{};
       p.in_data = base + sizeof(RingIndices);
     }
-    // The handoff (common/handoff.h): role = rank, scope = the communicator's; each hello attaches
-    // this rank's memfd (sized: the protocol checks it before anything is mapped) and eventfd, and
-    // says the ring size and which ring of the memfd its receiver writes.
+    // The memfd handoff (common/handoff.h): role, the rank; each hello attaches this rank's memfd (sized)
+    // and eventfd, and says the ring size and which ring of the memfd its receiver writes.
     auto hello_for = [&](int peer) {
       Hello h = handoff::make_hello(scope_, uint32_t(rank_), ring_bytes_, slot[size_t(peer)]);
       h.sizes[0] = map_bytes_;
