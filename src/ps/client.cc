@@ -7,7 +7,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -26,7 +25,6 @@
 #include "common/fd.h"
 #include "common/handoff.h"
 #include "common/log.h"
-#include "common/socket.h"
 #include "ps/client.h"
 #include "ps/config_json.h"
 #include "ps/decode.h"
@@ -712,15 +710,15 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
       a.refused = true;
       return;
     }
-    // The server connects to this socket and sends the memfds before it replies.
+    // The server connects to this socket and sends the memfds before it replies (the memfd handoff,
+    // common/handoff.h: its scope is the socket's name, the server's role its index).
     static std::atomic<uint64_t> sockets{0};
     const std::string name = fmt::format("cohort-ps-attach-{}-{}-{}", ::getpid(), worker_, sockets++);
-    UniqueFd listener(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    socklen_t len = 0;
-    sockaddr_un addr = net::abstract_address(name, &len);
-    if (!listener || ::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
-        ::listen(listener.get(), 4) != 0) {
-      log::debug("parameter-server worker {}: no socket to attach '{}' on: {}", worker_, table, std::strerror(errno));
+    std::optional<handoff::Listener> listener;
+    try {
+      listener.emplace(name, 4, fmt::format("parameter-server worker {}", worker_));
+    } catch (const Error& e) {
+      log::debug("parameter-server worker {}: no socket to attach '{}' on: {}", worker_, table, e.what());
       a.refused = true;
       return;
     }
@@ -741,13 +739,12 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
     // Sent before the reply, so it is queued on the socket now. The socket's name is no secret
     // (/proc/net/unix lists it): only the server's own connection is taken (SO_PEERCRED).
     const int pid = j.at("pid").get<int>();
-    UniqueFd conn = accept_from(listener.get(), pid, s, table);
-    std::vector<UniqueFd> fds;
-    char tag = 0;
-    pollfd q{conn.get(), POLLIN, 0};
-    if (!conn || ::poll(&q, 1, 1000) != 1 || net::recv_with_fds(conn.get(), &tag, 1, &fds, 0) != 1 || fds.size() != 3)
+    std::optional<handoff::Received> got =
+        listener->accept(handoff::Expect{handoff::scope_of(name), {{uint32_t(s), pid}}, "parameter server", 3},
+                         Deadline::after(std::chrono::seconds(1)));
+    if (!got)
       throw Error(fmt::format("parameter-server worker {}: server {} said it sent table '{}''s memory, but it did not "
-                              "arrive ({})", worker_, s, table, std::strerror(errno)));
+                              "arrive", worker_, s, table));
     if (pid != ::getpid() && server_pid_[size_t(s)] != pid) {
       // A server that dies leaves its memory mapped here: its pidfd says so (check_servers_alive).
       // Without one (a kernel before 5.3), messages, which notice a dead server by themselves.
@@ -769,25 +766,7 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
                                         "dim {}", table, now.dim, c.dim));
     tables_[table] = now;
     a.shard = std::make_unique<TableShard>(table, now, j.at("first_row").get<uint64_t>(), j.at("rows").get<uint64_t>(),
-                                           std::move(fds), timeout_, j.at("holder").get<uint32_t>());
-  }
-
-  // The connection of server s (process `pid`, this user) to this worker's attach socket, waiting up
-  // to 1 s; another process's connection is closed with a warning. Invalid if none came.
-  UniqueFd accept_from(int listener, int pid, int s, const std::string& table) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
-      pollfd p{listener, POLLIN, 0};
-      if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) != 1) return {};
-      UniqueFd conn(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
-      if (!conn) return {};
-      const handoff::Credentials peer = handoff::peer_of(conn.get());
-      const std::string why = handoff::refusal(peer, pid, fmt::format("parameter server {}", s));
-      if (why.empty()) return conn;
-      log::warn("parameter-server worker {}: ignored a connection to its socket for table '{}': {}", worker_, table,
-                why);
-    }
+                                           std::move(got->fds), timeout_, j.at("holder").get<uint32_t>());
   }
 
   // Direct calls send nothing, so nothing would notice a server that died: a pidfd per server

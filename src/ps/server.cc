@@ -23,14 +23,12 @@
 #include <unordered_map>
 
 #include <fcntl.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "cohort/error.h"
 #include "common/fd.h"
 #include "common/handoff.h"
 #include "common/log.h"
-#include "common/socket.h"
 #include "ps/config_json.h"
 #include "ps/decode.h"
 #include "ps/server.h"
@@ -344,36 +342,26 @@ class Server {
     reply(w, seq, buffer_of(j.dump()));
   }
 
-  // Sends the shard's memfds to the worker's abstract socket; "" on success, else why not (a
-  // worker in another network namespace has no such socket here). Abstract sockets have no
-  // permissions, so the socket's owner is checked (SO_PEERCRED) before: it must be the process that
-  // asked (`pid`, of this job's connection to worker w), of this server's user. It becomes one of
-  // the shard's holders (table.h), so that a process waiting for its locks can see it die.
+  // Sends the shard's memfds to the worker's abstract socket (the memfd handoff, common/handoff.h:
+  // scope, the socket's name; role, this server's index); "" on success, else why not. The socket must
+  // be the process that asked (`pid`, of this job's connection to worker w), which then becomes one of
+  // the shard's holders (table.h), so that a process waiting for its locks can see it die. The worker
+  // listens already (no waiting), and checks the tables' sizes as it maps them.
   std::string hand_over(TableShard& t, int w, const std::string& socket_name, int64_t pid, uint32_t* holder) {
-    UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (!sock) return fmt::format("socket: {}", std::strerror(errno));
-    socklen_t len = 0;
-    sockaddr_un addr = net::abstract_address(socket_name, &len);
-    if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
-      return fmt::format("cannot reach the worker's socket: {}", std::strerror(errno));
-    handoff::Credentials peer;
+    const std::string whom = fmt::format("worker {}", w);
     try {
-      peer = handoff::peer_of(sock.get());
+      UniqueFd sock = handoff::connect(socket_name, int(pid), whom, Deadline::after(std::chrono::seconds(0)));
+      *holder = t.register_holder(w, int(pid));
+      if (*holder == 0)
+        return fmt::format("{} processes hold table '{}' already", TableShard::kMaxHolders, t.name());
+      handoff::send(sock.get(), handoff::make_hello(handoff::scope_of(socket_name), uint32_t(index_)), t.fds(),
+                    Deadline::after(std::chrono::seconds(1)), whom);
+    } catch (const TimeoutError& e) {
+      return e.what();  // no such socket here (a worker in another network namespace): nobody to refuse
     } catch (const Error& e) {
+      log::warn("parameter server {}: refused worker {}'s attach of table '{}': {}", index_, w, t.name(), e.what());
       return e.what();
     }
-    std::string refused = handoff::refusal(peer, int(pid), fmt::format("worker {}", w));
-    if (!refused.empty()) {
-      refused = fmt::format("its socket '{}': {}", socket_name, refused);
-      log::warn("parameter server {}: refused worker {}'s attach of table '{}': {}", index_, w, t.name(), refused);
-      return refused;
-    }
-    *holder = t.register_holder(w, peer.pid);
-    if (*holder == 0)
-      return fmt::format("{} processes hold table '{}' already", TableShard::kMaxHolders, t.name());
-    const char tag = 'T';
-    if (net::send_with_fds(sock.get(), &tag, 1, t.fds(), MSG_DONTWAIT) != 1)
-      return fmt::format("cannot send the table's memory: {}", std::strerror(errno));
     return {};
   }
 

@@ -35,6 +35,7 @@
 #include "cohort/error.h"
 #include "cohort/ps.h"
 #include "common/fd.h"
+#include "common/handoff.h"
 #include "common/socket.h"
 #include "ps/config_json.h"
 #include "ps/table.h"
@@ -788,10 +789,15 @@ TEST(PsShared, AnAttachToASocketOfAnotherUserOrProcessIsRefusedAndTheServerServe
         << "connection (status " << status << ")";
     const std::string expected =
         o.other_user
-            ? fmt::format("its socket '{}': pid {} runs as uid 65534, not as this job's uid 0", o.socket, o.pid)
-            : fmt::format("its socket '{}': pid {} is not worker 1 (pid {})", o.socket, o.pid, ::getpid());
+            ? fmt::format("its socket '{}' is held by another process: pid {} runs as uid 65534, not as this job's "
+                          "uid 0", o.socket, o.pid)
+            : fmt::format("its socket '{}' is held by another process: pid {} is not worker 1 (pid {})", o.socket,
+                          o.pid, ::getpid());
     EXPECT_NE(whys[k].find(expected), std::string::npos) << whys[k];
-    EXPECT_EQ(count_of(err, "parameter server 0: refused worker 1's attach of table 't': " + expected), 1u) << err;
+    EXPECT_EQ(count_of(err, "parameter server 0: refused worker 1's attach of table 't': will not connect to worker 1: " +
+                                expected),
+              1u)
+        << err;
     ++k;
   }
   EXPECT_EQ(count_of(err, "refused worker 1's attach"), owners.size()) << err;
@@ -872,10 +878,11 @@ TEST(PsShared, AWorkerTakesOnlyTheServersConnectionToItsAttachSocket) {
         ::close(done[1]);
         char sent;
         EXPECT_EQ(::read(done[0], &sent, 1), 1) << "the other process did not connect";
-        UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-        ASSERT_EQ(::connect(sock.get(), reinterpret_cast<const sockaddr*>(&addr), len), 0);
-        const char tag = 'T';
-        ASSERT_EQ(net::send_with_fds(sock.get(), &tag, 1, shard.fds(), 0), 1);
+        // The server's side of the memfd handoff (common/handoff.h), as ps/server.cc does it.
+        const std::string socket = req.at("socket").get<std::string>();
+        UniqueFd sock = handoff::connect(socket, ::getpid(), "worker 0", Deadline::after(kTimeout));
+        handoff::send(sock.get(), handoff::make_hello(handoff::scope_of(socket), 0), shard.fds(),
+                      Deadline::after(kTimeout), "worker 0");
         body = nlohmann::json{{"attached", true}, {"pid", ::getpid()}, {"holder", shard.register_holder(0, ::getpid())},
                               {"first_row", 0}, {"rows", 0}, {"config", config_to_json(cfg)}}
                    .dump();
@@ -894,10 +901,8 @@ TEST(PsShared, AWorkerTakesOnlyTheServersConnectionToItsAttachSocket) {
   int status = 0;
   EXPECT_EQ(::waitpid(intruder, &status, 0), intruder);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
-  EXPECT_EQ(count_of(err, "ignored a connection to its socket"), 1u) << err;
-  EXPECT_NE(err.find(fmt::format("parameter-server worker 0: ignored a connection to its socket for table 't': "
-                                 "pid {} is not parameter server 0 (pid {})",
-                                 intruder, ::getpid())),
+  EXPECT_EQ(count_of(err, "refused a connection to its socket"), 1u) << err;
+  EXPECT_NE(err.find(fmt::format("(pid {}): pid {} is none of the parameter servers awaited (0)", intruder, intruder)),
             std::string::npos)
       << err;
 }

@@ -169,7 +169,7 @@ TEST(ShmHandoff, IntrudersAtTheTransportsSocketsAreRefusedAndTheJobCompletes) {
     EXPECT_NE(test::read_file(dir.file("rank1")).find("runs as uid " + std::to_string(kOtherUid)), std::string::npos)
         << test::read_file(dir.file("rank1"));
   }
-  EXPECT_NE(test::read_file(dir.file("rank2")).find("is none of the ranks this rank waits for"), std::string::npos)
+  EXPECT_NE(test::read_file(dir.file("rank2")).find("is none of the ranks awaited"), std::string::npos)
       << test::read_file(dir.file("rank2"));
 }
 
@@ -243,7 +243,7 @@ TEST(ShmHandoff, IntrudersAtTheSegmentsSocketAreRefusedAndTheGroupSumsRight) {
   if (::geteuid() == 0) {
     EXPECT_NE(log0.find("runs as uid " + std::to_string(kOtherUid)), std::string::npos) << log0;
   }
-  EXPECT_NE(log0.find("is none of the group's local ranks"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("is none of the local ranks awaited"), std::string::npos) << log0;
 }
 
 // ------------------------------------------------------------------------------ the checks alone
@@ -278,21 +278,16 @@ TEST(ShmHandoff, ASegmentShorterThanAgreedIsRefusedNotABusError) {
   const std::string address = shm::random_address("short-segment");
   const size_t bytes = size_t{1} << 20;
   std::thread fake_rank0([&] {
-    UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    socklen_t len = 0;
-    sockaddr_un addr = net::abstract_address(address, &len);
-    ASSERT_EQ(0, ::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len));
-    ASSERT_EQ(0, ::listen(listener.get(), 1));
-    UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    ASSERT_TRUE(conn);
-    char hello[24];
-    ASSERT_EQ(ssize_t(sizeof hello), ::recv(conn.get(), hello, sizeof hello, MSG_WAITALL));
+    handoff::Listener listener(address, 1, "fake local rank 0");
+    auto got = listener.accept(handoff::Expect{handoff::scope_of(address), {{1, 0}}, "local rank", 0}, Deadline::after(10s));
+    ASSERT_TRUE(got);
     UniqueFd m(::memfd_create("short", MFD_CLOEXEC));
     ASSERT_EQ(0, ::ftruncate(m.get(), 4096));
-    uint64_t reply = bytes;
-    ASSERT_EQ(ssize_t(sizeof reply), net::send_with_fds(conn.get(), &reply, sizeof reply, {m.get()}, 0));
+    handoff::Hello reply = handoff::make_hello(handoff::scope_of(address), 0);
+    reply.sizes[0] = bytes;  // a lie: the memfd holds 4 KiB
+    handoff::send(got->sock.get(), reply, {m.get()}, Deadline::after(10s), "local rank 1");
     char end;
-    (void)::recv(conn.get(), &end, 1, 0);  // until local rank 1 closes its end
+    (void)::recv(got->sock.get(), &end, 1, 0);  // until local rank 1 closes its end
   });
   try {
     shm::Segment seg = shm::Segment::establish(address, 1, 2, bytes, Deadline::after(10s), shm::SegmentRange{0, 0});

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common/fd.h"
+#include "common/handoff_wire.h"
 #include "common/socket.h"
 
 using namespace cohort;
@@ -54,12 +55,21 @@ std::string find_socket(const std::string& prefix, const std::string& part) {
   }
 }
 
-UniqueFd connect_to(const std::string& name, int type) {
-  UniqueFd s(::socket(AF_UNIX, type | SOCK_CLOEXEC, 0));
+// Connected to `name`, or invalid (errno says why). A name appears in /proc/net/unix when it is
+// bound, a moment before its owner listens: until then connect(2) is refused, and it is tried again
+// (for up to 10 s), as a real peer does. (Giving up at the first refusal made the segment test fail
+// about once in 85 runs, when local rank 0 was descheduled between bind and listen.)
+UniqueFd connect_to(const std::string& name) {
   socklen_t len = 0;
   sockaddr_un addr = net::abstract_address(name, &len);
-  if (!s || ::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) return {};
-  return s;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (!s) return {};
+    if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) return s;
+    if (errno != ECONNREFUSED || std::chrono::steady_clock::now() > end) return {};
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 // A memfd of 4 KiB: far shorter than any hello claims.
@@ -118,8 +128,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (mode == "p2p") {
-    // The transport's socket: "cohort-p2p/<scope, hex>/<rank>/<pid>-<random>". Its hello: magic, rank,
-    // scope, bytes of the sender's memfd, ring bytes (the default 1 MiB), the receiver's ring slot.
+    // The transport's socket: "cohort-p2p/<scope, hex>/<rank>/<pid>-<random>". Its hello (the memfd
+    // handoff's, common/handoff_wire.h): the claimed rank, the scope, the sender's memfd sized 1 MiB
+    // of rings (the default) and more, the ring size and the receiver's ring slot.
     const int rank = std::atoi(argv[3]), claimed = std::atoi(argv[4]);
     const std::string name = find_socket("cohort-p2p/", "/" + std::to_string(rank) + "/" + pid + "-");
     if (name.empty()) {
@@ -127,11 +138,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     const uint64_t scope = std::strtoull(name.substr(11, 16).c_str(), nullptr, 16);
-    struct {
-      uint32_t magic, rank;
-      uint64_t scope, map_bytes, ring_bytes, your_slot;
-    } hello{0x50534843, uint32_t(claimed), scope, 64 + 128 + (1u << 20), 1u << 20, 0};
-    UniqueFd s = connect_to(name, SOCK_SEQPACKET);
+    handoff::Hello hello = handoff::make_hello(scope, uint32_t(claimed));
+    hello.fds = 2;
+    hello.sizes[0] = 64 + 128 + (1u << 20);
+    hello.values[0] = 1u << 20;
+    UniqueFd s = connect_to(name);
     UniqueFd event(::eventfd(0, EFD_CLOEXEC));
     if (!s || !event || net::send_with_fds(s.get(), &hello, sizeof hello, {mem.get(), event.get()}, MSG_NOSIGNAL) != sizeof hello)
       return send_failed(name);
@@ -139,18 +150,17 @@ int main(int argc, char** argv) {
     return verdict(s.get(), "rank " + std::to_string(rank));
   }
   if (mode == "segment") {
-    // The segment's socket: "cohort-shm/<key>/<pid of local rank 0>-<random>". Its hello: magic,
-    // local rank, local size, 0, bytes.
+    // The segment's socket: "cohort-shm/<key>/<pid of local rank 0>-<random>". Its hello: the scope
+    // (the name's hash), local rank 1, the local size and the segment's bytes.
     const std::string name = find_socket("cohort-shm/", "/" + pid + "-");
     if (name.empty()) {
       std::printf("the segment's socket never appeared in /proc/net/unix\n");
       return 2;
     }
-    struct {
-      uint32_t magic, local_rank, local_size, reserved;
-      uint64_t bytes;
-    } hello{0x53484d31, 1, uint32_t(std::atoi(argv[3])), 0, std::strtoull(argv[4], nullptr, 10)};
-    UniqueFd s = connect_to(name, SOCK_STREAM);
+    handoff::Hello hello = handoff::make_hello(handoff::scope_of(name), 1);
+    hello.values[0] = std::strtoull(argv[3], nullptr, 10);
+    hello.values[1] = std::strtoull(argv[4], nullptr, 10);
+    UniqueFd s = connect_to(name);
     if (!s || ::send(s.get(), &hello, sizeof hello, MSG_NOSIGNAL) != sizeof hello) return send_failed(name);
     std::printf("sent\n");
     return verdict(s.get(), "local rank 0");

@@ -1,13 +1,11 @@
 // Shared-memory point-to-point transport: the design is described in shm_transport.h.
 #include "transport/shm/shm_transport.h"
-#include "transport/shm/handoff_wire.h"
 
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,8 +14,8 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <random>
-#include <thread>
 #include <unordered_map>
 
 #include <fmt/core.h>
@@ -26,7 +24,6 @@
 #include "common/env.h"
 #include "common/fd.h"
 #include "common/handoff.h"
-#include "common/socket.h"
 #include "common/host_identity.h"
 #include "common/log.h"
 #include "common/strings.h"
@@ -52,7 +49,7 @@ constexpr size_t kPublishBytes = 64 * 1024;
 // how late a missed condition (none known) could be seen.
 constexpr int kSliceMs = 100;
 
-using Hello = shm::handoff_wire::P2pHello;
+using Hello = handoff::Hello;
 
 struct CtlRecord {
   uint32_t magic;
@@ -136,26 +133,6 @@ size_t round_up_pow2(uint64_t v) {
   throw Error(fmt::format("shm transport: {}: {}", what, std::strerror(errno)));
 }
 
-// Sends a hello with this rank's memfd and eventfd attached.
-bool send_hello(int sock, const Hello& h, int memfd, int eventfd) {
-  return net::send_with_fds(sock, &h, sizeof h, {memfd, eventfd}, MSG_DONTWAIT) == static_cast<ssize_t>(sizeof h);
-}
-
-// Receives a hello and its two descriptors; false when nothing is there yet. Throws on a closed or
-// malformed message.
-bool recv_hello(int sock, Hello* h, UniqueFd* memfd, UniqueFd* eventfd) {
-  std::vector<UniqueFd> fds;
-  ssize_t r = net::recv_with_fds(sock, h, sizeof *h, &fds, MSG_DONTWAIT);
-  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
-  if (r == 0) throw PeerLostError("shm transport: the peer closed its socket during the handshake");
-  if (r < 0) throw_errno("recvmsg of a hello");
-  if (r != static_cast<ssize_t>(sizeof *h) || fds.size() != 2)
-    throw Error("shm transport: malformed hello (no descriptors attached)");
-  *memfd = std::move(fds[0]);
-  *eventfd = std::move(fds[1]);
-  return true;
-}
-
 class ShmTransport final : public TransportBase {
  public:
   explicit ShmTransport(const TransportOptions& o)
@@ -169,13 +146,7 @@ class ShmTransport final : public TransportBase {
     std::random_device rd;
     uint64_t rnd = (uint64_t(rd()) << 32) ^ rd();
     socket_name_ = fmt::format("cohort-p2p/{:016x}/{}/{}-{:016x}", scope_, rank_, ::getpid(), rnd);
-    listener_.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (!listener_) throw_errno("socket");
-    socklen_t len = 0;
-    sockaddr_un addr = net::abstract_address(socket_name_, &len);
-    if (::bind(listener_.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
-      throw_errno(fmt::format("bind abstract socket '{}'", socket_name_));
-    if (::listen(listener_.get(), std::max(16, size_)) != 0) throw_errno("listen");
+    listener_.emplace(socket_name_, std::max(16, size_), fmt::format("shm transport rank {}", rank_));
     event_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!event_) throw_errno("eventfd");
   }
@@ -232,142 +203,62 @@ class ShmTransport final : public TransportBase {
       p.in = new (base) RingIndices{};
       p.in_data = base + sizeof(RingIndices);
     }
+    // The memfd handoff (common/handoff.h): role, the rank; each hello attaches this rank's memfd (sized)
+    // and eventfd, and says the ring size and which ring of the memfd its receiver writes.
     auto hello_for = [&](int peer) {
-      return Hello{shm::handoff_wire::kP2pHelloMagic, uint32_t(rank_), scope_, map_bytes_, ring_bytes_,
-                   slot[size_t(peer)]};
+      Hello h = handoff::make_hello(scope_, uint32_t(rank_), ring_bytes_, slot[size_t(peer)]);
+      h.sizes[0] = map_bytes_;
+      return h;
     };
+    const std::vector<int> my_fds = {mem.get(), event_.get()};
 
-    // Dial the higher ranks (their listeners exist since construction: the backlog holds us until
-    // they accept), then accept the lower ones, then read the replies of the higher ones.
-    std::vector<int> awaiting_reply;
+    // Dial the higher ranks and say hello (their listeners exist since construction: the backlog
+    // holds the hello until they accept), then accept the lower ones, then read the higher ones'
+    // replies. Nobody waits on anyone who waits on it: a rank's dials never wait for an answer.
+    std::vector<int> dialed;
     for (int j = rank_ + 1; j < size_; ++j) {
       if (!peers_[size_t(j)].used) continue;
       std::string key, name;
       if (!parse_descriptor(info_[size_t(j)].descriptor, &key, &name))
         throw PeerLostError(fmt::format("rank {} ({}) published no shm endpoint ('{}')", j, host(j),
                                         info_[size_t(j)].descriptor));
-      socklen_t len = 0;
-      sockaddr_un addr = net::abstract_address(name, &len);
-      UniqueFd s;
-      for (;;) {
-        s.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-        if (!s) throw_errno("socket");
-        if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) break;
-        if (errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED)
-          throw PeerLostError(fmt::format("cannot connect to rank {} ({}) over shm: {}", j, host(j), std::strerror(errno)));
-        if (deadline.expired())
-          throw TimeoutError(fmt::format("shm transport connect: rank {} ({}) did not accept in time", j, host(j)));
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      // Whoever listens on the published name gets this rank's memory with the hello: it must be rank
-      // j's process (SO_PEERCRED of a connected socket names the listener's), not one that bound the
-      // name first.
-      if (std::string why = handoff::refusal(handoff::peer_of(s.get()), info_[size_t(j)].pid, fmt::format("rank {}", j));
-          !why.empty())
-        throw PeerLostError(fmt::format("will not connect to rank {} ({}) over shm: its socket '{}' is held by another "
-                                        "process: {}", j, host(j), name, why));
-      if (!send_hello(s.get(), hello_for(j), mem.get(), event_.get()))
-        throw PeerLostError(fmt::format("cannot send the shm hello to rank {} ({}): {}", j, host(j), std::strerror(errno)));
+      const std::string whom = fmt::format("rank {} ({})", j, host(j));
+      UniqueFd s = handoff::connect(name, info_[size_t(j)].pid, whom, deadline);
+      handoff::send(s.get(), hello_for(j), my_fds, deadline, whom);
       peers_[size_t(j)].sock = std::move(s);
-      awaiting_reply.push_back(j);
+      dialed.push_back(j);
     }
-    int expected_accepts = 0;
-    for (int j = 0; j < rank_; ++j) expected_accepts += peers_[size_t(j)].used ? 1 : 0;
-    // Accepted sockets whose hello has not arrived yet, with the process at their other end.
-    struct Accepted {
-      UniqueFd sock;
-      handoff::Credentials who;
-    };
-    std::vector<Accepted> accepted;
     auto log_interval = slow_warning_;
     auto next_log = Deadline::Clock::now() + log_interval;
-    // Not until `accepted` is empty: a stray connection that never says hello must not hold this up.
-    while (expected_accepts > 0 || !awaiting_reply.empty()) {
-      if (deadline.expired())
-        throw TimeoutError("shm transport connect: " + missing(awaiting_reply, "never connected"));
+    // Until `deadline`, in slices that end when it is time to say who is missing.
+    auto slice = [&] {
+      if (deadline.expired()) throw TimeoutError("shm transport connect: " + missing(dialed, "never connected"));
       if (Deadline::Clock::now() > next_log) {
-        log::warn("waiting for shared-memory channels: {}", missing(awaiting_reply, "not connected yet"));
+        log::warn("waiting for shared-memory channels: {}", missing(dialed, "not connected yet"));
         log_interval *= 2;
         next_log = Deadline::Clock::now() + log_interval;
       }
-      std::vector<pollfd> fds;
-      fds.push_back({listener_.get(), POLLIN, 0});
-      for (auto& a : accepted) fds.push_back({a.sock.get(), POLLIN, 0});
-      for (int j : awaiting_reply) fds.push_back({peers_[size_t(j)].sock.get(), POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), deadline.poll_ms(100)) <= 0) continue;
-      if (fds[0].revents & POLLIN) {
-        UniqueFd a(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-        if (a) {
-          // The socket's name is in /proc/net/unix for every user to see: a process of another user, or
-          // none of the lower ranks this rank waits for, is dropped before it can say anything.
-          handoff::Credentials who = handoff::peer_of(a.get());
-          std::string why = handoff::refusal(who, 0, "");
-          if (why.empty() && !awaited_lower_rank(who.pid))
-            why = fmt::format("pid {} is none of the ranks this rank waits for", who.pid);
-          if (why.empty()) accepted.push_back(Accepted{std::move(a), who});
-          else log::warn("shm transport rank {}: refused a connection to its socket '{}': {}", rank_, socket_name_, why);
-        }
-      }
-      for (size_t i = 0; i < accepted.size();) {
-        Hello h{};
-        UniqueFd their_mem, their_event;
-        bool got = false;
-        try {
-          got = recv_hello(accepted[i].sock.get(), &h, &their_mem, &their_event);
-        } catch (const Error& e) {
-          log::warn("dropped a shm connection that sent no valid hello: {}", e.what());
-          accepted.erase(accepted.begin() + long(i));
-          continue;
-        }
-        if (!got) {
-          ++i;
-          continue;
-        }
-        // (Unsigned: a rank read as a negative int would index peers_ out of bounds.)
-        if (!shm::handoff_wire::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() ||
-            h.rank >= uint32_t(rank_) || !peers_[h.rank].used || peers_[h.rank].sock) {
-          log::warn("refused a shm connection with a foreign or mismatched hello (rank {}, ring {} bytes)", h.rank,
-                    h.ring_bytes);
-          accepted.erase(accepted.begin() + long(i));
-          continue;
-        }
-        // The hello says which rank it is; the kernel says which process: they must agree.
-        if (std::string why = handoff::refusal(accepted[i].who, info_[h.rank].pid, fmt::format("rank {}", h.rank));
-            !why.empty()) {
-          log::warn("shm transport rank {}: refused a hello from a process claiming to be rank {}: {}", rank_, h.rank,
-                    why);
-          accepted.erase(accepted.begin() + long(i));
-          continue;
-        }
-        if (!send_hello(accepted[i].sock.get(), hello_for(int(h.rank)), mem.get(), event_.get()))
-          throw PeerLostError(fmt::format("cannot answer the shm hello of rank {} ({}): {}", h.rank, host(int(h.rank)),
-                                          std::strerror(errno)));
-        attach(int(h.rank), std::move(accepted[i].sock), their_mem, std::move(their_event), h);
-        accepted.erase(accepted.begin() + long(i));
-        --expected_accepts;
-      }
-      for (size_t i = 0; i < awaiting_reply.size();) {
-        int j = awaiting_reply[i];
-        Hello h{};
-        UniqueFd their_mem, their_event;
-        bool got;
-        try {
-          got = recv_hello(peers_[size_t(j)].sock.get(), &h, &their_mem, &their_event);
-        } catch (const Error& e) {
-          throw PeerLostError(fmt::format("shm handshake with rank {} ({}) failed: {}", j, host(j), e.what()));
-        }
-        if (!got) {
-          ++i;
-          continue;
-        }
-        if (!shm::handoff_wire::check_p2p_hello(&h, sizeof h, scope_, ring_bytes_, &h).empty() || h.rank != uint32_t(j))
-          throw MismatchError(fmt::format("shm handshake: rank {} ({}) answered with a foreign or mismatched hello "
-                                          "(rank {}, ring {} bytes; this rank has ring {} bytes)",
-                                          j, host(j), h.rank, h.ring_bytes, ring_bytes_));
-        UniqueFd s = std::move(peers_[size_t(j)].sock);
-        attach(j, std::move(s), their_mem, std::move(their_event), h);
-        awaiting_reply.erase(awaiting_reply.begin() + long(i));
-      }
+      return Deadline::earliest(deadline, Deadline(next_log));
+    };
+    handoff::Expect lower{scope_, {}, "rank", 2};
+    for (int j = 0; j < rank_; ++j)
+      if (peers_[size_t(j)].used) lower.pids[uint32_t(j)] = info_[size_t(j)].pid;
+    while (!lower.pids.empty()) {
+      std::optional<handoff::Received> got = listener_->accept(lower, slice());
+      if (!got) continue;
+      const int j = int(got->hello.role);
+      handoff::send(got->sock.get(), hello_for(j), my_fds, deadline, fmt::format("rank {} ({})", j, host(j)));
+      attach(j, std::move(got->sock), *got);
+      lower.pids.erase(uint32_t(j));
+    }
+    while (!dialed.empty()) {
+      const int j = dialed.front();
+      std::optional<handoff::Received> got =
+          handoff::receive(peers_[size_t(j)].sock.get(), handoff::Expect{scope_, {{uint32_t(j), 0}}, "rank", 2}, slice(),
+                           fmt::format("shm transport: rank {} ({})", j, host(j)));
+      if (!got) continue;
+      attach(j, std::move(peers_[size_t(j)].sock), *got);
+      dialed.erase(dialed.begin());
     }
     listener_.reset();
     connected_ = true;
@@ -503,35 +394,26 @@ class ShmTransport final : public TransportBase {
     return fmt::format("rank(s) {} (host(s) {}) {}", str::format_ranges(ranks), str::join(hosts, ","), what);
   }
 
-  // Whether a process with this pid may be one of the lower ranks still to connect (a rank that
-  // published no pid, such as ranks as threads in the conformance suite: any process of this user).
-  bool awaited_lower_rank(int pid) const {
-    for (int j = 0; j < rank_; ++j) {
-      const Peer& p = peers_[size_t(j)];
-      if (p.used && !p.sock && (info_[size_t(j)].pid == 0 || info_[size_t(j)].pid == pid)) return true;
-    }
-    return false;
-  }
-
-  void attach(int r, UniqueFd sock, const UniqueFd& their_mem, UniqueFd their_event, const Hello& h) {
+  // Maps rank r's memfd and keeps its eventfd and the socket, once the ring layout its hello gives (the
+  // ring size, where this rank's ring lies) is checked. Its two descriptors, and the memfd's size
+  // against h.sizes[0], the handoff checked.
+  void attach(int r, UniqueFd sock, handoff::Received& got) {
     Peer& p = peers_[size_t(r)];
-    // The sizes come from the peer: checked before anything is mapped (a memfd shorter than the
-    // mapping kills this process with SIGBUS at the first touch past its end).
-    const size_t stride = sizeof(RingIndices) + ring_bytes_;
-    const auto offset = shm::handoff_wire::p2p_ring_offset(h.your_slot, h.map_bytes, stride, kLine);
-    if (h.your_slot >= uint64_t(size_) || !offset)
+    const Hello& h = got.hello;
+    if (h.values[0] != ring_bytes_)
+      throw MismatchError(fmt::format("shm handshake: rank {} ({}) has rings of {} bytes; this rank has rings of {} bytes",
+                                      r, host(r), h.values[0], ring_bytes_));
+    const auto offset = handoff::slot_offset(h.values[1], h.sizes[0], sizeof(RingIndices) + ring_bytes_, kLine);
+    if (h.values[1] >= uint64_t(size_) || !offset)
       throw MismatchError(fmt::format("shm handshake: rank {} ({}) offered ring {} of a {}-byte segment", r, host(r),
-                                      h.your_slot, h.map_bytes));
-    if (std::string why = handoff::too_small(their_mem.get(), h.map_bytes, fmt::format("rank {}'s rings", r));
-        !why.empty())
-      throw MismatchError(fmt::format("shm handshake: rank {} ({}): {}", r, host(r), why));
+                                      h.values[1], h.sizes[0]));
     p.sock = std::move(sock);
-    p.event = std::move(their_event);
-    p.theirs.bytes = h.map_bytes;
-    p.theirs.p = ::mmap(nullptr, h.map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, their_mem.get(), 0);
+    p.event = std::move(got.fds[1]);
+    p.theirs.bytes = h.sizes[0];
+    p.theirs.p = ::mmap(nullptr, h.sizes[0], PROT_READ | PROT_WRITE, MAP_SHARED, got.fds[0].get(), 0);
     if (p.theirs.p == MAP_FAILED) {
       p.theirs.p = nullptr;
-      throw_errno(fmt::format("mmap of rank {}'s {} bytes", r, h.map_bytes));
+      throw_errno(fmt::format("mmap of rank {}'s {} bytes", r, h.sizes[0]));
     }
     char* base = static_cast<char*>(p.theirs.p);
     p.their_bell = reinterpret_cast<Doorbell*>(base);
@@ -825,7 +707,7 @@ class ShmTransport final : public TransportBase {
   std::chrono::nanoseconds spin_;
   std::string shm_key_;  // this host's identity (read once; equal keys can share memory)
   std::string socket_name_;
-  UniqueFd listener_;
+  std::optional<handoff::Listener> listener_;  // until connect() is done
   UniqueFd event_;
   Mapping mine_;
   size_t map_bytes_ = 0;
