@@ -64,10 +64,12 @@ Batch batch(Net n, int it, int rank, int world) {
   return {x.narrow(0, rank * share, share), y.narrow(0, rank * share, share)};
 }
 
-// The MLP trains with AdamW, the conv net with SGD and momentum: any libtorch optimizer, on the shards.
+// The MLP trains with SGD and momentum, the conv net with AdamW: any libtorch optimizer, on the shards.
+// (Adam's step hardly depends on the gradients' scale: the gradient norms are compared too.)
 std::unique_ptr<::torch::optim::Optimizer> make_optimizer(Net n, std::vector<::torch::Tensor> params) {
-  if (n == Net::kMlp) return std::make_unique<::torch::optim::AdamW>(params, ::torch::optim::AdamWOptions(1e-2).weight_decay(0.05));
-  return std::make_unique<::torch::optim::SGD>(params, ::torch::optim::SGDOptions(0.1).momentum(0.9));
+  if (n == Net::kMlp)
+    return std::make_unique<::torch::optim::SGD>(params, ::torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
+  return std::make_unique<::torch::optim::AdamW>(params, ::torch::optim::AdamWOptions(1e-2).weight_decay(0.05));
 }
 
 // Initial weights, made once: each rank's model is built in its own thread (torch's generator is
@@ -88,8 +90,10 @@ nn::Sequential model_with(Net n, const std::vector<::torch::Tensor>& initial, in
   return model;
 }
 
-// DDP's weights after kSteps (rank 0's; DDP keeps every rank's equal). max_norm > 0: clipped each step.
-std::vector<::torch::Tensor> ddp_weights(Net n, int world, double max_norm = 0, std::vector<double>* norms = nullptr) {
+// DDP's weights after kSteps (rank 0's; DDP keeps every rank's equal), and in `norms` the averaged
+// gradients' global norm at each step. max_norm > 0: clipped to it each step.
+constexpr double kNoClip = 1e30;
+std::vector<::torch::Tensor> ddp_weights(Net n, int world, double max_norm = kNoClip, std::vector<double>* norms = nullptr) {
   const auto initial = initial_weights(n);
   std::vector<::torch::Tensor> out;
   auto comms = ThreadCommunicator::make_world(world);
@@ -101,10 +105,8 @@ std::vector<::torch::Tensor> ddp_weights(Net n, int world, double max_norm = 0, 
       auto b = batch(n, it, rank, world);
       opt->zero_grad();
       ::torch::nn::functional::cross_entropy(ddp->forward(b.x), b.y).backward();
-      if (max_norm > 0) {
-        const double norm = ::torch::nn::utils::clip_grad_norm_(ddp.parameters(), max_norm);
-        if (rank == 0 && norms) norms->push_back(norm);
-      }
+      const double norm = ::torch::nn::utils::clip_grad_norm_(ddp.parameters(), max_norm);
+      if (rank == 0 && norms) norms->push_back(norm);
       opt->step();
     }
     if (rank == 0)
@@ -128,7 +130,8 @@ class FsdpTest : public ::testing::TestWithParam<std::tuple<Net, int, bool>> {
 
 TEST_P(FsdpTest, WeightsAfterTrainingEqualDdp) {
   const auto [net, world, reshard] = GetParam();
-  const auto want = ddp_weights(net, world);
+  std::vector<double> norms;
+  const auto want = ddp_weights(net, world, kNoClip, &norms);
   const auto initial = initial_weights(net);
   auto comms = ThreadCommunicator::make_world(world);
   run_ranks(world, [&](int rank) {
@@ -164,6 +167,8 @@ TEST_P(FsdpTest, WeightsAfterTrainingEqualDdp) {
         EXPECT_TRUE(fsdp.parameters()[u].grad().defined()) << units[u].name;
       }
       for (auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined()) << "no whole gradient is kept";
+      const double norm = fsdp.clip_grad_norm(kNoClip);  // the averaged gradient's norm, over every shard
+      EXPECT_NEAR(norm, norms.at(size_t(it)), 1e-5 * norms.at(size_t(it))) << "rank " << rank << ", step " << it;
       opt->step();
     }
     expect_weights(fsdp.full_state_dict(), want,
@@ -276,6 +281,73 @@ TEST_F(FsdpUnitsTest, UnitForwardRunsACustomForwardUnitByUnitAndTheFullModelLoad
       ASSERT_EQ(ps.size(), want.size());
       for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(::torch::equal(ps[i], full[i].second)) << full[i].first;
     }
+  });
+}
+
+TEST_F(FsdpUnitsTest, PrefetchGathersTheNextUnitWhileThisOneComputes) {
+  // Inside the first unit's forward the second unit is already gathered (its all-gather was started
+  // before the first one computed), from the second iteration on, when the order of units is known;
+  // without prefetch it is gathered only when its own forward starts.
+  for (const bool prefetch : {true, false}) {
+    const int world = 2;
+    const auto initial = initial_weights(Net::kMlp);
+    auto comms = ThreadCommunicator::make_world(world);
+    run_ranks(world, [&](int rank) {
+      auto model = model_with(Net::kMlp, initial, rank);
+      FSDPOptions o = units_for(Net::kMlp, true);
+      o.prefetch = prefetch;
+      FullyShardedDataParallel fsdp(model.ptr(), comms[size_t(rank)], o);
+      ASSERT_EQ(fsdp.units()[1].name, "3");
+      auto opt = make_optimizer(Net::kMlp, fsdp.parameters());
+      for (int it = 0; it < 2; ++it) {
+        auto b = batch(Net::kMlp, it, rank, world);
+        opt->zero_grad();
+        bool second_gathered_early = false;
+        auto out = fsdp.forward_with([&] {
+          ::torch::Tensor h = b.x;
+          for (size_t i = 0; i < model->size(); ++i)
+            h = fsdp.unit_forward(*model->ptr(i), [&] {
+              if (i == 0) second_gathered_early = fsdp.gathered(1);
+              return model->begin()[i].forward(h);
+            });
+          return h;
+        });
+        EXPECT_EQ(second_gathered_early, prefetch && it > 0) << "prefetch " << prefetch << ", iteration " << it;
+        ::torch::nn::functional::cross_entropy(out, b.y).backward();
+        opt->step();
+      }
+    });
+  }
+}
+
+TEST_F(FsdpUnitsTest, AUnitThatRanForwardButGotNoGradientIsNamedAtTheNextForward) {
+  const int world = 2;
+  const auto initial = initial_weights(Net::kMlp);
+  auto comms = ThreadCommunicator::make_world(world);
+  run_ranks(world, [&](int rank) {
+    auto model = model_with(Net::kMlp, initial, rank);
+    FullyShardedDataParallel fsdp(model.ptr(), comms[size_t(rank)], units_for(Net::kMlp, true));
+    auto b = batch(Net::kMlp, 0, rank, world);
+    auto run = [&](bool detach_first) {
+      return fsdp.forward_with([&] {
+        ::torch::Tensor h = b.x;
+        for (size_t i = 0; i < model->size(); ++i) {
+          h = fsdp.unit_forward(*model->ptr(i), [&] { return model->begin()[i].forward(h); });
+          if (i == 0 && detach_first) h = h.detach();  // unit "0" gets no gradient
+        }
+        return h;
+      });
+    };
+    ::torch::nn::functional::cross_entropy(run(true), b.y).backward();
+    try {
+      run(false);
+      FAIL() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("unit '0' received no gradient"), std::string::npos) << e.what();
+    }
+    // The error is reported once; training goes on.
+    ::torch::nn::functional::cross_entropy(run(false), b.y).backward();
+    for (auto& shard : fsdp.parameters()) EXPECT_TRUE(shard.grad().defined());
   });
 }
 
