@@ -31,9 +31,36 @@ void free_storage(const ::torch::Tensor& full) {
 
 void allocate_storage(const ::torch::Tensor& full) {
   c10::StorageImpl* storage = full.storage().unsafeGetStorageImpl();
-  const size_t bytes = static_cast<size_t>(full.numel()) * sizeof(float);
+  const size_t bytes = static_cast<size_t>(full.numel()) * full.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
+}
+
+DataType wire_type(::torch::Dtype dtype) {
+  switch (dtype) {
+    case ::torch::kFloat32: return DataType::kFloat32;
+    case ::torch::kBFloat16: return DataType::kBFloat16;
+    case ::torch::kFloat16: return DataType::kFloat16;
+    default:
+      throw InvalidArgument(fmt::format("FSDP: compute_dtype {} is not float32, bfloat16 or float16",
+                                        std::string(c10::toString(dtype))));
+  }
+}
+
+// What Module::save(archive) writes for `module`, with the tensors taken from `values` by their full
+// names: a plain libtorch program loads it into the unwrapped model with torch::load.
+void write_module(const ::torch::nn::Module& module, const std::string& prefix,
+                  const std::unordered_map<std::string, ::torch::Tensor>& values,
+                  ::torch::serialize::OutputArchive& archive) {
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) archive.write(p.key(), values.at(prefix + p.key()));
+  for (const auto& b : module.named_buffers(/*recurse=*/false))
+    archive.write(b.key(), values.at(prefix + b.key()), /*is_buffer=*/true);
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    ::torch::serialize::OutputArchive child_archive(archive.compilation_unit());
+    write_module(*child.value(), prefix + child.key() + ".", values, child_archive);
+    archive.write(child.key(), child_archive);
+  }
 }
 
 }  // namespace
@@ -46,8 +73,9 @@ struct FullyShardedDataParallel::Unit {
   std::vector<int64_t> offsets;              // where each parameter starts in the flattened unit
   int64_t numel = 0;
   int64_t shard_numel = 0;                   // ceil(numel / N): the flattened unit is padded to N of them
-  ::torch::Tensor full;                      // [N * shard_numel]; its memory exists while gathered
-  ::torch::Tensor shard;                     // [shard_numel]: this rank's slice, the optimizer's parameter
+  ::torch::Tensor full;                      // [N * shard_numel], compute_dtype; its memory exists while gathered
+  ::torch::Tensor shard;                     // [shard_numel], float32: this rank's slice, the optimizer's parameter
+  ::torch::Tensor shard_low;                 // mixed precision: the shard in compute_dtype, while it is sent
   bool gathered = false;
   std::shared_ptr<Work> gathering;           // an all-gather into `full` still in flight
   // Backward.
@@ -76,6 +104,7 @@ struct FullyShardedDataParallel::GradHook : ::torch::autograd::FunctionPostHook 
 void FullyShardedDataParallel::init(std::vector<std::shared_ptr<::torch::nn::Module>> explicit_units) {
   if (!comm_) throw InvalidArgument("FSDP: communicator is null");
   if (!module_) throw InvalidArgument("FSDP: module is null");
+  wire_type(options_.compute_dtype);  // one the communicator moves
   const int world = comm_->size(), rank = comm_->rank();
   std::unordered_map<const c10::TensorImpl*, std::string> names;
   for (auto& p : module_->named_parameters(true)) {
@@ -144,15 +173,19 @@ void FullyShardedDataParallel::init(std::vector<std::shared_ptr<::torch::nn::Mod
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
     unit.shard_numel = (unit.numel + world - 1) / world;
-    unit.full = ::torch::zeros({unit.shard_numel * world}, ::torch::kFloat32);  // the padding stays zero
+    ::torch::Tensor flat = ::torch::zeros({unit.shard_numel * world}, ::torch::kFloat32);  // the padding stays zero
+    for (size_t i = 0; i < unit.params.size(); ++i)
+      flat.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(unit.params[i].detach().reshape({-1}));
+    unit.shard = flat.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone().set_requires_grad(true);
+    unit.full = options_.compute_dtype == ::torch::kFloat32 ? flat : ::torch::empty({flat.numel()}, options_.compute_dtype);
     for (size_t i = 0; i < unit.params.size(); ++i) {
       ::torch::Tensor& p = unit.params[i];
-      ::torch::Tensor view = unit.full.narrow(0, unit.offsets[i], p.numel()).view(p.sizes());
-      view.copy_(p.detach());
-      p.set_data(view);
+      // Another dtype (mixed precision) gives the parameter a new gradient accumulator: the hooks
+      // below are added after.
+      p.set_data(unit.full.narrow(0, unit.offsets[i], p.numel()).view(p.sizes()));
       p.mutable_grad().reset();
     }
-    unit.shard = unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone().set_requires_grad(true);
+    flat = ::torch::Tensor();
     free_storage(unit.full);
     unit.ready.assign(unit.params.size(), false);
     for (size_t i = 0; i < unit.params.size(); ++i) {
@@ -196,20 +229,25 @@ bool FullyShardedDataParallel::gathered(size_t index) const { return units_.at(i
 
 void FullyShardedDataParallel::start_gather(Unit& unit) {
   if (unit.gathered) return;
+  ::torch::NoGradGuard no_grad;
   allocate_storage(unit.full);
   unit.gathered = true;
   if (comm_->size() == 1) {
-    std::memcpy(unit.full.data_ptr<float>(), unit.shard.data_ptr<float>(), static_cast<size_t>(unit.numel) * sizeof(float));
+    unit.full.copy_(unit.shard.detach());  // converts to compute_dtype
     return;
   }
-  unit.gathering = comm_->allgather_async(unit.shard.data_ptr<float>(), unit.full.data_ptr<float>(),
-                                          static_cast<size_t>(unit.shard_numel), DataType::kFloat32);
+  // Mixed precision: the shard is sent in compute_dtype (half the bytes of float32).
+  unit.shard_low = options_.compute_dtype == ::torch::kFloat32 ? unit.shard.detach()
+                                                                 : unit.shard.detach().to(options_.compute_dtype);
+  unit.gathering = comm_->allgather_async(unit.shard_low.data_ptr(), unit.full.data_ptr(),
+                                          static_cast<size_t>(unit.shard_numel), wire_type(options_.compute_dtype));
 }
 
 void FullyShardedDataParallel::wait_gather(Unit& unit) {
   if (!unit.gathering) return;
   auto work = std::move(unit.gathering);
   work->wait();
+  unit.shard_low = ::torch::Tensor();
 }
 
 void FullyShardedDataParallel::reshard(Unit& unit) {
@@ -442,18 +480,12 @@ std::vector<std::pair<std::string, ::torch::Tensor>> FullyShardedDataParallel::f
 }
 
 void FullyShardedDataParallel::save_full_model(const std::string& path) {
-  for (auto& unit : units_) start_gather(*unit);
-  for (auto& unit : units_) wait_gather(*unit);
-  std::exception_ptr failed;
-  if (comm_->rank() == 0) {
-    try {
-      ::torch::save(module_, path);
-    } catch (...) {
-      failed = std::current_exception();
-    }
-  }
-  for (auto& unit : units_) reshard(*unit);
-  if (failed) std::rethrow_exception(failed);
+  const auto full = full_state_dict();
+  if (comm_->rank() != 0) return;
+  std::unordered_map<std::string, ::torch::Tensor> values(full.begin(), full.end());
+  ::torch::serialize::OutputArchive archive;
+  write_module(*module_, "", values, archive);
+  archive.save_to(path);
 }
 
 }  // namespace cohort::torch

@@ -123,65 +123,69 @@ void expect_weights(const std::vector<std::pair<std::string, ::torch::Tensor>>& 
         << where << ", " << got[i].first << ": max difference " << (got[i].second - want[i]).abs().max().item<float>();
 }
 
-class FsdpTest : public ::testing::TestWithParam<std::tuple<Net, int, bool>> {
+// The world sizes run one after the other inside one test: each test is a process of its own under
+// ctest, and loading libtorch costs about 1.8 s of it; the four worlds together take well under a second.
+class FsdpTest : public ::testing::TestWithParam<std::tuple<Net, bool>> {
  protected:
   void SetUp() override { ::torch::set_num_threads(1); }
 };
 
-TEST_P(FsdpTest, WeightsAfterTrainingEqualDdp) {
-  const auto [net, world, reshard] = GetParam();
-  std::vector<double> norms;
-  const auto want = ddp_weights(net, world, kNoClip, &norms);
-  const auto initial = initial_weights(net);
-  auto comms = ThreadCommunicator::make_world(world);
-  run_ranks(world, [&](int rank) {
-    auto model = model_with(net, initial, rank);
-    FullyShardedDataParallel fsdp(model, comms[size_t(rank)], units_for(net, reshard));
-    const auto units = fsdp.units();
-    ASSERT_EQ(units.size(), 3u) << "two wrapped layers and the root";
-    EXPECT_EQ(units.back().name, "");
-    int64_t shard_total = 0, total = 0;
-    for (const auto& u : units) {
-      EXPECT_EQ(u.shard_numel, (u.numel + world - 1) / world) << u.name;
-      shard_total += u.shard_numel;
-      total += u.numel;
-    }
-    for (auto& p : model->parameters()) total -= p.numel();
-    EXPECT_EQ(total, 0) << "every parameter in exactly one unit";
-    auto opt = make_optimizer(net, fsdp.parameters());
-    int64_t shard_params = 0;
-    for (auto& p : fsdp.parameters()) shard_params += p.numel();
-    EXPECT_EQ(shard_params, shard_total) << "the optimizer sees this rank's shards only";
-    for (int it = 0; it < kSteps; ++it) {
-      auto b = batch(net, it, rank, world);
-      opt->zero_grad();
-      auto loss = ::torch::nn::functional::cross_entropy(fsdp.forward(b.x), b.y);
-      // Between forward and backward: the wrapped layers are freed with reshard_after_forward, kept
-      // without it; the root stays gathered for its backward either way.
-      for (size_t u = 0; u + 1 < units.size(); ++u) EXPECT_EQ(fsdp.gathered(u), !reshard) << units[u].name;
-      EXPECT_TRUE(fsdp.gathered(units.size() - 1));
-      loss.backward();
-      // After backward every unit's memory is freed and every shard has its averaged gradient.
-      for (size_t u = 0; u < units.size(); ++u) {
-        EXPECT_FALSE(fsdp.gathered(u)) << units[u].name;
-        EXPECT_TRUE(fsdp.parameters()[u].grad().defined()) << units[u].name;
+TEST_P(FsdpTest, WeightsAfterTrainingEqualDdpAtOneToFourRanks) {
+  const auto [net, reshard] = GetParam();
+  for (int world = 1; world <= 4; ++world) {
+    SCOPED_TRACE(fmt::format("{} ranks", world));
+    std::vector<double> norms;
+    const auto want = ddp_weights(net, world, kNoClip, &norms);
+    const auto initial = initial_weights(net);
+    auto comms = ThreadCommunicator::make_world(world);
+    run_ranks(world, [&](int rank) {
+      auto model = model_with(net, initial, rank);
+      FullyShardedDataParallel fsdp(model, comms[size_t(rank)], units_for(net, reshard));
+      const auto units = fsdp.units();
+      ASSERT_EQ(units.size(), 3u) << "two wrapped layers and the root";
+      EXPECT_EQ(units.back().name, "");
+      int64_t shard_total = 0, total = 0;
+      for (const auto& u : units) {
+        EXPECT_EQ(u.shard_numel, (u.numel + world - 1) / world) << u.name;
+        shard_total += u.shard_numel;
+        total += u.numel;
       }
-      for (auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined()) << "no whole gradient is kept";
-      const double norm = fsdp.clip_grad_norm(kNoClip);  // the averaged gradient's norm, over every shard
-      EXPECT_NEAR(norm, norms.at(size_t(it)), 1e-5 * norms.at(size_t(it))) << "rank " << rank << ", step " << it;
-      opt->step();
-    }
-    expect_weights(fsdp.full_state_dict(), want,
-                   fmt::format("{} on {} ranks, reshard_after_forward={}, rank {}", name_of(net), world, reshard, rank));
-  });
+      for (auto& p : model->parameters()) total -= p.numel();
+      EXPECT_EQ(total, 0) << "every parameter in exactly one unit";
+      auto opt = make_optimizer(net, fsdp.parameters());
+      int64_t shard_params = 0;
+      for (auto& p : fsdp.parameters()) shard_params += p.numel();
+      EXPECT_EQ(shard_params, shard_total) << "the optimizer sees this rank's shards only";
+      for (int it = 0; it < kSteps; ++it) {
+        auto b = batch(net, it, rank, world);
+        opt->zero_grad();
+        auto loss = ::torch::nn::functional::cross_entropy(fsdp.forward(b.x), b.y);
+        // Between forward and backward: the wrapped layers are freed with reshard_after_forward, kept
+        // without it; the root stays gathered for its backward either way.
+        for (size_t u = 0; u + 1 < units.size(); ++u) EXPECT_EQ(fsdp.gathered(u), !reshard) << units[u].name;
+        EXPECT_TRUE(fsdp.gathered(units.size() - 1));
+        loss.backward();
+        // After backward every unit's memory is freed and every shard has its averaged gradient.
+        for (size_t u = 0; u < units.size(); ++u) {
+          EXPECT_FALSE(fsdp.gathered(u)) << units[u].name;
+          EXPECT_TRUE(fsdp.parameters()[u].grad().defined()) << units[u].name;
+        }
+        for (auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined()) << "no whole gradient is kept";
+        const double norm = fsdp.clip_grad_norm(kNoClip);  // the averaged gradient's norm, over every shard
+        EXPECT_NEAR(norm, norms.at(size_t(it)), 1e-5 * norms.at(size_t(it))) << "rank " << rank << ", step " << it;
+        opt->step();
+      }
+      expect_weights(fsdp.full_state_dict(), want,
+                     fmt::format("{} on {} ranks, reshard_after_forward={}, rank {}", name_of(net), world, reshard, rank));
+    });
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(NetsWorldsReshard, FsdpTest,
-                         ::testing::Combine(::testing::Values(Net::kMlp, Net::kConv), ::testing::Values(1, 2, 3, 4),
-                                            ::testing::Bool()),
+INSTANTIATE_TEST_SUITE_P(NetsReshard, FsdpTest,
+                         ::testing::Combine(::testing::Values(Net::kMlp, Net::kConv), ::testing::Bool()),
                          [](const auto& info) {
-                           return fmt::format("{}_{}ranks_{}", name_of(std::get<0>(info.param)), std::get<1>(info.param),
-                                              std::get<2>(info.param) ? "reshard" : "keep");
+                           return fmt::format("{}_{}", name_of(std::get<0>(info.param)),
+                                              std::get<1>(info.param) ? "reshard" : "keep");
                          });
 
 class FsdpUnitsTest : public ::testing::Test {
@@ -349,6 +353,48 @@ TEST_F(FsdpUnitsTest, AUnitThatRanForwardButGotNoGradientIsNamedAtTheNextForward
     ::torch::nn::functional::cross_entropy(run(false), b.y).backward();
     for (auto& shard : fsdp.parameters()) EXPECT_TRUE(shard.grad().defined());
   });
+}
+
+TEST_F(FsdpUnitsTest, MixedPrecisionComputesInBfloat16AndKeepsFloat32MasterWeights) {
+  // bf16 has 8 bits of mantissa: the weights follow DDP's float32 run to DDP's bf16 tolerance
+  // (ddp_test.cc) instead of float rounding.
+  constexpr double kBf16Rtol = 2e-2, kBf16Atol = 2e-3;
+  for (const int world : {2, 3}) {
+    SCOPED_TRACE(fmt::format("{} ranks", world));
+    const auto want = ddp_weights(Net::kMlp, world);
+    const auto initial = initial_weights(Net::kMlp);
+    auto comms = ThreadCommunicator::make_world(world);
+    run_ranks(world, [&](int rank) {
+      auto model = model_with(Net::kMlp, initial, rank);
+      FSDPOptions o = units_for(Net::kMlp, true);
+      o.compute_dtype = ::torch::kBFloat16;
+      FullyShardedDataParallel fsdp(model, comms[size_t(rank)], o);
+      auto opt = make_optimizer(Net::kMlp, fsdp.parameters());
+      for (int it = 0; it < kSteps; ++it) {
+        auto b = batch(Net::kMlp, it, rank, world);
+        opt->zero_grad();
+        ::torch::Tensor out = fsdp.forward(b.x.to(::torch::kBFloat16));
+        EXPECT_EQ(out.scalar_type(), ::torch::kBFloat16) << "computed in bf16";
+        EXPECT_EQ(model->parameters().front().scalar_type(), ::torch::kBFloat16);
+        ::torch::nn::functional::cross_entropy(out.to(::torch::kFloat32), b.y).backward();
+        for (auto& shard : fsdp.parameters()) {
+          EXPECT_EQ(shard.scalar_type(), ::torch::kFloat32) << "master weights";
+          EXPECT_EQ(shard.grad().scalar_type(), ::torch::kFloat32) << "reduced in float32";
+        }
+        opt->step();
+      }
+      // The master weights keep what bf16 cannot hold.
+      const ::torch::Tensor master = fsdp.parameters().front().detach();
+      EXPECT_FALSE(::torch::equal(master, master.to(::torch::kBFloat16).to(::torch::kFloat32)));
+      const auto got = fsdp.full_state_dict();
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(got[i].second.scalar_type(), ::torch::kFloat32);
+        EXPECT_TRUE(::torch::allclose(got[i].second, want[i], kBf16Rtol, kBf16Atol))
+            << "rank " << rank << ", " << got[i].first << ": max difference "
+            << (got[i].second - want[i]).abs().max().item<float>();
+      }
+    });
+  }
 }
 
 TEST_F(FsdpUnitsTest, AnExplicitUnitOutsideTheModelIsNamed) {

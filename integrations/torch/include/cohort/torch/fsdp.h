@@ -62,6 +62,10 @@ struct FSDPOptions {
   // Auto-wrap by module type: every submodule whose Module::name() is one of these becomes a unit
   // ("torch::nn::LinearImpl", or a TORCH_MODULE's impl class name as Module::name() prints it).
   std::vector<std::string> auto_wrap_module_types;
+  // Mixed precision: kBFloat16 or kFloat16 gathers the parameters in that type and the module computes
+  // in it (feed it inputs of that type); the shards (the master weights the optimizer steps) and the
+  // gradients' reduce-scatter stay float32. kFloat32: no mixed precision.
+  ::torch::Dtype compute_dtype = ::torch::kFloat32;
 };
 
 class FullyShardedDataParallel {
@@ -121,11 +125,10 @@ class FullyShardedDataParallel {
   void finish_gradient_sync();
 
   // Collective: the whole model's parameters and buffers by name (Module::named_parameters order, then
-  // the buffers), gathered into fresh tensors on every rank. Rank 0 can save a plain libtorch
-  // checkpoint with save_full_model().
+  // the buffers), gathered into fresh float32 tensors (the master weights) on every rank.
   std::vector<std::pair<std::string, ::torch::Tensor>> full_state_dict();
-  // Collective: gathers every unit, and rank 0 writes the module with torch::save (what a plain
-  // libtorch program loads with torch::load into the same unwrapped model).
+  // Collective: rank 0 writes full_state_dict() as Module::save would write the unwrapped module, so
+  // that a plain libtorch program loads it with torch::load(model, path).
   void save_full_model(const std::string& path);
 
   struct UnitInfo {
