@@ -114,6 +114,12 @@ TEST(Resnet, FsdpTwoRanksEndWithDdpsParametersAndBuffers) {
   EXPECT_NE(fsdp.out.find("FSDP units: 5"), std::string::npos) << fsdp.out;  // four stages and the root
   EXPECT_EQ(losses(fsdp), losses(ddp)) << fsdp.out;
   EXPECT_EQ(digests(fsdp), want) << fsdp.out;
+
+  // What --fsdp does not combine with yet is one line, before any rank starts.
+  auto r = run_process({kProgram, "--fsdp", "--zero", "1"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("--fsdp shards the parameters"), std::string::npos) << r.err;
 }
 
 // The sharded optimizer through real processes: stage 2 with Adam (two state tensors per chunk),
