@@ -83,6 +83,7 @@ struct FullyShardedDataParallel::Unit {
   size_t ready_count = 0;
   bool expect_grad = false;                  // its forward ran with autograd recording
   bool reduced = false;                      // its gradients are reduce-scattered (maybe still in flight)
+  bool landed = false;                       // ... and their average is in the shard's .grad
   ::torch::Tensor grad_flat, grad_slice;     // the reduce-scatter's input and output
   std::shared_ptr<Work> reducing;
   std::vector<std::shared_ptr<::torch::autograd::Node>> accumulators;
@@ -379,14 +380,23 @@ void FullyShardedDataParallel::on_gradient_ready(size_t u, size_t i) {
   unit.ready.assign(unit.params.size(), false);
   unit.ready_count = 0;
   unit.grad_flat = flat;
+  unit.reduced = true;
   if (world == 1) {
     unit.grad_slice = flat;
+    land_reduce(unit);
   } else {
     unit.grad_slice = ::torch::empty({unit.shard_numel}, ::torch::kFloat32);
     unit.reducing = comm_->reduce_scatter_async(flat.data_ptr<float>(), unit.grad_slice.data_ptr<float>(),
                                                 static_cast<size_t>(unit.shard_numel), DataType::kFloat32, ReduceOp::kSum);
+    // Each reduce-scatter in flight holds its unit's whole flattened gradient: at most
+    // kMaxReducesInFlight of them, or the end of backward would hold the whole model's gradients.
+    in_flight_.push_back(u);
+    while (in_flight_.size() > kMaxReducesInFlight) {
+      land_reduce(*units_[in_flight_.front()]);
+      in_flight_.pop_front();
+    }
+    peak_in_flight_ = std::max(peak_in_flight_, in_flight_.size());
   }
-  unit.reduced = true;
   reshard(unit);
   // The last unit to finish its backward waits for every reduce-scatter, so that the shards hold the
   // averaged gradients when backward() returns (libtorch 1.13 has no final autograd callback).
@@ -394,22 +404,31 @@ void FullyShardedDataParallel::on_gradient_ready(size_t u, size_t i) {
   if (all) finish_reduce();
 }
 
-void FullyShardedDataParallel::finish_reduce() {
+// Waits for the unit's reduce-scatter, adds the average into its shard's .grad and frees the buffers.
+void FullyShardedDataParallel::land_reduce(Unit& unit) {
+  if (!unit.reduced || unit.landed) return;
   ::torch::NoGradGuard no_grad;
+  if (unit.reducing) {
+    auto work = std::move(unit.reducing);
+    work->wait();
+  }
   const double world = comm_->size();
+  ::torch::Tensor average = unit.grad_slice.div_(world);  // summed over the ranks: the mean, as DDP's
+  ::torch::Tensor& grad = unit.shard.mutable_grad();
+  if (grad.defined()) grad.add_(average);  // accumulated over backwards until zero_grad, as torch does
+  else grad = average;
+  unit.grad_flat = ::torch::Tensor();
+  unit.grad_slice = ::torch::Tensor();
+  unit.landed = true;
+}
+
+void FullyShardedDataParallel::finish_reduce() {
+  for (size_t u : in_flight_) land_reduce(*units_[u]);
+  in_flight_.clear();
   for (auto& unit : units_) {
-    if (!unit->reduced) continue;
-    if (unit->reducing) {
-      auto work = std::move(unit->reducing);
-      work->wait();
-    }
-    ::torch::Tensor average = unit->grad_slice.div_(world);  // summed over the ranks: the mean, as DDP's
-    ::torch::Tensor& grad = unit->shard.mutable_grad();
-    if (grad.defined()) grad.add_(average);  // accumulated over backwards until zero_grad, as torch does
-    else grad = average;
-    unit->grad_flat = ::torch::Tensor();
-    unit->grad_slice = ::torch::Tensor();
+    land_reduce(*unit);
     unit->reduced = false;
+    unit->landed = false;
     unit->expect_grad = false;
   }
 }

@@ -175,6 +175,9 @@ TEST_P(FsdpTest, WeightsAfterTrainingEqualDdpAtOneToFourRanks) {
         EXPECT_NEAR(norm, norms.at(size_t(it)), 1e-5 * norms.at(size_t(it))) << "rank " << rank << ", step " << it;
         opt->step();
       }
+      // Three units: the third reduce-scatter of a backward waits for the first, so that no more than two
+      // flattened gradients are held (one rank does not reduce-scatter at all).
+      EXPECT_EQ(fsdp.peak_reduces_in_flight(), world > 1 ? FullyShardedDataParallel::kMaxReducesInFlight : 0u);
       expect_weights(fsdp.full_state_dict(), want,
                      fmt::format("{} on {} ranks, reshard_after_forward={}, rank {}", name_of(net), world, reshard, rank));
     });

@@ -37,6 +37,7 @@
 
 #include <torch/torch.h>
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -140,6 +141,10 @@ class FullyShardedDataParallel {
   std::vector<UnitInfo> units() const;
   // Whether unit `index`'s parameters are gathered (their memory exists) right now.
   bool gathered(size_t index) const;
+  // The most gradient reduce-scatters that were in flight at once (each holds its unit's flattened
+  // gradient until it ends): at most kMaxReducesInFlight.
+  size_t peak_reduces_in_flight() const { return peak_in_flight_; }
+  static constexpr size_t kMaxReducesInFlight = 2;
   Communicator& communicator() { return *comm_; }
 
  private:
@@ -158,6 +163,7 @@ class FullyShardedDataParallel {
   void reshard(Unit& unit);
   void prefetch(size_t step);
   void on_gradient_ready(size_t unit, size_t param);
+  void land_reduce(Unit& unit);
   void finish_reduce();
 
   template <typename M>
@@ -179,8 +185,8 @@ class FullyShardedDataParallel {
   std::vector<std::vector<size_t>> order_;
   bool order_recorded_ = false;
   size_t step_ = 0;              // steps run in this forward
-  size_t units_reduced_ = 0;     // units whose gradients were reduce-scattered in this backward
-  size_t units_expected_ = 0;    // units whose forward ran with autograd recording since the last backward
+  std::deque<size_t> in_flight_;  // units whose reduce-scatter is in flight, oldest first
+  size_t peak_in_flight_ = 0;
 };
 
 }  // namespace cohort::torch
