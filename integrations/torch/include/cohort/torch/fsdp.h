@@ -18,8 +18,10 @@
 //   * in backward, a hook on the unit's output gathers it again before its gradients are computed (and
 //     starts the gather of the unit before it), and when the last of its parameters has its gradient
 //     the gradients are flattened, reduce-scattered (summed, divided by N) into the shards' .grad
-//     without waiting, and the unit's memory is freed. The last unit's gradient waits for them all, so
-//     the shards hold the averaged gradient when backward() returns, as under DDP.
+//     without waiting (at most two in flight), and the unit's memory is freed. The last unit's gradient
+//     waits for them all, so the shards hold the averaged gradient when backward() returns, as under DDP.
+// Mixed precision (FSDPOptions::compute_dtype): gathered and computed in bf16 or fp16, the shards (the
+// master weights) and the reduce-scatter in float32.
 // After optimizer.step() the next forward gathers the updated shards: nothing else to call.
 //
 // How forward reaches the units: libtorch's C++ modules have no forward hooks. For a
