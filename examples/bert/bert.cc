@@ -4,6 +4,7 @@
 //
 //   cohort run --nproc-per-node 2 build/examples/bert/bert                 the default ("mini") size
 //   cohort run --nproc-per-node 2 build/examples/bert/bert --zero 2        the optimizer state sharded
+//   cohort run --nproc-per-node 2 build/examples/bert/bert --fsdp          the parameters too (FSDP)
 //   build/examples/bert/bert --size base --device cuda                     BERT-base (12 x 768) on a GPU
 //
 // The model is BERT's (Devlin et al. 2019): token and position embeddings, layer norm, N post-norm
@@ -30,6 +31,7 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
+#include "cohort/torch/fsdp.h"
 #include "cohort/torch/sharded_optimizer.h"
 #include "common/launch.h"
 #include "dataset/wordnet_glosses.h"
@@ -113,7 +115,10 @@ struct BertImpl : nn::Module {
     auto pos = torch::arange(l, ids.options());
     auto x = drop(ln(tokens(ids) + positions(pos).unsqueeze(0)));
     auto bias = ids.eq(cohort::examples::kPad).to(x.scalar_type()).mul(-1e9).view({ids.size(0), 1, 1, l});
-    for (const auto& layer : *layers) x = layer->as<EncoderLayer>()->forward(x, bias);
+    for (const auto& layer : *layers) {
+      auto run_layer = [&] { return layer->as<EncoderLayer>()->forward(x, bias); };
+      x = around_layer ? around_layer(*layer, run_layer) : run_layer();
+    }
     auto h = x.reshape({-1, x.size(2)}).index_select(0, masked);
     h = ln_head(torch::gelu(transform(h)));
     return torch::matmul(h, tokens->weight.t()) + decoder_bias;  // the decoder is the embedding, tied
@@ -126,6 +131,8 @@ struct BertImpl : nn::Module {
   nn::Linear transform;
   nn::LayerNorm ln_head;
   torch::Tensor decoder_bias;
+  // --fsdp: each encoder layer runs through FullyShardedDataParallel::unit_forward (its unit gathered).
+  std::function<torch::Tensor(nn::Module&, const std::function<torch::Tensor()>&)> around_layer;
 };
 TORCH_MODULE(Bert);
 
@@ -234,6 +241,7 @@ struct Args {
   double dropout = 0.1;
   std::string optimizer = "adamw";
   int zero = 0;
+  bool fsdp = false;
   int64_t epochs = 1;
   int64_t max_steps = 0;
   int64_t train_samples = 0;
@@ -257,6 +265,9 @@ int run(const Args& a) {
   auto compression = cohort::train::parse_compression(a.compression);
   if (!compression) throw ConfigError(fmt::format("--compression must be none, fp16 or bf16, not '{}'", a.compression));
   if (a.resume && a.checkpoint_dir.empty()) throw ConfigError("--resume needs --checkpoint-dir");
+  if (a.fsdp && (a.zero || !a.checkpoint_dir.empty() || a.print_digest || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
+    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU, without checkpoints "
+                      "yet: it takes none of --zero, --checkpoint-dir, --print-digest, --device cuda, --compression");
   Size s = size_named(a.size);
   if (a.layers) s.layers = a.layers;
   if (a.hidden) s.hidden = a.hidden;
@@ -295,23 +306,40 @@ int run(const Args& a) {
   ddp_options.compression = *compression;
   ddp_options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mb * 1024 * 1024);
   // The sharded optimizer's buckets define its shards: they are not rebuilt in ready order anyway.
-  cohort::torch::DistributedDataParallel ddp(model, comm, ddp_options);
+  // --fsdp: every encoder layer a unit; the embeddings (tied to the decoder) and the head form the root.
+  std::unique_ptr<cohort::torch::DistributedDataParallel> ddp;
+  std::unique_ptr<cohort::torch::FullyShardedDataParallel> fsdp;
+  if (a.fsdp) {
+    std::vector<std::shared_ptr<nn::Module>> units(model->layers->begin(), model->layers->end());
+    fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model, comm, cohort::torch::FSDPOptions{}, units);
+    model->around_layer = [&fsdp](nn::Module& layer, const std::function<torch::Tensor()>& run_layer) {
+      return fsdp->unit_forward(layer, run_layer);
+    };
+  } else {
+    ddp = std::make_unique<cohort::torch::DistributedDataParallel>(model, comm, ddp_options);
+  }
+  auto forward = [&](const torch::Tensor& ids, const torch::Tensor& masked) {
+    auto run_model = [&] { return model->forward(ids, masked); };
+    return fsdp ? fsdp->forward_with(run_model) : ddp->forward_with(run_model);
+  };
+  // The optimizer steps the shards under --fsdp.
+  const std::vector<torch::Tensor> params = fsdp ? fsdp->parameters() : ddp->parameters();
 
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<cohort::torch::ShardedOptimizer> sharded;
   const cohort::torch::ShardedOptions stage{a.zero};
   if (a.optimizer == "sgd") {
     auto o = torch::optim::SGDOptions(a.lr).momentum(0.9).weight_decay(a.weight_decay);
-    if (a.zero) sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, o, stage);
-    else optimizer = std::make_unique<torch::optim::SGD>(ddp.parameters(), o);
+    if (a.zero) sharded = std::make_unique<cohort::torch::ShardedOptimizer>(*ddp, o, stage);
+    else optimizer = std::make_unique<torch::optim::SGD>(params, o);
   } else if (a.optimizer == "adam") {
     auto o = torch::optim::AdamOptions(a.lr).weight_decay(a.weight_decay);
-    if (a.zero) sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, o, stage);
-    else optimizer = std::make_unique<torch::optim::Adam>(ddp.parameters(), o);
+    if (a.zero) sharded = std::make_unique<cohort::torch::ShardedOptimizer>(*ddp, o, stage);
+    else optimizer = std::make_unique<torch::optim::Adam>(params, o);
   } else {
     auto o = torch::optim::AdamWOptions(a.lr).weight_decay(a.weight_decay);
-    if (a.zero) sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, o, stage);
-    else optimizer = std::make_unique<torch::optim::AdamW>(ddp.parameters(), o);
+    if (a.zero) sharded = std::make_unique<cohort::torch::ShardedOptimizer>(*ddp, o, stage);
+    else optimizer = std::make_unique<torch::optim::AdamW>(params, o);
   }
 
   cohort::torch::DistributedSampler sampler(corpus.train.size(), world, rank, /*shuffle=*/true, a.seed);
@@ -345,7 +373,8 @@ int run(const Args& a) {
     fmt::print("bert: {} layers, hidden {}, {} heads, sequence {}, vocabulary {}: {} parameters; {} training and {} "
                "held-out glosses; world {}, batch {} per rank, {}{}\n",
                s.layers, s.hidden, s.heads, s.seq_len, vocab, nparams, corpus.train.size(), held_out, world,
-               a.batch, a.optimizer, a.zero ? fmt::format(" sharded (ZeRO stage {})", a.zero) : "");
+               a.batch, a.optimizer,
+               a.zero ? fmt::format(" sharded (ZeRO stage {})", a.zero) : a.fsdp ? " fully sharded (FSDP)" : "");
   std::fflush(stdout);
 
   comm->barrier();
@@ -371,9 +400,10 @@ int run(const Args& a) {
       };
       phase("start");
       if (sharded) sharded->zero_grad();
-      else ddp.zero_grad();  // as torch 2.x's zero_grad(): released, or zeroed in place where a bucket view
+      else if (fsdp) optimizer->zero_grad();
+      else ddp->zero_grad();  // as torch 2.x's zero_grad(): released, or zeroed in place where a bucket view
       phase("after zero_grad");
-      auto logits = ddp.forward_with([&] { return model->forward(ids, masked); });
+      auto logits = forward(ids, masked);
       // An empty batch still takes part in the step (every rank's gradients are averaged): zero loss.
       auto loss = len > 0 ? torch::nn::functional::cross_entropy(logits, labels) : logits.sum() * 0.0;
       phase("after forward");
@@ -423,7 +453,9 @@ int run(const Args& a) {
     for (int64_t i = 0; i < static_cast<int64_t>(mine.size()); i += 256) {
       const int64_t n = std::min<int64_t>(256, static_cast<int64_t>(mine.size()) - i);
       auto b = make_batch(corpus.test, mine, i, n, s.seq_len, vocab, a.seed, ~uint64_t{0});
-      auto logits = model->forward(b.ids.to(device), b.masked.to(device)).to(torch::kCPU);
+      // Under --fsdp through the wrapper: the units are gathered only there.
+      auto logits = (fsdp ? forward(b.ids.to(device), b.masked.to(device)) : model->forward(b.ids.to(device), b.masked.to(device)))
+                        .to(torch::kCPU);
       counts[0] += logits.argmax(1).eq(b.labels).sum().item<int64_t>();
       // Per token in the logits' precision, summed in double: a double copy of the logits (tokens x
       // vocabulary) would double the evaluation's largest tensor.
@@ -439,7 +471,7 @@ int run(const Args& a) {
   comm->allreduce(&loss_sum, &loss_sum, 1, cohort::DataType::kFloat64, cohort::ReduceOp::kSum);
   int64_t total_samples = samples;
   comm->allreduce(&total_samples, &total_samples, 1, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
-  double wait = ddp.stats().wait_seconds;
+  double wait = ddp ? ddp->stats().wait_seconds : 0.0;
   comm->allreduce(&wait, &wait, 1, cohort::DataType::kFloat64, cohort::ReduceOp::kAvg);
   // Memory per rank: what the optimizer keeps, and the process's peak.
   const size_t state = sharded ? sharded->state_bytes() : state_bytes(*optimizer, a.optimizer);
@@ -481,6 +513,9 @@ int main(int argc, char** argv) {
   app.add_option("--optimizer", a.optimizer, "adamw, adam or sgd (momentum 0.9)")->check(CLI::IsMember({"adamw", "adam", "sgd"}));
   app.add_option("--zero", a.zero, "0: every rank keeps the whole optimizer state; 1: sharded (ZeRO stage 1); 2: the gradients too")
       ->check(CLI::IsMember({0, 1, 2}));
+  app.add_flag("--fsdp", a.fsdp,
+               "fully sharded data parallel (cohort::torch::FullyShardedDataParallel): each rank keeps 1/N of the "
+               "parameters, gradients and optimizer state; every encoder layer is a unit");
   app.add_option("--epochs", a.epochs, "epochs")->check(kAtLeastOne);
   app.add_option("--max-steps", a.max_steps, "stop after N steps of this run (0: the epochs)")->check(kNotNegative);
   app.add_option("--train-samples", a.train_samples, "use only the first N training glosses (0: all)")->check(kNotNegative);

@@ -6,6 +6,7 @@
 //
 //   cohort run --nproc-per-node 2 build/examples/resnet/resnet
 //   cohort run --nproc-per-node 2 build/examples/resnet/resnet --optimizer adam --zero 2
+//   cohort run --nproc-per-node 2 build/examples/resnet/resnet --fsdp      the parameters sharded too
 //   build/examples/resnet/resnet --width 16            (no launcher: one process, a narrower net)
 //
 // The loop is examples/fashion_mnist's (its four marked steps), with --zero 1|2 stepping through
@@ -26,6 +27,7 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
+#include "cohort/torch/fsdp.h"
 #include "common/gpu_report.h"
 #include "cohort/torch/distributed_sgd.h"
 #include "cohort/torch/sharded_optimizer.h"
@@ -114,7 +116,10 @@ struct ResNetImpl : nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto out = torch::relu(bn1(conv1(x)));
-    for (auto& layer : layers) out = layer->forward(out);
+    for (auto& layer : layers) {
+      auto run_layer = [&] { return layer->forward(out); };
+      out = around_layer ? around_layer(*layer, run_layer) : run_layer();
+    }
     out = torch::adaptive_avg_pool2d(out, {1, 1}).flatten(1);
     return fc(out);
   }
@@ -122,6 +127,8 @@ struct ResNetImpl : nn::Module {
   nn::BatchNorm2d bn1;
   std::vector<nn::Sequential> layers;
   nn::Linear fc{nullptr};
+  // --fsdp: each stage runs through FullyShardedDataParallel::unit_forward (its unit gathered).
+  std::function<torch::Tensor(nn::Module&, const std::function<torch::Tensor()>&)> around_layer;
 };
 TORCH_MODULE(ResNet);
 
@@ -133,16 +140,20 @@ std::string progress_bar(int64_t done, int64_t total, int width = 30) {
 
 // FNV-1a over the bytes of every parameter and every buffer (batch norm's running statistics and
 // counts): equal on every rank exactly when the ranks hold the same model.
-uint64_t model_digest(nn::Module& m) {
+// Parameters first, then buffers: what FullyShardedDataParallel::full_state_dict() lists.
+uint64_t digest_of(const std::vector<torch::Tensor>& tensors) {
   uint64_t h = 1469598103934665603ull;
-  auto mix = [&](const torch::Tensor& t) {
+  for (const auto& t : tensors) {
     auto c = t.detach().to(torch::kCPU).contiguous();
     auto* b = static_cast<const unsigned char*>(c.data_ptr());
     for (size_t i = 0; i < static_cast<size_t>(c.numel()) * c.element_size(); ++i) h = (h ^ b[i]) * 1099511628211ull;
-  };
-  for (auto& p : m.parameters()) mix(p);
-  for (auto& b : m.buffers()) mix(b);
+  }
   return h;
+}
+uint64_t model_digest(nn::Module& m) {
+  std::vector<torch::Tensor> tensors = m.parameters();
+  for (auto& b : m.buffers()) tensors.push_back(b);
+  return digest_of(tensors);
 }
 
 // Rank 0's buffers on every rank, once. The DDP broadcasts them before each training forward, so
@@ -169,6 +180,7 @@ struct Args {
   double momentum = 0.9;
   std::string optimizer = "sgd";
   int zero = 0;
+  bool fsdp = false;
   int64_t epochs = 1;
   int64_t max_steps = 0;
   std::string data_dir = cohort::examples::kFashionMnistDir;
@@ -191,6 +203,9 @@ int run(const Args& a) {
   auto compression = cohort::train::parse_compression(a.compression);
   if (!compression) throw ConfigError(fmt::format("--compression must be none, fp16 or bf16, not '{}'", a.compression));
   if (a.resume && a.checkpoint_dir.empty()) throw ConfigError("--resume needs --checkpoint-dir");
+  if (a.fsdp && (a.zero || !a.checkpoint_dir.empty() || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
+    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU, without checkpoints "
+                      "yet: it takes none of --zero, --checkpoint-dir, --device cuda, --compression");
   const double lr = a.lr > 0 ? a.lr : a.optimizer == "sgd" ? 0.01 : 0.001;
 
   // Data first: a missing data set fails before any rank waits for another.
@@ -231,7 +246,23 @@ int run(const Args& a) {
   ddp_options.bucket_cap_bytes = static_cast<size_t>(a.bucket_mb * 1024 * 1024);
   // The first bucket (1 MiB, torch's default: it starts reducing early in backward) no bigger than the rest.
   ddp_options.first_bucket_cap_bytes = std::min(ddp_options.first_bucket_cap_bytes, ddp_options.bucket_cap_bytes);
-  cohort::torch::DistributedDataParallel ddp(model, comm, ddp_options);
+  // --fsdp: each of the four stages a unit; the stem and the classifier form the root. Batch norm's
+  // running statistics stay each rank's own until the evaluation broadcasts rank 0's.
+  std::unique_ptr<cohort::torch::DistributedDataParallel> ddp;
+  std::unique_ptr<cohort::torch::FullyShardedDataParallel> fsdp;
+  if (a.fsdp) {
+    std::vector<std::shared_ptr<nn::Module>> units;
+    for (auto& layer : model->layers) units.push_back(layer.ptr());
+    fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model, comm, cohort::torch::FSDPOptions{}, units);
+    model->around_layer = [&fsdp](nn::Module& layer, const std::function<torch::Tensor()>& run_layer) {
+      return fsdp->unit_forward(layer, run_layer);
+    };
+  } else {
+    ddp = std::make_unique<cohort::torch::DistributedDataParallel>(model, comm, ddp_options);
+  }
+  auto forward = [&](const torch::Tensor& x) {
+    return fsdp ? fsdp->forward_with([&] { return model->forward(x); }) : ddp->forward(x);
+  };
 
   // --zero 0: a whole optimizer on every rank (SGD through DistributedSGD: its step fuses with the
   // averaging where it can, i.e. momentum 0, else it is DDP's average and then torch's step).
@@ -242,20 +273,25 @@ int run(const Args& a) {
   const auto sgd_options = torch::optim::SGDOptions(lr).momentum(a.momentum);
   if (a.zero > 0) {
     cohort::torch::ShardedOptions so{a.zero};
-    if (a.optimizer == "sgd") sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, sgd_options, so);
+    if (a.optimizer == "sgd") sharded = std::make_unique<cohort::torch::ShardedOptimizer>(*ddp, sgd_options, so);
     else if (a.optimizer == "adam")
-      sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, torch::optim::AdamOptions(lr), so);
-    else sharded = std::make_unique<cohort::torch::ShardedOptimizer>(ddp, torch::optim::AdamWOptions(lr), so);
+      sharded = std::make_unique<cohort::torch::ShardedOptimizer>(*ddp, torch::optim::AdamOptions(lr), so);
+    else sharded = std::make_unique<cohort::torch::ShardedOptimizer>(*ddp, torch::optim::AdamWOptions(lr), so);
+  } else if (fsdp) {  // torch's own optimizers, over the shards
+    if (a.optimizer == "sgd") optimizer = std::make_unique<torch::optim::SGD>(fsdp->parameters(), sgd_options);
+    else if (a.optimizer == "adam")
+      optimizer = std::make_unique<torch::optim::Adam>(fsdp->parameters(), torch::optim::AdamOptions(lr));
+    else optimizer = std::make_unique<torch::optim::AdamW>(fsdp->parameters(), torch::optim::AdamWOptions(lr));
   } else if (a.optimizer == "sgd") {
-    auto sgd = std::make_unique<cohort::torch::DistributedSGD>(ddp, sgd_options);
+    auto sgd = std::make_unique<cohort::torch::DistributedSGD>(*ddp, sgd_options);
     distributed_sgd = sgd.get();
     optimizer = std::move(sgd);
   } else if (a.optimizer == "adam") {
-    optimizer = std::make_unique<torch::optim::Adam>(ddp.parameters(), torch::optim::AdamOptions(lr));
+    optimizer = std::make_unique<torch::optim::Adam>(ddp->parameters(), torch::optim::AdamOptions(lr));
   } else {
-    optimizer = std::make_unique<torch::optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(lr));
+    optimizer = std::make_unique<torch::optim::AdamW>(ddp->parameters(), torch::optim::AdamWOptions(lr));
   }
-  auto zero_grad = [&] { sharded ? sharded->zero_grad() : ddp.zero_grad(); };
+  auto zero_grad = [&] { sharded ? sharded->zero_grad() : fsdp ? optimizer->zero_grad() : ddp->zero_grad(); };
   auto step = [&] { sharded ? sharded->step() : static_cast<void>(optimizer->step()); };
 
   // (2) The distributed sampler: torch.utils.data.DistributedSampler's indices.
@@ -297,7 +333,9 @@ int run(const Args& a) {
     fmt::print("BLAS in use: {}; oneDNN (MKL-DNN) for convolutions: {}\n",
                cohort::torch::blas_in_use().empty() ? "(none mapped)" : cohort::torch::blas_in_use(),
                at::globalContext().userEnabledMkldnn() && at::hasMKLDNN() ? "yes" : "no");
-    fmt::print("buckets: {}, compression {}, optimizer: {}\n", ddp.sync().bucket_layout().size(),
+    fmt::print("{}, compression {}, optimizer: {}\n",
+               fsdp ? fmt::format("FSDP units: {}", fsdp->units().size())
+                    : fmt::format("buckets: {}", ddp->sync().bucket_layout().size()),
                cohort::train::compression_name(*compression),
                sharded ? "sharded (ZeRO) " + sharded->describe()
                        : fmt::format("{} lr={}{}", a.optimizer, lr,
@@ -341,13 +379,13 @@ int run(const Args& a) {
       zero_grad();
       torch::Tensor loss;
       if (len > 0) {
-        loss = torch::nn::functional::cross_entropy(ddp->forward(x), y);
+        loss = torch::nn::functional::cross_entropy(forward(x), y);
       } else {
         // A rank with no samples left still takes part in the step (its gradients are averaged in)
         // with a zero loss. Batch norm cannot normalise an empty batch, so it runs one image of the
         // training set with the loss multiplied by 0; in eval mode, so the running statistics stay.
         model->eval();
-        loss = ddp->forward(train.x.narrow(0, 0, 1)).sum() * 0.0;
+        loss = forward(train.x.narrow(0, 0, 1)).sum() * 0.0;
         model->train();
       }
       loss.backward();  // collects the gradients (averaged over the ranks, or reduce-scattered)
@@ -391,9 +429,9 @@ int run(const Args& a) {
 
   int64_t total_samples = samples;
   comm->allreduce(&total_samples, &total_samples, 1, cohort::DataType::kInt64, cohort::ReduceOp::kSum);
-  double wait = ddp.stats().wait_seconds;
+  double wait = ddp ? ddp->stats().wait_seconds : 0.0;
   comm->allreduce(&wait, &wait, 1, cohort::DataType::kFloat64, cohort::ReduceOp::kAvg);
-  examples::print_gpu_overlap(ddp.stats(), *comm, lead);
+  if (ddp) examples::print_gpu_overlap(ddp->stats(), *comm, lead);
 
   // Test accuracy: every rank evaluates its contiguous share of the test images with rank 0's
   // running statistics, and the counts are summed (one rank alone would take N times as long).
@@ -405,7 +443,11 @@ int run(const Args& a) {
     const int64_t n = test.x.size(0), lo = n * rank / world, hi = n * (rank + 1) / world;
     for (int64_t i = lo; i < hi; i += 200) {  // chunks: a ResNet's activations are large
       const int64_t len = std::min<int64_t>(200, hi - i);
-      correct += model->forward(test.x.narrow(0, i, len)).argmax(1).eq(test.y.narrow(0, i, len)).sum().item<int64_t>();
+      correct += (fsdp ? forward(test.x.narrow(0, i, len)) : model->forward(test.x.narrow(0, i, len)))
+                     .argmax(1)
+                     .eq(test.y.narrow(0, i, len))
+                     .sum()
+                     .item<int64_t>();
     }
     model->train();
   }
@@ -421,7 +463,16 @@ int run(const Args& a) {
   }
   if (a.print_digest) {
     // Every rank: equal lines mean every rank ends with the same parameters and buffers.
-    fmt::print("rank {} final digest (parameters and buffers): {:016x}\n", rank, model_digest(*model));
+    // Under --fsdp the whole model exists only gathered (collective: every rank prints).
+    uint64_t digest = 0;
+    if (fsdp) {
+      std::vector<torch::Tensor> tensors;
+      for (auto& [name, t] : fsdp->full_state_dict()) tensors.push_back(t);
+      digest = digest_of(tensors);
+    } else {
+      digest = model_digest(*model);
+    }
+    fmt::print("rank {} final digest (parameters and buffers): {:016x}\n", rank, digest);
   }
   std::fflush(stdout);
   return 0;
@@ -444,6 +495,9 @@ int main(int argc, char** argv) {
                  "0: every rank keeps the whole optimizer; 1: the optimizer state sharded over the ranks "
                  "(cohort::torch::ShardedOptimizer); 2: the gradients too")
       ->check(CLI::IsMember({0, 1, 2}));
+  app.add_flag("--fsdp", a.fsdp,
+               "fully sharded data parallel (cohort::torch::FullyShardedDataParallel): each rank keeps 1/N of the "
+               "parameters, gradients and optimizer state; each of the four stages is a unit");
   app.add_option("--epochs", a.epochs, "epochs")->check(kAtLeastOne);
   app.add_option("--max-steps", a.max_steps, "stop after N steps of this run (benchmarks; 0: no limit)")
       ->check(kNotNegative);
