@@ -1,7 +1,9 @@
-"""One rank of a Horovod-style script under horovodrun's line (`horovodrun -np 2 python3 this.py`).
+"""One rank of a Horovod-style script under horovodrun's line (`horovodrun -np 2 python3 this.py`) or plain
+`mpirun -np 2 python3 this.py`.
 
 `import horovod.torch` must be cohort's (no Horovod is installed in the test's environment), hvd's ranks
-and sizes must be the HOROVOD_* variables the launcher set, and a collective must add up. Prints
+and sizes must be what the launcher set (HOROVOD_*, or Open MPI's OMPI_COMM_WORLD_*), and a collective
+must add up. Prints
 "HVD OK rank=R" at the end; a failed check raises.
 """
 import os
@@ -13,13 +15,17 @@ import horovod.torch as hvd
 
 hvd.init()
 assert hvd.__name__ == "cohort.horovod.torch", hvd.__name__
-env = {k: int(os.environ[f"HOROVOD_{k}"]) for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
-                                                    "CROSS_SIZE")}
+if "HOROVOD_RANK" in os.environ:  # horovodrun's line
+    env = {k: int(os.environ[f"HOROVOD_{k}"]) for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
+                                                        "CROSS_SIZE")}
+    # The host as -H names it; without -H, this machine (cohort names it as its tags do).
+    assert os.environ["HOROVOD_HOSTNAME"] == socket.gethostname(), os.environ["HOROVOD_HOSTNAME"]
+else:  # plain mpirun: Open MPI's variables, one host
+    env = {k: int(os.environ[f"OMPI_COMM_WORLD_{k}"]) for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE")}
+    env.update(CROSS_RANK=0, CROSS_SIZE=1)
 got = dict(RANK=hvd.rank(), SIZE=hvd.size(), LOCAL_RANK=hvd.local_rank(), LOCAL_SIZE=hvd.local_size(),
            CROSS_RANK=hvd.cross_rank(), CROSS_SIZE=hvd.cross_size())
-assert got == env, f"hvd says {got}, the launcher's HOROVOD_* say {env}"
-# The host as -H names it; without -H, this machine (cohort names it as its tags do).
-assert os.environ["HOROVOD_HOSTNAME"] == socket.gethostname(), os.environ["HOROVOD_HOSTNAME"]
+assert got == env, f"hvd says {got}, the launcher's variables say {env}"
 total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
 assert total.item() == hvd.size() * (hvd.size() + 1) / 2, total
 hvd.shutdown()

@@ -8,9 +8,12 @@ The build folder's integrations/python holds the modules and links to the packag
 """
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+
+import pytest
 
 from dist_util import HERE, base_env
 
@@ -76,6 +79,20 @@ def test_horovod_name_is_cohorts_only_where_no_real_horovod_is_found():
 def test_a_horovod_script_runs_under_the_horovodrun_line():
     horovodrun = os.path.join(os.path.dirname(_tool()), "horovodrun")
     proc = subprocess.run([horovodrun, "-np", "2", "--gloo", sys.executable, os.path.join(HERE, "hvd_launch_worker.py")],
+                          env=_env(), capture_output=True, text=True, timeout=90)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    for r in range(2):
+        assert f"HVD OK rank={r}" in proc.stdout, output
+
+
+def test_a_horovod_script_runs_under_plain_mpirun():
+    # Horovod's MPI mode: no cohort launcher, no MASTER_ADDR; hvd.init() finds rank 0 through mpirun's PMIx.
+    mpirun = shutil.which("mpirun")
+    if not mpirun:
+        pytest.skip("mpirun is not installed (Debian's openmpi-bin)")
+    proc = subprocess.run([mpirun, "--allow-run-as-root", "-np", "2", sys.executable,
+                           os.path.join(HERE, "hvd_launch_worker.py")],
                           env=_env(), capture_output=True, text=True, timeout=90)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output

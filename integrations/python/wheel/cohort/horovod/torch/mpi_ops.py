@@ -231,6 +231,10 @@ def _make_store(rank, size):
     """The job's TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), as env:// would build it."""
     addr = os.environ.get("MASTER_ADDR")
     port = _env_int("MASTER_PORT")
+    if not addr and port is None and os.environ.get("PMIX_RANK") is not None:
+        # Plain mpirun / srun --mpi=pmix (Horovod's MPI mode): rank 0's address travels through PMIx.
+        import cohort_torch
+        addr, port = cohort_torch.pmix_master_address(_state.timeout.total_seconds())
     if not addr or port is None:
         raise ValueError("hvd.init(): RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not: "
                          "start the script with `cohort run`, `horovodrun` or torchrun")
