@@ -6,6 +6,7 @@ with what hvd returned: exactly for integers, within the dtype's tolerance for f
 come last: a mismatch must raise on every rank, and the next operation must work again.
 Prints "OK <checks>" at the end; any failed check raises (non-zero exit).
 """
+import datetime
 import os
 import sys
 
@@ -70,6 +71,23 @@ def reference(op, tensors):
     return out.to(dtype)
 
 
+_store = None
+
+
+def settle(tag):
+    """Returns once every rank has got here, through the job's store rather than a collective: a rank
+    leaves a collective as soon as its own part is done, possibly before a slower rank has finished it,
+    and cohort fails every pending operation of a communicator that fails. So before a mismatch that is
+    meant to fail one known call on every rank, every rank must have finished the calls before it."""
+    global _store
+    if _store is None:
+        _store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                            is_master=False, timeout=datetime.timedelta(seconds=30))
+    if _store.add(f"hvd_ops_worker/settle/{tag}", 1) == hvd.size():
+        _store.set(f"hvd_ops_worker/settled/{tag}", "1")
+    _store.wait([f"hvd_ops_worker/settled/{tag}"], datetime.timedelta(seconds=30))
+
+
 def raises(what, exc, fn):
     global checks
     try:
@@ -85,12 +103,16 @@ def main():
     me, n = hvd.rank(), hvd.size()
     everyone = range(n)
 
-    # ---- basics: what the launcher said, and Horovod's topology on one host
+    # ---- basics: what the launcher said, and Horovod's topology (hosts with equal rank counts: the
+    # cross ranks are the hosts' node ranks)
     expect("size", n == int(os.environ["WORLD_SIZE"]))
     expect("rank", me == int(os.environ["RANK"]))
     expect("local_rank", hvd.local_rank() == int(os.environ["LOCAL_RANK"]))
-    expect("local_size", hvd.local_size() == n)
-    expect("cross_rank/cross_size on one host", hvd.cross_rank() == 0 and hvd.cross_size() == 1)
+    expect("local_size", hvd.local_size() == int(os.environ["LOCAL_WORLD_SIZE"]))
+    nodes = n // hvd.local_size()
+    expect(f"cross_rank {hvd.cross_rank()} / cross_size {hvd.cross_size()} on node {os.environ['GROUP_RANK']} "
+           f"of {nodes}", hvd.cross_rank() == int(os.environ["GROUP_RANK"]) and hvd.cross_size() == nodes)
+    expect("is_homogeneous", hvd.is_homogeneous())
     expect("is_initialized", hvd.is_initialized())
     expect("probes", not hvd.mpi_built() and not hvd.gloo_built() and not hvd.mpi_enabled()
            and hvd.cuda_built() == (torch.version.cuda is not None))
@@ -270,16 +292,28 @@ def main():
     raises("op and average together", ValueError, lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum))
     raises("alltoall splits of the wrong length", ValueError, lambda: hvd.alltoall(torch.ones(n), splits=[1]))
 
+    finished = hvd.allreduce_async(torch.full((2,), 2.0), op=hvd.Sum)
+    while not hvd.poll(finished):
+        pass
+    settle("sizes")
     message = raises("allreduce of different sizes", hvd.HorovodInternalError,
                      lambda: hvd.allreduce(torch.ones(3 + me)))
-    expect(f"the mismatch names the counts: {message}", "mismatched calls" in message and "count=3" in message)
+    same("a handle finished before the mismatch keeps its result", hvd.synchronize(finished),
+         torch.full((2,), 2.0 * n))
+    # (Which pair of ranks it names depends on who meets whom first: the counts are 3 + rank.)
+    expect(f"the mismatch names the counts: {message}", "mismatched calls" in message
+           and any(f"count={3 + r}" in message for r in everyone if r != me))
     same("allreduce after the mismatch", hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    settle("dtypes")
     message = raises("allreduce of different dtypes", hvd.HorovodInternalError,
                      lambda: hvd.allreduce(torch.ones(4, dtype=torch.float32 if me == 0 else torch.float64)))
     expect(f"dtype mismatch message: {message}", "mismatched calls" in message)
     message = raises("broadcast from different roots", hvd.HorovodInternalError,
                      lambda: hvd.broadcast(torch.ones(4), root_rank=me))
-    expect(f"root mismatch message: {message}", "root" in message)
+    expect(f"root mismatch message: {message}", "root_rank=0" in message and "root_rank=1" in message)
+    message = raises("broadcast of different shapes", hvd.HorovodInternalError,
+                     lambda: hvd.broadcast(torch.ones(2, 1 + (me == 1)), root_rank=0))
+    expect(f"broadcast shape mismatch message: {message}", "float32[2, 2]" in message)
     message = raises("allgather of different trailing dimensions", hvd.HorovodInternalError,
                      lambda: hvd.allgather(torch.ones(2, 2 + (me == n - 1))))
     expect(f"allgather mismatch names both shapes: {message}", f"rank {n - 1} of the process set has float32[2, 3]"
@@ -291,6 +325,13 @@ def main():
     if me % 2 == 0:
         same("process set after the mismatches", hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=evens),
              torch.full((1,), float(len(range(0, n, 2)))))
+    # A mismatch inside a process set: its ranks raise; the set cannot be rebuilt without the others
+    # (torch builds groups with every rank), but the world goes on.
+    settle("process set")
+    if me % 2 == 0:
+        message = raises("a mismatch inside a process set", hvd.HorovodInternalError,
+                         lambda: hvd.allreduce(torch.ones(3 + me), process_set=evens))
+        expect(f"the set's failure says so: {message}", "failed for good" in message)
     same("allreduce after every error", hvd.allreduce(torch.full((3,), float(me)), op=hvd.Max),
          torch.full((3,), float(n - 1)))
 

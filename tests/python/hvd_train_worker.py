@@ -207,6 +207,45 @@ def check_ranks_with_different_graphs():
         close(got, expected, f"ranks using different branches: {name}")
 
 
+def check_adasum():
+    """op=hvd.Adasum: each rank steps SGD with momentum (its own momentum buffers) on its own gradient,
+    and the parameters move by the Adasum of the ranks' changes. The reference simulates both ranks
+    here: one model and one optimizer per rank, all starting each step from the shared parameters."""
+    def adasum2(a, b):  # the Adasum paper's rule for two ranks, in float64
+        a, b = a.double(), b.double()
+        dot = (a * b).sum()
+        return (1 - dot / (2 * (a * a).sum())) * a + (1 - dot / (2 * (b * b).sum())) * b
+
+    r, n = hvd.rank(), hvd.size()
+    model = mlp(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    shared = mlp(0)
+    replicas = [mlp(0) for _ in range(n)]
+    replica_opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in replicas]
+    for step in range(3):
+        x, y = global_batch(step, n, PER_RANK)
+        opt.zero_grad()
+        loss_of(model, x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]).backward()
+        opt.step()
+        deltas = []
+        for k, (replica, replica_opt) in enumerate(zip(replicas, replica_opts)):
+            replica.load_state_dict(shared.state_dict())
+            replica_opt.zero_grad()
+            loss_of(replica, x[k * PER_RANK:(k + 1) * PER_RANK], y[k * PER_RANK:(k + 1) * PER_RANK]).backward()
+            replica_opt.step()
+            deltas.append({name: v - shared.state_dict()[name] for name, v in replica.state_dict().items()})
+        with torch.no_grad():
+            for name, value in shared.state_dict().items():
+                value.add_(adasum2(deltas[0][name], deltas[1][name]).to(value.dtype))
+    for name, value in shared.state_dict().items():
+        close(model.state_dict()[name], value, f"op=hvd.Adasum: {name}")
+    plain_average = train_distributed(1, steps=3)
+    check(any(not torch.allclose(a, b) for a, b in zip(model.state_dict().values(), plain_average.state_dict().values())),
+          "op=hvd.Adasum differs from op=hvd.Average")
+    raises(AssertionError, lambda: opt.skip_synchronize().__enter__(), "skip_synchronize() with Adasum raises")
+
+
 def check_overlap():
     """An allreduce starts, and finishes, while backward is still running.
 
@@ -269,8 +308,8 @@ def check_optimizer_errors():
     opt.zero_grad()
 
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
-    raises(NotImplementedError, lambda: hvd.DistributedOptimizer(sgd(model), model.named_parameters(), op=hvd.Adasum),
-           "op=Adasum is refused clearly")
+    raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(model), model.named_parameters(), op=hvd.Adasum, groups=2),
+           "op=Adasum with groups is refused")
     twice = [("same", model[0].weight), ("same", model[0].bias)]
     raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(model), twice), "repeated names are refused")
     raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(model), list(model.named_parameters())[:2]),
@@ -451,6 +490,7 @@ def main():
     check(hvd.size() == 2, f"2 ranks expected, got {hvd.size()}")
     check_distributed_optimizer()
     check_ranks_with_different_graphs()
+    check_adasum()
     check_overlap()
     check_optimizer_errors()
     check_broadcasts()

@@ -38,7 +38,8 @@ def test_every_horovod_collective_matches_torch_on_every_rank():
 
 
 def test_a_script_started_without_a_launcher_is_a_world_of_one():
-    # Horovod's rule: `python3 train.py` alone is rank 0 of 1, and every collective is the identity.
+    # Horovod's rule: `python3 train.py` alone is rank 0 of 1, and every collective is the identity;
+    # then the same beside a default group the script built itself.
     script = """
 import torch, cohort.horovod.torch as hvd
 hvd.init()
@@ -48,6 +49,15 @@ assert torch.equal(hvd.allreduce(x), x) and torch.equal(hvd.allgather(x), x)
 assert torch.equal(hvd.broadcast(x, 0), x) and torch.equal(hvd.alltoall(x), x)
 assert hvd.join() == 0
 hvd.shutdown()
+# A script that built torch's default group itself (here gloo): hvd builds a cohort group beside it,
+# and shutdown() leaves the script's group alone.
+import torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+hvd.init()
+assert dist.get_backend(hvd.mpi_ops._state.world_group) == "cohort"
+assert torch.equal(hvd.allreduce(x, op=hvd.Sum), x) and hvd.join() == 0
+hvd.shutdown()
+assert dist.is_initialized() and dist.get_backend() == "gloo"
 print("ALONE OK")
 """
     proc = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=60)

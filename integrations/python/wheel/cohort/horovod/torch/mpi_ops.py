@@ -219,12 +219,16 @@ def _env_int(*names):
 
 
 def _timeout():
-    # The per-operation deadline of our groups: COHORT_TIMEOUT (the backend reads it itself too) or
-    # HOROVOD_GLOO_TIMEOUT_SECONDS' counterpart, else torch's default.
-    seconds = os.environ.get("HOROVOD_TIMEOUT_SECONDS")
-    if seconds:
+    """The deadline of our groups' rendezvous and operations: Horovod's HOROVOD_GLOO_TIMEOUT_SECONDS
+    when set, else torch's default (30 min). COHORT_TIMEOUT, which the backend reads itself, overrides
+    both for the operations (docs/pytorch.md)."""
+    seconds = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")
+    if not seconds:
+        return datetime.timedelta(minutes=30)
+    try:
         return datetime.timedelta(seconds=float(seconds))
-    return datetime.timedelta(minutes=30)
+    except ValueError:
+        raise ValueError(f"hvd.init(): HOROVOD_GLOO_TIMEOUT_SECONDS={seconds!r} is not a number of seconds") from None
 
 
 def _make_store(rank, size):
@@ -433,10 +437,12 @@ def nccl_built(verbose=False):
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         return 0
     version = torch.cuda.nccl.version()
-    if isinstance(version, tuple):
-        major, minor, patch = (list(version) + [0, 0, 0])[:3]
-        return major * 1000 + minor * 100 + patch if major < 3 and minor < 10 else major * 10000 + minor * 100 + patch
-    return int(version)
+    if not isinstance(version, tuple):
+        return int(version)  # torch 1.x: already NCCL_VERSION_CODE
+    # NCCL_VERSION_CODE, as Horovod reports it: major*1000 + minor*100 + patch before NCCL 2.9,
+    # major*10000 + minor*100 + patch from 2.9 on.
+    major, minor, patch = (list(version) + [0, 0, 0])[:3]
+    return (major * 1000 if (major, minor) < (2, 9) else major * 10000) + minor * 100 + patch
 
 
 def ddl_built(verbose=False):
@@ -472,10 +478,23 @@ def stop_timeline():
 class _Pending:
     """An operation in flight: torch's Work, and what turns its buffers into Horovod's result."""
 
-    __slots__ = ("work", "finish", "name", "what")
+    __slots__ = ("work", "finish", "name", "what", "group")
 
-    def __init__(self, work, finish, name, what):
-        self.work, self.finish, self.name, self.what = work, finish, name, what
+    def __init__(self, work, finish, name, what, group):
+        self.work, self.finish, self.name, self.what, self.group = work, finish, name, what, group
+
+
+class _FailedWork:
+    """Stands for the Work of an operation whose communicator failed under it (see _recover)."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        raise HorovodInternalError(self.message)
 
 
 def _claim_name(name, what):
@@ -488,18 +507,19 @@ def _claim_name(name, what):
     return name
 
 
-def _start(what, name, launch, finish):
-    """Claims the name, launches the operation (launch() -> torch Work or None), returns a handle."""
+def _start(what, name, group, launch, finish):
+    """Claims the name, launches the operation on `group` (launch() -> torch Work, or None for a
+    handle that only gathers others), returns a handle."""
     if not _state.initialized:
         raise _not_initialized()
     _claim_name(name, what)
     try:
-        work = _translate_errors(what, launch)
+        work = _translate_errors(what, group, launch)
     except BaseException:
         _state.names_in_flight.discard(name)
         raise
     handle = next(_handle_ids)
-    _state.handles[handle] = _Pending(work, finish, name, what)
+    _state.handles[handle] = _Pending(work, finish, name, what, group)
     return handle
 
 
@@ -519,32 +539,41 @@ def synchronize(handle):
         raise ValueError(f"hvd.synchronize: handle {handle} is unknown (already synchronized?)")
     _state.names_in_flight.discard(pending.name)
     if pending.work is not None:
-        _translate_errors(pending.what, pending.work.wait)
+        _translate_errors(pending.what, pending.group, pending.work.wait)
     return pending.finish()
 
 
-def _translate_errors(what, fn, *args):
+def _translate_errors(what, group, fn, *args):
+    """Runs fn(*args), an operation on `group`; the backend's RuntimeError becomes Horovod's
+    HorovodInternalError, and a mismatch on the world group rebuilds it (_recover)."""
     try:
         return fn(*args)
     except HorovodInternalError:
         raise
     except RuntimeError as e:
-        message = str(e)
+        message = f"{what} failed: {e}"
         if "mismatched calls" in message:
-            _recover()
-        raise HorovodInternalError(f"{what} failed: {message}") from e
+            if group is _state.world_group:
+                _recover(message)
+            elif any(ps._group is group for ps in _state.process_sets.values()):
+                # Only the set's ranks saw it, and torch builds a group only with every rank of the
+                # world taking part, so the set's group cannot be rebuilt here.
+                message += " (the process set's group is failed for good; the world's still works)"
+            # else: a group that an earlier rebuild replaced (a handle from before it): nothing to rebuild.
+        raise HorovodInternalError(message) from e
 
 
-def _recover():
+def _recover(message):
     """After a failed communicator: every rank that saw the failure builds the next generation of the
     world group on the same store (a new key prefix), so the next operation runs, as Horovod's does
     after an error. Only after a mismatch: every rank saw it and is here, whereas after a lost rank a
     rebuild would wait for it (the elastic layer handles that case)."""
     if not _state.owns_default_group or _state.store is None:
         return  # the user's own default group: theirs to rebuild
-    for handle in list(_state.handles):
-        _state.handles.pop(handle)
-    _state.names_in_flight.clear()
+    for pending in _state.handles.values():
+        # Finished operations keep their results; the others' communicator is gone: synchronize() says so.
+        if pending.work is not None and not pending.work.is_completed():
+            pending.work = _FailedWork(f"{pending.what} failed: its communicator failed under it: {message}")
     dist.destroy_process_group()  # every group, the process sets' too
     _state.generation += 1
     _build_world_group()
@@ -633,7 +662,7 @@ def _allreduce_start(tensor, output, name, op, prescale_factor, postscale_factor
         _divide(output, divisor)
         return output
 
-    return _start(what, name, lambda: dist.all_reduce(output, torch_op, group=group, async_op=True), finish)
+    return _start(what, name, group, lambda: dist.all_reduce(output, torch_op, group=group, async_op=True), finish)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -664,7 +693,7 @@ def _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, 
     if output is None:
         output = tensor.clone(memory_format=torch.contiguous_format)
     _scale(output, prescale_factor)
-    _translate_errors(what, dist.all_reduce, output, torch_op, group)
+    _translate_errors(what, group, dist.all_reduce, output, torch_op, group)
     _scale(output, postscale_factor)
     _divide(output, divisor)
     return output
@@ -737,11 +766,36 @@ def _broadcast_start(tensor, output, root_rank, name, process_set, what):
     _check_tensor(tensor, what)
     group = _group_of(process_set)
     _check_root(root_rank, process_set, what)
+    _agree_on_broadcast(tensor, root_rank, group, _set_size(process_set), what)
     if output is not tensor:
         output.copy_(tensor)
     wire = _as_wire(output)
-    return _start(what, name, lambda: dist.broadcast(wire, root_rank, group=group, async_op=True),
+    return _start(what, name, group, lambda: dist.broadcast(wire, root_rank, group=group, async_op=True),
                   lambda: output)
+
+
+def _agree_on_broadcast(tensor, root_rank, group, n, what):
+    """One small allgather of every rank's (root, dtype, shape) before the data moves: a broadcast whose
+    ranks name different roots would otherwise pass unnoticed across hosts (each "root" only sends, so
+    no rank receives a message whose signature could disagree). Raises the same error on every rank."""
+    if n == 1:
+        return
+    slots = 11
+    if tensor.dim() > slots - 3:
+        raise ValueError(f"{what}: tensors of more than {slots - 3} dimensions are not supported")
+    mine = torch.full((slots,), -1, dtype=torch.int64)
+    mine[0] = root_rank
+    mine[1] = _DTYPE_CODE.get(tensor.dtype, 99)
+    mine[2] = tensor.dim()
+    mine[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    every = torch.empty(n, slots, dtype=torch.int64)
+    _translate_errors(what, group, _all_gather_into, every, mine, group)
+    for r in range(1, n):
+        if not torch.equal(every[r], every[0]):
+            def text(row):
+                return f"root_rank={int(row[0])} with {_describe_row(row[1:])}"
+            raise HorovodInternalError(f"{what}: mismatched calls: rank {r} of the process set called it with "
+                                       f"{text(every[r])} but its rank 0 with {text(every[0])}")
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -794,10 +848,6 @@ def _all_gather_into(output, tensor, group, async_op=False):
     return fn(output, tensor, group=group, async_op=async_op)
 
 
-def _describe(tensor):
-    return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
-
-
 def _exchange_shapes(tensor, group, n, what):
     """Every rank's shape, through one small allgather; raises the same error on every rank when the
     ranks' tensors differ in dtype, rank (number of dimensions) or any dimension but the first."""
@@ -810,7 +860,7 @@ def _exchange_shapes(tensor, group, n, what):
     mine[1] = tensor.dim()
     mine[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     every = torch.empty(n, slots, dtype=torch.int64)
-    _translate_errors(what, _all_gather_into, every, mine, group)
+    _translate_errors(what, group, _all_gather_into, every, mine, group)
     # Compared with the set's first rank, so that every rank names the same pair.
     first = every[0].clone()
     first[2] = -1
@@ -862,7 +912,7 @@ def _allgather_start(tensor, name, process_set, what):
                 output[offset:offset + rows] = gathered[r * longest:r * longest + rows]
                 offset += rows
             return output
-    return _start(what, name, launch, finish)
+    return _start(what, name, group, launch, finish)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -900,7 +950,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Starts an allgather of each tensor of the list; synchronize() returns the list of results."""
     handles = [allgather_async(t, None, process_set) for t in tensors]
-    return _start("grouped_allgather_async", name, lambda: None,
+    return _start("grouped_allgather_async", name, None, lambda: None,
                   lambda: [synchronize(h) for h in handles])
 
 
@@ -946,7 +996,7 @@ def _grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postsc
                 offset += n
         return list(outputs)
 
-    return _start(what, name, launch, finish)
+    return _start(what, name, group, launch, finish)
 
 
 class _AllWork:
@@ -1018,7 +1068,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     def finish():
         return output / n if op == Average else output
 
-    return _start("sparse_allreduce_async", name,
+    return _start("sparse_allreduce_async", name, group,
                   lambda: dist.all_reduce(output, dist.ReduceOp.SUM, group=group, async_op=True), finish)
 
 
@@ -1056,7 +1106,7 @@ def _alltoall_start(tensor, splits, name, process_set, what):
     info[:, 2:2 + source.dim() - 1] = torch.tensor(source.shape[1:], dtype=torch.int64) if source.dim() > 1 else -1
     info[:, 9] = source.dim()
     got = torch.empty_like(info)
-    _translate_errors(what, dist.all_to_all_single, got, info, None, None, group)
+    _translate_errors(what, group, dist.all_to_all_single, got, info, None, None, group)
     mine = info[0, 1:]
     for r in range(n):
         if not torch.equal(got[r, 1:], mine):
@@ -1081,7 +1131,7 @@ def _alltoall_start(tensor, splits, name, process_set, what):
     def finish():
         return output if splits is None else (output, received_splits)
 
-    return _start(what, name, launch, finish)
+    return _start(what, name, group, launch, finish)
 
 
 def _describe_alltoall(row):
@@ -1147,7 +1197,7 @@ def _reducescatter_start(tensor, name, op, process_set, prescale_factor, postsca
             _divide(out, n)
         return out
 
-    return _start(what, name, launch, finish)
+    return _start(what, name, group, launch, finish)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
@@ -1174,7 +1224,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     """Starts a reducescatter of each tensor of the list; synchronize() returns the list of results."""
     handles = [_reducescatter_start(t, None, op, process_set, prescale_factor, postscale_factor,
                                     "grouped_reducescatter_async") for t in tensors]
-    return _start("grouped_reducescatter_async", name, lambda: None, lambda: [synchronize(h) for h in handles])
+    return _start("grouped_reducescatter_async", name, None, lambda: None, lambda: [synchronize(h) for h in handles])
 
 
 def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=global_process_set,
@@ -1194,7 +1244,7 @@ def grouped_reducescatter(tensors, name=None, compression=None, op=Average, proc
 def barrier(process_set=global_process_set):
     """Returns when every rank of the process set has called it."""
     group = _group_of(process_set)
-    _translate_errors("barrier", dist.barrier, group)
+    _translate_errors("barrier", group, dist.barrier, group)
 
 
 _join_count = itertools.count()
@@ -1213,5 +1263,5 @@ def join(device=-1):
     key = f"cohort.horovod/join/{_state.generation}/{next(_join_count)}"
     arrived = store.add(key, 1)
     last = torch.tensor([_state.rank if arrived == _state.size else -1], dtype=torch.int64)
-    _translate_errors("join", dist.all_reduce, last, dist.ReduceOp.MAX, _state.world_group)
+    _translate_errors("join", _state.world_group, dist.all_reduce, last, dist.ReduceOp.MAX, _state.world_group)
     return int(last.item())

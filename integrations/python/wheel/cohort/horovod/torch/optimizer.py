@@ -15,6 +15,8 @@ gradients are averaged (or summed, ...) across the ranks before each step:
   1/k for a mean).
 - `groups`: the allreduces of a group's gradients start together, as one grouped allreduce, once the
   group's last gradient is ready.
+- `op=hvd.Adasum`: the ranks' parameter changes, not their gradients, are combined
+  (_DistributedAdasumOptimizer).
 
 cohort's communicator pairs operations by their order, not by their names as Horovod's coordinator
 does. So the allreduces start in one launch order, the same on every rank, whatever order the
@@ -33,7 +35,8 @@ import torch
 
 from .compression import Compression
 from .functions import broadcast_object
-from .mpi_ops import Adasum, Average, allreduce_async_, global_process_set, grouped_allreduce_async_, size, synchronize
+from .mpi_ops import (Adasum, Average, allgather_async, allreduce_async_, global_process_set, grouped_allreduce_async_,
+                      size, synchronize)
 
 
 def _split_evenly(items, parts):
@@ -296,6 +299,84 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._reset_passes()
 
 
+def _adasum_pair(a, b):
+    """Adasum of two vectors: (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b. Orthogonal vectors add,
+    equal ones give the vector once; a zero vector leaves the other as it is."""
+    dot, aa, bb = torch.dot(a, b), torch.dot(a, a), torch.dot(b, b)
+    a_scale = 1 - dot / (2 * aa) if aa > 0 else 0.0
+    b_scale = 1 - dot / (2 * bb) if bb > 0 else 0.0
+    return a_scale * a + b_scale * b
+
+
+def _adasum(rows):
+    """Adasum of the ranks' vectors (in rank order), in float64, over a binary tree as Horovod's
+    recursive halving-doubling combines them: ranks 0+1, 2+3, ..., then those results pairwise.
+    With a rank count that is not a power of two, the odd one out of a level goes up unchanged."""
+    level = [row.double() for row in rows]
+    while len(level) > 1:
+        paired = [_adasum_pair(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        level = paired + level[len(level) - len(level) % 2:]
+    return level[0]
+
+
+class _DistributedAdasumOptimizer(_DistributedOptimizer):
+    """op=hvd.Adasum, as Horovod's: each rank applies the wrapped optimizer to its own gradient, and
+    the ranks' parameter changes (deltas), not their gradients, are combined with Adasum.
+
+    The hook of a parameter runs the wrapped optimizer's step for that parameter alone, takes the
+    delta and puts the parameter back, then starts an allgather of the delta (cohort has no Adasum
+    reduction: each rank combines the gathered deltas itself, in the same order, so all get the same
+    result; memory: one delta per rank). step() waits, and adds the combined delta to the parameter.
+    """
+
+    def _start(self, unit):
+        p = unit
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        before = p.detach().clone()
+        self._step_one_parameter(p)
+        with torch.no_grad():
+            delta = p.detach() - before
+            p.copy_(before)
+        payload, context = self._compression.compress(delta.reshape(1, -1))
+        handle = allgather_async(payload, name=self._parameter_names[p], process_set=self.process_set)
+        self._handles[p] = (handle, context)
+
+    def _step_one_parameter(self, p):
+        """The wrapped optimizer's step, with every parameter group holding only p (or nothing)."""
+        kept = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [q for q in group["params"] if q is p]
+            super(_DistributedOptimizer, self).step()
+        finally:
+            for group, params in zip(self.param_groups, kept):
+                group["params"] = params
+
+    def synchronize(self):
+        for unit in self._launch_order[self._next_launch:]:
+            self._start(unit)
+        with torch.no_grad():
+            for p, (handle, context) in self._handles.items():
+                deltas = self._compression.decompress(synchronize(handle), context)
+                p.add_(_adasum(list(deltas)).view_as(p).to(p.dtype))
+        self._handles.clear()
+        if not self._order_learned:
+            self._learn_launch_order()
+        self._reset_passes()
+
+    @contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("DistributedOptimizer: skip_synchronize() is not supported with op=hvd.Adasum "
+                             "(its step happens in synchronize())")
+        yield  # a generator, for contextmanager
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.synchronize()
+        return loss
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set):
@@ -304,12 +385,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     instance of a subclass of `optimizer`'s class sharing its parameter groups and state; use it in
     `optimizer`'s place. See the module's docstring, and Horovod's documentation for the arguments.
 
-    op=hvd.Adasum is not implemented: on more than one rank it raises NotImplementedError.
-    Sparse gradients are reduced as dense tensors and made sparse again.
+    op=hvd.Adasum combines the ranks' parameter changes with Adasum (see _DistributedAdasumOptimizer),
+    on the global process set only, without groups. Sparse gradients are reduced as dense tensors and
+    made sparse again.
     """
-    if op == Adasum and size() > 1:
-        raise NotImplementedError("DistributedOptimizer: op=hvd.Adasum is not implemented by cohort's Horovod API; "
-                                  "use op=hvd.Average (the default) or hvd.Sum")
+    adasum = op == Adasum and size() > 1  # on one rank, Horovod too falls back to the plain optimizer
+    if adasum and process_set is not global_process_set:
+        raise NotImplementedError("DistributedOptimizer: op=hvd.Adasum works on the global process set only, as in Horovod")
+    if adasum and groups is not None:
+        raise ValueError("DistributedOptimizer: op=hvd.Adasum reduces each parameter on its own: groups do not apply")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("DistributedOptimizer: gradient_predivide_factor is only for op=hvd.Average")
     if backward_passes_per_step <= 0:
@@ -319,7 +403,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         groups = num_groups if groups is None else groups
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("DistributedOptimizer: this optimizer is already a DistributedOptimizer")
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    base = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    cls = type(optimizer.__class__.__name__, (base, optimizer.__class__), {})
     # The new object takes over the wrapped one's attributes (its param_groups, its state, its
     # defaults) rather than being constructed again, so nothing the optimizer already holds is lost.
     distributed = cls.__new__(cls)
