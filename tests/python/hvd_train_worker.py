@@ -140,6 +140,24 @@ def train_ddp_gloo(passes, group, steps=STEPS):
     return model.module
 
 
+def check_compression():
+    x = torch.randn(5, dtype=torch.float64)
+    sent, ctx = hvd.Compression.fp16.compress(x)
+    check(sent.dtype == torch.float16, f"Compression.fp16 sends float16, not {sent.dtype}")
+    back = hvd.Compression.fp16.decompress(sent, ctx)
+    check(back.dtype == torch.float64, "Compression.fp16 gives back the original dtype")
+    close(back, x, "Compression.fp16 round trip", rtol=1e-3, atol=1e-3)
+    counts = torch.arange(4)
+    sent, ctx = hvd.Compression.fp16.compress(counts)
+    check(sent is counts and hvd.Compression.fp16.decompress(sent, ctx) is counts, "integers travel unchanged")
+    sent, ctx = hvd.Compression.none.compress(x)
+    check(sent is x and hvd.Compression.none.decompress(sent, ctx) is x, "Compression.none is the identity")
+    # allreduce's own compression argument (mpi_ops) takes these compressors too.
+    reduced = hvd.allreduce(torch.full((3,), float(hvd.rank() + 1)), compression=hvd.Compression.fp16, op=hvd.Sum)
+    close(reduced, torch.full((3,), float(sum(range(1, hvd.size() + 1)))), "allreduce(compression=fp16)")
+    check(reduced.dtype == torch.float32, "allreduce(compression=fp16) returns float32")
+
+
 def check_distributed_optimizer():
     # hvd.init() made torch's default group a cohort one: gloo's group for DDP is built beside it.
     gloo = torch.distributed.new_group(backend="gloo")
@@ -288,6 +306,33 @@ def check_overlap():
     check("0.weight" not in seen["started"], f"the first layer's weight is reduced after its gradient: {seen['started']}")
     opt.step()
     print(f"overlap: started before backward ended: {seen['started']}", flush=True)
+
+    # A model whose layers are registered in the reverse of the order it uses them: the first
+    # step's launch order (the reverse of the parameters') is backward's reverse, so its allreduces
+    # wait behind the last-ready gradient; from the second step on, the order learned from rank 0's
+    # first backward lets them start during backward again.
+    class Reordered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.last = torch.nn.Linear(256, 10)
+            self.middle = torch.nn.Linear(256, 256)
+            self.first = torch.nn.Linear(64, 256)
+
+        def forward(self, x):
+            return self.last(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+    model = Reordered()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    started_by_step = []
+    for step in range(2):
+        x = torch.randn(32, 64, requires_grad=True)
+        x.register_hook(lambda grad: started_by_step.append([opt._parameter_names[p] for p in opt._handles]))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    check({"last.weight", "last.bias", "middle.weight", "middle.bias"} <= set(started_by_step[1]),
+          f"after the first step the learned order starts allreduces during backward: {started_by_step}")
 
 
 def check_optimizer_errors():
@@ -488,6 +533,7 @@ def check_sync_batch_norm():
 def main():
     hvd.init()
     check(hvd.size() == 2, f"2 ranks expected, got {hvd.size()}")
+    check_compression()
     check_distributed_optimizer()
     check_ranks_with_different_graphs()
     check_adasum()

@@ -36,7 +36,7 @@ import torch
 from .compression import Compression
 from .functions import broadcast_object
 from .mpi_ops import (Adasum, Average, allgather_async, allreduce_async_, global_process_set, grouped_allreduce_async_,
-                      size, synchronize)
+                      rank, size, synchronize)
 
 
 def _split_evenly(items, parts):
@@ -139,7 +139,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         that rank's model has a parameter this one lacks."""
         missing = [name for name in names if name not in known]
         if missing:
-            raise ValueError(f"DistributedOptimizer: rank {root}'s model has parameters this rank's lacks: "
+            raise ValueError(f"DistributedOptimizer: rank {root}'s model has parameters rank {rank()}'s lacks: "
                              f"{', '.join(missing[:5])}; every rank must build the same model")
         return [known[name] for name in names]
 
@@ -157,7 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _gradient_ready(self, p):
         if self._passes_left[p] == 0:
             raise AssertionError(
-                f"DistributedOptimizer: the gradient of {self._parameter_names[p]} was computed more than "
+                f"DistributedOptimizer (rank {rank()}): the gradient of {self._parameter_names[p]} was computed more than "
                 f"backward_passes_per_step={self.backward_passes_per_step} times before step() or synchronize(); "
                 "raise backward_passes_per_step to accumulate gradients locally")
         self._passes_left[p] -= 1
@@ -282,7 +282,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, *args, **kwargs):
         accumulating = any(left != self.backward_passes_per_step for left in self._passes_left.values())
         if self._handles or (self._hooks and accumulating):
-            raise AssertionError("DistributedOptimizer: zero_grad() called after loss.backward() and before "
+            raise AssertionError(f"DistributedOptimizer (rank {rank()}): zero_grad() called after loss.backward() and before "
                                  "step() or synchronize(): the gradients' allreduces are in flight "
                                  "(or accumulating over backward_passes_per_step)")
         return super().zero_grad(*args, **kwargs)
