@@ -124,6 +124,8 @@ TEST(Horovodrun, BadLinesAreRefusedWithOneLine) {
   refused({"-np", "2", "--output-filenam", "o", "python3", "train.py"},
           "unknown flag --output-filenam (did you mean --output-filename?)");
   refused({"-np", "2", "-p", "ssh", "-H", "a:1,b:1", "true"}, "cohort horovodrun: -p ssh: expected a port between 1 and 65535");
+  refused({"-np", "2", "-p", "123456789012345678901", "-H", "a:1,b:1", "true"},
+          "cohort horovodrun: -p 123456789012345678901: expected a port between 1 and 65535");
   refused({"-np", "4", "-H", "localhost:2", "--dry-run", "true"}, "cohort horovodrun: ");  // more than the slots
 }
 
