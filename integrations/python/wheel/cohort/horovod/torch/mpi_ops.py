@@ -14,6 +14,7 @@ Differences from Horovod (docs/horovod.md says more):
   stays usable: the next operation runs on a fresh communicator built from the same store.
 * Adasum is not implemented: op=Adasum raises NotImplementedError.
 """
+import atexit
 import datetime
 import itertools
 import math
@@ -273,6 +274,13 @@ def init(comm=None, process_sets=None):
     with _state.lock:
         if _state.initialized:
             return
+        if not getattr(_state, "shutdown_at_exit", False):
+            # As Horovod does: the groups end before the interpreter does. A script that never calls
+            # hvd.shutdown() (Horovod's examples) otherwise leaves the backend's worker threads alive into
+            # Python's finalization, where one that needs the GIL is ended by pthread_exit and the
+            # process aborts ("terminate called without an active exception", seen across hosts).
+            atexit.register(shutdown)
+            _state.shutdown_at_exit = True
         _state.timeout = _timeout()
         if dist.is_initialized():
             # The script built torch's default group itself: use it (a cohort one) or build one beside it.
