@@ -169,7 +169,7 @@ std::vector<std::string> run_arguments(const HorovodLine& line) {
     std::string ssh = given("--ssh-command") ? value("--ssh-command") : "ssh -o BatchMode=yes";
     if (given("-p")) {
       const std::string& port = value("-p");
-      if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos || std::stol(port) < 1 ||
+      if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos || std::stol(port) < 1 ||
           std::stol(port) > 65535)
         throw ConfigError(fmt::format("{} {}: expected a port between 1 and 65535", line.spelled.at("-p"), port));
       ssh += " -p " + port;

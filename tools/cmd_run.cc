@@ -146,6 +146,7 @@ int run_launcher(std::vector<std::string> args, LaunchLine line) {
   Options o;
   const bool launch_line = line == LaunchLine::kTorchLaunch;
   o.horovod_env = line == LaunchLine::kHorovodrun;
+  o.forward_environment = o.horovod_env;
   const std::string command = launch_line ? "cohort launch" : o.horovod_env ? "cohort horovodrun" : "cohort run";
   CLI::App app{launch_line ? "cohort launch: python -m torch.distributed.launch's line; cohort run that passes "
                              "--local_rank=N (torch 2.x: --local-rank=N) to each worker unless --use-env"

@@ -66,7 +66,11 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "comm/launch_env.h"
+#include "comm/pmix.h"
 #include "comm/settings.h"
+#include "common/env.h"
+#include "common/socket.h"
 #include "cohort/store.h"
 #include "cohort/types.h"
 
@@ -1544,6 +1548,26 @@ PYBIND11_MODULE(cohort_torch, m) {
         py::arg("rank"), py::arg("size"), py::arg("timeout"),
         py::call_guard<py::gil_scoped_release>(),
         "The creator registered with torch.distributed.Backend.register_backend.");
+  // Under mpirun or srun --mpi=pmix, which set no MASTER_ADDR: where rank 0 will host torch's store
+  // (host, port), agreed through the job's PMIx server as cohort's own store's address is
+  // (comm/pmix.h; docs/launcher.md, "Without cohort run"). Rank 0 picks a free port and publishes it;
+  // every rank gets it. cohort.horovod.torch calls it from hvd.init() (docs/horovod.md, "Under mpirun").
+  m.def(
+      "pmix_master_address",
+      [](double timeout_s) {
+        auto e = cohort::comm::resolve_launch_env([](const std::string& n) { return cohort::env::get_raw(n); });
+        if (!e.pmix)
+          throw cohort::ConfigError("no PMIx launcher named in the environment (PMIX_NAMESPACE and PMIX_RANK unset, "
+                                    "or MASTER_ADDR set)");
+        auto pick_port = [] {
+          auto fd = cohort::net::listen_tcp("", 0, 1, false);
+          return static_cast<uint16_t>(cohort::net::local_address(fd.get()).port());
+        };
+        cohort::comm::pmix::exchange_store_address(
+            e, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)), pick_port);
+        return std::make_pair(e.store_host, static_cast<int>(e.store_port));
+      },
+      py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
   m.attr("BACKEND_NAME") = "cohort";
   m.attr("TORCH_VERSION_MAJOR_BUILT") = TORCH_VERSION_MAJOR;
 

@@ -506,6 +506,29 @@ std::vector<std::vector<int>> mpirun_ranks_by_node(const std::vector<int>& count
   return ranks;
 }
 
+// horovodrun's line: the workers on other hosts get this launcher's environment, as horovodrun hands its
+// own to each worker it starts over ssh (PATH, PYTHONPATH, the program's settings), with horovodrun's
+// exceptions (shell functions, OLDPWD, CUDA_VISIBLE_DEVICES) and cohort's: what the launcher sets for each
+// worker (its place in the job), and other launchers' variables (Open MPI's, PMIx's, Slurm's), which
+// describe this launcher's process, not the workers. -x still wins: its variables come first.
+void forward_environment(Plan& p, const EnvMap& env) {
+  static const std::vector<std::string> kOwnNames = {
+      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+      "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "OLDPWD", "HOROVOD_RANK",
+      "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE",
+      "HOROVOD_HOSTNAME"};
+  static const std::vector<std::string> kOwnPrefixes = {"COHORT_", "TORCHELASTIC_", "OMPI_", "PMIX_", "SLURM_",
+                                                        "BASH_FUNC_"};
+  for (const auto& [name, value] : env) {
+    if (std::find(kOwnNames.begin(), kOwnNames.end(), name) != kOwnNames.end()) continue;
+    if (std::any_of(kOwnPrefixes.begin(), kOwnPrefixes.end(), [&](const std::string& x) { return name.starts_with(x); }))
+      continue;
+    if (name.ends_with("CUDA_VISIBLE_DEVICES")) continue;
+    if (std::any_of(p.extra_env.begin(), p.extra_env.end(), [&](const auto& kv) { return kv.first == name; })) continue;
+    p.extra_env.emplace_back(name, value);
+  }
+}
+
 // torchrun's program forms: a PROGRAM ending in .py runs as `PYTHON -u PROGRAM ARGS` and -m MODULE as
 // `PYTHON -u -m MODULE ARGS`; --no-python runs PROGRAM directly whatever its name. Other programs run
 // directly as before (torchrun would hand them to Python too; cohort runs executables of any kind).
@@ -1108,6 +1131,8 @@ Plan build_plan(const Options& o, const EnvMap& env, const MachineFacts& machine
       p.extra_env.emplace_back(name, it->second);
     }
   }
+  if (o.forward_environment && std::any_of(p.nodes.begin(), p.nodes.end(), [](const NodePlan& n) { return !n.local; }))
+    forward_environment(p, env);
   int max_per_node = 0;
   for (const auto& n : p.nodes) max_per_node = std::max(max_per_node, n.nproc);
   bool omp_given = env.count("OMP_NUM_THREADS") ||

@@ -32,6 +32,10 @@ ls "$prefix"/lib/python3/dist-packages/cohort_torch*.so >/dev/null 2>&1 && pass 
   fail "cohort_torch not in lib/python3/dist-packages"
 [[ -e $prefix/lib/python3/dist-packages/cohort/horovod/torch/mpi_ops.py ]] && pass "installed the package cohort.horovod.torch" ||
   fail "cohort/horovod/torch not in lib/python3/dist-packages"
+[[ -e $prefix/lib/python3/dist-packages/cohort-horovod.pth && -e $prefix/lib/python3/dist-packages/cohort/horovod_shim/horovod/torch/__init__.py ]] &&
+  pass "installed cohort's horovod name (cohort-horovod.pth, cohort/horovod_shim)" || fail "cohort's horovod name is not installed"
+[[ -L $prefix/bin/horovodrun && $("$prefix/bin/horovodrun" --help | head -1) == "usage: horovodrun -np N"* ]] &&
+  pass "bin/horovodrun runs cohort horovodrun" || fail "no working bin/horovodrun"
 # Only the API: every installed header is under include/cohort, and none names a private folder.
 stray=$(cd "$prefix/include" && find . -type f ! -path './cohort/*')
 [[ -z $stray ]] && pass "every installed header is under include/cohort" || fail "headers outside include/cohort: $stray"

@@ -31,6 +31,19 @@ out=$(cd "$work" && "$venv/bin/python" -c 'import torch, cohort.horovod.torch as
 print(hvd.__file__, hvd.size(), hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist())' 2>&1) && rc=0 || rc=$?
 [[ $rc == 0 && $out == "$venv"/*" 1 [1.0, 1.0]" ]] && pass "cohort.horovod.torch runs from the venv" ||
   fail "cohort.horovod.torch from the venv (exit $rc): $out"
+# `import horovod.torch`: cohort's where no Horovod is installed (cohort-horovod.pth puts its folder at the
+# end of sys.path), and an installed Horovod's once there is one, with no file of it overwritten.
+out=$(cd "$work" && "$venv/bin/python" -c 'import horovod.torch as hvd; print(hvd.__name__, hvd.__file__)' 2>&1) && rc=0 || rc=$?
+[[ $rc == 0 && $out == "cohort.horovod.torch $venv"/* ]] && pass "import horovod.torch is cohort's in the venv" ||
+  fail "import horovod.torch in the venv (exit $rc): $out"
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p "$site/horovod/torch"
+echo "WHOSE = 'installed'" >"$site/horovod/__init__.py"
+echo "import horovod; WHOSE = horovod.WHOSE" >"$site/horovod/torch/__init__.py"
+out=$(cd "$work" && "$venv/bin/python" -c 'import horovod.torch as hvd; print(hvd.WHOSE)' 2>&1) && rc=0 || rc=$?
+[[ $rc == 0 && $out == installed ]] && pass "an installed horovod is not shadowed" ||
+  fail "with a horovod installed in the venv, import horovod.torch gave (exit $rc): $out"
+rm -rf "$site/horovod"
 [[ -x $venv/bin/cohort ]] && "$venv/bin/cohort" --version | grep -q "^cohort " && pass "the venv has bin/cohort" ||
   fail "no working bin/cohort in the venv"
 

@@ -22,7 +22,7 @@ std::vector<std::string> line(std::vector<std::string> args) {
 bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
 
 // An ssh stand-in: "fake-ssh [-o X] [-p PORT] [-i FILE] HOST COMMAND..." records its options in
-// dir/ssh-options and runs COMMAND here as if on HOST.
+// dir/ssh-options and runs COMMAND here as if on HOST, in an environment as bare as an ssh session's.
 std::string write_ssh_shim(const TempDir& dir) {
   std::string path = dir.file("fake-ssh");
   write_file(path,
@@ -33,14 +33,14 @@ std::string write_ssh_shim(const TempDir& dir) {
              "done\n"
              "echo \"$opts\" > " + dir.file("ssh-options") + "\n"
              "host=$1; shift\n"
-             "COHORT_HOST_ID=$host exec \"$@\"\n");
+             "exec env -i PATH=\"$PATH\" HOME=\"$HOME\" COHORT_HOST_ID=$host \"$@\"\n");
   chmod(path.c_str(), 0755);
   return path;
 }
 
 const char* kPrintHorovodEnv =
     "echo \"hvd rank=$HOROVOD_RANK size=$HOROVOD_SIZE local=$HOROVOD_LOCAL_RANK/$HOROVOD_LOCAL_SIZE "
-    "cross=$HOROVOD_CROSS_RANK/$HOROVOD_CROSS_SIZE host=$HOROVOD_HOSTNAME cohort_rank=$RANK\"";
+    "cross=$HOROVOD_CROSS_RANK/$HOROVOD_CROSS_SIZE host=$HOROVOD_HOSTNAME cohort_rank=$RANK setting=$HVD_SETTING\"";
 
 TEST(Horovodrun, FlagsBecomeCohortRunsPlan) {
   TempDir dir;
@@ -100,11 +100,12 @@ TEST(Horovodrun, WorkersHereAndOverSshSeeHorovodsVariables) {
   // Two hosts, uneven: localhost runs ranks 0-1, hostB (started through the shim) rank 2.
   auto r = run_process(line({"-np", "3", "-H", "localhost:2,hostB:1", "--network-interface", "lo", "--ssh-command",
                              shim, "-p", "2222", "-i", "/keys/id_hvd", "/bin/sh", "-c", kPrintHorovodEnv}),
-                       {}, 60);
+                       {"HVD_SETTING=from-the-launcher", "RANK=7"}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  EXPECT_TRUE(has(r.out, "[localhost:0] hvd rank=0 size=3 local=0/2 cross=0/2 host=localhost cohort_rank=0\n")) << r.out;
-  EXPECT_TRUE(has(r.out, "[localhost:1] hvd rank=1 size=3 local=1/2 cross=0/1 host=localhost cohort_rank=1\n")) << r.out;
-  EXPECT_TRUE(has(r.out, "[hostB:2] hvd rank=2 size=3 local=0/1 cross=1/2 host=hostB cohort_rank=2\n")) << r.out;
+  EXPECT_TRUE(has(r.out, "[localhost:0] hvd rank=0 size=3 local=0/2 cross=0/2 host=localhost cohort_rank=0 setting=from-the-launcher\n")) << r.out;
+  EXPECT_TRUE(has(r.out, "[localhost:1] hvd rank=1 size=3 local=1/2 cross=0/1 host=localhost cohort_rank=1 setting=from-the-launcher\n")) << r.out;
+  EXPECT_TRUE(has(r.out, "[hostB:2] hvd rank=2 size=3 local=0/1 cross=1/2 host=hostB cohort_rank=2 setting=from-the-launcher\n"))
+      << "the launcher's environment reaches the other host, as horovodrun forwards it (not its RANK): " << r.out;
   // -p and -i are added to the --ssh-command line.
   EXPECT_EQ(read_file(dir.file("ssh-options")), " -p 2222 -i /keys/id_hvd\n");
 }
@@ -123,6 +124,8 @@ TEST(Horovodrun, BadLinesAreRefusedWithOneLine) {
   refused({"-np", "2", "--output-filenam", "o", "python3", "train.py"},
           "unknown flag --output-filenam (did you mean --output-filename?)");
   refused({"-np", "2", "-p", "ssh", "-H", "a:1,b:1", "true"}, "cohort horovodrun: -p ssh: expected a port between 1 and 65535");
+  refused({"-np", "2", "-p", "123456789012345678901", "-H", "a:1,b:1", "true"},
+          "cohort horovodrun: -p 123456789012345678901: expected a port between 1 and 65535");
   refused({"-np", "4", "-H", "localhost:2", "--dry-run", "true"}, "cohort horovodrun: ");  // more than the slots
 }
 

@@ -8,11 +8,21 @@ The build folder's integrations/python holds the modules and links to the packag
 """
 import glob
 import os
+import shutil
 import subprocess
 import sys
+import socket
 import tempfile
+import time
 
-from dist_util import HERE, base_env
+import pytest
+
+from dist_util import HERE, base_env, free_port
+
+
+def _port_open(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _tool():
@@ -83,6 +93,20 @@ def test_a_horovod_script_runs_under_the_horovodrun_line():
         assert f"HVD OK rank={r}" in proc.stdout, output
 
 
+def test_a_horovod_script_runs_under_plain_mpirun():
+    # Horovod's MPI mode: no cohort launcher, no MASTER_ADDR; hvd.init() finds rank 0 through mpirun's PMIx.
+    mpirun = shutil.which("mpirun")
+    if not mpirun:
+        pytest.skip("mpirun is not installed (Debian's openmpi-bin)")
+    proc = subprocess.run([mpirun, "--allow-run-as-root", "-np", "2", sys.executable,
+                           os.path.join(HERE, "hvd_launch_worker.py")],
+                          env=_env(), capture_output=True, text=True, timeout=90)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    for r in range(2):
+        assert f"HVD OK rank={r}" in proc.stdout, output
+
+
 def test_elastic_training_resumes_from_the_last_commit_after_a_killed_rank():
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run([_tool(), "run", "-n", "2", "--max-restarts", "1", "--kill-grace", "1",
@@ -95,3 +119,30 @@ def test_elastic_training_resumes_from_the_last_commit_after_a_killed_rank():
         # Both ranks resumed from one commit, and the commit files are gone after the success.
         assert len({l.split("resumed=")[1] for l in oks}) == 1, output
         assert glob.glob(os.path.join(tmp, "cohort-hvd-elastic-*", "*", "*")) == [], output
+
+
+def test_elastic_training_goes_on_after_a_lost_node():
+    # cohort's elastic job: two agents (`--nnodes 1:2`, COHORT_HOST_ID a and b standing for two hosts) meet;
+    # node b is lost after step 3 (agent and worker SIGKILLed); a's next generation resumes from the commit.
+    tool = _tool()
+    port = str(free_port())
+    script = os.path.join(HERE, "hvd_elastic_node_worker.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        def agent(host):
+            return subprocess.Popen([tool, "run", "--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                     "--master-port", port, "--rdzv-conf", "last_call_timeout=5", "--kill-grace", "1", "--max-restarts", "1",
+                                     "--run-id", "hvd-elastic-test", sys.executable, script],
+                                    env=_env(TMPDIR=tmp, COHORT_HOST_ID=host), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+        a = agent("a")
+        deadline = time.monotonic() + 30
+        while not _port_open(int(port)):  # b joins the store that a's agent hosts
+            assert time.monotonic() < deadline and a.poll() is None, "a's agent never opened the store"
+            time.sleep(0.05)
+        b = agent("b")
+        out_b, _ = b.communicate(timeout=120)
+        out_a, _ = a.communicate(timeout=120)
+        assert b.returncode == -9, out_b  # the lost node
+        assert a.returncode == 0, out_a + out_b
+        assert "NODE ELASTIC OK generation=1" in out_a, out_a + out_b
+        assert glob.glob(os.path.join(tmp, "cohort-hvd-elastic-*", "*", "a.*")) == [], out_a

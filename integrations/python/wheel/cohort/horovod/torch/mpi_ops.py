@@ -14,6 +14,7 @@ Differences from Horovod (docs/horovod.md says more):
   stays usable: the next operation runs on a fresh communicator built from the same store.
 * Adasum is not implemented: op=Adasum raises NotImplementedError.
 """
+import atexit
 import datetime
 import itertools
 import math
@@ -235,6 +236,10 @@ def _make_store(rank, size):
     """The job's TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), as env:// would build it."""
     addr = os.environ.get("MASTER_ADDR")
     port = _env_int("MASTER_PORT")
+    if not addr and port is None and os.environ.get("PMIX_RANK") is not None:
+        # Plain mpirun / srun --mpi=pmix (Horovod's MPI mode): rank 0's address travels through PMIx.
+        import cohort_torch
+        addr, port = cohort_torch.pmix_master_address(_state.timeout.total_seconds())
     if not addr or port is None:
         raise ValueError("hvd.init(): RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not: "
                          "start the script with `cohort run`, `horovodrun` or torchrun")
@@ -269,6 +274,13 @@ def init(comm=None, process_sets=None):
     with _state.lock:
         if _state.initialized:
             return
+        if not getattr(_state, "shutdown_at_exit", False):
+            # As Horovod does: the groups end before the interpreter does. A script that never calls
+            # hvd.shutdown() (Horovod's examples) otherwise leaves the backend's worker threads alive into
+            # Python's finalization, where one that needs the GIL is ended by pthread_exit and the
+            # process aborts ("terminate called without an active exception", seen across hosts).
+            atexit.register(shutdown)
+            _state.shutdown_at_exit = True
         _state.timeout = _timeout()
         if dist.is_initialized():
             # The script built torch's default group itself: use it (a cohort one) or build one beside it.

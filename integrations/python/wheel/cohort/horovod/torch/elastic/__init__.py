@@ -6,7 +6,7 @@ again (an elastic job's next generation, `cohort run --nnodes MIN:MAX`; a restar
 the memory of a surviving process is gone. A commit is therefore also written to a file, one per local
 rank of each host, under the job's id:
 
-    $TMPDIR/cohort-hvd-elastic-<uid>/<job id>/local<LOCAL_RANK>.pt
+    $TMPDIR/cohort-hvd-elastic-<uid>/<job id>/<host>.local<LOCAL_RANK>.pt
 
 A worker of the next generation (same host, same local rank) reads it back before its first step, and
 `sync()` then hands the newest commit among the ranks (a node that joined has none) to every rank. The
@@ -15,6 +15,7 @@ file of a rank is removed when its training function returns; a job that fails f
 """
 import copy
 import os
+import socket
 import tempfile
 
 import torch
@@ -39,7 +40,10 @@ def _commit_path():
         raise RuntimeError(f"hvd.elastic: refusing the folder {top}: it is not this user's own folder")
     folder = os.path.join(top, job.replace("/", "_"))
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    return os.path.join(folder, f"local{int(local)}.pt")
+    # The host is named too: hosts that share a $TMPDIR (a network filesystem), or agents that stand for
+    # hosts on one machine (COHORT_HOST_ID, as cohort's tests run them), must not share files.
+    host = socket.gethostname() + ("." + os.environ["COHORT_HOST_ID"] if os.environ.get("COHORT_HOST_ID") else "")
+    return os.path.join(folder, f"{host.replace('/', '_')}.local{int(local)}.pt")
 
 
 class State:
