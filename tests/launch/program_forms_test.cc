@@ -16,11 +16,6 @@
 namespace cohort::test {
 namespace {
 
-std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
-
 // argv run with `dir` as its current folder.
 std::vector<std::string> in_dir(const std::string& dir, std::vector<std::string> argv) {
   argv.insert(argv.begin(), {"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"", dir});
