@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "launch_test_util.h"
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {

@@ -16,6 +16,7 @@
 #include "common/socket.h"
 #include "common/build_info.h"
 #include "launch_test_util.h"
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {

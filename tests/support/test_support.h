@@ -56,11 +56,6 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::vecto
 
 // Path of the built `cohort` tool.
 std::string cohort_tool();
-// `cohort run ARGS...` as an argv for run_process (the program to run goes after `args`).
-inline std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
 // Writes `content` to `path`.
 void write_file(const std::string& path, const std::string& content);
 std::string read_file(const std::string& path);

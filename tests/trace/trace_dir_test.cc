@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
