@@ -25,13 +25,12 @@ PeerLinks::PeerLinks(std::shared_ptr<Store> store, const std::string& prefix, in
   s.max_unexpected_bytes = max_unexpected_bytes;
   impl_ = std::make_shared<CommunicatorImpl>(std::move(s));
   impl_->bootstrap();
+  for (int r = 0; r < int(peers.size()); ++r) route_.push_back(impl_->transport_to(r));
 }
 
 PeerLinks::~PeerLinks() = default;
 
 std::string PeerLinks::host_of(int rank) const { return impl_->host_of(rank); }
-
-transport::Transport* PeerLinks::transport_to(int peer) const { return impl_->transport_to(peer); }
 
 const std::vector<std::unique_ptr<transport::Transport>>& PeerLinks::transports() const {
   return impl_->transports();

@@ -33,13 +33,14 @@ class PeerLinks {
   PeerLinks& operator=(const PeerLinks&) = delete;
 
   std::string host_of(int rank) const;
-  // The transport that reaches `peer` (a connected one).
-  transport::Transport* transport_to(int peer) const;
+  // The transport that reaches `peer` (a connected one). Inline: the PS asks it for every message.
+  transport::Transport* transport_to(int peer) const { return route_[size_t(peer)]; }
   // Every transport this rank opened, whether or not it serves a peer.
   const std::vector<std::unique_ptr<transport::Transport>>& transports() const;
 
  private:
   std::shared_ptr<CommunicatorImpl> impl_;
+  std::vector<transport::Transport*> route_;  // per peer, as the bootstrap chose (it never changes after)
 };
 
 }  // namespace cohort::comm
