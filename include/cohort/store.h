@@ -6,9 +6,11 @@
 // its deadline throws TimeoutError naming the keys that never came; a lost server throws
 // PeerLostError naming "store at host:port".
 //
-// Implementations: TcpStore (client of `cohort store serve` / the launcher's store), MemoryStore
-// (one process, many threads) and FileStore (one file shared by processes on one host), see
-// make_*_store below.
+// Implementations (src/store): TcpStore (client of `cohort store serve` / the launcher's store,
+// connect_tcp_store in store/tcp_store.h), MemoryStore (one process, many threads; make_memory_store in
+// store/memory_store.h) and FileStore (one file shared by processes on one host; make_file_store).
+// The interface itself, with the barrier and make_prefix_store, belongs to src/common (common/store.cc):
+// the layers below the store's own meet through it too.
 
 #include <chrono>
 #include <cstdint>

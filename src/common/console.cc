@@ -9,6 +9,8 @@
 
 #include <fmt/core.h>
 
+#include "common/io.h"
+
 namespace cohort::console {
 namespace {
 
@@ -33,18 +35,6 @@ State& state() {
 
 Slot& slot_of(State& s, int fd) { return s.slots[fd >= 0 && fd < 3 ? fd : 3]; }
 
-void write_all(int fd, const char* data, size_t n) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, data, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return;  // the console is gone (EPIPE): drop the output
-    }
-    data += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
 void note(State& s, int fd, const char* data, size_t n) {
   Slot& slot = slot_of(s, fd);
   ++slot.writes;
@@ -68,7 +58,7 @@ void write(int fd, const char* data, size_t n) {
   if (n == 0) return;
   State& s = state();
   std::lock_guard<std::mutex> g(s.mutex);
-  write_all(fd, data, n);
+  io::write_all(fd, data, n);  // the console gone (EPIPE): the output is dropped
   note(s, fd, data, n);
 }
 
@@ -95,7 +85,7 @@ Block write_block(int fd, const Block& previous, const std::string& text, bool r
   else if (!ended_line)
     out = "\n";
   out += text;
-  write_all(fd, out.data(), out.size());
+  io::write_all(fd, out.data(), out.size());
   note(s, fd, out.data(), out.size());
   return Block{writes + 1, int(std::count(text.begin(), text.end(), '\n'))};
 }

@@ -4,13 +4,13 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <fstream>
 #include <sstream>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
 #include "common/env.h"
+#include "common/proc_stat.h"
 #include "common/socket.h"
 #include "common/strings.h"
 #include "trace/diagnose.h"
@@ -95,13 +95,9 @@ std::vector<trace::RankSnapshot> RemoteSnapshots::adopt(int node, const std::opt
 }
 
 std::string process_state(pid_t pid) {
-  std::ifstream in(fmt::format("/proc/{}/stat", pid));
-  std::string line;
-  if (!std::getline(in, line)) return "exited";
-  // pid (comm) S ...: comm may hold spaces and parentheses; the state follows the last ')'.
-  auto close = line.rfind(')');
-  if (close == std::string::npos || close + 2 >= line.size()) return "unknown";
-  switch (line[close + 2]) {
+  const auto stat = read_proc_stat(pid);
+  if (!stat) return "exited";
+  switch (stat->state) {
     case 'T': return "stopped (SIGSTOP)";
     case 't': return "stopped by a debugger";
     case 'Z': return "exited (not yet reaped)";

@@ -22,6 +22,7 @@
 #include "cohort/error.h"
 #include "common/console.h"
 #include "common/build_info.h"
+#include "common/io.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
@@ -128,7 +129,7 @@ void Job::on_signal(int sig) {
   if (is_terminating(sig)) stop_signal_sent_ = true;
   std::string line = fmt::format("sig {}\n", sig);
   for (auto& a : agents_)
-    if (a.running && a.in) write_fully(a.in.get(), line.data(), line.size());
+    if (a.running && a.in) io::write_all(a.in.get(), line.data(), line.size());  // an agent gone: its exit says so
   if (!is_terminating(sig)) return;
   if (reporting_) {
     // The signal just forwarded is the stop signal: the report window ends, the grace begins.

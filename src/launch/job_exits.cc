@@ -3,7 +3,6 @@
 // join, or whose operation failed because its channel to it closed, cannot tell an exit with code 0
 // from a peer that is merely slow, nor say after which operation it went: the launcher that reaped it
 // can, and publishes it in the job's store, where the ranks read it within a second.
-#include <regex>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -13,6 +12,7 @@
 #include "comm/launch_env.h"
 #include "common/log.h"
 #include "launch/job_internal.h"
+#include "launch/parsers.h"
 
 namespace cohort::launch::job_detail {
 
@@ -106,18 +106,8 @@ std::string Job::early_exit_cause(const Worker& failed) {
   // (comm/peer_exits.h), else in the transports' (a communicator built on another store, as the PyTorch
   // backend's is on torch's, reads no records: "shm: rank 1 (host) (pid 9) exited during allreduce",
   // "lost rank 1 (host): ...", "rank 1 (host) left ...").
-  static const std::regex kExited(R"(\brank (\d+) (?:\(job rank (\d+)\) )?exited \(code 0\))");
-  static const std::regex kGone(
-      R"((?:\bshm: rank (\d+) \([^)]*\) \(pid \d+\) exited during )|(?:\blost rank (\d+)\b)|(?:\brank (\d+) \([^)]*\) left ))");
   for (const auto& line : failed.sink->stderr_tail()) {
-    std::smatch m;
-    int rank = -1;
-    if (std::regex_search(line, m, kExited)) {
-      rank = std::stoi(m[2].matched ? m[2].str() : m[1].str());
-    } else if (std::regex_search(line, m, kGone)) {
-      for (int g = 1; g <= 3 && rank < 0; ++g)
-        if (m[g].matched) rank = std::stoi(m[g].str());
-    }
+    const int rank = rank_reported_gone(line).value_or(-1);  // launch/parsers.h: the forms it reads
     if (rank < 0 || rank >= plan_.world_size || rank == failed.rank) continue;
     const std::string key = world_of(plan_, exit_attempt_, rank).first + "/" + comm::exit_key(rank);
     std::optional<comm::ExitRecord> record;

@@ -16,6 +16,7 @@
 #include <fmt/core.h>
 
 #include "cohort/error.h"
+#include "common/io.h"
 #include "common/log.h"
 #include "common/pipe.h"
 #include "common/socket.h"
@@ -103,7 +104,7 @@ void Job::start_agents() {
     // handling) as soon as an agent's ssh session prints anything (found by tests/multihost).
     net::set_nonblocking(a.out.get(), true);
     net::set_nonblocking(a.err.get(), true);
-    write_fully(a.in.get(), line.data(), line.size());
+    io::write_all(a.in.get(), line.data(), line.size());  // a failed ssh shows as the agent's exit
     OutputTargets t;
     t.line_mode = true;
     a.sink = std::make_unique<OutputSink>(std::move(t), 5);

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
-#include <fstream>
 #include <set>
 
 #include <errno.h>
@@ -23,6 +22,7 @@
 
 #include "cohort/error.h"
 #include "common/log.h"
+#include "common/proc_stat.h"
 #include "common/pipe.h"
 #include "common/socket.h"
 #include "common/strings.h"
@@ -292,26 +292,22 @@ void Job::become_subreaper() {
 
 std::vector<Job::Adopted> Job::adopted_children() const {
   // The launcher's live children that are neither a worker nor an agent: orphans the kernel handed to
-  // it. (/proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses.)
+  // it.
   std::vector<Adopted> out;
   const pid_t self = getpid();
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
     const std::string name = entry.path().filename().string();
     if (name.empty() || !std::isdigit(static_cast<unsigned char>(name[0]))) continue;
-    std::ifstream in("/proc/" + name + "/stat");
-    std::string line;
-    if (!std::getline(in, line)) continue;  // gone meanwhile
-    const auto open = line.find('('), close = line.rfind(')');
-    if (open == std::string::npos || close == std::string::npos || close + 4 > line.size()) continue;
-    const char state = line[close + 2];
-    const pid_t ppid = static_cast<pid_t>(std::atol(line.c_str() + close + 4));
-    if (ppid != self || state == 'Z') continue;  // a zombie is over: reap() collects it
     const pid_t pid = static_cast<pid_t>(std::atol(name.c_str()));
+    const auto stat = read_proc_stat(pid);
+    if (!stat) continue;  // gone meanwhile
+    const char state = stat->state;
+    if (stat->ppid != self || state == 'Z') continue;  // a zombie is over: reap() collects it
     bool ours = false;
     for (const auto& w : workers_) ours = ours || (w.running && w.pid == pid);
     for (const auto& a : agents_) ours = ours || (a.running && a.pid == pid);
-    if (!ours) out.push_back({pid, line.substr(open + 1, close - open - 1), state == 'T' || state == 't'});
+    if (!ours) out.push_back({pid, stat->name, state == 'T' || state == 't'});
   }
   return out;
 }

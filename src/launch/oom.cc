@@ -5,30 +5,19 @@
 #include <unistd.h>
 
 #include <cctype>
-#include <fstream>
 #include <sstream>
 
 #include <fmt/core.h>
 
 #include "common/fd.h"
+#include "common/io.h"
+#include "common/strings.h"
 
 namespace cohort::launch {
 namespace {
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream in(s);
-  while (std::getline(in, cur, sep)) out.push_back(cur);
-  return out;
-}
+// A file that cannot be read counts as empty: no cgroup, no counter.
+std::string read_text(const std::string& path) { return io::read_file(path).value_or(""); }
 
 // mountinfo escapes spaces, tabs, newlines and backslashes in paths as \ooo.
 std::string unescape(const std::string& s) {
@@ -61,7 +50,7 @@ std::vector<Mount> cgroup_mounts(const std::string& mountinfo) {
     size_t dash = 6;
     while (dash < fields.size() && fields[dash] != "-") ++dash;
     if (dash + 3 >= fields.size()) continue;
-    Mount m{unescape(fields[3]), unescape(fields[4]), fields[dash + 1], split(fields[dash + 3], ',')};
+    Mount m{unescape(fields[3]), unescape(fields[4]), fields[dash + 1], str::split(fields[dash + 3], ',')};
     if (m.fstype == "cgroup2" || m.fstype == "cgroup") out.push_back(std::move(m));
   }
   return out;
@@ -88,7 +77,7 @@ std::vector<std::string> oom_counter_files(const std::string& proc_cgroup, const
     if (b == std::string::npos) continue;
     std::string id = line.substr(0, a), controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
     if (id == "0" && controllers.empty()) v2_path = path;
-    for (const auto& c : split(controllers, ','))
+    for (const auto& c : str::split(controllers, ','))
       if (c == "memory") v1_memory_path = path;
   }
   std::vector<std::string> out;
@@ -134,7 +123,7 @@ bool kernel_log_reports_oom_kill(const std::string& records, pid_t pid, int64_t 
   while (std::getline(in, line)) {
     auto semi = line.find(';');
     if (semi == std::string::npos || line.find(needle, semi) == std::string::npos) continue;
-    auto fields = split(line.substr(0, semi), ',');
+    auto fields = str::split(line.substr(0, semi), ',', /*keep_empty=*/true);  // prio,seq,time,...
     if (fields.size() < 3) continue;
     try {
       if (std::stoll(fields[2]) >= since_us) return true;

@@ -6,20 +6,9 @@
 #include <cstdio>
 
 #include "common/console.h"
+#include "common/io.h"
 
 namespace cohort::launch {
-
-void write_fully(int fd, const char* data, size_t n) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, data, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return;  // the console or file is gone (EPIPE, ENOSPC): drop the output, keep supervising
-    }
-    data += w;
-    n -= static_cast<size_t>(w);
-  }
-}
 
 std::string line_timestamp(const struct timespec& t) {
   struct tm local {};
@@ -49,9 +38,10 @@ void OutputSink::on_data(bool is_stderr, const char* data, size_t n) {
   if (n == 0) return;
   // Files get the raw bytes; a stream without a file of its own (torchrun's --redirects 1) writes none.
   if (is_stderr && !t_.merge_stderr) {
-    if (t_.file_err) write_fully(t_.file_err.get(), data, n);
+    // A file that cannot be written (ENOSPC): the output is dropped and supervision goes on.
+    if (t_.file_err) io::write_all(t_.file_err.get(), data, n);
   } else if (t_.file_out) {
-    write_fully(t_.file_out.get(), data, n);
+    io::write_all(t_.file_out.get(), data, n);
   }
 
   if (console_gets(is_stderr)) {

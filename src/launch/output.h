@@ -55,7 +55,4 @@ class OutputSink {
 // "2026-11-28 10:56:04.123": the local time `t`, to the millisecond (--timestamp-output's prefix).
 std::string line_timestamp(const struct timespec& t);
 
-// write(2) of the whole buffer, retrying on EINTR/short writes; errors (closed console) are ignored.
-void write_fully(int fd, const char* data, size_t n);
-
 }  // namespace cohort::launch

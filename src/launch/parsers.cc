@@ -1,6 +1,7 @@
 #include "launch/parsers.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -690,6 +691,81 @@ SchedulerInfo read_scheduler_env(const EnvMap& env, const std::vector<std::strin
     throw ConfigError(fmt::format("node rank {} ({}) is not below the node count {} ({})", info.node_rank->value,
                                   info.node_rank->source, info.nnodes->value, info.nnodes->source));
   return info;
+}
+
+namespace {
+// A small cursor for rank_reported_gone: each eat_* advances `i` past what it matched, or returns
+// false (the caller then tries its next form from its own copy of the position).
+struct Cursor {
+  std::string_view s;
+  size_t i;
+  bool eat(std::string_view text) {
+    if (s.substr(i, text.size()) != text) return false;
+    i += text.size();
+    return true;
+  }
+  bool eat_number(int* out = nullptr) {
+    size_t j = i;
+    while (j < s.size() && std::isdigit(static_cast<unsigned char>(s[j]))) ++j;
+    if (j == i) return false;
+    int value = 0;
+    if (out && std::from_chars(s.data() + i, s.data() + j, value).ec != std::errc()) return false;
+    if (out) *out = value;
+    i = j;
+    return true;
+  }
+  bool eat_parenthesised() {  // "(...)" without a ')' inside
+    if (!eat("(")) return false;
+    const size_t close = s.find(')', i);
+    if (close == std::string_view::npos) return false;
+    i = close + 1;
+    return true;
+  }
+  bool at_word_end() const {
+    return i == s.size() || !(std::isalnum(static_cast<unsigned char>(s[i])) || s[i] == '_');
+  }
+};
+
+bool word_starts_at(std::string_view s, size_t i) {
+  return i == 0 || !(std::isalnum(static_cast<unsigned char>(s[i - 1])) || s[i - 1] == '_');
+}
+
+// "rank N [(job rank M) ]exited (code 0)" at `i`: M when given, else N.
+std::optional<int> clean_exit_at(std::string_view s, size_t i) {
+  Cursor c{s, i};
+  int rank = 0, job_rank = -1;
+  if (!c.eat("rank ") || !c.eat_number(&rank) || !c.eat(" ")) return std::nullopt;
+  Cursor with_job = c;
+  if (with_job.eat("(job rank ") && with_job.eat_number(&job_rank) && with_job.eat(") "))
+    c = with_job;
+  else
+    job_rank = -1;
+  if (!c.eat("exited (code 0)")) return std::nullopt;
+  return job_rank >= 0 ? job_rank : rank;
+}
+
+// The transports' words at `i`: "shm: rank N (host) (pid P) exited during ", "lost rank N" (a whole
+// number) or "rank N (host) left ".
+std::optional<int> transport_gone_at(std::string_view s, size_t i) {
+  int rank = 0;
+  if (Cursor c{s, i}; c.eat("shm: rank ") && c.eat_number(&rank) && c.eat(" ") && c.eat_parenthesised() &&
+                      c.eat(" (pid ") && c.eat_number() && c.eat(") exited during "))
+    return rank;
+  if (Cursor c{s, i}; c.eat("lost rank ") && c.eat_number(&rank) && c.at_word_end()) return rank;
+  if (Cursor c{s, i}; c.eat("rank ") && c.eat_number(&rank) && c.eat(" ") && c.eat_parenthesised() && c.eat(" left "))
+    return rank;
+  return std::nullopt;
+}
+}  // namespace
+
+std::optional<int> rank_reported_gone(std::string_view line) {
+  for (size_t i = 0; i < line.size(); ++i)
+    if (word_starts_at(line, i))
+      if (auto rank = clean_exit_at(line, i)) return rank;
+  for (size_t i = 0; i < line.size(); ++i)
+    if (word_starts_at(line, i))
+      if (auto rank = transport_gone_at(line, i)) return rank;
+  return std::nullopt;
 }
 
 }  // namespace cohort::launch

@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cohort::launch {
@@ -118,5 +119,13 @@ int slurm_store_port(const std::string& job_id, const std::string& step_id);
 
 // "3" -> 3, with a ConfigError "<what>=<text>: expected an integer >= min" otherwise.
 int parse_int_at_least(const std::string& text, const std::string& what, int min);
+
+// The rank that a line of a failed worker's stderr reports gone, if it reports one (Job's summary
+// then says whether that rank had exited cleanly). In the communicator's words, when it read the
+// launcher's exit record (comm/peer_exits.h): "rank 1 exited (code 0)", "rank 1 (job rank 5) exited
+// (code 0)" (the job rank counts); else in the transports': "shm: rank 1 (host) (pid 9) exited during
+// allreduce", "lost rank 1 (host): ...", "rank 1 (host) left ...". The first two forms are looked
+// for in the whole line before the others.
+std::optional<int> rank_reported_gone(std::string_view line);
 
 }  // namespace cohort::launch

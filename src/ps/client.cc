@@ -24,6 +24,7 @@
 #include "common/env.h"
 #include "common/fd.h"
 #include "common/handoff.h"
+#include "common/io.h"
 #include "common/log.h"
 #include "ps/client.h"
 #include "ps/config_json.h"
@@ -242,20 +243,12 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
     const std::string previous = shards_folder_of(path);
     // The servers wrote their shards into `dir` on their hosts; this worker writes the manifest into
     // its own view of it, so a save needs one filesystem that all of them see.
-    if (std::string why = write_text(tmp, manifest.dump(2) + "\n"); !why.empty()) {
-      ::unlink(tmp.c_str());  // what a full disk let it write
+    if (std::string why = io::replace_file(path, tmp, manifest.dump(2) + "\n"); !why.empty()) {
       end_staged(Op::kDiscard, op->what);
-      throw InvalidArgument(fmt::format("save: {}: {} (the servers wrote their shards to {}/{} on their hosts: the "
+      throw InvalidArgument(fmt::format("save: {} (the servers wrote their shards to {}/{} on their hosts: the "
                                         "saving worker and every server must see one filesystem there)",
-                                        tmp, why, dir, folder));
+                                        why, dir, folder));
     }
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      const std::string why = std::strerror(errno);
-      ::unlink(tmp.c_str());
-      end_staged(Op::kDiscard, op->what);
-      throw InvalidArgument(fmt::format("save: {}: cannot rename it to {}: {}", tmp, path, why));
-    }
-    sync_directory(dir);
     end_staged(Op::kCommit, op->what);  // the servers keep their files
     if (!previous.empty() && previous != folder) {
       std::error_code ec;
@@ -297,13 +290,6 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
     }
   }
 
-  // The rename is on disk once the directory is (best effort: a failed sync loses durability, not
-  // the save).
-  static void sync_directory(const std::string& dir) {
-    UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    if (fd) ::fsync(fd.get());
-  }
-
   void load(const std::string& dir) override {
     std::lock_guard<std::mutex> g(mu_);
     auto op = start_all(Op::kLoad, "", dir, fmt::format("load from {}", dir));
@@ -327,19 +313,6 @@ class ClientImpl final : public Client, public std::enable_shared_from_this<Clie
   void end_staged(Op kind, const std::string& what) {
     auto op = start_all(kind, "", {}, fmt::format("{} of {}", op_name(kind), what));
     run_locked(*op);
-  }
-
-  static std::string write_text(const std::string& path, const std::string& text) {
-    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd) return fmt::format("cannot create it: {}", std::strerror(errno));
-    for (size_t off = 0; off < text.size();) {
-      const ssize_t k = ::write(fd.get(), text.data() + off, text.size() - off);
-      if (k < 0 && errno == EINTR) continue;
-      if (k <= 0) return fmt::format("cannot write it: {}", k == 0 ? "no progress" : std::strerror(errno));
-      off += size_t(k);
-    }
-    if (::fsync(fd.get()) != 0) return fmt::format("cannot sync it: {}", std::strerror(errno));
-    return "";
   }
 
   std::string reply_text(const Call& c) const {

@@ -28,6 +28,7 @@
 #include "cohort/error.h"
 #include "common/fd.h"
 #include "common/handoff.h"
+#include "common/io.h"
 #include "common/log.h"
 #include "ps/config_json.h"
 #include "ps/decode.h"
@@ -560,20 +561,6 @@ class Server {
     staged_[w] = std::move(folder_only);
   }
 
-  static bool write_all(int fd, const char* p, size_t n) {
-    while (n > 0) {
-      const ssize_t k = ::write(fd, p, n);
-      if (k < 0 && errno == EINTR) continue;
-      if (k <= 0) {
-        if (k == 0) errno = EIO;
-        return false;
-      }
-      p += k;
-      n -= size_t(k);
-    }
-    return true;
-  }
-
   // A shard file: a JSON header line, then one record per row (id u64, values f32 x dim, optimizer
   // state f32 x state_floats). Workers on this host may create rows while the shard is read
   // (for_each visits the rows that existed when it began), so the header's row count is the number
@@ -595,7 +582,7 @@ class Server {
     std::vector<char> buf(line.begin(), line.end());
     buf.reserve(kChunk + line.size());
     auto flush = [&] {
-      if (!write_all(fd.get(), buf.data(), buf.size())) fail("write it");
+      if (!io::write_all(fd.get(), buf.data(), buf.size())) fail("write it");
       buf.clear();
     };
     const size_t d = t.dim(), sf = state_floats(t.config());

@@ -23,6 +23,7 @@
 #include "common/half_arrays.h"
 #include "common/handoff.h"
 #include "common/log.h"
+#include "common/proc_stat.h"
 #include "common/vector_clones.h"
 #include "ps/sharding.h"
 
@@ -136,30 +137,11 @@ void spin_until(Try&& attempt, std::chrono::milliseconds timeout, Stuck&& stuck)
   }
 }
 
-// What /proc/<pid>/stat says of a process: its state (R, S, Z, ...) and its start time (clock ticks
-// after boot; with the pid it names one process, even once the pid is reused). state 0: unknown.
-struct ProcessStat {
-  char state = 0;
-  uint64_t start = 0;
-};
-ProcessStat process_stat(int pid) {
-  ProcessStat st;
-  char path[40];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
-  if (!fd) return st;
-  char buf[1024];
-  const ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
-  if (n <= 0) return st;
-  buf[n] = 0;
-  const char* p = std::strrchr(buf, ')');  // the name (field 2) may hold spaces and parentheses
-  if (!p || p[1] != ' ') return st;
-  const char state = p[2];
-  for (int field = 3; field <= 22; ++field)  // to the space before field 22, starttime
-    if (!(p = std::strchr(p + 1, ' '))) return st;
-  st.state = state;
-  st.start = std::strtoull(p + 1, nullptr, 10);
-  return st;
+// A process's start time (clock ticks after boot, common/proc_stat.h; with the pid it names one
+// process, even once the pid is reused), 0 when unknown.
+uint64_t start_ticks(pid_t pid) {
+  const auto st = read_proc_stat(pid);
+  return st ? st->start_ticks : 0;
 }
 
 // An undo record (in the header file, one per holder): the row it copied and the version word the
@@ -177,7 +159,7 @@ static_assert(kUndoHead == 16);
 struct HolderSlot {
   std::atomic<int32_t> pid;     // 0: free
   std::atomic<int32_t> who;     // a worker's index, or -1 - the server's index
-  std::atomic<uint64_t> start;  // the process's start time (process_stat), 0 unknown
+  std::atomic<uint64_t> start;  // the process's start time (start_ticks), 0 unknown
 };
 
 // The shared header (the first memfd). Plain fields are written once by the owner before anyone
@@ -264,7 +246,7 @@ TableShard::TableShard(std::string name, const TableConfig& config, uint64_t fir
   header_->arena_bytes.store(0, std::memory_order_release);
   HolderSlot& me = header_->holders[0];
   me.who.store(-1 - server, std::memory_order_relaxed);
-  me.start.store(process_stat(::getpid()).start, std::memory_order_relaxed);
+  me.start.store(start_ticks(::getpid()), std::memory_order_relaxed);
   me.pid.store(::getpid(), std::memory_order_release);
   undo_ = undo_of(0);
   if (config_.dense) {
@@ -339,7 +321,7 @@ uint32_t TableShard::register_holder(int worker, int pid) {
   if (free_slot == 0) return 0;
   HolderSlot& h = header_->holders[free_slot];
   h.who.store(worker, std::memory_order_relaxed);
-  h.start.store(process_stat(pid).start, std::memory_order_relaxed);
+  h.start.store(start_ticks(pid), std::memory_order_relaxed);
   h.pid.store(pid, std::memory_order_release);
   return free_slot;
 }
@@ -422,9 +404,9 @@ bool TableShard::holder_gone(uint32_t slot) const {
   }
   // Alive, or a zombie where there is no pidfd (a kernel before 5.3), or another process that got
   // the pid since: /proc tells them apart by state and start time.
-  const ProcessStat now = process_stat(pid);
+  const ProcStat now = read_proc_stat(pid).value_or(ProcStat{});  // state 0 and start 0: unknown
   const uint64_t start = h.start.load(std::memory_order_relaxed);
-  return now.state == 'Z' || now.state == 'X' || (start != 0 && now.start != 0 && now.start != start);
+  return now.state == 'Z' || now.state == 'X' || (start != 0 && now.start_ticks != 0 && now.start_ticks != start);
 }
 
 // The first try inline (a push takes thousands of row locks, nearly all free), the wait out of line.

@@ -6,8 +6,7 @@
 #include <map>
 
 #include "cohort/error.h"
-#include "comm/communicator_impl.h"
-#include "comm/settings.h"
+#include "comm/peer_links.h"
 #include "common/strings.h"
 
 namespace cohort::ps {
@@ -66,31 +65,15 @@ Buffer buffer_of(const std::string& text) {
 Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int rank, const std::vector<bool>& peers,
                    std::chrono::milliseconds timeout, size_t max_unexpected_bytes)
     : rank_(rank), size_(int(peers.size())) {
-  CommOptions options;
-  options.timeout = timeout;
-  comm::apply_env_overrides(options);  // COHORT_TRANSPORT, COHORT_TIMEOUT
-  // A child communicator: it does not take over the process's flight-recorder identity (the
-  // worker's own communicator keeps it) and runs no collectives.
-  comm::CommSetup s;
-  s.root_store = std::move(store);
-  s.prefix = prefix;
-  s.rank = rank;
-  s.size = size_;
-  s.options = options;
-  s.child = true;
-  s.connections_only = true;
-  s.connect_to = peers;
-  s.max_unexpected_bytes = max_unexpected_bytes;
-  comm_ = std::make_shared<comm::CommunicatorImpl>(std::move(s));
-  comm_->bootstrap();
+  links_ = std::make_unique<comm::PeerLinks>(std::move(store), prefix, rank, peers, timeout, max_unexpected_bytes);
   std::map<transport::Transport*, int> served;
   for (int r = 0; r < size_; ++r)
-    if (r != rank_ && peers[size_t(r)]) ++served[comm_->transport_to(r)];
+    if (r != rank_ && peers[size_t(r)]) ++served[links_->transport_to(r)];
   // Only transports that serve a peer are polled: an idle one would add a system call per poll
   // (tcp's epoll_wait) and turn waits into the several-transports path below.
-  for (const auto& t : comm_->transports())
+  for (const auto& t : links_->transports())
     if (served.count(t.get())) active_.push_back(t.get());
-  if (active_.empty()) active_.push_back(comm_->transports().front().get());
+  if (active_.empty()) active_.push_back(links_->transports().front().get());
   sleeper_ = active_.front();
   for (auto [t, n] : served)
     if (n > served[sleeper_]) sleeper_ = t;
@@ -98,29 +81,29 @@ Endpoint::Endpoint(std::shared_ptr<Store> store, const std::string& prefix, int 
 
 Endpoint::~Endpoint() = default;
 
-std::string Endpoint::host_of(int rank) const { return comm_->host_of(rank); }
+std::string Endpoint::host_of(int rank) const { return links_->host_of(rank); }
 
-bool Endpoint::same_host(int rank) const { return std::strcmp(comm_->transport_to(rank)->name(), "shm") == 0; }
+bool Endpoint::same_host(int rank) const { return std::strcmp(links_->transport_to(rank)->name(), "shm") == 0; }
 
 Posted Endpoint::isend(int peer, Msg kind, uint64_t sub, const void* data, size_t bytes) {
-  transport::Transport* t = comm_->transport_to(peer);
+  transport::Transport* t = links_->transport_to(peer);
   transport::Envelope env{kTagBase | uint64_t(kind), sub, kSignature};
   return Posted{t, t->isend(peer, env, data, bytes), false};
 }
 
 Posted Endpoint::irecv(int peer, Msg kind, uint64_t sub, void* data, size_t bytes) {
-  transport::Transport* t = comm_->transport_to(peer);
+  transport::Transport* t = links_->transport_to(peer);
   transport::Envelope env{kTagBase | uint64_t(kind), sub, kSignature};
   return Posted{t, t->irecv(peer, env, data, bytes), false};
 }
 
 void Endpoint::discard(int peer, Msg kind, uint64_t sub) {
-  comm_->transport_to(peer)->discard(peer, transport::Envelope{kTagBase | uint64_t(kind), sub, kSignature});
+  links_->transport_to(peer)->discard(peer, transport::Envelope{kTagBase | uint64_t(kind), sub, kSignature});
 }
 
 size_t Endpoint::buffered_bytes() const {
   size_t n = 0;
-  for (const auto& t : comm_->transports()) n += t->buffered_bytes();
+  for (const auto& t : links_->transports()) n += t->buffered_bytes();
   return n;
 }
 

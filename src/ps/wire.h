@@ -39,7 +39,7 @@
 #include "transport/transport.h"
 
 namespace cohort::comm {
-class CommunicatorImpl;
+class PeerLinks;
 }
 
 namespace cohort::ps {
@@ -112,6 +112,9 @@ class Buffer {
   size_t size_ = 0, cap_ = 0;
 };
 
+// Not transport/matching.h's BufferPool, which bins raw memory by power-of-two size class under a
+// byte limit for any number of early messages: a PS endpoint has a few buffers in flight, kept whole
+// (with their size) and handed back best-fit, so the two policies stay apart.
 class BufferPool {
  public:
   // A buffer of n bytes: the smallest kept one that is large enough, else a new one.
@@ -167,7 +170,7 @@ class Endpoint {
   bool poll(int timeout_ms);
 
  private:
-  std::shared_ptr<comm::CommunicatorImpl> comm_;
+  std::unique_ptr<comm::PeerLinks> links_;  // comm/peer_links.h
   std::vector<transport::Transport*> active_;  // the transports that serve at least one peer
   transport::Transport* sleeper_ = nullptr;     // the one that serves most peers: poll sleeps in it
   int rank_ = 0;

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "cohort/error.h"
+#include "common/io.h"
 
 namespace cohort::train {
 
@@ -31,37 +32,9 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw Error(fmt::format("checkpoint: cannot create directory {}: {}", dir.string(), ec.message()));
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("cannot create", tmp);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int saved = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      errno = saved;
-      fail("cannot write", tmp);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    fail("cannot fsync", tmp);
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    fail("cannot rename to", path);
-  }
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  // The process id keeps two writers of one path (ranks sharing a folder) off each other's file.
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  if (std::string why = io::replace_file(path, tmp, bytes); !why.empty()) throw Error("checkpoint: " + why);
 }
 
 std::optional<std::string> read_file_if_exists(const std::string& path) {

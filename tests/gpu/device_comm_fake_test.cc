@@ -17,17 +17,11 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "store/memory_store.h"
+#include "fake_gpu.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-// Before anything reads them (settings are read once, on first use): load the fake libraries.
-const bool kFakeLibraries = [] {
-  setenv("COHORT_CUDA_RUNTIME", COHORT_FAKE_CUDA, 1);
-  setenv("COHORT_NCCL_LIBRARY", COHORT_FAKE_CUDA, 1);
-  return true;
-}();
 
 using gpu::DeviceOptions;
 using gpu::DevicePath;

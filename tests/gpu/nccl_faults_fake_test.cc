@@ -21,16 +21,11 @@
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "store/memory_store.h"
+#include "fake_gpu.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-const bool kFakeLibraries = [] {
-  setenv("COHORT_CUDA_RUNTIME", COHORT_FAKE_CUDA, 1);
-  setenv("COHORT_NCCL_LIBRARY", COHORT_FAKE_CUDA, 1);
-  return true;
-}();
 
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
@@ -41,7 +36,6 @@ struct FakeHooks {
   int (*stalls_ended_by_abort)();
   void (*delay_init)(int ms);
   int (*live_comms)();
-  int (*set_device)(int device);
   FakeHooks() {
     void* h = dlopen(COHORT_FAKE_CUDA, RTLD_NOW);
     EXPECT_NE(h, nullptr) << dlerror();
@@ -50,7 +44,6 @@ struct FakeHooks {
         reinterpret_cast<decltype(stalls_ended_by_abort)>(dlsym(h, "fake_nccl_stalls_ended_by_abort"));
     delay_init = reinterpret_cast<decltype(delay_init)>(dlsym(h, "fake_nccl_delay_init"));
     live_comms = reinterpret_cast<decltype(live_comms)>(dlsym(h, "fake_nccl_live_comms"));
-    set_device = reinterpret_cast<decltype(set_device)>(dlsym(h, "cudaSetDevice"));
   }
 };
 FakeHooks& fake() {
@@ -68,21 +61,6 @@ class NcclMode : public ::testing::TestWithParam<bool> {
   bool blocking() const { return GetParam(); }
 };
 std::string mode_name(const ::testing::TestParamInfo<bool>& info) { return info.param ? "Blocking" : "NonBlocking"; }
-
-std::shared_ptr<Communicator> device_comm(std::shared_ptr<Store> store, int rank, int world,
-                                          std::chrono::milliseconds timeout) {
-  CommOptions o;
-  o.timeout = timeout;
-  fake().set_device(rank);
-  return gpu::make_device_communicator(Communicator::create(store, rank, world, o),
-                                       gpu::DeviceOptions{rank, gpu::DevicePath::kAuto});
-}
-
-bool becomes_true(const std::atomic<bool>& flag, std::chrono::milliseconds within) {
-  const auto end = Clock::now() + within;
-  while (!flag && Clock::now() < end) std::this_thread::sleep_for(1ms);
-  return flag;
-}
 
 // Rank 1 stops calling. Rank 0's allreduce is queued (the watchdog follows it), then rank 0's next
 // NCCL call hangs inside NCCL, as a lazy connection to the silent peer does. The watchdog must still

@@ -22,16 +22,11 @@
 #include "cohort/gpu.h"
 #include "cohort/train/grad_sync.h"
 #include "store/memory_store.h"
+#include "fake_gpu.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-const bool kFakeLibraries = [] {
-  setenv("COHORT_CUDA_RUNTIME", COHORT_FAKE_CUDA, 1);
-  setenv("COHORT_NCCL_LIBRARY", COHORT_FAKE_CUDA, 1);
-  return true;
-}();
 
 using gpu::DeviceOptions;
 using gpu::DevicePath;
@@ -43,7 +38,6 @@ struct FakeCuda {
   int (*launch_host_func)(void* stream, void (*fn)(void*), void* data);
   int (*stream_create)(void** stream, unsigned flags);
   int (*stream_destroy)(void* stream);
-  int (*set_device)(int device);
   void* (*kernel_view)(const void* device_pointer);  // where a "kernel" reaches GPU memory
   void (*exit_rank)(int device);                       // that rank's process exits
   FakeCuda() {
@@ -52,7 +46,6 @@ struct FakeCuda {
     launch_host_func = reinterpret_cast<decltype(launch_host_func)>(dlsym(h, "cudaLaunchHostFunc"));
     stream_create = reinterpret_cast<decltype(stream_create)>(dlsym(h, "cudaStreamCreateWithFlags"));
     stream_destroy = reinterpret_cast<decltype(stream_destroy)>(dlsym(h, "cudaStreamDestroy"));
-    set_device = reinterpret_cast<decltype(set_device)>(dlsym(h, "cudaSetDevice"));
     kernel_view = reinterpret_cast<decltype(kernel_view)>(dlsym(h, "fake_cuda_kernel_view"));
     exit_rank = reinterpret_cast<decltype(exit_rank)>(dlsym(h, "fake_nccl_exit"));
   }
@@ -66,24 +59,10 @@ FakeCuda& fake() {
   return f;
 }
 
-std::shared_ptr<Communicator> device_comm(std::shared_ptr<Store> store, int rank, int world,
-                                          std::chrono::milliseconds timeout = 30s) {
-  CommOptions o;
-  o.timeout = timeout;
-  fake().set_device(rank);  // each rank's thread works on its own GPU, as each process would
-  return gpu::make_device_communicator(Communicator::create(store, rank, world, o), DeviceOptions{rank, DevicePath::kAuto});
-}
-
 std::shared_ptr<void> device_floats(const std::vector<float>& values, int device) {
   auto p = gpu::allocate_device(values.size() * sizeof(float), device);
   gpu::copy_memory(p.get(), values.data(), values.size() * sizeof(float));
   return p;
-}
-
-bool becomes_true(const std::atomic<bool>& flag, std::chrono::milliseconds within) {
-  const auto end = Clock::now() + within;
-  while (!flag && Clock::now() < end) std::this_thread::sleep_for(1ms);
-  return flag;
 }
 
 // The overlap DDP needs: a bucket's allreduce is queued, rank 1 is late, and the "backward kernel"

@@ -9,33 +9,17 @@
 #include <gtest/gtest.h>
 
 #include "launch_test_util.h"
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
-
-std::vector<std::string> with_sh(std::vector<std::string> argv, const std::string& script) {
-  argv.insert(argv.end(), {"/bin/sh", "-c", script});
-  return argv;
-}
 
 size_t lines_of(const std::string& text) { return static_cast<size_t>(std::count(text.begin(), text.end(), '\n')); }
 
 bool exists(const std::string& path) {
   struct stat st {};
   return stat(path.c_str(), &st) == 0;
-}
-
-// A bad command line: exit 2 and exactly `line` on stderr.
-void expect_refused(const std::vector<std::string>& argv, const std::string& line) {
-  auto r = run_process(argv, {}, 30);
-  EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_EQ(r.err, line + "\n");
 }
 
 TEST(MpirunFlags, NpernodeAndPprMapGiveProcessesPerNode) {

@@ -1,9 +1,13 @@
 #pragma once
-// Helpers shared by the launcher's unit tests (plan, parsers, GPU planning).
+// Helpers shared by the launcher's tests (plan, parsers, GPU planning; the command lines of cohort run).
 
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <sys/stat.h>
+
+#include <gtest/gtest.h>
 
 #include "cohort/error.h"
 #include "support/test_support.h"
@@ -52,3 +56,32 @@ echo done > $d/done.$RANK)";
 }
 
 }  // namespace cohort::launch
+
+namespace cohort::test {
+
+// `argv` running `script` under /bin/sh (the program of a cohort_run line).
+inline std::vector<std::string> with_sh(std::vector<std::string> argv, const std::string& script) {
+  argv.insert(argv.end(), {"/bin/sh", "-c", script});
+  return argv;
+}
+
+// The ssh stand-in: "shim [ssh options] HOST COMMAND..." runs COMMAND here as if on HOST.
+inline std::string write_shim(const TempDir& dir) {
+  std::string path = dir.file("fake-ssh");
+  write_file(path,
+             "#!/bin/sh\n"
+             "while [ \"${1#-}\" != \"$1\" ]; do if [ \"$1\" = -o ]; then shift; fi; shift; done\n"
+             "host=$1; shift\n"
+             "COHORT_HOST_ID=$host exec \"$@\"\n");
+  chmod(path.c_str(), 0755);
+  return path;
+}
+
+// A bad command line: exit 2 and exactly `line` on stderr.
+inline void expect_refused(const std::vector<std::string>& argv, const std::string& line) {
+  auto r = run_process(argv, {}, 30);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err, line + "\n");
+}
+
+}  // namespace cohort::test

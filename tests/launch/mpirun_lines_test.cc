@@ -11,44 +11,17 @@
 
 #include <gtest/gtest.h>
 
+#include "launch_test_util.h"
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
 
-std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
-
-std::vector<std::string> with_sh(std::vector<std::string> argv, const std::string& script) {
-  argv.insert(argv.end(), {"/bin/sh", "-c", script});
-  return argv;
-}
-
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
   return n;
-}
-
-// A bad command line: exit 2 and exactly `line` on stderr.
-void expect_refused(const std::vector<std::string>& argv, const std::string& line) {
-  auto r = run_process(argv, {}, 30);
-  EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_EQ(r.err, line + "\n");
-}
-
-// The ssh stand-in: "shim [ssh options] HOST COMMAND..." runs COMMAND here as if on HOST.
-std::string write_shim(const TempDir& dir) {
-  std::string path = dir.file("fake-ssh");
-  write_file(path,
-             "#!/bin/sh\n"
-             "while [ \"${1#-}\" != \"$1\" ]; do if [ \"$1\" = -o ]; then shift; fi; shift; done\n"
-             "host=$1; shift\n"
-             "COHORT_HOST_ID=$host exec \"$@\"\n");
-  chmod(path.c_str(), 0755);
-  return path;
 }
 
 // The workers wrote their pids to dir/pid.N: none may outlive the job (a short grace for the kernel to

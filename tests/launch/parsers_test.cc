@@ -235,5 +235,27 @@ TEST(SchedulerEnv, PortOutOfRangeIsOneLine) {
             "TF_CONFIG (first cluster entry): port 70000 is not between 1 and 65535");
 }
 
+
+// The ranks a failed worker's stderr reports gone (Job::early_exit_cause), in every form the
+// communicator and the transports write, read without std::regex.
+TEST(ExitReports, RankReportedGone) {
+  EXPECT_EQ(rank_reported_gone("rank 0: peer rank 1 exited (code 0) while rank 0 waited in allreduce #3"), 1);
+  EXPECT_EQ(rank_reported_gone("rank 1 (job rank 5) exited (code 0) during barrier"), 5);
+  EXPECT_EQ(rank_reported_gone("shm: rank 2 (node-a) (pid 991) exited during allreduce"), 2);
+  EXPECT_EQ(rank_reported_gone("tcp: lost rank 3 (10.0.0.2): connection reset"), 3);
+  EXPECT_EQ(rank_reported_gone("lost rank 3"), 3);
+  EXPECT_EQ(rank_reported_gone("rank 4 (node-b) left the communicator"), 4);
+  // The communicator's words come first, wherever they stand in the line.
+  EXPECT_EQ(rank_reported_gone("lost rank 3 (h) after rank 6 exited (code 0)"), 6);
+  // Not these: another exit code, a word that only ends in "rank", a number that runs into a word.
+  EXPECT_EQ(rank_reported_gone("rank 1 exited (code 3)"), std::nullopt);
+  EXPECT_EQ(rank_reported_gone("frank 1 exited (code 0)"), std::nullopt);
+  EXPECT_EQ(rank_reported_gone("lost rank 3x"), std::nullopt);
+  EXPECT_EQ(rank_reported_gone("rank 4 (node-b left"), std::nullopt);
+  EXPECT_EQ(rank_reported_gone("shm: rank 2 (node-a) (pid x) exited during allreduce"), std::nullopt);
+  EXPECT_EQ(rank_reported_gone("lost rank 99999999999999999999"), std::nullopt);  // no int: not a rank
+  EXPECT_EQ(rank_reported_gone(""), std::nullopt);
+}
+
 }  // namespace
 }  // namespace cohort::launch

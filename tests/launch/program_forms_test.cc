@@ -11,15 +11,11 @@
 
 #include <gtest/gtest.h>
 
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
 
 // argv run with `dir` as its current folder.
 std::vector<std::string> in_dir(const std::string& dir, std::vector<std::string> argv) {

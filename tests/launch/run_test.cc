@@ -16,15 +16,11 @@
 #include "common/socket.h"
 #include "common/build_info.h"
 #include "launch_test_util.h"
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
 
 std::vector<std::string> sh(const std::string& script) { return {"/bin/sh", "-c", script}; }
 
@@ -111,7 +107,6 @@ TEST(Run, AWorkersDaemonInASessionOfItsOwnEndsWithTheJob) {
 
 // The same under a remote agent (`cohort agent`, reached through the ssh stand-in): the agent is the
 // subreaper of its own workers' descendants.
-std::string write_shim(const TempDir& dir);
 TEST(Run, ARemoteWorkersDaemonEndsWithTheJob) {
   TempDir dir;
   std::string shim = write_shim(dir);
@@ -538,18 +533,6 @@ TEST(Run, JoiningNodeSaysWhoIsMissingAndGivesUp) {
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("waiting for node ranks 1-2 to join"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("node ranks 1-2 did not join within 4 s"), std::string::npos) << r.err;
-}
-
-// The ssh stand-in: "shim [ssh options] HOST COMMAND..." runs COMMAND here as if on HOST.
-std::string write_shim(const TempDir& dir) {
-  std::string path = dir.file("fake-ssh");
-  write_file(path,
-             "#!/bin/sh\n"
-             "while [ \"${1#-}\" != \"$1\" ]; do if [ \"$1\" = -o ]; then shift; fi; shift; done\n"
-             "host=$1; shift\n"
-             "COHORT_HOST_ID=$host exec \"$@\"\n");
-  chmod(path.c_str(), 0755);
-  return path;
 }
 
 TEST(Run, SshFanOutThroughAShim) {

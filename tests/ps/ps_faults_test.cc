@@ -32,21 +32,9 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using test_util::pull_rows;
+using test_util::refusal;
+using test_util::run_job;
 using test_util::shards_dir;
-
-// run_job with its own mode and timeouts: the servers' (how long a row lock may be waited for) and
-// the workers' (how long a reply may be waited for).
-void run_job(int servers, int workers, ConsistencyMode mode, std::chrono::milliseconds timeout,
-             const std::function<void(Client&)>& body,
-             std::chrono::milliseconds server_timeout = std::chrono::milliseconds(0)) {
-  auto store = make_memory_store();
-  Roles roles{servers, workers};
-  test::run_ranks(servers + workers, [&](int r) {
-    if (r < servers) return serve(store, r, roles, mode, server_timeout.count() ? server_timeout : timeout);
-    auto client = Client::create(store, r - servers, roles, timeout);
-    body(*client);
-  });
-}
 
 // What a save directory holds, sorted.
 std::vector<std::string> listing(const std::string& dir) {
@@ -82,22 +70,6 @@ class SharedRows {
   uint8_t* base_ = nullptr;
   size_t size_;
 };
-
-// The message of the InvalidArgument that `f` throws ("" and a failure when it throws none, or
-// another error).
-template <typename F>
-std::string refusal(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "not an InvalidArgument: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "no InvalidArgument";
-  return "";
-}
 
 // A bsp pull waits on the server until every worker has ended the step; it is answered inside the
 // request of the worker whose step() ends the wait. Here the answer fails (another worker loaded a

@@ -7,15 +7,11 @@
 #include <string>
 #include <vector>
 
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
 
 size_t count(const std::string& text, const std::string& what) {
   size_t n = 0;

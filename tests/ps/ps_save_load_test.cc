@@ -24,6 +24,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using test_util::pull_rows;
+using test_util::refusal;
 using test_util::run_job;
 using test_util::shards_dir;
 
@@ -44,18 +45,6 @@ ShardFile read_shard(const std::string& path) {
   f.head_bytes = nl + 1;
   f.records = all.substr(nl + 1);
   return f;
-}
-
-// The message of the InvalidArgument that `f` throws ("" and a failure when it throws none).
-template <typename F>
-std::string refusal(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no InvalidArgument";
-  return "";
 }
 
 TEST(PsSaveLoad, ABadManifestOrShardFileIsOneErrorNamingItAndEveryServerKeepsItsTables) {

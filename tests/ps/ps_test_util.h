@@ -14,6 +14,9 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "cohort/error.h"
 #include "cohort/ps.h"
 #include "store/memory_store.h"
 #include "support/test_support.h"
@@ -23,14 +26,37 @@ namespace cohort::ps::test_util {
 inline constexpr std::chrono::milliseconds kTimeout{30000};
 
 // Runs `servers` servers and `workers` workers as threads; body(client) runs on each worker.
-inline void run_job(int servers, int workers, ConsistencyMode mode, const std::function<void(Client&)>& body) {
+// `timeout`: how long a worker waits for a reply; `server_timeout` (0: the same) how long a server
+// waits for a row lock.
+inline void run_job(int servers, int workers, ConsistencyMode mode, std::chrono::milliseconds timeout,
+                    const std::function<void(Client&)>& body,
+                    std::chrono::milliseconds server_timeout = std::chrono::milliseconds(0)) {
   auto store = make_memory_store();
   Roles roles{servers, workers};
   test::run_ranks(servers + workers, [&](int r) {
-    if (r < servers) return serve(store, r, roles, mode, kTimeout);
-    auto client = Client::create(store, r - servers, roles, kTimeout);
+    if (r < servers) return serve(store, r, roles, mode, server_timeout.count() ? server_timeout : timeout);
+    auto client = Client::create(store, r - servers, roles, timeout);
     body(*client);
   });
+}
+inline void run_job(int servers, int workers, ConsistencyMode mode, const std::function<void(Client&)>& body) {
+  run_job(servers, workers, mode, kTimeout, body);
+}
+
+// The message of the InvalidArgument that `f` throws ("" and a failure when it throws none, or
+// another error).
+template <typename F>
+std::string refusal(F&& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not an InvalidArgument: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no InvalidArgument";
+  return "";
 }
 
 inline std::vector<float> pull_rows(Client& c, const std::string& t, const std::vector<uint64_t>& ids) {

@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
@@ -21,11 +22,6 @@ namespace {
 namespace fs = std::filesystem;
 
 const char* kMark = ".cohort-trace-dir";
-
-std::vector<std::string> cohort_run(std::vector<std::string> args) {
-  args.insert(args.begin(), {cohort_tool(), "run"});
-  return args;
-}
 
 std::vector<std::string> concat_args(std::vector<std::string> a, const std::vector<std::string>& b) {
   a.insert(a.end(), b.begin(), b.end());

@@ -1,4 +1,6 @@
 // Parts of the Store interface shared by every implementation: the O(n) barrier and key prefixing.
+// The interface (include/cohort/store.h) lives in common, not in src/store, because layers below the
+// store's own (transport/shm, collectives/shm) meet through it too; src/store holds its implementations.
 #include <fmt/core.h>
 
 #include "cohort/error.h"
