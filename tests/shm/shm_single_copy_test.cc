@@ -1,5 +1,5 @@
 // shm::Group's single-copy path (process_vm_readv/writev between the ranks' own buffers): allgather(v),
-// alltoall(v), gather, scatter and broadcast give the same bytes as the definitions, at odd sizes, sizes
+// alltoall(v), gather, scatter, broadcast and reduce_scatter give the same bytes as the definitions, at odd sizes, sizes
 // the rank count does not divide, zero counts in the v-variants, in place, 1 to 4 ranks as threads and
 // 3 as forked processes; the check at creation and its way out (COHORT_SHM_SINGLE_COPY=0); an alltoallv
 // whose counts disagree between ranks is a MismatchError naming both; the communicator sends these
@@ -10,7 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -121,6 +123,40 @@ int exercise(Group& g, int r, int world) {
     }
     g.alltoallv(vs.data(), sc.data(), sd.data(), vr.data(), rc.data(), rd.data(), sizeof(uint64_t)), ++calls;
     EXPECT_EQ(vr, vexpect) << "alltoallv n=" << n << " rank " << r;
+
+    // reduce_scatter of n floats per block holding small integers (exact sums in any order), separate
+    // and in cohort's three in-place forms; int32 max too.
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
+      auto value = [&](int rank, size_t i) { return static_cast<float>((rank * 7 + static_cast<int>(i % 13)) % 11 - 4); };
+      std::vector<float> in(n * W), block(n), expect_block(n);
+      for (size_t i = 0; i < n * W; ++i) in[i] = value(r, i);
+      for (size_t i = 0; i < n; ++i) {
+        float acc = value(0, r * n + i);
+        for (int q = 1; q < world; ++q)
+          acc = op == ReduceOp::kMax ? std::max(acc, value(q, r * n + i)) : acc + value(q, r * n + i);
+        expect_block[i] = op == ReduceOp::kAvg ? acc / static_cast<float>(world) : acc;
+      }
+      g.reduce_scatter(in.data(), block.data(), n, DataType::kFloat32, op), ++calls;
+      EXPECT_EQ(block, expect_block) << "reduce_scatter op " << reduce_op_name(op) << " n=" << n << " rank " << r;
+      std::vector<float> same = in;
+      g.reduce_scatter(same.data(), same.data() + r * n, n, DataType::kFloat32, op), ++calls;
+      EXPECT_EQ(std::vector<float>(same.begin() + r * n, same.begin() + (r + 1) * n), expect_block)
+          << "reduce_scatter on its own block, n=" << n << " rank " << r;
+      same = in;
+      g.reduce_scatter(same.data(), same.data(), n, DataType::kFloat32, op), ++calls;
+      EXPECT_EQ(std::vector<float>(same.begin(), same.begin() + n), expect_block)
+          << "reduce_scatter in == out, n=" << n << " rank " << r;
+    }
+    {
+      std::vector<int32_t> in(n * W), out(n);
+      for (size_t i = 0; i < n * W; ++i) in[i] = static_cast<int32_t>((r * 31 + i * 17) % 1000) - 500;
+      g.reduce_scatter(in.data(), out.data(), n, DataType::kInt32, ReduceOp::kMax), ++calls;
+      std::vector<int32_t> want_max(n, INT32_MIN);
+      for (size_t i = 0; i < n; ++i)
+        for (int q = 0; q < world; ++q)
+          want_max[i] = std::max(want_max[i], static_cast<int32_t>((q * 31 + (r * n + i) * 17) % 1000) - 500);
+      EXPECT_EQ(out, want_max) << "reduce_scatter int32 max n=" << n << " rank " << r;
+    }
 
     for (int root = 0; root < world; ++root) {
       // gather of odd blocks to every root, and the root's in-place form (its block already in place).

@@ -598,6 +598,7 @@ void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType
       if (in != out) std::memmove(out, in, block_bytes);
       return;
     }
+    if (single_copy_for(block_bytes * static_cast<size_t>(size_))) return reduce_scatter_single(in, out, count, dtype, op);
     // If the output overlaps the input, our own block is staged too, so that reducing into `out`
     // never overwrites input still to be read.
     const bool stage_own = overlaps(in, block_bytes * static_cast<size_t>(size_), out, block_bytes);
@@ -887,7 +888,7 @@ void Group::choose_single_copy() {
   }
   if (single_copy_)
     single_copy_why_ = fmt::format("single copy (process_vm_readv between every pair of local ranks, checked at start) "
-                                   "for allgather(v), alltoall(v), gather, scatter and broadcast from {} KiB",
+                                   "for allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from {} KiB",
                                    options_.single_copy_bytes >> 10);
 }
 
@@ -942,6 +943,48 @@ void Group::push(int q, uint64_t remote, const void* local, size_t bytes, const 
     }
     from += n, remote += static_cast<uint64_t>(n), bytes -= static_cast<size_t>(n);
   }
+}
+
+void Group::reduce_scatter_single(const char* in, char* out, size_t count, DataType dtype, ReduceOp op) {
+  const size_t es = dtype_size(dtype), block = count * es, me = static_cast<size_t>(rank_);
+  const char* own = in + me * block;
+  // The peers read block q of my input while I write my output: an output on my own block is safe (no
+  // peer reads it, and each piece of it is read before it is written); any other overlap (in == out,
+  // the result in block 0) is reduced aside and copied in once every peer has finished reading.
+  const bool on_own = out == own;
+  const bool deferred = !on_own && overlaps(in, block * static_cast<size_t>(size_), out, block);
+  // Pieces small enough that the peers' pieces and the accumulator stay in this core's cache.
+  const size_t piece = std::max<size_t>(1, chunk_.bytes / es / static_cast<size_t>(size_));
+  const size_t peers = static_cast<size_t>(size_ - 1);
+  if (reduce_pieces_.size() < (peers + 1) * piece * es) reduce_pieces_.resize((peers + 1) * piece * es);
+  if (deferred && alltoall_aside_.size() < block) alltoall_aside_.resize(block);
+  char* result = deferred ? alltoall_aside_.data() : out;
+  const uint64_t header[1] = {reinterpret_cast<uint64_t>(in)};
+  single_copy_call("reduce_scatter", header, 1, [&](unsigned p) {
+    char* theirs = reduce_pieces_.data();              // peer q's piece at slot q (q < me) or q - 1
+    char* acc_piece = theirs + peers * piece * es;     // the accumulator when it must not be `out`
+    for (size_t off = 0; off < count; off += piece) {
+      const size_t c = std::min(piece, count - off);
+      for (int q = 0; q < size_; ++q) {
+        if (q == rank_) continue;
+        const size_t at = static_cast<size_t>(q < rank_ ? q : q - 1) * piece * es;
+        pull(q, theirs + at, header_of(q, p)[0] + me * block + off * es, c * es, "reduce_scatter");
+      }
+      auto source = [&](int q) -> const char* {
+        if (q == rank_) return own + off * es;
+        return theirs + static_cast<size_t>(q < rank_ ? q : q - 1) * piece * es;
+      };
+      // Rank order, as every other path (the same bits on every rank and path). reduce_to may write
+      // over one of its inputs; on my own block a later rank's input would be overwritten before it is
+      // read, so that case accumulates aside.
+      char* acc = on_own && rank_ >= 2 ? acc_piece : result + off * es;
+      kernels::reduce_to(acc, source(0), source(1), c, dtype, op);
+      for (int q = 2; q < size_; ++q) kernels::reduce_into(acc, source(q), c, dtype, op);
+      if (op == ReduceOp::kAvg) kernels::finish_average(acc, c, dtype, size_);
+      if (acc != result + off * es) std::memcpy(result + off * es, acc, c * es);
+    }
+  });
+  if (deferred) std::memcpy(out, result, block);
 }
 
 void Group::alltoallv(const void* send_v, const size_t* send_counts, const size_t* send_displs, void* recv_v,

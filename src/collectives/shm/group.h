@@ -28,12 +28,14 @@
 //  * allgather: each rank copies its chunk into its slot; after one wait everyone copies the peers'.
 //  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
 //  * barrier: post, wait for all.
-//  * single copy (allgather(v), alltoall(v), gather, scatter, broadcast from single_copy_bytes, when the
-//    check at creation found that every rank may read every peer's memory with process_vm_readv): one
-//    round in which every rank publishes its buffers' addresses in its slot; then each rank copies what
+//  * single copy (allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from
+//    single_copy_bytes, when the check at creation found that every rank may read every peer's memory
+//    with process_vm_readv): one round in which every rank publishes its buffers' addresses in its slot; then each rank copies what
 //    it receives straight from the peer's buffer into its own (gather: each rank writes its block into
 //    the root's with process_vm_writev), one copy per byte instead of two through a slot; a second
-//    round ends the call, after which no peer touches this rank's buffers.
+//    round ends the call, after which no peer touches this rank's buffers. reduce_scatter reads the
+//    peers' pieces of its block into this core's cache and reduces them with its own input there: two
+//    rounds in all, where the staged path waits once per chunk.
 // Reductions for kAvg divide once, by the group size, on the reduced slice.
 
 #include <atomic>
@@ -77,8 +79,8 @@ struct GroupOptions {
   double slow_factor = 3.0;
   uint32_t recheck_every = 32;
   // Single copy between the ranks' own buffers (process_vm_readv/writev) for the collectives that only
-  // move data, from this many bytes per call (the whole result a rank holds: allgather's output,
-  // alltoall's and gather's P blocks, broadcast's buffer); below it they stage through the slots or
+  // move data, and reduce_scatter, from this many bytes per call (the N blocks of allgather's output,
+  // alltoall's, gather's, scatter's and reduce_scatter's buffer; broadcast's buffer); below it they stage through the slots or
   // go over the transports as before. alltoallv, whose sizes differ between ranks, takes it whenever
   // single copy is on. COHORT_SHM_SINGLE_COPY (on/off), COHORT_SHM_SINGLE_COPY_BYTES.
   bool single_copy = true;
@@ -294,6 +296,9 @@ class Group {
   // address `remote`; a failure names the peer and the cause.
   void pull(int q, void* local, uint64_t remote, size_t bytes, const char* what);
   void push(int q, uint64_t remote, const void* local, size_t bytes, const char* what);
+  // reduce_scatter's single-copy path: each rank reduces its block a cache-sized piece at a time,
+  // reading the peers' pieces of it from their inputs (process_vm_readv) and its own in place.
+  void reduce_scatter_single(const char* in, char* out, size_t count, DataType dtype, ReduceOp op);
 
   // The probe's rounds and the choice, inside a guarded call (probe(), or a recheck within an allreduce).
   std::vector<LinkProbe> measure_link();
@@ -342,6 +347,7 @@ class Group {
   std::string single_copy_why_;
   std::vector<int> peer_pids_;        // every local rank's process, as it published itself
   uint64_t single_copies_ = 0;
+  std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
   std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten
   std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2; allreduce_update's
   ChunkChoice chunk_;  // alike on every rank (the slices of a chunk depend on it)
