@@ -71,6 +71,7 @@ struct BenchOptions {
   std::string device = "cpu";    // cpu | cuda
   std::string gpu_path = "auto";  // with cuda: auto | nccl | staged
   bool no_cache_reuse = false;
+  uint64_t cache_bytes = 0;  // the cache --no-cache-reuse outgrows; 0: the L3 the system reports
 };
 
 // The last-level (L3) cache of the CPU this thread runs on, from sysfs (else sysconf); 0 if unknown.
@@ -135,7 +136,7 @@ class Case {
     }
     if (o.no_cache_reuse && device_ < 0) {
       // Sets 1.. besides send_/recv_ (set 0), each page touched so that no timed iteration faults.
-      sets_ = rotation_sets(send_.size() + recv_.size(), l3_cache_bytes() ? l3_cache_bytes() : size_t{32} << 20);
+      sets_ = rotation_sets(send_.size() + recv_.size(), o.cache_bytes);
       for (size_t k = 1; k < sets_; ++k) {
         extra_send_.emplace_back(send_.size(), 0);
         extra_recv_.emplace_back(recv_.size(), 0);
@@ -308,7 +309,7 @@ std::string root_column(Kind k, const BenchOptions& o) {
 
 int run_bench(Kind kind, const std::string& name, std::vector<std::string> args) {
   BenchOptions o;
-  std::string min_s = "8", max_s = "64M", dtype_s = "float", op_s = "sum";
+  std::string min_s = "8", max_s = "64M", dtype_s = "float", op_s = "sum", cache_s = "0";
   // nccl-tests spells "-c 1" / "-c 0"; accept that as well as a bare -c / --check.
   std::vector<std::string> argv{args[0]};
   for (size_t i = 1; i < args.size(); ++i) {
@@ -335,6 +336,9 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   app.add_flag("--no-cache-reuse", o.no_cache_reuse,
                "rotate the iterations through buffer sets larger than twice the L3 cache, so that no iteration "
                "finds its data in the cache");
+  app.add_option("--cache-bytes", cache_s,
+                 "with --no-cache-reuse: the cache to outgrow (K/M/G; 0: the L3 this CPU reports, 32M if none)")
+      ->capture_default_str();
   app.add_option("--trials", o.trials, "timed trials per size; the median is reported")->capture_default_str();
   app.add_option("--min-time", o.min_time, "seconds each trial should last when -n is 0")->capture_default_str();
   app.add_option("--csv", o.csv, "also write the table as CSV to this file (rank 0)");
@@ -346,6 +350,8 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   if (!parse_command_line(app, argv)) return 0;
   o.min_bytes = env::parse_bytes("-b", min_s);
   o.max_bytes = env::parse_bytes("-e", max_s);
+  o.cache_bytes = env::parse_bytes("--cache-bytes", cache_s);
+  if (o.cache_bytes == 0) o.cache_bytes = l3_cache_bytes() ? l3_cache_bytes() : size_t{32} << 20;
   auto dt = parse_dtype(dtype_s);
   if (!dt) throw InvalidArgument(fmt::format("unknown datatype '{}'", dtype_s));
   o.dtype = *dt;
@@ -395,8 +401,8 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
                o.trials);
     fmt::print("# buffers: {}{}\n", device_line,
                o.no_cache_reuse
-                   ? fmt::format("; --no-cache-reuse: each size rotates through buffer sets > 2 x the L3 ({} MiB)",
-                                 l3_cache_bytes() >> 20)
+                   ? fmt::format("; --no-cache-reuse: each size rotates through buffer sets > 2 x the cache ({} MiB)",
+                                 o.cache_bytes >> 20)
                    : "");
     if (!link.empty()) fmt::print("# link: {}\n", link);
     fmt::print("#\n# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type", "redop",
