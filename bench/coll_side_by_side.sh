@@ -8,6 +8,8 @@
 #     ROUNDS=3  SIZES="64M 256M"  N=2 (ranks)  OPS="allgather reduce_scatter alltoall gather scatter broadcast allreduce"
 #     CACHE_REUSE=1: time on one reused buffer instead of --no-cache-reuse (the default here: buffer sets
 #     over twice the L3, rotated per iteration, on both sides)
+#     STAGED=1: also cohort with COHORT_SHM_SINGLE_COPY=0 (peer cohort-staged: the paths before single copy,
+#     as on main before issue 51), in the same interleaved rounds
 #   About 2 minutes per round at 2 ranks on an idle 2-core host, several times that under load.
 #
 # Method (bench/peers/README.md, "Method", same on both sides): fp32, sum, root 0; the size is the whole
@@ -41,13 +43,14 @@ bytes_of() { numfmt --from=iec "$1"; }
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 
 # One line per measurement: ROUND <round> <op> <bytes> <peer> <time us> <busbw GB/s>
-cohort_case() {  # round op size
-  local out
+cohort_case() {  # round op size [staged]
+  local out peer=cohort single=1
+  [[ ${4:-} == staged ]] && { peer=cohort-staged; single=0; }
   # shellcheck disable=SC2086
-  out=$("$COHORT" run -n "$N" --no-tag-output "$COHORT" bench "$2" -b "$3" -e "$3" --trials 3 --min-time 0.3 \
+  out=$(COHORT_SHM_SINGLE_COPY=$single "$COHORT" run -n "$N" --no-tag-output "$COHORT" bench "$2" -b "$3" -e "$3" --trials 3 --min-time 0.3 \
     $cohort_flag 2>&1)
-  if [[ $1 == 1 || $2 == allgather ]]; then grep "^# link:" <<<"$out" | sed "s/^# link:/LINK round $1 $2:/"; fi
-  awk -v r="$1" -v op="$2" '!/^#/ && NF >= 9 && $1 ~ /^[0-9]+$/ { print "ROUND", r, op, $1, "cohort", $6, $8 }' <<<"$out"
+  if [[ $peer == cohort && ($1 == 1 || $2 == allgather) ]]; then grep "^# link:" <<<"$out" | sed "s/^# link:/LINK round $1 $2:/"; fi
+  awk -v r="$1" -v op="$2" -v p="$peer" '!/^#/ && NF >= 9 && $1 ~ /^[0-9]+$/ { print "ROUND", r, op, $1, p, $6, $8 }' <<<"$out"
   grep -q "^# Out of bounds" <<<"$out" || { echo "cohort bench $2 $3 failed:"; tail -5 <<<"$out"; }
 }
 mpi_case() {  # round op size
@@ -64,6 +67,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
   for size in $SIZES; do
     for op in $OPS; do
       cohort_case "$r" "$op" "$size"
+      [[ ${STAGED:-0} == 1 ]] && cohort_case "$r" "$op" "$size" staged
       mpi_case "$r" "$op" "$size"
     done
   done
@@ -86,15 +90,17 @@ for line in open(sys.argv[1]):
 def mib(b):
     return f"{b / 2**20:g} MiB"
 print("\n## Every round: time per op in ms (busbw GB/s); ratio = cohort busbw / Open MPI busbw, same round\n")
-print("| op | size | round | cohort | Open MPI | ratio |")
-print("|---|---|---:|---:|---:|---:|")
+staged = any("cohort-staged" in t[k] for k in order)
+print("| op | size | round | cohort | " + ("cohort staged | " if staged else "") + "Open MPI | ratio |")
+print("|---|---|---:|---:|" + ("---:|" if staged else "") + "---:|---:|")
+def cell(key, peer, r):
+    return f"{t[key][peer][r] / 1e3:.2f} ({bw[key][peer][r]:.2f})" if r in t[key].get(peer, {}) else "-"
 for key in order:
     c, m = t[key].get("cohort", {}), t[key].get("mpi", {})
     for r in sorted(set(c) | set(m)):
-        cs = f"{c[r] / 1e3:.2f} ({bw[key]['cohort'][r]:.2f})" if r in c else "-"
-        ms = f"{m[r] / 1e3:.2f} ({bw[key]['mpi'][r]:.2f})" if r in m else "-"
         ratio = f"{m[r] / c[r]:.2f}x" if r in c and r in m else "-"
-        print(f"| {key[0]} | {mib(key[1])} | {r} | {cs} | {ms} | {ratio} |")
+        print(f"| {key[0]} | {mib(key[1])} | {r} | {cell(key, 'cohort', r)} | "
+              + (f"{cell(key, 'cohort-staged', r)} | " if staged else "") + f"{cell(key, 'mpi', r)} | {ratio} |")
 print("\n## Goal: cohort's slowest round >= 1.5x Open MPI's fastest (busbw)\n")
 for key in order:
     c, m = bw[key].get("cohort", {}), bw[key].get("mpi", {})
