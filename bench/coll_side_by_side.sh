@@ -28,9 +28,11 @@ ROUNDS=${ROUNDS:-3}
 SIZES=${SIZES:-64M 256M}
 N=${N:-2}
 OPS=${OPS:-allgather reduce_scatter alltoall gather scatter broadcast allreduce}
-COHORT=$BUILD/tools/cohort
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
+# A copy, so that a rebuild while the rounds run does not mix two builds in one table.
+cp "$BUILD/tools/cohort" "$TMP/cohort" || exit 1
+COHORT=$TMP/cohort
 [[ -n ${2:-} ]] && exec > >(tee -a "$2") 2>&1
 
 cohort_flag=--no-cache-reuse

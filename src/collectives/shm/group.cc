@@ -40,8 +40,8 @@ static const env::StringSetting kCopy("COHORT_SHM_COPY", "auto",
                                       "measures both and picks), cached (memcpy) or streaming (non-temporal stores)");
 
 static const env::BoolSetting kSingleCopy("COHORT_SHM_SINGLE_COPY", true,
-                                          "intra-host collectives that only move data copy once, straight between the "
-                                          "ranks' buffers (process_vm_readv), where the kernel allows it");
+                                          "intra-host collectives that move data (and reduce_scatter) copy once, straight "
+                                          "between the ranks' buffers (process_vm_readv), where the kernel allows it");
 static const env::BytesSetting kSingleCopyBytes("COHORT_SHM_SINGLE_COPY_BYTES", 1 << 20,
                                                 "single copy from this many bytes per call (a rank's whole result)");
 
@@ -632,19 +632,23 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
     char* out = static_cast<char*>(out_v);
     char* own = out + static_cast<size_t>(rank_) * bytes;
     // In place (in == out, include/cohort/communicator.h): the contribution is already at `own`.
-    if (in != out && in != own) std::memmove(own, in, bytes);
-    if (size_ == 1) return;
-    if (single_copy_for(bytes * static_cast<size_t>(size_))) {
-      // Every rank's contribution is at its block of its own output now: the peers copy it from there.
-      const uint64_t header[1] = {reinterpret_cast<uint64_t>(own)};
+    const bool copy_own = in != out && in != own;
+    if (size_ > 1 && single_copy_for(bytes * static_cast<size_t>(size_))) {
+      // The peers read my contribution where it is (my input, or my block of the output in place), and I
+      // copy it into my block after the first round: no copy stands between a rank's arrival and the
+      // round, where on a loaded host the other rank's time slices would add up with it.
+      const uint64_t header[1] = {reinterpret_cast<uint64_t>(copy_own ? in : own)};
       single_copy_call("allgather", header, 1, [&](unsigned p) {
         for (int k = 1; k < size_; ++k) {  // staggered, so that the ranks do not all read rank 0 first
           const int q = (rank_ + k) % size_;
           pull(q, out + static_cast<size_t>(q) * bytes, header_of(q, p)[0], bytes, "allgather");
         }
+        if (copy_own) std::memmove(own, in, bytes);
       });
       return;
     }
+    if (copy_own) std::memmove(own, in, bytes);
+    if (size_ == 1) return;
     for (size_t off = 0; off < bytes; off += chunk_.bytes) {
       const size_t c = std::min(chunk_.bytes, bytes - off);
       const unsigned p = next_parity();
@@ -1002,8 +1006,10 @@ void Group::alltoallv(const void* send_v, const size_t* send_counts, const size_
       if (extent) std::memcpy(alltoall_aside_.data(), send, extent);
       send = alltoall_aside_.data();
     }
-    if (recv_counts[me]) std::memcpy(recv + recv_displs[me] * elem, send + send_displs[me] * elem, recv_counts[me] * elem);
-    if (size_ == 1) return;
+    auto own_block = [&] {
+      if (recv_counts[me]) std::memcpy(recv + recv_displs[me] * elem, send + send_displs[me] * elem, recv_counts[me] * elem);
+    };
+    if (size_ == 1) return own_block();
     // Header: my input's address, then what I send to each rank (counts, then offsets, in elements).
     std::vector<uint64_t> header(1 + 2 * P);
     header[0] = reinterpret_cast<uint64_t>(send);
@@ -1018,6 +1024,7 @@ void Group::alltoallv(const void* send_v, const size_t* send_counts, const size_
                                           sync_.peer_name(q), count, sync_.peer_name(rank_), recv_counts[q]));
         if (count) pull(q, recv + recv_displs[q] * elem, theirs[0] + offset * elem, count * elem, "alltoallv");
       }
+      own_block();  // after the first round, as allgather's
     });
   });
 }
@@ -1030,9 +1037,13 @@ void Group::allgatherv(const void* send_v, size_t send_count, void* recv_v, cons
     size_t total = 0;
     for (int q = 0; q < size_; ++q) displs[static_cast<size_t>(q)] = total, total += recv_counts[q];
     char* own = recv + displs[static_cast<size_t>(rank_)] * elem;
-    if (send != recv && send != own && send_count) std::memmove(own, send, send_count * elem);
-    if (size_ == 1) return;
-    const uint64_t header[2] = {reinterpret_cast<uint64_t>(own), send_count};
+    const bool copy_own = send != recv && send != own && send_count;
+    if (size_ == 1) {
+      if (copy_own) std::memmove(own, send, send_count * elem);
+      return;
+    }
+    // As allgather: the peers read my contribution where it is; I copy it into place after round 1.
+    const uint64_t header[2] = {reinterpret_cast<uint64_t>(copy_own ? send : own), send_count};
     single_copy_call("allgatherv", header, 2, [&](unsigned p) {
       for (int k = 1; k < size_; ++k) {
         const int q = (rank_ + k) % size_;
@@ -1042,6 +1053,7 @@ void Group::allgatherv(const void* send_v, size_t send_count, void* recv_v, cons
                                           sync_.peer_name(q), theirs[1], sync_.peer_name(rank_), recv_counts[q]));
         if (theirs[1]) pull(q, recv + displs[static_cast<size_t>(q)] * elem, theirs[0], theirs[1] * elem, "allgatherv");
       }
+      if (copy_own) std::memmove(own, send, send_count * elem);
     });
   });
 }
@@ -1053,13 +1065,17 @@ void Group::gather(const void* send_v, void* recv_v, size_t bytes, int root) {
     const char* send = static_cast<const char*>(send_v);
     char* recv = static_cast<char*>(recv_v);
     const size_t mine = static_cast<size_t>(rank_) * bytes;
-    if (rank_ == root && send != recv && bytes) std::memcpy(recv + mine, send, bytes);
-    if (size_ == 1) return;
+    const bool copy_own = rank_ == root && send != recv && bytes;
+    if (size_ == 1) {
+      if (copy_own) std::memcpy(recv + mine, send, bytes);
+      return;
+    }
     // The root publishes its output; every other rank writes its block there itself (the writes run on
     // all ranks at once instead of one after the other on the root).
     const uint64_t header[1] = {reinterpret_cast<uint64_t>(rank_ == root ? recv : nullptr)};
     single_copy_call("gather", header, 1, [&](unsigned p) {
       if (rank_ != root && bytes) push(root, header_of(root, p)[0] + mine, send, bytes, "gather");
+      if (copy_own) std::memcpy(recv + mine, send, bytes);  // the root's, while the others write theirs
     });
   });
 }
@@ -1071,11 +1087,15 @@ void Group::scatter(const void* send_v, void* recv_v, size_t bytes, int root) {
     const char* send = static_cast<const char*>(send_v);
     char* recv = static_cast<char*>(recv_v);
     const size_t mine = static_cast<size_t>(rank_) * bytes;
-    if (rank_ == root && send != recv && bytes) std::memcpy(recv, send + mine, bytes);
-    if (size_ == 1) return;
+    const bool copy_own = rank_ == root && send != recv && bytes;
+    if (size_ == 1) {
+      if (copy_own) std::memcpy(recv, send + mine, bytes);
+      return;
+    }
     const uint64_t header[1] = {reinterpret_cast<uint64_t>(rank_ == root ? send : nullptr)};
     single_copy_call("scatter", header, 1, [&](unsigned p) {
       if (rank_ != root && bytes) pull(root, recv, header_of(root, p)[0] + mine, bytes, "scatter");
+      if (copy_own) std::memcpy(recv, send + mine, bytes);
     });
   });
 }
