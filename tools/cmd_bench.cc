@@ -367,7 +367,8 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
 
   if (o.device != "cpu" && o.device != "cuda")
     throw InvalidArgument(fmt::format("--device {}: expected cpu or cuda", o.device));
-  if (o.no_cache_reuse && o.device != "cpu") throw InvalidArgument("--no-cache-reuse is for host memory (--device cpu)");
+  if (o.no_cache_reuse && o.device != "cpu")
+    throw InvalidArgument("--no-cache-reuse is for host memory (--device cpu)");
   if (o.gpu_path != "auto" && o.gpu_path != "nccl" && o.gpu_path != "staged")
     throw InvalidArgument(fmt::format("--gpu-path {}: expected auto, nccl or staged", o.gpu_path));
   // Started by hand: one rank, its own world (the operations copy within the process). Under a

@@ -4,8 +4,8 @@
 // reduce_scatter, allgather, broadcast and barrier run on a shm::Group (src/collectives/shm/group.h)
 // working in shared memory directly, and so do allgatherv, alltoall(v), gather and scatter from the
 // group's single-copy size on (where its check at start allowed single copy); everything else, and
-// every communicator spanning hosts, uses the coll:: algorithms over the transports. communicator_impl.cc calls the collectives through this
-// namespace (`algo::`).
+// every communicator spanning hosts, uses the coll:: algorithms over the transports.
+// communicator_impl.cc calls the collectives through this namespace (`algo::`).
 //
 // Error semantics are the transports' (communicator_impl_shm.cc): each call publishes the operation's
 // number and signature in the rank's control line and the peers compare it (MismatchError naming both
@@ -14,6 +14,7 @@
 // (pidfd) fails the operation within one 50 ms sleep slice, named by rank and host.
 
 #include <algorithm>
+#include <vector>
 
 #include "collectives/collectives.h"
 #include "collectives/shm/group.h"

@@ -1,9 +1,9 @@
 // shm::Group's single-copy path (process_vm_readv/writev between the ranks' own buffers): allgather(v),
-// alltoall(v), gather, scatter, broadcast and reduce_scatter give the same bytes as the definitions, at odd sizes, sizes
-// the rank count does not divide, zero counts in the v-variants, in place, 1 to 4 ranks as threads and
-// 3 as forked processes; the check at creation and its way out (COHORT_SHM_SINGLE_COPY=0); an alltoallv
-// whose counts disagree between ranks is a MismatchError naming both; the communicator sends these
-// collectives to the group from the single-copy size on and over the transports below it.
+// alltoall(v), gather, scatter, broadcast and reduce_scatter give the same bytes as the definitions, at odd
+// sizes, sizes the rank count does not divide, zero counts in the v-variants, in place, 1 to 4 ranks as threads
+// and 3 as forked processes; the check at creation and its way out (COHORT_SHM_SINGLE_COPY=0); an alltoallv
+// whose counts disagree between ranks is a MismatchError naming both; the communicator sends these collectives
+// to the group from the single-copy size on and over the transports below it.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -52,7 +52,9 @@ std::vector<std::unique_ptr<Group>> make_groups(int world, const GroupOptions& o
 uint8_t byte_of(int from, int to, size_t i) { return static_cast<uint8_t>(from * 53 + (to + 1) * 17 + i * 7 + 1); }
 
 // alltoallv's counts: from rank `from` to rank `to`, elements; some pairs send nothing.
-size_t pair_count(int from, int to, size_t n) { return (from + 2 * to) % 3 == 1 ? 0 : n + static_cast<size_t>(from * 5 + to); }
+size_t pair_count(int from, int to, size_t n) {
+  return (from + 2 * to) % 3 == 1 ? 0 : n + static_cast<size_t>(from * 5 + to);
+}
 
 // Every single-copy collective on one rank of `world`, checked against its definition; returns how
 // many group calls it made (each one a single copy when world > 1).
@@ -104,9 +106,11 @@ int exercise(Group& g, int r, int world) {
         expect[q * n * elem + i] = byte_of(q, r, i);
       }
     std::vector<uint8_t> recv(send.size(), 0xEE);
-    g.alltoallv(send.data(), ucounts.data(), udispls.data(), recv.data(), ucounts.data(), udispls.data(), elem), ++calls;
+    g.alltoallv(send.data(), ucounts.data(), udispls.data(), recv.data(), ucounts.data(), udispls.data(), elem);
+    ++calls;
     EXPECT_EQ(recv, expect) << "alltoall n=" << n << " rank " << r;
-    g.alltoallv(send.data(), ucounts.data(), udispls.data(), send.data(), ucounts.data(), udispls.data(), elem), ++calls;
+    g.alltoallv(send.data(), ucounts.data(), udispls.data(), send.data(), ucounts.data(), udispls.data(), elem);
+    ++calls;
     EXPECT_EQ(send, expect) << "alltoall in place n=" << n << " rank " << r;
 
     // alltoallv with zero counts and gaps between the blocks (offsets in elements of 8 bytes).
@@ -127,7 +131,9 @@ int exercise(Group& g, int r, int world) {
     // reduce_scatter of n floats per block holding small integers (exact sums in any order), separate
     // and in cohort's three in-place forms; int32 max too.
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
-      auto value = [&](int rank, size_t i) { return static_cast<float>((rank * 7 + static_cast<int>(i % 13)) % 11 - 4); };
+      auto value = [&](int rank, size_t i) {
+        return static_cast<float>((rank * 7 + static_cast<int>(i % 13)) % 11 - 4);
+      };
       std::vector<float> in(n * W), block(n), expect_block(n);
       for (size_t i = 0; i < n * W; ++i) in[i] = value(r, i);
       for (size_t i = 0; i < n; ++i) {

@@ -40,8 +40,9 @@ static const env::StringSetting kCopy("COHORT_SHM_COPY", "auto",
                                       "measures both and picks), cached (memcpy) or streaming (non-temporal stores)");
 
 static const env::BoolSetting kSingleCopy("COHORT_SHM_SINGLE_COPY", true,
-                                          "intra-host collectives that move data (and reduce_scatter) copy once, straight "
-                                          "between the ranks' buffers (process_vm_readv), where the kernel allows it");
+                                          "intra-host collectives that move data (and reduce_scatter) copy once, "
+                                          "straight between the ranks' buffers (process_vm_readv), where the kernel "
+                                          "allows it");
 static const env::BytesSetting kSingleCopyBytes("COHORT_SHM_SINGLE_COPY_BYTES", 1 << 20,
                                                 "single copy from this many bytes per call (a rank's whole result)");
 
@@ -598,7 +599,8 @@ void Group::reduce_scatter(const void* in_v, void* out_v, size_t count, DataType
       if (in != out) std::memmove(out, in, block_bytes);
       return;
     }
-    if (single_copy_for(block_bytes * static_cast<size_t>(size_))) return reduce_scatter_single(in, out, count, dtype, op);
+    if (single_copy_for(block_bytes * static_cast<size_t>(size_)))
+      return reduce_scatter_single(in, out, count, dtype, op);
     // If the output overlaps the input, our own block is staged too, so that reducing into `out`
     // never overwrites input still to be read.
     const bool stage_own = overlaps(in, block_bytes * static_cast<size_t>(size_), out, block_bytes);
@@ -847,7 +849,8 @@ void Group::choose_single_copy() {
                      : header_bytes > options_.slot_bytes ? kSingleCopySlotTooSmall
                                                              : kSingleCopyOk;
   // Round 1: my pid and the address and value of a word of my (private) memory.
-  const uint64_t word = 0xC0C0'0000'0000'0000ull ^ (static_cast<uint64_t>(::getpid()) << 8) ^ static_cast<uint64_t>(rank_);
+  const uint64_t word =
+      0xC0C0'0000'0000'0000ull ^ (static_cast<uint64_t>(::getpid()) << 8) ^ static_cast<uint64_t>(rank_);
   unsigned p = next_parity();
   const uint64_t mine[3] = {static_cast<uint64_t>(::getpid()), reinterpret_cast<uint64_t>(&word), word};
   std::memcpy(slot(rank_, p), mine, sizeof mine);
@@ -891,9 +894,10 @@ void Group::choose_single_copy() {
           q, v[1], v[2] ? std::strerror(static_cast<int>(v[2])) : "it read the wrong value");
   }
   if (single_copy_)
-    single_copy_why_ = fmt::format("single copy (process_vm_readv between every pair of local ranks, checked at start) "
-                                   "for allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from {} KiB",
-                                   options_.single_copy_bytes >> 10);
+    single_copy_why_ = fmt::format(
+        "single copy (process_vm_readv between every pair of local ranks, checked at start) for allgather(v), "
+        "alltoall(v), gather, scatter, broadcast and reduce_scatter from {} KiB",
+        options_.single_copy_bytes >> 10);
 }
 
 template <typename Copies>
@@ -1007,7 +1011,8 @@ void Group::alltoallv(const void* send_v, const size_t* send_counts, const size_
       send = alltoall_aside_.data();
     }
     auto own_block = [&] {
-      if (recv_counts[me]) std::memcpy(recv + recv_displs[me] * elem, send + send_displs[me] * elem, recv_counts[me] * elem);
+      if (recv_counts[me])
+        std::memcpy(recv + recv_displs[me] * elem, send + send_displs[me] * elem, recv_counts[me] * elem);
     };
     if (size_ == 1) return own_block();
     // Header: my input's address, then what I send to each rank (counts, then offsets, in elements).

@@ -29,13 +29,13 @@
 //  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
 //  * barrier: post, wait for all.
 //  * single copy (allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from
-//    single_copy_bytes, when the check at creation found that every rank may read every peer's memory
-//    with process_vm_readv): one round in which every rank publishes its buffers' addresses in its slot; then each rank copies what
-//    it receives straight from the peer's buffer into its own (gather: each rank writes its block into
-//    the root's with process_vm_writev), one copy per byte instead of two through a slot; a second
-//    round ends the call, after which no peer touches this rank's buffers. reduce_scatter reads the
-//    peers' pieces of its block into this core's cache and reduces them with its own input there: two
-//    rounds in all, where the staged path waits once per chunk.
+//    single_copy_bytes, when the check at creation found that every rank may read every peer's memory with
+//    process_vm_readv): one round in which every rank publishes its buffers' addresses in its slot; then each
+//    rank copies what it receives straight from the peer's buffer into its own (gather: each rank writes its
+//    block into the root's with process_vm_writev), one copy per byte instead of two through a slot; a second
+//    round ends the call, after which no peer touches this rank's buffers. reduce_scatter reads the peers'
+//    pieces of its block into this core's cache and reduces them with its own input there: two rounds in all,
+//    where the staged path waits once per chunk.
 // Reductions for kAvg divide once, by the group size, on the reduced slice.
 
 #include <atomic>
@@ -78,11 +78,11 @@ struct GroupOptions {
   // that changes nothing doubles the interval, up to 1024). 0: never.
   double slow_factor = 3.0;
   uint32_t recheck_every = 32;
-  // Single copy between the ranks' own buffers (process_vm_readv/writev) for the collectives that only
-  // move data, and reduce_scatter, from this many bytes per call (the N blocks of allgather's output,
-  // alltoall's, gather's, scatter's and reduce_scatter's buffer; broadcast's buffer); below it they stage through the slots or
-  // go over the transports as before. alltoallv, whose sizes differ between ranks, takes it whenever
-  // single copy is on. COHORT_SHM_SINGLE_COPY (on/off), COHORT_SHM_SINGLE_COPY_BYTES.
+  // Single copy between the ranks' own buffers (process_vm_readv/writev) for the collectives that only move data,
+  // and reduce_scatter, from this many bytes per call (the N blocks of allgather's output, alltoall's, gather's,
+  // scatter's and reduce_scatter's buffer; broadcast's buffer); below it they stage through the slots or go over
+  // the transports as before. alltoallv, whose sizes differ between ranks, takes it whenever single copy is on.
+  // COHORT_SHM_SINGLE_COPY (on/off), COHORT_SHM_SINGLE_COPY_BYTES.
   bool single_copy = true;
   size_t single_copy_bytes = size_t{1} << 20;
   // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
