@@ -1,4 +1,4 @@
-// `cohort bench {allreduce,allgather,reduce_scatter,broadcast,alltoall,sendrecv}`: nccl-tests-style
+// `cohort bench {allreduce,allgather,reduce_scatter,broadcast,alltoall,gather,scatter,sendrecv}`: nccl-tests-style
 // collective benchmarks, run on every rank under `cohort run -n N` (the communicator comes from
 // Communicator::from_env()), or started by hand without any launcher's variables as one rank alone
 // (as nccl-tests' all_reduce_perf runs by itself); `cohort bench memcpy` measures this machine's memcpy
@@ -7,13 +7,21 @@
 // Flags follow nccl-tests: -b/-e/-f sizes (K/M/G suffixes), -n iterations, -w warm-up, -c/--check,
 // -d dtype, -o op, -r root. Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s)
 // and #wrong with --check. busbw = algbw x factor (nccl-tests PERFORMANCE.md): allreduce 2(n-1)/n,
-// allgather and reduce_scatter and alltoall (n-1)/n, broadcast and sendrecv 1.
+// allgather and reduce_scatter and alltoall (n-1)/n, broadcast and sendrecv 1; gather and scatter
+// (which nccl-tests lacks) (n-1)/n, as bench/peers/bench_mpi.c. The size of allgather, reduce_scatter,
+// alltoall, gather and scatter is the whole buffer of n blocks.
+//
+// --no-cache-reuse: every iteration works on the next of several buffer sets, together more than twice
+// the last-level cache, so that no iteration finds its inputs in the cache the previous one left them
+// in (an application moves fresh data each step; a benchmark that reuses one buffer measures the cache).
 //
 // Timing (the peers' method, bench/peers/README.md, "Method"): values zero during timing after one
 // checked run with rank-dependent values (with --check); warm-up of -w ops and then about 0.2 s;
 // iterations per trial = the smallest count estimated to take >= --min-time (0.5 s), at least 2,
 // unless -n is given; --trials (5) trials, each after a barrier; a trial's time per op is the max
 // over ranks; the reported time is the median of the trials.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -44,7 +52,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Kind { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoall, kSendrecv };
+enum class Kind { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoall, kGather, kScatter, kSendrecv };
 
 struct BenchOptions {
   uint64_t min_bytes = 8;
@@ -62,14 +70,35 @@ struct BenchOptions {
   std::string plot;
   std::string device = "cpu";    // cpu | cuda
   std::string gpu_path = "auto";  // with cuda: auto | nccl | staged
+  bool no_cache_reuse = false;
+  uint64_t cache_bytes = 0;  // the cache --no-cache-reuse outgrows; 0: the L3 the system reports
 };
+
+// The last-level (L3) cache of the CPU this thread runs on, from sysfs (else sysconf); 0 if unknown.
+size_t l3_cache_bytes() {
+  if (std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index3/size"); f) {
+    size_t kib = 0;
+    char unit = 0;
+    if (f >> kib >> unit && kib > 0) return unit == 'M' ? kib << 20 : kib << 10;
+  }
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return l3 > 0 ? static_cast<size_t>(l3) : 0;
+}
+
+// --no-cache-reuse: how many buffer sets of `set_bytes` make more than twice the L3 (at least 2).
+size_t rotation_sets(size_t set_bytes, size_t l3) {
+  if (set_bytes == 0) return 1;
+  return std::max<size_t>(2, (2 * l3 + set_bytes) / set_bytes);
+}
 
 double bus_factor(Kind k, int n) {
   switch (k) {
     case Kind::kAllreduce: return n > 1 ? 2.0 * (n - 1) / n : 0.0;
     case Kind::kAllgather:
     case Kind::kReduceScatter:
-    case Kind::kAlltoall: return n > 1 ? static_cast<double>(n - 1) / n : 0.0;
+    case Kind::kAlltoall:
+    case Kind::kGather:
+    case Kind::kScatter: return n > 1 ? static_cast<double>(n - 1) / n : 0.0;
     case Kind::kBroadcast:
     case Kind::kSendrecv: return 1.0;
   }
@@ -88,7 +117,8 @@ class Case {
         device_(device) {
     const size_t n = static_cast<size_t>(n_);
     count_ = bytes / esize_;
-    if (kind == Kind::kAllgather || kind == Kind::kReduceScatter || kind == Kind::kAlltoall) {
+    if (kind == Kind::kAllgather || kind == Kind::kReduceScatter || kind == Kind::kAlltoall ||
+        kind == Kind::kGather || kind == Kind::kScatter) {
       per_rank_ = count_ / n;
       count_ = per_rank_ * n;
     } else {
@@ -100,7 +130,17 @@ class Case {
       case Kind::kAllgather: send_.assign(per_rank_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
       case Kind::kReduceScatter: send_.assign(count_ * esize_, 0), recv_.assign(per_rank_ * esize_, 0); break;
       case Kind::kAlltoall: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
+      case Kind::kGather: send_.assign(per_rank_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
+      case Kind::kScatter: send_.assign(count_ * esize_, 0), recv_.assign(per_rank_ * esize_, 0); break;
       case Kind::kSendrecv: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
+    }
+    if (o.no_cache_reuse && device_ < 0) {
+      // Sets 1.. besides send_/recv_ (set 0), each page touched so that no timed iteration faults.
+      sets_ = rotation_sets(send_.size() + recv_.size(), o.cache_bytes);
+      for (size_t k = 1; k < sets_; ++k) {
+        extra_send_.emplace_back(send_.size(), 0);
+        extra_recv_.emplace_back(recv_.size(), 0);
+      }
     }
     if (device_ >= 0) {
       dsend_ = gpu::allocate_device(send_.size(), device_);
@@ -109,6 +149,9 @@ class Case {
     }
   }
   size_t bytes() const { return count_ * esize_; }
+  // Buffer sets the iterations rotate through (1 without --no-cache-reuse), and their bytes together.
+  size_t sets() const { return sets_; }
+  size_t footprint() const { return sets_ * (send_.size() + recv_.size()); }
   size_t count() const { return count_; }
   bool empty() const { return count_ == 0; }
 
@@ -121,8 +164,11 @@ class Case {
       case Kind::kAllgather: comm_.allgather(s, r, per_rank_, o_.dtype); break;
       case Kind::kReduceScatter: comm_.reduce_scatter(s, r, per_rank_, o_.dtype, o_.op); break;
       case Kind::kAlltoall: comm_.alltoall(s, r, per_rank_, o_.dtype); break;
+      case Kind::kGather: comm_.gather(s, r, per_rank_, o_.dtype, o_.root); break;
+      case Kind::kScatter: comm_.scatter(s, r, per_rank_, o_.dtype, o_.root); break;
       case Kind::kSendrecv: sendrecv(s, r); break;
     }
+    set_ = (set_ + 1) % sets_;
   }
 
   // Waits on the host for GPU work queued so far (nothing to do in host memory).
@@ -132,6 +178,7 @@ class Case {
 
   // Fills rank-dependent inputs, runs once, counts wrong elements on this rank; leaves zeros.
   int64_t check() {
+    set_ = 0;  // the check's values live in set 0
     fill_inputs();
     to_device();
     run();
@@ -159,10 +206,20 @@ class Case {
           expect(recv_.data(), i, check_input(static_cast<int>(i / per_rank_), static_cast<size_t>(r_) * per_rank_ + i % per_rank_, o_.dtype, o_.op));
         }
         break;
+      case Kind::kGather:
+        if (r_ == o_.root)
+          for (size_t i = 0; i < count_; ++i)
+            expect(recv_.data(), i, check_input(static_cast<int>(i / per_rank_), i % per_rank_, o_.dtype, o_.op));
+        break;
+      case Kind::kScatter:
+        for (size_t i = 0; i < per_rank_; ++i)
+          expect(recv_.data(), i, check_input(o_.root, static_cast<size_t>(r_) * per_rank_ + i, o_.dtype, o_.op));
+        break;
       case Kind::kSendrecv:
         for (size_t i = 0; i < count_; ++i) expect(recv_.data(), i, check_input((r_ + n_ - 1) % n_, i, o_.dtype, o_.op));
         break;
     }
+    set_ = 0;
     (void)n;
     std::fill(send_.begin(), send_.end(), 0);
     std::fill(recv_.begin(), recv_.end(), 0);
@@ -171,8 +228,8 @@ class Case {
   }
 
  private:
-  void* send_buf() { return dsend_ ? dsend_.get() : send_.data(); }
-  void* recv_buf() { return drecv_ ? drecv_.get() : recv_.data(); }
+  void* send_buf() { return dsend_ ? dsend_.get() : set_ == 0 ? send_.data() : extra_send_[set_ - 1].data(); }
+  void* recv_buf() { return drecv_ ? drecv_.get() : set_ == 0 ? recv_.data() : extra_recv_[set_ - 1].data(); }
   void to_device() {
     if (dsend_) gpu::copy_memory(dsend_.get(), send_.data(), send_.size());
     if (drecv_) gpu::copy_memory(drecv_.get(), recv_.data(), recv_.size());
@@ -184,10 +241,10 @@ class Case {
 
   void fill_inputs() {
     // Inputs hold this rank's values (broadcast: only the root's matter; the others start at zero).
-    const size_t n_in = kind_ == Kind::kAllgather ? per_rank_ : count_;
+    const size_t n_in = kind_ == Kind::kAllgather || kind_ == Kind::kGather ? per_rank_ : count_;
     for (size_t i = 0; i < n_in; ++i) {
       double v = check_input(r_, i, o_.dtype, o_.op);
-      if (kind_ == Kind::kBroadcast && r_ != o_.root) v = 0;
+      if ((kind_ == Kind::kBroadcast || kind_ == Kind::kScatter) && r_ != o_.root) v = 0;
       store_element(send_.data(), i, o_.dtype, v);
     }
     std::fill(recv_.begin(), recv_.end(), 0);
@@ -220,6 +277,8 @@ class Case {
   size_t esize_;
   size_t count_ = 0, per_rank_ = 0;
   std::vector<char> send_, recv_;
+  std::vector<std::vector<char>> extra_send_, extra_recv_;  // --no-cache-reuse: sets 1..sets_-1
+  size_t sets_ = 1, set_ = 0;                               // the set the next run() uses
   int device_ = -1;
   std::shared_ptr<void> dsend_, drecv_;  // GPU copies (--device cuda)
 };
@@ -244,11 +303,13 @@ struct Row {
   int64_t wrong;  // -1 when not checked
 };
 
-std::string root_column(Kind k, const BenchOptions& o) { return k == Kind::kBroadcast ? std::to_string(o.root) : "-1"; }
+std::string root_column(Kind k, const BenchOptions& o) {
+  return k == Kind::kBroadcast || k == Kind::kGather || k == Kind::kScatter ? std::to_string(o.root) : "-1";
+}
 
 int run_bench(Kind kind, const std::string& name, std::vector<std::string> args) {
   BenchOptions o;
-  std::string min_s = "8", max_s = "64M", dtype_s = "float", op_s = "sum";
+  std::string min_s = "8", max_s = "64M", dtype_s = "float", op_s = "sum", cache_s = "0";
   // nccl-tests spells "-c 1" / "-c 0"; accept that as well as a bare -c / --check.
   std::vector<std::string> argv{args[0]};
   for (size_t i = 1; i < args.size(); ++i) {
@@ -271,7 +332,13 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   app.add_flag("-c,--check", o.check, "check results once per size (rank-dependent inputs); prints #wrong");
   app.add_option("-d,--datatype", dtype_s, "int8 uint8 int32 int64 half bfloat16 float double")->capture_default_str();
   app.add_option("-o,--op", op_s, "sum prod min max avg")->capture_default_str();
-  app.add_option("-r,--root", o.root, "root rank (broadcast)")->capture_default_str();
+  app.add_option("-r,--root", o.root, "root rank (broadcast, gather, scatter)")->capture_default_str();
+  app.add_flag("--no-cache-reuse", o.no_cache_reuse,
+               "rotate the iterations through buffer sets larger than twice the L3 cache, so that no iteration "
+               "finds its data in the cache");
+  app.add_option("--cache-bytes", cache_s,
+                 "with --no-cache-reuse: the cache to outgrow (K/M/G; 0: the L3 this CPU reports, 32M if none)")
+      ->capture_default_str();
   app.add_option("--trials", o.trials, "timed trials per size; the median is reported")->capture_default_str();
   app.add_option("--min-time", o.min_time, "seconds each trial should last when -n is 0")->capture_default_str();
   app.add_option("--csv", o.csv, "also write the table as CSV to this file (rank 0)");
@@ -283,6 +350,8 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   if (!parse_command_line(app, argv)) return 0;
   o.min_bytes = env::parse_bytes("-b", min_s);
   o.max_bytes = env::parse_bytes("-e", max_s);
+  o.cache_bytes = env::parse_bytes("--cache-bytes", cache_s);
+  if (o.cache_bytes == 0) o.cache_bytes = l3_cache_bytes() ? l3_cache_bytes() : size_t{32} << 20;
   auto dt = parse_dtype(dtype_s);
   if (!dt) throw InvalidArgument(fmt::format("unknown datatype '{}'", dtype_s));
   o.dtype = *dt;
@@ -298,6 +367,8 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
 
   if (o.device != "cpu" && o.device != "cuda")
     throw InvalidArgument(fmt::format("--device {}: expected cpu or cuda", o.device));
+  if (o.no_cache_reuse && o.device != "cpu")
+    throw InvalidArgument("--no-cache-reuse is for host memory (--device cpu)");
   if (o.gpu_path != "auto" && o.gpu_path != "nccl" && o.gpu_path != "staged")
     throw InvalidArgument(fmt::format("--gpu-path {}: expected auto, nccl or staged", o.gpu_path));
   // Started by hand: one rank, its own world (the operations copy within the process). Under a
@@ -329,7 +400,11 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
                o.iters ? fmt::format("{} iterations per trial", o.iters)
                        : fmt::format("iterations per trial: smallest count taking >= {} s", o.min_time),
                o.trials);
-    fmt::print("# buffers: {}\n", device_line);
+    fmt::print("# buffers: {}{}\n", device_line,
+               o.no_cache_reuse
+                   ? fmt::format("; --no-cache-reuse: each size rotates through buffer sets > 2 x the cache ({} MiB)",
+                                 o.cache_bytes >> 20)
+                   : "");
     if (!link.empty()) fmt::print("# link: {}\n", link);
     fmt::print("#\n# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type", "redop",
                "root", "time", "algbw", "busbw", "#wrong");
@@ -345,6 +420,8 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
       if (o.factor <= 1) break;
       continue;
     }
+    if (leader && c.sets() > 1)
+      fmt::print("# {} B: {} buffer sets, {} MiB per rank\n", c.bytes(), c.sets(), c.footprint() >> 20);
     int64_t wrong = -1;
     if (o.check) {
       int64_t w = c.check();
@@ -452,6 +529,10 @@ Registration r_broadcast("bench broadcast", "nccl-tests-style broadcast benchmar
                          [](std::vector<std::string> a) { return run_bench(Kind::kBroadcast, "bench broadcast", a); });
 Registration r_alltoall("bench alltoall", "nccl-tests-style alltoall benchmark (under cohort run)",
                         [](std::vector<std::string> a) { return run_bench(Kind::kAlltoall, "bench alltoall", a); });
+Registration r_gather("bench gather", "nccl-tests-style gather benchmark to rank -r (under cohort run)",
+                      [](std::vector<std::string> a) { return run_bench(Kind::kGather, "bench gather", a); });
+Registration r_scatter("bench scatter", "nccl-tests-style scatter benchmark from rank -r (under cohort run)",
+                       [](std::vector<std::string> a) { return run_bench(Kind::kScatter, "bench scatter", a); });
 Registration r_sendrecv("bench sendrecv", "nccl-tests-style send/recv ring benchmark (under cohort run)",
                         [](std::vector<std::string> a) { return run_bench(Kind::kSendrecv, "bench sendrecv", a); });
 Registration r_memcpy("bench memcpy", "memcpy bandwidth of this machine", run_memcpy);

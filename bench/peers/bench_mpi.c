@@ -1,12 +1,17 @@
 // Collective benchmark for MPI in the style of nccl-tests (fp32), the Open MPI peer of `cohort bench`.
 // Build: mpicc -O2 -o bench_mpi bench_mpi.c -lm
 // Usage: mpirun -n N ./bench_mpi [OP=allreduce] [SIZES=8,1024,...,268435456] [TRIALS=5] [MIN_TIME=0.5] [TAG]
+//                               [no-cache-reuse]
 //   OP: allreduce    MPI_Allreduce(MPI_IN_PLACE, sum)        bytes = the buffer
 //       broadcast    MPI_Bcast(root 0)                       bytes = the buffer
 //       allgather    MPI_Allgather(bytes/N in, bytes out)    bytes = the gathered total
 //       reduce_scatter MPI_Reduce_scatter_block(bytes in, bytes/N out)
 //       alltoall     MPI_Alltoall(bytes in, bytes out)
-//   TAG is appended to the peer name (e.g. "-tcp" gives peer=mpi-tcp).
+//       gather       MPI_Gather(bytes/N in, bytes out on root 0)
+//       scatter      MPI_Scatter(bytes on root 0, bytes/N out)
+//   TAG is appended to the peer name (e.g. "-tcp" gives peer=mpi-tcp; "" for none).
+//   no-cache-reuse: as `cohort bench --no-cache-reuse`, the iterations rotate through buffer sets that
+//   together exceed twice the L3 cache, so that no iteration finds its data in the cache.
 // Method (shared with bench_torch.py, bench_gloo.cc and `cohort bench`), per size:
 //   1. one correctness check with rank-dependent values, then the buffers are zeroed;
 //   2. warm-up: 5 ops, then about 0.2 s more;
@@ -17,14 +22,17 @@
 //   RESULT peer=mpiTAG op=OP n=N bytes=B iters=I trials=T time_us_median= time_us_min= time_us_max=
 //          algbw_GBps= busbw_GBps=
 // algbw = bytes / time (1e9 B/s); busbw as nccl-tests: allreduce 2(N-1)/N, broadcast 1, the others (N-1)/N.
+#include <unistd.h>
 #include <math.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum op { ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, ALLTOALL };
-static const char *const op_names[] = {"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"};
+enum op { ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, ALLTOALL, GATHER, SCATTER };
+static const char *const op_names[] = {"allreduce", "broadcast", "allgather", "reduce_scatter",
+                                       "alltoall",  "gather",    "scatter"};
+#define NOPS 7
 
 static int rank, nranks;
 
@@ -32,7 +40,25 @@ struct bufs {
   float *in, *out;  // `out` is unused by allreduce and broadcast (in place)
   size_t count;     // elements per call: the whole buffer, or one rank's part
   size_t bytes;     // the size reported
+  // no-cache-reuse: sets 1..nsets-1 besides in/out (set 0); the next call uses set `next`
+  float **ins, **outs;
+  size_t in_count, out_count;
+  int nsets, next;
 };
+
+// The L3 cache (sysfs, else sysconf), 32 MiB if unknown.
+static size_t l3_bytes(void) {
+  FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+  unsigned long kib = 0;
+  char unit = 0;
+  if (f) {
+    int got = fscanf(f, "%lu%c", &kib, &unit);
+    fclose(f);
+    if (got >= 1 && kib > 0) return unit == 'M' ? kib << 20 : kib << 10;
+  }
+  long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return l3 > 0 ? (size_t)l3 : (size_t)32 << 20;
+}
 
 static double max_over_ranks(double x) {
   double y;
@@ -41,6 +67,11 @@ static double max_over_ranks(double x) {
 }
 
 static void run(enum op op, struct bufs *b) {
+  float *in = b->next ? b->ins[b->next] : b->in, *out = b->next ? b->outs[b->next] : b->out;
+  b->next = (b->next + 1) % b->nsets;
+  struct bufs cur = *b;
+  cur.in = in, cur.out = out;
+  b = &cur;
   switch (op) {
     case ALLREDUCE: MPI_Allreduce(MPI_IN_PLACE, b->in, (int)b->count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
     case BROADCAST: MPI_Bcast(b->in, (int)b->count, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
@@ -53,6 +84,12 @@ static void run(enum op op, struct bufs *b) {
     case ALLTOALL:
       MPI_Alltoall(b->in, (int)b->count, MPI_FLOAT, b->out, (int)b->count, MPI_FLOAT, MPI_COMM_WORLD);
       break;
+    case GATHER:
+      MPI_Gather(b->in, (int)b->count, MPI_FLOAT, b->out, (int)b->count, MPI_FLOAT, 0, MPI_COMM_WORLD);
+      break;
+    case SCATTER:
+      MPI_Scatter(b->in, (int)b->count, MPI_FLOAT, b->out, (int)b->count, MPI_FLOAT, 0, MPI_COMM_WORLD);
+      break;
   }
 }
 
@@ -62,16 +99,17 @@ static void fail(const char *what) {
 }
 
 // Allocates the buffers for `nbytes`, runs the operation once on known values and checks the result.
-static struct bufs prepare(enum op op, size_t nbytes) {
+static struct bufs prepare(enum op op, size_t nbytes, int no_cache_reuse) {
   struct bufs b;
+  b.nsets = 1, b.next = 0, b.ins = b.outs = NULL;
   size_t in_count, out_count = 0;
   if (op == ALLREDUCE || op == BROADCAST) {
     b.count = in_count = nbytes / 4 ? nbytes / 4 : 1;
     b.bytes = b.count * 4;
   } else {
     b.count = nbytes / nranks / 4 ? nbytes / nranks / 4 : 1;  // one rank's part
-    in_count = op == ALLGATHER ? b.count : b.count * nranks;
-    out_count = op == REDUCE_SCATTER ? b.count : b.count * nranks;
+    in_count = op == ALLGATHER || op == GATHER ? b.count : b.count * nranks;
+    out_count = op == REDUCE_SCATTER || op == SCATTER ? b.count : b.count * nranks;
     b.bytes = b.count * nranks * 4;
   }
   b.in = calloc(in_count, 4);
@@ -79,7 +117,9 @@ static struct bufs prepare(enum op op, size_t nbytes) {
   if (!b.in || (out_count && !b.out)) fail("allocation");
 
   for (size_t i = 0; i < in_count; i++)
-    b.in[i] = op == BROADCAST ? rank + 7 : op == ALLTOALL ? (float)(rank * 1000 + i / b.count) : rank + 1;
+    b.in[i] = op == BROADCAST ? rank + 7
+              : op == ALLTOALL || op == SCATTER ? (float)(rank * 1000 + i / b.count)
+                                                : rank + 1;
   run(op, &b);
   float sum = nranks * (nranks + 1) / 2;
   if (op == ALLREDUCE) {
@@ -90,11 +130,30 @@ static struct bufs prepare(enum op op, size_t nbytes) {
     for (size_t i = 0; i < out_count; i++) if (b.out[i] != i / b.count + 1) fail(op_names[op]);
   } else if (op == REDUCE_SCATTER) {
     for (size_t i = 0; i < out_count; i++) if (b.out[i] != sum) fail(op_names[op]);
+  } else if (op == GATHER) {
+    if (rank == 0) for (size_t i = 0; i < out_count; i++) if (b.out[i] != i / b.count + 1) fail(op_names[op]);
+  } else if (op == SCATTER) {  // block `rank` of root 0's input
+    for (size_t i = 0; i < out_count; i++) if (b.out[i] != (float)rank) fail(op_names[op]);
   } else {  // alltoall: part r of the output is part `rank` of rank r's input
     for (int r = 0; r < nranks; r++) if (b.out[r * b.count] != (float)(r * 1000 + rank)) fail(op_names[op]);
   }
   memset(b.in, 0, in_count * 4);  // timing runs on zeros, as the other peers do
   if (b.out) memset(b.out, 0, out_count * 4);
+  b.in_count = in_count, b.out_count = out_count;
+  if (no_cache_reuse) {
+    size_t set = (in_count + out_count) * 4, l3 = l3_bytes();
+    b.nsets = (int)((2 * l3 + set) / set);
+    if (b.nsets < 2) b.nsets = 2;
+    b.ins = calloc(b.nsets, sizeof(float *));
+    b.outs = calloc(b.nsets, sizeof(float *));
+    for (int k = 1; k < b.nsets; k++) {  // calloc'd pages are touched here, not in a timed call
+      b.ins[k] = malloc(in_count * 4);
+      b.outs[k] = out_count ? malloc(out_count * 4) : NULL;
+      if (!b.ins[k] || (out_count && !b.outs[k])) fail("allocation");
+      memset(b.ins[k], 0, in_count * 4);
+      if (out_count) memset(b.outs[k], 0, out_count * 4);
+    }
+  }
   return b;
 }
 
@@ -120,15 +179,16 @@ int main(int argc, char **argv) {
   int trials = argc > 3 ? atoi(argv[3]) : 5;
   double min_time = argc > 4 ? atof(argv[4]) : 0.5;
   const char *tag = argc > 5 ? argv[5] : "";
+  int no_cache_reuse = argc > 6 && strcmp(argv[6], "no-cache-reuse") == 0;
   int op = -1;
-  for (int i = 0; i < 5; i++) if (strcmp(op_name, op_names[i]) == 0) op = i;
+  for (int i = 0; i < NOPS; i++) if (strcmp(op_name, op_names[i]) == 0) op = i;
   if (op < 0 || trials < 1) {
     if (rank == 0) fprintf(stderr, "bench_mpi: unknown operation %s or trials < 1\n", op_name);
     MPI_Abort(MPI_COMM_WORLD, 2);
   }
 
   for (char *size = strtok(sizes, ","); size; size = strtok(NULL, ",")) {
-    struct bufs b = prepare(op, strtoull(size, NULL, 10));
+    struct bufs b = prepare(op, strtoull(size, NULL, 10), no_cache_reuse);
     double per_op = timed(op, &b, 5);                             // warm-up, 5 ops
     long more = (long)max_over_ranks(ceil(0.2 / fmax(per_op, 1e-9)));
     per_op = timed(op, &b, more);                                 // warm-up, ~0.2 s; calibrates one op
@@ -149,6 +209,8 @@ int main(int argc, char **argv) {
     free(times);
     free(b.in);
     free(b.out);
+    for (int k = 1; k < b.nsets; k++) free(b.ins[k]), free(b.outs[k]);
+    free(b.ins), free(b.outs);
   }
   free(sizes);
   MPI_Finalize();

@@ -88,8 +88,11 @@ std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>&
 
 std::string CommunicatorImpl::link_report() const {
   // The group's line changes when a slow allreduce has it probe the link again.
-  if (probed_group_) return fmt::format("{}; shm group: {}", probed_group_->link_line(), probed_group_->wait_policy());
-  return link_report_;
+  // Which copy the collectives that only move data take at large sizes (the bench prints this line).
+  const std::string copies = shm_group_ ? fmt::format("; large transfers: {}", shm_group_->single_copy_why()) : "";
+  if (probed_group_)
+    return fmt::format("{}; shm group: {}{}", probed_group_->link_line(), probed_group_->wait_policy(), copies);
+  return link_report_ + copies;
 }
 
 void CommunicatorImpl::probe_link(shm::Group& group) {

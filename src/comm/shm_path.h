@@ -2,9 +2,10 @@
 // The intra-host fast path (default; COHORT_TRANSPORT=tcp or COHORT_SHM_COLLECTIVES=0 turn it off):
 // when every rank of a communicator is on one host (equal HostIdentity::shm_key()), allreduce,
 // reduce_scatter, allgather, broadcast and barrier run on a shm::Group (src/collectives/shm/group.h)
-// working in shared memory directly; everything else, and every communicator spanning hosts, uses the
-// coll:: algorithms over the transports. communicator_ops.cc calls the collectives through this
-// namespace (`algo::`).
+// working in shared memory directly, and so do allgatherv, alltoall(v), gather and scatter from the
+// group's single-copy size on (where its check at start allowed single copy); everything else, and
+// every communicator spanning hosts, uses the coll:: algorithms over the transports.
+// communicator_ops.cc calls the collectives through this namespace (`algo::`).
 //
 // Error semantics are the transports' (communicator_impl_shm.cc): each call publishes the operation's
 // number and signature in the rank's control line and the peers compare it (MismatchError naming both
@@ -13,6 +14,7 @@
 // (pidfd) fails the operation within one 50 ms sleep slice, named by rank and host.
 
 #include <algorithm>
+#include <vector>
 
 #include "collectives/collectives.h"
 #include "collectives/shm/group.h"
@@ -20,12 +22,7 @@
 
 namespace cohort::comm::shm_path {
 
-using coll::allgatherv;
-using coll::alltoall;
-using coll::alltoallv;
-using coll::gather;
 using coll::reduce;
-using coll::scatter;
 
 // Hierarchical allreduce for L ranks on each of H hosts: (1) allreduce inside the host over shared
 // memory, (2) local rank l allreduces slice l of the buffer with the ranks of local rank l on the other
@@ -94,6 +91,56 @@ inline void allgather(CommunicatorImpl& c, const void* send, void* recv, size_t 
 inline void broadcast(CommunicatorImpl& c, void* buf, size_t count, DataType dtype, int root) {
   if (shm::Group* g = local_group(c)) return g->broadcast(buf, count * dtype_size(dtype), root);
   coll::broadcast(c, buf, count, dtype, root);
+}
+
+// The collectives below go to the group only on its single-copy path, decided from sizes every rank
+// has alike (the signature's count); alltoallv's sizes differ between ranks, so it goes whenever the
+// group copies single at all. Otherwise over the transports, as before.
+inline shm::Group* single_copy_group(CommunicatorImpl& c, size_t bytes) {
+  shm::Group* g = c.shm_group();
+  if (!g || !g->single_copy_for(bytes)) return nullptr;
+  g->set_call(c.shm_call());
+  return g;
+}
+
+inline void allgatherv(CommunicatorImpl& c, const void* send, size_t send_count, void* recv, const size_t* recv_counts,
+                       DataType dtype) {
+  size_t total = 0;
+  for (int q = 0; q < c.size(); ++q) total += recv_counts[q];
+  if (shm::Group* g = single_copy_group(c, total * dtype_size(dtype)))
+    return g->allgatherv(send, send_count, recv, recv_counts, dtype_size(dtype));
+  coll::allgatherv(c, send, send_count, recv, recv_counts, dtype);
+}
+
+inline void alltoall(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype) {
+  const size_t P = static_cast<size_t>(c.size());
+  if (shm::Group* g = single_copy_group(c, count * P * dtype_size(dtype))) {
+    std::vector<size_t> counts(P, count), displs(P);
+    for (size_t q = 0; q < P; ++q) displs[q] = q * count;
+    return g->alltoallv(send, counts.data(), displs.data(), recv, counts.data(), displs.data(), dtype_size(dtype));
+  }
+  coll::alltoall(c, send, recv, count, dtype);
+}
+
+inline void alltoallv(CommunicatorImpl& c, const void* send, const size_t* send_counts, const size_t* send_displs,
+                      void* recv, const size_t* recv_counts, const size_t* recv_displs, DataType dtype) {
+  if (shm::Group* g = c.shm_group(); g && g->single_copy()) {
+    g->set_call(c.shm_call());
+    return g->alltoallv(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype_size(dtype));
+  }
+  coll::alltoallv(c, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype);
+}
+
+inline void gather(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype, int root) {
+  if (shm::Group* g = single_copy_group(c, count * static_cast<size_t>(c.size()) * dtype_size(dtype)))
+    return g->gather(send, recv, count * dtype_size(dtype), root);
+  coll::gather(c, send, recv, count, dtype, root);
+}
+
+inline void scatter(CommunicatorImpl& c, const void* send, void* recv, size_t count, DataType dtype, int root) {
+  if (shm::Group* g = single_copy_group(c, count * static_cast<size_t>(c.size()) * dtype_size(dtype)))
+    return g->scatter(send, recv, count * dtype_size(dtype), root);
+  coll::scatter(c, send, recv, count, dtype, root);
 }
 
 inline void barrier(CommunicatorImpl& c) {

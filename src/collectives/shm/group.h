@@ -28,6 +28,14 @@
 //  * allgather: each rank copies its chunk into its slot; after one wait everyone copies the peers'.
 //  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
 //  * barrier: post, wait for all.
+//  * single copy (allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from
+//    single_copy_bytes, when the check at creation found that every rank may read every peer's memory with
+//    process_vm_readv): one round in which every rank publishes its buffers' addresses in its slot; then each
+//    rank copies what it receives straight from the peer's buffer into its own (gather: each rank writes its
+//    block into the root's with process_vm_writev), one copy per byte instead of two through a slot; a second
+//    round ends the call, after which no peer touches this rank's buffers. reduce_scatter reads the peers'
+//    pieces of its block into this core's cache and reduces them with its own input there: two rounds in all,
+//    where the staged path waits once per chunk.
 // Reductions for kAvg divide once, by the group size, on the reduced slice.
 
 #include <atomic>
@@ -70,6 +78,13 @@ struct GroupOptions {
   // that changes nothing doubles the interval, up to 1024). 0: never.
   double slow_factor = 3.0;
   uint32_t recheck_every = 32;
+  // Single copy between the ranks' own buffers (process_vm_readv/writev) for the collectives that only move data,
+  // and reduce_scatter, from this many bytes per call (the N blocks of allgather's output, alltoall's, gather's,
+  // scatter's and reduce_scatter's buffer; broadcast's buffer); below it they stage through the slots or go over
+  // the transports as before. alltoallv, whose sizes differ between ranks, takes it whenever single copy is on.
+  // COHORT_SHM_SINGLE_COPY (on/off), COHORT_SHM_SINGLE_COPY_BYTES.
+  bool single_copy = true;
+  size_t single_copy_bytes = size_t{1} << 20;
   // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
   // after its first microseconds, so an oversubscribed host still makes progress), COHORT_SHM_CHUNK_BYTES,
   // COHORT_SHM_COPY.
@@ -140,6 +155,28 @@ class Group {
   void allgather(const void* in, void* out, size_t bytes);
   void broadcast(void* data, size_t bytes, int root);
   void barrier();
+
+  // ---- Single copy (see the algorithms above; docs/algorithms-shm.md, "Single copy") ----
+  // Whether every rank of this group may copy from every peer's memory (checked once at creation,
+  // alike on every rank), and why (or why not).
+  bool single_copy() const { return single_copy_; }
+  const std::string& single_copy_why() const { return single_copy_why_; }
+  // Whether a call whose result is `bytes` (equal on every rank) takes the single-copy path.
+  bool single_copy_for(size_t bytes) const { return single_copy_ && bytes >= options_.single_copy_bytes; }
+  // Calls that took it so far (tests, logs).
+  uint64_t single_copies() const { return single_copies_; }
+  // These four run only on the single-copy path (the caller checks single_copy_for; alltoallv only
+  // single_copy()). Counts and displacements are in elements of `elem` bytes, as the communicator's.
+  // alltoallv: send == recv is allowed (the input is copied aside first).
+  void alltoallv(const void* send, const size_t* send_counts, const size_t* send_displs, void* recv,
+                 const size_t* recv_counts, const size_t* recv_displs, size_t elem);
+  // recv_counts[q] elements from rank q, back to back in rank order; send == recv: the contribution
+  // is already at its place.
+  void allgatherv(const void* send, size_t send_count, void* recv, const size_t* recv_counts, size_t elem);
+  // `bytes` per rank; the root's recv (gather) / send (scatter) holds size() blocks. send == recv on the
+  // root: its own block is already in place (as coll::gather/scatter).
+  void gather(const void* send, void* recv, size_t bytes, int root);
+  void scatter(const void* send, void* recv, size_t bytes, int root);
   // Collective: measures the link between the local ranks (well under a millisecond on an idle pair:
   // 31 rounds, then every rank in turn writes probe_bytes into its slot and the others copy it out)
   // and returns every rank's figures, index = local rank. The slow mode of issue 22 (cohort merely
@@ -246,6 +283,22 @@ class Group {
   void choose_wait_policy();
   // One round at creation: every rank publishes its L2 size; the chunk follows the smallest.
   void choose_chunk_size();
+  // Two rounds at creation: every rank publishes its pid and a word of its memory, reads every peer's
+  // with process_vm_readv, and says whether all reads worked; single copy is on only if all did.
+  void choose_single_copy();
+  // A single-copy call: round one publishes `header` (this rank's addresses, then any per-peer table)
+  // and waits for everyone; `copies(parity)` then moves the data (the peers' headers are in their
+  // slots of that parity); round two ends the call.
+  template <typename Copies>
+  void single_copy_call(const char* what, const uint64_t* header, size_t words, Copies&& copies);
+  const uint64_t* header_of(int q, unsigned parity) const { return reinterpret_cast<const uint64_t*>(slot(q, parity)); }
+  // process_vm_readv / process_vm_writev of `bytes` between this rank's `local` and local rank q's
+  // address `remote`; a failure names the peer and the cause.
+  void pull(int q, void* local, uint64_t remote, size_t bytes, const char* what);
+  void push(int q, uint64_t remote, const void* local, size_t bytes, const char* what);
+  // reduce_scatter's single-copy path: each rank reduces its block a cache-sized piece at a time,
+  // reading the peers' pieces of it from their inputs (process_vm_readv) and its own in place.
+  void reduce_scatter_single(const char* in, char* out, size_t count, DataType dtype, ReduceOp op);
 
   // The probe's rounds and the choice, inside a guarded call (probe(), or a recheck within an allreduce).
   std::vector<LinkProbe> measure_link();
@@ -290,6 +343,12 @@ class Group {
   uint32_t shared_allocations_ = 0;
   uint64_t shared_allreduces_ = 0;
   uint64_t fused_updates_ = 0;
+  bool single_copy_ = false;          // choose_single_copy's verdict, alike on every rank
+  std::string single_copy_why_;
+  std::vector<int> peer_pids_;        // every local rank's process, as it published itself
+  uint64_t single_copies_ = 0;
+  std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
+  std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten
   std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2; allreduce_update's
   ChunkChoice chunk_;  // alike on every rank (the slices of a chunk depend on it)
   std::atomic<SlotCopy> slot_copy_{SlotCopy::kCached};

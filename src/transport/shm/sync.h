@@ -95,6 +95,9 @@ class PeerSync {
     return out;
   }
   RankControl& control(int q) const { return controls_[q]; }
+  // The process of local rank q as it published itself at start(); the name errors give it.
+  int pid_of(int q) const { return pids_[static_cast<size_t>(q)]; }
+  std::string peer_name(int q) const { return name(q); }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
