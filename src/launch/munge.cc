@@ -16,6 +16,7 @@
 #include <fmt/core.h>
 
 #include "common/deadline.h"
+#include "common/env.h"
 #include "common/pipe.h"
 #include "common/strings.h"
 #include "launch/job.h"
@@ -26,6 +27,12 @@ namespace cohort::launch::munge {
 namespace {
 
 constexpr const char* kDefaultSocket = "/run/munge/munge.socket.2";  // munge's compiled-in default
+
+// Read from the launcher's environment map (socket_path), like every setting of the plan; declared
+// here so that `cohort env` lists it.
+const env::StringSetting kMungeSocket("COHORT_MUNGE_SOCKET", "",
+                                      "munged's socket for the Slurm job token (default: slurm.conf's AuthInfo "
+                                      "socket=, else munge's own default)");
 
 struct CommandRun {
   bool started = false;
@@ -128,8 +135,8 @@ std::vector<std::string> with_socket(std::vector<std::string> argv, const std::s
 }  // namespace
 
 std::string socket_path(const EnvMap& env, std::string* source) {
-  if (auto it = env.find("COHORT_MUNGE_SOCKET"); it != env.end() && !it->second.empty()) {
-    *source = "COHORT_MUNGE_SOCKET";
+  if (auto it = env.find(kMungeSocket.name()); it != env.end() && !it->second.empty()) {
+    *source = kMungeSocket.name();
     return it->second;
   }
   const auto conf_it = env.find("SLURM_CONF");
