@@ -519,7 +519,10 @@ void forward_environment(Plan& p, const EnvMap& env) {
       "HOROVOD_HOSTNAME"};
   static const std::vector<std::string> kOwnPrefixes = {"COHORT_", "TORCHELASTIC_", "OMPI_", "PMIX_", "SLURM_",
                                                         "BASH_FUNC_"};
-  for (const auto& [name, value] : env) {
+  for (const auto& entry : env) {
+    // Named references, not a structured binding: clang 14 (the sanitizer build) cannot capture those.
+    const std::string& name = entry.first;
+    const std::string& value = entry.second;
     if (std::find(kOwnNames.begin(), kOwnNames.end(), name) != kOwnNames.end()) continue;
     if (std::any_of(kOwnPrefixes.begin(), kOwnPrefixes.end(), [&](const std::string& x) { return name.starts_with(x); }))
       continue;
