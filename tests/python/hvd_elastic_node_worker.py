@@ -12,20 +12,10 @@ import signal
 import torch
 
 import horovod.torch as hvd
+from hvd_elastic_common import batch, fresh
 
 STEPS = 6
 LOSE_B_AFTER = 3
-
-
-def batch(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
-
-
-def fresh():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 hvd.init()
