@@ -80,6 +80,7 @@ GroupOptions GroupOptions::from_env(int local_size) {
   o.chunk_bytes = kChunkBytes.get();
   o.slot_copy = kCopy.get();
   o.single_copy = kSingleCopy.get();
+  o.inline_small = inline_small_from_env();
   o.single_copy_bytes = kSingleCopyBytes.get();
   if (o.slot_copy != "auto" && o.slot_copy != "cached" && o.slot_copy != "streaming")
     throw ConfigError(fmt::format("COHORT_SHM_COPY={}: expected auto, cached or streaming", o.slot_copy));
@@ -151,7 +152,8 @@ std::unique_ptr<Group> Group::create(Store& store, int local_rank, int local_siz
 }
 
 size_t Group::segment_bytes(int local_size, const GroupOptions& options) {
-  return controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes;
+  return controls_bytes(local_size) + static_cast<size_t>(local_size) * 2 * options.slot_bytes +
+         InlineLines::area_bytes(local_size);
 }
 
 std::unique_ptr<Group> Group::create_at(const std::string& address, int local_rank, int local_size,
@@ -226,6 +228,9 @@ Group::Group(Segment segment, int local_rank, int local_size, std::chrono::milli
       options_(options),
       sync_(static_cast<RankControl*>(segment_.data()), local_rank, local_size, timeout, options.spin),
       timeout_(timeout) {
+  inline_ = InlineLines(static_cast<char*>(segment_.data()) + segment_bytes(local_size, options) -
+                            InlineLines::area_bytes(local_size),
+                        local_rank);
   // Until a probe has measured the link, "auto" means cached: right wherever cores share a cache.
   slot_copy_ = options.slot_copy == "streaming" ? SlotCopy::kStreaming : SlotCopy::kCached;
   recheck_every_ = options.recheck_every;
@@ -393,6 +398,8 @@ void Group::allreduce(const void* in, void* out, size_t count, DataType dtype, R
         }
         if (shared) {
           allreduce_shared(*shared, offset, count, dtype, op);
+        } else if (bytes <= options_.small_bytes && inline_for(bytes)) {
+          allreduce_inline(in, out, count, dtype, op);
         } else if (bytes <= options_.small_bytes) {
           allreduce_small(in, out, count, dtype, op);
         } else {
@@ -635,6 +642,7 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
     char* own = out + static_cast<size_t>(rank_) * bytes;
     // In place (in == out, include/cohort/communicator.h): the contribution is already at `own`.
     const bool copy_own = in != out && in != own;
+    if (inline_for(bytes)) return allgather_inline(in, out, bytes);
     if (size_ > 1 && single_copy_for(bytes * static_cast<size_t>(size_))) {
       // The peers read my contribution where it is (my input, or my block of the output in place), and I
       // copy it into my block after the first round: no copy stands between a rank's arrival and the
@@ -810,6 +818,7 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
   guarded("broadcast", [&] {
     char* data = static_cast<char*>(data_v);
     if (size_ == 1) return;
+    if (inline_for(bytes)) return broadcast_inline(data, bytes, root);
     if (single_copy_for(bytes)) {
       const uint64_t header[1] = {reinterpret_cast<uint64_t>(data)};
       single_copy_call("broadcast", header, 1, [&](unsigned p) {

@@ -8,6 +8,9 @@
 // posted round t-1 (which the writer waited for). Two slots alternate, so no extra flag is needed.
 //
 // Algorithms (docs/algorithms-shm.md has the bytes each one moves):
+//  * allreduce, broadcast and allgather of at most InlineLines::kCapacity bytes per rank (allreduce also
+//    <= small_bytes): the data travels inline in cache lines that carry their round (small.h, small.cc);
+//    allreduce then reduces all P contributions on every rank, in rank order.
 //  * allreduce, small (<= small_bytes): each rank copies its input into its slot; after one wait every
 //    rank reduces all P slots itself, in rank order (so every rank gets the same bits).
 //  * allreduce, large: per chunk (at most slot_bytes, see GroupOptions::chunk_bytes), each rank copies the P-1 slices that peers own into
@@ -49,6 +52,7 @@
 
 #include "cohort/store.h"
 #include "cohort/types.h"
+#include "collectives/shm/small.h"
 #include "common/affinity.h"
 #include "transport/shm/segment.h"
 #include "transport/shm/sync.h"
@@ -88,8 +92,12 @@ struct GroupOptions {
   // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
   // after its first microseconds, so an oversubscribed host still makes progress), COHORT_SHM_CHUNK_BYTES,
   // COHORT_SHM_COPY.
+  // Small messages inline with their flag (small.h). COHORT_SHM_INLINE.
+  bool inline_small = true;
   static GroupOptions from_env(int local_size);
 };
+// COHORT_SHM_INLINE (small.cc).
+bool inline_small_from_env();
 
 // What Group::probe measured on one local rank (docs/perf-shm.md, "The link probe").
 struct LinkProbe {
@@ -165,6 +173,10 @@ class Group {
   bool single_copy_for(size_t bytes) const { return single_copy_ && bytes >= options_.single_copy_bytes; }
   // Calls that took it so far (tests, logs).
   uint64_t single_copies() const { return single_copies_; }
+  // Whether a call of `bytes_per_rank` (allreduce: its buffer; allgather: one rank's block; broadcast:
+  // the buffer) goes inline with the flags (small.h), and how many calls did so far (tests, logs).
+  bool inline_for(size_t bytes_per_rank) const;
+  uint64_t inline_calls() const { return inline_calls_; }
   // These four run only on the single-copy path (the caller checks single_copy_for; alltoallv only
   // single_copy()). Counts and displacements are in elements of `elem` bytes, as the communicator's.
   // alltoallv: send == recv is allowed (the input is copied aside first).
@@ -308,6 +320,12 @@ class Group {
   void after_large_allreduce(size_t bytes, std::chrono::steady_clock::duration took);
 
   void allreduce_small(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  // The inline path (small.cc): one round in which every rank writes its lines (a broadcast's non-roots
+  // only their first: no data) and waits for the peers' lines it needs; returns the round.
+  uint64_t inline_round(const char* what, const void* data, size_t bytes, int root);
+  void allreduce_inline(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  void allgather_inline(const void* in, void* out, size_t bytes);
+  void broadcast_inline(void* data, size_t bytes, int root);
   void allreduce_large(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   void allreduce_shared(const SharedRegion& region, size_t offset, size_t count, DataType dtype, ReduceOp op);
   // allreduce_shared after its first round.
@@ -347,6 +365,9 @@ class Group {
   std::string single_copy_why_;
   std::vector<int> peer_pids_;        // every local rank's process, as it published itself
   uint64_t single_copies_ = 0;
+  InlineLines inline_;               // this group's lines for small messages, after the slots
+  uint64_t inline_calls_ = 0;
+  std::vector<char> inline_scratch_;  // allreduce_inline: every rank's contribution, out of the lines
   std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
   std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten
   std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2; allreduce_update's

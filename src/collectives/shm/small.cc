@@ -1,0 +1,106 @@
+// shm::Group's small-message path: allreduce, broadcast and allgather inline with their flag
+// (collectives/shm/small.h has the layout and why; docs/algorithms-shm.md, "Small messages").
+#include <immintrin.h>
+
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "cohort/error.h"
+#include "collectives/reduce_kernels.h"
+#include "collectives/shm/group.h"
+#include "collectives/shm/small.h"
+#include "common/env.h"
+
+namespace cohort::shm {
+namespace {
+
+const env::BoolSetting kInlineSmall("COHORT_SHM_INLINE", true,
+                                    "intra-host allreduce, broadcast and allgather of up to 872 bytes per rank "
+                                    "travel in the cache lines their ranks poll (off: through the staging slots)");
+
+// How long a wait polls the peers' lines before it falls back to the group's wait on their step (which
+// spins on, then yields and sleeps, with the deadline and dead-peer checks). Short: under load the
+// fallback's yield is what lets a descheduled peer run.
+constexpr auto kLinePoll = std::chrono::nanoseconds(500);
+
+}  // namespace
+
+bool inline_small_from_env() { return kInlineSmall.get(); }
+
+bool Group::inline_for(size_t bytes_per_rank) const {
+  return options_.inline_small && size_ > 1 && bytes_per_rank <= InlineLines::kCapacity;
+}
+
+uint64_t Group::inline_round(const char* what, const void* data, size_t bytes, int root) {
+  next_parity();
+  const uint64_t t = round_;  // the round just begun; equal on every rank, never 0
+  // A broadcast's root sends the data; the others only arrive (line 0: the round and their signature).
+  inline_.write(t, active_, data, root < 0 || root == rank_ ? bytes : 0);
+  sync_.post();
+  auto needed = [&](int q) { return root < 0 || q == root ? bytes : size_t{0}; };
+  bool spun_out = false;
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned i = 1;; ++i) {
+    bool all = true;
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_) all &= inline_.ready(q, t, needed(q));
+    if (all) break;
+    _mm_pause();
+    if ((i & 7) == 0 && std::chrono::steady_clock::now() - start >= kLinePoll) {
+      spun_out = true;
+      break;
+    }
+  }
+  bool same = !tally_.enabled;
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    if (spun_out) {
+      // The peer posts its step after writing its lines, so once the step is there the lines are too,
+      // unless the peer called something else (then the signatures below tell).
+      sync_.wait_for(q, what);
+      if (!inline_.ready(q, t, needed(q))) {
+        check_calls();  // throws MismatchError naming both calls
+        throw std::logic_error(fmt::format("shm {}: local rank {} posted round {} without its data", what, q, t));
+      }
+    }
+    same = same && inline_.signature(q, t) == active_;
+  }
+  // The signatures in line 0 are the ones in the control lines: compared here, the control lines need
+  // not travel. A difference (or a shareable call, whose tally check_calls computes) takes the full check.
+  if (same) compare_pending_ = false;
+  else check_calls();
+  ++inline_calls_;
+  return t;
+}
+
+void Group::allreduce_inline(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) {
+  const size_t bytes = count * dtype_size(dtype);
+  const uint64_t t = inline_round("allreduce", in, bytes, -1);
+  if (bytes == 0) return;
+  // Every rank's contribution out of the lines into this rank's own memory (its own too: `in` may be
+  // `out`), then one reduction in rank order, so every rank gets the same bits.
+  const size_t stride = InlineLines::kCapacity;
+  if (inline_scratch_.size() < stride * static_cast<size_t>(size_)) inline_scratch_.resize(stride * size_);
+  auto part = [&](int q) { return inline_scratch_.data() + stride * static_cast<size_t>(q); };
+  for (int q = 0; q < size_; ++q) inline_.read(q, t, part(q), bytes);
+  kernels::reduce_to(out, part(0), part(1), count, dtype, op);
+  for (int q = 2; q < size_; ++q) kernels::reduce_into(out, part(q), count, dtype, op);
+  if (op == ReduceOp::kAvg) kernels::finish_average(out, count, dtype, size_);
+}
+
+void Group::allgather_inline(const void* in, void* out_v, size_t bytes) {
+  char* out = static_cast<char*>(out_v);
+  // In place (in == out, include/cohort/communicator.h) the contribution is already in its block.
+  const void* mine = in == out_v ? out + static_cast<size_t>(rank_) * bytes : in;
+  const uint64_t t = inline_round("allgather", mine, bytes, -1);
+  // Each block from its rank's lines, this rank's too (its input may be its block of the output).
+  for (int q = 0; q < size_; ++q) inline_.read(q, t, out + static_cast<size_t>(q) * bytes, bytes);
+}
+
+void Group::broadcast_inline(void* data, size_t bytes, int root) {
+  const uint64_t t = inline_round("broadcast", data, bytes, root);
+  if (rank_ != root) inline_.read(root, t, data, bytes);
+}
+
+}  // namespace cohort::shm
