@@ -8,7 +8,7 @@
 // every line starts with the round number it was written for (a 64-bit sequence, written last, with
 // release order), so a line that shows the round already holds that round's data. The first line also
 // carries the call's signature, so that comparing it with the peers' calls (MismatchError) costs no
-// further transfer. A reader polls every line it needs at once, so their misses overlap.
+// further transfer. The first line is written last, and a reader polls it alone, then reads the others.
 //
 // The group still posts its step after writing the lines: a waiter that spun past its short budget falls
 // back to PeerSync's wait (yield, futex, deadline, dead-peer and failure checks) on that step, and every
@@ -66,10 +66,13 @@ class InlineLines {
   // Whether rank q's lines for `round` holding `bytes` are all written.
   bool ready(int q, uint64_t round, size_t bytes) const {
     const char* base = lines(q, round);
+    // Line 0 is written last: polling only it leaves the other lines alone while their owner writes them
+    // (a poll would pull each back and forth); once it shows the round, the others' loads are
+    // independent, so their misses overlap. Each line's own sequence is still checked.
+    if (seq(base).load(std::memory_order_acquire) != round) return false;
     const size_t n = lines_for(bytes);
     bool all = true;
-    // Every line is loaded on each poll (no early exit), so that their misses overlap.
-    for (size_t l = 0; l < n; ++l) all &= seq(base + l * kLine).load(std::memory_order_acquire) == round;
+    for (size_t l = 1; l < n; ++l) all &= seq(base + l * kLine).load(std::memory_order_acquire) == round;
     return all;
   }
   // After ready(q, round, bytes): rank q's data and signature.
