@@ -1,6 +1,6 @@
 // shm::Group's small-message path (collectives/shm/small.h): allreduce, broadcast and allgather of up to
 // InlineLines::kCapacity bytes per rank travel in the lines their ranks poll. Sizes around every edge of
-// the layout (the first line's 32 data bytes, each further line's 56, the capacity, one element over it,
+// the layout (the first line's 32 data bytes, each further line's 64, the capacity, one element over it,
 // which must take the slots), ranks as forked processes; rounds alternating with the slot paths (the
 // lines and the slots share the group's parity); mismatched calls found from the lines' signatures.
 #include <gtest/gtest.h>
@@ -26,9 +26,9 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// Byte counts around each edge of the lines: 0, one byte, the first line (32), the second (32 + 56), a
-// middle one, 512 (issue 51's largest small size), the capacity (872) and past it (880, 8-byte elements).
-constexpr size_t kEdges[] = {0, 1, 8, 31, 32, 33, 64, 88, 89, 144, 145, 512, 864, 872, 880, 1024};
+// Byte counts around each edge of the lines: 0, one byte, the first line's data (32), the second line's
+// (32 + 64), 512 (issue 51's largest small size), the capacity (992) and past it (1000, 8-byte elements).
+constexpr size_t kEdges[] = {0, 1, 8, 31, 32, 33, 64, 96, 97, 160, 161, 512, 984, 992, 1000, 1024};
 
 // Children run body(rank) and exit with its code (99 on an exception, printed); the parent waits.
 void run_processes(int world, const std::function<int(int)>& body) {

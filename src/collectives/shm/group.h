@@ -367,7 +367,6 @@ class Group {
   uint64_t single_copies_ = 0;
   InlineLines inline_;               // this group's lines for small messages, after the slots
   uint64_t inline_calls_ = 0;
-  std::vector<char> inline_scratch_;  // allreduce_inline: every rank's contribution, out of the lines
   std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
   std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten
   std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2; allreduce_update's

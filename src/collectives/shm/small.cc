@@ -16,7 +16,7 @@ namespace cohort::shm {
 namespace {
 
 const env::BoolSetting kInlineSmall("COHORT_SHM_INLINE", true,
-                                    "intra-host allreduce, broadcast and allgather of up to 872 bytes per rank "
+                                    "intra-host allreduce, broadcast and allgather of up to 992 bytes per rank "
                                     "travel in the cache lines their ranks poll (off: through the staging slots)");
 
 // How long a wait polls the peers' lines before it falls back to the group's wait on their step (which
@@ -38,13 +38,12 @@ uint64_t Group::inline_round(const char* what, const void* data, size_t bytes, i
   // A broadcast's root sends the data; the others only arrive (line 0: the round and their signature).
   inline_.write(t, active_, data, root < 0 || root == rank_ ? bytes : 0);
   sync_.post();
-  auto needed = [&](int q) { return root < 0 || q == root ? bytes : size_t{0}; };
   bool spun_out = false;
   const auto start = std::chrono::steady_clock::now();
   for (unsigned i = 1;; ++i) {
     bool all = true;
     for (int q = 0; q < size_; ++q)
-      if (q != rank_) all &= inline_.ready(q, t, needed(q));
+      if (q != rank_) all &= inline_.ready(q, t);
     if (all) break;
     _mm_pause();
     if ((i & 7) == 0 && std::chrono::steady_clock::now() - start >= kLinePoll) {
@@ -59,7 +58,7 @@ uint64_t Group::inline_round(const char* what, const void* data, size_t bytes, i
       // The peer posts its step after writing its lines, so once the step is there the lines are too,
       // unless the peer called something else (then the signatures below tell).
       sync_.wait_for(q, what);
-      if (!inline_.ready(q, t, needed(q))) {
+      if (!inline_.ready(q, t)) {
         check_calls();  // throws MismatchError naming both calls
         throw std::logic_error(fmt::format("shm {}: local rank {} posted round {} without its data", what, q, t));
       }
@@ -78,14 +77,10 @@ void Group::allreduce_inline(const void* in, void* out, size_t count, DataType d
   const size_t bytes = count * dtype_size(dtype);
   const uint64_t t = inline_round("allreduce", in, bytes, -1);
   if (bytes == 0) return;
-  // Every rank's contribution out of the lines into this rank's own memory (its own too: `in` may be
-  // `out`), then one reduction in rank order, so every rank gets the same bits.
-  const size_t stride = InlineLines::kCapacity;
-  if (inline_scratch_.size() < stride * static_cast<size_t>(size_)) inline_scratch_.resize(stride * size_);
-  auto part = [&](int q) { return inline_scratch_.data() + stride * static_cast<size_t>(q); };
-  for (int q = 0; q < size_; ++q) inline_.read(q, t, part(q), bytes);
-  kernels::reduce_to(out, part(0), part(1), count, dtype, op);
-  for (int q = 2; q < size_; ++q) kernels::reduce_into(out, part(q), count, dtype, op);
+  // Straight from every rank's lines (this rank's own too: `in` may be `out`, and a rank >= 2 would read
+  // its input after the first step wrote `out`), in rank order, so every rank gets the same bits.
+  kernels::reduce_to(out, inline_.data(0, t), inline_.data(1, t), count, dtype, op);
+  for (int q = 2; q < size_; ++q) kernels::reduce_into(out, inline_.data(q, t), count, dtype, op);
   if (op == ReduceOp::kAvg) kernels::finish_average(out, count, dtype, size_);
 }
 
@@ -95,12 +90,13 @@ void Group::allgather_inline(const void* in, void* out_v, size_t bytes) {
   const void* mine = in == out_v ? out + static_cast<size_t>(rank_) * bytes : in;
   const uint64_t t = inline_round("allgather", mine, bytes, -1);
   // Each block from its rank's lines, this rank's too (its input may be its block of the output).
-  for (int q = 0; q < size_; ++q) inline_.read(q, t, out + static_cast<size_t>(q) * bytes, bytes);
+  for (int q = 0; q < size_; ++q)
+    if (bytes) std::memcpy(out + static_cast<size_t>(q) * bytes, inline_.data(q, t), bytes);
 }
 
 void Group::broadcast_inline(void* data, size_t bytes, int root) {
   const uint64_t t = inline_round("broadcast", data, bytes, root);
-  if (rank_ != root) inline_.read(root, t, data, bytes);
+  if (rank_ != root && bytes) std::memcpy(data, inline_.data(root, t), bytes);
 }
 
 }  // namespace cohort::shm
