@@ -642,7 +642,8 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
     char* own = out + static_cast<size_t>(rank_) * bytes;
     // In place (in == out, include/cohort/communicator.h): the contribution is already at `own`.
     const bool copy_own = in != out && in != own;
-    if (inline_for(bytes)) return allgather_inline(in, out, bytes);
+    // Inline below 992 B per rank, unless single copy was asked for from a size this small.
+    if (inline_for(bytes) && !single_copy_for(bytes * static_cast<size_t>(size_))) return allgather_inline(in, out, bytes);
     if (size_ > 1 && single_copy_for(bytes * static_cast<size_t>(size_))) {
       // The peers read my contribution where it is (my input, or my block of the output in place), and I
       // copy it into my block after the first round: no copy stands between a rank's arrival and the
@@ -818,7 +819,7 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
   guarded("broadcast", [&] {
     char* data = static_cast<char*>(data_v);
     if (size_ == 1) return;
-    if (inline_for(bytes)) return broadcast_inline(data, bytes, root);
+    if (inline_for(bytes) && !single_copy_for(bytes)) return broadcast_inline(data, bytes, root);
     if (single_copy_for(bytes)) {
       const uint64_t header[1] = {reinterpret_cast<uint64_t>(data)};
       single_copy_call("broadcast", header, 1, [&](unsigned p) {
