@@ -76,7 +76,7 @@ struct Options {
   // HOROVOD_SIZE, HOROVOD_LOCAL_*, HOROVOD_CROSS_*, HOROVOD_HOSTNAME), as `horovodrun --gloo` sets them.
   bool horovod_env = false;
   // horovodrun's line too: a fan-out's other hosts get this launcher's whole environment, as horovodrun
-  // hands its own to every worker it starts over ssh (forward_environment, launch/plan.cc).
+  // hands its own to every worker it starts over ssh (forward_environment, launch/plan_worker_env.cc).
   bool forward_environment = false;
   // mpirun's --map-by, --rank-by, --report-bindings, --oversubscribe (-n may exceed the hosts' slots),
   // --timestamp-output, --timeout (the job's wall-clock limit, seconds) and --wdir (the workers' folder,
