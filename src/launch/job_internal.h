@@ -13,6 +13,7 @@
 //   job_ray.cc       Ray mode: the head, the other nodes joining it, the driver
 // Parts with a narrow interface to the supervisor are objects of their own, which Job holds:
 //   job_exits.cc     RankExits: the exit records the ranks read when one of this node's workers ends
+//   job_trace.cc     TraceFolder: the default trace folder's claim, pruning and removal
 // docs/launcher.md describes the protocol and the failure policy; nothing here is used outside launch/.
 
 #include <signal.h>
@@ -202,6 +203,26 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
 void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                            std::shared_ptr<std::atomic<bool>> stop, int node_rank, double timeout_s, int attempt);
 
+// job_trace.cc: the job's default trace folder (launch/trace_dirs.h): the finished ones older than
+// COHORT_TRACE_KEEP_DAYS go, this job's is claimed; at the end it is removed unless a failure left
+// files in it, and the summary names it when it is kept. A user's --trace-dir is left alone.
+class TraceFolder {
+ public:
+  explicit TraceFolder(const Plan& plan) : plan_(plan) {}
+  // Throws ConfigError when --timeline's rank files would have nowhere to go.
+  void open();
+  // The job ended with `code`; `print`: say so when the folder is kept.
+  void close(int code, bool print);
+  // Why the default trace folder cannot be used (not this user's own, not creatable): nothing is
+  // written there then. Empty when it can, and for a user's --trace-dir.
+  const std::string& refused() const { return refused_; }
+
+ private:
+  const Plan& plan_;
+  std::unique_ptr<TraceDirClaim> claim_;  // this job's default trace folder, while it runs
+  std::string refused_;
+};
+
 // job_exits.cc: what the ranks learn when one of this node's workers' processes ends. Each attempt opens
 // it on the store the ranks read; the supervisor hands it each exit as it reaps the worker, and asks it
 // whether a failure was caused by a peer that exited with code 0.
@@ -356,11 +377,6 @@ class Job {
   void record_failure(int attempt);  // dumps and diagnosis_ of a failed attempt
   void merge_timeline();
   std::string timeline_rank_dir() const;
-  // The default trace folder (launch/trace_dirs.h): the finished ones older than COHORT_TRACE_KEEP_DAYS
-  // go, this job's is claimed; at the end it is removed unless a failure left files in it, and the
-  // summary names it when it is kept.
-  void open_trace_dir();
-  void close_trace_dir(int code, bool print);
   int running_workers() const;
   int running_agents() const;
 
@@ -387,10 +403,7 @@ class Job {
   std::unique_ptr<Inspector> inspector_;  // reads workers_' rings: stopped before workers_ changes
   std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
   OomCounter oom_at_start_;               // this cgroup's OOM kills when the attempt's workers started
-  std::unique_ptr<TraceDirClaim> trace_claim_;  // this job's default trace folder, while it runs
-  // Why the default trace folder cannot be used (not this user's own, not creatable): nothing is
-  // written there then. Empty when it can, and for a user's --trace-dir.
-  std::string trace_dir_refused_;
+  TraceFolder trace_folder_{plan_};        // job_trace.cc: the default trace folder's claim
   // Attempt state
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)
