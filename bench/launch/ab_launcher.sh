@@ -5,9 +5,9 @@
 #      mapping, per-node, torchrun's multi-node line, elastic, Ray, parameter servers, Slurm, schedulers'
 #      variables, and refused combinations) prints the same text and exits with the same status under both;
 #   2. the same speed: the launcher's start-up, `cohort run -n N /bin/true` (plan, store, N workers
-#      spawned and reaped), and the plan alone (`cohort run --dry-run` of a fan-out), timed whole, in
-#      interleaved rounds (A B, then B A, ...), every round printed with the load, then the medians and
-#      the ratio B/A.
+#      spawned and reaped), and the plan alone (`cohort run --dry-run` of a fan-out), wall and CPU time,
+#      in interleaved rounds (A B, then B A, ...), every round printed with the load, then the median
+#      of the rounds' ratios B/A.
 #   bench/launch/ab_launcher.sh COHORT_A COHORT_B [ROUNDS=10] [N=8]
 # COHORT_A/B: the `cohort` executables (copy a tree's build/tools/cohort first if that tree may rebuild).
 set -euo pipefail
@@ -63,33 +63,41 @@ done
 ((differ == 0)) || { echo "the two launchers plan differently (above)" >&2; exit 1; }
 echo "# same plans: ${#lines[@]} command lines, --dry-run text and exit status"
 
-# 2. The same speed.
-ms() {  # median wall milliseconds of 5 runs of the command "$@"
-  local s=() t0 t1
+# 2. The same speed. Wall time as a user waits, and CPU time (user + system of the launcher and the
+# workers it reaped), which a loaded machine disturbs less than the wall time.
+TIMEFORMAT='%3R %3U %3S'
+measure() {  # "WALL_MS CPU_MS": the medians of 5 runs of the command "$@"
+  local w=() c=() t
   for _ in 1 2 3 4 5; do
-    t0=$(date +%s%N)
-    "$@" >/dev/null 2>&1 || { echo "failed: $*" >&2; exit 1; }
-    t1=$(date +%s%N)
-    s+=($(((t1 - t0) / 1000)))
+    t=$({ time "$@" >/dev/null 2>&1; } 2>&1) || { echo "failed: $*" >&2; exit 1; }
+    read -r real user sys <<<"$t"
+    w+=("$real"); c+=("$(awk -v u="$user" -v s="$sys" 'BEGIN { print u + s }')")
   done
-  printf '%s\n' "${s[@]}" | sort -n | sed -n 3p | awk '{ printf "%.2f", $1 / 1000 }'
+  printf '%s %s\n' "$(med "${w[@]}")" "$(med "${c[@]}")" | awk '{ printf "%.1f %.1f", $1 * 1000, $2 * 1000 }'
 }
-start() { ms "$1" run -n "$n" /bin/true; }
-plan() { ms "$1" run --dry-run -H 127.0.0.2:4,127.0.0.3:4 --map-by node -n "$n" /bin/true; }
+med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+start() { measure "$1" run -n "$n" /bin/true; }
+plan() { measure "$1" run --dry-run -H 127.0.0.2:4,127.0.0.3:4 --map-by node -n "$n" /bin/true; }
 start "$a" >/dev/null; start "$b" >/dev/null  # warm-up: page cache
-echo "# $(date -u +%FT%TZ), $rounds rounds of 5 runs each (median), N=$n; A = $a, B = $b"
-echo "# round  start_A_ms  start_B_ms  plan_A_ms  plan_B_ms  load(1,5,15 min)"
-SA=() SB=() PA=() PB=()
+echo "# $(date -u +%FT%TZ), $rounds rounds, each the medians of 5 runs, N=$n; A = $a, B = $b"
+echo "# round  start_wall_ms(A B)  start_cpu_ms(A B)  plan_wall_ms(A B)  plan_cpu_ms(A B)  load(1,5,15 min)"
+R=()  # per round: the four ratios B/A
 for ((r = 1; r <= rounds; r++)); do
   if ((r % 2)); then
-    sa=$(start "$a"); sb=$(start "$b"); pa=$(plan "$a"); pb=$(plan "$b")
+    read -r sw_a sc_a <<<"$(start "$a")"; read -r sw_b sc_b <<<"$(start "$b")"
+    read -r pw_a pc_a <<<"$(plan "$a")"; read -r pw_b pc_b <<<"$(plan "$b")"
   else
-    sb=$(start "$b"); sa=$(start "$a"); pb=$(plan "$b"); pa=$(plan "$a")
+    read -r sw_b sc_b <<<"$(start "$b")"; read -r sw_a sc_a <<<"$(start "$a")"
+    read -r pw_b pc_b <<<"$(plan "$b")"; read -r pw_a pc_a <<<"$(plan "$a")"
   fi
-  SA+=("$sa"); SB+=("$sb"); PA+=("$pa"); PB+=("$pb")
-  echo "$r  $sa  $sb  $pa  $pb  $(cut -d' ' -f1-3 /proc/loadavg)"
+  [[ -n $sw_a && -n $sw_b && -n $pw_a && -n $pw_b ]] || { echo "round $r: a run failed (above)" >&2; exit 1; }
+  echo "$r  $sw_a $sw_b  $sc_a $sc_b  $pw_a $pw_b  $pc_a $pc_b  $(cut -d' ' -f1-3 /proc/loadavg)"
+  R+=("$(awk -v a="$sw_a $sc_a $pw_a $pc_a" -v b="$sw_b $sc_b $pw_b $pc_b" 'BEGIN {
+    split(a, x); split(b, y); for (i = 1; i <= 4; i++) printf "%s%.4f", (i > 1 ? " " : ""), (x[i] > 0 ? y[i] / x[i] : 1) }')")
 done
-med() { printf '%s\n' "$@" | sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
-msa=$(med "${SA[@]}") msb=$(med "${SB[@]}") mpa=$(med "${PA[@]}") mpb=$(med "${PB[@]}")
-awk -v a="$msa" -v b="$msb" -v n="$n" 'BEGIN { printf "start-up (run -n %d /bin/true): A %.2f ms, B %.2f ms, B/A %.3f\n", n, a, b, b / a }'
-awk -v a="$mpa" -v b="$mpb" 'BEGIN { printf "plan alone (--dry-run fan-out): A %.2f ms, B %.2f ms, B/A %.3f\n", a, b, b / a }'
+# The median over the rounds of each round's ratio B/A: a drift of the load between rounds cancels.
+names=("start-up wall (run -n $n /bin/true)" "start-up CPU" "plan alone wall (--dry-run, fan-out)" "plan alone CPU")
+for i in 1 2 3 4; do
+  printf '%s: B/A %.3f (median of %d rounds)\n' "${names[i - 1]}" \
+    "$(med $(printf '%s\n' "${R[@]}" | awk -v i="$i" '{ print $i }'))" "$rounds"
+done
