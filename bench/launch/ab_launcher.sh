@@ -98,6 +98,6 @@ done
 # The median over the rounds of each round's ratio B/A: a drift of the load between rounds cancels.
 names=("start-up wall (run -n $n /bin/true)" "start-up CPU" "plan alone wall (--dry-run, fan-out)" "plan alone CPU")
 for i in 1 2 3 4; do
-  printf '%s: B/A %.3f (median of %d rounds)\n' "${names[i - 1]}" \
-    "$(med $(printf '%s\n' "${R[@]}" | awk -v i="$i" '{ print $i }'))" "$rounds"
+  mapfile -t column < <(printf '%s\n' "${R[@]}" | awk -v i="$i" '{ print $i }')
+  printf '%s: B/A %.3f (median of %d rounds)\n' "${names[i - 1]}" "$(med "${column[@]}")" "$rounds"
 done
