@@ -644,6 +644,9 @@ std::optional<train::TrainingPosition> FullyShardedDataParallel::load(const std:
   // The record and the buffers, checked against this model and optimizer.
   nlohmann::json record;
   std::vector<::torch::Tensor> stored_buffers;
+  std::vector<std::string> buffer_names;
+  int old_world = 0;
+  int64_t global_step = 0;
   try {
     ::torch::serialize::InputArchive archive;
     std::istringstream in(newest->payload);
@@ -661,12 +664,15 @@ std::optional<train::TrainingPosition> FullyShardedDataParallel::load(const std:
     if (!archive.try_read(kCheckpointBuffers, buffers))
       throw InvalidArgument(fmt::format("{}: a damaged FSDP checkpoint: no {}", path, kCheckpointBuffers));
     for (const auto& b : buffers.toTensorList()) stored_buffers.push_back(b);
+    buffer_names = record.at("buffers").get<std::vector<std::string>>();
+    old_world = record.at("world").get<int>();
+    global_step = record.at("global_step").get<int64_t>();
+    if (old_world < 1) throw InvalidArgument(fmt::format("{}: a damaged FSDP record: world size {}", path, old_world));
   } catch (const c10::Error& e) {
     throw InvalidArgument(fmt::format("{}: cannot load into this model: {}", path, e.what_without_backtrace()));
   } catch (const nlohmann::json::exception& e) {
     throw InvalidArgument(fmt::format("{}: a damaged FSDP record: {}", path, e.what()));
   }
-  const auto buffer_names = record.at("buffers").get<std::vector<std::string>>();
   const auto mine = module_->named_buffers(true);
   if (buffer_names.size() != stored_buffers.size())
     throw InvalidArgument(fmt::format("{}: a damaged FSDP checkpoint: {} buffer names, {} buffers", path,
@@ -681,8 +687,6 @@ std::optional<train::TrainingPosition> FullyShardedDataParallel::load(const std:
       throw InvalidArgument(fmt::format("{}: cannot load into this model: its buffer {} is {}, this model's is {}", path,
                                         i, there, here));
   }
-  const int old_world = record.at("world").get<int>();
-  const int64_t global_step = record.at("global_step").get<int64_t>();
 
   // Every old shard's header, checked against this model's parameters and its file's length.
   const CheckpointLayout layout = checkpoint_layout();
