@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include <fmt/core.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -47,12 +49,6 @@ constexpr auto kDiscoveryPeriod = std::chrono::seconds(1);
 using Clock = std::chrono::steady_clock;
 
 void say(const std::string& line) { fmt::print(stderr, "horovodrun: {}\n", line); }
-
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
 
 std::string self_executable() {
   char buf[4096];
@@ -265,23 +261,21 @@ void ElasticDriver::start_agent(const std::string& host, int slots) {
 
   const bool local = is_local(host);
   std::vector<std::string> argv;
+  std::string handoff;  // what a remote agent reads first on its stdin
   if (local) {
     argv = agent;
   } else {
-    // On another host: the token comes first on ssh's stdin (never on a command line); the agent runs
-    // beside a `cat` of the rest of stdin, whose end (the driver stopped it, or is gone) stops the agent.
-    std::string cmd;
+    // On another host: `cohort horovodrun-agent --from-stdin` reads its arguments, the job token and the
+    // folder to work in from its stdin (never on a command line, and no shell quoting through ssh), then
+    // keeps reading: the end of stdin (the driver stopped the host, or is gone) stops the agent.
     std::error_code ec;
-    for (const auto& a : agent) cmd += (cmd.empty() ? "" : " ") + shell_quote(a);
-    std::string cwd = std::filesystem::current_path(ec).string();
-    std::string script = fmt::format(
-        "cd {} 2>/dev/null; IFS= read -r COHORT_JOB_TOKEN; export COHORT_JOB_TOKEN; {} </dev/null & agent=$!; "
-        "(cat >/dev/null 2>&1; kill -TERM $agent 2>/dev/null) >/dev/null 2>&1 & watch=$!; wait $agent; code=$?; "
-        "kill $watch 2>/dev/null; exit $code",
-        shell_quote(cwd), cmd);
+    handoff = nlohmann::json{{"args", std::vector<std::string>(agent.begin() + 2, agent.end())},  // after self and the command
+                             {"token", token_},
+                             {"cwd", std::filesystem::current_path(ec).string()}}
+                  .dump() +
+              "\n";
     argv = o_.ssh;
-    argv.push_back(host);
-    argv.push_back("sh -c " + shell_quote(script));
+    argv.insert(argv.end(), {host, self_, "horovodrun-agent", "--from-stdin"});
   }
   int in[2] = {-1, -1};
   if (!local && pipe2(in, O_CLOEXEC) != 0) throw Error(net::errno_string("pipe", errno));
@@ -318,15 +312,14 @@ void ElasticDriver::start_agent(const std::string& host, int slots) {
   if (!local) {
     close(in[0]);
     a.stdin_fd = in[1];
-    std::string line = token_ + "\n";
-    if (write(a.stdin_fd, line.data(), line.size()) < 0) { /* a failed ssh shows as the agent's exit */ }
+    if (write(a.stdin_fd, handoff.data(), handoff.size()) < 0) { /* a failed ssh shows as the agent's exit */ }
   }
   agents_.push_back(a);
 }
 
 void ElasticDriver::stop_agent(Agent& a, int sig) {
   if (a.stdin_fd >= 0) {
-    close(a.stdin_fd);  // the remote wrapper's cat ends: it sends the agent SIGTERM
+    close(a.stdin_fd);  // the remote agent's stdin ends: it stops as on SIGTERM
     a.stdin_fd = -1;
   }
   kill(a.pid, sig);
@@ -489,12 +482,11 @@ int ElasticDriver::run() {
   }
   say(fmt::format("elastic job {}: {} to {} processes; the job's store is host {}'s agent's, at {}:{}", run_id_,
                   o_.min_np, o_.max_np, first, master_addr_, master_port_));
-  reconcile({hosts.front()});
-  wait_for_store(agents_.front());
-  reconcile(hosts);
-
   auto next_discovery = Clock::now() + kDiscoveryPeriod;
   try {
+    reconcile({hosts.front()});
+    wait_for_store(agents_.front());
+    reconcile(hosts);
     while (reap()) {
       if (int sig = g_signal.load())
         return stop_all(fmt::format("got signal {}: stopping every host's agent", sig), 128 + sig);
@@ -522,8 +514,41 @@ int ElasticDriver::run() {
   return failure_code_ ? failure_code_ : 1;
 }
 
-// `cohort horovodrun-agent`: cohort run's flags, with Horovod's variables for every worker.
+// `cohort horovodrun-agent`: cohort run's flags, with Horovod's variables for every worker. With
+// --from-stdin (an agent the driver started on another host over ssh), the first line of stdin is
+// {"args": [...], "token": ..., "cwd": ...}; the rest of stdin is the driver's hold on this agent.
 int run_horovodrun_agent(std::vector<std::string> args) {
+  if (args.size() == 2 && args[1] == "--from-stdin") {
+    std::string first;
+    char c;
+    while (read(0, &c, 1) == 1 && c != '\n') first += c;
+    nlohmann::json handoff;
+    try {
+      handoff = nlohmann::json::parse(first);
+    } catch (const std::exception& e) {
+      throw ConfigError(fmt::format("horovodrun-agent --from-stdin: expected the driver's first line on stdin, got "
+                                    "'{}' ({})",
+                                    first.substr(0, 80), e.what()));
+    }
+    args.resize(1);
+    for (const auto& a : handoff.at("args")) args.push_back(a.get<std::string>());
+    setenv("COHORT_JOB_TOKEN", handoff.at("token").get<std::string>().c_str(), 1);
+    // The driver's folder when this host has it (as a fan-out's agents do), else where ssh left us.
+    if (chdir(handoff.at("cwd").get<std::string>().c_str()) != 0) { /* stay */ }
+    std::thread([] {
+      // Signals are the launcher's to handle, in its own threads: this one only reads.
+      sigset_t all;
+      sigfillset(&all);
+      pthread_sigmask(SIG_BLOCK, &all, nullptr);
+      char buf[256];
+      while (true) {
+        ssize_t n = read(0, buf, sizeof buf);
+        if (n > 0 || (n < 0 && errno == EINTR)) continue;
+        break;
+      }
+      kill(getpid(), SIGTERM);  // the driver let go of this host: stop as a scheduler's SIGTERM stops an agent
+    }).detach();
+  }
   return run_launcher_line(std::move(args), LaunchLine::kHorovodrun);
 }
 

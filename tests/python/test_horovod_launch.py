@@ -163,18 +163,23 @@ def _wait_for(path, wanted, proc, what, limit_s=60):
 
 
 def test_horovodrun_elastic_adds_and_removes_listed_hosts():
-    # Horovod's elastic line: the discovery script prints the lines of a file this test rewrites. localhost and
-    # 127.0.0.1 stand for two hosts (two agents on this machine). A host added mid-job joins at the next
-    # generation and gets the committed state; a host removed mid-job is stopped and the survivor resumes from
-    # the last commit; the worker checks its final weights against a replay (hvd_elastic_discovery_worker.py).
+    # Horovod's elastic line: the discovery script prints the lines of a file this test rewrites. localhost runs its
+    # agent here; hostB's starts through an ssh stand-in that runs it on this machine (COHORT_HOST_ID=hostB, so it
+    # is a node of its own). hostB, added mid-job, joins at the next generation and gets the committed state;
+    # removed mid-job, its agent is stopped (its ssh's stdin closed) and the survivor resumes from the last
+    # commit; the worker checks its final weights against a replay (hvd_elastic_discovery_worker.py).
     horovodrun = os.path.join(os.path.dirname(_tool()), "horovodrun")
     with tempfile.TemporaryDirectory() as tmp:
-        hosts, progress, discover = (os.path.join(tmp, n) for n in ("hosts", "progress", "discover.sh"))
+        hosts, progress, discover, ssh = (os.path.join(tmp, n) for n in ("hosts", "progress", "discover.sh", "ssh"))
         with open(hosts, "w") as f:
             f.write("localhost:1\n")
         with open(discover, "w") as f:
             f.write(f"#!/bin/sh\ncat {hosts}\n")
-        os.chmod(discover, 0o755)
+        with open(ssh, "w") as f:  # ssh HOST COMMAND...: COMMAND here, standing for HOST
+            f.write('#!/bin/sh\nhost=$1; shift\necho "$host" >> ' + os.path.join(tmp, "ssh-hosts") +
+                    '\nexec env COHORT_HOST_ID="$host" "$@"\n')
+        for script in (discover, ssh):
+            os.chmod(script, 0o755)
 
         def list_hosts(text):  # whole, then renamed: the script never reads half a file
             with open(hosts + ".new", "w") as f:
@@ -182,12 +187,13 @@ def test_horovodrun_elastic_adds_and_removes_listed_hosts():
             os.replace(hosts + ".new", hosts)
 
         proc = subprocess.Popen([horovodrun, "-np", "1", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-                                 discover, sys.executable, os.path.join(HERE, "hvd_elastic_discovery_worker.py")],
+                                 discover, "--ssh-command", ssh, sys.executable,
+                                 os.path.join(HERE, "hvd_elastic_discovery_worker.py")],
                                 env=_env(TMPDIR=tmp, HVD_PROGRESS=progress), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         try:
             _wait_for(progress, ["waiting size=1 rank=0 step=2"], proc, "one rank at step 2")
-            list_hosts("localhost:1\n127.0.0.1:1\n")
+            list_hosts("localhost:1\nhostB:1\n")
             text = _wait_for(progress, ["waiting size=2 rank=0 step=5", "waiting size=2 rank=1 step=5"], proc,
                              "two ranks at step 5")
             # Both ranks of the grown job started from the commit of step 2: the new host's rank through sync.
@@ -202,6 +208,7 @@ def test_horovodrun_elastic_adds_and_removes_listed_hosts():
         assert proc.returncode == 0, out + text
         assert "DISCOVERY ELASTIC OK" in out, out + text
         assert "size=1 rank=0 resumed=5" in text, text
-        assert "host 127.0.0.1 is listed with 1 slot: starting its agent" in out, out
-        assert "host 127.0.0.1 is no longer listed by the discovery script: stopping its agent" in out, out
-        assert glob.glob(os.path.join(tmp, "cohort-hvd-elastic-*", "*", "*")) == [], out
+        assert "host hostB is listed with 1 slot: starting its agent" in out, out
+        assert "host hostB is no longer listed by the discovery script: stopping its agent" in out, out
+        assert open(os.path.join(tmp, "ssh-hosts")).read() == "hostB\n", out  # localhost's agent ran here
+        assert glob.glob(os.path.join(tmp, "cohort-hvd-elastic-*", "*")) == [], out
