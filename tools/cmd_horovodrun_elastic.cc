@@ -16,6 +16,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+extern char** environ;
+
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -268,10 +270,19 @@ void ElasticDriver::start_agent(const std::string& host, int slots) {
     // On another host: `cohort horovodrun-agent --from-stdin` reads its arguments, the job token and the
     // folder to work in from its stdin (never on a command line, and no shell quoting through ssh), then
     // keeps reading: the end of stdin (the driver stopped the host, or is gone) stops the agent.
+    // The driver's environment goes too, as horovodrun hands its own to the workers it starts over ssh.
     std::error_code ec;
+    nlohmann::json env = nlohmann::json::object();
+    for (char** e = environ; *e; ++e) {
+      std::string entry(*e);
+      auto eq = entry.find('=');
+      if (eq != std::string::npos && launch::forwarded_to_other_hosts(entry.substr(0, eq)))
+        env[entry.substr(0, eq)] = entry.substr(eq + 1);
+    }
     handoff = nlohmann::json{{"args", std::vector<std::string>(agent.begin() + 2, agent.end())},  // after self and the command
                              {"token", token_},
-                             {"cwd", std::filesystem::current_path(ec).string()}}
+                             {"cwd", std::filesystem::current_path(ec).string()},
+                             {"env", env}}
                   .dump() +
               "\n";
     argv = o_.ssh;
@@ -470,10 +481,12 @@ int ElasticDriver::run() {
     hosts = discover(false);
   }
 
-  // The job's store: on the first listed host, at a port free here (for this machine) or cohort's 29500.
+  // The job's store: on the first listed host, at a port free here (for this machine) or cohort's 29500,
+  // under the name the script gives that host (the other hosts reach it so), except a loopback name
+  // (localhost, 127.0.0.1, ::1), which only this machine's agents can reach: 127.0.0.1.
   const std::string& first = hosts.front().first;
-  bool all_local = std::all_of(hosts.begin(), hosts.end(), [&](const auto& h) { return is_local(h.first); });
-  master_addr_ = !is_local(first) ? first : all_local ? "127.0.0.1" : machine_.hostname;
+  const bool loopback = first == "localhost" || first == "::1" || first.rfind("127.", 0) == 0;
+  master_addr_ = loopback ? "127.0.0.1" : first;
   if (is_local(first)) {
     auto fd = net::listen_tcp("", 0, 1, false);
     master_port_ = net::local_address(fd.get()).port();
@@ -516,7 +529,8 @@ int ElasticDriver::run() {
 
 // `cohort horovodrun-agent`: cohort run's flags, with Horovod's variables for every worker. With
 // --from-stdin (an agent the driver started on another host over ssh), the first line of stdin is
-// {"args": [...], "token": ..., "cwd": ...}; the rest of stdin is the driver's hold on this agent.
+// {"args": [...], "token": ..., "cwd": ..., "env": {...}} (the driver's environment, which this agent and so
+// its workers take); the rest of stdin is the driver's hold on this agent.
 int run_horovodrun_agent(std::vector<std::string> args) {
   if (args.size() == 2 && args[1] == "--from-stdin") {
     std::string first;
@@ -533,6 +547,7 @@ int run_horovodrun_agent(std::vector<std::string> args) {
     args.resize(1);
     for (const auto& a : handoff.at("args")) args.push_back(a.get<std::string>());
     setenv("COHORT_JOB_TOKEN", handoff.at("token").get<std::string>().c_str(), 1);
+    for (const auto& [name, value] : handoff.at("env").items()) setenv(name.c_str(), value.get<std::string>().c_str(), 1);
     // The driver's folder when this host has it (as a fan-out's agents do), else where ssh left us.
     if (chdir(handoff.at("cwd").get<std::string>().c_str()) != 0) { /* stay */ }
     std::thread([] {

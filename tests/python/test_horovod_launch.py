@@ -165,7 +165,8 @@ def _wait_for(path, wanted, proc, what, limit_s=60):
 def test_horovodrun_elastic_adds_and_removes_listed_hosts():
     # Horovod's elastic line: the discovery script prints the lines of a file this test rewrites. localhost runs its
     # agent here; hostB's starts through an ssh stand-in that runs it on this machine (COHORT_HOST_ID=hostB, so it
-    # is a node of its own). hostB, added mid-job, joins at the next generation and gets the committed state;
+    # is a node of its own; PYTHONPATH, TMPDIR and HVD_PROGRESS reach it only as the driver forwards its
+    # environment). hostB, added mid-job, joins at the next generation and gets the committed state;
     # removed mid-job, its agent is stopped (its ssh's stdin closed) and the survivor resumes from the last
     # commit; the worker checks its final weights against a replay (hvd_elastic_discovery_worker.py).
     horovodrun = os.path.join(os.path.dirname(_tool()), "horovodrun")
@@ -175,9 +176,9 @@ def test_horovodrun_elastic_adds_and_removes_listed_hosts():
             f.write("localhost:1\n")
         with open(discover, "w") as f:
             f.write(f"#!/bin/sh\ncat {hosts}\n")
-        with open(ssh, "w") as f:  # ssh HOST COMMAND...: COMMAND here, standing for HOST
+        with open(ssh, "w") as f:  # ssh HOST COMMAND...: COMMAND here, standing for HOST, as bare as an ssh session
             f.write('#!/bin/sh\nhost=$1; shift\necho "$host" >> ' + os.path.join(tmp, "ssh-hosts") +
-                    '\nexec env COHORT_HOST_ID="$host" "$@"\n')
+                    '\nexec env -i PATH="$PATH" HOME="$HOME" COHORT_HOST_ID="$host" "$@"\n')
         for script in (discover, ssh):
             os.chmod(script, 0o755)
 
