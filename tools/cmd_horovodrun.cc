@@ -275,6 +275,11 @@ ElasticDriverOptions elastic_options(const HorovodLine& line) {
   std::string ssh = ssh_line(line);
   o.ssh = str::split(ssh.empty() ? "ssh -o BatchMode=yes" : ssh, ' ');
   o.agent_flags = common_run_flags(line);
+  // The store's address of an elastic job is the first host's (the driver names it): an agent has no
+  // use for oob_tcp_if_include, and would print a note saying so.
+  for (size_t i = 0; i + 2 < o.agent_flags.size(); ++i)
+    if (o.agent_flags[i] == "-mca" && o.agent_flags[i + 1] == "oob_tcp_if_include")
+      o.agent_flags.erase(o.agent_flags.begin() + static_cast<long>(i), o.agent_flags.begin() + static_cast<long>(i) + 3);
   o.command = line.command;
   if (std::find(line.switches.begin(), line.switches.end(), "--dry-run") != line.switches.end())
     throw ConfigError("--dry-run with Horovod's elastic flags: an elastic job's hosts are known only once it runs");
