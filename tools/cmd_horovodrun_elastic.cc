@@ -183,6 +183,7 @@ class ElasticDriver {
   int master_port_ = 0;
   std::vector<Agent> agents_;            // running (or being stopped)
   std::set<std::string> blacklist_;      // hosts whose agent failed: never started again (Horovod's blacklist)
+  bool started_ = false;                 // the first hosts' agents are started: later ones join a running job
   bool finished_ = false;                // an agent ended with 0: the training is done, start no more
   int failure_code_ = 0;                 // the first agent that ended with an error
   std::string failure_;
@@ -358,7 +359,7 @@ void ElasticDriver::reconcile(const std::vector<std::pair<std::string, int>>& ho
     int use = std::min(slots, room);
     say(fmt::format("host {} is listed with {} slot{}: starting its agent with {} process{}{}", host, slots,
                     slots == 1 ? "" : "s", use, use == 1 ? "" : "es",
-                    agents_.empty() ? "" : "; it joins at the job's next generation"));
+                    started_ ? "; it joins at the job's next generation" : ""));
     start_agent(host, use);
   }
   // Fewer slots than --min-np: Horovod waits for more hosts up to --elastic-timeout, then stops the job.
@@ -500,6 +501,7 @@ int ElasticDriver::run() {
     reconcile({hosts.front()});
     wait_for_store(agents_.front());
     reconcile(hosts);
+    started_ = true;
     while (reap()) {
       if (int sig = g_signal.load())
         return stop_all(fmt::format("got signal {}: stopping every host's agent", sig), 128 + sig);
