@@ -363,7 +363,8 @@ void ElasticDriver::reconcile(const std::vector<std::pair<std::string, int>>& ho
     start_agent(host, use);
   }
   // Fewer slots than --min-np: Horovod waits for more hosts up to --elastic-timeout, then stops the job.
-  bool short_now = running_slots() < o_.min_np;
+  // (Not while the first hosts start: the driver waited for --min-np slots before it started any.)
+  bool short_now = started_ && running_slots() < o_.min_np;
   if (short_now && !short_) {
     short_since_ = Clock::now();
     say(fmt::format("{} process{} on the listed hosts, fewer than --min-np {}: waiting up to {} (--elastic-timeout) "
