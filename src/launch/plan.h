@@ -121,6 +121,11 @@ MachineFacts this_machine(bool detect_gpus = false);
 // of its addresses. (Other loopback addresses, 127.0.0.2 and up, count as other hosts, as in a fan-out:
 // tests use them to stand for other machines.) `cohort doctor` checks such hosts without ssh.
 bool is_this_machine(const std::string& host, const MachineFacts& machine);
+// horovodrun's line: whether the launcher's variable `name` goes to the workers on other hosts, as horovodrun
+// hands its environment to every worker it starts over ssh: all but horovodrun's exceptions (shell functions,
+// OLDPWD, CUDA_VISIBLE_DEVICES) and the ones that describe the launcher's own process (the places cohort sets
+// for each worker, COHORT_*, TORCHELASTIC_*, Open MPI's, PMIx's and Slurm's).
+bool forwarded_to_other_hosts(const std::string& name);
 // PATH lookup + access(X_OK); ConfigError "program 'x' not found on PATH" / "... is not executable".
 std::string resolve_program(const std::string& program);
 

@@ -12,14 +12,13 @@
 #include "launch/plan_internal.h"
 
 namespace cohort::launch {
-namespace {
 
 // horovodrun's line: the workers on other hosts get this launcher's environment, as horovodrun hands its
 // own to each worker it starts over ssh (PATH, PYTHONPATH, the program's settings), with horovodrun's
 // exceptions (shell functions, OLDPWD, CUDA_VISIBLE_DEVICES) and cohort's: what the launcher sets for each
 // worker (its place in the job), and other launchers' variables (Open MPI's, PMIx's, Slurm's), which
 // describe this launcher's process, not the workers. -x still wins: its variables come first.
-void forward_environment(Plan& p, const EnvMap& env) {
+bool forwarded_to_other_hosts(const std::string& name) {
   static const std::vector<std::string> kOwnNames = {
       "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
       "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "OLDPWD", "HOROVOD_RANK",
@@ -27,14 +26,20 @@ void forward_environment(Plan& p, const EnvMap& env) {
       "HOROVOD_HOSTNAME"};
   static const std::vector<std::string> kOwnPrefixes = {"COHORT_", "TORCHELASTIC_", "OMPI_", "PMIX_", "SLURM_",
                                                         "BASH_FUNC_"};
+  if (std::find(kOwnNames.begin(), kOwnNames.end(), name) != kOwnNames.end()) return false;
+  if (std::any_of(kOwnPrefixes.begin(), kOwnPrefixes.end(), [&](const std::string& x) { return name.starts_with(x); }))
+    return false;
+  return !name.ends_with("CUDA_VISIBLE_DEVICES");
+}
+
+namespace {
+
+void forward_environment(Plan& p, const EnvMap& env) {
   for (const auto& entry : env) {
     // Named references, not a structured binding: clang 14 (the sanitizer build) cannot capture those.
     const std::string& name = entry.first;
     const std::string& value = entry.second;
-    if (std::find(kOwnNames.begin(), kOwnNames.end(), name) != kOwnNames.end()) continue;
-    if (std::any_of(kOwnPrefixes.begin(), kOwnPrefixes.end(), [&](const std::string& x) { return name.starts_with(x); }))
-      continue;
-    if (name.ends_with("CUDA_VISIBLE_DEVICES")) continue;
+    if (!forwarded_to_other_hosts(name)) continue;
     if (std::any_of(p.extra_env.begin(), p.extra_env.end(), [&](const auto& kv) { return kv.first == name; })) continue;
     p.extra_env.emplace_back(name, value);
   }
