@@ -49,6 +49,7 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "cohort/torch/module_holder.h"
 
 namespace cohort::torch {
 
@@ -167,12 +168,6 @@ class FullyShardedDataParallel {
   void on_gradient_ready(size_t unit, size_t param);
   void land_reduce(Unit& unit);
   void finish_reduce();
-
-  template <typename M>
-  static auto holder_ptr(M module) {
-    if constexpr (requires { module.ptr(); }) return module.ptr();
-    else return module;
-  }
 
   std::function<::torch::Tensor(const ::torch::Tensor&)> forward_;
   std::shared_ptr<::torch::nn::Module> module_;
