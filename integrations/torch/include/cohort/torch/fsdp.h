@@ -54,6 +54,7 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "cohort/torch/module_holder.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/grad_sync.h"
 
@@ -204,12 +205,6 @@ class FullyShardedDataParallel {
   void on_gradient_ready(size_t unit, size_t param);
   void land_reduce(Unit& unit);
   void finish_reduce();
-
-  template <typename M>
-  static auto holder_ptr(M module) {
-    if constexpr (requires { module.ptr(); }) return module.ptr();
-    else return module;
-  }
 
   std::function<::torch::Tensor(const ::torch::Tensor&)> forward_;
   std::shared_ptr<::torch::nn::Module> module_;
