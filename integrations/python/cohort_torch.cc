@@ -1216,6 +1216,7 @@ class ProcessGroupCohort : public BaseGroup {
   template <typename Post>
   c10::intrusive_ptr<c10d::Work> post_p2p(c10d::OpType type, std::vector<at::Tensor> outputs, int source_rank,
                                           Post&& post, std::function<void()> on_success) {
+    release_finished();
     auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
     std::shared_ptr<cohort::Work> p2p;
     {
@@ -1318,6 +1319,7 @@ class ProcessGroupCohort : public BaseGroup {
   // The same, for an operation that fills in its Work as it runs (the sender of a recv from any source).
   c10::intrusive_ptr<c10d::Work> enqueue_run(Millis timeout, c10d::OpType type, std::vector<at::Tensor> outputs,
                                              std::function<void(CohortWork&)> run, int source_rank = -1) {
+    release_finished();
     auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -1372,6 +1374,9 @@ class ProcessGroupCohort : public BaseGroup {
       if (!w->poll_p2p()) left.push_back(std::move(w));
     std::lock_guard<std::mutex> lock(mu_);
     in_flight_.insert(in_flight_.begin(), left.begin(), left.end());
+    // The completed ones: freed by a caller's thread, as the collectives' (release_finished).
+    for (auto& w : flying)
+      if (w) finished_.push_back(std::move(w));
     return !in_flight_.empty();
   }
 
@@ -1429,8 +1434,28 @@ class ProcessGroupCohort : public BaseGroup {
       busy_ = false;
       if (running_deadline_) cv_watch_.notify_all();
       running_deadline_.reset();
+      finished_.push_back(std::move(next.work));  // released by a caller's thread (release_finished)
     }
   }
+
+  // Drops the Works the worker thread completed, on the calling thread (one that issues operations).
+  //
+  // Why not on the worker: once a Work completes, its waiter may drop its own references (to the
+  // Work and to the tensors it holds) before the worker drops its one. The worker's reference is then
+  // the last: a tensor whose Python object Python let go of while C++ still held it is kept alive by
+  // its TensorImpl, and freeing it takes the GIL. A caller that busy-waits on the next operation with
+  // the GIL held (Horovod's `while not hvd.poll(h): pass`) then keeps the worker from starting that
+  // operation until Python's switch interval hands the GIL over, on every rank at every such call:
+  // across hosts that was a 100x slower operation under load and a stall of many seconds (a lost rank
+  // for the launcher) on a quiet machine (issue 48). The worker therefore never frees a Work: the
+  // next operation issued (or the group's destruction) does, on a thread that may take the GIL.
+  void release_finished() {
+    std::vector<c10::intrusive_ptr<CohortWork>> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done.swap(finished_);
+    }
+  }  // `done` is freed here, outside mu_
 
   // Declared before comm_ so that it is destroyed after it: the communicator may write into these.
   std::vector<std::shared_ptr<MonitoredBarrierState>> kept_barriers_;
@@ -1444,6 +1469,7 @@ class ProcessGroupCohort : public BaseGroup {
   std::condition_variable cv_;
   std::deque<Pending> queue_;
   std::vector<c10::intrusive_ptr<CohortWork>> in_flight_;  // posted sends and receives not yet completed
+  std::vector<c10::intrusive_ptr<CohortWork>> finished_;   // completed, not yet freed (release_finished)
   bool busy_ = false;
   bool stopping_ = false;
   std::thread worker_;

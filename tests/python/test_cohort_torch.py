@@ -267,3 +267,12 @@ def test_after_a_lost_rank_the_survivors_destroy_the_group_and_go_on_smaller():
         fields = dict(f.split("=") for f in line[0].split()[2:])
         assert float(fields["destroy_s"]) < 2.0, line[0]
         assert fields["named_rank_2"] == "True", describe(results)
+
+
+def test_a_busy_wait_holding_the_gil_does_not_stall_the_next_operation():
+    # busy_wait_worker.py: operation B must complete while each rank spins on it with the GIL held,
+    # right after dropping operation A (the backend's worker thread must not need the GIL between them).
+    results = run_ranks([os.path.join(HERE, "busy_wait_worker.py")], 2, timeout=60)
+    assert all(rc == 0 for rc, _, _ in results), describe(results)
+    for rank, (rc, out, err) in enumerate(results):
+        assert out.startswith("OK "), describe(results)
