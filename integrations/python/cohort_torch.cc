@@ -60,6 +60,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1525,6 +1526,24 @@ std::string timedelta_text(Millis t) {
   return text;
 }
 
+// The key prefix of a group's communicator, the same on its ranks and new for every group this job
+// makes. A communicator's id (in the flight recorder, `cohort trace`, the launcher's diagnosis and the
+// wire's tags) is the hash of its prefix; with one prefix for all, every torch group of a process was
+// one communicator there, so after a group was destroyed and another made (a second hvd.init(), a
+// rebuild after an error) the launcher compared the new group's operation #1 with the old one's and
+// reported a "mismatch at operation #1" that never happened. torch gives each group a store of its
+// own but no name for it here (the creator receives store, rank, size, timeout): rank 0 draws one.
+std::string group_store_prefix(cohort::Store& group_store, int rank) {
+  constexpr const char* kKey = "cohort_group_id";
+  if (rank == 0) {
+    std::random_device random;
+    const std::string id = fmt::format("{:08x}{:08x}", random(), random());
+    group_store.set(kKey, id);
+    return "comm-" + id;
+  }
+  return "comm-" + group_store.get(kKey);  // waits for rank 0, within the group's timeout
+}
+
 // torch calls creator(store, rank, size, timeout) from init_process_group / new_group.
 c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Millis timeout) {
@@ -1540,6 +1559,7 @@ c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
                                              timedelta_text(timeout));
   std::shared_ptr<cohort::Communicator> comm;
   try {
+    options.store_prefix = group_store_prefix(*adapter, rank);
     comm = cohort::Communicator::create(adapter, rank, size, options);
   } catch (const cohort::Error& e) {
     throw std::runtime_error(fmt::format("cohort backend: building the communicator for rank {} "
