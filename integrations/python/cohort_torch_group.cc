@@ -10,6 +10,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -82,6 +83,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCohort::enqueue(Millis timeout, c10d:
 c10::intrusive_ptr<c10d::Work> ProcessGroupCohort::enqueue_run(Millis timeout, c10d::OpType type,
                                                                std::vector<at::Tensor> outputs,
                                                                std::function<void(CohortWork&)> run, int source_rank) {
+  release_finished();
   auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -136,8 +138,30 @@ bool ProcessGroupCohort::poll_in_flight() {
     if (!w->poll_p2p()) left.push_back(std::move(w));
   std::lock_guard<std::mutex> lock(mu_);
   in_flight_.insert(in_flight_.begin(), left.begin(), left.end());
+  // The completed ones: freed by a caller's thread, as the collectives' (release_finished).
+  for (auto& w : flying)
+    if (w) finished_.push_back(std::move(w));
   return !in_flight_.empty();
 }
+
+// Drops the Works the worker thread completed, on the calling thread (one that issues operations).
+//
+// Why not on the worker: once a Work completes, its waiter may drop its own references (to the
+// Work and to the tensors it holds) before the worker drops its one. The worker's reference is then
+// the last: a tensor whose Python object Python let go of while C++ still held it is kept alive by
+// its TensorImpl, and freeing it takes the GIL. A caller that busy-waits on the next operation with
+// the GIL held (Horovod's `while not hvd.poll(h): pass`) then keeps the worker from starting that
+// operation until Python's switch interval hands the GIL over, on every rank at every such call:
+// across hosts that was a 100x slower operation under load and a stall of many seconds (a lost rank
+// for the launcher) on a quiet machine (issue 48). The worker therefore never frees a Work: the
+// next operation issued (or the group's destruction) does, on a thread that may take the GIL.
+void ProcessGroupCohort::release_finished() {
+  std::vector<c10::intrusive_ptr<CohortWork>> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done.swap(finished_);
+  }
+}  // `done` is freed here, outside mu_
 
 void ProcessGroupCohort::worker_loop() {
   // While sends or receives are in flight and nothing is queued, the worker looks at them every
@@ -193,6 +217,7 @@ void ProcessGroupCohort::worker_loop() {
     busy_ = false;
     if (running_deadline_) cv_watch_.notify_all();
     running_deadline_.reset();
+    finished_.push_back(std::move(next.work));  // released by a caller's thread (release_finished)
   }
 }
 
@@ -205,6 +230,24 @@ std::string timedelta_text(Millis t) {
   if (frac != 0) text += fmt::format(".{:06}", frac * 1000);
   if (days != 0) text = fmt::format("{} day{}, {}", days, days == 1 ? "" : "s", text);
   return text;
+}
+
+// The key prefix of a group's communicator, the same on its ranks and new for every group this job
+// makes. A communicator's id (in the flight recorder, `cohort trace`, the launcher's diagnosis and the
+// wire's tags) is the hash of its prefix; with one prefix for all, every torch group of a process was
+// one communicator there, so after a group was destroyed and another made (a second hvd.init(), a
+// rebuild after an error) the launcher compared the new group's operation #1 with the old one's and
+// reported a "mismatch at operation #1" that never happened. torch gives each group a store of its
+// own but no name for it here (the creator receives store, rank, size, timeout): rank 0 draws one.
+std::string group_store_prefix(cohort::Store& group_store, int rank) {
+  constexpr const char* kKey = "cohort_group_id";
+  if (rank == 0) {
+    std::random_device random;
+    const std::string id = fmt::format("{:08x}{:08x}", random(), random());
+    group_store.set(kKey, id);
+    return "comm-" + id;
+  }
+  return "comm-" + group_store.get(kKey);  // waits for rank 0, within the group's timeout
 }
 
 // torch calls creator(store, rank, size, timeout) from init_process_group / new_group.
@@ -222,6 +265,7 @@ c10::intrusive_ptr<ProcessGroupCohort> create_process_group(
                                              timedelta_text(timeout));
   std::shared_ptr<cohort::Communicator> comm;
   try {
+    options.store_prefix = group_store_prefix(*adapter, rank);
     comm = cohort::Communicator::create(adapter, rank, size, options);
   } catch (const cohort::Error& e) {
     throw std::runtime_error(fmt::format("cohort backend: building the communicator for rank {} "

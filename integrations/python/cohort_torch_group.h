@@ -197,6 +197,7 @@ class ProcessGroupCohort : public BaseGroup {
   void watchdog_loop();
   size_t in_flight_count();
   bool poll_in_flight();
+  void release_finished();
   void worker_loop();
 
   // Declared before comm_ so that it is destroyed after it: the communicator may write into these.
@@ -211,6 +212,7 @@ class ProcessGroupCohort : public BaseGroup {
   std::condition_variable cv_;
   std::deque<Pending> queue_;
   std::vector<c10::intrusive_ptr<CohortWork>> in_flight_;  // posted sends and receives not yet completed
+  std::vector<c10::intrusive_ptr<CohortWork>> finished_;   // completed, not yet freed (release_finished)
   bool busy_ = false;
   bool stopping_ = false;
   std::thread worker_;

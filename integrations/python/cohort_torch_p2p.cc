@@ -21,6 +21,7 @@ template <typename Post>
 c10::intrusive_ptr<c10d::Work> ProcessGroupCohort::post_p2p(c10d::OpType type, std::vector<at::Tensor> outputs,
                                                             int source_rank, Post&& post,
                                                             std::function<void()> on_success) {
+  release_finished();
   auto work = c10::make_intrusive<CohortWork>(rank_, type, std::move(outputs), source_rank);
   std::shared_ptr<cohort::Work> p2p;
   {
