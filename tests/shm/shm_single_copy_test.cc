@@ -212,6 +212,41 @@ TEST_P(ShmSingleCopyWorld, EveryDataMovingCollectiveCopiesOnceAndMatchesItsDefin
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmSingleCopyWorld, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
+// A single-copy broadcast keeps the root's core busy too: the root writes the last page-aligned
+// bytes/P of every receiver's buffer while each receiver reads the rest. Sizes around the point where
+// that share becomes one page (P*4096 - 1: the receivers copy all), odd sizes, every root, 2 to 4 ranks.
+TEST(ShmSingleCopy, BroadcastRootWritesItsShareIntoEveryReceiverWhileTheyReadTheRest) {
+  for (int world = 2; world <= 4; ++world) {
+    auto groups = make_groups(world, single_copy_options());
+    const size_t W = static_cast<size_t>(world);
+    const std::vector<size_t> sizes = {W * 4096 - 1, W * 4096, W * 4096 + 1, W * 4096 * 3 + 77, (size_t{3} << 20) + 5};
+    test::run_ranks(world, [&](int r) {
+      Group& g = *groups[r];
+      for (const size_t n : sizes) {
+        const size_t share = Group::broadcast_root_share(n, world);
+        EXPECT_EQ(share, n / W / 4096 * 4096) << "n=" << n;
+        for (int root = 0; root < world; ++root) {
+          std::vector<uint8_t> sent(n), buf(n, 0xEE);
+          for (size_t i = 0; i < n; ++i) sent[i] = byte_of(root, world, i);
+          if (r == root) buf = sent;
+          const Group::CopiedBytes before = g.single_copied();
+          g.broadcast(buf.data(), n, root);
+          const Group::CopiedBytes after = g.single_copied();
+          ASSERT_EQ(buf, sent) << "broadcast n=" << n << " root " << root << " rank " << r << " of " << world;
+          if (r == root) {
+            EXPECT_EQ(after.pushed - before.pushed, (W - 1) * share) << "root's writes, n=" << n << " of " << world;
+            EXPECT_EQ(after.pulled, before.pulled) << "n=" << n;
+          } else {
+            EXPECT_EQ(after.pulled - before.pulled, n - share) << "receiver's reads, n=" << n << " of " << world;
+            EXPECT_EQ(after.pushed, before.pushed) << "n=" << n;
+          }
+        }
+      }
+      EXPECT_GT(g.single_copied().pushed + g.single_copied().pulled, 0u);
+    });
+  }
+}
+
 TEST(ShmSingleCopy, TurnedOffEveryRankStagesAndSaysWhy) {
   GroupOptions o = single_copy_options();
   o.single_copy = false;

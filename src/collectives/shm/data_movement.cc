@@ -105,6 +105,12 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
   });
 }
 
+size_t Group::broadcast_root_share(size_t bytes, int ranks) {
+  // Whole pages, so that the root and a receiver do not both have the kernel pin the page where the
+  // receiver's part ends.
+  return bytes / static_cast<size_t>(std::max(ranks, 1)) / kPage * kPage;
+}
+
 void Group::broadcast(void* data_v, size_t bytes, int root) {
   if (root < 0 || root >= size_)
     throw InvalidArgument(fmt::format("broadcast: root {} is not a local rank in [0, {})", root, size_));
@@ -112,9 +118,22 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
     char* data = static_cast<char*>(data_v);
     if (size_ == 1) return;
     if (single_copy_for(bytes)) {
+      // Every receiver needs all `bytes`; if the receivers copied alone, the root's core would sit idle
+      // for the whole call. So the root writes the tail of every receiver's buffer (process_vm_writev)
+      // while each receiver reads the head (process_vm_readv): (P-1) shares for the root, bytes - share
+      // for each receiver, equal at share = bytes/P. The head and tail are disjoint, so the two copies
+      // into one buffer never touch the same bytes, and the second round ends both.
+      const size_t share = broadcast_root_share(bytes, size_);
       const uint64_t header[1] = {reinterpret_cast<uint64_t>(data)};
       single_copy_call("broadcast", header, 1, [&](unsigned p) {
-        if (rank_ != root) pull(root, data, header_of(root, p)[0], bytes, "broadcast");
+        if (rank_ != root) {
+          pull(root, data, header_of(root, p)[0], bytes - share, "broadcast");
+          return;
+        }
+        for (int k = 1; k < size_ && share > 0; ++k) {  // staggered, as allgather's reads
+          const int q = (rank_ + k) % size_;
+          push(q, header_of(q, p)[0] + (bytes - share), data + (bytes - share), share, "broadcast");
+        }
       });
       return;
     }

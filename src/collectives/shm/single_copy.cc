@@ -111,6 +111,7 @@ void Group::pull(int q, void* local, uint64_t remote, size_t bytes, const char* 
       throw Error(text);
     }
     to += n, remote += static_cast<uint64_t>(n), bytes -= static_cast<size_t>(n);
+    copied_.pulled += static_cast<uint64_t>(n);
   }
 }
 
@@ -129,6 +130,7 @@ void Group::push(int q, uint64_t remote, const void* local, size_t bytes, const 
       throw Error(text);
     }
     from += n, remote += static_cast<uint64_t>(n), bytes -= static_cast<size_t>(n);
+    copied_.pushed += static_cast<uint64_t>(n);
   }
 }
 
