@@ -333,6 +333,20 @@ TEST(ShmSingleCopyProcesses, ThreeProcessesCopyBetweenTheirOwnBuffersFromTheDefa
           for (int q = 0; q < world && code == 0; ++q)
             for (size_t i = 0; i < bytes; ++i)
               if (recv[q * bytes + i] != byte_of(q, r, i)) code = 13;
+          // broadcast of the whole size from every root: over the limit the root writes a share into
+          // each other process while they read the rest (push and pull across address spaces).
+          const size_t total = bytes * world;
+          for (int root = 0; root < world && code == 0; ++root) {
+            std::vector<uint8_t> buf(total, 0xEE);
+            if (r == root)
+              for (size_t i = 0; i < total; ++i) buf[i] = byte_of(root, world, i);
+            const Group::CopiedBytes was = g->single_copied();
+            g->broadcast(buf.data(), total, root);
+            for (size_t i = 0; i < total && code == 0; ++i)
+              if (buf[i] != byte_of(root, world, i)) code = 14;
+            const uint64_t share = total >= (size_t{1} << 20) ? Group::broadcast_root_share(total, world) : 0;
+            if (code == 0 && r == root && g->single_copied().pushed - was.pushed != (world - 1) * share) code = 15;
+          }
         }
         g->barrier();
       } catch (const std::exception& e) {
@@ -356,7 +370,8 @@ TEST(ShmSingleCopyProcesses, ThreeProcessesCopyBetweenTheirOwnBuffersFromTheDefa
     }
     ASSERT_TRUE(WIFEXITED(status)) << "rank " << r;
     EXPECT_EQ(WEXITSTATUS(status), 0) << "rank " << r << " (10: no single copy, 11: allgather wrong, "
-                                      << "12: wrong path for the size, 13: alltoall wrong)";
+                                      << "12: wrong path for the size, 13: alltoall wrong, 14: broadcast wrong, "
+                                      << "15: the broadcast's root did not write its share)";
   }
 }
 
