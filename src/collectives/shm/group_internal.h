@@ -19,7 +19,9 @@ constexpr size_t kLine = 64;
 
 inline size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
-inline size_t controls_bytes(int local_size) { return round_up(static_cast<size_t>(local_size) * sizeof(RankControl), kPage); }
+inline size_t controls_bytes(int local_size) {
+  return round_up(static_cast<size_t>(local_size) * sizeof(RankControl), kPage);
+}
 
 // Slice q of a chunk of `count` elements split among `parts` ranks, on cache-line boundaries.
 struct Slices {
