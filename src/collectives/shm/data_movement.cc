@@ -122,8 +122,9 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
       // for the whole call. So the root writes the tail of every receiver's buffer (process_vm_writev)
       // while each receiver reads the head (process_vm_readv): (P-1) shares for the root, bytes - share
       // for each receiver, equal at share = bytes/P. The head and tail are disjoint, so the two copies
-      // into one buffer never touch the same bytes, and the second round ends both.
-      const size_t share = broadcast_root_share(bytes, size_);
+      // into one buffer never touch the same bytes, and the second round ends both. Where the ranks
+      // share cores there is no idle root core, and the receivers copy it all (broadcast_splits).
+      const size_t share = broadcast_splits() ? broadcast_root_share(bytes, size_) : 0;
       const uint64_t header[1] = {reinterpret_cast<uint64_t>(data)};
       single_copy_call("broadcast", header, 1, [&](unsigned p) {
         if (rank_ != root) {

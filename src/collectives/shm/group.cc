@@ -178,6 +178,12 @@ void Group::choose_wait_policy() {
   const affinity::YieldChoice choice = affinity::choose_yield(sets);
   sync_.set_yield(choice.yield);
   wait_policy_ = choice.why;
+  // Every rank computes this from the same lists, so all agree (the broadcast's split relies on it).
+  std::vector<int> all;
+  for (const auto& set : sets) all.insert(all.end(), set.begin(), set.end());
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  cpus_for_every_rank_ = all.size() >= static_cast<size_t>(size_);
 }
 
 void Group::choose_chunk_size() {
