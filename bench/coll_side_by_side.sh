@@ -56,6 +56,8 @@ cohort_case() {  # round op size [staged|base]
   out=$(COHORT_SHM_SINGLE_COPY=$single "$bin" run -n "$N" --no-tag-output "$bin" bench "$2" -b "$3" -e "$3" --trials 3 --min-time 0.3 \
     $cohort_flag 2>&1)
   if [[ $peer == cohort && ($1 == 1 || $2 == allgather) ]]; then grep "^# link:" <<<"$out" | sed "s/^# link:/LINK round $1 $2:/"; fi
+  # Which rank copied what on the single-copy path (cohort bench's last lines, one per rank).
+  grep "^# copies, rank" <<<"$out" | sed "s/^# copies,/COPIES round $1 $2 $peer:/"
   awk -v r="$1" -v op="$2" -v p="$peer" '!/^#/ && NF >= 9 && $1 ~ /^[0-9]+$/ { print "ROUND", r, op, $1, p, $6, $8 }' <<<"$out"
   grep -q "^# Out of bounds" <<<"$out" || { echo "cohort bench $2 $3 failed:"; tail -5 <<<"$out"; }
 }
