@@ -10,6 +10,8 @@
 #     over twice the L3, rotated per iteration, on both sides)
 #     STAGED=1: also cohort with COHORT_SHM_SINGLE_COPY=0 (peer cohort-staged: the paths before single copy,
 #     as on main before issue 51), in the same interleaved rounds
+#     BASE=path/to/another/cohort: also that build (peer cohort-base, e.g. main's before a change), in the
+#     same interleaved rounds, so that a change is measured against its base under the same load
 #   About 2 minutes per round at 2 ranks on an idle 2-core host, several times that under load.
 #
 # Method (bench/peers/README.md, "Method", same on both sides): fp32, sum, root 0; the size is the whole
@@ -33,6 +35,7 @@ trap 'rm -rf "$TMP"' EXIT
 # A copy, so that a rebuild while the rounds run does not mix two builds in one table.
 cp "$BUILD/tools/cohort" "$TMP/cohort" || exit 1
 COHORT=$TMP/cohort
+if [[ -n ${BASE:-} ]]; then cp "$BASE" "$TMP/cohort-base" || exit 1; fi
 [[ -n ${2:-} ]] && exec > >(tee -a "$2") 2>&1
 
 cohort_flag=--no-cache-reuse
@@ -45,13 +48,16 @@ bytes_of() { numfmt --from=iec "$1"; }
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 
 # One line per measurement: ROUND <round> <op> <bytes> <peer> <time us> <busbw GB/s>
-cohort_case() {  # round op size [staged]
-  local out peer=cohort single=1
+cohort_case() {  # round op size [staged|base]
+  local out peer=cohort single=1 bin=$COHORT
   [[ ${4:-} == staged ]] && { peer=cohort-staged; single=0; }
+  [[ ${4:-} == base ]] && { peer=cohort-base; bin=$TMP/cohort-base; }
   # shellcheck disable=SC2086
-  out=$(COHORT_SHM_SINGLE_COPY=$single "$COHORT" run -n "$N" --no-tag-output "$COHORT" bench "$2" -b "$3" -e "$3" --trials 3 --min-time 0.3 \
+  out=$(COHORT_SHM_SINGLE_COPY=$single "$bin" run -n "$N" --no-tag-output "$bin" bench "$2" -b "$3" -e "$3" --trials 3 --min-time 0.3 \
     $cohort_flag 2>&1)
   if [[ $peer == cohort && ($1 == 1 || $2 == allgather) ]]; then grep "^# link:" <<<"$out" | sed "s/^# link:/LINK round $1 $2:/"; fi
+  # Which rank copied what on the single-copy path (cohort bench's last lines, one per rank).
+  grep "^# copies, rank" <<<"$out" | sed "s/^# copies,/COPIES round $1 $2 $peer:/"
   awk -v r="$1" -v op="$2" -v p="$peer" '!/^#/ && NF >= 9 && $1 ~ /^[0-9]+$/ { print "ROUND", r, op, $1, p, $6, $8 }' <<<"$out"
   grep -q "^# Out of bounds" <<<"$out" || { echo "cohort bench $2 $3 failed:"; tail -5 <<<"$out"; }
 }
@@ -70,6 +76,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
     for op in $OPS; do
       cohort_case "$r" "$op" "$size"
       [[ ${STAGED:-0} == 1 ]] && cohort_case "$r" "$op" "$size" staged
+      [[ -n ${BASE:-} ]] && cohort_case "$r" "$op" "$size" base
       mpi_case "$r" "$op" "$size"
     done
   done
@@ -92,9 +99,9 @@ for line in open(sys.argv[1]):
 def mib(b):
     return f"{b / 2**20:g} MiB"
 print("\n## Every round: time per op in ms (busbw GB/s); ratio = cohort busbw / Open MPI busbw, same round\n")
-staged = any("cohort-staged" in t[k] for k in order)
-print("| op | size | round | cohort | " + ("cohort staged | " if staged else "") + "Open MPI | ratio |")
-print("|---|---|---:|---:|" + ("---:|" if staged else "") + "---:|---:|")
+extra = [p for p in ("cohort-staged", "cohort-base") if any(p in t[k] for k in order)]
+print("| op | size | round | cohort | " + "".join(p.replace("-", " ") + " | " for p in extra) + "Open MPI | ratio |")
+print("|---|---|---:|---:|" + "---:|" * len(extra) + "---:|---:|")
 def cell(key, peer, r):
     return f"{t[key][peer][r] / 1e3:.2f} ({bw[key][peer][r]:.2f})" if r in t[key].get(peer, {}) else "-"
 for key in order:
@@ -102,7 +109,7 @@ for key in order:
     for r in sorted(set(c) | set(m)):
         ratio = f"{m[r] / c[r]:.2f}x" if r in c and r in m else "-"
         print(f"| {key[0]} | {mib(key[1])} | {r} | {cell(key, 'cohort', r)} | "
-              + (f"{cell(key, 'cohort-staged', r)} | " if staged else "") + f"{cell(key, 'mpi', r)} | {ratio} |")
+              + "".join(f"{cell(key, p, r)} | " for p in extra) + f"{cell(key, 'mpi', r)} | {ratio} |")
 print("\n## Goal: cohort's slowest round >= 1.5x Open MPI's fastest (busbw)\n")
 for key in order:
     c, m = bw[key].get("cohort", {}), bw[key].get("mpi", {})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles cohort's torch code against torch 2.x headers, on a machine that only has Debian 12's torch
-# 1.13: the PyTorch backend (integrations/python/cohort_torch.cc, its torch 2.x branch: c10d::Backend
-# and the CUDA routing), the libtorch integration (integrations/torch/*.cc: DDP, the sharded
+# 1.13: the PyTorch backend (integrations/python/cohort_torch_*.cc, its torch 2.x branch: c10d::Backend
+# and the CUDA routing; one unity file, or each file where COHORT_UNITY_BUILD is off), the libtorch integration (integrations/torch/*.cc: DDP, the sharded
 # optimizer) and the examples built on it (every examples/ file compiled against libtorch).
 #
 #   scripts/check_torch2_compiles.sh [build dir (default build)] [cache dir (default /tmp/cohort-torch2)]
@@ -36,7 +36,7 @@ commands=$(ninja -C "$build" -t commands 2>/dev/null || true)
 
 # The build's compile command for one source file, its torch include directories pointed at trixie's
 # headers, without object or dependency file. Two kinds of torch in the build:
-# - python3-torch's (cohort_torch.cc): .../dist-packages/torch/include and its api/include;
+# - python3-torch's (cohort_torch_*.cc): .../dist-packages/torch/include and its api/include;
 # - Debian's libtorch-dev (integrations/torch, the examples): its headers are in /usr/include itself,
 #   so trixie's include dir goes first, before the compiler's own /usr/include.
 torch2_command() {
@@ -47,13 +47,14 @@ torch2_command() {
   sed -E 's/ -o [^ ]+/ /; s/ -MD / /; s/ -MT [^ ]+/ /; s/ -MF [^ ]+/ /' <<<"$cmd"
 }
 
-# cohort_torch.cc first: it is the file whose headers tell the torch version.
-python_cmd=$(grep -m1 -- "-c [^ ]*integrations/python/cohort_torch.cc" <<<"$commands" || true)
-if [[ -z $python_cmd ]]; then
-  echo "check_torch2_compiles: no compile command for cohort_torch.cc in $build (is torch found?)" >&2
+# The PyTorch backend's files first: their headers tell the torch version. Its compile commands: the
+# unity file of the cohort_torch target, or each cohort_torch_*.cc where COHORT_UNITY_BUILD is off.
+mapfile -t python_cmds < <(grep -E -- "-c [^ ]*integrations/python/(cohort_torch_[a-z0-9_]+\.cc|CMakeFiles/cohort_torch\.dir/Unity/[^ ]+)( |$)" <<<"$commands" | sort -u)
+if ((${#python_cmds[@]} == 0)); then
+  echo "check_torch2_compiles: no compile command for the cohort_torch module in $build (is torch found?)" >&2
   exit 1
 fi
-python_cmd=$(torch2_command "$python_cmd")
+python_cmd=$(torch2_command "${python_cmds[0]}")
 version=$(cd "$build" && eval "${python_cmd/ -c / -dM -E -o - -c }" |
           awk '/define TORCH_VERSION_M(AJOR|INOR) /{printf "%s%s", sep, $3; sep="."}')
 [[ $version == 2.* ]] || { echo "check_torch2_compiles: the headers say torch '$version', not 2.x" >&2; exit 1; }
@@ -74,11 +75,11 @@ check() {
   echo "check_torch2_compiles: $source against torch $version headers (-fsyntax-only)"
   if ! (cd "$build" && eval "${cmd/ -c / -fsyntax-only -c }"); then failed+=("$source"); fi
 }
-check "$python_cmd"
+for cmd in "${python_cmds[@]}"; do check "$(torch2_command "$cmd")"; done
 for cmd in "${libtorch_cmds[@]}"; do check "$(torch2_command "$cmd")"; done
 
 if ((${#failed[@]})); then
   echo "check_torch2_compiles: FAILED against torch $version: ${failed[*]}" >&2
   exit 1
 fi
-echo "check_torch2_compiles: OK, $((1 + ${#libtorch_cmds[@]})) files compile against torch $version"
+echo "check_torch2_compiles: OK, $((${#python_cmds[@]} + ${#libtorch_cmds[@]})) files compile against torch $version"

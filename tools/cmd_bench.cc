@@ -456,6 +456,11 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
     }
     if (o.factor <= 1) break;
   }
+  // Every rank's share of the copies (the single-copy path splits them between the ranks; a rank that
+  // copies much more than another is the slowest). Means over all calls, warm-up included: exact for a
+  // run of one size.
+  if (const std::string copies = comm->copy_report(); !copies.empty())
+    fmt::print("# copies, rank {}: {}\n", comm->rank(), copies);
   int64_t total_wrong = 0;
   double sum_bus = 0;
   for (const auto& r : rows) total_wrong += std::max<int64_t>(0, r.wrong), sum_bus += r.busbw;

@@ -196,6 +196,10 @@ class Communicator {
   // its ranks on this host (their CPUs, a round trip, cache-to-cache against own-cache copy speed; "The
   // link probe", skipped with COHORT_SHM_PROBE=0).
   virtual std::string link_report() const { return {}; }
+  // What this rank's shared-memory group copied so far on its single-copy path (docs/algorithms-shm.md,
+  // "Single copy"): how many calls took it and the bytes this rank read from peers and wrote into them
+  // (empty without a group). Says which rank did which part of a collective's copies.
+  virtual std::string copy_report() const { return {}; }
 };
 
 }  // namespace cohort

@@ -3,6 +3,7 @@
 #include "cohort/torch/fsdp.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -10,10 +11,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <sstream>
 #include <typeinfo>
 #include <unordered_set>
 
 #include "cohort/torch/ddp.h"  // broadcast_module
+#include "module_sync.h"     // broadcast_buffers
+#include "zero_shards.h"
 
 namespace cohort::torch {
 
@@ -46,6 +50,21 @@ DataType wire_type(::torch::Dtype dtype) {
                                         std::string(c10::toString(dtype))));
   }
 }
+
+// The 16-bit type a compressed gradient travels in; kFloat32 without compression.
+::torch::Dtype gradient_wire_dtype(train::WireCompression compression) {
+  switch (compression) {
+    case train::WireCompression::kFloat16: return ::torch::kFloat16;
+    case train::WireCompression::kBFloat16: return ::torch::kBFloat16;
+    case train::WireCompression::kNone: break;
+  }
+  return ::torch::kFloat32;
+}
+
+// The record rank 0 writes into checkpoint.bin beside the position: what wrote the shards, and the buffers.
+constexpr const char* kCheckpointRecord = "__cohort_fsdp";
+constexpr const char* kCheckpointBuffers = "__cohort_fsdp_buffers";
+constexpr const char* kParameterState = "parameter";  // the shard's values of the master weights
 
 // What Module::save(archive) writes for `module`, with the tensors taken from `values` by their full
 // names: a plain libtorch program loads it into the unwrapped model with torch::load.
@@ -275,6 +294,9 @@ void FullyShardedDataParallel::gather_root() {
 
 void FullyShardedDataParallel::before_forward() {
   finish_gradient_sync();  // throws if the last backward left a unit without its gradients
+  // As DDP: a forward that trains normalises with rank 0's statistics on every rank.
+  if (options_.broadcast_buffers && ::torch::GradMode::is_enabled() && comm_->size() > 1)
+    broadcast_buffers(*module_, *comm_);
   step_ = 0;
   // A forward whose output never went through backward leaves its units expecting gradients, and with
   // reshard_after_forward off, gathered: start over (the optimizer may have changed the shards since).
@@ -384,10 +406,20 @@ void FullyShardedDataParallel::on_gradient_ready(size_t u, size_t i) {
   if (world == 1) {
     unit.grad_slice = flat;
     land_reduce(unit);
-  } else {
+  } else if (options_.compression == train::WireCompression::kNone) {
     unit.grad_slice = ::torch::empty({unit.shard_numel}, ::torch::kFloat32);
     unit.reducing = comm_->reduce_scatter_async(flat.data_ptr<float>(), unit.grad_slice.data_ptr<float>(),
                                                 static_cast<size_t>(unit.shard_numel), DataType::kFloat32, ReduceOp::kSum);
+  } else {
+    // Compressed as DDP's buckets: 16 bits on the wire, averaged there (a sum of 16-bit values could
+    // overflow float16 where the mean does not), widened into the shard's float32 gradient on landing.
+    const ::torch::Dtype wire = gradient_wire_dtype(options_.compression);
+    unit.grad_flat = flat.to(wire);
+    unit.grad_slice = ::torch::empty({unit.shard_numel}, wire);
+    unit.reducing = comm_->reduce_scatter_async(unit.grad_flat.data_ptr(), unit.grad_slice.data_ptr(),
+                                                static_cast<size_t>(unit.shard_numel), wire_type(wire), ReduceOp::kAvg);
+  }
+  if (world > 1) {
     // Each reduce-scatter in flight holds its unit's whole flattened gradient: at most
     // kMaxReducesInFlight of them, or the end of backward would hold the whole model's gradients.
     in_flight_.push_back(u);
@@ -412,8 +444,10 @@ void FullyShardedDataParallel::land_reduce(Unit& unit) {
     auto work = std::move(unit.reducing);
     work->wait();
   }
-  const double world = comm_->size();
-  ::torch::Tensor average = unit.grad_slice.div_(world);  // summed over the ranks: the mean, as DDP's
+  // Summed over the ranks in float32: the mean, as DDP's; a compressed one is averaged already.
+  ::torch::Tensor average = unit.grad_slice.scalar_type() == ::torch::kFloat32
+                                ? unit.grad_slice.div_(static_cast<double>(comm_->size()))
+                                : unit.grad_slice.to(::torch::kFloat32);
   ::torch::Tensor& grad = unit.shard.mutable_grad();
   if (grad.defined()) grad.add_(average);  // accumulated over backwards until zero_grad, as torch does
   else grad = average;
@@ -505,6 +539,190 @@ void FullyShardedDataParallel::save_full_model(const std::string& path) {
   ::torch::serialize::OutputArchive archive;
   write_module(*module_, "", values, archive);
   archive.save_to(path);
+}
+
+// ---- sharded checkpoints (the format is zero_shards.h's, which ShardedOptimizer writes too) ----
+
+struct FullyShardedDataParallel::CheckpointLayout {
+  std::vector<train::ParameterSpec> params;  // Module::named_parameters order: independent of the units
+  std::vector<zero::Piece> pieces;           // this rank's runs; a piece's chunk is its unit's index
+};
+
+FullyShardedDataParallel::CheckpointLayout FullyShardedDataParallel::checkpoint_layout() const {
+  CheckpointLayout layout;
+  std::unordered_map<std::string, size_t> index;
+  for (const auto& p : module_->named_parameters(true)) {
+    index.emplace(p.key(), layout.params.size());
+    layout.params.push_back({p.key(), p.value().sizes().vec()});
+  }
+  const int64_t rank = comm_->rank();
+  size_t position = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const Unit& unit = *units_[u];
+    // This rank's slice of the flattened unit; the padding after the last parameter belongs to none.
+    const int64_t lo = rank * unit.shard_numel, hi = lo + unit.shard_numel;
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      const int64_t start = unit.offsets[i], end = start + unit.params[i].numel();
+      const int64_t from = std::max(lo, start), to = std::min(hi, end);
+      if (from >= to) continue;
+      layout.pieces.push_back({index.at(unit.param_names[i]), size_t(from - start), size_t(to - from),
+                               position + size_t(from - lo), u, size_t(from - lo)});
+    }
+    position += static_cast<size_t>(unit.shard_numel);
+  }
+  return layout;
+}
+
+std::string FullyShardedDataParallel::checkpoint_optimizer_kind(const ::torch::optim::Optimizer& optimizer) const {
+  const std::string kind = zero::optimizer_kind(optimizer);
+  if (kind.empty())
+    throw InvalidArgument("FSDP checkpoint: the optimizer is not an SGD, Adam or AdamW (the kinds whose state it saves)");
+  // Its state is found by the shard tensors: it must step exactly them.
+  std::unordered_set<const c10::TensorImpl*> stepped;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params()) stepped.insert(p.unsafeGetTensorImpl());
+  bool same = stepped.size() == units_.size();
+  for (const auto& unit : units_) same = same && stepped.count(unit->shard.unsafeGetTensorImpl());
+  if (!same)
+    throw InvalidArgument(fmt::format("FSDP checkpoint: the {} steps {} tensors, not this FSDP's {} shards (build it "
+                                      "over parameters())",
+                                      kind, stepped.size(), units_.size()));
+  return kind;
+}
+
+void FullyShardedDataParallel::save(const std::string& dir, ::torch::optim::Optimizer& optimizer,
+                                    const train::TrainingPosition& position) {
+  const std::string kind = checkpoint_optimizer_kind(optimizer);
+  const int rank = comm_->rank(), world = comm_->size();
+  const CheckpointLayout layout = checkpoint_layout();
+  // The master weights, then the optimizer state that exists (none before the first step).
+  std::vector<std::string> states{kParameterState};
+  for (const auto& name : zero::state_names(optimizer, kind))
+    if (!units_.empty() && zero::state_tensor(optimizer, kind, units_.front()->shard, name).defined())
+      states.push_back(name);
+  nlohmann::json header;
+  header["kind"] = "fsdp " + kind;
+  header["world"] = world;
+  header["rank"] = rank;
+  header["global_step"] = position.global_step;
+  header["step"] = units_.empty() ? 0 : zero::state_step(optimizer, kind, units_.front()->shard);
+  const std::string bytes = zero::encode_shard(header, layout.params, layout.pieces, states, [&](size_t k, size_t u) {
+    const ::torch::Tensor& shard = units_[u]->shard;
+    return (k == 0 ? shard : zero::state_tensor(optimizer, kind, shard, states[k])).detach().contiguous();
+  });
+  train::write_file_atomically(zero::shard_path(dir, position.global_step, rank, world), bytes);
+  // Every shard on disk before the checkpoint that names them.
+  if (world > 1) comm_->barrier();
+  if (rank == 0) {
+    ::torch::serialize::OutputArchive archive;
+    nlohmann::json record{{"world", world}, {"global_step", position.global_step}, {"kind", kind}};
+    c10::List<::torch::Tensor> buffers;
+    nlohmann::json buffer_names = nlohmann::json::array();
+    for (const auto& b : module_->named_buffers(true)) {
+      buffer_names.push_back(b.key());
+      buffers.push_back(b.value().detach());
+    }
+    record["buffers"] = buffer_names;
+    archive.write(kCheckpointRecord, c10::IValue(record.dump()));
+    archive.write(kCheckpointBuffers, c10::IValue(buffers));
+    std::ostringstream payload;
+    archive.save_to(payload);
+    train::write_checkpoint(dir, position, payload.str());
+    zero::remove_old_shard_dirs(dir, position.global_step);
+  }
+  if (world > 1) comm_->barrier();
+}
+
+std::optional<train::TrainingPosition> FullyShardedDataParallel::load(const std::string& dir,
+                                                                      ::torch::optim::Optimizer& optimizer) {
+  const std::string kind = checkpoint_optimizer_kind(optimizer);
+  auto newest = train::newest_complete_checkpoint(dir);
+  if (!newest) return std::nullopt;
+  const std::string& path = newest->path;
+  for (const auto& why : newest->skipped) fmt::print(stderr, "checkpoint: skipped {}\n", why);
+
+  // The record and the buffers, checked against this model and optimizer.
+  nlohmann::json record;
+  std::vector<::torch::Tensor> stored_buffers;
+  std::vector<std::string> buffer_names;
+  int old_world = 0;
+  int64_t global_step = 0;
+  try {
+    ::torch::serialize::InputArchive archive;
+    std::istringstream in(newest->payload);
+    archive.load_from(in);
+    c10::IValue value;
+    if (!archive.try_read(kCheckpointRecord, value))
+      throw InvalidArgument(fmt::format("{}: not an FSDP checkpoint (no {} record; ShardedOptimizer's are loaded with "
+                                        "ShardedOptimizer::load)",
+                                        path, kCheckpointRecord));
+    record = nlohmann::json::parse(value.toStringRef());
+    if (record.at("kind").get<std::string>() != kind)
+      throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state; this optimizer is {}", path,
+                                        record.at("kind").get<std::string>(), kind));
+    c10::IValue buffers;
+    if (!archive.try_read(kCheckpointBuffers, buffers))
+      throw InvalidArgument(fmt::format("{}: a damaged FSDP checkpoint: no {}", path, kCheckpointBuffers));
+    for (const auto& b : buffers.toTensorList()) stored_buffers.push_back(b);
+    buffer_names = record.at("buffers").get<std::vector<std::string>>();
+    old_world = record.at("world").get<int>();
+    global_step = record.at("global_step").get<int64_t>();
+    if (old_world < 1) throw InvalidArgument(fmt::format("{}: a damaged FSDP record: world size {}", path, old_world));
+  } catch (const c10::Error& e) {
+    throw InvalidArgument(fmt::format("{}: cannot load into this model: {}", path, e.what_without_backtrace()));
+  } catch (const nlohmann::json::exception& e) {
+    throw InvalidArgument(fmt::format("{}: a damaged FSDP record: {}", path, e.what()));
+  }
+  const auto mine = module_->named_buffers(true);
+  if (buffer_names.size() != stored_buffers.size())
+    throw InvalidArgument(fmt::format("{}: a damaged FSDP checkpoint: {} buffer names, {} buffers", path,
+                                      buffer_names.size(), stored_buffers.size()));
+  for (size_t i = 0; i < std::max(buffer_names.size(), mine.size()); ++i) {
+    const std::string there = i < buffer_names.size()
+                                  ? fmt::format("{} [{}]", buffer_names[i], fmt::join(stored_buffers[i].sizes().vec(), ", "))
+                                  : "none";
+    const std::string here =
+        i < mine.size() ? fmt::format("{} [{}]", mine[i].key(), fmt::join(mine[i].value().sizes().vec(), ", ")) : "none";
+    if (there != here)
+      throw InvalidArgument(fmt::format("{}: cannot load into this model: its buffer {} is {}, this model's is {}", path,
+                                        i, there, here));
+  }
+
+  // Every old shard's header, checked against this model's parameters and its file's length.
+  const CheckpointLayout layout = checkpoint_layout();
+  std::vector<zero::OldShard> shards;
+  for (int s = 0; s < old_world; ++s) {
+    shards.push_back(zero::read_shard_header(zero::shard_path(dir, global_step, s, old_world), s, old_world, path,
+                                             layout.params));
+    const auto& states = shards.back().states;
+    if (std::find(states.begin(), states.end(), kParameterState) == states.end())
+      throw InvalidArgument(fmt::format("{}: holds no parameter values (not an FSDP shard)", shards.back().file));
+  }
+  std::vector<std::string> names{kParameterState};
+  for (const auto& name : zero::state_names(optimizer, kind)) names.push_back(name);
+  bool any_state = false;
+  for (const auto& shard : shards) any_state = any_state || shard.states.size() > 1;
+  // [name][unit]: fresh float32 tensors of the new shards' size; the padding stays zero.
+  std::vector<std::vector<::torch::Tensor>> values(names.size());
+  for (auto& per_unit : values)
+    for (const auto& unit : units_) per_unit.push_back(::torch::zeros({unit->shard_numel}, ::torch::kFloat32));
+  zero::read_overlaps(shards, layout.pieces, names, values);
+
+  // Only now the model and the optimizer change. A gathered unit would hold the old weights: freed first.
+  ::torch::NoGradGuard no_grad;
+  for (auto& unit : units_) reshard(*unit);
+  for (size_t u = 0; u < units_.size(); ++u) units_[u]->shard.copy_(values[0][u]);
+  for (size_t i = 0; i < mine.size(); ++i) mine[i].value().copy_(stored_buffers[i]);
+  if (any_state) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      std::vector<::torch::Tensor> tensors;
+      for (size_t n = 1; n < names.size(); ++n) tensors.push_back(values[n][u]);
+      zero::set_state(optimizer, kind, units_[u]->shard, tensors, shards.back().step);
+    }
+  } else {
+    optimizer.state().clear();  // written before the first step
+  }
+  return newest->position;
 }
 
 }  // namespace cohort::torch

@@ -2,10 +2,6 @@
 // docs/training.md, "The sharded optimizer".
 #include "cohort/torch/sharded_optimizer.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -21,39 +17,20 @@
 #include <tuple>
 
 #include "cohort/error.h"
-#include "common/fd.h"
+#include "zero_shards.h"
 
 namespace cohort::torch {
 
 namespace {
 
-constexpr std::string_view kShardMagic = "COHORTZERO1\n";
 constexpr size_t kDescriptionBytes = 256;  // a configuration's text, as every rank compares it
 
-std::string shard_dir(const std::string& dir, int64_t global_step) {
-  return fmt::format("{}/zero/step-{}", dir, global_step);
-}
-std::string shard_path(const std::string& dir, int64_t global_step, int rank, int world) {
-  return fmt::format("{}/shard-{}-of-{}.bin", shard_dir(dir, global_step), rank, world);
-}
-
-// One contiguous run of a chunk: `count` elements of parameter `param` from element `param_offset`,
-// at position `position` of the rank's chunks laid back to back (chunk `chunk`, from `in_chunk`).
-struct Piece {
-  size_t param = 0;
-  size_t param_offset = 0;
-  size_t count = 0;
-  size_t position = 0;
-  size_t chunk = 0;
-  size_t in_chunk = 0;
-};
-
 // This rank's chunks as runs of parameters (the padding at a bucket's end belongs to none).
-std::vector<Piece> pieces_of(const train::GradientSync& sync) {
+std::vector<zero::Piece> pieces_of(const train::GradientSync& sync) {
   const auto layout = sync.bucket_layout();
   const auto& params = sync.parameters();
   const auto chunks = sync.shard_chunks();
-  std::vector<Piece> out;
+  std::vector<zero::Piece> out;
   size_t position = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const auto& chunk = chunks[c];
@@ -98,90 +75,6 @@ std::string archive_mismatch(const ::torch::nn::Module& module, ::torch::seriali
     if (auto why = archive_mismatch(*child.value(), child_archive, prefix + child.key() + "."); !why.empty()) return why;
   }
   return "";
-}
-
-// An old rank's shard as its header line describes it: the states it holds, its runs of parameter
-// elements (Piece::position: where the run starts among the shard's values of one state), and where
-// the values start in the file.
-struct OldShard {
-  std::string file;
-  int64_t step = 0;
-  std::vector<std::string> states;
-  std::vector<Piece> pieces;
-  size_t elements = 0;     // values per state
-  uint64_t values_at = 0;  // the file offset of the first state's first value
-};
-
-// `bytes` at `offset` of `fd` (the file `file`), or an error naming the file.
-void read_range(int fd, const std::string& file, char* into, size_t bytes, uint64_t offset) {
-  while (bytes > 0) {
-    const ssize_t n = ::pread(fd, into, bytes, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw InvalidArgument(fmt::format("{}: cannot read: {}", file, std::strerror(errno)));
-    if (n == 0) throw InvalidArgument(fmt::format("{}: ends at byte {}, before the values its header names", file, offset));
-    into += n;
-    bytes -= static_cast<size_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-}
-
-// Reads shard `s` of `old_world` (named by the checkpoint `checkpoint`) up to its header line and checks
-// it against this model's parameters and the file's length; reads none of its values.
-OldShard read_shard_header(const std::string& file, int s, int old_world, const std::string& checkpoint,
-                           const std::vector<train::ParameterSpec>& params) {
-  UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd && errno == ENOENT)
-    throw InvalidArgument(fmt::format("{}: the optimizer shard of rank {} of {} is missing ({} names it)", file, s,
-                                      old_world, checkpoint));
-  if (!fd) throw InvalidArgument(fmt::format("{}: cannot open: {}", file, std::strerror(errno)));
-  struct stat st{};
-  if (::fstat(fd.get(), &st) != 0) throw InvalidArgument(fmt::format("{}: cannot stat: {}", file, std::strerror(errno)));
-  const auto size = static_cast<uint64_t>(st.st_size);
-  // The header line is a few kilobytes (one entry per parameter and per run): read in growing steps
-  // until its end, so that a small shard is not read whole for its header.
-  std::string text;
-  size_t eol = std::string::npos;
-  for (size_t step = 4096; eol == std::string::npos && text.size() < size; step *= 2) {
-    const size_t searched = text.size();
-    text.resize(std::min<uint64_t>(size, searched + step));
-    read_range(fd.get(), file, text.data() + searched, text.size() - searched, searched);
-    eol = text.find('\n', std::max(searched, kShardMagic.size()));
-  }
-  if (text.compare(0, kShardMagic.size(), kShardMagic) != 0 || eol == std::string::npos)
-    throw InvalidArgument(fmt::format("{}: not a cohort optimizer shard", file));
-  OldShard shard;
-  shard.file = file;
-  shard.values_at = eol + 1;
-  try {
-    const auto header = nlohmann::json::parse(text.substr(kShardMagic.size(), eol - kShardMagic.size()));
-    const auto& old_params = header.at("parameters");
-    bool same = old_params.size() == params.size();
-    for (size_t i = 0; same && i < params.size(); ++i)
-      same = old_params[i][0].get<std::string>() == params[i].name && old_params[i][1].get<size_t>() == params[i].numel();
-    if (!same)
-      throw InvalidArgument(fmt::format("{}: written for another model ({} parameters, this model has {})", file,
-                                        old_params.size(), params.size()));
-    shard.step = header.at("step").get<int64_t>();
-    shard.states = header.at("states").get<std::vector<std::string>>();
-    for (const auto& p : header.at("pieces")) {
-      Piece piece;
-      piece.param = p[0].get<size_t>();
-      piece.param_offset = p[1].get<size_t>();
-      piece.count = p[2].get<size_t>();
-      piece.position = shard.elements;
-      if (piece.param >= params.size() || piece.param_offset + piece.count > params[piece.param].numel())
-        throw InvalidArgument(fmt::format("{}: a damaged header: a run of {} elements from element {} of parameter {}, "
-                                          "outside the model",
-                                          file, piece.count, piece.param_offset, piece.param));
-      shard.elements += piece.count;
-      shard.pieces.push_back(piece);
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw InvalidArgument(fmt::format("{}: a damaged header: {}", file, e.what()));
-  }
-  const uint64_t want = shard.values_at + shard.states.size() * shard.elements * sizeof(float);
-  if (size != want) throw InvalidArgument(fmt::format("{}: {} bytes, not the {} its header says", file, size, want));
-  return shard;
 }
 
 }  // namespace
@@ -314,85 +207,20 @@ int64_t ShardedOptimizer::shard_numel() const {
   return n;
 }
 
-std::vector<std::string> ShardedOptimizer::state_names() const {
-  if (kind_ == "sgd") return {"momentum_buffer"};
-  std::vector<std::string> names{"exp_avg", "exp_avg_sq"};
-  const auto& options = optimizer_->param_groups().at(0).options();
-  const bool amsgrad = kind_ == "adam" ? static_cast<const ::torch::optim::AdamOptions&>(options).amsgrad()
-                                       : static_cast<const ::torch::optim::AdamWOptions&>(options).amsgrad();
-  if (amsgrad) names.push_back("max_exp_avg_sq");
-  return names;
-}
-
-namespace {
-
-// The key of a parameter's state in torch::optim::Optimizer::state(): its TensorImpl's address, as a
-// pointer in torch 2.x and as that pointer printed to a string before (c10::guts::to_string, which
-// torch 2.x no longer has). The map's own key type decides.
-using StateMap = std::decay_t<decltype(std::declval<::torch::optim::Optimizer&>().state())>;
-template <typename Map = StateMap>  // a template, so that the branch not taken is not compiled
-typename Map::key_type state_key(const ::torch::Tensor& t) {
-  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
-    std::ostringstream key;
-    key << static_cast<const void*>(t.unsafeGetTensorImpl());
-    return key.str();
-  } else {
-    return t.unsafeGetTensorImpl();
-  }
-}
-
-}  // namespace
+std::vector<std::string> ShardedOptimizer::state_names() const { return zero::state_names(*optimizer_, kind_); }
 
 // The state tensor `name` of chunk `chunk`, or an undefined tensor before the first step (and for
 // SGD without momentum, which keeps none).
 ::torch::Tensor ShardedOptimizer::state_tensor(size_t chunk, const std::string& name) const {
-  const auto& state = optimizer_->state();
-  auto it = state.find(state_key(chunks_.at(chunk)));
-  if (it == state.end()) return {};
-  const auto* s = it->second.get();
-  if (kind_ == "sgd") return static_cast<const ::torch::optim::SGDParamState*>(s)->momentum_buffer();
-  if (kind_ == "adam") {
-    const auto* a = static_cast<const ::torch::optim::AdamParamState*>(s);
-    return name == "exp_avg" ? a->exp_avg() : name == "exp_avg_sq" ? a->exp_avg_sq() : a->max_exp_avg_sq();
-  }
-  const auto* a = static_cast<const ::torch::optim::AdamWParamState*>(s);
-  return name == "exp_avg" ? a->exp_avg() : name == "exp_avg_sq" ? a->exp_avg_sq() : a->max_exp_avg_sq();
+  return zero::state_tensor(*optimizer_, kind_, chunks_.at(chunk), name);
 }
 
 int64_t ShardedOptimizer::state_step() const {
-  if (kind_ == "sgd" || chunks_.empty()) return 0;
-  const auto& state = optimizer_->state();
-  auto it = state.find(state_key(chunks_.front()));
-  if (it == state.end()) return 0;
-  if (kind_ == "adam") return static_cast<const ::torch::optim::AdamParamState*>(it->second.get())->step();
-  return static_cast<const ::torch::optim::AdamWParamState*>(it->second.get())->step();
+  return chunks_.empty() ? 0 : zero::state_step(*optimizer_, kind_, chunks_.front());
 }
 
 void ShardedOptimizer::set_state(size_t chunk, const std::vector<::torch::Tensor>& tensors, int64_t step) {
-  const auto key = state_key(chunks_.at(chunk));
-  auto names = state_names();
-  auto get = [&](const std::string& name) {
-    for (size_t i = 0; i < names.size(); ++i)
-      if (names[i] == name) return tensors.at(i);
-    return ::torch::Tensor();
-  };
-  std::unique_ptr<::torch::optim::OptimizerParamState> state;
-  if (kind_ == "sgd") {
-    auto s = std::make_unique<::torch::optim::SGDParamState>();
-    s->momentum_buffer(get("momentum_buffer"));
-    state = std::move(s);
-  } else if (kind_ == "adam") {
-    auto s = std::make_unique<::torch::optim::AdamParamState>();
-    s->step(step).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq"));
-    if (auto m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
-    state = std::move(s);
-  } else {
-    auto s = std::make_unique<::torch::optim::AdamWParamState>();
-    s->step(step).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq"));
-    if (auto m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
-    state = std::move(s);
-  }
-  optimizer_->state()[key] = std::move(state);
+  zero::set_state(*optimizer_, kind_, chunks_.at(chunk), tensors, step);
 }
 
 // Adam's and AdamW's state, made before their first step as they would make it (zeros, step 0), but in
@@ -442,63 +270,24 @@ void ShardedOptimizer::save(const std::string& dir, const train::TrainingPositio
   header["rank"] = rank;
   header["global_step"] = position.global_step;
   header["step"] = state_step();
-  nlohmann::json params_json = nlohmann::json::array();
-  for (const auto& p : params) params_json.push_back({p.name, p.numel()});
-  header["parameters"] = params_json;
-  nlohmann::json pieces_json = nlohmann::json::array();
-  size_t elements = 0;
-  for (const auto& p : pieces) {
-    pieces_json.push_back({p.param, p.param_offset, p.count});
-    elements += p.count;
-  }
-  header["pieces"] = pieces_json;
   std::vector<std::string> present;
   for (size_t i = 0; i < names.size(); ++i)
     if (!chunks_.empty() && state_tensor(0, names[i]).defined()) present.push_back(names[i]);
-  header["states"] = present;
-  std::string bytes(kShardMagic);
-  bytes += header.dump();
-  bytes += '\n';
-  const size_t values_at = bytes.size();
-  bytes.resize(values_at + present.size() * elements * sizeof(float));
-  char* out = bytes.data() + values_at;
-  for (const auto& name : present) {
-    std::vector<::torch::Tensor> host;
-    for (size_t c = 0; c < chunks_.size(); ++c) host.push_back(state_tensor(c, name).to(::torch::kCPU).contiguous());
-    for (const auto& p : pieces) {
-      std::memcpy(out, host[p.chunk].data_ptr<float>() + p.in_chunk, p.count * sizeof(float));
-      out += p.count * sizeof(float);
-    }
-  }
-  train::write_file_atomically(shard_path(dir, position.global_step, rank, world), bytes);
+  const std::string bytes = zero::encode_shard(header, params, pieces, present, [&](size_t k, size_t chunk) {
+    return state_tensor(chunk, present[k]).to(::torch::kCPU).contiguous();
+  });
+  train::write_file_atomically(zero::shard_path(dir, position.global_step, rank, world), bytes);
   // Every shard on disk before the checkpoint that names them.
   if (world > 1) comm.barrier();
   if (rank == 0) {
     ::torch::serialize::OutputArchive archive;
     ddp_.module()->save(archive);
-    nlohmann::json zero{{"world", world}, {"global_step", position.global_step}, {"kind", kind_}};
-    archive.write("__cohort_sharded", c10::IValue(zero.dump()));
+    nlohmann::json record{{"world", world}, {"global_step", position.global_step}, {"kind", kind_}};
+    archive.write("__cohort_sharded", c10::IValue(record.dump()));
     std::ostringstream payload;
     archive.save_to(payload);
     train::write_checkpoint(dir, position, payload.str());
-    // Keep the shards of the two checkpoints on disk (the newest and the one before it).
-    std::vector<int64_t> keep{position.global_step};
-    for (const auto& path : {train::previous_checkpoint_path(dir)}) {
-      auto previous = train::read_file_if_exists(path);
-      if (!previous) continue;
-      try {
-        std::string body;
-        keep.push_back(train::decode_checkpoint(*previous, body, path).global_step);
-      } catch (const std::exception&) {
-      }
-    }
-    std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator(dir + "/zero", ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name.rfind("step-", 0) != 0) continue;
-      int64_t step = std::atoll(name.c_str() + 5);
-      if (std::find(keep.begin(), keep.end(), step) == keep.end()) std::filesystem::remove_all(entry.path(), ec);
-    }
+    zero::remove_old_shard_dirs(dir, position.global_step);
   }
   if (world > 1) comm.barrier();
 }
@@ -513,7 +302,7 @@ std::optional<train::TrainingPosition> ShardedOptimizer::load(const std::string&
   for (const auto& why : newest->skipped) fmt::print(stderr, "checkpoint: skipped {}\n", why);
   auto& module = *ddp_.module();
   ::torch::serialize::InputArchive archive;
-  nlohmann::json zero;
+  nlohmann::json record;
   try {
     std::istringstream in(newest->payload);
     archive.load_from(in);
@@ -522,10 +311,10 @@ std::optional<train::TrainingPosition> ShardedOptimizer::load(const std::string&
       throw InvalidArgument(fmt::format("{}: not a sharded optimizer's checkpoint (load it with "
                                         "cohort::torch::load_checkpoint)",
                                         path));
-    zero = nlohmann::json::parse(value.toStringRef());
-    if (zero.at("kind").get<std::string>() != kind_)
+    record = nlohmann::json::parse(value.toStringRef());
+    if (record.at("kind").get<std::string>() != kind_)
       throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state; this optimizer is {}", path,
-                                        zero.at("kind").get<std::string>(), kind_));
+                                        record.at("kind").get<std::string>(), kind_));
     if (const std::string why = archive_mismatch(module, archive, ""); !why.empty())
       throw InvalidArgument(fmt::format("{}: cannot load into this model: {}", path, why));
   } catch (const c10::Error& e) {
@@ -533,57 +322,26 @@ std::optional<train::TrainingPosition> ShardedOptimizer::load(const std::string&
   } catch (const nlohmann::json::exception& e) {
     throw InvalidArgument(fmt::format("{}: a damaged sharded optimizer record: {}", path, e.what()));
   }
-  const int old_world = zero.at("world").get<int>();
-  const int64_t global_step = zero.at("global_step").get<int64_t>();
+  const int old_world = record.at("world").get<int>();
+  const int64_t global_step = record.at("global_step").get<int64_t>();
 
   // Every old shard's header, checked against this model and its file's length.
   const auto& params = ddp_.sync().parameters();
   const auto names = state_names();
-  std::vector<OldShard> shards;
+  std::vector<zero::OldShard> shards;
   for (int s = 0; s < old_world; ++s)
-    shards.push_back(read_shard_header(shard_path(dir, global_step, s, old_world), s, old_world, path, params));
+    shards.push_back(zero::read_shard_header(zero::shard_path(dir, global_step, s, old_world), s, old_world, path, params));
   std::vector<bool> found(names.size(), false);
   for (const auto& shard : shards)
     for (const auto& name : shard.states)
       if (auto at = std::find(names.begin(), names.end(), name); at != names.end()) found[size_t(at - names.begin())] = true;
   const bool any_state = std::find(found.begin(), found.end(), true) != found.end();
 
-  // This rank's new chunks as runs of parameters, sorted to find the runs an old shard overlaps. Only
-  // the overlapping ranges are read: each rank reads about 1/N of the state, not every shard whole.
-  auto mine = pieces_of(ddp_.sync());
-  std::sort(mine.begin(), mine.end(),
-            [](const Piece& a, const Piece& b) { return std::tie(a.param, a.param_offset) < std::tie(b.param, b.param_offset); });
   std::vector<std::vector<::torch::Tensor>> state(names.size());  // [name][chunk], on the CPU
-  if (any_state)
+  if (any_state) {
     for (auto& per_chunk : state)
       for (const auto& c : chunks_) per_chunk.push_back(::torch::zeros({c.numel()}, ::torch::kFloat32));
-  for (const auto& shard : shards) {
-    if (!any_state) break;  // written before the first step: no values to read
-    UniqueFd fd(::open(shard.file.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) throw InvalidArgument(fmt::format("{}: cannot open: {}", shard.file, std::strerror(errno)));
-    for (size_t k = 0; k < shard.states.size(); ++k) {
-      const auto at = std::find(names.begin(), names.end(), shard.states[k]);
-      if (at == names.end()) continue;  // e.g. max_exp_avg_sq, now without amsgrad
-      const size_t n = static_cast<size_t>(at - names.begin());
-      const uint64_t state_at = shard.values_at + k * shard.elements * sizeof(float);
-      for (const auto& old_piece : shard.pieces) {
-        const size_t param = old_piece.param, lo = old_piece.param_offset, hi = lo + old_piece.count;
-        // Runs of this rank that overlap [lo, hi) of the parameter: from the last starting at or before lo.
-        auto it = std::upper_bound(mine.begin(), mine.end(), std::make_pair(param, lo), [](const auto& key, const Piece& p) {
-          return std::tie(key.first, key.second) < std::tie(p.param, p.param_offset);
-        });
-        if (it != mine.begin()) --it;
-        for (; it != mine.end() && it->param <= param; ++it) {
-          if (it->param < param) continue;
-          const size_t from = std::max(lo, it->param_offset), to = std::min(hi, it->param_offset + it->count);
-          if (it->param_offset >= hi) break;
-          if (from >= to) continue;
-          read_range(fd.get(), shard.file,
-                     reinterpret_cast<char*>(state[n][it->chunk].data_ptr<float>() + it->in_chunk + (from - it->param_offset)),
-                     (to - from) * sizeof(float), state_at + (old_piece.position + (from - lo)) * sizeof(float));
-        }
-      }
-    }
+    zero::read_overlaps(shards, pieces_of(ddp_.sync()), names, state);  // none to read before the first step
   }
   std::vector<std::vector<::torch::Tensor>> on_device(chunks_.size());  // [chunk][name]
   if (any_state)

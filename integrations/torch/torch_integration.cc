@@ -21,6 +21,7 @@
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
 #include "common/log.h"
+#include "module_sync.h"
 
 namespace cohort::torch {
 
@@ -170,17 +171,19 @@ void DistributedDataParallel::before_forward() {
     broadcast_buffers();
 }
 
-void DistributedDataParallel::broadcast_buffers() {
+void DistributedDataParallel::broadcast_buffers() { cohort::torch::broadcast_buffers(*module_, *comm_); }
+
+void broadcast_buffers(::torch::nn::Module& module, Communicator& comm) {
   ::torch::NoGradGuard no_grad;
   // Packed by dtype: one broadcast of each kind instead of one per buffer (a ResNet-18 has 60).
   std::map<::torch::ScalarType, std::vector<::torch::Tensor>> by_dtype;
-  for (auto& b : module_->buffers(true))
+  for (auto& b : module.buffers(true))
     if (b.defined() && b.numel() > 0) by_dtype[b.scalar_type()].push_back(b);
   for (auto& [dtype, buffers] : by_dtype) {
     std::vector<::torch::Tensor> flat;
     for (auto& b : buffers) flat.push_back(b.reshape({-1}));
     ::torch::Tensor packed = ::torch::cat(flat);
-    broadcast_tensor(packed, "buffers", *comm_);
+    broadcast_tensor(packed, "buffers", comm);
     int64_t at = 0;
     for (auto& b : buffers) {
       b.copy_(packed.narrow(0, at, b.numel()).view(b.sizes()));

@@ -86,6 +86,15 @@ std::shared_ptr<Communicator> CommunicatorImpl::subgroup(const std::vector<int>&
   return create_child(fmt::format("{}/sub{:08x}/{}", prefix_, hash32(list), n), new_rank, int(ranks.size()), ranks);
 }
 
+std::string CommunicatorImpl::copy_report() const {
+  if (!shm_group_) return {};
+  const uint64_t calls = shm_group_->single_copies();
+  const shm::Group::CopiedBytes c = shm_group_->single_copied();
+  const double per = calls ? 1.0 / double(calls) : 0.0;
+  return fmt::format("{} single-copy calls; per call read from peers {:.2f} MiB, written into peers {:.2f} MiB",
+                     calls, double(c.pulled) * per / (1 << 20), double(c.pushed) * per / (1 << 20));
+}
+
 std::string CommunicatorImpl::link_report() const {
   // The group's line changes when a slow allreduce has it probe the link again.
   // Which copy the collectives that only move data take at large sizes (the bench prints this line).

@@ -134,6 +134,7 @@ class CommunicatorImpl final : public Communicator,
                         const ParameterUpdate& update) override;
   bool one_pass_update() const override;
   std::string link_report() const override;
+  std::string copy_report() const override;
 
   // ---- coll::Context (called by the algorithms, on the thread holding drive_) ----
   coll::RequestId isend(int peer, const void* data, size_t bytes, uint32_t slot) override;

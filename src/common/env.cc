@@ -49,7 +49,7 @@ std::optional<std::string> get_raw(const std::string& name) {
 
 namespace {
 // What `cohort run` sets for every worker (docs/launcher.md, "What every worker gets"), the contract
-// between the launcher (launch/plan.cc) and the worker side (comm/launch_env.cc, gpu/, ps/). Kept
+// between the launcher (launch/plan_worker_env.cc) and the worker side (comm/launch_env.cc, gpu/, ps/). Kept
 // here, in the registry itself, so that `cohort env` lists them in every binary.
 const SettingInfo kProvided[] = {
     {"COHORT_STORE_ADDR", "", "host:port of the job's store (hosted by the head / node 0 launcher)", true},

@@ -420,7 +420,7 @@ int Job::run() {
   setup_signals();
   arm_time_limit();
   become_subreaper();
-  open_trace_dir();
+  trace_folder_.open();
   if (ctx_.agent_mode) {
     net::set_nonblocking(0, true);
     epoll_add(0);
@@ -444,7 +444,7 @@ int Job::run() {
     // Nothing started yet: no worker, no other node that counts on this one.
     say(fmt::format("job stopped (exit {}): {}", 128 + e.sig(), e.what()));
     if (server_) server_->stop();
-    close_trace_dir(128 + e.sig(), !ctx_.agent_mode);
+    trace_folder_.close(128 + e.sig(), !ctx_.agent_mode);
     return 128 + e.sig();
   }
   if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
@@ -467,7 +467,7 @@ int Job::run() {
     } catch (const RendezvousRefused& e) {
       say(fmt::format("job stopped (exit 1): {}", e.what()));
       if (server_) server_->stop();
-      close_trace_dir(1, !ctx_.agent_mode);
+      trace_folder_.close(1, !ctx_.agent_mode);
       return 1;
     }
   }
@@ -517,7 +517,7 @@ int Job::run() {
     if (print && e.code != 0)
       for (const auto& line : diagnosis_) say("flight recorder: " + line);
     merge_timeline();
-    close_trace_dir(e.code, print);
+    trace_folder_.close(e.code, print);
     if (!agents_.empty()) {
       for (auto& a : agents_) a.in.reset();
     }

@@ -29,21 +29,24 @@ std::pair<std::string, int> world_of(const Plan& plan, int attempt, int rank) {
 
 }  // namespace
 
-void Job::open_exit_store(int attempt) {
+void RankExits::open(int attempt, bool distributed, std::shared_ptr<Store> job_store, const StoreServer* server,
+                     const std::string& token, const std::string& store_addr) {
   exit_attempt_ = attempt;
   published_exits_.clear();
   exit_store_failed_ = false;
+  distributed_ = distributed;
+  store_addr_ = store_addr;
   if (distributed_) {
-    exit_store_ = base_client_;  // short calls (kStoreCallTimeout) once joined
+    exit_store_ = std::move(job_store);  // short calls (kStoreCallTimeout) once joined
     return;
   }
   exit_store_.reset();
-  if (!server_) return;
+  if (!server) return;
   if (!local_exit_client_) {
     StoreClientOptions co;
     co.host = "127.0.0.1";
-    co.port = server_->port();
-    co.token = ctx_.token;
+    co.port = server->port();
+    co.token = token;
     co.timeout = kStoreCallTimeout;
     co.reply_grace = kStoreReplyGrace;
     try {
@@ -56,11 +59,10 @@ void Job::open_exit_store(int attempt) {
   exit_store_ = local_exit_client_;
 }
 
-void Job::publish_exit(const Worker& w) {
-  // Exits while the job stops are the stop's own doing, and a store that failed once is not waited for
-  // again: the main loop must not sit in store calls while workers end.
-  // A Ray job's processes have no communicator of cohort's to tell.
-  if (!exit_store_ || exit_store_failed_ || stopping_ || head_lost_ || plan_.ray.enabled) return;
+void RankExits::publish(const Worker& w) {
+  // A store that failed once is not waited for again: the main loop must not sit in store calls while
+  // workers end. A Ray job's processes have no communicator of cohort's to tell.
+  if (!exit_store_ || exit_store_failed_ || plan_.ray.enabled) return;
   const auto [prefix, rank] = world_of(plan_, exit_attempt_, w.rank);
   trace::RankSnapshot ring;
   if (w.ring.valid()) ring = w.ring.snapshot();
@@ -99,7 +101,7 @@ std::string op_name(const trace::OpRecord& r) { return fmt::format("{} #{}", col
 
 }  // namespace
 
-std::string Job::early_exit_cause(const Worker& failed) {
+std::string RankExits::early_exit_cause(const Worker& failed, const std::vector<Worker>& workers) {
   // A parameter-server job's messages name ranks of a role's world: not mapped back here.
   if (plan_.ps_servers > 0) return "";
   // The peer that `failed` reports gone: in the communicator's words when it read the launcher's record
@@ -123,7 +125,7 @@ std::string Job::early_exit_cause(const Worker& failed) {
     // What it did last and what the reporting rank waited in, from their flight recorders: this node's
     // workers' rings, else the record's operation numbers (another node's worker).
     const Worker* gone = nullptr;
-    for (const auto& w : workers_)
+    for (const auto& w : workers)
       if (w.rank == rank) gone = &w;
     std::string last = fmt::format("after {:.2f} s", record->seconds);
     std::optional<trace::OpRecord> gone_op = gone ? last_collective(gone->ring, 0) : std::nullopt;

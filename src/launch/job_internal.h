@@ -9,6 +9,11 @@
 //   job_output.cc    output routing (draining workers' and agents' pipes) and the failure summary
 //   job_trace.cc     observability: the workers' flight recorder rings, the inspector thread (stall
 //                    warnings, live stats), dumps and diagnosis of a failed attempt, the merged timeline
+//   job_elastic.cc   elastic membership: generations, leases, the store's failover
+//   job_ray.cc       Ray mode: the head, the other nodes joining it, the driver
+// Parts with a narrow interface to the supervisor are objects of their own, which Job holds:
+//   job_exits.cc     RankExits: the exit records the ranks read when one of this node's workers ends
+//   job_trace.cc     TraceFolder: the default trace folder's claim, pruning and removal
 // docs/launcher.md describes the protocol and the failure policy; nothing here is used outside launch/.
 
 #include <signal.h>
@@ -198,6 +203,56 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
 void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                            std::shared_ptr<std::atomic<bool>> stop, int node_rank, double timeout_s, int attempt);
 
+// job_trace.cc: the job's default trace folder (launch/trace_dirs.h): the finished ones older than
+// COHORT_TRACE_KEEP_DAYS go, this job's is claimed; at the end it is removed unless a failure left
+// files in it, and the summary names it when it is kept. A user's --trace-dir is left alone.
+class TraceFolder {
+ public:
+  explicit TraceFolder(const Plan& plan) : plan_(plan) {}
+  // Throws ConfigError when --timeline's rank files would have nowhere to go.
+  void open();
+  // The job ended with `code`; `print`: say so when the folder is kept.
+  void close(int code, bool print);
+  // Why the default trace folder cannot be used (not this user's own, not creatable): nothing is
+  // written there then. Empty when it can, and for a user's --trace-dir.
+  const std::string& refused() const { return refused_; }
+
+ private:
+  const Plan& plan_;
+  std::unique_ptr<TraceDirClaim> claim_;  // this job's default trace folder, while it runs
+  std::string refused_;
+};
+
+// job_exits.cc: what the ranks learn when one of this node's workers' processes ends. Each attempt opens
+// it on the store the ranks read; the supervisor hands it each exit as it reaps the worker, and asks it
+// whether a failure was caused by a peer that exited with code 0.
+class RankExits {
+ public:
+  explicit RankExits(const Plan& plan) : plan_(plan) {}
+  // Attempt `attempt` begins. A job of several nodes (`distributed`) publishes in `job_store`, the job's
+  // store (null: none); a job of one node in `server`, this launcher's store (null: none), through a
+  // client opened once with `token`. `store_addr`: the store's address, for messages.
+  void open(int attempt, bool distributed, std::shared_ptr<Store> job_store, const StoreServer* server,
+            const std::string& token, const std::string& store_addr);
+  // Publishes `w`'s exit record (nothing in a Ray job, or after a store call failed in this attempt).
+  void publish(const Worker& w);
+  // "" or, when `failed` reports a peer that exited with code 0 (not a failure by itself), the part of
+  // the summary that names that peer as the root cause. `workers`: this node's, for their rings.
+  std::string early_exit_cause(const Worker& failed, const std::vector<Worker>& workers);
+
+ private:
+  const Plan& plan_;
+  // The store the ranks' exits are published to (the job's, without a prefix; null: none), the
+  // attempt the workers run (COHORT_RESTART_COUNT), and what this node published in it.
+  std::shared_ptr<Store> exit_store_;
+  std::shared_ptr<Store> local_exit_client_;  // single-node jobs: a client of this launcher's store
+  bool distributed_ = false;
+  std::string store_addr_;
+  int exit_attempt_ = 0;
+  bool exit_store_failed_ = false;
+  std::map<std::string, comm::ExitRecord> published_exits_;  // by key
+};
+
 class Job {
  public:
   explicit Job(JobContext ctx) : ctx_(std::move(ctx)), plan_(ctx_.plan) {}
@@ -322,19 +377,8 @@ class Job {
   void record_failure(int attempt);  // dumps and diagnosis_ of a failed attempt
   void merge_timeline();
   std::string timeline_rank_dir() const;
-  // The default trace folder (launch/trace_dirs.h): the finished ones older than COHORT_TRACE_KEEP_DAYS
-  // go, this job's is claimed; at the end it is removed unless a failure left files in it, and the
-  // summary names it when it is kept.
-  void open_trace_dir();
-  void close_trace_dir(int code, bool print);
   int running_workers() const;
   int running_agents() const;
-  // job_exits.cc: what the ranks learn when one of this node's workers' processes ends.
-  void open_exit_store(int attempt);
-  void publish_exit(const Worker& w);
-  // "" or, when `failed` reports a peer that exited with code 0 (not a failure by itself), the part of
-  // the summary that names that peer as the root cause.
-  std::string early_exit_cause(const Worker& failed);
 
   JobContext ctx_;
   Plan& plan_;
@@ -359,10 +403,7 @@ class Job {
   std::unique_ptr<Inspector> inspector_;  // reads workers_' rings: stopped before workers_ changes
   std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
   OomCounter oom_at_start_;               // this cgroup's OOM kills when the attempt's workers started
-  std::unique_ptr<TraceDirClaim> trace_claim_;  // this job's default trace folder, while it runs
-  // Why the default trace folder cannot be used (not this user's own, not creatable): nothing is
-  // written there then. Empty when it can, and for a user's --trace-dir.
-  std::string trace_dir_refused_;
+  TraceFolder trace_folder_{plan_};        // job_trace.cc: the default trace folder's claim
   // Attempt state
   bool stopping_ = false;
   bool reporting_ = false;  // in the report window: the stop signal is not sent yet (see begin_stop)
@@ -388,13 +429,8 @@ class Job {
   int64_t store_epoch_ = 0;          // the job's store's epoch (rdzv/epoch): how often it moved
   bool standby_promoted_ = false;    // the others moved the job's store to this agent's standby
   bool torch_port_from_store_ = false;  // the store moved to another node: read its torch port when joined
-  // job_exits.cc: the store the ranks' exits are published to (the job's, without a prefix; null:
-  // none), the attempt the workers run (COHORT_RESTART_COUNT), and what this node published in it.
-  std::shared_ptr<Store> exit_store_;
-  std::shared_ptr<Store> local_exit_client_;  // single-node jobs: a client of this launcher's store
-  int exit_attempt_ = 0;
-  bool exit_store_failed_ = false;
-  std::map<std::string, comm::ExitRecord> published_exits_;  // by key
+  // job_exits.cc: what the ranks learn of this node's workers' exits.
+  RankExits exits_{plan_};
   // job_ray.cc: this attempt's Ray state. The head goes kHeadStarting (its GCS does not answer yet) ->
   // kWaitingForNodes (`ray status` probes) -> kDriverRunning; the others kWaitingForHead -> kNodeRunning.
   enum class RayPhase { kOff, kHeadStarting, kWaitingForNodes, kDriverRunning, kWaitingForHead, kNodeRunning };

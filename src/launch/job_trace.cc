@@ -172,7 +172,7 @@ void Job::record_failure(int attempt) {
   std::sort(snaps.begin(), snaps.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   std::string dir = attempt == 0 ? plan_.trace_dir : fmt::format("{}/attempt{}", plan_.trace_dir, attempt);
   try {
-    if (!trace_dir_refused_.empty()) throw Error(trace_dir_refused_);
+    if (!trace_folder_.refused().empty()) throw Error(trace_folder_.refused());
     std::filesystem::create_directories(dir);
     for (const auto& s : snaps) trace::write_dump(fmt::format("{}/rank{}.json", dir, s.rank), s);
   } catch (const std::exception& e) {
@@ -228,7 +228,7 @@ void Job::merge_timeline() {
   }
 }
 
-void Job::open_trace_dir() {
+void TraceFolder::open() {
   if (!plan_.trace_dir_default) return;  // the user's folder: cohort neither removes it nor its neighbours
   const std::string parent = std::filesystem::path(plan_.trace_dir).parent_path().string();
   // Nothing is ever written there without the flight recorder or the timeline: the parent is then
@@ -241,10 +241,10 @@ void Job::open_trace_dir() {
     if (files::ensure_private_dir(parent, writes))
       prune_trace_dirs(parent, keep, std::chrono::system_clock::now());
     if (!writes) return;
-    trace_claim_ = std::make_unique<TraceDirClaim>(plan_.trace_dir, plan_.job_id);
+    claim_ = std::make_unique<TraceDirClaim>(plan_.trace_dir, plan_.job_id);
   } catch (const Error& e) {
     if (!writes) return;
-    trace_dir_refused_ = e.what();
+    refused_ = e.what();
     // The timeline's rank files have nowhere else to go: the job does not start. The flight recorder's
     // dumps are only written after a failure: the job runs, and a failure's diagnosis says they were not.
     if (!plan_.timeline_path.empty())
@@ -257,10 +257,10 @@ void Job::open_trace_dir() {
   }
 }
 
-void Job::close_trace_dir(int code, bool print) {
-  if (!trace_claim_) return;
-  bool kept = trace_claim_->release(code != 0);
-  trace_claim_.reset();
+void TraceFolder::close(int code, bool print) {
+  if (!claim_) return;
+  bool kept = claim_->release(code != 0);
+  claim_.reset();
   if (!kept || !print) return;
   const int64_t days = trace_keep_days();
   say(days == 0 ? fmt::format("trace folder kept: {} (the files the failed job left there) until the next job "

@@ -225,7 +225,7 @@ void Job::spawn_workers(int attempt) {
     if (ec) throw ConfigError(fmt::format("--log-dir: cannot create {}: {}", dir, ec.message()));
   }
   stop_inspector();
-  open_exit_store(attempt);
+  exits_.open(attempt, distributed_, base_client_, server_.get(), ctx_.token, store_addr_);
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
   oom_at_start_ = read_oom_counter();  // a SIGKILLed worker is blamed on memory only if this count grows
@@ -428,7 +428,8 @@ void Job::on_worker_exit(Worker& w, int status) {
   if (w.err) drain(w.err.get(), *w.sink, true, w.err);
   if (w.out) drain(w.out.get(), *w.sink, false, w.out);
   // First, before the job reacts: the ranks waiting for this one learn of its end from the store.
-  publish_exit(w);
+  // (Exits while the job stops are the stop's own doing.)
+  if (!stopping_ && !head_lost_) exits_.publish(w);
   // In a Ray job only the driver ends by itself: a node's `ray start --block` that ends before the job does
   // has lost that node's Ray, whatever its exit code.
   const bool ray_node = plan_.ray.enabled && !plan_.is_ray_driver(w.rank);
@@ -436,11 +437,11 @@ void Job::on_worker_exit(Worker& w, int status) {
   const int code = std::max(1, exit_code_of(status));
   // A failure caused by a peer that exited with code 0 names that peer first (job_exits.cc).
   if (failed && end_ && plan_.abort_on_failure)
-    upgrade_end(EndInfo{"failure", code, early_exit_cause(w) + failure_summary(w)});
+    upgrade_end(EndInfo{"failure", code, exits_.early_exit_cause(w, workers_) + failure_summary(w)});
   // A Ray job's driver that ends well ends the job well: every node stops its Ray (adopt_end).
   if (plan_.is_ray_driver(w.rank) && !failed && !stopping_ && !end_) publish_end(EndInfo{"done", 0, ""});
   if (failed && !stopping_ && !end_) {
-    EndInfo e{"failure", code, early_exit_cause(w) + failure_summary(w)};
+    EndInfo e{"failure", code, exits_.early_exit_cause(w, workers_) + failure_summary(w)};
     if (plan_.abort_on_failure) {
       publish_end(e);
     } else {

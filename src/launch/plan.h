@@ -76,7 +76,7 @@ struct Options {
   // HOROVOD_SIZE, HOROVOD_LOCAL_*, HOROVOD_CROSS_*, HOROVOD_HOSTNAME), as `horovodrun --gloo` sets them.
   bool horovod_env = false;
   // horovodrun's line too: a fan-out's other hosts get this launcher's whole environment, as horovodrun
-  // hands its own to every worker it starts over ssh (forward_environment, launch/plan.cc).
+  // hands its own to every worker it starts over ssh (forward_environment, launch/plan_worker_env.cc).
   bool forward_environment = false;
   // mpirun's --map-by, --rank-by, --report-bindings, --oversubscribe (-n may exceed the hosts' slots),
   // --timestamp-output, --timeout (the job's wall-clock limit, seconds) and --wdir (the workers' folder,
@@ -121,6 +121,11 @@ MachineFacts this_machine(bool detect_gpus = false);
 // of its addresses. (Other loopback addresses, 127.0.0.2 and up, count as other hosts, as in a fan-out:
 // tests use them to stand for other machines.) `cohort doctor` checks such hosts without ssh.
 bool is_this_machine(const std::string& host, const MachineFacts& machine);
+// horovodrun's line: whether the launcher's variable `name` goes to the workers on other hosts, as horovodrun
+// hands its environment to every worker it starts over ssh: all but horovodrun's exceptions (shell functions,
+// OLDPWD, CUDA_VISIBLE_DEVICES) and the ones that describe the launcher's own process (the places cohort sets
+// for each worker, COHORT_*, TORCHELASTIC_*, Open MPI's, PMIx's and Slurm's).
+bool forwarded_to_other_hosts(const std::string& name);
 // PATH lookup + access(X_OK); ConfigError "program 'x' not found on PATH" / "... is not executable".
 std::string resolve_program(const std::string& program);
 

@@ -72,7 +72,7 @@ namespace cohort::ps {
 size_t storage_bytes(DataType storage);
 size_t state_floats(const TableConfig& config);
 
-struct ShardHeader;  // table.cc: the shared header's layout
+struct ShardHeader;  // table_memory.h: the shared header's layout
 
 // Where the header file keeps the insert lock (u32: 0 free, else the holder's slot + 1) and the
 // count of rows (u64), for tests that watch a shard's memory as another process would.

@@ -70,6 +70,27 @@ TEST(BenchTool, TheLinkLineSaysWhetherWaitsYieldAndWhatTheProbeMeasured) {
   }
 }
 
+// Every rank prints its share of the single-copy path's copies: in a 2-rank broadcast of 2 MiB (above
+// the 1 MiB single-copy size) the root writes half into the receiver while the receiver reads the other
+// half, in each of the 4 calls (1 warm-up, 3 timed); with one CPU for both, the receiver reads it all.
+TEST(BenchTool, EveryRankSaysWhatItCopiedOnTheSingleCopyPath) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  const bool splits = CPU_COUNT(&allowed) >= 2;
+  auto r = run_two({"bench", "broadcast", "-b", "2M", "-e", "2M", "-n", "3", "-w", "1", "--trials", "1"},
+                   {"COHORT_TRANSPORT=auto"});
+  ASSERT_EQ(r.rank0.exit_code, 0) << r.rank0.out << r.rank0.err;
+  ASSERT_EQ(r.rank1.exit_code, 0) << r.rank1.out << r.rank1.err;
+  const std::string root = splits ? "0.00 MiB, written into peers 1.00 MiB" : "0.00 MiB, written into peers 0.00 MiB";
+  const std::string receiver = splits ? "1.00 MiB, written into peers 0.00 MiB" : "2.00 MiB, written into peers 0.00 MiB";
+  EXPECT_NE(r.rank0.out.find("# copies, rank 0: 4 single-copy calls; per call read from peers " + root),
+            std::string::npos)
+      << r.rank0.out;
+  EXPECT_NE(r.rank1.out.find("# copies, rank 1: 4 single-copy calls; per call read from peers " + receiver),
+            std::string::npos)
+      << r.rank1.out;
+}
+
 TEST(BenchTool, NcclTestsSpellingsAndBadFlags) {
   auto ok = run_two({"bench", "allreduce", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-w", "0", "--trials", "1",
                      "-c", "1", "-d", "bfloat16", "-o", "avg"});

@@ -3,6 +3,7 @@
 // ssh line that -p and -i extend, see Horovod's variables as `horovodrun --gloo` sets them. The bad lines
 // are refused with one line naming the flag.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -118,8 +119,10 @@ TEST(Horovodrun, BadLinesAreRefusedWithOneLine) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   };
   refused({"python3", "train.py"}, "cohort horovodrun: -np N is required (the number of processes), as with horovodrun");
-  refused({"-np", "2", "--min-np", "1", "--max-np", "4", "--host-discovery-script", "./d.sh", "python3", "train.py"},
-          "cohort horovodrun: --min-np: Horovod's elastic driver");
+  refused({"-np", "2", "--min-np", "1", "--max-np", "4", "python3", "train.py"},
+          "cohort horovodrun: --min-np: an elastic job needs --host-discovery-script SCRIPT (or a fixed -H list)");
+  refused({"-np", "5", "--min-np", "1", "--max-np", "4", "--host-discovery-script", "./d.sh", "python3", "train.py"},
+          "cohort horovodrun: -np 5 is outside --min-np 1 .. --max-np 4");
   refused({"-np", "2", "--fusion-threshold-mb", "32", "python3", "train.py"}, "unknown flag --fusion-threshold-mb");
   refused({"-np", "2", "--output-filenam", "o", "python3", "train.py"},
           "unknown flag --output-filenam (did you mean --output-filename?)");
@@ -127,6 +130,35 @@ TEST(Horovodrun, BadLinesAreRefusedWithOneLine) {
   refused({"-np", "2", "-p", "123456789012345678901", "-H", "a:1,b:1", "true"},
           "cohort horovodrun: -p 123456789012345678901: expected a port between 1 and 65535");
   refused({"-np", "4", "-H", "localhost:2", "--dry-run", "true"}, "cohort horovodrun: ");  // more than the slots
+}
+
+// Horovod's rule for the elastic driver's discovery script: a script that fails on its first run (an exit
+// code, a hang past COHORT_HOROVOD_DISCOVERY_TIMEOUT, a line that is not host:slots) is a mistake in the
+// line: horovodrun stops at once with one line naming the script and why, and starts nothing.
+TEST(Horovodrun, ElasticDiscoveryScriptThatFailsStopsTheJobWithOneLine) {
+  TempDir dir;
+  auto script = [&](const std::string& name, const std::string& body) {
+    std::string path = dir.file(name);
+    write_file(path, "#!/bin/sh\n" + body);
+    chmod(path.c_str(), 0755);
+    return path;
+  };
+  auto fails = [&](const std::string& path, const std::vector<std::string>& env, const std::string& what) {
+    auto r = run_process(line({"-np", "1", "--min-np", "1", "--max-np", "2", "--host-discovery-script", path,
+                               "/bin/sh", "-c", "touch " + dir.file("started")}),
+                         env, 30);
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    EXPECT_TRUE(has(r.err, "cohort horovodrun: host discovery script " + path + ": " + what)) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(access(dir.file("started").c_str(), F_OK), 0) << "a worker ran: " << r.out << r.err;
+    return r.seconds;
+  };
+  fails(script("exits.sh", "echo 'no hosts today' >&2\nexit 3\n"), {}, "exited with code 3: no hosts today\n");
+  fails(script("bad-line.sh", "echo localhost:1\necho 'localhost:x'\n"), {},
+        "its line 2 'localhost:x': expected host:slots with slots a whole number of at least 1\n");
+  auto took = fails(script("hangs.sh", "echo localhost:1\nsleep 60\n"), {"COHORT_HOROVOD_DISCOVERY_TIMEOUT=1"},
+                    "did not finish within 1 s (COHORT_HOROVOD_DISCOVERY_TIMEOUT); killed\n");
+  EXPECT_LT(took, 20) << "the hanging script was not killed at its deadline";
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
-// Save and load when something is wrong: damaged manifests and shard files, a directory a server
-// cannot write, rows created while a save runs. A load or save is all or nothing across the servers
+// Save and load: a round trip from one server count to another keeps rows and optimizer state, a load
+// replaces the rows attached workers read, a bsp save holds a whole step. And when something is wrong:
+// damaged manifests and shard files, a directory a server cannot write, rows created while a save runs.
+// A load or save is all or nothing across the servers
 // (staged, then committed), the worker gets one error naming the server, the file and what was wrong,
 // and the servers serve on.
 #include <gtest/gtest.h>
@@ -8,6 +10,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -279,6 +284,110 @@ TEST(PsSaveLoad, ASaveCountsTheRowsItWroteWhileWorkersCreateRows) {
   }
   EXPECT_EQ(checked, kJobs * kSaves);
   EXPECT_GT(grew, 0) << "no rows were created during the saves";
+}
+
+
+// ---- the ways that work: across server counts, under attached workers, after a bsp step ----
+
+TEST(PsSaveLoad, RoundTripFromOneServerToTwoKeepsRowsAndOptimizerState) {
+  test::TempDir dir;
+  TableConfig cfg;
+  cfg.dim = 4;
+  cfg.optimizer = Optimizer::kAdagrad;
+  cfg.lr = 0.1f;
+  TableConfig dense = cfg;
+  dense.dense = true;
+  dense.rows = 50;
+  dense.optimizer = Optimizer::kAdam;
+  std::vector<uint64_t> ids;
+  for (uint64_t i = 0; i < 200; ++i) ids.push_back(i * 1000003);
+  std::vector<uint64_t> rows50;
+  for (uint64_t i = 0; i < 50; ++i) rows50.push_back(i);
+  std::vector<float> g(ids.size() * 4), g2(ids.size() * 4);
+  for (size_t i = 0; i < g.size(); ++i) {
+    g[i] = std::cos(float(i));
+    g2[i] = std::sin(float(i));
+  }
+  std::vector<float> after_a, dense_a;
+  run_job(1, 1, {}, [&](Client& c) {
+    c.create_table("sparse", cfg);
+    c.create_table("dense", dense);
+    c.push("sparse", ids.data(), ids.size(), g.data());
+    c.push("dense", rows50.data(), 50, g.data());
+    c.save(dir.path());
+    // What the next step gives with the state as saved:
+    c.push("sparse", ids.data(), ids.size(), g2.data());
+    c.push("dense", rows50.data(), 50, g2.data());
+    after_a = pull_rows(c, "sparse", ids);
+    dense_a = pull_rows(c, "dense", rows50);
+  });
+  ASSERT_TRUE(std::filesystem::exists(dir.file("manifest.json")));
+  ASSERT_TRUE(std::filesystem::exists(test_util::shards_dir(dir.path()) + "/sparse.shard-0-of-1"));
+  run_job(2, 1, {}, [&](Client& c) {
+    c.load(dir.path());
+    EXPECT_EQ(c.stats("sparse").rows, ids.size());
+    c.push("sparse", ids.data(), ids.size(), g2.data());
+    c.push("dense", rows50.data(), 50, g2.data());
+    EXPECT_EQ(pull_rows(c, "sparse", ids), after_a);
+    EXPECT_EQ(pull_rows(c, "dense", rows50), dense_a);
+  });
+}
+
+// A load replaces the tables that workers have mapped: every worker, the loading one and the
+// others, then reads the loaded rows (the old shard is retired; they map the new one).
+TEST(PsSaveLoad, ALoadReplacesTheRowsThatAttachedWorkersRead) {
+  test::TempDir dir;
+  TableConfig cfg;
+  cfg.dim = 4;
+  cfg.lr = 1.0f;
+  const std::vector<uint64_t> ids = {5, 6, 1ull << 50};
+  std::barrier sync(2);
+  run_job(1, 2, {}, [&](Client& c) {
+    c.create_table("t", cfg);
+    std::vector<float> g(ids.size() * 4, 1.0f);
+    if (c.worker_index() == 0) c.push("t", ids.data(), ids.size(), g.data());  // rows at -1
+    sync.arrive_and_wait();
+    EXPECT_EQ(pull_rows(c, "t", ids), std::vector<float>(12, -1.0f));  // both mapped the shard
+    sync.arrive_and_wait();
+    if (c.worker_index() == 0) c.save(dir.path());
+    sync.arrive_and_wait();
+    c.push("t", ids.data(), ids.size(), g.data());  // each: -1 more, so -3
+    sync.arrive_and_wait();
+    EXPECT_EQ(pull_rows(c, "t", ids), std::vector<float>(12, -3.0f));
+    sync.arrive_and_wait();
+    if (c.worker_index() == 1) c.load(dir.path());
+    sync.arrive_and_wait();
+    EXPECT_EQ(pull_rows(c, "t", ids), std::vector<float>(12, -1.0f)) << "worker " << c.worker_index();
+    sync.arrive_and_wait();
+    c.push("t", ids.data(), ids.size(), g.data());
+    sync.arrive_and_wait();
+    EXPECT_EQ(pull_rows(c, "t", ids), std::vector<float>(12, -3.0f)) << "worker " << c.worker_index();
+    if (c.worker_index() == 0) {
+      EXPECT_EQ(c.stats("t").direct_applied_rows, 6u);  // the two pushes after the load
+    }
+  });
+}
+
+// bsp: a save after step() holds every worker's pushes of that step, though they are applied only
+// when the last worker's step reaches the server (the save waits for it, like a pull).
+TEST(PsSaveLoad, BspSaveAfterAStepHoldsEveryWorkersPushesOfIt) {
+  test::TempDir dir;
+  TableConfig cfg;
+  cfg.dim = 1;
+  cfg.lr = 1.0f;
+  const std::vector<uint64_t> ids = {11, 12};
+  run_job(2, 2, ConsistencyMode::parse("bsp"), [&](Client& c) {
+    c.create_table("t", cfg);
+    std::vector<float> g = {1.0f, 2.0f};
+    if (c.worker_index() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // its step comes last
+    c.push("t", ids.data(), ids.size(), g.data());
+    c.step();
+    if (c.worker_index() == 0) c.save(dir.path());
+  });
+  run_job(1, 1, {}, [&](Client& c) {
+    c.load(dir.path());
+    EXPECT_EQ(pull_rows(c, "t", ids), (std::vector<float>{-2.0f, -4.0f}));
+  });
 }
 
 }  // namespace

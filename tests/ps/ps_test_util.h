@@ -65,6 +65,17 @@ inline std::vector<float> pull_rows(Client& c, const std::string& t, const std::
   return rows;
 }
 
+// COHORT_PS_DIRECT for one test: "0" sends every pull and push through the server; unset (the
+// default) lets workers on the server's host use its shared memory. Read at client creation.
+class DirectSetting {
+ public:
+  explicit DirectSetting(bool direct) {
+    if (direct) ::unsetenv("COHORT_PS_DIRECT");
+    else ::setenv("COHORT_PS_DIRECT", "0", 1);
+  }
+  ~DirectSetting() { ::unsetenv("COHORT_PS_DIRECT"); }
+};
+
 // Sets an environment variable for one scope, then puts back what was there (settings are read at
 // client or server start).
 class ScopedEnv {

@@ -267,3 +267,28 @@ def test_after_a_lost_rank_the_survivors_destroy_the_group_and_go_on_smaller():
         fields = dict(f.split("=") for f in line[0].split()[2:])
         assert float(fields["destroy_s"]) < 2.0, line[0]
         assert fields["named_rank_2"] == "True", describe(results)
+
+
+def test_a_busy_wait_holding_the_gil_does_not_stall_the_next_operation():
+    # busy_wait_worker.py: operation B must complete while each rank spins on it with the GIL held,
+    # right after dropping operation A (the backend's worker thread must not need the GIL between them).
+    results = run_ranks([os.path.join(HERE, "busy_wait_worker.py")], 2, timeout=60)
+    assert all(rc == 0 for rc, _, _ in results), describe(results)
+    for rank, (rc, out, err) in enumerate(results):
+        assert out.startswith("OK "), describe(results)
+
+
+def test_a_group_made_after_another_is_not_taken_for_it_under_cohort_run():
+    # regroup_worker.py: a group (its operation #1 an allgather) destroyed, then another (its #1 an
+    # allreduce), in the same processes: the launcher must see two communicators, not one whose
+    # operation #1 "mismatched".
+    tool = _cohort_tool()
+    env = base_env()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)  # the launcher decides
+    proc = subprocess.run([tool, "run", "-n", "2", sys.executable, os.path.join(HERE, "regroup_worker.py")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "OK 0" in output and "OK 1" in output, output
+    assert "mismatch" not in output, output

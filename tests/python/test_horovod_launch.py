@@ -146,3 +146,70 @@ def test_elastic_training_goes_on_after_a_lost_node():
         assert a.returncode == 0, out_a + out_b
         assert "NODE ELASTIC OK generation=1" in out_a, out_a + out_b
         assert glob.glob(os.path.join(tmp, "cohort-hvd-elastic-*", "*", "a.*")) == [], out_a
+
+
+def _wait_for(path, wanted, proc, what, limit_s=60):
+    """Waits until every line of `wanted` is in the file at `path` (the workers' progress), or fails."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        text = open(path).read() if os.path.exists(path) else ""
+        if all(w in text for w in wanted):
+            return text
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, _ = proc.communicate(timeout=30)
+            pytest.fail(f"{what}: not seen within {limit_s} s ({wanted}); progress:\n{text}\nhorovodrun:\n{out}")
+        time.sleep(0.05)
+
+
+def test_horovodrun_elastic_adds_and_removes_listed_hosts():
+    # Horovod's elastic line: the discovery script prints the lines of a file this test rewrites. localhost runs its
+    # agent here; hostB's starts through an ssh stand-in that runs it on this machine (COHORT_HOST_ID=hostB, so it
+    # is a node of its own; PYTHONPATH, TMPDIR and HVD_PROGRESS reach it only as the driver forwards its
+    # environment). hostB, added mid-job, joins at the next generation and gets the committed state;
+    # removed mid-job, its agent is stopped (its ssh's stdin closed) and the survivor resumes from the last
+    # commit; the worker checks its final weights against a replay (hvd_elastic_discovery_worker.py).
+    horovodrun = os.path.join(os.path.dirname(_tool()), "horovodrun")
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts, progress, discover, ssh = (os.path.join(tmp, n) for n in ("hosts", "progress", "discover.sh", "ssh"))
+        with open(hosts, "w") as f:
+            f.write("localhost:1\n")
+        with open(discover, "w") as f:
+            f.write(f"#!/bin/sh\ncat {hosts}\n")
+        with open(ssh, "w") as f:  # ssh HOST COMMAND...: COMMAND here, standing for HOST, as bare as an ssh session
+            f.write('#!/bin/sh\nhost=$1; shift\necho "$host" >> ' + os.path.join(tmp, "ssh-hosts") +
+                    '\nexec env -i PATH="$PATH" HOME="$HOME" COHORT_HOST_ID="$host" "$@"\n')
+        for script in (discover, ssh):
+            os.chmod(script, 0o755)
+
+        def list_hosts(text):  # whole, then renamed: the script never reads half a file
+            with open(hosts + ".new", "w") as f:
+                f.write(text)
+            os.replace(hosts + ".new", hosts)
+
+        proc = subprocess.Popen([horovodrun, "-np", "1", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+                                 discover, "--ssh-command", ssh, sys.executable,
+                                 os.path.join(HERE, "hvd_elastic_discovery_worker.py")],
+                                env=_env(TMPDIR=tmp, HVD_PROGRESS=progress), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            _wait_for(progress, ["waiting size=1 rank=0 step=2"], proc, "one rank at step 2")
+            list_hosts("localhost:1\nhostB:1\n")
+            text = _wait_for(progress, ["waiting size=2 rank=0 step=5", "waiting size=2 rank=1 step=5"], proc,
+                             "two ranks at step 5")
+            # Both ranks of the grown job started from the commit of step 2: the new host's rank through sync.
+            assert "size=2 rank=0 resumed=2" in text and "size=2 rank=1 resumed=2" in text, text
+            list_hosts("localhost:1\n")
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        text = open(progress).read()
+        assert proc.returncode == 0, out + text
+        assert "DISCOVERY ELASTIC OK" in out, out + text
+        assert "size=1 rank=0 resumed=5" in text, text
+        assert "host hostB is listed with 1 slot: starting its agent" in out, out
+        assert "host hostB is no longer listed by the discovery script: stopping its agent" in out, out
+        assert open(os.path.join(tmp, "ssh-hosts")).read() == "hostB\n", out  # localhost's agent ran here
+        assert glob.glob(os.path.join(tmp, "cohort-hvd-elastic-*", "*")) == [], out

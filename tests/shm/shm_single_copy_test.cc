@@ -6,6 +6,7 @@
 // to the group from the single-copy size on and over the transports below it.
 #include <gtest/gtest.h>
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -212,6 +213,49 @@ TEST_P(ShmSingleCopyWorld, EveryDataMovingCollectiveCopiesOnceAndMatchesItsDefin
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmSingleCopyWorld, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
+// A single-copy broadcast keeps the root's core busy too: where the ranks have a CPU each, the root
+// writes the last page-aligned bytes/P of every receiver's buffer while each receiver reads the rest;
+// where they share CPUs (more ranks than this process may use), the receivers read it all. Sizes
+// around the point where the share becomes one page (P*4096 - 1: the receivers copy all), odd sizes,
+// every root, 2 to 4 ranks (as threads: their CPU sets are this process's).
+TEST(ShmSingleCopy, BroadcastRootWritesItsShareIntoEveryReceiverWhileTheyReadTheRest) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  const int cpus = CPU_COUNT(&allowed);
+  for (int world = 2; world <= 4; ++world) {
+    auto groups = make_groups(world, single_copy_options());
+    const size_t W = static_cast<size_t>(world);
+    const bool splits = cpus >= world;
+    const std::vector<size_t> sizes = {W * 4096 - 1, W * 4096, W * 4096 + 1, W * 4096 * 3 + 77, (size_t{3} << 20) + 5};
+    test::run_ranks(world, [&](int r) {
+      Group& g = *groups[r];
+      EXPECT_EQ(g.broadcast_splits(), splits) << world << " ranks, " << cpus << " CPUs";
+      for (const size_t n : sizes) {
+        EXPECT_EQ(Group::broadcast_root_share(n, world), n / W / 4096 * 4096) << "n=" << n;
+        const size_t share = splits ? Group::broadcast_root_share(n, world) : 0;
+        for (int root = 0; root < world; ++root) {
+          std::vector<uint8_t> sent(n), buf(n, 0xEE);
+          for (size_t i = 0; i < n; ++i) sent[i] = byte_of(root, world, i);
+          if (r == root) buf = sent;
+          const Group::CopiedBytes before = g.single_copied();
+          g.broadcast(buf.data(), n, root);
+          const Group::CopiedBytes after = g.single_copied();
+          ASSERT_EQ(buf, sent) << "broadcast n=" << n << " root " << root << " rank " << r << " of " << world;
+          if (r == root) {
+            EXPECT_EQ(after.pushed - before.pushed, (W - 1) * share) << "root's writes, n=" << n << " of " << world;
+            EXPECT_EQ(after.pulled, before.pulled) << "n=" << n;
+          } else {
+            EXPECT_EQ(after.pulled - before.pulled, n - share) << "receiver's reads, n=" << n << " of " << world;
+            EXPECT_EQ(after.pushed, before.pushed) << "n=" << n;
+          }
+        }
+      }
+      // Every rank was a root with shares of whole pages: it wrote into its peers exactly when split.
+      EXPECT_EQ(g.single_copied().pushed > 0, splits) << "rank " << r << " of " << world;
+    });
+  }
+}
+
 TEST(ShmSingleCopy, TurnedOffEveryRankStagesAndSaysWhy) {
   GroupOptions o = single_copy_options();
   o.single_copy = false;
@@ -298,6 +342,21 @@ TEST(ShmSingleCopyProcesses, ThreeProcessesCopyBetweenTheirOwnBuffersFromTheDefa
           for (int q = 0; q < world && code == 0; ++q)
             for (size_t i = 0; i < bytes; ++i)
               if (recv[q * bytes + i] != byte_of(q, r, i)) code = 13;
+          // broadcast of the whole size from every root: over the limit the root writes a share into
+          // each other process while they read the rest (push and pull across address spaces).
+          const size_t total = bytes * world;
+          for (int root = 0; root < world && code == 0; ++root) {
+            std::vector<uint8_t> buf(total, 0xEE);
+            if (r == root)
+              for (size_t i = 0; i < total; ++i) buf[i] = byte_of(root, world, i);
+            const Group::CopiedBytes was = g->single_copied();
+            g->broadcast(buf.data(), total, root);
+            for (size_t i = 0; i < total && code == 0; ++i)
+              if (buf[i] != byte_of(root, world, i)) code = 14;
+            const uint64_t share =
+                total >= (size_t{1} << 20) && g->broadcast_splits() ? Group::broadcast_root_share(total, world) : 0;
+            if (code == 0 && r == root && g->single_copied().pushed - was.pushed != (world - 1) * share) code = 15;
+          }
         }
         g->barrier();
       } catch (const std::exception& e) {
@@ -321,7 +380,8 @@ TEST(ShmSingleCopyProcesses, ThreeProcessesCopyBetweenTheirOwnBuffersFromTheDefa
     }
     ASSERT_TRUE(WIFEXITED(status)) << "rank " << r;
     EXPECT_EQ(WEXITSTATUS(status), 0) << "rank " << r << " (10: no single copy, 11: allgather wrong, "
-                                      << "12: wrong path for the size, 13: alltoall wrong)";
+                                      << "12: wrong path for the size, 13: alltoall wrong, 14: broadcast wrong, "
+                                      << "15: the broadcast's root did not write its share)";
   }
 }
 

@@ -28,8 +28,8 @@ constexpr double kRtol = 1e-4, kAtol = 1e-5;
 constexpr int kGlobalBatch = 12;  // divides by 1, 2, 3 and 4 ranks
 constexpr int kSteps = 3;
 
-enum class Net { kMlp, kConv };
-const char* name_of(Net n) { return n == Net::kMlp ? "mlp" : "conv"; }
+enum class Net { kMlp, kConv, kNorm };
+const char* name_of(Net n) { return n == Net::kMlp ? "mlp" : n == Net::kConv ? "conv" : "batchnorm"; }
 
 // Parameter counts chosen so that units do not divide by 2, 3 or 4: 315, 30 (LayerNorm), 112, 32.
 nn::Sequential make_mlp() {
@@ -41,14 +41,18 @@ nn::Sequential make_conv() {
   return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 3, 3)), nn::ReLU(), nn::Conv2d(nn::Conv2dOptions(3, 5, 3)),
                         nn::ReLU(), nn::Flatten(), nn::Linear(80, 4));
 }
-nn::Sequential make(Net n) { return n == Net::kMlp ? make_mlp() : make_conv(); }
+// An MLP with batch norm, whose running statistics are buffers that differ between ranks' batches.
+nn::Sequential make_norm() {
+  return nn::Sequential(nn::Linear(20, 15), nn::BatchNorm1d(15), nn::ReLU(), nn::Linear(15, 4));
+}
+nn::Sequential make(Net n) { return n == Net::kMlp ? make_mlp() : n == Net::kConv ? make_conv() : make_norm(); }
 
 // The MLP's units by size (two Linear layers; LayerNorm and the last Linear form the root unit), the
 // conv net's by type (both convolutions; the Linear is the root).
 FSDPOptions units_for(Net n, bool reshard) {
   FSDPOptions o;
   o.reshard_after_forward = reshard;
-  if (n == Net::kMlp) o.auto_wrap_min_params = 100;
+  if (n != Net::kConv) o.auto_wrap_min_params = 100;
   else o.auto_wrap_module_types = {"torch::nn::Conv2dImpl"};
   return o;
 }
@@ -58,7 +62,7 @@ struct Batch {
 };
 Batch batch(Net n, int it, int rank, int world) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3000 + it);
-  ::torch::Tensor x = n == Net::kMlp ? ::torch::randn({kGlobalBatch, 20}, gen) : ::torch::randn({kGlobalBatch, 1, 8, 8}, gen);
+  ::torch::Tensor x = n != Net::kConv ? ::torch::randn({kGlobalBatch, 20}, gen) : ::torch::randn({kGlobalBatch, 1, 8, 8}, gen);
   ::torch::Tensor y = ::torch::randint(0, 4, {kGlobalBatch}, gen, ::torch::kLong);
   const int share = kGlobalBatch / world;
   return {x.narrow(0, rank * share, share), y.narrow(0, rank * share, share)};
@@ -93,13 +97,14 @@ nn::Sequential model_with(Net n, const std::vector<::torch::Tensor>& initial, in
 // DDP's weights after kSteps (rank 0's; DDP keeps every rank's equal), and in `norms` the averaged
 // gradients' global norm at each step. max_norm > 0: clipped to it each step.
 constexpr double kNoClip = 1e30;
-std::vector<::torch::Tensor> ddp_weights(Net n, int world, double max_norm = kNoClip, std::vector<double>* norms = nullptr) {
+std::vector<::torch::Tensor> ddp_weights(Net n, int world, double max_norm = kNoClip, std::vector<double>* norms = nullptr,
+                                         DDPOptions options = {}) {
   const auto initial = initial_weights(n);
   std::vector<::torch::Tensor> out;
   auto comms = ThreadCommunicator::make_world(world);
   run_ranks(world, [&](int rank) {
     auto model = model_with(n, initial, rank);
-    DistributedDataParallel ddp(model, comms[size_t(rank)]);
+    DistributedDataParallel ddp(model, comms[size_t(rank)], options);
     auto opt = make_optimizer(n, ddp.parameters());
     for (int it = 0; it < kSteps; ++it) {
       auto b = batch(n, it, rank, world);
@@ -409,6 +414,272 @@ TEST_F(FsdpUnitsTest, AnExplicitUnitOutsideTheModelIsNamed) {
     FAIL() << "no error";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("is not a submodule"), std::string::npos) << e.what();
+  }
+}
+
+// ---- sharded checkpoints ----
+
+// Trains steps [from, to) of the batches every world size splits alike (the same global batch).
+void train_steps(Net n, FullyShardedDataParallel& fsdp, ::torch::optim::Optimizer& opt, int rank, int world, int from,
+                 int to) {
+  for (int it = from; it < to; ++it) {
+    auto b = batch(n, it, rank, world);
+    opt.zero_grad();
+    ::torch::nn::functional::cross_entropy(fsdp.forward(b.x), b.y).backward();
+    opt.step();
+  }
+}
+
+// Rank 0's whole weights after `steps` uninterrupted steps at `world` ranks.
+std::vector<::torch::Tensor> uninterrupted(Net n, int world, int steps) {
+  const auto initial = initial_weights(n);
+  std::vector<::torch::Tensor> out;
+  auto comms = ThreadCommunicator::make_world(world);
+  run_ranks(world, [&](int rank) {
+    auto model = model_with(n, initial, rank);
+    FullyShardedDataParallel fsdp(model, comms[size_t(rank)], units_for(n, true));
+    auto opt = make_optimizer(n, fsdp.parameters());
+    train_steps(n, fsdp, *opt, rank, world, 0, steps);
+    auto full = fsdp.full_state_dict();  // collective
+    if (rank == 0)
+      for (auto& entry : full) out.push_back(entry.second);
+  });
+  return out;
+}
+
+// Saves after kSaveAt steps at `save_world` ranks into `dir`; returns rank 0's whole weights then.
+constexpr int kSaveAt = 2, kTotalSteps = 4;
+std::vector<std::pair<std::string, ::torch::Tensor>> train_and_save(Net n, int save_world, const std::string& dir) {
+  const auto initial = initial_weights(n);
+  std::vector<std::pair<std::string, ::torch::Tensor>> saved;
+  auto comms = ThreadCommunicator::make_world(save_world);
+  run_ranks(save_world, [&](int rank) {
+    auto model = model_with(n, initial, rank);
+    FullyShardedDataParallel fsdp(model, comms[size_t(rank)], units_for(n, true));
+    auto opt = make_optimizer(n, fsdp.parameters());
+    train_steps(n, fsdp, *opt, rank, save_world, 0, kSaveAt);
+    fsdp.save(dir, *opt, train::TrainingPosition{0, kSaveAt, kSaveAt});
+    auto full = fsdp.full_state_dict();
+    if (rank == 0) saved = std::move(full);
+  });
+  return saved;
+}
+
+class FsdpCheckpointTest : public ::testing::TestWithParam<Net> {
+ protected:
+  void SetUp() override { ::torch::set_num_threads(1); }
+};
+
+TEST_P(FsdpCheckpointTest, ASavedWorldLoadsAtAnotherAndTrainingContinuesAsUninterrupted) {
+  // The conv net's units (30, 140, 324 parameters) and the MLP's (315, 112, 62) do not divide by 3 or 4:
+  // shards with padding, whose pieces straddle parameters differently at each world size. The conv net
+  // steps AdamW and the MLP SGD with momentum, whose state the continuation needs.
+  const Net net = GetParam();
+  for (const auto& worlds : std::vector<std::pair<int, int>>{{4, 2}, {4, 3}, {2, 4}}) {
+    const int save_world = worlds.first, load_world = worlds.second;  // no structured binding: lambdas capture them
+    SCOPED_TRACE(fmt::format("saved at {} ranks, loaded at {}", save_world, load_world));
+    cohort::test::TempDir tmp;
+    const auto saved = train_and_save(net, save_world, tmp.path());
+    ASSERT_TRUE(std::filesystem::exists(fmt::format("{}/zero/step-{}/shard-{}-of-{}.bin", tmp.path(), kSaveAt,
+                                                    save_world - 1, save_world)));
+    const auto want = uninterrupted(net, load_world, kTotalSteps);
+    const auto initial = initial_weights(net);
+    auto comms = ThreadCommunicator::make_world(load_world);
+    run_ranks(load_world, [&](int rank) {
+      auto model = model_with(net, initial, rank);
+      FullyShardedDataParallel fsdp(model, comms[size_t(rank)], units_for(net, true));
+      auto opt = make_optimizer(net, fsdp.parameters());
+      const auto position = fsdp.load(tmp.path(), *opt);
+      ASSERT_TRUE(position.has_value());
+      EXPECT_EQ(position->global_step, kSaveAt);
+      const auto loaded = fsdp.full_state_dict();
+      ASSERT_EQ(loaded.size(), saved.size());
+      for (size_t i = 0; i < saved.size(); ++i)
+        EXPECT_TRUE(::torch::equal(loaded[i].second, saved[i].second)) << "rank " << rank << ", " << saved[i].first;
+      train_steps(net, fsdp, *opt, rank, load_world, kSaveAt, kTotalSteps);
+      expect_weights(fsdp.full_state_dict(), want, fmt::format("rank {}", rank));
+    });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Nets, FsdpCheckpointTest, ::testing::Values(Net::kMlp, Net::kConv),
+                         [](const auto& info) { return std::string(name_of(info.param)); });
+
+TEST_F(FsdpUnitsTest, AFailedCheckpointLoadNamesTheFileAndLeavesModelAndOptimizerAsTheyWere) {
+  cohort::test::TempDir tmp;
+  const std::string good = tmp.path() + "/good";
+  train_and_save(Net::kConv, 2, good);
+  const std::string shard1 = fmt::format("/zero/step-{}/shard-1-of-2.bin", kSaveAt);
+  // A checkpoint whose shard of rank 1 is missing, and one whose shard of rank 1 lost its last value.
+  const std::string missing = tmp.path() + "/missing", cut = tmp.path() + "/cut";
+  for (const auto& dir : {missing, cut})
+    std::filesystem::copy(good, dir, std::filesystem::copy_options::recursive);
+  std::filesystem::remove(missing + shard1);
+  const auto size = std::filesystem::file_size(cut + shard1);
+  std::filesystem::resize_file(cut + shard1, size - 4);
+
+  const int world = 2;
+  const auto initial = initial_weights(Net::kConv);
+  auto comms = ThreadCommunicator::make_world(world);
+  run_ranks(world, [&](int rank) {
+    // Trained one step on other data than the checkpoint's, so that its weights and AdamW state exist.
+    auto model = model_with(Net::kConv, initial, rank);
+    FullyShardedDataParallel fsdp(model, comms[size_t(rank)], units_for(Net::kConv, true));
+    auto opt = make_optimizer(Net::kConv, fsdp.parameters());
+    train_steps(Net::kConv, fsdp, *opt, rank, world, 7, 8);
+    const auto before = fsdp.full_state_dict();
+    // The optimizer's state, in its map's order (its keys stay those of the same shard tensors).
+    auto moments_of = [&] {
+      std::vector<::torch::Tensor> out;
+      for (const auto& entry : opt->state())
+        out.push_back(static_cast<const ::torch::optim::AdamWParamState&>(*entry.second).exp_avg().clone());
+      return out;
+    };
+    const auto moments = moments_of();
+    ASSERT_EQ(moments.size(), fsdp.parameters().size());
+    auto expect_failure = [&](const std::string& dir, ::torch::optim::Optimizer& o, FullyShardedDataParallel& f,
+                              const std::string& says) {
+      try {
+        f.load(dir, o);
+        ADD_FAILURE() << "no error loading " << dir;
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      }
+    };
+    expect_failure(missing, *opt, fsdp, "shard-1-of-2.bin: the shard of rank 1 of 2 is missing");
+    expect_failure(cut, *opt, fsdp, fmt::format("shard-1-of-2.bin: {} bytes, not the {} its header says", size - 4, size));
+    // Another kind of optimizer over the same shards.
+    ::torch::optim::SGD sgd(fsdp.parameters(), ::torch::optim::SGDOptions(0.1).momentum(0.9));
+    expect_failure(good, sgd, fsdp, "checkpoint.bin: the checkpoint holds adamw state; this optimizer is sgd");
+    // The same model with its last layer one output wider: a size mismatch, named.
+    {
+      auto other = nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 3, 3)), nn::ReLU(), nn::Conv2d(nn::Conv2dOptions(3, 5, 3)),
+                                  nn::ReLU(), nn::Flatten(), nn::Linear(80, 5));
+      FullyShardedDataParallel wider(other, comms[size_t(rank)], units_for(Net::kConv, true));
+      auto wider_opt = make_optimizer(Net::kConv, wider.parameters());
+      expect_failure(good, *wider_opt, wider,
+                     "shard-0-of-2.bin: written for another model: its parameter 4 is 5.weight of 320 elements, this "
+                     "model's is 5.weight of 400 elements");
+    }
+    // Nothing changed: the weights, and the optimizer's state.
+    const auto after = fsdp.full_state_dict();
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(::torch::equal(after[i].second, before[i].second)) << "rank " << rank << ", " << before[i].first;
+    const auto moments_after = moments_of();
+    ASSERT_EQ(moments_after.size(), moments.size());
+    for (size_t u = 0; u < moments.size(); ++u)
+      EXPECT_TRUE(::torch::equal(moments_after[u], moments[u])) << "rank " << rank << ", state " << u;
+    // And the good checkpoint still loads.
+    EXPECT_TRUE(fsdp.load(good, *opt).has_value());
+  });
+}
+
+// ---- buffers and wire compression ----
+
+TEST_F(FsdpUnitsTest, BuffersAreBroadcastFromRankZeroBeforeEachTrainingForwardAsUnderDdp) {
+  // Batch norm's running statistics follow each rank's own batches; DDP broadcasts rank 0's before every
+  // training forward, and FSDP does the same: each rank's buffers after training equal that rank's under
+  // DDP. Without the broadcast, rank 1's statistics would be its own batches' alone.
+  const int world = 2;
+  const Net net = Net::kNorm;
+  const auto initial = initial_weights(net);
+  auto run = [&](bool fsdp_on, bool broadcast) {
+    std::vector<std::vector<::torch::Tensor>> buffers(world);
+    std::vector<::torch::Tensor> weights;
+    auto comms = ThreadCommunicator::make_world(world);
+    run_ranks(world, [&](int rank) {
+      auto model = model_with(net, initial, rank);
+      if (rank == 1) {
+        ::torch::NoGradGuard g;
+        for (auto& b : model->buffers()) b.fill_(5);  // differs from rank 0's until the wrapper broadcasts
+      }
+      std::unique_ptr<FullyShardedDataParallel> fsdp;
+      std::unique_ptr<DistributedDataParallel> ddp;
+      std::vector<::torch::Tensor> params;
+      if (fsdp_on) {
+        FSDPOptions o = units_for(net, true);
+        o.broadcast_buffers = broadcast;
+        fsdp = std::make_unique<FullyShardedDataParallel>(model, comms[size_t(rank)], o);
+        for (auto& b : model->buffers()) {
+          // At wrap, whatever broadcast_buffers says (DDP's constructor does the same).
+          EXPECT_NE(b.to(::torch::kDouble).sum().item<double>(), 5.0 * b.numel()) << "rank " << rank;
+        }
+        params = fsdp->parameters();
+      } else {
+        ddp = std::make_unique<DistributedDataParallel>(model, comms[size_t(rank)]);
+        params = ddp->parameters();
+      }
+      auto opt = make_optimizer(net, params);
+      for (int it = 0; it < kSteps; ++it) {
+        auto b = batch(net, it, rank, world);
+        opt->zero_grad();
+        auto out = fsdp_on ? fsdp->forward(b.x) : ddp->forward(b.x);
+        ::torch::nn::functional::cross_entropy(out, b.y).backward();
+        opt->step();
+      }
+      for (auto& b : model->buffers()) buffers[size_t(rank)].push_back(b.clone());
+      std::vector<::torch::Tensor> mine;
+      if (fsdp_on) {
+        for (auto& entry : fsdp->full_state_dict()) mine.push_back(entry.second);  // collective
+      } else {
+        for (auto& p : model->parameters()) mine.push_back(p.detach().clone());
+      }
+      if (rank == 0) weights = mine;
+    });
+    return std::make_pair(buffers, weights);
+  };
+  const auto ddp = run(false, true);
+  const auto fsdp = run(true, true);
+  const auto unsynced = run(true, false);
+  for (int rank = 0; rank < world; ++rank) {
+    const auto& want = ddp.first[size_t(rank)];
+    ASSERT_EQ(want.size(), 3u) << "running_mean, running_var, num_batches_tracked";
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(::torch::allclose(fsdp.first[size_t(rank)][i].to(::torch::kDouble), want[i].to(::torch::kDouble), kRtol,
+                                    kAtol))
+          << "rank " << rank << ", buffer " << i;
+  }
+  for (size_t i = 0; i < ddp.second.size(); ++i)
+    EXPECT_TRUE(::torch::allclose(fsdp.second[i], ddp.second[i], kRtol, kAtol)) << "weight " << i;
+  // The option off: rank 1's running mean is its own batches' only, not DDP's.
+  EXPECT_FALSE(::torch::allclose(unsynced.first[1][0], ddp.first[1][0], kRtol, kAtol));
+}
+
+TEST_F(FsdpUnitsTest, CompressedGradientReduceScatterMatchesDdpWithTheSameCompression) {
+  // The gradients travel as 16-bit floats, as DDP's compressed buckets: each rank's gradient rounded, the
+  // mean rounded. FSDP's reduce-scatter rounds the same values as DDP's allreduce, so the weights agree
+  // with DDP under the same compression to float rounding, and differ from the uncompressed run by what
+  // 16 bits lose: float16 (11 bits of mantissa) within 1e-3, bfloat16 (8 bits) within DDP's bf16 tolerance.
+  const Net net = Net::kMlp;
+  for (const int world : {2, 3}) {
+    const auto plain = ddp_weights(net, world);
+    for (const auto compression : {train::WireCompression::kFloat16, train::WireCompression::kBFloat16}) {
+      SCOPED_TRACE(fmt::format("{} ranks, {}", world, train::compression_name(compression)));
+      DDPOptions d;
+      d.compression = compression;
+      const auto want = ddp_weights(net, world, kNoClip, nullptr, d);
+      const double rtol = compression == train::WireCompression::kFloat16 ? 1e-3 : 2e-2;
+      const double atol = compression == train::WireCompression::kFloat16 ? 1e-4 : 2e-3;
+      const auto initial = initial_weights(net);
+      auto comms = ThreadCommunicator::make_world(world);
+      run_ranks(world, [&](int rank) {
+        auto model = model_with(net, initial, rank);
+        FSDPOptions o = units_for(net, true);
+        o.compression = compression;
+        FullyShardedDataParallel fsdp(model, comms[size_t(rank)], o);
+        auto opt = make_optimizer(net, fsdp.parameters());
+        train_steps(net, fsdp, *opt, rank, world, 0, kSteps);
+        for (auto& shard : fsdp.parameters()) EXPECT_EQ(shard.grad().scalar_type(), ::torch::kFloat32);
+        const auto got = fsdp.full_state_dict();
+        expect_weights(got, want, fmt::format("rank {}, against DDP with the same compression", rank));
+        double max_from_plain = 0;
+        for (size_t i = 0; i < plain.size(); ++i) {
+          EXPECT_TRUE(::torch::allclose(got[i].second, plain[i], rtol, atol)) << got[i].first;
+          max_from_plain = std::max(max_from_plain, (got[i].second - plain[i]).abs().max().item<double>());
+        }
+        EXPECT_GT(max_from_plain, kAtol) << "the gradients were not rounded to 16 bits";
+      });
+    }
   }
 }
 

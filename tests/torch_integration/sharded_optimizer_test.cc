@@ -275,7 +275,7 @@ TEST_F(ShardedCheckpointTest, AMissingShardOrAnotherOptimizerIsNamed) {
     sgd->load(dir_);
     FAIL() << "no error";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("shard-1-of-2.bin: the optimizer shard of rank 1 of 2 is missing"),
+    EXPECT_NE(std::string(e.what()).find("shard-1-of-2.bin: the shard of rank 1 of 2 is missing"),
               std::string::npos)
         << e.what();
   }
@@ -370,7 +370,7 @@ TEST_F(ShardedCheckpointTest, AFailedLoadChangesNeitherTheWeightsNorTheState) {
     std::filesystem::rename(shard1, shard1 + ".away");
     auto model = make_model();
     auto [ddp, opt] = trained(model, Kind::kSgdMomentum);
-    expect_failed_load_changes_nothing(dir_, *model, *opt, "the optimizer shard of rank 1 of 2 is missing");
+    expect_failed_load_changes_nothing(dir_, *model, *opt, "the shard of rank 1 of 2 is missing");
     std::filesystem::rename(shard1 + ".away", shard1);
   }
   {

@@ -177,6 +177,20 @@ class Group {
   // the buffer) goes inline with the flags (small.h), and how many calls did so far (tests, logs).
   bool inline_for(size_t bytes_per_rank) const;
   uint64_t inline_calls() const { return inline_calls_; }
+  // Bytes this rank moved on the single-copy path so far: read from peers (process_vm_readv), written
+  // into peers (process_vm_writev). Says which rank did which part of the copy (tests, benchmarks).
+  struct CopiedBytes {
+    uint64_t pulled = 0, pushed = 0;
+  };
+  CopiedBytes single_copied() const { return copied_; }
+  // A single-copy broadcast of `bytes` among `ranks`: the bytes at the end of every receiver's buffer
+  // that the root writes into it while each receiver reads the rest (a multiple of a page).
+  static size_t broadcast_root_share(size_t bytes, int ranks);
+  // Whether the single-copy broadcast splits its copies that way: only where the ranks' CPU sets hold
+  // a CPU for every rank (decided at creation from every rank's affinity, alike on all ranks). Ranks
+  // that share cores have no idle root core to gain, and the root's writes into P-1 address spaces
+  // measured slower there (4 ranks on one CPU: 1.05-1.5x).
+  bool broadcast_splits() const { return cpus_for_every_rank_; }
   // These four run only on the single-copy path (the caller checks single_copy_for; alltoallv only
   // single_copy()). Counts and displacements are in elements of `elem` bytes, as the communicator's.
   // alltoallv: send == recv is allowed (the input is copied aside first).
@@ -355,6 +369,7 @@ class Group {
   MismatchFormatter mismatch_formatter_;
   std::string failure_;  // first error; later calls repeat it
   std::string wait_policy_;
+  bool cpus_for_every_rank_ = false;  // the union of the ranks' CPU sets has at least one CPU per rank
   std::chrono::milliseconds timeout_;
   std::mutex shared_mutex_;  // allocate_shared (user thread) against find_shared (progress thread)
   std::vector<std::weak_ptr<SharedRegion>> shared_;
@@ -365,8 +380,9 @@ class Group {
   std::string single_copy_why_;
   std::vector<int> peer_pids_;        // every local rank's process, as it published itself
   uint64_t single_copies_ = 0;
-  InlineLines inline_;               // this group's lines for small messages, after the slots
+  InlineLines inline_;         // this group's lines for small messages, after the slots
   uint64_t inline_calls_ = 0;
+  CopiedBytes copied_;
   std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
   std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten
   std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2; allreduce_update's

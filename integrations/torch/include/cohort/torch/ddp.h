@@ -44,6 +44,7 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "cohort/torch/module_holder.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/grad_sync.h"
 #include "cohort/train/sampler.h"
@@ -183,12 +184,6 @@ class DistributedDataParallel {
   // free memory: after the model's storage moved into buckets, after the first optimizer step (at
   // zero_grad before the rebuild, or ShardedOptimizer's first step), and after each stage-2 step.
   void return_freed_memory(size_t at_least_bytes = 0);
-
-  template <typename M>
-  static auto holder_ptr(M module) {
-    if constexpr (requires { module.ptr(); }) return module.ptr();
-    else return module;
-  }
 
   std::function<::torch::Tensor(const ::torch::Tensor&)> forward_;
   std::shared_ptr<::torch::nn::Module> module_;

@@ -23,6 +23,10 @@
 // Mixed precision (FSDPOptions::compute_dtype): gathered and computed in bf16 or fp16, the shards (the
 // master weights) and the reduce-scatter in float32.
 // After optimizer.step() the next forward gathers the updated shards: nothing else to call.
+// Buffers (batch norm's statistics) are rank 0's at construction and before each training forward, as
+// under DDP; FSDPOptions::compression sends the gradients' reduce-scatter in 16 bits, as DDP's buckets.
+// Checkpoints: save()/load() shard by shard at any world size (ShardedOptimizer's format), and
+// full_state_dict()/save_full_model() for a plain libtorch program.
 //
 // How forward reaches the units: libtorch's C++ modules have no forward hooks. For a
 // torch::nn::Sequential, forward(x) runs the children one by one and gathers each child's units
@@ -42,6 +46,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -49,6 +54,9 @@
 
 #include "cohort/communicator.h"
 #include "cohort/error.h"
+#include "cohort/torch/module_holder.h"
+#include "cohort/train/checkpoint.h"
+#include "cohort/train/grad_sync.h"
 
 namespace cohort::torch {
 
@@ -69,6 +77,16 @@ struct FSDPOptions {
   // in it (feed it inputs of that type); the shards (the master weights the optimizer steps) and the
   // gradients' reduce-scatter stay float32. kFloat32: no mixed precision.
   ::torch::Dtype compute_dtype = ::torch::kFloat32;
+  // DDP's broadcast_buffers: before each forward that records gradients, the module's buffers (batch
+  // norm's running statistics) are broadcast from rank 0, so that every rank normalises with the same
+  // statistics and a checkpoint (which holds rank 0's) has them. The constructor broadcasts them too,
+  // with the parameters, whatever this says.
+  bool broadcast_buffers = true;
+  // DDP's wire compression, for the gradients' reduce-scatter: kFloat16 or kBFloat16 sends each unit's
+  // flattened gradient as 16-bit floats (half the bytes) and the averaged slice comes back as 16-bit
+  // floats, widened into the float32 .grad of the shard. The all-gathers of the parameters are not
+  // compressed by this (compute_dtype is what gathers them in 16 bits). One rank: nothing is sent.
+  train::WireCompression compression = train::WireCompression::kNone;
 };
 
 class FullyShardedDataParallel {
@@ -134,6 +152,21 @@ class FullyShardedDataParallel {
   // that a plain libtorch program loads it with torch::load(model, path).
   void save_full_model(const std::string& path);
 
+  // Sharded checkpoints, in the format of ShardedOptimizer::save (docs/training.md, "Fully sharded data
+  // parallel"). Collective: each rank writes its shards, the master weights and `optimizer`'s state for
+  // them (an SGD, Adam or AdamW built over parameters()), to <dir>/zero/step-<global_step>/
+  // shard-<r>-of-<N>.bin; then rank 0 writes <dir>/checkpoint.bin (the position and the module's
+  // buffers), so that the newest complete checkpoint always has all its shards. Older steps' shards
+  // than the two kept checkpoints' are removed.
+  void save(const std::string& dir, ::torch::optim::Optimizer& optimizer, const train::TrainingPosition& position);
+  // Collective: loads the newest complete checkpoint of `dir` into the shards, the buffers and
+  // `optimizer`, whatever world size wrote it (each rank reads the parts of every old shard that overlap
+  // its own); nullopt when `dir` holds none. Everything is read and checked before anything changes: a
+  // missing or damaged shard, another model (a parameter's name or size), other buffers or another kind
+  // of optimizer throw InvalidArgument naming the file and what was expected, with the model and the
+  // optimizer as they were.
+  std::optional<train::TrainingPosition> load(const std::string& dir, ::torch::optim::Optimizer& optimizer);
+
   struct UnitInfo {
     std::string name;     // the module's path ("" for the root unit)
     size_t parameters;    // how many parameter tensors
@@ -152,6 +185,11 @@ class FullyShardedDataParallel {
  private:
   struct Unit;
   struct GradHook;
+  struct CheckpointLayout;
+  // The checkpoint's parameter list (Module::named_parameters order) and this rank's runs of them.
+  CheckpointLayout checkpoint_layout() const;
+  // "sgd", "adam" or "adamw" for an optimizer over exactly parameters(); throws otherwise.
+  std::string checkpoint_optimizer_kind(const ::torch::optim::Optimizer& optimizer) const;
   void init(std::vector<std::shared_ptr<::torch::nn::Module>> explicit_units);
   void before_forward();
   void after_forward(const ::torch::Tensor& out);
@@ -167,12 +205,6 @@ class FullyShardedDataParallel {
   void on_gradient_ready(size_t unit, size_t param);
   void land_reduce(Unit& unit);
   void finish_reduce();
-
-  template <typename M>
-  static auto holder_ptr(M module) {
-    if constexpr (requires { module.ptr(); }) return module.ptr();
-    else return module;
-  }
 
   std::function<::torch::Tensor(const ::torch::Tensor&)> forward_;
   std::shared_ptr<::torch::nn::Module> module_;
