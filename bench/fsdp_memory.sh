@@ -3,6 +3,7 @@
 # 2 and 4 ranks, a few steps each; per rank the peak Pss and Rss against what the ZeRO formulas predict.
 #
 #   bench/fsdp_memory.sh [build_dir]          RANKS="2 4" STEPS=3 BATCH=2 SIZE=base ARGS="..." (extra bert flags)
+#                                             MODES="ddp zero2 fsdp" (A, the activations, comes from ddp's run)
 #
 # Per rank it prints the peak Rss and Pss sampled from /proc/<pid>/smaps_rollup every 0.1 s (Pss splits a
 # page shared by k processes k ways: the fair figure for the DDP buckets the peer maps), the exact peak
@@ -24,6 +25,7 @@
 #                     each, 12 H^2 + 13 H); that layer's gradients as autograd makes them; its flattened
 #                     gradient and the two reduce-scatters still in flight (kMaxReducesInFlight)
 #   A  the activations: malloc's bytes in use after forward minus after zero_grad, DDP's second step
+#      (ACTIVATIONS_MB=... when MODES has no ddp)
 # and the ratio of the peak Pss to B + M + A. The modes run interleaved for each world size, fresh
 # processes each. Record the load (printed first) beside the figures.
 set -uo pipefail
@@ -43,6 +45,16 @@ trap 'rm -f "$out"' EXIT
 echo "fsdp_memory: $(git rev-parse --short HEAD 2>/dev/null), $(getconf _NPROCESSORS_ONLN) CPUs, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# bert ${args[*]}"
 
+# The bert processes among PID's descendants: this run's workers only (another job's bert on the
+# machine is not sampled).
+workers() {
+  local child
+  for child in $(pgrep -P "$1"); do
+    [[ $(tr '\0' ' ' <"/proc/$child/cmdline" 2>/dev/null) == "$BERT "* ]] && echo "$child"
+    workers "$child"
+  done
+}
+
 # Runs "$@" in the background, samples every worker's smaps_rollup every 0.1 s, and prints
 # "peak <pid> <peak Rss kB> <peak Pss kB>" lines into $out after the run's own output.
 sample() {
@@ -51,7 +63,7 @@ sample() {
   job=$!
   declare -A peak_rss=() peak_pss=()
   while kill -0 "$job" 2>/dev/null; do
-    for pid in $(pgrep -f "^$BERT "); do
+    for pid in $(workers "$job"); do
       read -r rss pss < <(awk '/^Rss:/ {r = $2} /^Pss:/ {p = $2} END {print r + 0, p + 0}' \
         "/proc/$pid/smaps_rollup" 2>/dev/null) || continue
       ((rss > ${peak_rss[$pid]:-0})) && peak_rss[$pid]=$rss
@@ -103,7 +115,7 @@ report() {
 
 for n in $RANKS; do
   act=
-  for mode in ddp zero2 fsdp; do
+  for mode in ${MODES:-ddp zero2 fsdp}; do
     case $mode in
       ddp) flags=() ;;
       zero2) flags=(--zero 2) ;;
@@ -112,6 +124,6 @@ for n in $RANKS; do
     echo "== $n ranks, $mode (load $(cut -d' ' -f1 /proc/loadavg))"
     sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
     [[ $mode == ddp ]] && act=$(activations)
-    report "$mode" "$n" "${act:-0}"
+    report "$mode" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
   done
 done
