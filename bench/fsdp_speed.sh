@@ -42,7 +42,7 @@ command_for() {
 }
 
 echo "fsdp_speed: $(git rev-parse --short HEAD 2>/dev/null), $ROUNDS rounds, models ${models[*]}, $(getconf _NPROCESSORS_ONLN) CPUs, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
-for m in "${models[@]}"; do echo "# $m: $(command_for "$m") [--zero 2 | --fsdp], 2 ranks"; done
+for m in "${models[@]}"; do c=$(command_for "$m"); echo "# $m: ${c//$PWD\//} [--zero 2 | --fsdp], 2 ranks"; done
 ((torch_fsdp)) && echo "# bert-mini torch-fsdp: bench/peers/run_torch_fsdp.sh 2 --size mini --max-steps $BERT_STEPS --optimizer adamw --test-samples 64 --fsdp"
 all=$(mktemp)
 trap 'rm -f "$all"' EXIT
