@@ -17,6 +17,10 @@ DDP refuses bf16_compress_hook without CUDA, "BF16 all reduce communication hook
 2.10+"), --bucket-mb, --max-steps, --train-samples,
 --test-samples, --seed, --threads (default 1), --print-digest. The output lines are the example's, so the same
 greps read both.
+--fsdp (torch 2.x: Debian 13's 2.6, bench/peers/run_torch_fsdp.sh): PyTorch's FullyShardedDataParallel on the
+CPU over gloo instead of DDP, as examples/bert --fsdp cuts the model: every encoder layer a unit
+(ModuleWrapPolicy), the embeddings tied to the decoder and the head in the root; reshard after forward
+(FULL_SHARD) and backward prefetch of the unit before, as cohort's defaults.
 """
 import argparse
 import os
@@ -218,7 +222,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--print-digest", action="store_true")
+    ap.add_argument("--fsdp", action="store_true")
     a = ap.parse_args()
+    if a.fsdp and (a.zero or a.comm_hook != "none" or a.compression != "none" or a.print_digest):
+        ap.error("--fsdp shards the parameters, gradients and optimizer state itself: no --zero, --comm-hook or --print-digest")
     if a.compression != "none":
         if a.comm_hook not in ("none", a.compression):
             ap.error(f"--compression {a.compression} and --comm-hook {a.comm_hook} disagree")
@@ -248,7 +255,13 @@ def main():
     if a.print_digest and rank == 0:
         print(f"initial weights digest: {digest(model):016x}", flush=True)
     ddp = model
-    if distributed:
+    if distributed and a.fsdp:
+        from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        ddp = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({EncoderLayer}),
+                                       sharding_strategy=ShardingStrategy.FULL_SHARD,
+                                       backward_prefetch=BackwardPrefetch.BACKWARD_PRE, device_id=torch.device("cpu"))
+    elif distributed:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
         if a.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -268,6 +281,7 @@ def main():
         print(f"bert twin: {layers} layers, hidden {hidden}, {heads} heads, sequence {seq_len}, vocabulary "
               f"{vocab_size}: {nparams} parameters; {len(train)} training and {min(a.test_samples, len(test)) if a.test_samples > 0 else len(test)} held-out glosses; world "
               f"{world}, batch {a.batch} per rank, {a.optimizer}{' ZeroRedundancyOptimizer' if a.zero else ''}"
+              f"{' fully sharded (PyTorch FSDP)' if distributed and a.fsdp else ''}"
               f"{f', {a.comm_hook}_compress_hook' if distributed and a.comm_hook != 'none' else ''}",
               flush=True)
     if distributed:
@@ -306,7 +320,7 @@ def main():
         mine = list(range(rank, held_out, world))
         for i in range(0, len(mine), 256):
             ids, masked, labels = make_batch(test, mine[i:i + 256], seq_len, vocab_size, a.seed, M64)
-            logits = model(ids, masked)
+            logits = (ddp if a.fsdp else model)(ids, masked)  # FSDP: the wrapper gathers the units
             correct += logits.argmax(1).eq(labels).sum().item()
             loss_sum += F.cross_entropy(logits, labels, reduction="none").sum(dtype=torch.float64).item()
             predicted += labels.numel()

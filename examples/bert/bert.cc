@@ -224,12 +224,17 @@ std::string memory_now() {
     if (line.rfind(key, 0) == 0) mb = std::strtod(line.c_str() + std::strlen(key), nullptr) / 1024.0;
   };
   while (std::getline(in, line)) field("Rss:", rss), field("Pss:", pss), field("Anonymous:", anon);
-  double heap_free = 0;
+  // What malloc holds for live blocks (heap and mmap'ed: the program's memory without the heap's free
+  // holes) and what it keeps free in the heap.
+  double heap_free = 0, in_use = 0;
 #if defined(__GLIBC__)
-  heap_free = static_cast<double>(mallinfo2().fordblks) / (1024.0 * 1024.0);
+  const auto info = mallinfo2();
+  heap_free = static_cast<double>(info.fordblks) / (1024.0 * 1024.0);
+  in_use = static_cast<double>(info.uordblks + info.hblkhd) / (1024.0 * 1024.0);
 #endif
-  return fmt::format("Rss {:.0f} MB (peak so far {:.0f}), Pss {:.0f} MB, anonymous {:.0f} MB, free in the heap {:.0f} MB",
-                     rss, peak_rss_mb(), pss, anon, heap_free);
+  return fmt::format("Rss {:.0f} MB (peak so far {:.0f}), Pss {:.0f} MB, anonymous {:.0f} MB, in use by malloc {:.0f} MB, "
+                     "free in the heap {:.0f} MB",
+                     rss, peak_rss_mb(), pss, anon, in_use, heap_free);
 }
 
 struct Args {
@@ -299,6 +304,9 @@ int run(const Args& a) {
     throw ConfigError(fmt::format("--device must be cpu or cuda, not '{}'", a.device));
   }
 
+  // The process without the model (libtorch, the corpus, the communicator): what the memory figures
+  // of bench/fsdp_memory.sh subtract.
+  if (a.trace_memory > 0) fmt::print("rank {} before the model: {}\n", rank, memory_now());
   torch::manual_seed(a.seed);
   Bert model(s, a.dropout);
   model->to(device);

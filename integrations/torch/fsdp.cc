@@ -8,6 +8,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -22,6 +24,17 @@
 namespace cohort::torch {
 
 namespace {
+
+// glibc keeps freed heap memory resident (it trims only the top of the heap by itself), and most of a
+// step's tensors (a layer's gradients, the shards' averaged gradients, the activations) are below its
+// mmap threshold, which rises to the largest block freed (a unit's flattened gradient). What a step
+// frees would stay in the process's RSS, and each step's different mix of sizes leaves new holes: hand
+// the free pages back when the heap holds at least 64 MiB of them (as DDP's return_freed_memory).
+void return_freed_memory() {
+#if defined(__GLIBC__)
+  if (mallinfo2().fordblks >= (size_t{64} << 20)) malloc_trim(0);
+#endif
+}
 
 // A unit's gathered parameters live in one storage that every parameter of the unit views. Freeing
 // and re-allocating that storage's memory in place (PyTorch FSDP's _free_storage/_alloc_storage) keeps
@@ -215,6 +228,7 @@ void FullyShardedDataParallel::init(std::vector<std::shared_ptr<::torch::nn::Mod
       unit.accumulators.push_back(std::move(acc));
     }
   }
+  return_freed_memory();  // the module's own parameter storage and the flattened copies
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -465,6 +479,7 @@ void FullyShardedDataParallel::finish_reduce() {
     unit->landed = false;
     unit->expect_grad = false;
   }
+  return_freed_memory();  // backward's gradients and the units gathered for it
 }
 
 void FullyShardedDataParallel::finish_gradient_sync() {

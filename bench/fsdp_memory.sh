@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Issue 50's memory proof: BERT-base (109 M parameters) with AdamW under DDP, ZeRO stage 2 and FSDP at
+# 2 and 4 ranks, a few steps each; per rank the peak Pss and Rss against what the ZeRO formulas predict.
+#
+#   bench/fsdp_memory.sh [build_dir]          RANKS="2 4" STEPS=3 BATCH=2 SIZE=base ARGS="..." (extra bert flags)
+#                                             MODES="ddp zero2 fsdp" (A, the activations, comes from ddp's run)
+#
+# Per rank it prints the peak Rss and Pss sampled from /proc/<pid>/smaps_rollup every 0.1 s (Pss splits a
+# page shared by k processes k ways: the fair figure for the DDP buckets the peer maps), the exact peak
+# Rss (getrusage, the program's own last line), and the prediction
+#     B + M + A
+#   B  the rank's Pss before the model is built (libtorch, the corpus, the communicator): bert's
+#      --trace-memory line "before the model"
+#   M  the model's bytes for that mode, fp32 parameters and AdamW (two fp32 moments), Ψ parameters, N ranks:
+#        DDP      16 Ψ                          parameters 4, gradients 4 (bucket views), moments 8
+#        stage 2  4 Ψ + 12 Ψ/N + 2 buckets      whole parameters; gradient, moments on the shard; 2 x 25 MiB
+#        FSDP     16 Ψ/N + G                    (2+2+K) Ψ/N of ZeRO-3 at cohort's precisions: the shard
+#                                               (the fp32 master weights, 4), its gradient (4), AdamW's
+#                                               moments (K = 8); no persistent low-precision copy. G is
+#                                               what is unsharded at the peak of backward:
+#                 G = 4 R + 4 R + 2 x 4 U + 4 U + 3 x 4 U
+#                     the root unit gathered (R elements: embeddings tied to the decoder, the head) for the
+#                     whole step; its gradient, whole from the decoder's backward (the first) to the
+#                     embedding's (the last); the layer computing and the one prefetched (U elements
+#                     each, 12 H^2 + 13 H); that layer's gradients as autograd makes them; its flattened
+#                     gradient and the two reduce-scatters still in flight (kMaxReducesInFlight)
+#   A  the activations: malloc's bytes in use after forward minus after zero_grad, DDP's second step
+#      (ACTIVATIONS_MB=... when MODES has no ddp)
+# and the ratio of the peak Pss to B + M + A. The modes run interleaved for each world size, fresh
+# processes each. Record the load (printed first) beside the figures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=$(realpath "${1:-build}")
+BERT=$BUILD/examples/bert/bert
+COHORT=$BUILD/tools/cohort
+RANKS=${RANKS:-2 4}
+read -r -a extra <<<"${ARGS:-}"
+args=(--size "${SIZE:-base}" --max-steps "${STEPS:-3}" --batch "${BATCH:-2}" --threads 1 --optimizer adamw
+  --test-samples 16 --trace-memory "${STEPS:-3}" "${extra[@]}")
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+for f in "$BERT" "$COHORT"; do [[ -x $f ]] || { echo "fsdp_memory: $f is not built (ninja -C $BUILD tools/cohort examples/bert/bert)" >&2; exit 1; }; done
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+
+echo "fsdp_memory: $(git rev-parse --short HEAD 2>/dev/null), $(getconf _NPROCESSORS_ONLN) CPUs, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# bert ${args[*]}"
+
+# The bert processes among PID's descendants: this run's workers only (another job's bert on the
+# machine is not sampled).
+workers() {
+  local child
+  for child in $(pgrep -P "$1"); do
+    [[ $(tr '\0' ' ' <"/proc/$child/cmdline" 2>/dev/null) == "$BERT "* ]] && echo "$child"
+    workers "$child"
+  done
+}
+
+# Runs "$@" in the background, samples every worker's smaps_rollup every 0.1 s, and prints
+# "peak <pid> <peak Rss kB> <peak Pss kB>" lines into $out after the run's own output.
+sample() {
+  local job pid rss pss
+  "$@" >"$out" 2>&1 &
+  job=$!
+  declare -A peak_rss=() peak_pss=()
+  while kill -0 "$job" 2>/dev/null; do
+    for pid in $(workers "$job"); do
+      read -r rss pss < <(awk '/^Rss:/ {r = $2} /^Pss:/ {p = $2} END {print r + 0, p + 0}' \
+        "/proc/$pid/smaps_rollup" 2>/dev/null) || continue
+      ((rss > ${peak_rss[$pid]:-0})) && peak_rss[$pid]=$rss
+      ((pss > ${peak_pss[$pid]:-0})) && peak_pss[$pid]=$pss
+    done
+    sleep 0.1
+  done
+  wait "$job" || { echo "fsdp_memory: the run failed:"; tail -n 5 "$out"; return 1; }
+  for pid in "${!peak_rss[@]}"; do echo "peak $pid ${peak_rss[$pid]} ${peak_pss[$pid]}"; done >>"$out"
+}
+
+# The activations A (MB), from the DDP run's trace: in use after forward minus after zero_grad, step 1, rank 0.
+activations() {
+  awk '/rank 0 step 1 after zero_grad:/ {match($0, /in use by malloc [0-9]+/); z = substr($0, RSTART + 17, RLENGTH - 17)}
+       /rank 0 step 1 after forward:/ {match($0, /in use by malloc [0-9]+/); f = substr($0, RSTART + 17, RLENGTH - 17)}
+       END {print f - z}' "$out"
+}
+
+# Prints each rank's figures and the prediction. $1: mode, $2: N, $3: A (MB).
+report() {
+  local mode=$1 n=$2 act=$3
+  awk -v mode="$mode" -v n="$n" -v act="$act" '
+    /^\[.*\] bert: / || /^bert: / {
+      for (i = 1; i <= NF; i++) {
+        if ($i == "layers,") L = $(i - 1); if ($i == "hidden") H = $(i + 1) + 0; if ($i == "parameters;") P = $(i - 1)
+      }
+    }
+    /before the model:/ { match($0, /rank [0-9]+/); r = substr($0, RSTART + 5, RLENGTH - 5) + 0
+                          match($0, /Pss [0-9]+/); B[r] = substr($0, RSTART + 4, RLENGTH - 4) + 0 }
+    /: optimizer state .* peak RSS/ { match($0, /rank [0-9]+/); r = substr($0, RSTART + 5, RLENGTH - 5) + 0
+                          match($0, /peak RSS [0-9.]+/); hwm[r] = substr($0, RSTART + 9, RLENGTH - 9) + 0 }
+    /^peak / { npk++; pid[npk] = $2; prss[$2] = $3 / 1024; ppss[$2] = $4 / 1024 }
+    END {
+      MB = 1024 * 1024; U = 12 * H * H + 13 * H; R = P - L * U
+      if (mode == "ddp") { M = 16 * P; what = "16 Psi" }
+      else if (mode == "zero2") { M = 4 * P + 12 * P / n + 2 * 25 * MB; what = "4 Psi + 12 Psi/N + 2 buckets" }
+      else { M = 16 * P / n + 8 * R + 24 * U; what = "16 Psi/N + G" }
+      printf "  Psi %d, layer unit U %d, root unit R %d; M = %s = %.0f MB (G = %.0f MB), A = %.0f MB\n", P, U, R, what, M / MB, (8 * R + 24 * U) / MB, act
+      # pids in increasing order are ranks 0..N-1 (the launcher forks them in rank order)
+      for (i = 1; i <= npk; i++) for (j = i + 1; j <= npk; j++) if (pid[j] + 0 < pid[i] + 0) { t = pid[i]; pid[i] = pid[j]; pid[j] = t }
+      for (r = 0; r < npk; r++) {
+        p = pid[r + 1]; pred = B[r] + M / MB + act
+        printf "  rank %d: peak Pss %.0f MB, peak Rss %.0f MB (sampled), %.0f MB (getrusage); B %.0f + M %.0f + A %.0f = %.0f MB; peak Pss / prediction %.3f\n",
+               r, ppss[p], prss[p], hwm[r], B[r], M / MB, act, pred, ppss[p] / pred
+      }
+    }' "$out"
+  grep -h "samples/s:" "$out" | sed 's/^/  /'
+}
+
+for n in $RANKS; do
+  act=
+  for mode in ${MODES:-ddp zero2 fsdp}; do
+    case $mode in
+      ddp) flags=() ;;
+      zero2) flags=(--zero 2) ;;
+      fsdp) flags=(--fsdp) ;;
+    esac
+    echo "== $n ranks, $mode (load $(cut -d' ' -f1 /proc/loadavg))"
+    sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
+    [[ $mode == ddp ]] && act=$(activations)
+    report "$mode" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
+  done
+done
