@@ -684,7 +684,7 @@ def _allreduce_start(tensor, output, name, op, prescale_factor, postscale_factor
 
     def launch():
         if group is _state.world_group:
-            _note(("ar", output.numel(), output.dtype, torch_op))
+            _note("ar", output.numel(), output.dtype, torch_op)
         return dist.all_reduce(output, torch_op, group=group, async_op=True)
 
     return _start(what, name, group, launch, finish)
@@ -719,7 +719,7 @@ def _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, 
         output = tensor.clone(memory_format=torch.contiguous_format)
     _scale(output, prescale_factor)
     if group is _state.world_group:
-        _note(("ar", output.numel(), output.dtype, torch_op))
+        _note("ar", output.numel(), output.dtype, torch_op)
     _translate_errors(what, group, dist.all_reduce, output, torch_op, group)
     _scale(output, postscale_factor)
     _divide(output, divisor)
@@ -800,7 +800,7 @@ def _broadcast_start(tensor, output, root_rank, name, process_set, what):
 
     def launch():
         if group is _state.world_group:
-            _note(("x", "broadcast"))
+            _note("x", "broadcast")
         return dist.broadcast(wire, root_rank, group=group, async_op=True)
 
     return _start(what, name, group, launch, lambda: output)
@@ -822,7 +822,7 @@ def _agree_on_broadcast(tensor, root_rank, group, n, what):
     mine[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     every = torch.empty(n, slots, dtype=torch.int64)
     if group is _state.world_group:
-        _note(("ag", slots))
+        _note("ag", slots)
     _translate_errors(what, group, _all_gather_into, every, mine, group)
     for r in range(1, n):
         if not torch.equal(every[r], every[0]):
@@ -896,7 +896,7 @@ def _exchange_shapes(tensor, group, n, what):
     mine[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     every = torch.empty(n, slots, dtype=torch.int64)
     if group is _state.world_group:
-        _note(("ag", slots))
+        _note("ag", slots)
     _translate_errors(what, group, _all_gather_into, every, mine, group)
     # Compared with the set's first rank, so that every rank names the same pair.
     first = every[0].clone()
@@ -937,7 +937,7 @@ def _allgather_start(tensor, name, process_set, what):
         # Equal first dimensions: one allgather straight into the output.
         def launch():
             if group is _state.world_group:
-                _note(("x", "allgather"))
+                _note("x", "allgather")
             return _all_gather_into(_as_wire(output), _as_wire(source), group, async_op=True)
         finish = lambda: output  # noqa: E731
     else:
@@ -948,7 +948,7 @@ def _allgather_start(tensor, name, process_set, what):
         gathered = source.new_empty([n * longest] + rest)
         def launch():
             if group is _state.world_group:
-                _note(("x", "allgather"))
+                _note("x", "allgather")
             return _all_gather_into(_as_wire(gathered), _as_wire(padded), group, async_op=True)
 
         def finish():
@@ -1029,7 +1029,7 @@ def _grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postsc
     def launch():
         if group is _state.world_group:
             for flat, _, torch_op, _ in buffers:
-                _note(("ar", flat.numel(), flat.dtype, torch_op))
+                _note("ar", flat.numel(), flat.dtype, torch_op)
         works = [dist.all_reduce(flat, torch_op, group=group, async_op=True) for flat, _, torch_op, _ in buffers]
         return _AllWork(works)
 
@@ -1118,7 +1118,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
     def launch():
         if group is _state.world_group:
-            _note(("x", "sparse allreduce"))
+            _note("x", "sparse allreduce")
         return dist.all_reduce(output, dist.ReduceOp.SUM, group=group, async_op=True)
 
     return _start("sparse_allreduce_async", name, group, launch, finish)
@@ -1159,7 +1159,7 @@ def _alltoall_start(tensor, splits, name, process_set, what):
     info[:, 9] = source.dim()
     got = torch.empty_like(info)
     if group is _state.world_group:
-        _note(("a2a", slots))
+        _note("a2a", slots)
     _translate_errors(what, group, dist.all_to_all_single, got, info, None, None, group)
     mine = info[0, 1:]
     for r in range(n):
@@ -1178,7 +1178,7 @@ def _alltoall_start(tensor, splits, name, process_set, what):
 
     def launch():
         if group is _state.world_group:
-            _note(("x", "alltoall"))
+            _note("x", "alltoall")
         return dist.all_to_all_single(wire_out, wire_in, [r * per_row for r in received],
                                       [s * per_row for s in send], group=group, async_op=True)
 
@@ -1235,7 +1235,7 @@ def _reducescatter_start(tensor, name, op, process_set, prescale_factor, postsca
         output = tensor.new_empty([longest] + list(tensor.shape[1:]))
         def launch():
             if group is _state.world_group:
-                _note(("x", "reducescatter"))
+                _note("x", "reducescatter")
             return reduce_scatter(output, source, _TORCH_OP[op], group=group, async_op=True)
         result = lambda: output  # noqa: E731
     else:
@@ -1249,7 +1249,7 @@ def _reducescatter_start(tensor, name, op, process_set, prescale_factor, postsca
         block = tensor.new_empty([longest] + list(tensor.shape[1:]))
         def launch():
             if group is _state.world_group:
-                _note(("x", "reducescatter"))
+                _note("x", "reducescatter")
             return reduce_scatter(block, padded, _TORCH_OP[op], group=group, async_op=True)
         result = lambda: block[:counts[me]]  # noqa: E731
 
@@ -1308,7 +1308,7 @@ def barrier(process_set=global_process_set):
     """Returns when every rank of the process set has called it."""
     group = _group_of(process_set)
     if group is _state.world_group:
-        _note(("bar",))
+        _note("bar")
     _translate_errors("barrier", group, dist.barrier, group)
 
 
@@ -1350,12 +1350,13 @@ class _Join:
 _join = _Join()
 
 
-def _note(desc):
-    """Counts an operation on the world group; publishes its descriptor once some rank has joined."""
+def _note(*desc):
+    """Counts an operation on the world group (desc: its kind and what a joined rank needs to take part
+    in it); publishes it once some rank has joined. The record's entries are (number, kind, ...)."""
     j = _join
     seq = j.seq
     j.seq = seq + 1
-    j.record.append((seq, desc))
+    j.record.append((seq,) + desc)
     if j.publish_from is not None:
         j.main_store.set(f"{j.prefix}/op/{j.round}/{seq}", _encode(desc))
 
@@ -1385,7 +1386,7 @@ def _start_join_watcher():
     if store is None:
         store = dist.distributed_c10d._get_default_store()
         while isinstance(store, dist.PrefixStore):
-            store = store.underlying_store
+            store = getattr(store, "underlying_store", None)  # absent before torch 2.0: no watcher
     if not isinstance(store, dist.TCPStore) or _state.size == 1:
         return
     j = _join
@@ -1431,7 +1432,7 @@ def _watch_joins(client, prefix, me):
             j.publish_from = at if j.publish_from is None else min(at, j.publish_from)
             # Operations this rank issued before hearing of the join; later ones publish themselves
             # (_note reads publish_from after appending to the record, so none is missed).
-            issued = [(seq, desc) for seq, desc in list(j.record) if seq >= at]
+            issued = [(entry[0], entry[1:]) for entry in list(j.record) if entry[0] >= at]
         for seq, desc in issued:
             try:
                 client.set(f"{prefix}/op/{round_}/{seq}", _encode(desc))
