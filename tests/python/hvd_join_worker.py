@@ -8,7 +8,10 @@ argv[1] is the case:
             join()'s answer, which must be the rank with the most steps, on every rank.
   refused   rank 1 joins at once; the others issue an allreduce (served), then a broadcast, an
             allgather and an alltoall, each of which must raise Horovod's "not supported with Join"
-            error, then join.
+            error; then a barrier and an allreduce, and an allreduce_async left in flight across
+            their own join().
+  rounds    ROUNDS rounds of joins, with allreduces left in flight by the ranks that join last
+            or not (which arrives last varies from round to round).
   silent    rank 1 joins; rank 0 neither issues nor joins for longer than the timeout: rank 1's
             join() must raise naming rank 0.
 Prints "JOINED <last>" or the error's line; any failed check raises (non-zero exit).
@@ -21,6 +24,7 @@ import torch
 import cohort.horovod.torch as hvd
 
 STEPS = {0: 5, 1: 2, 2: 4}
+ROUNDS = 30
 
 
 def batch(rank, step):
@@ -104,7 +108,32 @@ def refused():
     hvd.barrier()
     got = hvd.allreduce(torch.ones(2), op=hvd.Sum)
     assert torch.equal(got, torch.full((2,), float(n - 1))), got
-    print(f"rank {me} JOINED {hvd.join()}", flush=True)
+    # An allreduce still in flight when its rank joins: the joined rank takes part in it too, even when
+    # the rank issuing it joins last, right after (its own publishing covers what its watcher has not).
+    handle = hvd.allreduce_async(torch.full((3,), 2.0), op=hvd.Sum)
+    last = hvd.join()
+    got = hvd.synchronize(handle)
+    assert torch.equal(got, torch.full((3,), 2.0 * (n - 1))), got
+    print(f"rank {me} JOINED {last}", flush=True)
+
+
+def rounds():
+    """Many rounds of joins, each with rank 1 joining at once and the others joining right after
+    starting an allreduce they leave in flight: whichever rank arrives last, every rank must take part
+    in those allreduces, and every rank must name the same last rank."""
+    n, me = hvd.size(), hvd.rank()
+    for i in range(ROUNDS):
+        hvd.barrier()
+        if me == 1:
+            last = hvd.join()
+        else:
+            handle = hvd.allreduce_async(torch.full((3,), 2.0), op=hvd.Sum)
+            last = hvd.join()
+            got = hvd.synchronize(handle)
+            assert torch.equal(got, torch.full((3,), 2.0 * (n - 1))), (i, got)
+        lasts = hvd.allgather(torch.tensor([last]))
+        assert len(set(lasts.tolist())) == 1, (i, lasts)
+    print(f"rank {me} ROUNDS {ROUNDS}", flush=True)
 
 
 def silent(timeout):
@@ -127,5 +156,7 @@ if __name__ == "__main__":
         uneven()
     elif case == "refused":
         refused()
+    elif case == "rounds":
+        rounds()
     else:
         silent(float(sys.argv[2]))

@@ -48,6 +48,13 @@ def test_an_op_horovod_refuses_while_a_rank_is_joined_raises_on_every_rank(nproc
     assert len(lasts) == nproc and len({last for _, last in lasts}) == 1, output
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_operations_in_flight_across_joins_in_many_rounds(nproc):
+    proc, output = _run(nproc, "rounds", timeout_s=10)  # a missed operation fails in seconds, not hangs
+    assert proc.returncode == 0, output
+    assert len(re.findall(r"rank \d+ ROUNDS 30", proc.stdout)) == nproc, output
+
+
 def test_a_rank_that_neither_joins_nor_issues_is_named(nproc=2):
     proc, output = _run(nproc, "silent", str(TIMEOUT_S), timeout_s=TIMEOUT_S)
     assert proc.returncode == 0, output

@@ -1479,6 +1479,11 @@ def _replay(desc, seq, device):
                                    "allows allreduce and barrier while ranks are joined)")
 
 
+def _join_counts(store, round_):
+    """Every rank's operation count at its join of this round (all have joined)."""
+    return [int(store.get(f"{_join.prefix}/at/{round_}/{r}")) for r in range(_state.size)]
+
+
 def join(device=-1):
     """Says that this rank has run out of data; returns, once every rank has joined, the rank that
     joined last (the same on every rank).
@@ -1498,36 +1503,45 @@ def join(device=-1):
     me = _state.rank
     store = j.main_store
     at, round_ = j.seq, j.round
+    store.set(f"{j.prefix}/at/{round_}/{me}", str(at))
     k = store.add(f"{j.prefix}/events", 1)
     store.set(f"{j.prefix}/event/{k}", f"join {me} {round_} {at}")
     arrived = store.add(f"{j.prefix}/arrived/{round_}", 1)
     dev = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
-    seq = at
     if arrived == _state.size:
-        # The last to join: every operation before #at has been (or is being) published by its issuers.
-        store.set(f"{j.prefix}/op/{round_}/{at}", f"done {me}")
-        last = me
-    else:
-        while True:
-            key = f"{j.prefix}/op/{round_}/{seq}"
-            try:
-                store.wait([key], _state.timeout)
-            except Exception as e:  # noqa: BLE001
-                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                    raise HorovodInternalError(f"hvd.join(): the job's store failed: {e}") from e
-                with j.lock:
-                    waiting = sorted(set(range(_state.size)) - {r for r, (n, _) in j.joined.items() if n == round_}
-                                     - {me})
-                names = ", ".join(str(r) for r in waiting) or "?"
-                raise HorovodInternalError(
-                    f"hvd.join(): rank {me} joined and waited {_state.timeout.total_seconds():g} s for operation "
-                    f"#{seq} of rank(s) {names}, which neither issued it nor joined") from None
-            desc = store.get(key).decode()
-            if desc.startswith("done "):
-                last = int(desc.split()[1])
-                break
-            _replay(desc, seq, dev)
-            seq += 1
+        # The last to arrive, though not always the furthest on: a rank that joined before it may have
+        # left operations in flight, which every rank must take part in. The round ends at the highest
+        # count: every rank replays the others' operations up to it.
+        ats = _join_counts(store, round_)
+        store.set(f"{j.prefix}/op/{round_}/{max(ats)}", f"done {me}")
+    seq = at
+    while True:
+        key = f"{j.prefix}/op/{round_}/{seq}"
+        try:
+            store.wait([key], _state.timeout)
+        except Exception as e:  # noqa: BLE001
+            if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                raise HorovodInternalError(f"hvd.join(): the job's store failed: {e}") from e
+            with j.lock:
+                waiting = sorted(set(range(_state.size)) - {r for r, (n, _) in j.joined.items() if n == round_}
+                                 - {me})
+            names = ", ".join(str(r) for r in waiting) or "?"
+            raise HorovodInternalError(
+                f"hvd.join(): rank {me} joined and waited {_state.timeout.total_seconds():g} s for operation "
+                f"#{seq} of rank(s) {names}, which neither issued it nor joined") from None
+        desc = store.get(key).decode()
+        if desc.startswith("done "):
+            last = int(desc.split()[1])
+            break
+        _replay(desc, seq, dev)
+        seq += 1
+    # This rank's operations from the first joiner's count on are published by its watcher while the
+    # round lasts; it may not have read every join of the round yet, and once the round ends here it
+    # would take them for old ones: so they are published here too (the same values) before it ends.
+    first = min(_join_counts(store, round_))
+    for entry in list(j.record):
+        if entry[0] >= first:
+            store.set(f"{j.prefix}/op/{round_}/{entry[0]}", _encode(entry[1:]))
     with j.lock:
         j.seq = seq
         j.round = round_ + 1
