@@ -15,6 +15,7 @@ Differences from Horovod (docs/horovod.md says more):
 * Adasum is not implemented: op=Adasum raises NotImplementedError.
 """
 import atexit
+import collections
 import datetime
 import itertools
 import math
@@ -311,6 +312,7 @@ def init(comm=None, process_sets=None):
             _build_world_group()
             _state.owns_default_group = True
         _learn_topology()
+        _start_join_watcher()
         _state.initialized = True
     global_process_set.process_set_id = 0
     _state.process_sets = {0: global_process_set}
@@ -359,6 +361,7 @@ def shutdown():
                 dist.destroy_process_group(ps._group)
             ps._invalidate()
         _state.process_sets = {}
+        _stop_join_watcher()
         if _state.owns_default_group:
             dist.destroy_process_group()
         elif _state.world_group is not dist.group.WORLD:
@@ -679,7 +682,12 @@ def _allreduce_start(tensor, output, name, op, prescale_factor, postscale_factor
         _divide(output, divisor)
         return output
 
-    return _start(what, name, group, lambda: dist.all_reduce(output, torch_op, group=group, async_op=True), finish)
+    def launch():
+        if group is _state.world_group:
+            _note("ar", output.numel(), output.dtype, torch_op)
+        return dist.all_reduce(output, torch_op, group=group, async_op=True)
+
+    return _start(what, name, group, launch, finish)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -710,6 +718,8 @@ def _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, 
     if output is None:
         output = tensor.clone(memory_format=torch.contiguous_format)
     _scale(output, prescale_factor)
+    if group is _state.world_group:
+        _note("ar", output.numel(), output.dtype, torch_op)
     _translate_errors(what, group, dist.all_reduce, output, torch_op, group)
     _scale(output, postscale_factor)
     _divide(output, divisor)
@@ -787,8 +797,13 @@ def _broadcast_start(tensor, output, root_rank, name, process_set, what):
     if output is not tensor:
         output.copy_(tensor)
     wire = _as_wire(output)
-    return _start(what, name, group, lambda: dist.broadcast(wire, root_rank, group=group, async_op=True),
-                  lambda: output)
+
+    def launch():
+        if group is _state.world_group:
+            _note("x", "broadcast")
+        return dist.broadcast(wire, root_rank, group=group, async_op=True)
+
+    return _start(what, name, group, launch, lambda: output)
 
 
 def _agree_on_broadcast(tensor, root_rank, group, n, what):
@@ -806,9 +821,12 @@ def _agree_on_broadcast(tensor, root_rank, group, n, what):
     mine[2] = tensor.dim()
     mine[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     every = torch.empty(n, slots, dtype=torch.int64)
+    if group is _state.world_group:
+        _note("ag", slots)
     _translate_errors(what, group, _all_gather_into, every, mine, group)
     for r in range(1, n):
         if not torch.equal(every[r], every[0]):
+            _refuse_if_joined(every, "Broadcast is not supported with Join at this time.", what)
             def text(row):
                 return f"root_rank={int(row[0])} with {_describe_row(row[1:])}"
             raise HorovodInternalError(f"{what}: mismatched calls: rank {r} of the process set called it with "
@@ -877,6 +895,8 @@ def _exchange_shapes(tensor, group, n, what):
     mine[1] = tensor.dim()
     mine[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     every = torch.empty(n, slots, dtype=torch.int64)
+    if group is _state.world_group:
+        _note("ag", slots)
     _translate_errors(what, group, _all_gather_into, every, mine, group)
     # Compared with the set's first rank, so that every rank names the same pair.
     first = every[0].clone()
@@ -885,6 +905,8 @@ def _exchange_shapes(tensor, group, n, what):
         row = every[r].clone()
         row[2] = -1
         if not torch.equal(row, first):
+            _refuse_if_joined(every, "Allgather is not supported with Join at this time. "
+                                     "Specify sparse_to_dense=True if using DistributedOptimizer", what)
             raise HorovodInternalError(
                 f"{what}: mismatched tensors: rank {r} of the process set has {_describe_row(every[r])} but its "
                 f"rank 0 has {_describe_row(every[0])} (they may differ in the first dimension only)")
@@ -913,7 +935,10 @@ def _allgather_start(tensor, name, process_set, what):
     output = source.new_empty([sum(firsts)] + rest)
     if len(set(firsts)) == 1:
         # Equal first dimensions: one allgather straight into the output.
-        launch = lambda: _all_gather_into(_as_wire(output), _as_wire(source), group, async_op=True)  # noqa: E731
+        def launch():
+            if group is _state.world_group:
+                _note("x", "allgather")
+            return _all_gather_into(_as_wire(output), _as_wire(source), group, async_op=True)
         finish = lambda: output  # noqa: E731
     else:
         # Uneven: every rank pads to the longest, the padded blocks are gathered, the padding cut off.
@@ -921,7 +946,10 @@ def _allgather_start(tensor, name, process_set, what):
         padded = source.new_zeros([longest] + rest)
         padded[:source.shape[0]] = source
         gathered = source.new_empty([n * longest] + rest)
-        launch = lambda: _all_gather_into(_as_wire(gathered), _as_wire(padded), group, async_op=True)  # noqa: E731
+        def launch():
+            if group is _state.world_group:
+                _note("x", "allgather")
+            return _all_gather_into(_as_wire(gathered), _as_wire(padded), group, async_op=True)
 
         def finish():
             offset = 0
@@ -999,6 +1027,9 @@ def _grouped_allreduce_start(tensors, outputs, name, op, prescale_factor, postsc
         buffers.append((flat, indices) + _torch_op(op, flat, n))
 
     def launch():
+        if group is _state.world_group:
+            for flat, _, torch_op, _ in buffers:
+                _note("ar", flat.numel(), flat.dtype, torch_op)
         works = [dist.all_reduce(flat, torch_op, group=group, async_op=True) for flat, _, torch_op, _ in buffers]
         return _AllWork(works)
 
@@ -1085,8 +1116,12 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     def finish():
         return output / n if op == Average else output
 
-    return _start("sparse_allreduce_async", name, group,
-                  lambda: dist.all_reduce(output, dist.ReduceOp.SUM, group=group, async_op=True), finish)
+    def launch():
+        if group is _state.world_group:
+            _note("x", "sparse allreduce")
+        return dist.all_reduce(output, dist.ReduceOp.SUM, group=group, async_op=True)
+
+    return _start("sparse_allreduce_async", name, group, launch, finish)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1123,10 +1158,13 @@ def _alltoall_start(tensor, splits, name, process_set, what):
     info[:, 2:2 + source.dim() - 1] = torch.tensor(source.shape[1:], dtype=torch.int64) if source.dim() > 1 else -1
     info[:, 9] = source.dim()
     got = torch.empty_like(info)
+    if group is _state.world_group:
+        _note("a2a", slots)
     _translate_errors(what, group, dist.all_to_all_single, got, info, None, None, group)
     mine = info[0, 1:]
     for r in range(n):
         if not torch.equal(got[r, 1:], mine):
+            _refuse_if_joined(got, "Alltoall is not supported with Join at this time.", what)
             raise HorovodInternalError(
                 f"{what}: mismatched tensors: rank {r} of the process set sends {_describe_alltoall(got[r])} "
                 f"but rank {_set_rank(process_set)} has {_describe_alltoall(info[0])} (they may differ in the "
@@ -1139,6 +1177,8 @@ def _alltoall_start(tensor, splits, name, process_set, what):
     wire_in, wire_out = _as_wire(source).reshape(-1), _as_wire(output).reshape(-1)
 
     def launch():
+        if group is _state.world_group:
+            _note("x", "alltoall")
         return dist.all_to_all_single(wire_out, wire_in, [r * per_row for r in received],
                                       [s * per_row for s in send], group=group, async_op=True)
 
@@ -1193,7 +1233,10 @@ def _reducescatter_start(tensor, name, op, process_set, prescale_factor, postsca
     longest = counts[0]
     if len(set(counts)) == 1:
         output = tensor.new_empty([longest] + list(tensor.shape[1:]))
-        launch = lambda: reduce_scatter(output, source, _TORCH_OP[op], group=group, async_op=True)  # noqa: E731
+        def launch():
+            if group is _state.world_group:
+                _note("x", "reducescatter")
+            return reduce_scatter(output, source, _TORCH_OP[op], group=group, async_op=True)
         result = lambda: output  # noqa: E731
     else:
         # Uneven rows: each rank's block is padded to the longest (rank 0's), reduced and scattered
@@ -1204,7 +1247,10 @@ def _reducescatter_start(tensor, name, op, process_set, prescale_factor, postsca
             padded[r * longest:r * longest + rows] = source[offset:offset + rows]
             offset += rows
         block = tensor.new_empty([longest] + list(tensor.shape[1:]))
-        launch = lambda: reduce_scatter(block, padded, _TORCH_OP[op], group=group, async_op=True)  # noqa: E731
+        def launch():
+            if group is _state.world_group:
+                _note("x", "reducescatter")
+            return reduce_scatter(block, padded, _TORCH_OP[op], group=group, async_op=True)
         result = lambda: block[:counts[me]]  # noqa: E731
 
     def finish():
@@ -1261,24 +1307,244 @@ def grouped_reducescatter(tensors, name=None, compression=None, op=Average, proc
 def barrier(process_set=global_process_set):
     """Returns when every rank of the process set has called it."""
     group = _group_of(process_set)
+    if group is _state.world_group:
+        _note("bar")
     _translate_errors("barrier", group, dist.barrier, group)
 
 
-_join_count = itertools.count()
+# Horovod's join: a rank that calls join() has run out of data; the others go on issuing operations
+# and the joined rank takes part in their allreduces with zeros until every rank has joined.
+#
+# cohort does not negotiate operations: each rank issues its collectives and they meet by issue order.
+# So every rank counts the operations it issues on the world group (_note: an increment and a tuple
+# appended to a bounded record, nothing else while nobody has joined). A rank that joins announces
+# "rank r joined at operation c" as an event in the job's store. A watcher thread on every rank (its
+# own store connection, blocked in a store wait, so the operations' path pays nothing for it) learns of
+# the event and has its rank publish the descriptor of each of its operations from #c on: those already
+# issued, from the record, and every later one as it is issued. The joined rank replays them: zeros for
+# an allreduce (Average divides by the whole world, as Horovod's does), a row marking it as joined for
+# the small exchange that starts a broadcast, allgather or alltoall, on which every rank that has not
+# joined raises Horovod's "not supported with Join" error. The last rank to join publishes "done" at its
+# operation count, where every joined rank stops; join() returns that rank everywhere.
+_JOINED = -2                 # the joined rank's row in a broadcast/allgather/alltoall exchange
+_JOIN_RECORD = 1 << 16       # descriptors kept for the operations a rank issued before it heard of a join
+_REDUCE_OP_NAME = {dist.ReduceOp.SUM: "SUM", dist.ReduceOp.AVG: "AVG", dist.ReduceOp.MIN: "MIN",
+                   dist.ReduceOp.MAX: "MAX", dist.ReduceOp.PRODUCT: "PRODUCT"}
+_DTYPE_NAME = {d: str(d).replace("torch.", "") for d in _DTYPE_CODE}
+
+
+class _Join:
+    def __init__(self):
+        self.seq = 0                      # world-group operations this rank has issued (or replayed)
+        self.record = collections.deque(maxlen=_JOIN_RECORD)  # (seq, descriptor) of the last ones
+        self.publish_from = None          # set by the watcher: publish operations from this one on
+        self.joined = {}                  # rank -> (round, operation count at its join), rounds not ended here
+        self.round = 0                    # rounds of joins this rank has ended (every rank counts the same)
+        self.main_store = None            # the job's store, as the main thread reaches it
+        self.lock = threading.Lock()
+        self.prefix = None
+        self.store = None                 # the watcher's own connection to the job's store
+        self.thread = None
+
+
+_join = _Join()
+
+
+def _note(*desc):
+    """Counts an operation on the world group (desc: its kind and what a joined rank needs to take part
+    in it); publishes it once some rank has joined. The record's entries are (number, kind, ...)."""
+    j = _join
+    seq = j.seq
+    j.seq = seq + 1
+    j.record.append((seq,) + desc)
+    if j.publish_from is not None:
+        j.main_store.set(f"{j.prefix}/op/{j.round}/{seq}", _encode(desc))
+
+
+def _encode(desc):
+    kind = desc[0]
+    if kind == "ar":
+        return f"ar {desc[1]} {_DTYPE_NAME[desc[2]]} {_REDUCE_OP_NAME[desc[3]]}"
+    if kind in ("ag", "a2a"):
+        return f"{kind} {desc[1]}"
+    if kind == "bar":
+        return "bar"
+    return f"x {desc[1]}"
+
+
+def _refuse_if_joined(rows, message, what):
+    """A mismatch in a broadcast/allgather/alltoall exchange whose odd row is a joined rank's: raises
+    Horovod's error for that operation (every rank that has not joined sees the same rows)."""
+    if bool((rows.reshape(rows.shape[0], -1) == _JOINED).all(dim=1).any()):
+        raise HorovodInternalError(f"{what}: {message}")
+
+
+def _start_join_watcher():
+    """Starts the thread that learns of other ranks' joins (for a world of more than one rank whose
+    store is a TCPStore: ours, or under the script's own default group)."""
+    store = _state.store
+    if store is None:
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = getattr(store, "underlying_store", None)  # absent before torch 2.0: no watcher
+    if not isinstance(store, dist.TCPStore) or _state.size == 1:
+        return
+    j = _join
+    j.prefix = f"cohort.horovod/join/{_state.generation}"
+    j.seq, j.publish_from, j.joined, j.round = 0, None, {}, 0
+    j.record.clear()
+    j.main_store = store
+    try:
+        client = dist.TCPStore(store.host, store.port, is_master=False, timeout=_state.timeout,
+                               wait_for_workers=False, use_libuv=False)
+    except TypeError:
+        client = dist.TCPStore(store.host, store.port, is_master=False, timeout=_state.timeout)
+    j.store = client
+    j.thread = threading.Thread(target=_watch_joins, args=(client, j.prefix, _state.rank),
+                                name="cohort-hvd-join", daemon=True)
+    j.thread.start()
+
+
+def _watch_joins(client, prefix, me):
+    j = _join
+    k = 1
+    while True:
+        key = f"{prefix}/event/{k}"
+        try:
+            client.wait([key], datetime.timedelta(hours=1))
+            event = client.get(key).decode().split()
+        except Exception as e:  # noqa: BLE001 (the store's errors have no common class across torch versions)
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                continue
+            return  # the store is gone: the job is ending
+        k += 1
+        if event[0] == "stop":
+            if int(event[1]) == me:
+                return
+            continue
+        rank, round_, at = int(event[1]), int(event[2]), int(event[3])
+        with j.lock:
+            if round_ < j.round:
+                continue  # a join of a round this rank has already ended
+            j.joined[rank] = (round_, at)
+            if rank == me:
+                continue  # this rank is in join(): it issues nothing more
+            j.publish_from = at if j.publish_from is None else min(at, j.publish_from)
+            # Operations this rank issued before hearing of the join; later ones publish themselves
+            # (_note reads publish_from after appending to the record, so none is missed).
+            issued = [(entry[0], entry[1:]) for entry in list(j.record) if entry[0] >= at]
+        for seq, desc in issued:
+            try:
+                client.set(f"{prefix}/op/{round_}/{seq}", _encode(desc))
+            except Exception:  # noqa: BLE001
+                return
+
+
+def _stop_join_watcher():
+    j = _join
+    if j.thread is None:
+        return
+    try:
+        # Through the main connection: the watcher's is busy in its wait (a TCPStore client runs one
+        # request at a time).
+        k = j.main_store.add(f"{j.prefix}/events", 1)
+        j.main_store.set(f"{j.prefix}/event/{k}", f"stop {_state.rank}")
+        j.thread.join(timeout=5)
+    except Exception:  # noqa: BLE001 (the store may already be gone when the job ends)
+        pass
+    j.thread = None
+    j.publish_from = None
+
+
+def _replay(desc, seq, device):
+    """Takes part, as a joined rank, in operation #seq that the other ranks issue."""
+    kind, *fields = desc.split()
+    group = _state.world_group
+    if kind == "ar":
+        dtype = getattr(torch, fields[1])
+        zeros = torch.zeros(int(fields[0]), dtype=dtype, device=device)
+        _translate_errors("join", group, dist.all_reduce, zeros, getattr(dist.ReduceOp, fields[2]), group)
+    elif kind == "ag":
+        mine = torch.full((int(fields[0]),), _JOINED, dtype=torch.int64)
+        every = torch.empty(_state.size, int(fields[0]), dtype=torch.int64)
+        _translate_errors("join", group, _all_gather_into, every, mine, group)
+    elif kind == "a2a":
+        info = torch.full((_state.size, int(fields[0])), _JOINED, dtype=torch.int64)
+        _translate_errors("join", group, dist.all_to_all_single, torch.empty_like(info), info, None, None, group)
+    elif kind == "bar":
+        _translate_errors("join", group, dist.barrier, group)
+    else:
+        raise HorovodInternalError(f"hvd.join(): operation #{seq} of the ranks that have not joined is a "
+                                   f"{' '.join(fields)}, which a joined rank cannot take part in (Horovod "
+                                   "allows allreduce and barrier while ranks are joined)")
+
+
+def _join_counts(store, round_):
+    """Every rank's operation count at its join of this round (all have joined)."""
+    return [int(store.get(f"{_join.prefix}/at/{round_}/{r}")) for r in range(_state.size)]
 
 
 def join(device=-1):
-    """Waits until every rank has called join() and returns the rank that joined last.
+    """Says that this rank has run out of data; returns, once every rank has joined, the rank that
+    joined last (the same on every rank).
 
-    Unlike Horovod's, a rank that has joined does not stand in (with zeros) for the allreduces the
-    others still issue: every rank must issue the same collectives before join() (docs/horovod.md)."""
+    Until then this rank takes part in the allreduces and barriers the others still issue, with zeros
+    (Average divides by the whole world's size, as Horovod's does); a broadcast, allgather or alltoall
+    they issue meanwhile raises Horovod's "not supported with Join" error on them. A rank that has not
+    joined and issues nothing for HOROVOD_GLOO_TIMEOUT_SECONDS makes join() raise, naming it."""
     if not _state.initialized:
         raise _not_initialized()
-    # The order of arrival comes from the store's counter (one key per join); the last to arrive
-    # publishes itself through the allreduce that every rank then waits in.
-    store = _state.store if _state.store is not None else dist.distributed_c10d._get_default_store()
-    key = f"cohort.horovod/join/{_state.generation}/{next(_join_count)}"
-    arrived = store.add(key, 1)
-    last = torch.tensor([_state.rank if arrived == _state.size else -1], dtype=torch.int64)
-    _translate_errors("join", _state.world_group, dist.all_reduce, last, dist.ReduceOp.MAX, _state.world_group)
-    return int(last.item())
+    if _state.size == 1:
+        return 0
+    j = _join
+    if j.thread is None:
+        raise HorovodInternalError("hvd.join(): the job's store is not a TCPStore, so joined ranks cannot "
+                                   "learn the others' operations (docs/horovod.md)")
+    me = _state.rank
+    store = j.main_store
+    at, round_ = j.seq, j.round
+    store.set(f"{j.prefix}/at/{round_}/{me}", str(at))
+    k = store.add(f"{j.prefix}/events", 1)
+    store.set(f"{j.prefix}/event/{k}", f"join {me} {round_} {at}")
+    arrived = store.add(f"{j.prefix}/arrived/{round_}", 1)
+    dev = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+    if arrived == _state.size:
+        # The last to arrive, though not always the furthest on: a rank that joined before it may have
+        # left operations in flight, which every rank must take part in. The round ends at the highest
+        # count: every rank replays the others' operations up to it.
+        ats = _join_counts(store, round_)
+        store.set(f"{j.prefix}/op/{round_}/{max(ats)}", f"done {me}")
+    seq = at
+    while True:
+        key = f"{j.prefix}/op/{round_}/{seq}"
+        try:
+            store.wait([key], _state.timeout)
+        except Exception as e:  # noqa: BLE001
+            if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                raise HorovodInternalError(f"hvd.join(): the job's store failed: {e}") from e
+            with j.lock:
+                waiting = sorted(set(range(_state.size)) - {r for r, (n, _) in j.joined.items() if n == round_}
+                                 - {me})
+            names = ", ".join(str(r) for r in waiting) or "?"
+            raise HorovodInternalError(
+                f"hvd.join(): rank {me} joined and waited {_state.timeout.total_seconds():g} s for operation "
+                f"#{seq} of rank(s) {names}, which neither issued it nor joined") from None
+        desc = store.get(key).decode()
+        if desc.startswith("done "):
+            last = int(desc.split()[1])
+            break
+        _replay(desc, seq, dev)
+        seq += 1
+    # This rank's operations from the first joiner's count on are published by its watcher while the
+    # round lasts; it may not have read every join of the round yet, and once the round ends here it
+    # would take them for old ones: so they are published here too (the same values) before it ends.
+    first = min(_join_counts(store, round_))
+    for entry in list(j.record):
+        if entry[0] >= first:
+            store.set(f"{j.prefix}/op/{round_}/{entry[0]}", _encode(entry[1:]))
+    with j.lock:
+        j.seq = seq
+        j.round = round_ + 1
+        j.joined = {r: (n, c) for r, (n, c) in j.joined.items() if n > round_}
+        j.publish_from = min(c for _, c in j.joined.values()) if j.joined else None
+    return last
