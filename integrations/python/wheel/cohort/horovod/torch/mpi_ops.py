@@ -22,6 +22,7 @@ import math
 import os
 import socket
 import threading
+import time
 import zlib
 
 import torch
@@ -537,17 +538,19 @@ def _start(what, name, group, launch, finish):
 def poll(handle):
     """True when the operation of `handle` has finished (synchronize() then returns at once).
 
-    A False answer yields the processor first: the operation runs on the backend's worker thread in
-    this process, and scripts call poll() in a loop (`while not hvd.poll(h): pass`), which otherwise
-    takes a whole time slice from that thread whenever the ranks outnumber the cores (measured: a
-    15-byte allreduce on 2 simulated hosts x 2 ranks, 38-48 ms per spinning call without the yield,
-    0.15-1.7 ms with it, as in synchronize(); bench/hvd_poll.sh, docs/horovod.md)."""
+    A False answer first sleeps 50 us with the GIL released: the operation runs on the backend's worker
+    thread in this process, and scripts call poll() in a loop (`while not hvd.poll(h): pass`), which
+    otherwise takes the processor from that thread, and from the launcher, whenever the ranks outnumber
+    the cores (measured: a 15-byte allreduce on 2 simulated hosts x 2 ranks, 38-48 ms per spinning call
+    without a pause, 0.15-1.7 ms with one, as in synchronize(); bench/hvd_poll.sh). A yield
+    (os.sched_yield) gave the processor straight back to the spinning ranks under load, long enough for a
+    launcher to miss its store's answers and stop the job (docs/horovod.md)."""
     pending = _state.handles.get(handle)
     if pending is None:
         raise ValueError(f"hvd.poll: handle {handle} is unknown (already synchronized?)")
     if pending.work is None or pending.work.is_completed():
         return True
-    os.sched_yield()
+    time.sleep(5e-5)
     return False
 
 
