@@ -351,7 +351,10 @@ void ElasticDriver::reconcile(const std::vector<std::pair<std::string, int>>& ho
   }
   if (finished_) return;
   // New in the list: an agent, with the slots that --max-np leaves (Horovod assigns at most max-np slots).
-  for (const auto& [host, slots] : hosts) {
+  for (const auto& listed_host : hosts) {
+    // Named references, not a structured binding: clang 14 (the sanitizer build) cannot capture those.
+    const std::string& host = listed_host.first;
+    const int slots = listed_host.second;
     if (blacklist_.count(host)) continue;
     if (std::any_of(agents_.begin(), agents_.end(), [&](const Agent& a) { return a.host == host; })) continue;
     int room = o_.max_np - running_slots();
