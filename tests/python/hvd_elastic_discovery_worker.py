@@ -13,10 +13,9 @@ import os
 import sys
 import time
 
-import torch
 
 import horovod.torch as hvd
-from hvd_elastic_common import batch, fresh
+from hvd_elastic_common import elastic_state, expect_replayed, train_step
 
 STEPS = 8
 GROW_AT = 2    # one rank waits here for the second host
@@ -40,9 +39,7 @@ def wait_to_be_stopped(what):
 
 hvd.init()
 generation = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-model, opt = fresh()
-opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-state = hvd.elastic.TorchState(model, opt, step=0)
+model, opt, state = elastic_state(hvd)
 resumed = []
 
 
@@ -51,11 +48,7 @@ def train(state):
     resumed.append(state.step)
     progress(f"gen={generation} size={hvd.size()} rank={hvd.rank()} resumed={state.step}")
     while state.step < STEPS:
-        x, y = batch(state.step, hvd.rank())
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        state.step += 1
+        train_step(model, opt, state, hvd.rank())
         state.commit()
         if hvd.size() == 1 and state.step == GROW_AT:
             wait_to_be_stopped("a second host")
@@ -65,14 +58,7 @@ def train(state):
 
 train(state)
 assert hvd.size() == 1 and resumed == [SHRINK_AT], f"generation {generation} of size {hvd.size()} resumed at {resumed}"
-ref, ref_opt = fresh()
-for step in range(STEPS):
-    ranks = range(2) if GROW_AT <= step < SHRINK_AT else range(1)
-    ref_opt.zero_grad()
-    loss = sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in (batch(step, r) for r in ranks))
-    (loss / len(ranks)).backward()
-    ref_opt.step()
-for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-    assert torch.allclose(p, q, atol=1e-6), f"{name}: {p} after the host changes, {q} in the replay"
+expect_replayed(model, STEPS, lambda step: range(2) if GROW_AT <= step < SHRINK_AT else range(1),
+                "after the host changes")
 hvd.shutdown()
 print(f"DISCOVERY ELASTIC OK generation={generation}", flush=True)

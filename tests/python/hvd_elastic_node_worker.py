@@ -9,10 +9,9 @@ averaged over both nodes' batches, the rest over its own. Prints "NODE ELASTIC O
 import os
 import signal
 
-import torch
 
 import horovod.torch as hvd
-from hvd_elastic_common import batch, fresh
+from hvd_elastic_common import elastic_state, expect_replayed, train_step
 
 STEPS = 6
 LOSE_B_AFTER = 3
@@ -22,9 +21,7 @@ hvd.init()
 generation = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 host = os.environ["COHORT_HOST_ID"]
 assert generation > 0 or hvd.size() == 2, f"generation 0 has {hvd.size()} node(s): both agents must meet first"
-model, opt = fresh()
-opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-state = hvd.elastic.TorchState(model, opt, step=0)
+model, opt, state = elastic_state(hvd)
 resumed = []
 
 
@@ -32,11 +29,7 @@ resumed = []
 def train(state):
     resumed.append(state.step)
     while state.step < STEPS:
-        x, y = batch(state.step, hvd.rank())
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        state.step += 1
+        train_step(model, opt, state, hvd.rank())
         state.commit()
         if generation == 0 and host == "b" and state.step == LOSE_B_AFTER:
             agent = os.getppid()
@@ -53,14 +46,6 @@ start = resumed[0]
 # committed step 3 too depends on how soon its agent stopped it once b was gone.
 assert start in (LOSE_B_AFTER - 1, LOSE_B_AFTER), f"generation {generation} resumed at step {start}"
 
-ref, ref_opt = fresh()
-for step in range(STEPS):
-    ranks = range(2) if step < start else range(1)
-    ref_opt.zero_grad()
-    loss = sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in (batch(step, r) for r in ranks))
-    (loss / len(ranks)).backward()
-    ref_opt.step()
-for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-    assert torch.allclose(p, q, atol=1e-6), f"{name}: {p} after the lost node, {q} in the replay"
+expect_replayed(model, STEPS, lambda step: range(2) if step < start else range(1), "after the lost node")
 hvd.shutdown()
 print(f"NODE ELASTIC OK generation={generation} resumed={start}", flush=True)

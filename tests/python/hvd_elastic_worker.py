@@ -9,10 +9,9 @@ state would not give. Prints "ELASTIC OK attempt=A resumed=S" on success.
 import os
 import signal
 
-import torch
 
 import horovod.torch as hvd
-from hvd_elastic_common import batch, fresh
+from hvd_elastic_common import elastic_state, expect_replayed, train_step
 
 STEPS = 6
 DIE_AFTER = 4
@@ -20,9 +19,7 @@ DIE_AFTER = 4
 
 hvd.init()
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-model, opt = fresh()
-opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-state = hvd.elastic.TorchState(model, opt, step=0)
+model, opt, state = elastic_state(hvd)
 resumed = []
 
 
@@ -30,11 +27,7 @@ resumed = []
 def train(state):
     resumed.append(state.step)
     while state.step < STEPS:
-        x, y = batch(state.step, hvd.rank())
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        state.step += 1
+        train_step(model, opt, state, hvd.rank())
         if attempt == 0 and hvd.rank() == 1 and state.step == DIE_AFTER:
             os.kill(os.getpid(), signal.SIGKILL)
         state.commit()
@@ -45,13 +38,6 @@ assert attempt == 1, f"attempt {attempt} finished: the kill did not happen"
 assert resumed[0] in (DIE_AFTER - 1, DIE_AFTER), f"attempt 1 resumed at step {resumed[0]}, not from the last commit"
 
 # The replay: one process, both ranks' batches, their gradients averaged as the allreduce does.
-ref, ref_opt = fresh()
-for step in range(STEPS):
-    ref_opt.zero_grad()
-    loss = sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in (batch(step, r) for r in range(hvd.size())))
-    (loss / hvd.size()).backward()
-    ref_opt.step()
-for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-    assert torch.allclose(p, q, atol=1e-6), f"{name}: {p} after the restart, {q} in the replay"
+expect_replayed(model, STEPS, lambda step: range(hvd.size()), "after the restart")
 hvd.shutdown()
 print(f"ELASTIC OK attempt={attempt} resumed={resumed[0]}", flush=True)
