@@ -29,11 +29,12 @@ TWIN=bench/bert_twin.py
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo
 read -r -a extra <<<"${ARGS:-}"
 common=(--size "$SIZE" --max-steps "$STEPS" --threads 1 "${extra[@]}")
+source bench/descendants.sh
 rate() { grep -o "samples/s: [0-9.]*" | awk '{print $2}'; }
 port() { echo $((29800 + RANDOM % 1000)); }
 
-# Runs "$@" in the background and samples /proc/<pid>/smaps_rollup of every worker (pgrep -f $pattern)
-# every 0.1 s; prints each worker's peak Rss and peak Pss. Pss splits a page shared by k processes
+# Runs "$@" in the background and samples /proc/<pid>/smaps_rollup of every worker (its descendants
+# whose command line matches $pattern: bench/descendants.sh) every 0.1 s; prints each worker's peak Rss and peak Pss. Pss splits a page shared by k processes
 # k ways: cohort's buckets are shared memory that the peer rank maps, so Rss counts them once per
 # rank that touched them, and only the Pss of the ranks adds up to what the machine holds.
 sample_memory() {  # pattern command...
@@ -43,7 +44,7 @@ sample_memory() {  # pattern command...
   job=$!
   declare -A peak_rss=() peak_pss=()
   while kill -0 "$job" 2>/dev/null; do
-    for pid in $(pgrep -f "$pattern"); do
+    for pid in $(descendants_matching "$job" "$pattern"); do
       read -r rss pss < <(awk '/^Rss:/ {r = $2} /^Pss:/ {p = $2} END {print r + 0, p + 0}' \
         "/proc/$pid/smaps_rollup" 2>/dev/null) || continue
       ((rss > ${peak_rss[$pid]:-0})) && peak_rss[$pid]=$rss

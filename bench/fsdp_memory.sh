@@ -47,13 +47,8 @@ echo "# bert ${args[*]}"
 
 # The bert processes among PID's descendants: this run's workers only (another job's bert on the
 # machine is not sampled).
-workers() {
-  local child
-  for child in $(pgrep -P "$1"); do
-    [[ $(tr '\0' ' ' <"/proc/$child/cmdline" 2>/dev/null) == "$BERT "* ]] && echo "$child"
-    workers "$child"
-  done
-}
+source bench/descendants.sh
+workers() { descendants_matching "$1" "^$BERT "; }
 
 # Runs "$@" in the background, samples every worker's smaps_rollup every 0.1 s, and prints
 # "peak <pid> <peak Rss kB> <peak Pss kB>" lines into $out after the run's own output.
