@@ -15,7 +15,8 @@ Options that mirror the example's: --size mini|small|base (and --layers/--hidden
 registered with register_comm_hook(None, ...); --compression fp16 is its older spelling; no bf16: torch 1.13's
 DDP refuses bf16_compress_hook without CUDA, "BF16 all reduce communication hook required CUDA 11+ and NCCL
 2.10+"), --bucket-mb, --max-steps, --train-samples,
---test-samples, --seed, --threads (default 1), --print-digest. The output lines are the example's, so the same
+--test-samples, --seed, --threads (default 1), --print-digest, --device cpu|cuda (cuda: this rank's GPU, DDP over
+NCCL even on one rank, as resnet_twin.py). The output lines are the example's, so the same
 greps read both.
 --fsdp (torch 2.x: Debian 13's 2.6, bench/peers/run_torch_fsdp.sh): PyTorch's FullyShardedDataParallel on the
 CPU over gloo instead of DDP, as examples/bert --fsdp cuts the model: every encoder layer a unit
@@ -185,7 +186,7 @@ class Bert(nn.Module):
 def digest(model):
     h = 1469598103934665603
     for p in model.parameters():
-        for b in p.detach().contiguous().numpy().tobytes():
+        for b in p.detach().cpu().contiguous().numpy().tobytes():
             h = ((h ^ b) * 1099511628211) & M64
     return h
 
@@ -223,6 +224,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--print-digest", action="store_true")
     ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: this rank's GPU (LOCAL_RANK), NCCL, DDP even on 1 rank (as the C++ example)")
     a = ap.parse_args()
     if a.fsdp and (a.zero or a.comm_hook != "none" or a.compression != "none" or a.print_digest):
         ap.error("--fsdp shards the parameters, gradients and optimizer state itself: no --zero, --comm-hook or --print-digest")
@@ -245,12 +248,17 @@ def main():
     test = [encode(t, vocab, seq_len) for t in test_tokens]
 
     distributed = "RANK" in os.environ
+    cuda = a.device == "cuda"
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    model = Bert(layers, hidden, heads, seq_len, vocab_size, a.dropout)
+    model = Bert(layers, hidden, heads, seq_len, vocab_size, a.dropout).to(device)
     nparams = sum(p.numel() for p in model.parameters())
     if a.print_digest and rank == 0:
         print(f"initial weights digest: {digest(model):016x}", flush=True)
@@ -262,7 +270,8 @@ def main():
                                        sharding_strategy=ShardingStrategy.FULL_SHARD,
                                        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, device_id=torch.device("cpu"))
     elif distributed:
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
+                                                  bucket_cap_mb=a.bucket_mb)
         if a.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -296,6 +305,7 @@ def main():
         for step in range(steps):
             part = indices[step * a.batch:(step + 1) * a.batch]
             ids, masked, labels = make_batch(train, part, seq_len, vocab_size, a.seed, epoch)
+            ids, masked, labels = ids.to(device), masked.to(device), labels.to(device)
             opt.zero_grad()
             loss = F.cross_entropy(ddp(ids, masked), labels)
             loss.backward()
@@ -309,6 +319,8 @@ def main():
                 break
         if stop:
             break
+    if cuda:
+        torch.cuda.synchronize(device)  # the host runs ahead of the GPU: its queued steps are part of the run
     if distributed:
         dist.barrier()
     seconds = time.perf_counter() - t0
@@ -320,14 +332,16 @@ def main():
         mine = list(range(rank, held_out, world))
         for i in range(0, len(mine), 256):
             ids, masked, labels = make_batch(test, mine[i:i + 256], seq_len, vocab_size, a.seed, M64)
+            ids, masked, labels = ids.to(device), masked.to(device), labels.to(device)
             logits = (ddp if a.fsdp else model)(ids, masked)  # FSDP: the wrapper gathers the units
             correct += logits.argmax(1).eq(labels).sum().item()
             loss_sum += F.cross_entropy(logits, labels, reduction="none").sum(dtype=torch.float64).item()
             predicted += labels.numel()
-    totals = torch.tensor([correct, predicted, samples], dtype=torch.long)
-    loss_total = torch.tensor([loss_sum], dtype=torch.float64)
+    totals = torch.tensor([correct, predicted, samples], dtype=torch.long, device=device)  # NCCL: on the GPU
+    loss_total = torch.tensor([loss_sum], dtype=torch.float64, device=device)
     memory = torch.tensor([[state_bytes(opt.optim if a.zero and distributed else opt) / 1e6,
-                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]], dtype=torch.float64)
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]], dtype=torch.float64,
+                          device=device)
     gathered = [memory.clone() for _ in range(world)]
     if distributed:
         dist.all_reduce(totals)

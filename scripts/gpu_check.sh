@@ -8,6 +8,15 @@
 #   COHORT_PYTHON=/path/python3 ...      the Python whose torch to build and test against
 #   GPU_CHECK_BENCH_MAX=256M ...         largest bench size (default 256M)
 #   COHORT_GPU_CMAKE_ARGS='-DX=Y ...'    extra arguments for the configure step (split on spaces)
+#   GPU_CHECK_TARGETS='cohort gpu_tests ...'  build only these targets (default: everything)
+#   GPU_CHECK_BUDGET_S=500               every step bounded so that the script ends within this many
+#                                        seconds (steps left over are SKIP, the table is always printed)
+#   GPU_CHECK_ROUNDS=2                   interleaved rounds of the C++ / PyTorch figures
+#   GPU_CHECK_RESNET_SAMPLES=24576, GPU_CHECK_BERT_STEPS=1500: the length of each timed run
+#
+# Order: build, the GPU tests (C++ and the Python CUDA tests), the examples on the GPU with a
+# checkpoint and --resume, the C++ / PyTorch DDP + NCCL figures, then the facts, the fake-library
+# unit tests and the allreduce benchmark: what matters most runs first when the budget is short.
 #
 # The CPU-only machines of this project's CI build the same code; there every GPU test is skipped with
 # its reason (scripts/skipped_tests.sh), and the GPU paths are exercised against a fake CUDA/NCCL
@@ -24,16 +33,30 @@ mkdir -p "$out"
 rows=()   # "step|PASS/FAIL/SKIP|detail"
 failed=0
 row() { rows+=("$1|$2|$3"); [[ $2 == FAIL ]] && failed=1; printf '%-44s %-5s %s\n' "$1" "$2" "$3"; }
-# step NAME LOGFILE CMD...: runs CMD, logging to LOGFILE; PASS on exit 0.
+budget=${GPU_CHECK_BUDGET_S:-0}   # 0: no budget
+# step NAME LOGFILE CMD...: runs CMD, logging to LOGFILE; PASS on exit 0. With a budget, CMD gets at
+# most what is left of it (less 10 s for the table), and a step with under 20 s left is SKIP.
 step() {
-  local name=$1 log=$2
+  local name=$1 log=$2 limit=()
   shift 2
+  if ((budget > 0)); then
+    local left=$((budget - SECONDS - 10))
+    if ((left < 20)); then row "$name" SKIP "out of time budget (${budget}s)"; return 2; fi
+    limit=(timeout -k 5 "$left")
+  fi
   echo "== $name: $*" >"$log"
-  "$@" >>"$log" 2>&1
+  local t0=$SECONDS
+  "${limit[@]}" "$@" </dev/null >>"$log" 2>&1
   local rc=$?
-  if ((rc == 0)); then row "$name" PASS "log: $log"; return 0; fi
-  row "$name" FAIL "exit $rc (last line: $(tail -n 1 "$log"))"
+  echo "== exit $rc after $((SECONDS - t0)) s" >>"$log"
+  if ((rc == 0)); then row "$name" PASS "log: $log ($((SECONDS - t0)) s)"; return 0; fi
+  row "$name" FAIL "exit $rc (last line: $(grep -v '^== exit' "$log" | tail -n 1 | cut -c1-160))"
   return 1
+}
+# expect NAME LOG PATTERN: a row that fails unless LOG has a line matching PATTERN (after a PASS step).
+expect() {
+  if grep -qE "$3" "$2" 2>/dev/null; then row "$1" PASS "$(grep -m1 -E "$3" "$2" | cut -c1-120)"
+  else row "$1" FAIL "no line matching '$3' in $2"; fi
 }
 
 echo "gpu_check: $(date -u +%Y-%m-%dT%H:%MZ) on $(hostname)"
@@ -87,25 +110,100 @@ if ! step "configure (against torch $torch_version)" "$out/configure.log" \
     -DCMAKE_PREFIX_PATH="$torch_prefix" ${COHORT_GPU_CMAKE_ARGS:-}; then
   exit 1
 fi
-step "build" "$out/build.log" cmake --build "$build" -j "$(nproc)" || exit 1
+targets=()
+[[ -n ${GPU_CHECK_TARGETS:-} ]] && targets=(--target ${GPU_CHECK_TARGETS})
+[[ -n ${GPU_CHECK_TARGETS:-} ]] && echo "building only: $GPU_CHECK_TARGETS"
+step "build" "$out/build.log" cmake --build "$build" -j "$(nproc)" "${targets[@]}" || exit 1
 tool=$root/$build/tools/cohort
 
-# ---- tests ----
-step "cohort gpu status (cohort doctor's facts)" "$out/facts.log" \
-  bash -c "timeout 60 '$tool' doctor --serve-probe --serve-seconds 1 </dev/null | head -n 1"
-if grep -q '"gpus":0' "$out/facts.log"; then row "  cohort sees the GPUs" FAIL "$(grep -o '"gpu_note":"[^"]*"' "$out/facts.log")"; fi
-grep -o '"nccl_allreduce":"[^"]*"' "$out/facts.log" | sed 's/^/  /'
-step "unit: GPU communicator on the fake library" "$out/gpu_fake.log" ctest --test-dir "$build" -L gpu_fake --output-on-failure
+# ---- tests: the GPU tests first (C++ on the real CUDA runtime and NCCL, and the Python CUDA tests) ----
 step "GPU tests (C++ and Python, real CUDA/NCCL)" "$out/gpu.log" ctest --test-dir "$build" -L gpu --output-on-failure
 # Gpu.WithoutAGpuTheRequestIsOneClearLine checks the error of a machine without a GPU: it skips here by
 # design; Gpu.OneRankPerGpu... needs two GPUs and skips on a machine with one.
 expected_skips="WithoutAGpuTheRequestIsOneClearLine"
 ((gpus >= 2)) || expected_skips+="|OneRankPerGpuInStreamOrderAndTheWatchdog"
 if grep "Skipped" "$out/gpu.log" | grep -qvE "$expected_skips"; then
-  row "  none of them skipped" FAIL "$(scripts/skipped_tests.sh "$build" | grep -vE "$expected_skips" | head -n 3 | tr '\n' ' ')"
+  row "  none of them skipped" FAIL "$(grep "Skipped" "$out/gpu.log" | grep -vE "$expected_skips" | head -n 3 | tr -s ' ' | tr '\n' ' ')"
+fi
+grep -h "after the hold" "$out/gpu.log" "$build"/Testing/Temporary/LastTest.log 2>/dev/null | head -n 1 | sed 's/^/  watchdog test: /'
+
+# ---- the examples on the GPU (libtorch DDP and the sharded optimizer), each with a checkpoint written
+# and read back by --resume; when the data sets are here ----
+fm=$build/examples/fashion_mnist/fashion_mnist
+rn=$build/examples/resnet/resnet
+bt=$build/examples/bert/bert
+have() {  # NAME BINARY DATA_DIR: whether an example can run; a SKIP row saying why not
+  if [[ ! -x $2 ]]; then row "$1" SKIP "not built (libtorch not found at $torch_prefix)"; return 1; fi
+  if [[ ! -d $3 ]]; then row "$1" SKIP "no data ($3 is missing: Debian's package is not installed)"; return 1; fi
+}
+run_on_gpus=("$tool" run --gpus-per-node auto)
+# ckpt_resume NAME BINARY ARGS...: a run that checkpoints, then one that resumes from it.
+ckpt_resume() {
+  local name=$1 bin=$2 dir=$out/ckpt-$1
+  shift 2
+  rm -rf "$dir"
+  step "$name --device cuda, checkpoint" "$out/$name-ckpt.txt" "${run_on_gpus[@]}" "$bin" --device cuda "$@" \
+    --checkpoint-dir "$dir" --print-digest || return
+  step "$name --device cuda, --resume" "$out/$name-resume.txt" "${run_on_gpus[@]}" "$bin" --device cuda "$@" \
+    --checkpoint-dir "$dir" --resume --print-digest && expect "  $name resumed from its checkpoint" "$out/$name-resume.txt" 'resuming from'
+}
+if have fashion_mnist "$fm" /usr/share/datasets/fashion-mnist; then
+  step "fashion_mnist --device cuda (1 rank per GPU)" "$out/fashion_mnist.txt" "${run_on_gpus[@]}" "$fm" --model mlp --device cuda
+  # One epoch written; the resumed run goes on to the second.
+  rm -rf "$out/ckpt-fashion_mnist"
+  step "fashion_mnist --device cuda, checkpoint" "$out/fashion_mnist-ckpt.txt" "${run_on_gpus[@]}" "$fm" --model mlp \
+    --device cuda --epochs 1 --train-samples 16384 --checkpoint-dir "$out/ckpt-fashion_mnist" &&
+  step "fashion_mnist --device cuda, --resume" "$out/fashion_mnist-resume.txt" "${run_on_gpus[@]}" "$fm" --model mlp \
+    --device cuda --epochs 2 --train-samples 16384 --checkpoint-dir "$out/ckpt-fashion_mnist" --resume &&
+  expect "  fashion_mnist resumed from its checkpoint" "$out/fashion_mnist-resume.txt" 'resuming from .* epoch 1'
+fi
+if have resnet "$rn" /usr/share/datasets/fashion-mnist; then
+  step "resnet --device cuda (1 rank per GPU)" "$out/resnet.txt" "${run_on_gpus[@]}" "$rn" --device cuda --train-samples 4096
+  # ResNet-18 with batch norm, the sharded optimizer (its chunks and state on the GPU, NCCL's
+  # reduce-scatter and allgather).
+  ckpt_resume resnet-zero2 "$rn" --optimizer adam --zero 2 --max-steps 20
+fi
+if have bert "$bt" /usr/share/wordnet; then
+  ckpt_resume bert-zero1 "$bt" --zero 1 --max-steps 20 --test-samples 64
+  ckpt_resume bert-zero2 "$bt" --zero 2 --max-steps 20 --test-samples 64
 fi
 
-# ---- benchmarks: 1 rank on NCCL, 2 ranks staged on one GPU, the same 2 ranks in host memory ----
+# ---- C++ DDP on the GPU against PyTorch DDP with NCCL: the same model, batch and samples, 1 rank per
+# GPU, rounds interleaved, each run long enough to mean something ----
+# On one GPU, C++ DDP skips the buckets (the average of one rank is its gradient) where PyTorch DDP
+# still allreduces them through NCCL: COHORT_DDP_REDUCE_ONE_RANK=1 makes C++ do the same, for the
+# like-for-like figure. The last run of each model is timed on the GPU's clock (the overlap line).
+rounds=${GPU_CHECK_ROUNDS:-2}
+rsamples=${GPU_CHECK_RESNET_SAMPLES:-24576}
+bsteps=${GPU_CHECK_BERT_STEPS:-1500}
+like=(env COHORT_DDP_REDUCE_ONE_RANK=1)
+((gpus >= 2)) && like=(env)
+for ((round = 1; round <= rounds; round++)); do
+  if [[ -x $rn && -d /usr/share/datasets/fashion-mnist ]]; then
+    step "resnet C++ DDP, round $round" "$out/fig-resnet-cpp-$round.txt" \
+      "${like[@]}" "${run_on_gpus[@]}" "$rn" --device cuda --train-samples "$rsamples" --test-samples 1000
+    step "resnet PyTorch DDP + NCCL, round $round" "$out/fig-resnet-torch-$round.txt" \
+      "${run_on_gpus[@]}" "$python" bench/resnet_twin.py --device cuda --train-samples "$rsamples" --test-samples 1000
+  fi
+  if [[ -x $bt && -d /usr/share/wordnet ]]; then
+    step "bert-mini C++ DDP, round $round" "$out/fig-bert-cpp-$round.txt" \
+      "${like[@]}" "${run_on_gpus[@]}" "$bt" --device cuda --max-steps "$bsteps" --test-samples 256
+    step "bert-mini PyTorch DDP + NCCL, round $round" "$out/fig-bert-torch-$round.txt" \
+      "${run_on_gpus[@]}" "$python" bench/bert_twin.py --device cuda --max-steps "$bsteps" --test-samples 256
+  fi
+done
+if [[ -x $rn && -d /usr/share/datasets/fashion-mnist ]]; then
+  step "resnet C++ DDP, GPU timing (overlap)" "$out/fig-resnet-overlap.txt" \
+    env COHORT_GPU_TIMING=1 "${like[@]:1}" "${run_on_gpus[@]}" "$rn" --device cuda --train-samples 8192
+fi
+
+# ---- what cohort sees, the fake-library unit tests, the allreduce benchmark ----
+step "cohort gpu status (cohort doctor's facts)" "$out/facts.log" \
+  bash -c "timeout 60 '$tool' doctor --serve-probe --serve-seconds 1 </dev/null | head -n 1"
+if grep -qs '"gpus":0' "$out/facts.log"; then row "  cohort sees the GPUs" FAIL "$(grep -o '"gpu_note":"[^"]*"' "$out/facts.log")"; fi
+grep -so '"nccl_allreduce":"[^"]*"' "$out/facts.log" | sed 's/^/  /'
+step "unit: GPU communicator on the fake library" "$out/gpu_fake.log" ctest --test-dir "$build" -L gpu_fake --output-on-failure
+# 1 rank on NCCL, 2 ranks staged on one GPU, the same 2 ranks in host memory.
 bench=(bench allreduce -b 8 -e "$bench_max" -f 4 --check)
 step "bench: 1 rank, NCCL, GPU memory" "$out/bench-nccl-1rank.txt" \
   "$tool" run -n 1 --gpus-per-node 1 "$tool" "${bench[@]}" --device cuda
@@ -118,59 +216,13 @@ fi
 step "bench: 2 ranks, host memory (reference)" "$out/bench-host-2ranks.txt" \
   "$tool" run -n 2 "$tool" "${bench[@]}"
 
-# ---- the main job's model on the GPU (libtorch DDP), when the data set is here ----
-fm=$build/examples/fashion_mnist/fashion_mnist
-if [[ ! -x $fm ]]; then
-  row "fashion_mnist --device cuda" SKIP "not built (libtorch not found at $torch_prefix)"
-elif [[ ! -d /usr/share/datasets/fashion-mnist ]]; then
-  row "fashion_mnist --device cuda" SKIP "no data (Debian's dataset-fashion-mnist is not installed)"
-else
-  step "fashion_mnist --device cuda (1 rank per GPU)" "$out/fashion_mnist.txt" \
-    "$tool" run --gpus-per-node auto "$fm" --model mlp --device cuda
-fi
-# ResNet-18 with batch norm on the GPU, plain DDP and the sharded optimizer (its chunks and state on the
-# GPU, NCCL's reduce-scatter and allgather), with a checkpoint written and read back by --resume.
-rn=$build/examples/resnet/resnet
-if [[ ! -x $rn ]]; then
-  row "resnet --device cuda" SKIP "not built (libtorch not found at $torch_prefix)"
-elif [[ ! -d /usr/share/datasets/fashion-mnist ]]; then
-  row "resnet --device cuda" SKIP "no data (Debian's dataset-fashion-mnist is not installed)"
-else
-  step "resnet --device cuda (1 rank per GPU)" "$out/resnet.txt" \
-    "$tool" run --gpus-per-node auto "$rn" --device cuda --train-samples 4096
-  rm -rf "$out/resnet-zero2"
-  step "resnet --device cuda --zero 2, checkpoint" "$out/resnet-zero2.txt" \
-    "$tool" run --gpus-per-node auto "$rn" --device cuda --optimizer adam --zero 2 --max-steps 20 \
-    --checkpoint-dir "$out/resnet-zero2"
-  step "resnet --device cuda --zero 2, --resume" "$out/resnet-zero2-resume.txt" \
-    "$tool" run --gpus-per-node auto "$rn" --device cuda --optimizer adam --zero 2 --max-steps 20 \
-    --checkpoint-dir "$out/resnet-zero2" --resume
-  # C++ DDP on the GPU against PyTorch DDP with NCCL (bench/resnet_twin.py): the same ResNet-18, batch
-  # and samples, 1 rank per GPU, rounds interleaved; then the C++ run with GPU timing, which prints the
-  # share of each bucket's allreduce that overlapped backward (on the GPU's clock).
-  # On one GPU, C++ DDP skips the buckets (the average of one rank is its gradient) where PyTorch DDP
-  # still allreduces them through NCCL: COHORT_DDP_REDUCE_ONE_RANK=1 makes C++ do the same, for the
-  # like-for-like figure and the overlap.
-  for round in 1 2; do
-    step "resnet C++ DDP, round $round" "$out/resnet-cpp-$round.txt" \
-      "$tool" run --gpus-per-node auto "$rn" --device cuda --train-samples 8192
-    step "resnet C++ DDP, 1-rank allreduce, round $round" "$out/resnet-cpp-reduce-$round.txt" \
-      env COHORT_DDP_REDUCE_ONE_RANK=1 "$tool" run --gpus-per-node auto "$rn" --device cuda --train-samples 8192
-    step "resnet PyTorch DDP + NCCL, round $round" "$out/resnet-torch-$round.txt" \
-      "$tool" run --gpus-per-node auto "$python" bench/resnet_twin.py --device cuda --train-samples 8192
-  done
-  step "resnet C++ DDP, GPU timing (overlap)" "$out/resnet-overlap.txt" \
-    env COHORT_GPU_TIMING=1 COHORT_DDP_REDUCE_ONE_RANK=1 "$tool" run --gpus-per-node auto "$rn" --device cuda \
-    --train-samples 8192
-fi
-
 echo
 printf '%-44s %-5s %s\n' "step" "result" "detail"
 for r in "${rows[@]}"; do IFS='|' read -r a b c <<<"$r"; printf '%-44s %-5s %s\n' "$a" "$b" "$c"; done
 echo
 for f in "$out"/bench-*.txt; do [[ -f $f ]] && { echo "--- $f (largest sizes)"; grep -E '^(\[[^]]*\] )? +[0-9]+ ' "$f" | tail -n 3; }; done
-for f in "$out"/resnet*.txt "$out"/fashion_mnist.txt; do
-  [[ -f $f ]] && grep -hE 'samples/s|overlapping backward|test accuracy' "$f" | sed "s#^#$(basename "$f"): #"
+for f in "$out"/fashion_mnist*.txt "$out"/resnet*.txt "$out"/bert*.txt "$out"/fig-*.txt; do
+  [[ -f $f ]] && grep -v '^== ' "$f" | grep -hE 'samples/s|overlapping backward|accuracy|digest|resuming from' | sed "s#^#$(basename "$f"): #"
 done
 echo
 ((failed)) && { echo "gpu_check: FAIL"; exit 1; }

@@ -33,6 +33,7 @@
 #include "cohort/torch/ddp.h"
 #include "cohort/torch/fsdp.h"
 #include "cohort/torch/sharded_optimizer.h"
+#include "common/gpu_report.h"
 #include "common/launch.h"
 #include "dataset/wordnet_glosses.h"
 #include "store/memory_store.h"
@@ -444,6 +445,7 @@ int run(const Args& a) {
     }
     if (!stop) pos = {epoch + 1, 0, pos.global_step, world, 0, world};
   }
+  examples::wait_for_device(device);  // the GPU's queued steps are part of the run: without this the figure flatters
   comm->barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   save(pos);

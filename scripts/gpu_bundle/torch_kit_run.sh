@@ -338,14 +338,16 @@ main() {
     fi
   done
   unpack_sysroot 2>&1 | tee -a "$OUT/env.txt"
-  # The main job's data (Debian's dataset-fashion-mnist: data files only) at its packaged path, so
-  # that gpu_check.sh runs fashion_mnist --device cuda.
-  for d in "$kit"/data/dataset-fashion-mnist*.deb; do
-    [[ -f $d && ! -d /usr/share/datasets/fashion-mnist ]] || continue
+  # The examples' data (Debian's dataset-fashion-mnist and wordnet-base: data files only) at their
+  # packaged paths, so that gpu_check.sh runs fashion_mnist, resnet and bert with --device cuda.
+  for d in "$kit"/data/*.deb; do
+    [[ -f $d ]] || continue
     dpkg-deb -x "$d" / 2>/dev/null || (cd / && ar p "$d" "$(ar t "$d" | grep '^data\.tar')" | tar -x -J -f - 2>/dev/null ||
       ar p "$d" "$(ar t "$d" | grep '^data\.tar')" | tar -x -f -)
-    echo "fashion-mnist: $(ls /usr/share/datasets/fashion-mnist 2>&1 | tr '\n' ' ')" | tee -a "$OUT/env.txt"
+    echo "data: $(basename "$d")" | tee -a "$OUT/env.txt"
   done
+  echo "fashion-mnist: $(ls /usr/share/datasets/fashion-mnist 2>&1 | tr '\n' ' '); wordnet: $(ls /usr/share/wordnet 2>&1 | grep -c '^data\.') data files" |
+    tee -a "$OUT/env.txt"
   export_env
   if [[ $MODE == full || $MODE == prepare ]]; then
     # Not in a pipeline: its exports (pybind11_ROOT, CXXFLAGS) must stay in this shell.

@@ -1,6 +1,7 @@
 // The GPU communicator on the real CUDA runtime and NCCL. Every test needs a usable GPU and is
 // skipped, with the reason, without one; the last test is the opposite: on a machine without a GPU,
 // asking for a GPU communicator is one clear line. scripts/gpu_check.sh runs these on a GPU machine.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -11,6 +12,7 @@
 #include "cohort/communicator.h"
 #include "cohort/error.h"
 #include "cohort/gpu.h"
+#include "gpu/runtime.h"
 #include "store/memory_store.h"
 #include "support/test_support.h"
 
@@ -118,6 +120,59 @@ TEST(Gpu, OneRankPerGpuInStreamOrderAndTheWatchdog) {
     EXPECT_THROW(gpu::synchronize(*comm), TimeoutError);
     EXPECT_THROW(comm->allreduce(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kSum), AbortedError);
   });
+}
+
+// The watchdog against a real NCCL communicator on a machine with one GPU, where no second rank can
+// stop calling: the collective instead waits for its caller's stream, which a host function holds
+// (cudaLaunchHostFunc) until the test lets it go, as a collective waits for a peer that never comes.
+// The watchdog must end it at the deadline: the communicator aborted, synchronize() throwing
+// TimeoutError, the next call AbortedError, and the host not blocked meanwhile.
+TEST(Gpu, OneGpuWatchdogEndsACollectiveStuckBehindItsStream) {
+  REQUIRE_GPU();
+  if (!gpu::status().nccl) GTEST_SKIP() << "no NCCL: " << gpu::status().why_no_nccl;
+  CommOptions o;
+  o.timeout = std::chrono::seconds(3);
+  auto comm = gpu::make_device_communicator(Communicator::create(make_memory_store(), 0, 1, o), {0, gpu::DevicePath::kNccl});
+  const size_t n = 1 << 20;
+  auto d = gpu::allocate_device(n * sizeof(float), 0);
+  gpu::zero_memory(d.get(), n * sizeof(float));
+  comm->allreduce(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kSum);  // sets the communicator up
+  gpu::synchronize(*comm);
+
+  // cudaLaunchHostFunc from the runtime cohort loaded (cohort itself never needs it).
+  void* lib = dlopen(gpu::cuda_runtime().path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  ASSERT_NE(lib, nullptr) << gpu::cuda_runtime().path << ": " << dlerror();
+  using HostFn = void (*)(void*);
+  auto launch_host_func = reinterpret_cast<int (*)(void*, HostFn, void*)>(dlsym(lib, "cudaLaunchHostFunc"));
+  ASSERT_NE(launch_host_func, nullptr);
+  void* stream = nullptr;
+  ASSERT_EQ(gpu::cuda().StreamCreateWithFlags(&stream, gpu::kCudaStreamNonBlocking), gpu::kCudaSuccess);
+  static std::atomic<bool> gate_open{false};
+  gate_open = false;
+  HostFn hold = [](void*) {  // bounded, so that a broken watchdog fails the test instead of hanging it
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!gate_open && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  ASSERT_EQ(launch_host_func(stream, hold, nullptr), gpu::kCudaSuccess);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    gpu::StreamGuard guard(0, stream);
+    comm->allreduce(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kSum);  // queued behind the hold
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2)) << "the host blocked on a queued collective";
+  EXPECT_THROW(gpu::synchronize(*comm), TimeoutError);
+  const auto ended = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(ended, std::chrono::milliseconds(2500)) << "ended before the deadline";
+  EXPECT_LT(ended, std::chrono::seconds(20)) << "the watchdog did not end it near its 3 s deadline";
+  EXPECT_THROW(comm->allreduce(d.get(), d.get(), n, DataType::kFloat32, ReduceOp::kSum), AbortedError);
+  gate_open = true;
+  // What the GPU makes of the aborted collective's queued work once its stream runs again: recorded,
+  // not asserted (NCCL promises nothing about work that had not started when the communicator was aborted).
+  const int after = gpu::cuda().StreamSynchronize(stream);
+  std::printf("after the hold: cudaStreamSynchronize -> %s\n", gpu::cuda_error_text(after).c_str());
+  gpu::cuda().GetLastError();
 }
 
 TEST(Gpu, WithoutAGpuTheRequestIsOneClearLine) {
