@@ -9,7 +9,8 @@ Method, the same as bench_mpi.c's (see there), per size in bytes of fp32 data: o
 the buffer zeroed; warm-up of 5 ops then about 0.2 s more; iterations per trial: the smallest count
 lasting --min-time (at least 2); --trials trials after a barrier, a trial's time per op the slowest
 rank's. Counts the ranks must agree on are maxima over ranks. Every op works on buffers allocated once
-(allreduce and broadcast in place; allgather into a preallocated list, bytes = the gathered total).
+(allreduce and broadcast in place; allgather into a preallocated list, bytes = the gathered total;
+alltoall all_to_all_single between two buffers, bytes = one rank's input, as bench_mpi.c's).
 Rank 0 prints one `RESULT peer=torch-gloo...` line per size, fields as bench_mpi.c.
 """
 import argparse
@@ -49,6 +50,15 @@ def prepare(op, nbytes, rank, n):
         assert all(bool((g == r + 1).all()) for r, g in enumerate(gathered)), "allgather gave a wrong result"
         mine.zero_()
         return (lambda: dist.all_gather(gathered, mine)), part * 4 * n, (n - 1) / n
+    if op == "alltoall":
+        block = max(nbytes // 4 // n, 1)
+        src = torch.arange(block * n, dtype=torch.float32) + rank * block * n  # block j goes to rank j
+        dst = torch.zeros(block * n)
+        dist.all_to_all_single(dst, src)
+        want = torch.cat([torch.arange(block, dtype=torch.float32) + r * block * n + rank * block for r in range(n)])
+        assert bool((dst == want).all()), "alltoall gave a wrong result"
+        dst.zero_()
+        return (lambda: dist.all_to_all_single(dst, src)), block * n * 4, (n - 1) / n
     count = max(nbytes // 4, 1)
     if op == "allreduce":
         buf = torch.full((count,), float(rank + 1))
@@ -74,7 +84,7 @@ def seconds_per_op(run, iters):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--op", default="allreduce", choices=["allreduce", "broadcast", "allgather"])
+    parser.add_argument("--op", default="allreduce", choices=["allreduce", "broadcast", "allgather", "alltoall"])
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated, e.g. 8,64K,1M")
     parser.add_argument("--min-time", type=float, default=0.5)
     parser.add_argument("--trials", type=int, default=5)
