@@ -15,10 +15,11 @@
 #
 # Method (bench/peers/README.md, the same on every side): fp32; the size is the whole buffer of N blocks
 # (allgather's output, alltoall's input); a warm-up, then 3 trials of >= 0.3 s; a trial's time per op is
-# the slowest rank's; the median of the trials. busbw = algbw x (N-1)/N (nccl-tests). The link limit is
-# 0.125 GB/s per host and direction; an allgather's or an alltoall's busbw can reach at most
-# 0.125 x (N-1)/N / ((H-1)/H x ranks per host) = 0.0729 GB/s here (each host takes in (H-1)/H of the other
-# hosts' data for both of its ranks), whatever the algorithm.
+# the slowest rank's; the median of the trials. busbw = algbw x (N-1)/N (nccl-tests). The links' limits
+# (0.125 GB/s per host and direction, H = 4 hosts, N = 8 ranks, S the size): an alltoall must send
+# 2 x (H-1)/H x S out of each host, so busbw <= 0.0729 GB/s whatever the algorithm; an allgather must bring
+# (H-1)/H x S into each host (once, if the host's ranks share it), busbw <= 0.146 GB/s, and a ring over
+# host-contiguous ranks passes (N-1)/N x S through each host's link, busbw <= 0.125 GB/s.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 BUILD=$(realpath "${1:-build}")
