@@ -345,7 +345,8 @@ EndInfo Job::run_attempt(int attempt) {
             case WatchEvent::kLost:
               // An elastic job moves its store when it can (run(): fail_over_store).
               adopt_end(EndInfo{plan_.elastic ? "store" : "lost", 1,
-                                fmt::format("lost the job's store (its host, node 0, is gone?): {}", ev.text)});
+                                fmt::format("lost the job's store at {} (its host, {}, is gone?): {}", store_addr_,
+                                            plan_.mode == Mode::kFanOut ? "the head launcher" : "node 0", ev.text)});
               break;
             case WatchEvent::kJoinTimeout:
               adopt_end(EndInfo{"join", 1, ev.text});
@@ -507,6 +508,11 @@ int Job::run() {
                         e.summary));
       continue;
     }
+    // A fan-out's agent that stopped on its own because it lost the head's store: the head prints the
+    // job's summary, but only this agent knows why it stopped, and the head quotes its last stderr lines.
+    if (ctx_.agent_mode && e.kind == "lost" && !head_lost_)
+      say(fmt::format("node {} ({}): {}; this node's workers were stopped (exit {})", plan_.this_node,
+                      net::hostname(), e.summary, e.code));
     if (print && e.code != 0) {
       // The summary's first line names the build, so that a pasted failure says which cohort ran.
       console::write(2, fmt::format("cohort run {}: job {} (exit {}): {}\n", build::version_text(),

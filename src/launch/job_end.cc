@@ -57,6 +57,12 @@ bool is_root_cause_of(const EndInfo& e, const EndInfo& current) {
 
 void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                   std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt) {
+  // For the line that says the store is lost: when it last answered, and when every node had joined.
+  auto last_answer = Clock::now();
+  std::optional<Clock::time_point> joined;
+  const auto seconds_since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   try {
     auto started = Clock::now();
     auto deadline =
@@ -84,6 +90,7 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
         store->wait(keys, std::min(left, Millis(500)));
         break;
       } catch (const TimeoutError&) {
+        last_answer = Clock::now();
         // A node that joined may end the job before the others came (an interrupt, a failure).
         if (store->check({"end"})) {
           events->push({WatchEvent::kEnd, store->get("end"), attempt});
@@ -100,6 +107,7 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
       }
     }
     events->push({WatchEvent::kJoined, "", attempt});
+    joined = last_answer = Clock::now();
     for (;;) {
       if (*stop) return;
       try {
@@ -109,10 +117,19 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
         events->push({WatchEvent::kEnd, store->get("end"), attempt});
         return;
       } catch (const TimeoutError&) {
+        last_answer = Clock::now();  // the store said "not yet": it is there
       }
     }
   } catch (const Error& e) {
-    if (!*stop) events->push({WatchEvent::kLost, e.what(), attempt});
+    // How long the store was silent tells a cut link or a dead host (about a slice and the reply grace)
+    // from a store that refused at once; it is the line a fan-out's head shows for this agent.
+    if (!*stop)
+      events->push({WatchEvent::kLost,
+                    fmt::format("{:.1f} s without an answer ({}): {}", seconds_since(last_answer),
+                                joined ? fmt::format("{:.1f} s after every node had joined", seconds_since(*joined))
+                                       : "while the nodes were joining",
+                                e.what()),
+                    attempt});
   }
 }
 
