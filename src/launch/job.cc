@@ -65,10 +65,11 @@ void Job::setup_signals() {
   epoll_add(timer_fd_.get());
   epoll_add(events_->fd());
   if (plan_.ray.enabled) {
-    // Ray mode's own timer (job_ray.cc): its probes must not disturb the kill-grace timer's meaning.
-    ray_timer_fd_.reset(timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
-    if (!ray_timer_fd_) throw Error(net::errno_string("timerfd_create", errno));
-    epoll_add(ray_timer_fd_.get());
+    // Ray mode (job_ray.cc) starts this node's processes 0 and 1 as the cluster comes up.
+    ray_ = std::make_unique<RayCluster>(plan_, distributed_, supervisor(), [this](size_t index, int attempt) {
+      spawn_worker(workers_[index], *plan_.node(plan_.this_node), attempt, {}, {});
+    });
+    ray_->open();
   }
 }
 
@@ -206,10 +207,7 @@ void Job::reap() {
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid <= 0) return;
-    if (pid == ray_status_pid_) {
-      on_ray_status_exit(status);
-      continue;
-    }
+    if (ray_ && ray_->on_exit(pid, status)) continue;
     bool known = false;
     for (auto& w : workers_)
       if (w.running && w.pid == pid) {
@@ -352,21 +350,17 @@ EndInfo Job::run_attempt(int attempt) {
               adopt_end(EndInfo{"join", 1, ev.text});
               break;
             case WatchEvent::kRayHead:
-              on_ray_head(ev.text);
+              if (ray_) ray_->on_head(ev.text);
               break;
             case WatchEvent::kRayHeadTimeout:
-              fail_ray("join", ev.text);
+              if (ray_) ray_->fail("join", ev.text);
               break;
           }
         }
       } else if (limit_fd_ && fd == limit_fd_.get()) {
         on_time_limit();
-      } else if (ray_timer_fd_ && fd == ray_timer_fd_.get()) {
-        uint64_t ticks;
-        [[maybe_unused]] auto r = ::read(fd, &ticks, sizeof ticks);
-        on_ray_timer();
-      } else if (ray_status_out_ && fd == ray_status_out_.get()) {
-        drain_ray_status();
+      } else if (ray_ && ray_->on_readable(fd)) {
+        // its timer or its probe's output (job_ray.cc)
       } else if (fd == 0 && control_open_) {
         on_control_input();
       } else {
@@ -389,7 +383,7 @@ EndInfo Job::run_attempt(int attempt) {
   disarm_timer();
   *watcher_stop_ = true;
   stop_inspector();
-  stop_ray_status();
+  if (ray_) ray_->stop();
   // Whatever the workers left behind in their process groups goes too (a Ray job's driver may never have
   // started: no pid, no group).
   for (auto& w : workers_) {

@@ -10,10 +10,11 @@
 //   job_trace.cc     observability: the workers' flight recorder rings, the inspector thread (stall
 //                    warnings, live stats), dumps and diagnosis of a failed attempt, the merged timeline
 //   job_elastic.cc   elastic membership: generations, leases, the store's failover
-//   job_ray.cc       Ray mode: the head, the other nodes joining it, the driver
 // Parts with a narrow interface to the supervisor are objects of their own, which Job holds:
 //   job_exits.cc     RankExits: the exit records the ranks read when one of this node's workers ends
 //   job_trace.cc     TraceFolder: the default trace folder's claim, pruning and removal
+//   job_ray.cc       RayCluster: Ray mode: the head, the other nodes joining it, the driver
+// They reach Job only through Supervisor (below): the attempt's end and the loop's attention for a descriptor.
 // docs/launcher.md describes the protocol and the failure policy; nothing here is used outside launch/.
 
 #include <signal.h>
@@ -23,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -203,6 +205,88 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
 void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                            std::shared_ptr<std::atomic<bool>> stop, int node_rank, double timeout_s, int attempt);
 
+// What the parts of a job with state of their own (RayCluster, Agents, ControlChannel, ElasticMember) may
+// ask of the supervisor, Job: the end of the attempt, and the event loop's attention for a descriptor.
+// They reach nothing else of Job's; what else they need is handed to them by value or in their calls.
+class Supervisor {
+ public:
+  // This node's end of the attempt, claimed in the job's store first (another node's root cause may win).
+  virtual void publish_end(const EndInfo& e) = 0;
+  // An end that needs no claim (the store's own, or one this node cannot publish).
+  virtual void adopt_end(const EndInfo& e) = 0;
+  virtual bool ended() const = 0;     // the attempt's end is known
+  virtual bool stopping() const = 0;  // this node's workers are being stopped
+  // The loop reads `fd` when readable and hands it back to the part that watches it.
+  virtual void watch(int fd) = 0;
+  virtual void unwatch(int fd) = 0;
+
+ protected:
+  ~Supervisor() = default;
+};
+
+// job_ray.cc: Ray mode (plan.ray.enabled): this node's part in bringing the job's Ray cluster up, and the
+// head's driver once the cluster is whole. This node's Ray node is process 0 of the workers, the head's
+// driver process 1; the cluster starts them through `start_process` and the supervisor runs them like any
+// worker. It has its own timer and its own child, the `ray status` probe, which the loop hands it.
+class RayCluster {
+ public:
+  // Starts process `index` of this node (0: its Ray node, 1: the head's driver) for `attempt`.
+  using StartProcess = std::function<void(size_t index, int attempt)>;
+  RayCluster(const Plan& plan, bool distributed, Supervisor& supervisor, StartProcess start_process)
+      : plan_(plan), distributed_(distributed), supervisor_(supervisor), start_process_(std::move(start_process)) {}
+  // Its timer joins the loop (once, at set-up).
+  void open();
+  // From spawn_workers: the head starts its Ray at once, the others wait for the head's GCS address in
+  // `attempt_store` (a watcher thread of their own connection, `client`, that reports to `events` and
+  // ends with `stop`). `store_addr`: the store's address, for messages.
+  void start(int attempt, std::shared_ptr<Store> attempt_store, const StoreClientOptions& client,
+             const std::string& store_addr, std::shared_ptr<EventQueue> events,
+             std::shared_ptr<std::atomic<bool>> stop);
+  void on_head(const std::string& gcs);            // WatchEvent::kRayHead: this node joins the head at `gcs`
+  void fail(const std::string& kind, const std::string& why);  // kRayHeadTimeout and the cluster's own failures
+  bool on_readable(int fd);              // its timer or its probe's output; false: not its descriptor
+  bool on_exit(pid_t pid, int status);   // reap(): the probe ended; false: not its child
+  void stop();                           // the end of an attempt: the probe (if any) and the timer stop
+  // HOST:PORT of the head's GCS (empty until known), for every process's environment.
+  const std::string& gcs() const { return gcs_; }
+  // `ray start` of this node's Ray node.
+  std::vector<std::string> node_argv() const;
+
+ private:
+  void on_timer();                 // the head: probe its GCS, then run `ray status` again
+  std::string head_ip();           // the head's address that the other nodes reach; throws ConfigError
+  void start_status();
+  void drain_status();             // the probe's output, as the loop sees it readable
+  void on_status_exit(int status); // the probe ended; the driver starts when every node is there
+  void start_driver();
+  std::string node_names(const std::vector<int>& ranks);  // "3 (h3, 10.0.0.4), 4 (h4: Ray not started)"
+  void arm_timer(double seconds);
+  void lost_store(const Error& e);  // a store call failed: this node is cut off from the job
+
+  const Plan& plan_;
+  const bool distributed_;
+  Supervisor& supervisor_;
+  StartProcess start_process_;
+  std::shared_ptr<Store> attempt_store_;
+  std::string store_addr_;
+  // The head goes kHeadStarting (its GCS does not answer yet) -> kWaitingForNodes (`ray status` probes) ->
+  // kDriverRunning; the others kWaitingForHead -> kNodeRunning.
+  enum class Phase { kOff, kHeadStarting, kWaitingForNodes, kDriverRunning, kWaitingForHead, kNodeRunning };
+  Phase phase_ = Phase::kOff;
+  int attempt_ = 0;
+  std::string gcs_;      // HOST:PORT of the head's GCS
+  std::string node_ip_;  // this node's address in the Ray cluster
+  RayPorts ports_;
+  Clock::time_point since_, deadline_, next_note_;
+  double retry_s_ = 0.1;  // the wait before the next `ray status` (doubles up to 1 s)
+  UniqueFd timer_fd_;
+  // The `ray status` probe running (pid -1: none) and its output (stdout and stderr merged).
+  pid_t status_pid_ = -1;
+  UniqueFd status_out_;
+  std::string status_text_;
+  std::string last_status_;  // what the last probe that failed said (its last line), for the timeout's message
+};
+
 // job_trace.cc: the job's default trace folder (launch/trace_dirs.h): the finished ones older than
 // COHORT_TRACE_KEEP_DAYS go, this job's is claimed; at the end it is removed unless a failure left
 // files in it, and the summary names it when it is kept. A user's --trace-dir is left alone.
@@ -253,12 +337,20 @@ class RankExits {
   std::map<std::string, comm::ExitRecord> published_exits_;  // by key
 };
 
-class Job {
+class Job : private Supervisor {
  public:
   explicit Job(JobContext ctx) : ctx_(std::move(ctx)), plan_(ctx_.plan) {}
   int run();
 
  private:
+  // Supervisor: what the job's parts (Ray, fan-out, elastic membership) may ask of it.
+  void publish_end(const EndInfo& e) override;
+  void adopt_end(const EndInfo& e) override;
+  bool ended() const override { return end_.has_value(); }
+  bool stopping() const override { return stopping_; }
+  void watch(int fd) override { epoll_add(fd); }
+  void unwatch(int fd) override { epoll_del(fd); }
+  Supervisor& supervisor() { return *this; }  // the private base, for the parts' constructors
   // Set-up
   void setup_signals();
   void start_store();
@@ -291,9 +383,7 @@ class Job {
   void on_worker_exit(Worker& w, int status);
   void on_agent_exit(AgentChild& a, int status);
   void on_control_input();
-  // job_end.cc: the end record and the nodes' counts in the store.
-  void publish_end(const EndInfo& e);
-  void adopt_end(const EndInfo& e);
+  // job_end.cc: the end record and the nodes' counts in the store (publish_end, adopt_end above).
   void upgrade_end(const EndInfo& e);
   // Sets store key `key` to `e` unless another node set it first, and replaces theirs when it only
   // reports `e` (is_consequence). Returns what the key holds afterwards. Throws on a store error.
@@ -351,20 +441,6 @@ class Job {
   // This agent's round stopped (a split, a refusal) while members voted to move the job's store to
   // its standby store: waits for that vote's outcome. True when the standby was promoted (follow it).
   bool standby_promotion_pending();
-  // job_ray.cc: Ray mode (plan_.ray.enabled). This node's Ray node is process 0 of its workers_, the head's
-  // driver process 1 (started once the cluster is whole).
-  void start_ray(int attempt);          // from spawn_workers: the head starts, the others wait for it
-  void on_ray_head(const std::string& gcs);  // kRayHead: this node joins the head at `gcs`
-  void on_ray_timer();                  // the head: probe its GCS, then run `ray status` again
-  std::string ray_head_ip();            // the head's address that the other nodes reach; throws ConfigError
-  void start_ray_status();
-  void drain_ray_status();              // the probe's output, as the loop sees it readable
-  void on_ray_status_exit(int status);  // reap(): the probe ended; the driver starts when every node is there
-  void stop_ray_status();               // the end of an attempt: the probe (if any) and the timer stop
-  void start_ray_driver();
-  void fail_ray(const std::string& kind, const std::string& why);
-  std::string ray_node_names(const std::vector<int>& ranks);  // "3 (h3, 10.0.0.4), 4 (h4: Ray not started)"
-  void arm_ray_timer(double seconds);
   // The path and argv of process `w` of this node: PROGRAM (or its interpreter), the built-in parameter
   // server, or in a Ray job its node's `ray start`.
   std::pair<std::string, std::vector<std::string>> process_command(const Worker& w);
@@ -431,22 +507,8 @@ class Job {
   bool torch_port_from_store_ = false;  // the store moved to another node: read its torch port when joined
   // job_exits.cc: what the ranks learn of this node's workers' exits.
   RankExits exits_{plan_};
-  // job_ray.cc: this attempt's Ray state. The head goes kHeadStarting (its GCS does not answer yet) ->
-  // kWaitingForNodes (`ray status` probes) -> kDriverRunning; the others kWaitingForHead -> kNodeRunning.
-  enum class RayPhase { kOff, kHeadStarting, kWaitingForNodes, kDriverRunning, kWaitingForHead, kNodeRunning };
-  RayPhase ray_phase_ = RayPhase::kOff;
-  int ray_attempt_ = 0;
-  std::string ray_gcs_;      // HOST:PORT of the head's GCS
-  std::string ray_node_ip_;  // this node's address in the Ray cluster
-  RayPorts ray_ports_;
-  Clock::time_point ray_since_, ray_deadline_, ray_next_note_;
-  double ray_retry_s_ = 0.1;  // the wait before the next `ray status` (doubles up to 1 s)
-  UniqueFd ray_timer_fd_;
-  // The `ray status` probe running (pid -1: none) and its output (stdout and stderr merged).
-  pid_t ray_status_pid_ = -1;
-  UniqueFd ray_status_out_;
-  std::string ray_status_text_;
-  std::string ray_last_status_;  // what the last probe that failed said (its last line), for the timeout's message
+  // job_ray.cc: Ray mode's part of the job (plan_.ray.enabled; null otherwise), made at set-up.
+  std::unique_ptr<RayCluster> ray_;
 };
 
 

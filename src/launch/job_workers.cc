@@ -51,7 +51,7 @@ int log_file_streams(const Plan& plan, int process) {
 
 void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
                        const GpuAssignment& gpu) {
-  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu, ray_gcs_};
+  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu, ray_ ? ray_->gcs() : std::string()};
   auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
   const ProcessRole role = plan_.role_of(w.rank);
   if (!role.server) prepare_trace(w, node, vars);  // a server runs no collectives to record
@@ -198,7 +198,7 @@ std::pair<std::string, std::vector<std::string>> Job::process_command(const Work
     return {self, {"cohort", "ps", "serve"}};
   }
   if (plan_.ray.enabled && !plan_.is_ray_driver(w.rank))
-    return {plan_.ray.command_path, ray_node_argv(plan_, plan_.this_node, ray_node_ip_, ray_gcs_, ray_ports_)};
+    return {plan_.ray.command_path, ray_->node_argv()};
   return {plan_.program_path, worker_argv(plan_, w.rank)};
 }
 
@@ -235,7 +235,7 @@ void Job::spawn_workers(int attempt) {
   }
   if (plan_.ray.enabled) {
     // This node's Ray starts (the head at once, the others once it answers), the driver once all joined.
-    start_ray(attempt);
+    ray_->start(attempt, attempt_store_, client_options_, store_addr_, events_, watcher_stop_);
     return;
   }
   for (int l = 0; l < node->nproc; ++l) {
