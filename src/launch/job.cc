@@ -22,7 +22,6 @@
 #include "cohort/error.h"
 #include "common/console.h"
 #include "common/build_info.h"
-#include "common/io.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
@@ -128,9 +127,7 @@ void Job::on_signal(int sig) {
   // The forwarded signal is the workers' stop signal: the stop that follows must not send a second
   // one (a shell that traps TERM would run its trap twice).
   if (is_terminating(sig)) stop_signal_sent_ = true;
-  std::string line = fmt::format("sig {}\n", sig);
-  for (auto& a : agents_)
-    if (a.running && a.in) io::write_all(a.in.get(), line.data(), line.size());  // an agent gone: its exit says so
+  agents_.forward(sig);
   if (!is_terminating(sig)) return;
   if (reporting_) {
     // The signal just forwarded is the stop signal: the report window ends, the grace begins.
@@ -216,11 +213,7 @@ void Job::reap() {
         break;
       }
     if (known) continue;
-    for (auto& a : agents_)
-      if (a.running && a.pid == pid) {
-        on_agent_exit(a, status);
-        break;
-      }
+    agents_.on_exit(pid, status);
   }
 }
 
@@ -269,9 +262,9 @@ EndInfo Job::run_attempt(int attempt) {
   std::vector<epoll_event> evs(64);
   for (;;) {
     bool local_done = running_workers() == 0 && (joined_ || end_);
-    bool agents_done = running_agents() == 0;
+    bool agents_done = agents_.running() == 0;
     if (end_ && local_done && (agents_done || !plan_.host_store)) break;
-    if (head_lost_ && running_workers() == 0) break;
+    if (control_.head_lost() && running_workers() == 0) break;
     int n = epoll_wait(epoll_.get(), evs.data(), static_cast<int>(evs.size()), -1);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -292,8 +285,7 @@ EndInfo Job::run_attempt(int attempt) {
           killed_ = true;
           if (!agents_.empty()) arm_timer(10);
         } else {
-          for (auto& a : agents_)
-            if (a.running) kill(-a.pid, SIGKILL);
+          agents_.kill_all(SIGKILL);
         }
       } else if (fd == events_->fd()) {
         for (auto& ev : events_->take()) {
@@ -361,19 +353,15 @@ EndInfo Job::run_attempt(int attempt) {
         on_time_limit();
       } else if (ray_ && ray_->on_readable(fd)) {
         // its timer or its probe's output (job_ray.cc)
-      } else if (fd == 0 && control_open_) {
-        on_control_input();
+      } else if (control_.on_readable(fd)) {
+        // a forwarded signal, or the head is gone (job_fanout.cc)
+      } else if (agents_.on_readable(fd)) {
+        // an agent's output (job_fanout.cc)
       } else {
         bool handled = false;
         for (auto& w : workers_) {
           if (w.out && fd == w.out.get()) drain(fd, *w.sink, false, w.out), handled = true;
           else if (w.err && fd == w.err.get()) drain(fd, *w.sink, true, w.err), handled = true;
-          if (handled) break;
-        }
-        if (handled) continue;
-        for (auto& a : agents_) {
-          if (a.out && fd == a.out.get()) drain(fd, *a.sink, false, a.out), handled = true;
-          else if (a.err && fd == a.err.get()) drain(fd, *a.sink, true, a.err), handled = true;
           if (handled) break;
         }
         if (!handled) epoll_del(fd);
@@ -416,11 +404,7 @@ int Job::run() {
   arm_time_limit();
   become_subreaper();
   trace_folder_.open();
-  if (ctx_.agent_mode) {
-    net::set_nonblocking(0, true);
-    epoll_add(0);
-    control_open_ = true;
-  }
+  if (ctx_.agent_mode) control_.open(plan_.this_node);
   // Every worker and agent connects to the store's address. A name that does not resolve on the
   // store's own host (a fresh root whose /etc/hosts lacks the host's name) would leave them retrying
   // until the store's deadline, minutes, without a word: one line now instead.
@@ -442,7 +426,7 @@ int Job::run() {
     trace_folder_.close(128 + e.sig(), !ctx_.agent_mode);
     return 128 + e.sig();
   }
-  if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
+  if (plan_.mode == Mode::kFanOut && plan_.host_store) agents_.start(ctx_.token, torch_port_, ctx_.self_exe);
   // Once per job: by the launcher that hosts the job's store (node 0's, or the only one), not by every
   // node's launcher of a per-node job. A job without a token (per-node, none given: tools/cmd_run.cc)
   // is open to anyone who reaches it: say so, and how to close it (docs/security.md).
@@ -473,7 +457,7 @@ int Job::run() {
       // A round stopped on this side of a partition may be the side that loses: if the other side is
       // moving the job's store to this agent's standby store, this agent goes with it.
       if (e.kind == "refused" && !standby_promoted_ && standby_promotion_pending()) standby_promoted_ = true;
-      if ((e.kind == "store" || standby_promoted_) && !head_lost_ && membership_ &&
+      if ((e.kind == "store" || standby_promoted_) && !control_.head_lost() && membership_ &&
           membership_->restarts < plan_.max_restarts) {
         if (standby_promoted_)
           say(fmt::format("generation {} ended: the others moved the job's store to this agent's standby store; "
@@ -495,7 +479,7 @@ int Job::run() {
         attempt = *next;
         continue;
       }
-    } else if (e.restartable() && attempt < plan_.max_restarts && !head_lost_) {
+    } else if (e.restartable() && attempt < plan_.max_restarts && !control_.head_lost()) {
       ++attempt;
       if (print)
         say(fmt::format("restarting every worker (restart {} of {}) after: {}", attempt, plan_.max_restarts,
@@ -504,7 +488,7 @@ int Job::run() {
     }
     // A fan-out's agent that stopped on its own because it lost the head's store: the head prints the
     // job's summary, but only this agent knows why it stopped, and the head quotes its last stderr lines.
-    if (ctx_.agent_mode && e.kind == "lost" && !head_lost_)
+    if (ctx_.agent_mode && e.kind == "lost" && !control_.head_lost())
       say(fmt::format("node {} ({}): {}; this node's workers were stopped (exit {})", plan_.this_node,
                       net::hostname(), e.summary, e.code));
     if (print && e.code != 0) {
@@ -518,9 +502,7 @@ int Job::run() {
       for (const auto& line : diagnosis_) say("flight recorder: " + line);
     merge_timeline();
     trace_folder_.close(e.code, print);
-    if (!agents_.empty()) {
-      for (auto& a : agents_) a.in.reset();
-    }
+    agents_.close_channels();
     if (server_) server_->stop();
     return e.code;
   }

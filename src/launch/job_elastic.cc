@@ -205,7 +205,7 @@ void Job::apply_membership(const Membership& joined) {
 }
 
 std::optional<int> Job::next_generation(const EndInfo& e) const {
-  if (head_lost_ || !membership_) return std::nullopt;
+  if (control_.head_lost() || !membership_) return std::nullopt;
   if (e.kind == "membership") return membership_->generation + 1;
   if (e.restartable() && membership_->restarts < plan_.max_restarts) return membership_->generation + 1;
   return std::nullopt;
@@ -420,7 +420,7 @@ bool Job::member_gone(const AgentInfo& a) const {
 }
 
 void Job::settle_elastic_end() {
-  if (!membership_ || head_lost_ || !attempt_store_ || end_->kind == "lost" || end_->kind == "store") return;
+  if (!membership_ || control_.head_lost() || !attempt_store_ || end_->kind == "lost" || end_->kind == "store") return;
   try {
     attempt_store_->add("exited", 1);
     // The store's host stays until every member that is still alive has seen the end of a job that

@@ -340,7 +340,7 @@ void Job::check_job_id() {
 
 void Job::publish_end(const EndInfo& e) {
   if (end_) return;
-  if (distributed_ && !head_lost_) {
+  if (distributed_ && !control_.head_lost()) {
     try {
       // Another node may have won the race: theirs is the root cause, unless it only reports ours.
       adopt_end(end_from_string(claim_root_cause("end", e)));
@@ -363,7 +363,7 @@ std::string Job::claim_root_cause(const std::string& key, const EndInfo& e) {
 void Job::upgrade_end(const EndInfo& e) {
   // Only in the report window: no worker here has been signalled, so a death by signal is genuine.
   if (!end_ || !reporting_ || !is_root_cause_of(e, *end_)) return;
-  if (distributed_ && !head_lost_) {
+  if (distributed_ && !control_.head_lost()) {
     try {
       end_ = end_from_string(claim_root_cause("end", e));  // ours, or another node's root cause that came first
       return;
@@ -393,7 +393,7 @@ void Job::report_node_done() {
   if (!distributed_) {
     if (!end_) adopt_end(first_failure_ ? EndInfo{"done", first_failure_->code, first_failure_->summary}
                                         : EndInfo{"done", 0, ""});
-  } else if (!end_ && !head_lost_) {
+  } else if (!end_ && !control_.head_lost()) {
     try {
       int64_t finished = attempt_store_->add("done", 1);
       if (finished == plan_.nnodes) {
@@ -417,7 +417,7 @@ void Job::settle_end_with_store() {
     return;
   }
   // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
-  if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
+  if (distributed_ && plan_.mode == Mode::kPerNode && !control_.head_lost() && end_->kind != "lost") {
     try {
       attempt_store_->add("exited", 1);
       // Only the nodes that joined will report (one that never came, or a lost store, will not): the
@@ -445,7 +445,7 @@ void Job::settle_end_with_store() {
   }
   // Another node may have replaced a reported consequence with its root cause after this node
   // adopted the end (upgrade_end): the summary and exit code follow the store's last word.
-  if (distributed_ && !head_lost_ && is_consequence(*end_)) {
+  if (distributed_ && !control_.head_lost() && is_consequence(*end_)) {
     try {
       std::vector<std::string> key{"end"};
       if (attempt_store_->check(key)) {

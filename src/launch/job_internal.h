@@ -5,7 +5,6 @@
 //   job_workers.cc   this node's workers: starting them (environment, CPUs, GPU), stopping, their exits
 //   job_end.cc       the store protocol of a job's end: hosting or joining the store, the watcher thread,
 //                    publishing and adopting the end record, the root cause, nodes done and exited
-//   job_fanout.cc    fan-out over ssh or srun: the head's agents, and `cohort agent`'s control channel
 //   job_output.cc    output routing (draining workers' and agents' pipes) and the failure summary
 //   job_trace.cc     observability: the workers' flight recorder rings, the inspector thread (stall
 //                    warnings, live stats), dumps and diagnosis of a failed attempt, the merged timeline
@@ -14,7 +13,10 @@
 //   job_exits.cc     RankExits: the exit records the ranks read when one of this node's workers ends
 //   job_trace.cc     TraceFolder: the default trace folder's claim, pruning and removal
 //   job_ray.cc       RayCluster: Ray mode: the head, the other nodes joining it, the driver
-// They reach Job only through Supervisor (below): the attempt's end and the loop's attention for a descriptor.
+//   job_fanout.cc    Agents: a fan-out head's `cohort agent` children over ssh or srun;
+//                    ControlChannel: an agent's stdin from its head (forwarded signals, the head's loss)
+// The modes' objects (RayCluster, Agents, ControlChannel) reach Job only through Supervisor (below): the
+// attempt's end and the loop's attention for a descriptor.
 // docs/launcher.md describes the protocol and the failure policy; nothing here is used outside launch/.
 
 #include <signal.h>
@@ -122,15 +124,6 @@ struct Worker {
   UniqueFd out, err;  // read ends (invalid when not piped or at EOF)
   std::unique_ptr<OutputSink> sink;
   trace::Ring ring;  // its flight recorder (invalid when off); outlives the process for the diagnosis
-};
-
-struct AgentChild {
-  NodePlan node;
-  pid_t pid = -1;
-  bool running = false;
-  int status = 0;
-  UniqueFd in, out, err;
-  std::unique_ptr<OutputSink> sink;
 };
 
 // Events from the store watcher thread to the loop. `attempt` is the attempt the watcher serves (events
@@ -287,6 +280,69 @@ class RayCluster {
   std::string last_status_;  // what the last probe that failed said (its last line), for the timeout's message
 };
 
+// Reads what `fd` holds now into `sink` (non-blocking); at EOF the stream is finished: `loop` stops
+// watching it and `holder` closes it (job_output.cc).
+void drain_output(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder, Supervisor& loop);
+
+// job_fanout.cc, the head's side of a fan-out (-H/--hostfile over ssh, or srun): one `cohort agent` per
+// other host, each a child of the head with the plan on its stdin, which stays the control channel.
+// Agents starts them, forwards signals to them, routes their output, and turns an agent that ends before
+// the job into the job's end (publish_end), naming its host and quoting its last stderr lines.
+class Agents {
+ public:
+  Agents(const Plan& plan, Supervisor& supervisor) : plan_(plan), supervisor_(supervisor) {}
+  // Starts an agent for every node that is not this host's, handing each its part of the plan, `token`
+  // and `torch_port`; `self_exe`: the cohort path they run. One that cannot start stops the others and throws.
+  void start(const std::string& token, int torch_port, const std::string& self_exe);
+  bool empty() const { return agents_.empty(); }
+  int running() const;
+  bool is_child(pid_t pid) const;  // one of the running agents' processes (the ssh or srun client)
+  void forward(int sig);           // "sig N" on each running agent's control channel
+  void kill_all(int sig);          // to each running agent's process group
+  bool on_exit(pid_t pid, int status);  // reap(): false when `pid` is not an agent
+  bool on_readable(int fd);             // an agent's output; false: not its descriptor
+  void close_channels();                // the job is over: EOF on each control channel
+
+ private:
+  struct Child {
+    NodePlan node;
+    pid_t pid = -1;
+    bool running = false;
+    int status = 0;
+    UniqueFd in, out, err;
+    std::unique_ptr<OutputSink> sink;
+  };
+  void stop_now();  // a fan-out that cannot start all its agents: the ones started are killed and reaped
+
+  const Plan& plan_;
+  Supervisor& supervisor_;
+  std::vector<Child> agents_;
+};
+
+// job_fanout.cc, an agent's side (`cohort agent`): its stdin, after the plan, is the control channel from
+// the head: "sig N" lines are signals to forward to this node's workers, EOF means the head (or the
+// connection to it) is gone, and this node's workers stop.
+class ControlChannel {
+ public:
+  using OnSignal = std::function<void(int sig)>;
+  using StopWorkers = std::function<void()>;
+  ControlChannel(Supervisor& supervisor, OnSignal on_signal, StopWorkers stop_workers)
+      : supervisor_(supervisor), on_signal_(std::move(on_signal)), stop_workers_(std::move(stop_workers)) {}
+  void open(int this_node);  // stdin joins the loop (an agent only)
+  bool on_readable(int fd);  // false: not stdin, or not open
+  // The head is gone (EOF): nothing is published to the store any more, nothing is restarted.
+  bool head_lost() const { return head_lost_; }
+
+ private:
+  Supervisor& supervisor_;
+  OnSignal on_signal_;
+  StopWorkers stop_workers_;
+  int this_node_ = 0;
+  bool open_ = false;
+  bool head_lost_ = false;
+  std::string buf_;  // a line not yet complete
+};
+
 // job_trace.cc: the job's default trace folder (launch/trace_dirs.h): the finished ones older than
 // COHORT_TRACE_KEEP_DAYS go, this job's is claimed; at the end it is removed unless a failure left
 // files in it, and the summary names it when it is kept. A user's --trace-dir is left alone.
@@ -361,9 +417,6 @@ class Job : private Supervisor {
   void take_munge_token(StoreClientOptions& co);
   void require_settled_token();
   void check_job_id();  // per-node jobs: the store serves this job (its --rdzv-id), or ConfigError
-  void start_agents();
-  // A fan-out that cannot start all its agents: the ones started are killed and reaped at once.
-  void stop_agents_now();
   // One attempt
   EndInfo run_attempt(int attempt);
   void spawn_workers(int attempt);
@@ -381,8 +434,6 @@ class Job : private Supervisor {
   void end_fixed_size_job(const EndInfo& interrupted);
   void reap();
   void on_worker_exit(Worker& w, int status);
-  void on_agent_exit(AgentChild& a, int status);
-  void on_control_input();
   // job_end.cc: the end record and the nodes' counts in the store (publish_end, adopt_end above).
   void upgrade_end(const EndInfo& e);
   // Sets store key `key` to `e` unless another node set it first, and replaces theirs when it only
@@ -454,7 +505,6 @@ class Job : private Supervisor {
   void merge_timeline();
   std::string timeline_rank_dir() const;
   int running_workers() const;
-  int running_agents() const;
 
   JobContext ctx_;
   Plan& plan_;
@@ -475,7 +525,9 @@ class Job : private Supervisor {
   std::shared_ptr<EventQueue> events_ = std::make_shared<EventQueue>();
   std::shared_ptr<std::atomic<bool>> watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
   std::vector<Worker> workers_;
-  std::vector<AgentChild> agents_;
+  // job_fanout.cc: a fan-out head's agents; an agent's control channel from its head.
+  Agents agents_{plan_, supervisor()};
+  ControlChannel control_{supervisor(), [this](int sig) { on_signal(sig); }, [this] { begin_stop(); }};
   std::unique_ptr<Inspector> inspector_;  // reads workers_' rings: stopped before workers_ changes
   std::vector<std::string> diagnosis_;    // the flight recorders' account of the last failed attempt
   OomCounter oom_at_start_;               // this cgroup's OOM kills when the attempt's workers started
@@ -490,10 +542,7 @@ class Job : private Supervisor {
   std::optional<EndInfo> end_;
   std::optional<EndInfo> first_failure_;  // --no-abort-on-failure
   Clock::time_point end_seen_;
-  bool head_lost_ = false;
   bool subreaper_ = false;  // PR_SET_CHILD_SUBREAPER took
-  std::string control_buf_;
-  bool control_open_ = false;
   // Elastic membership: this agent, its lease, and the generation it runs (set when a round closes).
   AgentInfo self_;
   std::unique_ptr<StoreLease> lease_;

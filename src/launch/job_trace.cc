@@ -116,7 +116,8 @@ std::vector<trace::RankSnapshot> Job::final_snapshots() const {
 void Job::publish_final_trace() {
   // Several nodes: the head's diagnosis needs this node's rings. Published before this node counts
   // itself exited, so the head (which waits for that) finds it.
-  if (plan_.flight_recorder <= 0 || !distributed_ || plan_.nnodes <= 1 || !attempt_store_ || head_lost_) return;
+  if (plan_.flight_recorder <= 0 || !distributed_ || plan_.nnodes <= 1 || !attempt_store_ || control_.head_lost())
+    return;
   if (end_ && (end_->kind == "lost" || end_->kind == "store")) return;  // the store is unreachable: a publish would only wait out its deadline
   auto snaps = final_snapshots();
   if (snaps.empty()) return;

@@ -306,7 +306,7 @@ std::vector<Job::Adopted> Job::adopted_children() const {
     if (stat->ppid != self || state == 'Z') continue;  // a zombie is over: reap() collects it
     bool ours = false;
     for (const auto& w : workers_) ours = ours || (w.running && w.pid == pid);
-    for (const auto& a : agents_) ours = ours || (a.running && a.pid == pid);
+    ours = ours || agents_.is_child(pid);
     if (!ours) out.push_back({pid, stat->name, state == 'T' || state == 't'});
   }
   return out;
@@ -429,7 +429,7 @@ void Job::on_worker_exit(Worker& w, int status) {
   if (w.out) drain(w.out.get(), *w.sink, false, w.out);
   // First, before the job reacts: the ranks waiting for this one learn of its end from the store.
   // (Exits while the job stops are the stop's own doing.)
-  if (!stopping_ && !head_lost_) exits_.publish(w);
+  if (!stopping_ && !control_.head_lost()) exits_.publish(w);
   // In a Ray job only the driver ends by itself: a node's `ray start --block` that ends before the job does
   // has lost that node's Ray, whatever its exit code.
   const bool ray_node = plan_.ray.enabled && !plan_.is_ray_driver(w.rank);
@@ -463,7 +463,7 @@ void Job::on_worker_exit(Worker& w, int status) {
   if (running_workers() == 0) {
     reporting_ = false;
     if (stopping_) {
-      if (running_agents() > 0 && plan_.host_store) arm_timer(plan_.kill_grace_s + 10);
+      if (agents_.running() > 0 && plan_.host_store) arm_timer(plan_.kill_grace_s + 10);
       else disarm_timer();
     }
     if (!done_reported_) {
