@@ -146,13 +146,13 @@ void Job::on_signal(int sig) {
                                         ? fmt::format(" on node {} ({})", plan_.this_node, net::hostname())
                                         : "")};
     if (plan_.elastic && plan_.min_nodes < plan_.max_nodes) {
-      leave_elastic_job(sig);  // this agent leaves; the job goes on without it
+      elastic_->leave(sig, joined_);  // this agent leaves; the job goes on without it
       adopt_end(interrupted);
     } else if (plan_.elastic) {
       if (!joined_)
         interrupted.summary =
             fmt::format("interrupted by {} on {} before the job started", signal_name(sig), net::hostname());
-      end_fixed_size_job(interrupted);
+      elastic_->end_everywhere(interrupted, joined_);
       adopt_end(interrupted);
     } else {
       publish_end(interrupted);
@@ -175,28 +175,6 @@ int Job::pending_interrupt() {
     else if (!interrupt) interrupt = sig;
   }
   return interrupt;
-}
-
-void Job::end_fixed_size_job(const EndInfo& interrupted) {
-  // The others must learn it now, not at their rendezvous timeout: before the round closes, the
-  // round fails with this line (they read it as a refusal); after, the generation ends with it and,
-  // not being restartable, ends the job. Either way this agent is marked gone.
-  try {
-    base_store_->set(gone_key(self_.id), self_.host + " (interrupted)");
-    if (!joined_ || !membership_) {
-      Membership failed;
-      failed.generation = round_;
-      failed.failed = interrupted.summary;
-      const std::string mine = nlohmann::json(failed).dump();
-      const std::string now = base_store_->compare_set(closed_key(round_), "", mine);
-      if (now == mine) return;
-      // The round closed just before: end the generation it started.
-    }
-    const int generation = membership_ ? membership_->generation : round_;
-    base_store_->compare_set(attempt_end_key(generation), "", end_to_string(interrupted));
-  } catch (const Error& e) {
-    log::warn("could not tell the job's store that this node was interrupted: {}", e.what());
-  }
 }
 
 void Job::reap() {
@@ -224,29 +202,24 @@ EndInfo Job::run_attempt(int attempt) {
   stop_inspector();
   workers_.clear();
   watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
-  round_ = attempt;
-  if (distributed_ && plan_.elastic) {
+  if (distributed_ && elastic_) {
     // The generation's round runs on the watcher thread; kJoined brings its membership.
-    attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
-    watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     joined_ = false;
-    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_,
-                rendezvous_settings(plan_, store_epoch_), attempt)
-        .detach();
+    elastic_->join_round(attempt, watcher_stop_);
   } else if (distributed_) {
-    attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
+    store_.attempt = make_prefix_store(store_.base, fmt::format("attempt/{}", attempt));
     // Each attempt's watcher gets a connection of its own (the previous one may still be finishing
     // its last wait slice on the old one).
     if (attempt > 0)
-      watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
-    auto watch_store = make_prefix_store(watch_base_, fmt::format("attempt/{}", attempt));
-    if (plan_.this_node >= 0) attempt_store_->set(node_key(plan_.this_node), net::hostname());
+      store_.watch_base = make_prefix_store(connect_tcp_store(store_.client_options), "cohort/launch/" + plan_.job_id);
+    auto watch_store = make_prefix_store(store_.watch_base, fmt::format("attempt/{}", attempt));
+    if (plan_.this_node >= 0) store_.attempt->set(node_key(plan_.this_node), net::hostname());
     // An uncounted Ray job's nodes come as they start: node 0 learns how many to wait for at the end
     // (settle_end_with_store) from this count, and each node waits for node 0 and itself only.
-    if (plan_.ray.open_membership) attempt_store_->add("joined", 1);
-    if (base_client_) base_client_->set_timeout(kStoreCallTimeout);  // joined: only short requests from here
+    if (plan_.ray.open_membership) store_.attempt->add("joined", 1);
+    if (store_.base_client) store_.base_client->set_timeout(kStoreCallTimeout);  // joined: only short requests from here
     joined_ = false;
-    WatchParams params{{}, plan_.this_node, plan_.join_timeout_s, store_addr_};
+    WatchParams params{{}, plan_.this_node, plan_.join_timeout_s, store_.addr};
     if (plan_.ray.open_membership)
       params.nodes = plan_.this_node == 0 ? std::vector<int>{0} : std::vector<int>{0, plan_.this_node};
     else
@@ -293,49 +266,33 @@ EndInfo Job::run_attempt(int attempt) {
           switch (ev.kind) {
             case WatchEvent::kJoined:
               if (end_) break;
-              if (plan_.elastic) {
+              if (elastic_) {
                 try {
-                  apply_membership(nlohmann::json::parse(ev.text).get<Membership>());
+                  elastic_->apply_membership(nlohmann::json::parse(ev.text).get<Membership>());
                 } catch (const Error& e) {
-                  adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, e.what())});
+                  adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_.addr, e.what())});
                   break;
                 }
               }
               joined_ = true;
-              spawn_workers(plan_.elastic ? membership_->generation : attempt);
+              spawn_workers(elastic_ ? elastic_->membership()->generation : attempt);
               break;
             case WatchEvent::kRefused:
               adopt_end(EndInfo{"refused", 1, ev.text});
               break;
-            case WatchEvent::kLeaseLost:
-              if (ev.lease != lease_number_) break;  // a lease that was replaced (the store moved)
-              if (ev.text.find("lease ran out") != std::string::npos) {
-                // The store ended this agent's lease (it was frozen or cut off): the job goes on without it.
-                adopt_end(EndInfo{"lost", 1,
-                                  fmt::format("the job dropped this agent ({}): {}; the other nodes go on without it, "
-                                              "start a new agent to join again",
-                                              self_.host, ev.text)});
-              } else {
-                // The store itself is gone: an elastic job moves it (run(): fail_over_store).
-                adopt_end(EndInfo{"store", 1, fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
-              }
+            case WatchEvent::kLeaseLost:  // elastic jobs only (job_elastic.cc)
+              if (auto end = elastic_->on_lease_lost(ev.lease, ev.text)) adopt_end(*end);
               break;
             case WatchEvent::kEnd:
               adopt_end(end_from_string(ev.text));
               break;
-            case WatchEvent::kStoreMoved:
-              // This agent's standby store was promoted by the others (job_elastic.cc): it follows
-              // (run(): fail_over_store), unless it moved the store there itself.
-              if (std::stoll(ev.text) <= store_epoch_) break;
-              standby_promoted_ = true;
-              adopt_end(EndInfo{"store", 1,
-                                fmt::format("the job's store moved to this agent's standby store at {} (epoch {})",
-                                            standby_address_, ev.text)});
+            case WatchEvent::kStoreMoved:  // elastic jobs only (job_elastic.cc)
+              if (auto end = elastic_->on_store_moved(ev.text)) adopt_end(*end);
               break;
             case WatchEvent::kLost:
               // An elastic job moves its store when it can (run(): fail_over_store).
               adopt_end(EndInfo{plan_.elastic ? "store" : "lost", 1,
-                                fmt::format("lost the job's store at {} (its host, {}, is gone?): {}", store_addr_,
+                                fmt::format("lost the job's store at {} (its host, {}, is gone?): {}", store_.addr,
                                             plan_.mode == Mode::kFanOut ? "the head launcher" : "node 0", ev.text)});
               break;
             case WatchEvent::kJoinTimeout:
@@ -401,6 +358,8 @@ int Job::run() {
       plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
   }
   setup_signals();
+  // Elastic membership (job_elastic.cc) takes part from the store's set-up on.
+  if (plan_.elastic) elastic_ = std::make_unique<ElasticMember>(plan_, store_, events_);
   arm_time_limit();
   become_subreaper();
   trace_folder_.open();
@@ -422,11 +381,11 @@ int Job::run() {
   } catch (const Interrupted& e) {
     // Nothing started yet: no worker, no other node that counts on this one.
     say(fmt::format("job stopped (exit {}): {}", 128 + e.sig(), e.what()));
-    if (server_) server_->stop();
+    if (store_.server) store_.server->stop();
     trace_folder_.close(128 + e.sig(), !ctx_.agent_mode);
     return 128 + e.sig();
   }
-  if (plan_.mode == Mode::kFanOut && plan_.host_store) agents_.start(ctx_.token, torch_port_, ctx_.self_exe);
+  if (plan_.mode == Mode::kFanOut && plan_.host_store) agents_.start(ctx_.token, store_.torch_port, ctx_.self_exe);
   // Once per job: by the launcher that hosts the job's store (node 0's, or the only one), not by every
   // node's launcher of a per-node job. A job without a token (per-node, none given: tools/cmd_run.cc)
   // is open to anyone who reaches it: say so, and how to close it (docs/security.md).
@@ -434,18 +393,18 @@ int Job::run() {
     say(fmt::format("warning: this job is open: anyone who reaches node 0's store ({}) or a rank's port can join "
                     "it; {}give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN "
                     "(docs/security.md)",
-                    store_addr_, open_reason_.empty() ? "" : open_reason_ + "; "));
+                    store_.addr, open_reason_.empty() ? "" : open_reason_ + "; "));
   if (plan_.set_omp_threads && plan_.this_node >= 0 && plan_.host_store && !ctx_.agent_mode)
     say(fmt::format("setting OMP_NUM_THREADS=1 for each worker (it was unset and {} processes share a node); set "
                     "it yourself to choose another value",
                     plan_.node(plan_.this_node)->nproc));
   int attempt = 0;
-  if (plan_.elastic) {
+  if (elastic_) {
     try {
-      attempt = first_generation();
+      attempt = elastic_->first_generation();
     } catch (const RendezvousRefused& e) {
       say(fmt::format("job stopped (exit 1): {}", e.what()));
-      if (server_) server_->stop();
+      if (store_.server) store_.server->stop();
       trace_folder_.close(1, !ctx_.agent_mode);
       return 1;
     }
@@ -453,29 +412,9 @@ int Job::run() {
   for (;;) {
     EndInfo e = run_attempt(attempt);
     bool print = !ctx_.agent_mode;
-    if (plan_.elastic) {
-      // A round stopped on this side of a partition may be the side that loses: if the other side is
-      // moving the job's store to this agent's standby store, this agent goes with it.
-      if (e.kind == "refused" && !standby_promoted_ && standby_promotion_pending()) standby_promoted_ = true;
-      if ((e.kind == "store" || standby_promoted_) && !control_.head_lost() && membership_ &&
-          membership_->restarts < plan_.max_restarts) {
-        if (standby_promoted_)
-          say(fmt::format("generation {} ended: the others moved the job's store to this agent's standby store; "
-                          "following it",
-                          membership_->generation));
-        else
-          say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member",
-                          membership_->generation, e.summary));
-        std::string why;
-        if (fail_over_store(&why)) {
-          attempt = membership_->generation + 1;
-          continue;
-        }
-        if (!why.empty()) e = EndInfo{"store", 1, why};
-      }
-      if (auto next = next_generation(e)) {
-        say(fmt::format("generation {} ended: {}; the agents meet again for generation {}{}", membership_->generation,
-                        e.summary, *next, e.kind == "membership" ? " (a membership change: no restart counted)" : ""));
+    if (elastic_) {
+      // The next generation (after moving the job's store when its host is lost), or the job's end.
+      if (auto next = elastic_->after(e, joined_, control_.head_lost())) {
         attempt = *next;
         continue;
       }
@@ -503,7 +442,7 @@ int Job::run() {
     merge_timeline();
     trace_folder_.close(e.code, print);
     agents_.close_channels();
-    if (server_) server_->stop();
+    if (store_.server) store_.server->stop();
     return e.code;
   }
 }

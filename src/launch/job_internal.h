@@ -198,6 +198,19 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
 void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                            std::shared_ptr<std::atomic<bool>> stop, int node_rank, double timeout_s, int attempt);
 
+// The job's store as this launcher reaches it. Job::start_store sets them up (job_end.cc); an elastic job's
+// failover moves them to a survivor's standby store (job_elastic.cc), so they are one value both can reach.
+struct StoreLinks {
+  std::unique_ptr<StoreServer> server;  // the store this launcher hosts (the job's, or a single node's)
+  std::string addr;                     // HOST:PORT of the job's store, for the workers and for messages
+  StoreClientOptions client_options;    // how to open another connection to it
+  std::shared_ptr<Store> base;          // coordination (main thread), under the job's launch prefix
+  std::shared_ptr<Store> base_client;   // the TCP client under `base` (its default timeout)
+  std::shared_ptr<Store> watch_base;    // the watcher thread's own connection
+  std::shared_ptr<Store> attempt;       // the attempt's (or the generation's) prefix of `base`
+  int torch_port = 0;                   // MASTER_PORT: torch's own store, on node 0
+};
+
 // What the parts of a job with state of their own (RayCluster, Agents, ControlChannel, ElasticMember) may
 // ask of the supervisor, Job: the end of the attempt, and the event loop's attention for a descriptor.
 // They reach nothing else of Job's; what else they need is handed to them by value or in their calls.
@@ -343,6 +356,75 @@ class ControlChannel {
   std::string buf_;  // a line not yet complete
 };
 
+// job_elastic.cc: this agent's membership of an elastic job (--nnodes MIN:MAX): its identity and its lease on
+// the job's store, the generation it runs, its standby store, and the store's failover. The supervisor runs
+// each generation as an attempt and hands it the watcher's news; it lays the generation out in `plan` (nodes,
+// ranks, world size) and, when the job's store moves, moves `store` with it: those two are the job's own
+// state that membership redefines, and all it reaches of the job.
+class ElasticMember {
+ public:
+  ElasticMember(Plan& plan, StoreLinks& store, std::shared_ptr<EventQueue> events)
+      : plan_(plan), store_(store), events_(std::move(events)) {}
+  // Set-up, once the job's store answers. An agent that does not host it keeps a standby store (idle until
+  // the store's host is lost and the survivors pick it), served with `token`.
+  void open_standby(const std::string& token);
+  void open_lease();      // this agent's identity, its lease
+  int first_generation();  // the round a fresh agent joins
+  // Attempt `round`: its round runs on a watcher thread (its own connection), which reports kJoined with
+  // the membership and then the generation's end; `stop` ends it.
+  void join_round(int round, std::shared_ptr<std::atomic<bool>> stop);
+  // kJoined: this generation's nodes, ranks and wills. Throws when the store is lost meanwhile.
+  void apply_membership(const Membership& m);
+  // The generation this agent runs (set when its round closes).
+  const std::optional<Membership>& membership() const { return membership_; }
+  // kLeaseLost of lease `lease`: the end it means; nullopt for a lease that was replaced (the store moved).
+  std::optional<EndInfo> on_lease_lost(int lease, const std::string& why) const;
+  // kStoreMoved: the others promoted this agent's standby store at `epoch`; nullopt when this agent moved
+  // the store there itself.
+  std::optional<EndInfo> on_store_moved(const std::string& epoch);
+  // An interrupted agent. With MIN < MAX it leaves: the others end the generation and go on without it.
+  // With MIN = MAX the job cannot go on without it, so the interrupt ends it on every node (the round
+  // fails, or the generation ends as interrupted) instead of leaving it. `joined`: its round had closed.
+  void leave(int sig, bool joined);
+  void end_everywhere(const EndInfo& interrupted, bool joined);
+  // After a generation's end `e` (`joined`: its round had closed; `head_lost`: see ControlChannel): the
+  // generation to meet for next, moving the job's store first when its host is lost; nullopt when the job
+  // is over, `e` then saying why when the store could not move.
+  std::optional<int> after(EndInfo& e, bool joined, bool head_lost);
+  // The attempt ended with `e`: this agent counts itself out, and the store's host stays until the others
+  // are out too (`pending_interrupt`: a second interrupt ends that wait).
+  void settle_end(const EndInfo& e, bool head_lost, const std::function<int()>& pending_interrupt);
+  // Whether node `node_rank` of the generation is gone (its lease ended, or it left).
+  bool node_gone(int node_rank) const;
+
+ private:
+  void take_lease();  // a store lease with the agent's "gone" will
+  std::optional<int> next_generation(const EndInfo& e, bool head_lost) const;  // nullopt: the job is over
+  bool member_gone(const AgentInfo& a) const;
+  // The store's host is lost (or this agent's standby store was promoted by the others): vote at the
+  // first member's standby store that answers, and once more than half of the last generation did,
+  // move the job's store there, seed it with the last generation and go on. False, with *why, when
+  // the job cannot go on here (no majority, no standby answers, the old store still answers).
+  bool fail_over_store(bool joined, std::string* why);
+  // This agent's round stopped (a split, a refusal) while members voted to move the job's store to
+  // its standby store: waits for that vote's outcome. True when the standby was promoted (follow it).
+  bool standby_promotion_pending();
+
+  Plan& plan_;
+  StoreLinks& store_;
+  std::shared_ptr<EventQueue> events_;
+  AgentInfo self_;
+  std::unique_ptr<StoreLease> lease_;
+  int lease_number_ = 0;                  // counts take_lease() calls
+  std::unique_ptr<StoreServer> standby_;  // this agent's standby store (not on the store's host)
+  std::string standby_address_;           // where the others reach it
+  std::optional<Membership> membership_;
+  int round_ = 0;                       // the generation this agent's round is for (the attempt)
+  int64_t store_epoch_ = 0;             // the job's store's epoch (rdzv/epoch): how often it moved
+  bool standby_promoted_ = false;       // the others moved the job's store to this agent's standby
+  bool torch_port_from_store_ = false;  // the store moved to another node: read its torch port when joined
+};
+
 // job_trace.cc: the job's default trace folder (launch/trace_dirs.h): the finished ones older than
 // COHORT_TRACE_KEEP_DAYS go, this job's is claimed; at the end it is removed unless a failure left
 // files in it, and the summary names it when it is kept. A user's --trace-dir is left alone.
@@ -428,10 +510,6 @@ class Job : private Supervisor {
   // and returns the first terminating signal among them, 0 if none. Every wait outside the loop
   // calls it at least every few hundred milliseconds, so that Ctrl-C ends any phase within a second.
   int pending_interrupt();
-  // A job whose node ranks came from the rendezvous with MIN = MAX (`--nnodes N` with
-  // --rdzv-endpoint, or N:N): it cannot go on without the interrupted node, so an interrupt ends it
-  // on every node (the round fails, or the generation ends as interrupted) instead of leaving it.
-  void end_fixed_size_job(const EndInfo& interrupted);
   void reap();
   void on_worker_exit(Worker& w, int status);
   // job_end.cc: the end record and the nodes' counts in the store (publish_end, adopt_end above).
@@ -475,23 +553,6 @@ class Job : private Supervisor {
   std::string missing_module_hint(const std::vector<std::string>& stderr_tail) const;
   // describe_status, and for a SIGKILL who sent it, as far as the launcher and the kernel know (launch/oom.h).
   std::string describe_worker_exit(const Worker& w);
-  // job_elastic.cc: elastic membership (plan_.elastic).
-  void open_lease();                               // this agent's identity, its lease
-  void take_lease();                               // a store lease with the agent's "gone" will
-  int first_generation();                          // the round a fresh agent joins
-  void apply_membership(const Membership& m);      // this generation's nodes, ranks and wills
-  std::optional<int> next_generation(const EndInfo& e) const;  // nullopt: the job is over
-  void leave_elastic_job(int sig);                 // an interrupted agent leaves; the others go on
-  void settle_elastic_end();                       // the store's host stays until the others are out
-  bool member_gone(const AgentInfo& a) const;
-  // The store's host is lost (or this agent's standby store was promoted by the others): vote at the
-  // first member's standby store that answers, and once more than half of the last generation did,
-  // move the job's store there, seed it with the last generation and go on. False, with *why, when
-  // the job cannot go on here (no majority, no standby answers, the old store still answers).
-  bool fail_over_store(std::string* why);
-  // This agent's round stopped (a split, a refusal) while members voted to move the job's store to
-  // its standby store: waits for that vote's outcome. True when the standby was promoted (follow it).
-  bool standby_promotion_pending();
   // The path and argv of process `w` of this node: PROGRAM (or its interpreter), the built-in parameter
   // server, or in a Ray job its node's `ray start`.
   std::pair<std::string, std::vector<std::string>> process_command(const Worker& w);
@@ -512,15 +573,8 @@ class Job : private Supervisor {
   bool distributed_ = false;
   UniqueFd epoll_, signal_fd_, timer_fd_;
   UniqueFd limit_fd_;  // --timeout's timer (invalid without a limit)
-  std::unique_ptr<StoreServer> server_;
-  std::string store_addr_;
+  StoreLinks store_;         // job_end.cc's start_store makes them; an elastic job's failover moves them
   std::string open_reason_;  // why a job that could have had a token has none (munge failed): for the warning
-  int torch_port_ = 0;
-  std::shared_ptr<Store> base_store_;   // coordination (main thread)
-  std::shared_ptr<Store> base_client_;  // the TCP client under base_store_ (its default timeout)
-  std::shared_ptr<Store> watch_base_;   // the watcher thread's own connection
-  std::shared_ptr<Store> attempt_store_;
-  StoreClientOptions client_options_;
   // Shared with the (detached) watcher threads, which may outlive an attempt by one wait slice.
   std::shared_ptr<EventQueue> events_ = std::make_shared<EventQueue>();
   std::shared_ptr<std::atomic<bool>> watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
@@ -543,17 +597,8 @@ class Job : private Supervisor {
   std::optional<EndInfo> first_failure_;  // --no-abort-on-failure
   Clock::time_point end_seen_;
   bool subreaper_ = false;  // PR_SET_CHILD_SUBREAPER took
-  // Elastic membership: this agent, its lease, and the generation it runs (set when a round closes).
-  AgentInfo self_;
-  std::unique_ptr<StoreLease> lease_;
-  int lease_number_ = 0;  // counts take_lease() calls
-  std::unique_ptr<StoreServer> standby_;  // this agent's standby store (not on the store's host)
-  std::string standby_address_;            // where the others reach it
-  std::optional<Membership> membership_;
-  int round_ = 0;                    // the generation this agent's round is for (run_attempt's attempt)
-  int64_t store_epoch_ = 0;          // the job's store's epoch (rdzv/epoch): how often it moved
-  bool standby_promoted_ = false;    // the others moved the job's store to this agent's standby
-  bool torch_port_from_store_ = false;  // the store moved to another node: read its torch port when joined
+  // job_elastic.cc: this agent's membership of an elastic job (plan_.elastic; null otherwise), made at set-up.
+  std::unique_ptr<ElasticMember> elastic_;
   // job_exits.cc: what the ranks learn of this node's workers' exits.
   RankExits exits_{plan_};
   // job_ray.cc: Ray mode's part of the job (plan_.ray.enabled; null otherwise), made at set-up.

@@ -52,7 +52,7 @@ int log_file_streams(const Plan& plan, int process) {
 void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
                        const GpuAssignment& gpu) {
   WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu, ray_ ? ray_->gcs() : std::string()};
-  auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
+  auto vars = worker_env(plan_, slot, store_.addr, store_.torch_port, ctx_.token, attempt, ctx_.env);
   const ProcessRole role = plan_.role_of(w.rank);
   if (!role.server) prepare_trace(w, node, vars);  // a server runs no collectives to record
   int ring_fd = w.ring.valid() ? w.ring.fd() : -1;
@@ -225,7 +225,7 @@ void Job::spawn_workers(int attempt) {
     if (ec) throw ConfigError(fmt::format("--log-dir: cannot create {}: {}", dir, ec.message()));
   }
   stop_inspector();
-  exits_.open(attempt, distributed_, base_client_, server_.get(), ctx_.token, store_addr_);
+  exits_.open(attempt, distributed_, store_.base_client, store_.server.get(), ctx_.token, store_.addr);
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
   oom_at_start_ = read_oom_counter();  // a SIGKILLed worker is blamed on memory only if this count grows
@@ -235,7 +235,7 @@ void Job::spawn_workers(int attempt) {
   }
   if (plan_.ray.enabled) {
     // This node's Ray starts (the head at once, the others once it answers), the driver once all joined.
-    ray_->start(attempt, attempt_store_, client_options_, store_addr_, events_, watcher_stop_);
+    ray_->start(attempt, store_.attempt, store_.client_options, store_.addr, events_, watcher_stop_);
     return;
   }
   for (int l = 0; l < node->nproc; ++l) {
@@ -454,7 +454,7 @@ void Job::on_worker_exit(Worker& w, int status) {
             claim_root_cause("first_failure", e);
           } catch (const Error& err) {
             // The store is unreachable: this node is cut off from the job and stops.
-            adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
+            adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_.addr, err.what())});
           }
         }
       }
