@@ -290,7 +290,7 @@ EndInfo Job::run_attempt(int attempt) {
               if (auto end = elastic_->on_store_moved(ev.text)) adopt_end(*end);
               break;
             case WatchEvent::kLost:
-              // An elastic job moves its store when it can (run(): fail_over_store).
+              // An elastic job moves its store when it can (ElasticMember::after, job_elastic.cc).
               adopt_end(EndInfo{plan_.elastic ? "store" : "lost", 1,
                                 fmt::format("lost the job's store at {} (its host, {}, is gone?): {}", store_.addr,
                                             plan_.mode == Mode::kFanOut ? "the head launcher" : "node 0", ev.text)});

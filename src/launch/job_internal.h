@@ -8,15 +8,16 @@
 //   job_output.cc    output routing (draining workers' and agents' pipes) and the failure summary
 //   job_trace.cc     observability: the workers' flight recorder rings, the inspector thread (stall
 //                    warnings, live stats), dumps and diagnosis of a failed attempt, the merged timeline
-//   job_elastic.cc   elastic membership: generations, leases, the store's failover
 // Parts with a narrow interface to the supervisor are objects of their own, which Job holds:
 //   job_exits.cc     RankExits: the exit records the ranks read when one of this node's workers ends
 //   job_trace.cc     TraceFolder: the default trace folder's claim, pruning and removal
 //   job_ray.cc       RayCluster: Ray mode: the head, the other nodes joining it, the driver
 //   job_fanout.cc    Agents: a fan-out head's `cohort agent` children over ssh or srun;
 //                    ControlChannel: an agent's stdin from its head (forwarded signals, the head's loss)
-// The modes' objects (RayCluster, Agents, ControlChannel) reach Job only through Supervisor (below): the
-// attempt's end and the loop's attention for a descriptor.
+//   job_elastic.cc   ElasticMember: an elastic job's generations, this agent's lease, the store's failover
+// The modes' objects reach no more of Job than their constructors name: RayCluster, Agents and
+// ControlChannel a Supervisor (below: the attempt's end, the loop's attention for a descriptor);
+// ElasticMember the plan and the job's StoreLinks, the two things a generation and a failover redefine.
 // docs/launcher.md describes the protocol and the failure policy; nothing here is used outside launch/.
 
 #include <signal.h>
