@@ -217,7 +217,8 @@ EndInfo Job::run_attempt(int attempt) {
     // An uncounted Ray job's nodes come as they start: node 0 learns how many to wait for at the end
     // (settle_end_with_store) from this count, and each node waits for node 0 and itself only.
     if (plan_.ray.open_membership) store_.attempt->add("joined", 1);
-    if (store_.base_client) store_.base_client->set_timeout(kStoreCallTimeout);  // joined: only short requests from here
+    // Joined: only short requests from here.
+    if (store_.base_client) store_.base_client->set_timeout(kStoreCallTimeout);
     joined_ = false;
     WatchParams params{{}, plan_.this_node, plan_.join_timeout_s, store_.addr};
     if (plan_.ray.open_membership)
