@@ -5,7 +5,9 @@
 #      mapping, per-node, torchrun's multi-node line, elastic, Ray, parameter servers, Slurm, schedulers'
 #      variables, and refused combinations) prints the same text and exits with the same status under both;
 #   2. the same speed: the launcher's start-up, `cohort run -n N /bin/true` (plan, store, N workers
-#      spawned and reaped), and the plan alone (`cohort run --dry-run` of a fan-out), wall and CPU time,
+#      spawned and reaped), a fan-out's (`-H` of two hosts through a local ssh stand-in: the head, its
+#      store and two `cohort agent`s with N/2 workers each), and the plan alone (`cohort run --dry-run` of
+#      a fan-out), wall and CPU time,
 #      in interleaved rounds (A B, then B A, ...), every round printed with the load, then the median
 #      of the rounds' ratios B/A.
 #   bench/launch/ab_launcher.sh COHORT_A COHORT_B [ROUNDS=10] [N=8]
@@ -77,27 +79,41 @@ measure() {  # "WALL_MS CPU_MS": the medians of 5 runs of the command "$@"
 }
 med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 start() { measure "$1" run -n "$n" /bin/true; }
+# The ssh stand-in runs the agent here, as tests/launch's shim does: "fake-ssh [options] HOST COMMAND...".
+shim_dir=$(mktemp -d); trap 'rm -rf "$shim_dir"' EXIT
+printf '#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do if [ "$1" = -o ]; then shift; fi; shift; done\nshift\nexec "$@"\n' \
+  >"$shim_dir/fake-ssh"
+chmod +x "$shim_dir/fake-ssh"
+fanout() {
+  measure "$1" run -H "ab-a:$((n / 2)),ab-b:$((n / 2))" --master-addr 127.0.0.1 --ssh-command "$shim_dir/fake-ssh" \
+    /bin/true
+}
 plan() { measure "$1" run --dry-run -H 127.0.0.2:4,127.0.0.3:4 --map-by node -n "$n" /bin/true; }
 start "$a" >/dev/null; start "$b" >/dev/null  # warm-up: page cache
 echo "# $(date -u +%FT%TZ), $rounds rounds, each the medians of 5 runs, N=$n; A = $a, B = $b"
-echo "# round  start_wall_ms(A B)  start_cpu_ms(A B)  plan_wall_ms(A B)  plan_cpu_ms(A B)  load(1,5,15 min)"
-R=()  # per round: the four ratios B/A
+echo "# round  start_wall_ms(A B)  start_cpu_ms(A B)  plan_wall_ms(A B)  plan_cpu_ms(A B)  fanout_wall_ms(A B)" \
+  " fanout_cpu_ms(A B)  load(1,5,15 min)"
+R=()  # per round: the six ratios B/A
 for ((r = 1; r <= rounds; r++)); do
   if ((r % 2)); then
     read -r sw_a sc_a <<<"$(start "$a")"; read -r sw_b sc_b <<<"$(start "$b")"
     read -r pw_a pc_a <<<"$(plan "$a")"; read -r pw_b pc_b <<<"$(plan "$b")"
+    read -r fw_a fc_a <<<"$(fanout "$a")"; read -r fw_b fc_b <<<"$(fanout "$b")"
   else
     read -r sw_b sc_b <<<"$(start "$b")"; read -r sw_a sc_a <<<"$(start "$a")"
     read -r pw_b pc_b <<<"$(plan "$b")"; read -r pw_a pc_a <<<"$(plan "$a")"
+    read -r fw_b fc_b <<<"$(fanout "$b")"; read -r fw_a fc_a <<<"$(fanout "$a")"
   fi
-  [[ -n $sw_a && -n $sw_b && -n $pw_a && -n $pw_b ]] || { echo "round $r: a run failed (above)" >&2; exit 1; }
-  echo "$r  $sw_a $sw_b  $sc_a $sc_b  $pw_a $pw_b  $pc_a $pc_b  $(cut -d' ' -f1-3 /proc/loadavg)"
-  R+=("$(awk -v a="$sw_a $sc_a $pw_a $pc_a" -v b="$sw_b $sc_b $pw_b $pc_b" 'BEGIN {
-    split(a, x); split(b, y); for (i = 1; i <= 4; i++) printf "%s%.4f", (i > 1 ? " " : ""), (x[i] > 0 ? y[i] / x[i] : 1) }')")
+  [[ -n $sw_a && -n $sw_b && -n $pw_a && -n $pw_b && -n $fw_a && -n $fw_b ]] ||
+    { echo "round $r: a run failed (above)" >&2; exit 1; }
+  echo "$r  $sw_a $sw_b  $sc_a $sc_b  $pw_a $pw_b  $pc_a $pc_b  $fw_a $fw_b  $fc_a $fc_b  $(cut -d' ' -f1-3 /proc/loadavg)"
+  R+=("$(awk -v a="$sw_a $sc_a $pw_a $pc_a $fw_a $fc_a" -v b="$sw_b $sc_b $pw_b $pc_b $fw_b $fc_b" 'BEGIN {
+    split(a, x); split(b, y); for (i = 1; i <= 6; i++) printf "%s%.4f", (i > 1 ? " " : ""), (x[i] > 0 ? y[i] / x[i] : 1) }')")
 done
 # The median over the rounds of each round's ratio B/A: a drift of the load between rounds cancels.
-names=("start-up wall (run -n $n /bin/true)" "start-up CPU" "plan alone wall (--dry-run, fan-out)" "plan alone CPU")
-for i in 1 2 3 4; do
+names=("start-up wall (run -n $n /bin/true)" "start-up CPU" "plan alone wall (--dry-run, fan-out)" "plan alone CPU"
+  "fan-out start-up wall (-H 2 hosts, ssh stand-in)" "fan-out start-up CPU")
+for i in 1 2 3 4 5 6; do
   mapfile -t column < <(printf '%s\n' "${R[@]}" | awk -v i="$i" '{ print $i }')
   printf '%s: B/A %.3f (median of %d rounds)\n' "${names[i - 1]}" "$(med "${column[@]}")" "$rounds"
 done

@@ -22,7 +22,6 @@
 #include "cohort/error.h"
 #include "common/console.h"
 #include "common/build_info.h"
-#include "common/io.h"
 #include "common/log.h"
 #include "common/socket.h"
 #include "common/strings.h"
@@ -65,10 +64,11 @@ void Job::setup_signals() {
   epoll_add(timer_fd_.get());
   epoll_add(events_->fd());
   if (plan_.ray.enabled) {
-    // Ray mode's own timer (job_ray.cc): its probes must not disturb the kill-grace timer's meaning.
-    ray_timer_fd_.reset(timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
-    if (!ray_timer_fd_) throw Error(net::errno_string("timerfd_create", errno));
-    epoll_add(ray_timer_fd_.get());
+    // Ray mode (job_ray.cc) starts this node's processes 0 and 1 as the cluster comes up.
+    ray_ = std::make_unique<RayCluster>(plan_, distributed_, supervisor(), [this](size_t index, int attempt) {
+      spawn_worker(workers_[index], *plan_.node(plan_.this_node), attempt, {}, {});
+    });
+    ray_->open();
   }
 }
 
@@ -127,9 +127,7 @@ void Job::on_signal(int sig) {
   // The forwarded signal is the workers' stop signal: the stop that follows must not send a second
   // one (a shell that traps TERM would run its trap twice).
   if (is_terminating(sig)) stop_signal_sent_ = true;
-  std::string line = fmt::format("sig {}\n", sig);
-  for (auto& a : agents_)
-    if (a.running && a.in) io::write_all(a.in.get(), line.data(), line.size());  // an agent gone: its exit says so
+  agents_.forward(sig);
   if (!is_terminating(sig)) return;
   if (reporting_) {
     // The signal just forwarded is the stop signal: the report window ends, the grace begins.
@@ -148,13 +146,13 @@ void Job::on_signal(int sig) {
                                         ? fmt::format(" on node {} ({})", plan_.this_node, net::hostname())
                                         : "")};
     if (plan_.elastic && plan_.min_nodes < plan_.max_nodes) {
-      leave_elastic_job(sig);  // this agent leaves; the job goes on without it
+      elastic_->leave(sig, joined_);  // this agent leaves; the job goes on without it
       adopt_end(interrupted);
     } else if (plan_.elastic) {
       if (!joined_)
         interrupted.summary =
             fmt::format("interrupted by {} on {} before the job started", signal_name(sig), net::hostname());
-      end_fixed_size_job(interrupted);
+      elastic_->end_everywhere(interrupted, joined_);
       adopt_end(interrupted);
     } else {
       publish_end(interrupted);
@@ -179,37 +177,12 @@ int Job::pending_interrupt() {
   return interrupt;
 }
 
-void Job::end_fixed_size_job(const EndInfo& interrupted) {
-  // The others must learn it now, not at their rendezvous timeout: before the round closes, the
-  // round fails with this line (they read it as a refusal); after, the generation ends with it and,
-  // not being restartable, ends the job. Either way this agent is marked gone.
-  try {
-    base_store_->set(gone_key(self_.id), self_.host + " (interrupted)");
-    if (!joined_ || !membership_) {
-      Membership failed;
-      failed.generation = round_;
-      failed.failed = interrupted.summary;
-      const std::string mine = nlohmann::json(failed).dump();
-      const std::string now = base_store_->compare_set(closed_key(round_), "", mine);
-      if (now == mine) return;
-      // The round closed just before: end the generation it started.
-    }
-    const int generation = membership_ ? membership_->generation : round_;
-    base_store_->compare_set(attempt_end_key(generation), "", end_to_string(interrupted));
-  } catch (const Error& e) {
-    log::warn("could not tell the job's store that this node was interrupted: {}", e.what());
-  }
-}
-
 void Job::reap() {
   for (;;) {
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid <= 0) return;
-    if (pid == ray_status_pid_) {
-      on_ray_status_exit(status);
-      continue;
-    }
+    if (ray_ && ray_->on_exit(pid, status)) continue;
     bool known = false;
     for (auto& w : workers_)
       if (w.running && w.pid == pid) {
@@ -218,11 +191,7 @@ void Job::reap() {
         break;
       }
     if (known) continue;
-    for (auto& a : agents_)
-      if (a.running && a.pid == pid) {
-        on_agent_exit(a, status);
-        break;
-      }
+    agents_.on_exit(pid, status);
   }
 }
 
@@ -233,29 +202,25 @@ EndInfo Job::run_attempt(int attempt) {
   stop_inspector();
   workers_.clear();
   watcher_stop_ = std::make_shared<std::atomic<bool>>(false);
-  round_ = attempt;
-  if (distributed_ && plan_.elastic) {
+  if (distributed_ && elastic_) {
     // The generation's round runs on the watcher thread; kJoined brings its membership.
-    attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
-    watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
     joined_ = false;
-    std::thread(elastic_watcher_main, watch_base_, events_, watcher_stop_, self_,
-                rendezvous_settings(plan_, store_epoch_), attempt)
-        .detach();
+    elastic_->join_round(attempt, watcher_stop_);
   } else if (distributed_) {
-    attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", attempt));
+    store_.attempt = make_prefix_store(store_.base, fmt::format("attempt/{}", attempt));
     // Each attempt's watcher gets a connection of its own (the previous one may still be finishing
     // its last wait slice on the old one).
     if (attempt > 0)
-      watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
-    auto watch_store = make_prefix_store(watch_base_, fmt::format("attempt/{}", attempt));
-    if (plan_.this_node >= 0) attempt_store_->set(node_key(plan_.this_node), net::hostname());
+      store_.watch_base = make_prefix_store(connect_tcp_store(store_.client_options), "cohort/launch/" + plan_.job_id);
+    auto watch_store = make_prefix_store(store_.watch_base, fmt::format("attempt/{}", attempt));
+    if (plan_.this_node >= 0) store_.attempt->set(node_key(plan_.this_node), net::hostname());
     // An uncounted Ray job's nodes come as they start: node 0 learns how many to wait for at the end
     // (settle_end_with_store) from this count, and each node waits for node 0 and itself only.
-    if (plan_.ray.open_membership) attempt_store_->add("joined", 1);
-    if (base_client_) base_client_->set_timeout(kStoreCallTimeout);  // joined: only short requests from here
+    if (plan_.ray.open_membership) store_.attempt->add("joined", 1);
+    // Joined: only short requests from here.
+    if (store_.base_client) store_.base_client->set_timeout(kStoreCallTimeout);
     joined_ = false;
-    WatchParams params{{}, plan_.this_node, plan_.join_timeout_s, store_addr_};
+    WatchParams params{{}, plan_.this_node, plan_.join_timeout_s, store_.addr};
     if (plan_.ray.open_membership)
       params.nodes = plan_.this_node == 0 ? std::vector<int>{0} : std::vector<int>{0, plan_.this_node};
     else
@@ -271,9 +236,9 @@ EndInfo Job::run_attempt(int attempt) {
   std::vector<epoll_event> evs(64);
   for (;;) {
     bool local_done = running_workers() == 0 && (joined_ || end_);
-    bool agents_done = running_agents() == 0;
+    bool agents_done = agents_.running() == 0;
     if (end_ && local_done && (agents_done || !plan_.host_store)) break;
-    if (head_lost_ && running_workers() == 0) break;
+    if (control_.head_lost() && running_workers() == 0) break;
     int n = epoll_wait(epoll_.get(), evs.data(), static_cast<int>(evs.size()), -1);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -294,8 +259,7 @@ EndInfo Job::run_attempt(int attempt) {
           killed_ = true;
           if (!agents_.empty()) arm_timer(10);
         } else {
-          for (auto& a : agents_)
-            if (a.running) kill(-a.pid, SIGKILL);
+          agents_.kill_all(SIGKILL);
         }
       } else if (fd == events_->fd()) {
         for (auto& ev : events_->take()) {
@@ -303,82 +267,59 @@ EndInfo Job::run_attempt(int attempt) {
           switch (ev.kind) {
             case WatchEvent::kJoined:
               if (end_) break;
-              if (plan_.elastic) {
+              if (elastic_) {
                 try {
-                  apply_membership(nlohmann::json::parse(ev.text).get<Membership>());
+                  elastic_->apply_membership(nlohmann::json::parse(ev.text).get<Membership>());
                 } catch (const Error& e) {
-                  adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, e.what())});
+                  adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_.addr, e.what())});
                   break;
                 }
               }
               joined_ = true;
-              spawn_workers(plan_.elastic ? membership_->generation : attempt);
+              spawn_workers(elastic_ ? elastic_->membership()->generation : attempt);
               break;
             case WatchEvent::kRefused:
               adopt_end(EndInfo{"refused", 1, ev.text});
               break;
-            case WatchEvent::kLeaseLost:
-              if (ev.lease != lease_number_) break;  // a lease that was replaced (the store moved)
-              if (ev.text.find("lease ran out") != std::string::npos) {
-                // The store ended this agent's lease (it was frozen or cut off): the job goes on without it.
-                adopt_end(EndInfo{"lost", 1,
-                                  fmt::format("the job dropped this agent ({}): {}; the other nodes go on without it, "
-                                              "start a new agent to join again",
-                                              self_.host, ev.text)});
-              } else {
-                // The store itself is gone: an elastic job moves it (run(): fail_over_store).
-                adopt_end(EndInfo{"store", 1, fmt::format("lost the job's store at {}: {}", store_addr_, ev.text)});
-              }
+            case WatchEvent::kLeaseLost:  // elastic jobs only (job_elastic.cc)
+              if (auto end = elastic_->on_lease_lost(ev.lease, ev.text)) adopt_end(*end);
               break;
             case WatchEvent::kEnd:
               adopt_end(end_from_string(ev.text));
               break;
-            case WatchEvent::kStoreMoved:
-              // This agent's standby store was promoted by the others (job_elastic.cc): it follows
-              // (run(): fail_over_store), unless it moved the store there itself.
-              if (std::stoll(ev.text) <= store_epoch_) break;
-              standby_promoted_ = true;
-              adopt_end(EndInfo{"store", 1,
-                                fmt::format("the job's store moved to this agent's standby store at {} (epoch {})",
-                                            standby_address_, ev.text)});
+            case WatchEvent::kStoreMoved:  // elastic jobs only (job_elastic.cc)
+              if (auto end = elastic_->on_store_moved(ev.text)) adopt_end(*end);
               break;
             case WatchEvent::kLost:
-              // An elastic job moves its store when it can (run(): fail_over_store).
+              // An elastic job moves its store when it can (ElasticMember::after, job_elastic.cc).
               adopt_end(EndInfo{plan_.elastic ? "store" : "lost", 1,
-                                fmt::format("lost the job's store (its host, node 0, is gone?): {}", ev.text)});
+                                fmt::format("lost the job's store at {} (its host, {}, is gone?): {}", store_.addr,
+                                            plan_.mode == Mode::kFanOut ? "the head launcher" : "node 0", ev.text)});
               break;
             case WatchEvent::kJoinTimeout:
               adopt_end(EndInfo{"join", 1, ev.text});
               break;
             case WatchEvent::kRayHead:
-              on_ray_head(ev.text);
+              if (ray_) ray_->on_head(ev.text);
               break;
             case WatchEvent::kRayHeadTimeout:
-              fail_ray("join", ev.text);
+              if (ray_) ray_->fail("join", ev.text);
               break;
           }
         }
       } else if (limit_fd_ && fd == limit_fd_.get()) {
         on_time_limit();
-      } else if (ray_timer_fd_ && fd == ray_timer_fd_.get()) {
-        uint64_t ticks;
-        [[maybe_unused]] auto r = ::read(fd, &ticks, sizeof ticks);
-        on_ray_timer();
-      } else if (ray_status_out_ && fd == ray_status_out_.get()) {
-        drain_ray_status();
-      } else if (fd == 0 && control_open_) {
-        on_control_input();
+      } else if (ray_ && ray_->on_readable(fd)) {
+        // its timer or its probe's output (job_ray.cc)
+      } else if (control_.on_readable(fd)) {
+        // a forwarded signal, or the head is gone (job_fanout.cc)
+      } else if (agents_.on_readable(fd)) {
+        // an agent's output (job_fanout.cc)
       } else {
         bool handled = false;
         for (auto& w : workers_) {
           if (w.out && fd == w.out.get()) drain(fd, *w.sink, false, w.out), handled = true;
           else if (w.err && fd == w.err.get()) drain(fd, *w.sink, true, w.err), handled = true;
-          if (handled) break;
-        }
-        if (handled) continue;
-        for (auto& a : agents_) {
-          if (a.out && fd == a.out.get()) drain(fd, *a.sink, false, a.out), handled = true;
-          else if (a.err && fd == a.err.get()) drain(fd, *a.sink, true, a.err), handled = true;
           if (handled) break;
         }
         if (!handled) epoll_del(fd);
@@ -388,7 +329,7 @@ EndInfo Job::run_attempt(int attempt) {
   disarm_timer();
   *watcher_stop_ = true;
   stop_inspector();
-  stop_ray_status();
+  if (ray_) ray_->stop();
   // Whatever the workers left behind in their process groups goes too (a Ray job's driver may never have
   // started: no pid, no group).
   for (auto& w : workers_) {
@@ -418,14 +359,12 @@ int Job::run() {
       plan_.gpus_per_node = resolve_gpus_per_node(plan_.gpus_per_node_spec, *ctx_.gpus, net::hostname());
   }
   setup_signals();
+  // Elastic membership (job_elastic.cc) takes part from the store's set-up on.
+  if (plan_.elastic) elastic_ = std::make_unique<ElasticMember>(plan_, store_, events_);
   arm_time_limit();
   become_subreaper();
   trace_folder_.open();
-  if (ctx_.agent_mode) {
-    net::set_nonblocking(0, true);
-    epoll_add(0);
-    control_open_ = true;
-  }
+  if (ctx_.agent_mode) control_.open(plan_.this_node);
   // Every worker and agent connects to the store's address. A name that does not resolve on the
   // store's own host (a fresh root whose /etc/hosts lacks the host's name) would leave them retrying
   // until the store's deadline, minutes, without a word: one line now instead.
@@ -443,11 +382,11 @@ int Job::run() {
   } catch (const Interrupted& e) {
     // Nothing started yet: no worker, no other node that counts on this one.
     say(fmt::format("job stopped (exit {}): {}", 128 + e.sig(), e.what()));
-    if (server_) server_->stop();
+    if (store_.server) store_.server->stop();
     trace_folder_.close(128 + e.sig(), !ctx_.agent_mode);
     return 128 + e.sig();
   }
-  if (plan_.mode == Mode::kFanOut && plan_.host_store) start_agents();
+  if (plan_.mode == Mode::kFanOut && plan_.host_store) agents_.start(ctx_.token, store_.torch_port, ctx_.self_exe);
   // Once per job: by the launcher that hosts the job's store (node 0's, or the only one), not by every
   // node's launcher of a per-node job. A job without a token (per-node, none given: tools/cmd_run.cc)
   // is open to anyone who reaches it: say so, and how to close it (docs/security.md).
@@ -455,18 +394,18 @@ int Job::run() {
     say(fmt::format("warning: this job is open: anyone who reaches node 0's store ({}) or a rank's port can join "
                     "it; {}give every node the same --token-file PATH (mode 0600) or COHORT_JOB_TOKEN "
                     "(docs/security.md)",
-                    store_addr_, open_reason_.empty() ? "" : open_reason_ + "; "));
+                    store_.addr, open_reason_.empty() ? "" : open_reason_ + "; "));
   if (plan_.set_omp_threads && plan_.this_node >= 0 && plan_.host_store && !ctx_.agent_mode)
     say(fmt::format("setting OMP_NUM_THREADS=1 for each worker (it was unset and {} processes share a node); set "
                     "it yourself to choose another value",
                     plan_.node(plan_.this_node)->nproc));
   int attempt = 0;
-  if (plan_.elastic) {
+  if (elastic_) {
     try {
-      attempt = first_generation();
+      attempt = elastic_->first_generation();
     } catch (const RendezvousRefused& e) {
       say(fmt::format("job stopped (exit 1): {}", e.what()));
-      if (server_) server_->stop();
+      if (store_.server) store_.server->stop();
       trace_folder_.close(1, !ctx_.agent_mode);
       return 1;
     }
@@ -474,39 +413,24 @@ int Job::run() {
   for (;;) {
     EndInfo e = run_attempt(attempt);
     bool print = !ctx_.agent_mode;
-    if (plan_.elastic) {
-      // A round stopped on this side of a partition may be the side that loses: if the other side is
-      // moving the job's store to this agent's standby store, this agent goes with it.
-      if (e.kind == "refused" && !standby_promoted_ && standby_promotion_pending()) standby_promoted_ = true;
-      if ((e.kind == "store" || standby_promoted_) && !head_lost_ && membership_ &&
-          membership_->restarts < plan_.max_restarts) {
-        if (standby_promoted_)
-          say(fmt::format("generation {} ended: the others moved the job's store to this agent's standby store; "
-                          "following it",
-                          membership_->generation));
-        else
-          say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member",
-                          membership_->generation, e.summary));
-        std::string why;
-        if (fail_over_store(&why)) {
-          attempt = membership_->generation + 1;
-          continue;
-        }
-        if (!why.empty()) e = EndInfo{"store", 1, why};
-      }
-      if (auto next = next_generation(e)) {
-        say(fmt::format("generation {} ended: {}; the agents meet again for generation {}{}", membership_->generation,
-                        e.summary, *next, e.kind == "membership" ? " (a membership change: no restart counted)" : ""));
+    if (elastic_) {
+      // The next generation (after moving the job's store when its host is lost), or the job's end.
+      if (auto next = elastic_->after(e, joined_, control_.head_lost())) {
         attempt = *next;
         continue;
       }
-    } else if (e.restartable() && attempt < plan_.max_restarts && !head_lost_) {
+    } else if (e.restartable() && attempt < plan_.max_restarts && !control_.head_lost()) {
       ++attempt;
       if (print)
         say(fmt::format("restarting every worker (restart {} of {}) after: {}", attempt, plan_.max_restarts,
                         e.summary));
       continue;
     }
+    // A fan-out's agent that stopped on its own because it lost the head's store: the head prints the
+    // job's summary, but only this agent knows why it stopped, and the head quotes its last stderr lines.
+    if (ctx_.agent_mode && e.kind == "lost" && !control_.head_lost())
+      say(fmt::format("node {} ({}): {}; this node's workers were stopped (exit {})", plan_.this_node,
+                      net::hostname(), e.summary, e.code));
     if (print && e.code != 0) {
       // The summary's first line names the build, so that a pasted failure says which cohort ran.
       console::write(2, fmt::format("cohort run {}: job {} (exit {}): {}\n", build::version_text(),
@@ -518,10 +442,8 @@ int Job::run() {
       for (const auto& line : diagnosis_) say("flight recorder: " + line);
     merge_timeline();
     trace_folder_.close(e.code, print);
-    if (!agents_.empty()) {
-      for (auto& a : agents_) a.in.reset();
-    }
-    if (server_) server_->stop();
+    agents_.close_channels();
+    if (store_.server) store_.server->stop();
     return e.code;
   }
 }

@@ -10,6 +10,11 @@
 // of the last generation there, the job's store moves to it (fail_over_store) and they meet there.
 // A minority stops, and so does a store's host left with fewer than half of its generation
 // (launch/rendezvous.h), so a partition never runs two copies of the job.
+//
+// Why an object of its own (ElasticMember, job_internal.h): an agent's identity, lease, standby store,
+// generation and epoch are membership's alone; the supervisor only asks it what a watcher's news means and
+// what comes after a generation. What membership changes of the job is named in its constructor: the plan
+// (the generation's layout) and the store links (a failover moves the job's store).
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -144,36 +149,128 @@ void elastic_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQue
   }
 }
 
-void Job::open_lease() {
+void ElasticMember::open_standby(const std::string& token) {
+  StoreServerOptions so;
+  so.port = 0;
+  so.token = token;
+  standby_ = StoreServer::start(so);
+  const std::string here = net::route_address_to(plan_.master_addr);
+  standby_address_ = here.find(':') != std::string::npos ? fmt::format("[{}]:{}", here, standby_->port())
+                                                          : fmt::format("{}:{}", here, standby_->port());
+}
+
+void ElasticMember::join_round(int round, std::shared_ptr<std::atomic<bool>> stop) {
+  round_ = round;
+  store_.attempt = make_prefix_store(store_.base, fmt::format("attempt/{}", round));
+  store_.watch_base = make_prefix_store(connect_tcp_store(store_.client_options), "cohort/launch/" + plan_.job_id);
+  std::thread(elastic_watcher_main, store_.watch_base, events_, stop, self_, rendezvous_settings(plan_, store_epoch_),
+              round)
+      .detach();
+}
+
+std::optional<EndInfo> ElasticMember::on_lease_lost(int lease, const std::string& why) const {
+  if (lease != lease_number_) return std::nullopt;  // a lease that was replaced (the store moved)
+  if (why.find("lease ran out") != std::string::npos)
+    // The store ended this agent's lease (it was frozen or cut off): the job goes on without it.
+    return EndInfo{"lost", 1,
+                   fmt::format("the job dropped this agent ({}): {}; the other nodes go on without it, start a new "
+                               "agent to join again",
+                               self_.host, why)};
+  // The store itself is gone: an elastic job moves it (after: fail_over_store).
+  return EndInfo{"store", 1, fmt::format("lost the job's store at {}: {}", store_.addr, why)};
+}
+
+std::optional<EndInfo> ElasticMember::on_store_moved(const std::string& epoch) {
+  // This agent's standby store was promoted by the others: it follows (after: fail_over_store), unless it
+  // moved the store there itself.
+  if (std::stoll(epoch) <= store_epoch_) return std::nullopt;
+  standby_promoted_ = true;
+  return EndInfo{"store", 1,
+                 fmt::format("the job's store moved to this agent's standby store at {} (epoch {})", standby_address_,
+                             epoch)};
+}
+
+void ElasticMember::end_everywhere(const EndInfo& interrupted, bool joined) {
+  // The others must learn it now, not at their rendezvous timeout: before the round closes, the
+  // round fails with this line (they read it as a refusal); after, the generation ends with it and,
+  // not being restartable, ends the job. Either way this agent is marked gone.
+  try {
+    store_.base->set(gone_key(self_.id), self_.host + " (interrupted)");
+    if (!joined || !membership_) {
+      Membership failed;
+      failed.generation = round_;
+      failed.failed = interrupted.summary;
+      const std::string mine = nlohmann::json(failed).dump();
+      const std::string now = store_.base->compare_set(closed_key(round_), "", mine);
+      if (now == mine) return;
+      // The round closed just before: end the generation it started.
+    }
+    const int generation = membership_ ? membership_->generation : round_;
+    store_.base->compare_set(attempt_end_key(generation), "", end_to_string(interrupted));
+  } catch (const Error& e) {
+    log::warn("could not tell the job's store that this node was interrupted: {}", e.what());
+  }
+}
+
+std::optional<int> ElasticMember::after(EndInfo& e, bool joined, bool head_lost) {
+  // A round stopped on this side of a partition may be the side that loses: if the other side is
+  // moving the job's store to this agent's standby store, this agent goes with it.
+  if (e.kind == "refused" && !standby_promoted_ && standby_promotion_pending()) standby_promoted_ = true;
+  if ((e.kind == "store" || standby_promoted_) && !head_lost && membership_ &&
+      membership_->restarts < plan_.max_restarts) {
+    if (standby_promoted_)
+      say(fmt::format("generation {} ended: the others moved the job's store to this agent's standby store; "
+                      "following it",
+                      membership_->generation));
+    else
+      say(fmt::format("generation {} ended: {}; moving the job's store to a surviving member", membership_->generation,
+                      e.summary));
+    std::string why;
+    if (fail_over_store(joined, &why)) return membership_->generation + 1;
+    if (!why.empty()) e = EndInfo{"store", 1, why};
+  }
+  if (auto next = next_generation(e, head_lost)) {
+    say(fmt::format("generation {} ended: {}; the agents meet again for generation {}{}", membership_->generation,
+                    e.summary, *next, e.kind == "membership" ? " (a membership change: no restart counted)" : ""));
+    return next;
+  }
+  return std::nullopt;
+}
+
+bool ElasticMember::node_gone(int node_rank) const {
+  return membership_ && member_gone(membership_->nodes[static_cast<size_t>(node_rank)]);
+}
+
+void ElasticMember::open_lease() {
   const NodePlan* node = plan_.node(plan_.this_node);
   self_ = AgentInfo{fmt::format("{}-{}-{}", net::hostname(), getpid(), random_token(4)), net::hostname(),
                     node ? node->nproc : 0, plan_.host_store, standby_address_};
   take_lease();
   if (standby_) {
-    StoreClientOptions o = client_options_;
+    StoreClientOptions o = store_.client_options;
     o.host = "127.0.0.1";
     o.port = standby_->port();
     std::thread(standby_watch_main, o, launch_prefix(plan_) + epoch_key(), events_).detach();
   }
 }
 
-void Job::take_lease() {
+void ElasticMember::take_lease() {
   auto events = events_;
   const int number = ++lease_number_;
-  lease_ = StoreLease::open(client_options_, Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
+  lease_ = StoreLease::open(store_.client_options, Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000)),
                             [events, number](const std::string& why) {
                               events->push({WatchEvent::kLeaseLost, why, kAnyAttempt, number});
                             });
   lease_->set_wills({{launch_prefix(plan_) + gone_key(self_.id), self_.host}});
 }
 
-int Job::first_generation() {
-  Rendezvous r(base_store_, self_, rendezvous_settings(plan_), {});
+int ElasticMember::first_generation() {
+  Rendezvous r(store_.base, self_, rendezvous_settings(plan_), {});
   r.check_admission();
   return r.first_open_generation();
 }
 
-void Job::apply_membership(const Membership& joined) {
+void ElasticMember::apply_membership(const Membership& joined) {
   Membership m = joined;
   for (size_t i = 0; i < m.nodes.size(); ++i)
     if (m.nodes[i].id == self_.id) m.this_node = static_cast<int>(i);
@@ -186,10 +283,10 @@ void Job::apply_membership(const Membership& joined) {
     const AgentInfo& a = m.nodes[static_cast<size_t>(i)];
     plan_.nodes.push_back(NodePlan{i, a.host, i == m.this_node, m.first_rank(i), a.nproc});
   }
-  attempt_store_ = make_prefix_store(base_store_, fmt::format("attempt/{}", m.generation));
+  store_.attempt = make_prefix_store(store_.base, fmt::format("attempt/{}", m.generation));
   if (torch_port_from_store_) {
     // The store moved to another node, which picked its torch port before it joined this round.
-    torch_port_ = std::stoi(base_store_->get("torch_port"));
+    store_.torch_port = std::stoi(store_.base->get("torch_port"));
     torch_port_from_store_ = false;
   }
   // From now on this agent's end is this generation's end: the others stop at once and meet again.
@@ -204,20 +301,20 @@ void Job::apply_membership(const Membership& joined) {
                   m.restarts > 0 ? fmt::format(" (restart {} of {})", m.restarts, plan_.max_restarts) : ""));
 }
 
-std::optional<int> Job::next_generation(const EndInfo& e) const {
-  if (head_lost_ || !membership_) return std::nullopt;
+std::optional<int> ElasticMember::next_generation(const EndInfo& e, bool head_lost) const {
+  if (head_lost || !membership_) return std::nullopt;
   if (e.kind == "membership") return membership_->generation + 1;
   if (e.restartable() && membership_->restarts < plan_.max_restarts) return membership_->generation + 1;
   return std::nullopt;
 }
 
-void Job::leave_elastic_job(int sig) {
+void ElasticMember::leave(int sig, bool joined) {
   // An interrupted agent (Ctrl-C, a scheduler's or a spot instance's SIGTERM) leaves: the others end
   // this generation and go on without it, as they would after a loss.
   try {
-    base_store_->set(gone_key(self_.id), self_.host + " (left)");
-    if (joined_ && membership_)
-      attempt_store_->compare_set("end", "",
+    store_.base->set(gone_key(self_.id), self_.host + " (left)");
+    if (joined && membership_)
+      store_.attempt->compare_set("end", "",
                                   end_to_string(EndInfo{"node", 1,
                                                         fmt::format("node {} ({}) left the job: its agent got {}",
                                                                     membership_->this_node, self_.host,
@@ -227,7 +324,7 @@ void Job::leave_elastic_job(int sig) {
   }
 }
 
-bool Job::fail_over_store(std::string* why) {
+bool ElasticMember::fail_over_store(bool joined, std::string* why) {
   if (!membership_) return false;
   const Membership m = *membership_;  // the last generation this agent was a member of
   const int64_t old_epoch = store_epoch_;
@@ -236,32 +333,32 @@ bool Job::fail_over_store(std::string* why) {
   if (lease_) lease_->drop();
   const auto lease_over = Clock::now() + Millis(static_cast<int64_t>(plan_.agent_lease_s * 1000));
   bool store_gone = false;
-  if (!joined_ && !standby_promoted_) {
+  if (!joined && !standby_promoted_) {
     // Lost while waiting in the next round: that round may have closed with this agent in it, and the
     // old store's side may go on with it counted. A vote for moving the store after generation m would
     // count this agent a second time; so it does not vote.
     *why = fmt::format("generation {}: lost the job's store at {} while its round was open: this agent cannot tell "
                        "whether the round closed with it (and the store's side went on), so it does not vote to move "
                        "the store; stopping so that one copy of the job runs",
-                       m.generation + 1, store_addr_);
+                       m.generation + 1, store_.addr);
     return false;
   }
   if (standby_promoted_) {
     // The others moved the job's store to this agent's standby while this agent still reached the
     // old one: it leaves the old store (marked gone there) and follows.
     try {
-      base_store_->set(gone_key(self_.id), self_.host + " (moved with the job's store)");
+      store_.base->set(gone_key(self_.id), self_.host + " (moved with the job's store)");
     } catch (const Error&) {
     }
   } else {
-    switch (probe_old_store(client_options_)) {
+    switch (probe_old_store(store_.client_options)) {
       case OldStore::kAnswers:
         // Only a store that is really gone is moved: this agent lost its own connections (a hiccup,
         // a slow answer), not the store, and the others may well be fine with it. This agent stops;
         // the others see its lease end and go on without it.
         *why = fmt::format("the job's store at {} still answers: this agent lost its connection to it, not the store; "
                            "stopping (the other nodes go on without it)",
-                           store_addr_);
+                           store_.addr);
         return false;
       case OldStore::kRefused:
         store_gone = true;
@@ -281,7 +378,7 @@ bool Job::fail_over_store(std::string* why) {
     const bool mine = c.id == self_.id;
     if (standby_promoted_ && !mine) continue;
     auto [host, port] = net::split_host_port(c.standby);
-    StoreClientOptions co = client_options_;
+    StoreClientOptions co = store_.client_options;
     co.host = mine ? "127.0.0.1" : host;
     co.port = port;
     co.timeout = std::chrono::milliseconds(1500);
@@ -333,43 +430,43 @@ bool Job::fail_over_store(std::string* why) {
       co.timeout = kStoreCallTimeout;
       auto base = connect_tcp_store(co);
       base->compare_set(kJobIdKey, "", plan_.job_id);  // newcomers check which job a store serves
-      client_options_ = co;
-      base_client_ = base;
-      base_store_ = make_prefix_store(base, "cohort/launch/" + plan_.job_id);
-      watch_base_ = make_prefix_store(connect_tcp_store(client_options_), "cohort/launch/" + plan_.job_id);
+      store_.client_options = co;
+      store_.base_client = base;
+      store_.base = make_prefix_store(base, "cohort/launch/" + plan_.job_id);
+      store_.watch_base = make_prefix_store(connect_tcp_store(store_.client_options), "cohort/launch/" + plan_.job_id);
       store_epoch_ = epoch;
-      store_addr_ = c.standby;
+      store_.addr = c.standby;
       // Voted or not, this agent follows: the first round does not drop it for having no vote.
-      base_store_->set(fmt::format("rdzv/failover/{}/vote/{}", m.generation, self_.id), self_.host);
+      store_.base->set(fmt::format("rdzv/failover/{}/vote/{}", m.generation, self_.id), self_.host);
       plan_.master_addr = host;
       plan_.master_port = port;
       if (mine) {
-        server_ = std::move(standby_);
+        store_.server = std::move(standby_);
         plan_.host_store = true;
         self_.store_host = true;
         self_.standby.clear();
-        torch_port_ = pick_free_port("");
+        store_.torch_port = pick_free_port("");
       } else {
         plan_.host_store = false;
       }
       // Seed the new store with what the lost one knew that the next round needs: the bounds, the
       // last generation and its end, and the lost host's agents as gone. Every survivor writes the
       // same (compare-and-set: the first one's stays).
-      base_store_->compare_set("rdzv/config", "", fmt::format("{}:{}", plan_.min_nodes, plan_.max_nodes));
-      base_store_->compare_set(closed_key(m.generation), "", nlohmann::json(m).dump());
+      store_.base->compare_set("rdzv/config", "", fmt::format("{}:{}", plan_.min_nodes, plan_.max_nodes));
+      store_.base->compare_set(closed_key(m.generation), "", nlohmann::json(m).dump());
       std::vector<std::string> hosts;
       for (const auto* a : lost) {
-        base_store_->set(gone_key(a->id), a->host);
+        store_.base->set(gone_key(a->id), a->host);
         hosts.push_back(a->host);
       }
-      base_store_->compare_set(attempt_end_key(m.generation), "",
+      store_.base->compare_set(attempt_end_key(m.generation), "",
                                end_to_string(EndInfo{"node", 1,
                                                      fmt::format("lost node 0 ({}), the job's store's host",
                                                                  str::join(hosts, ", "))}));
-      base_store_->compare_set("rdzv/current", "", std::to_string(m.generation));
+      store_.base->compare_set("rdzv/current", "", std::to_string(m.generation));
       // The new store's host picks its torch port before it joins the next round; the others read it
       // when that round closes (the host may still be stopping its workers now).
-      if (mine) base_store_->set("torch_port", std::to_string(torch_port_));
+      if (mine) store_.base->set("torch_port", std::to_string(store_.torch_port));
       else torch_port_from_store_ = true;
       // A lease on the new store.
       lease_.reset();
@@ -388,10 +485,10 @@ bool Job::fail_over_store(std::string* why) {
   return false;
 }
 
-bool Job::standby_promotion_pending() {
+bool ElasticMember::standby_promotion_pending() {
   if (!standby_ || !membership_) return false;
   try {
-    StoreClientOptions o = client_options_;
+    StoreClientOptions o = store_.client_options;
     o.host = "127.0.0.1";
     o.port = standby_->port();
     o.fence_key.clear();
@@ -411,27 +508,27 @@ bool Job::standby_promotion_pending() {
   }
 }
 
-bool Job::member_gone(const AgentInfo& a) const {
+bool ElasticMember::member_gone(const AgentInfo& a) const {
   try {
-    return base_store_->check({gone_key(a.id)});
+    return store_.base->check({gone_key(a.id)});
   } catch (const Error&) {
     return true;  // the store is gone: nobody will report to it
   }
 }
 
-void Job::settle_elastic_end() {
-  if (!membership_ || head_lost_ || !attempt_store_ || end_->kind == "lost" || end_->kind == "store") return;
+void ElasticMember::settle_end(const EndInfo& e, bool head_lost, const std::function<int()>& pending_interrupt) {
+  if (!membership_ || head_lost || !store_.attempt || e.kind == "lost" || e.kind == "store") return;
   try {
-    attempt_store_->add("exited", 1);
+    store_.attempt->add("exited", 1);
     // The store's host stays until every member that is still alive has seen the end of a job that
     // is over (their last store calls come after it); between generations nobody waits.
-    if (!plan_.host_store || next_generation(*end_)) return;
+    if (!plan_.host_store || next_generation(e, head_lost)) return;
     auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(plan_.kill_grace_s + 10));
     while (Clock::now() < deadline) {
       int alive = 0;
       for (const auto& a : membership_->nodes) alive += a.id == self_.id || !member_gone(a);
-      if (attempt_store_->add("exited", 0) >= alive) return;
+      if (store_.attempt->add("exited", 0) >= alive) return;
       if (pending_interrupt()) return;  // a second interrupt: stop waiting for the others at once
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }

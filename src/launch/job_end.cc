@@ -57,6 +57,12 @@ bool is_root_cause_of(const EndInfo& e, const EndInfo& current) {
 
 void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> events,
                   std::shared_ptr<std::atomic<bool>> stop, WatchParams p, int attempt) {
+  // For the line that says the store is lost: when it last answered, and when every node had joined.
+  auto last_answer = Clock::now();
+  std::optional<Clock::time_point> joined;
+  const auto seconds_since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   try {
     auto started = Clock::now();
     auto deadline =
@@ -84,6 +90,7 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
         store->wait(keys, std::min(left, Millis(500)));
         break;
       } catch (const TimeoutError&) {
+        last_answer = Clock::now();
         // A node that joined may end the job before the others came (an interrupt, a failure).
         if (store->check({"end"})) {
           events->push({WatchEvent::kEnd, store->get("end"), attempt});
@@ -100,6 +107,7 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
       }
     }
     events->push({WatchEvent::kJoined, "", attempt});
+    joined = last_answer = Clock::now();
     for (;;) {
       if (*stop) return;
       try {
@@ -109,10 +117,19 @@ void watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQueue> even
         events->push({WatchEvent::kEnd, store->get("end"), attempt});
         return;
       } catch (const TimeoutError&) {
+        last_answer = Clock::now();  // the store said "not yet": it is there
       }
     }
   } catch (const Error& e) {
-    if (!*stop) events->push({WatchEvent::kLost, e.what(), attempt});
+    // How long the store was silent tells a cut link or a dead host (about a slice and the reply grace)
+    // from a store that refused at once; it is the line a fan-out's head shows for this agent.
+    if (!*stop)
+      events->push({WatchEvent::kLost,
+                    fmt::format("{:.1f} s without an answer ({}): {}", seconds_since(last_answer),
+                                joined ? fmt::format("{:.1f} s after every node had joined", seconds_since(*joined))
+                                       : "while the nodes were joining",
+                                e.what()),
+                    attempt});
   }
 }
 
@@ -135,7 +152,7 @@ void Job::start_store() {
     }
     so.token = ctx_.token;
     try {
-      server_ = StoreServer::start(so);
+      store_.server = StoreServer::start(so);
     } catch (const ConfigError& e) {
       // One piece of advice, the one that holds for this job: a job of one node (or one that starts the
       // others itself) can take any free port, but the nodes of a per-node job each meet at the same
@@ -156,15 +173,15 @@ void Job::start_store() {
     }
   }
   if (plan_.host_store) {
-    store_addr_ = fmt::format("{}:{}", plan_.master_addr, server_->port());
-    plan_.master_port = server_->port();
-    torch_port_ = pick_free_port(local ? "127.0.0.1" : "");
+    store_.addr = fmt::format("{}:{}", plan_.master_addr, store_.server->port());
+    plan_.master_port = store_.server->port();
+    store_.torch_port = pick_free_port(local ? "127.0.0.1" : "");
   } else {
-    store_addr_ = fmt::format("{}:{}", plan_.master_addr, plan_.master_port);
-    torch_port_ = ctx_.torch_port;
+    store_.addr = fmt::format("{}:{}", plan_.master_addr, plan_.master_port);
+    store_.torch_port = ctx_.torch_port;
   }
   if (!distributed_) {
-    base_store_ = make_memory_store();
+    store_.base = make_memory_store();
     require_settled_token();
     return;
   }
@@ -193,7 +210,7 @@ void Job::start_store() {
   for (;;) {
     if (int sig = pending_interrupt())
       throw Interrupted(sig, fmt::format("interrupted by {} while waiting for {} at {} ({:.0f} s of {:g} s)",
-                                         signal_name(sig), whose, store_addr_,
+                                         signal_name(sig), whose, store_.addr,
                                          std::chrono::duration<double>(Clock::now() - started).count(),
                                          plan_.join_timeout_s));
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
@@ -203,9 +220,9 @@ void Job::start_store() {
         take_munge_token(co);  // retried like the connection until node 0's store answers
         need_munge = false;
       }
-      base_store_ = connect_tcp_store(co);
+      store_.base = connect_tcp_store(co);
       co.timeout = Millis(5000);  // it answered: the second connection is quick
-      watch_base_ = connect_tcp_store(co);
+      store_.watch_base = connect_tcp_store(co);
       break;
     } catch (const AuthError&) {
       throw;
@@ -213,10 +230,10 @@ void Job::start_store() {
       const auto now = Clock::now();
       if (now >= deadline)
         throw TimeoutError(fmt::format("node {}: {} at {} did not answer within {:g} s (--join-timeout); last try: {}",
-                                       plan_.this_node, whose, store_addr_, plan_.join_timeout_s, e.what()));
+                                       plan_.this_node, whose, store_.addr, plan_.join_timeout_s, e.what()));
       if (now >= next_note) {
         next_note = now + std::chrono::seconds(5);
-        say(fmt::format("node {}: waiting for {} at {} ({:.0f} s of {:g} s)", plan_.this_node, whose, store_addr_,
+        say(fmt::format("node {}: waiting for {} at {} ({:.0f} s of {:g} s)", plan_.this_node, whose, store_.addr,
                         std::chrono::duration<double>(now - started).count(), plan_.join_timeout_s));
       }
     }
@@ -226,28 +243,22 @@ void Job::start_store() {
   // slices). The others wait long for node 0 while they join, then switch to kStoreCallTimeout.
   const Millis call_timeout = plan_.elastic ? kStoreCallTimeout : Millis(60000);
   co.timeout = call_timeout;
-  client_options_ = co;
-  base_client_ = base_store_;
-  base_store_->set_timeout(call_timeout);
-  watch_base_->set_timeout(call_timeout);
+  store_.client_options = co;
+  store_.base_client = store_.base;
+  store_.base->set_timeout(call_timeout);
+  store_.watch_base->set_timeout(call_timeout);
   if (plan_.mode == Mode::kPerNode) check_job_id();
-  base_store_ = make_prefix_store(base_store_, "cohort/launch/" + plan_.job_id);
-  watch_base_ = make_prefix_store(watch_base_, "cohort/launch/" + plan_.job_id);
+  store_.base = make_prefix_store(store_.base, "cohort/launch/" + plan_.job_id);
+  store_.watch_base = make_prefix_store(store_.watch_base, "cohort/launch/" + plan_.job_id);
   if (plan_.mode == Mode::kPerNode) {
-    if (plan_.host_store) base_store_->set("torch_port", std::to_string(torch_port_));
-    else torch_port_ = std::stoi(base_store_->get("torch_port"));
+    if (plan_.host_store) store_.base->set("torch_port", std::to_string(store_.torch_port));
+    else store_.torch_port = std::stoi(store_.base->get("torch_port"));
   }
-  if (plan_.elastic && !plan_.host_store) {
+  if (elastic_) {
     // The standby store: idle until the store's host is lost and the survivors pick this one.
-    StoreServerOptions so;
-    so.port = 0;
-    so.token = ctx_.token;
-    standby_ = StoreServer::start(so);
-    const std::string here = net::route_address_to(plan_.master_addr);
-    standby_address_ = here.find(':') != std::string::npos ? fmt::format("[{}]:{}", here, standby_->port())
-                                                            : fmt::format("{}:{}", here, standby_->port());
+    if (!plan_.host_store) elastic_->open_standby(ctx_.token);
+    elastic_->open_lease();
   }
-  if (plan_.elastic) open_lease();
 }
 
 std::map<std::string, std::string> Job::make_munge_credentials() {
@@ -286,7 +297,7 @@ void Job::take_munge_token(StoreClientOptions& co) {
   if (!token.ok)
     throw AuthError(fmt::format("node {} ({}): cannot read the job token from the munge credential that node 0's "
                                 "store at {} serves: {} (socket from {})",
-                                ctx_.munge.node, net::hostname(), store_addr_, token.why, ctx_.munge.socket_source));
+                                ctx_.munge.node, net::hostname(), store_.addr, token.why, ctx_.munge.socket_source));
   ctx_.token = token.value;
   co.token = token.value;
 }
@@ -304,26 +315,26 @@ void Job::check_job_id() {
   // serves the job of the agent that hosts it, which writes its id first thing; an agent of another
   // job is refused with one line instead of waiting in a job that is not its own.
   if (plan_.host_store) {
-    base_store_->compare_set(kJobIdKey, "", plan_.job_id);
+    store_.base->compare_set(kJobIdKey, "", plan_.job_id);
     return;
   }
   try {
-    base_store_->wait({kJobIdKey}, Millis(10000));
+    store_.base->wait({kJobIdKey}, Millis(10000));
   } catch (const TimeoutError&) {
     throw TimeoutError(fmt::format("the store at {} does not say which job it serves (no {} within 10 s): is it a "
                                    "cohort job's store?",
-                                   store_addr_, kJobIdKey));
+                                   store_.addr, kJobIdKey));
   }
-  const std::string theirs = base_store_->get(kJobIdKey);
+  const std::string theirs = store_.base->get(kJobIdKey);
   if (theirs != plan_.job_id)
     throw ConfigError(fmt::format("the store at {} serves job '{}', not this node's job '{}' ({}): give every node of a "
                                   "job the same --rdzv-id, and another job its own endpoint",
-                                  store_addr_, theirs, plan_.job_id, plan_.source_of("job id")));
+                                  store_.addr, theirs, plan_.job_id, plan_.source_of("job id")));
 }
 
 void Job::publish_end(const EndInfo& e) {
   if (end_) return;
-  if (distributed_ && !head_lost_) {
+  if (distributed_ && !control_.head_lost()) {
     try {
       // Another node may have won the race: theirs is the root cause, unless it only reports ours.
       adopt_end(end_from_string(claim_root_cause("end", e)));
@@ -337,16 +348,16 @@ void Job::publish_end(const EndInfo& e) {
 
 std::string Job::claim_root_cause(const std::string& key, const EndInfo& e) {
   const std::string mine = end_to_string(e);
-  auto now = attempt_store_->compare_set(key, "", mine);
+  auto now = store_.attempt->compare_set(key, "", mine);
   // Compared with what the store holds (not a re-serialised copy), so a lost race is seen as such.
-  if (now != mine && is_root_cause_of(e, end_from_string(now))) now = attempt_store_->compare_set(key, now, mine);
+  if (now != mine && is_root_cause_of(e, end_from_string(now))) now = store_.attempt->compare_set(key, now, mine);
   return now;
 }
 
 void Job::upgrade_end(const EndInfo& e) {
   // Only in the report window: no worker here has been signalled, so a death by signal is genuine.
   if (!end_ || !reporting_ || !is_root_cause_of(e, *end_)) return;
-  if (distributed_ && !head_lost_) {
+  if (distributed_ && !control_.head_lost()) {
     try {
       end_ = end_from_string(claim_root_cause("end", e));  // ours, or another node's root cause that came first
       return;
@@ -376,46 +387,46 @@ void Job::report_node_done() {
   if (!distributed_) {
     if (!end_) adopt_end(first_failure_ ? EndInfo{"done", first_failure_->code, first_failure_->summary}
                                         : EndInfo{"done", 0, ""});
-  } else if (!end_ && !head_lost_) {
+  } else if (!end_ && !control_.head_lost()) {
     try {
-      int64_t finished = attempt_store_->add("done", 1);
+      int64_t finished = store_.attempt->add("done", 1);
       if (finished == plan_.nnodes) {
         EndInfo done{"done", 0, ""};
         std::vector<std::string> ff{"first_failure"};
-        if (attempt_store_->check(ff)) {
-          auto f = end_from_string(attempt_store_->get("first_failure"));
+        if (store_.attempt->check(ff)) {
+          auto f = end_from_string(store_.attempt->get("first_failure"));
           done = EndInfo{"done", f.code, f.summary};
         }
         publish_end(done);
       }
     } catch (const Error& err) {
-      adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
+      adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_.addr, err.what())});
     }
   }
 }
 
 void Job::settle_end_with_store() {
-  if (plan_.elastic) {
-    settle_elastic_end();
+  if (elastic_) {
+    elastic_->settle_end(*end_, control_.head_lost(), [this] { return pending_interrupt(); });
     return;
   }
   // Per-node mode: node 0 keeps the store up until every node has seen the outcome.
-  if (distributed_ && plan_.mode == Mode::kPerNode && !head_lost_ && end_->kind != "lost") {
+  if (distributed_ && plan_.mode == Mode::kPerNode && !control_.head_lost() && end_->kind != "lost") {
     try {
-      attempt_store_->add("exited", 1);
+      store_.attempt->add("exited", 1);
       // Only the nodes that joined will report (one that never came, or a lost store, will not): the
       // store's host waits for those, in short slices, so that a second Ctrl-C ends the wait at once.
       // (An uncounted Ray job's nodes count themselves in "joined" as they come.)
       if (plan_.host_store && end_->kind != "lost" && end_->kind != "join") {
         int64_t joined = 0;
-        if (plan_.ray.open_membership) joined = attempt_store_->add("joined", 0);
+        if (plan_.ray.open_membership) joined = store_.attempt->add("joined", 0);
         else
-          for (int r = 0; r < plan_.nnodes; ++r) joined += attempt_store_->check({node_key(r)}) ? 1 : 0;
+          for (int r = 0; r < plan_.nnodes; ++r) joined += store_.attempt->check({node_key(r)}) ? 1 : 0;
         const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                  std::chrono::duration<double>(plan_.kill_grace_s + 10));
-        while (attempt_store_->add("exited", 0) < joined) {
+        while (store_.attempt->add("exited", 0) < joined) {
           if (Clock::now() >= deadline)
-            throw TimeoutError(fmt::format("{} of the {} nodes that joined reported", attempt_store_->add("exited", 0), joined));
+            throw TimeoutError(fmt::format("{} of the {} nodes that joined reported", store_.attempt->add("exited", 0), joined));
           if (pending_interrupt()) throw Interrupted(SIGINT, "interrupted again");
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
@@ -428,11 +439,11 @@ void Job::settle_end_with_store() {
   }
   // Another node may have replaced a reported consequence with its root cause after this node
   // adopted the end (upgrade_end): the summary and exit code follow the store's last word.
-  if (distributed_ && !head_lost_ && is_consequence(*end_)) {
+  if (distributed_ && !control_.head_lost() && is_consequence(*end_)) {
     try {
       std::vector<std::string> key{"end"};
-      if (attempt_store_->check(key)) {
-        EndInfo last = end_from_string(attempt_store_->get("end"));
+      if (store_.attempt->check(key)) {
+        EndInfo last = end_from_string(store_.attempt->get("end"));
         if (is_root_cause_of(last, *end_)) end_ = last;
       }
     } catch (const Error& err) {

@@ -2,6 +2,10 @@
 // on every other host with the plan on its stdin, which then stays the control channel (signals
 // forwarded as "sig N" lines; EOF means the head is gone); an agent that ends before the job is a
 // failure of its host.
+//
+// Two objects (job_internal.h), one per side of the channel: Agents, the head's children, and
+// ControlChannel, an agent's stdin. Neither needs more of the job than its end and the loop's attention
+// for its descriptors (Supervisor), so their processes, pipes and buffers are theirs alone.
 #include <poll.h>
 
 #include <errno.h>
@@ -25,7 +29,7 @@
 
 namespace cohort::launch::job_detail {
 
-void Job::start_agents() {
+void Agents::start(const std::string& token, int torch_port, const std::string& self_exe) {
   // Fan-out: every host but this one runs `cohort agent` through the ssh command; the plan (with the
   // token, never on a command line) goes over the agent's stdin, which then stays open as the
   // control channel: "sig N" lines forward signals, EOF means the head is gone.
@@ -34,15 +38,15 @@ void Job::start_agents() {
   if (!srun && ssh.empty()) throw ConfigError("--ssh-command is empty");
   for (const auto& node : plan_.nodes) {
     if (node.local) continue;
-    AgentChild a;
+    Child a;
     a.node = node;
     Plan remote = plan_;
     remote.this_node = node.node_rank;
     remote.host_store = false;
     for (auto& n : remote.nodes) n.local = n.node_rank == node.node_rank;
     nlohmann::json msg = {{"plan", nlohmann::json::parse(plan_to_json(remote))},
-                          {"token", ctx_.token},
-                          {"torch_port", torch_port_}};
+                          {"token", token},
+                          {"torch_port", torch_port}};
     std::string line = msg.dump() + "\n";
     std::vector<std::string> argv;
     if (srun) {
@@ -56,7 +60,7 @@ void Job::start_agents() {
       argv = ssh;
       argv.push_back(node.host);
     }
-    argv.push_back(ctx_.self_exe);
+    argv.push_back(self_exe);
     argv.push_back("agent");
     std::vector<char*> args;
     for (auto& s : argv) args.push_back(s.data());
@@ -73,7 +77,7 @@ void Job::start_agents() {
       if (pid < 0) throw Error(net::errno_string("fork", errno));
     } catch (const Error& e) {
       // The agents started so far go too (their hosts' workers stop when the connection closes).
-      stop_agents_now();
+      stop_now();
       throw Error(fmt::format("cannot start the agent for host {} (node {}): {}", node.host, node.node_rank, e.what()));
     }
     const int in_r = in.read_end.get(), out_w = out.write_end.get(), err_w = err.write_end.get();
@@ -108,13 +112,13 @@ void Job::start_agents() {
     OutputTargets t;
     t.line_mode = true;
     a.sink = std::make_unique<OutputSink>(std::move(t), 5);
-    epoll_add(a.out.get());
-    epoll_add(a.err.get());
+    supervisor_.watch(a.out.get());
+    supervisor_.watch(a.err.get());
     agents_.push_back(std::move(a));
   }
 }
 
-void Job::stop_agents_now() {
+void Agents::stop_now() {
   for (auto& a : agents_) {
     if (!a.running) continue;
     a.in.reset();  // EOF: the agent stops its workers
@@ -128,58 +132,109 @@ void Job::stop_agents_now() {
   agents_.clear();
 }
 
-int Job::running_agents() const {
+int Agents::running() const {
   int n = 0;
   for (const auto& a : agents_) n += a.running;
   return n;
 }
 
-void Job::on_agent_exit(AgentChild& a, int status) {
-  a.running = false;
-  a.status = status;
-  if (a.err) drain(a.err.get(), *a.sink, true, a.err);
-  if (a.out) drain(a.out.get(), *a.sink, false, a.out);
-  if (!end_) {
-    std::string s = fmt::format("the agent for host {} (node {}, ranks {}) {} before the job ended", a.node.host,
-                                a.node.node_rank, a.node.ranks_text(), describe_status(status));
-    auto tail = a.sink->stderr_tail();
-    if (!tail.empty()) s += "; its last stderr lines:";
-    for (const auto& l : tail) s += "\n    | " + l;
-    int code = exit_code_of(status);
-    publish_end(EndInfo{"agent", code == 0 ? 1 : code, s});
-  }
+bool Agents::is_child(pid_t pid) const {
+  for (const auto& a : agents_)
+    if (a.running && a.pid == pid) return true;
+  return false;
 }
 
-void Job::on_control_input() {
+void Agents::forward(int sig) {
+  const std::string line = fmt::format("sig {}\n", sig);
+  for (auto& a : agents_)
+    if (a.running && a.in) io::write_all(a.in.get(), line.data(), line.size());  // an agent gone: its exit says so
+}
+
+void Agents::kill_all(int sig) {
+  for (auto& a : agents_)
+    if (a.running) kill(-a.pid, sig);
+}
+
+void Agents::close_channels() {
+  for (auto& a : agents_) a.in.reset();
+}
+
+bool Agents::on_readable(int fd) {
+  for (auto& a : agents_) {
+    if (a.out && fd == a.out.get()) {
+      drain_output(fd, *a.sink, false, a.out, supervisor_);
+      return true;
+    }
+    if (a.err && fd == a.err.get()) {
+      drain_output(fd, *a.sink, true, a.err, supervisor_);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Agents::on_exit(pid_t pid, int status) {
+  for (auto& a : agents_)
+    if (a.running && a.pid == pid) {
+      a.running = false;
+      a.status = status;
+      if (a.err) drain_output(a.err.get(), *a.sink, true, a.err, supervisor_);
+      if (a.out) drain_output(a.out.get(), *a.sink, false, a.out, supervisor_);
+      if (!supervisor_.ended()) {
+        std::string s = fmt::format("the agent for host {} (node {}, ranks {}) {} before the job ended", a.node.host,
+                                    a.node.node_rank, a.node.ranks_text(), describe_status(status));
+        auto tail = a.sink->stderr_tail();
+        if (!tail.empty()) s += "; its last stderr lines:";
+        for (const auto& l : tail) s += "\n    | " + l;
+        int code = exit_code_of(status);
+        supervisor_.publish_end(EndInfo{"agent", code == 0 ? 1 : code, s});
+      }
+      return true;
+    }
+  return false;
+}
+
+void ControlChannel::open(int this_node) {
+  this_node_ = this_node;
+  net::set_nonblocking(0, true);
+  supervisor_.watch(0);
+  open_ = true;
+}
+
+bool ControlChannel::on_readable(int fd) {
+  if (fd != 0 || !open_) return false;
   char buf[4096];
   for (;;) {
     ssize_t n = ::read(0, buf, sizeof buf);
     if (n > 0) {
-      control_buf_.append(buf, static_cast<size_t>(n));
+      buf_.append(buf, static_cast<size_t>(n));
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EAGAIN) break;
     // EOF: the head launcher (or the ssh connection to it) is gone. Stop everything here.
-    epoll_del(0);
-    control_open_ = false;
+    supervisor_.unwatch(0);
+    open_ = false;
     head_lost_ = true;
-    if (!end_) adopt_end(EndInfo{"lost", 1, fmt::format("node {}: lost the connection to the head launcher; stopping "
-                                                        "this node's workers",
-                                                        plan_.this_node)});
-    begin_stop();
+    if (!supervisor_.ended())
+      supervisor_.adopt_end(EndInfo{"lost", 1,
+                                    fmt::format("node {}: lost the connection to the head launcher; stopping this "
+                                                "node's workers",
+                                                this_node_)});
+    stop_workers_();
     break;
   }
   size_t nl;
-  while ((nl = control_buf_.find('\n')) != std::string::npos) {
-    std::string line = control_buf_.substr(0, nl);
-    control_buf_.erase(0, nl + 1);
+  while ((nl = buf_.find('\n')) != std::string::npos) {
+    std::string line = buf_.substr(0, nl);
+    buf_.erase(0, nl + 1);
     if (line.rfind("sig ", 0) == 0) {
       int sig = std::atoi(line.c_str() + 4);
       for (int s : kForwarded)
-        if (s == sig) on_signal(sig);
+        if (s == sig) on_signal_(sig);
     }
   }
+  return true;
 }
 
 }  // namespace cohort::launch::job_detail

@@ -16,6 +16,10 @@
 namespace cohort::launch::job_detail {
 
 void Job::drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder) {
+  drain_output(fd, sink, is_stderr, holder, supervisor());
+}
+
+void drain_output(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder, Supervisor& loop) {
   char buf[65536];
   for (;;) {
     ssize_t n = ::read(fd, buf, sizeof buf);
@@ -27,7 +31,7 @@ void Job::drain(int fd, OutputSink& sink, bool is_stderr, UniqueFd& holder) {
     if (n < 0 && errno == EAGAIN) return;
     // EOF or error: this stream is finished.
     sink.on_eof(is_stderr);
-    epoll_del(fd);
+    loop.unwatch(fd);
     holder.reset();
     return;
   }

@@ -20,6 +20,11 @@
 // What is retried on a timer, and why: a GCS that starts up tells so only by answering, and Ray says who
 // has joined only through `ray status`. The GCS is probed every 0.1 s; `ray status` runs again 0.1 s after
 // the last one ended, doubling to 1 s, and one that runs longer than 10 s is stopped.
+//
+// Why an object of its own (RayCluster, job_internal.h): its phases, timer, probe and addresses are Ray's
+// alone. What it needs of the supervisor is narrow (the attempt's end, the loop's attention for its two
+// descriptors, starting process 0 or 1), so the supervisor holds one and hands it its events, its
+// descriptors and its child's exit; everything else of Job stays out of reach.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/epoll.h>
@@ -96,17 +101,54 @@ void ray_head_watcher_main(std::shared_ptr<Store> store, std::shared_ptr<EventQu
   }
 }
 
-void Job::arm_ray_timer(double seconds) {
+void RayCluster::arm_timer(double seconds) {
   itimerspec its{};
   const auto ns = static_cast<long long>(std::max(seconds, 1e-6) * 1e9);
   its.it_value.tv_sec = ns / 1000000000;
   its.it_value.tv_nsec = ns % 1000000000;
-  timerfd_settime(ray_timer_fd_.get(), 0, &its, nullptr);
+  timerfd_settime(timer_fd_.get(), 0, &its, nullptr);
 }
 
-void Job::fail_ray(const std::string& kind, const std::string& why) { publish_end(EndInfo{kind, 1, why}); }
+void RayCluster::open() {
+  // Its own timer: its probes must not disturb the meaning of the supervisor's kill-grace timer.
+  timer_fd_.reset(timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+  if (!timer_fd_) throw Error(net::errno_string("timerfd_create", errno));
+  supervisor_.watch(timer_fd_.get());
+}
 
-std::string Job::ray_head_ip() {
+void RayCluster::fail(const std::string& kind, const std::string& why) {
+  supervisor_.publish_end(EndInfo{kind, 1, why});
+}
+
+void RayCluster::lost_store(const Error& e) {
+  supervisor_.adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, e.what())});
+}
+
+std::vector<std::string> RayCluster::node_argv() const {
+  return ray_node_argv(plan_, plan_.this_node, node_ip_, gcs_, ports_);
+}
+
+bool RayCluster::on_readable(int fd) {
+  if (timer_fd_ && fd == timer_fd_.get()) {
+    uint64_t ticks;
+    [[maybe_unused]] auto r = ::read(fd, &ticks, sizeof ticks);
+    on_timer();
+    return true;
+  }
+  if (status_out_ && fd == status_out_.get()) {
+    drain_status();
+    return true;
+  }
+  return false;
+}
+
+bool RayCluster::on_exit(pid_t pid, int status) {
+  if (pid != status_pid_) return false;
+  on_status_exit(status);
+  return true;
+}
+
+std::string RayCluster::head_ip() {
   // HEAD_ADDR when the platform named the head; else the name the job knows node 0 by: its -H/--hostfile
   // entry, or in a per-node job the store's address (node 0 hosts the store).
   std::string name, what;
@@ -135,115 +177,116 @@ std::string Job::ray_head_ip() {
   return ip;
 }
 
-void Job::start_ray(int attempt) {
-  ray_attempt_ = attempt;
-  ray_since_ = Clock::now();
-  ray_deadline_ = ray_since_ + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(plan_.join_timeout_s));
-  ray_next_note_ = ray_since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kRayNoteEveryS));
-  ray_retry_s_ = 0.1;
-  ray_last_status_.clear();
+void RayCluster::start(int attempt, std::shared_ptr<Store> attempt_store, const StoreClientOptions& client,
+                       const std::string& store_addr, std::shared_ptr<EventQueue> events,
+                       std::shared_ptr<std::atomic<bool>> stop) {
+  attempt_store_ = std::move(attempt_store);
+  store_addr_ = store_addr;
+  attempt_ = attempt;
+  since_ = Clock::now();
+  deadline_ =
+      since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(plan_.join_timeout_s));
+  next_note_ = since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kRayNoteEveryS));
+  retry_s_ = 0.1;
+  last_status_.clear();
   const NodePlan& node = *plan_.node(plan_.this_node);
   if (plan_.this_node != 0) {
     // A connection of the thread's own (store clients are not shared between threads).
-    ray_phase_ = RayPhase::kWaitingForHead;
+    phase_ = Phase::kWaitingForHead;
     try {
-      auto store = make_prefix_store(connect_tcp_store(client_options_),
+      auto store = make_prefix_store(connect_tcp_store(client),
                                      fmt::format("cohort/launch/{}/attempt/{}", plan_.job_id, attempt));
-      std::thread(ray_head_watcher_main, store, events_, watcher_stop_, plan_.this_node, plan_.join_timeout_s,
-                  attempt)
-          .detach();
+      std::thread(ray_head_watcher_main, store, events, stop, plan_.this_node, plan_.join_timeout_s, attempt).detach();
     } catch (const Error& e) {
-      adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, e.what())});
+      lost_store(e);
     }
     return;
   }
   int port = plan_.ray.head_port;
   try {
-    ray_node_ip_ = ray_head_ip();
+    node_ip_ = head_ip();
     if (port > 0 && !port_free_here(port))
       throw ConfigError(fmt::format("the Ray head's GCS port {} ({}) is in use on {}: another Ray head (or another "
                                     "program) listens there; choose another port, or leave --ray-port and HEAD_PORT "
                                     "unset to let cohort pick a free one",
                                     port, plan_.ray.head_port_source, node.host));
     if (port == 0) port = pick_free_port("");
-    ray_ports_ = pick_ray_ports(plan_.ray.first_port, plan_.ray.last_port, plan_.job_id, port, node.host,
-                                &port_free_here);
+    ports_ =
+        pick_ray_ports(plan_.ray.first_port, plan_.ray.last_port, plan_.job_id, port, node.host, &port_free_here);
   } catch (const Error& e) {
-    fail_ray("failure", fmt::format("node 0 ({}): {}", node.host, e.what()));
+    fail("failure", fmt::format("node 0 ({}): {}", node.host, e.what()));
     return;
   }
-  ray_gcs_ = ray_address(ray_node_ip_, port);
+  gcs_ = ray_address(node_ip_, port);
   try {
-    if (distributed_) attempt_store_->set("ray/node/0", ray_node_ip_);
+    if (distributed_) attempt_store_->set("ray/node/0", node_ip_);
   } catch (const Error& e) {
-    adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, e.what())});
+    lost_store(e);
     return;
   }
-  spawn_worker(workers_[0], node, attempt, {}, {});
-  ray_phase_ = RayPhase::kHeadStarting;
-  arm_ray_timer(0.05);
+  start_process_(0, attempt);
+  phase_ = Phase::kHeadStarting;
+  arm_timer(0.05);
 }
 
-void Job::on_ray_head(const std::string& gcs) {
-  if (end_ || ray_phase_ != RayPhase::kWaitingForHead) return;
+void RayCluster::on_head(const std::string& gcs) {
+  if (supervisor_.ended() || phase_ != Phase::kWaitingForHead) return;
   const NodePlan& node = *plan_.node(plan_.this_node);
   try {
-    ray_gcs_ = gcs;
+    gcs_ = gcs;
     // The interface this node reaches the head by: the address the head sees it from (Ray's own default
     // on a head looks for a route to 8.8.8.8, which a cluster's private network may not have).
-    ray_node_ip_ = net::route_address_to(net::split_host_port(gcs).first);
-    ray_ports_ = pick_ray_ports(plan_.ray.first_port, plan_.ray.last_port, plan_.job_id, 0, node.host,
-                                &port_free_here);
-    attempt_store_->set(fmt::format("ray/node/{}", plan_.this_node), ray_node_ip_);
+    node_ip_ = net::route_address_to(net::split_host_port(gcs).first);
+    ports_ = pick_ray_ports(plan_.ray.first_port, plan_.ray.last_port, plan_.job_id, 0, node.host, &port_free_here);
+    attempt_store_->set(fmt::format("ray/node/{}", plan_.this_node), node_ip_);
   } catch (const Error& e) {
-    fail_ray("failure", fmt::format("node {} ({}): cannot join the Ray head at {}: {}", plan_.this_node, node.host,
-                                    gcs, e.what()));
+    fail("failure", fmt::format("node {} ({}): cannot join the Ray head at {}: {}", plan_.this_node, node.host, gcs,
+                                e.what()));
     return;
   }
-  spawn_worker(workers_[0], node, ray_attempt_, {}, {});
-  ray_phase_ = RayPhase::kNodeRunning;
+  start_process_(0, attempt_);
+  phase_ = Phase::kNodeRunning;
 }
 
-void Job::on_ray_timer() {
-  if (end_ || stopping_) return;
-  if (ray_phase_ == RayPhase::kHeadStarting) {
+void RayCluster::on_timer() {
+  if (supervisor_.ended() || supervisor_.stopping()) return;
+  if (phase_ == Phase::kHeadStarting) {
     try {
-      auto [host, port] = net::split_host_port(ray_gcs_);
+      auto [host, port] = net::split_host_port(gcs_);
       net::connect_tcp(net::resolve(host, port), Deadline::after(Millis(300)));
     } catch (const Error&) {
-      if (Clock::now() < ray_deadline_) {
-        arm_ray_timer(0.1);
+      if (Clock::now() < deadline_) {
+        arm_timer(0.1);
         return;
       }
-      fail_ray("join", fmt::format("the Ray head (node 0, {}) did not answer at {} within {} (--join-timeout): its "
-                                   "`ray start --head` runs, but nothing listens on the GCS port",
-                                   plan_.node(0)->host, ray_gcs_, seconds_text(plan_.join_timeout_s)));
+      fail("join", fmt::format("the Ray head (node 0, {}) did not answer at {} within {} (--join-timeout): its "
+                               "`ray start --head` runs, but nothing listens on the GCS port",
+                               plan_.node(0)->host, gcs_, seconds_text(plan_.join_timeout_s)));
       return;
     }
     // The GCS answers: the other nodes may join it now.
     try {
-      if (distributed_) attempt_store_->set("ray/gcs", ray_gcs_);
+      if (distributed_) attempt_store_->set("ray/gcs", gcs_);
     } catch (const Error& e) {
-      adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, e.what())});
+      lost_store(e);
       return;
     }
-    ray_phase_ = RayPhase::kWaitingForNodes;
-    start_ray_status();
+    phase_ = Phase::kWaitingForNodes;
+    start_status();
     return;
   }
-  if (ray_phase_ != RayPhase::kWaitingForNodes) return;
-  if (ray_status_pid_ > 0) {
+  if (phase_ != Phase::kWaitingForNodes) return;
+  if (status_pid_ > 0) {
     // The probe overran its time: its end (reap) decides what comes next.
-    ray_last_status_ = fmt::format("`ray status` did not answer within {}", seconds_text(kRayStatusLimitS));
-    kill(-ray_status_pid_, SIGKILL);
+    last_status_ = fmt::format("`ray status` did not answer within {}", seconds_text(kRayStatusLimitS));
+    kill(-status_pid_, SIGKILL);
     return;
   }
-  start_ray_status();
+  start_status();
 }
 
-void Job::start_ray_status() {
-  std::vector<std::string> argv = ray_status_argv(plan_.ray.command_path, ray_gcs_);
+void RayCluster::start_status() {
+  std::vector<std::string> argv = ray_status_argv(plan_.ray.command_path, gcs_);
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
   args.push_back(nullptr);
@@ -272,98 +315,98 @@ void Job::start_ray_status() {
   }
   setpgid(pid, pid);
   close(out[1]);
-  ray_status_pid_ = pid;
-  ray_status_out_.reset(out[0]);
-  ray_status_text_.clear();
-  net::set_nonblocking(ray_status_out_.get(), true);
-  epoll_add(ray_status_out_.get());
-  arm_ray_timer(kRayStatusLimitS);
+  status_pid_ = pid;
+  status_out_.reset(out[0]);
+  status_text_.clear();
+  net::set_nonblocking(status_out_.get(), true);
+  supervisor_.watch(status_out_.get());
+  arm_timer(kRayStatusLimitS);
 }
 
-void Job::drain_ray_status() {
+void RayCluster::drain_status() {
   char buf[16384];
   for (;;) {
-    ssize_t n = ::read(ray_status_out_.get(), buf, sizeof buf);
+    ssize_t n = ::read(status_out_.get(), buf, sizeof buf);
     if (n > 0) {
-      if (ray_status_text_.size() < kRayStatusMaxBytes) ray_status_text_.append(buf, static_cast<size_t>(n));
+      if (status_text_.size() < kRayStatusMaxBytes) status_text_.append(buf, static_cast<size_t>(n));
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EAGAIN) return;
-    epoll_del(ray_status_out_.get());
-    ray_status_out_.reset();
+    supervisor_.unwatch(status_out_.get());
+    status_out_.reset();
     return;
   }
 }
 
-void Job::on_ray_status_exit(int status) {
+void RayCluster::on_status_exit(int status) {
   // What it wrote before it ended is in the pipe: read it all (a process it left behind holding the pipe
   // could keep it from its end, so the read stays non-blocking).
-  if (ray_status_out_) drain_ray_status();
-  ray_status_pid_ = -1;
-  if (end_ || stopping_ || ray_phase_ != RayPhase::kWaitingForNodes) return;
-  const RayStatus seen = parse_ray_status(ray_status_text_);
+  if (status_out_) drain_status();
+  status_pid_ = -1;
+  if (supervisor_.ended() || supervisor_.stopping() || phase_ != Phase::kWaitingForNodes) return;
+  const RayStatus seen = parse_ray_status(status_text_);
   std::vector<int> missing;
   for (int r = 0; r < plan_.nnodes; ++r)
     if (!seen.ranks.count(r)) missing.push_back(r);
   const bool answered = WIFEXITED(status) && WEXITSTATUS(status) == 0 && seen.understood;
   if (answered && missing.empty()) {
-    start_ray_driver();
+    start_driver();
     return;
   }
   if (!answered && !(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)) {
     // Its last line says why (Ray ends a failure with the exception's line).
     std::string last;
-    for (const auto& line : str::split(ray_status_text_, '\n'))
+    for (const auto& line : str::split(status_text_, '\n'))
       if (!str::trim(line).empty()) last = std::string(str::trim(line));
-    ray_last_status_ = fmt::format("`ray status --address {}` {}{}", ray_gcs_, describe_status(status),
+    last_status_ = fmt::format("`ray status --address {}` {}{}", gcs_, describe_status(status),
                                    last.empty() ? "" : ": " + last);
   }
   const auto now = Clock::now();
-  const double waited = std::chrono::duration<double>(now - ray_since_).count();
-  if (now >= ray_deadline_) {
+  const double waited = std::chrono::duration<double>(now - since_).count();
+  if (now >= deadline_) {
     std::vector<int> present(seen.ranks.begin(), seen.ranks.end());
     if (answered)
-      fail_ray("join", fmt::format("Ray node{} {} did not join the Ray cluster at {} within {} (--join-timeout); "
-                                   "`ray status` lists {}",
-                                   missing.size() == 1 ? "" : "s", ray_node_names(missing), ray_gcs_,
-                                   seconds_text(plan_.join_timeout_s),
-                                   present.empty() ? "no node's Rank:<n>"
-                                                   : "the Rank:<n> of node" + std::string(present.size() == 1 ? " " : "s ") +
-                                                         str::format_ranges(present) + " only"));
+      fail("join", fmt::format("Ray node{} {} did not join the Ray cluster at {} within {} (--join-timeout); "
+                               "`ray status` lists {}",
+                               missing.size() == 1 ? "" : "s", node_names(missing), gcs_,
+                               seconds_text(plan_.join_timeout_s),
+                               present.empty() ? "no node's Rank:<n>"
+                                               : "the Rank:<n> of node" + std::string(present.size() == 1 ? " " : "s ") +
+                                                     str::format_ranges(present) + " only"));
     else
-      fail_ray("join", fmt::format("the Ray cluster at {} did not tell who has joined within {} (--join-timeout): {}",
-                                   ray_gcs_, seconds_text(plan_.join_timeout_s), ray_last_status_));
+      fail("join", fmt::format("the Ray cluster at {} did not tell who has joined within {} (--join-timeout): {}",
+                               gcs_, seconds_text(plan_.join_timeout_s), last_status_));
     return;
   }
-  if (now >= ray_next_note_) {
+  if (now >= next_note_) {
     say(fmt::format("waiting for Ray node{} {} to join the Ray cluster at {} ({:.0f} s of {}){}",
-                    missing.size() == 1 ? "" : "s", ray_node_names(missing), ray_gcs_, waited,
-                    seconds_text(plan_.join_timeout_s), answered ? "" : "; " + ray_last_status_));
-    ray_next_note_ = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kRayNoteEveryS));
+                    missing.size() == 1 ? "" : "s", node_names(missing), gcs_, waited,
+                    seconds_text(plan_.join_timeout_s), answered ? "" : "; " + last_status_));
+    next_note_ = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kRayNoteEveryS));
   }
-  arm_ray_timer(ray_retry_s_);
-  ray_retry_s_ = std::min(1.0, ray_retry_s_ * 2);
+  arm_timer(retry_s_);
+  retry_s_ = std::min(1.0, retry_s_ * 2);
 }
 
-void Job::stop_ray_status() {
-  if (ray_status_pid_ > 0) {
-    kill(-ray_status_pid_, SIGKILL);
+void RayCluster::stop() {
+  if (status_pid_ > 0) {
+    kill(-status_pid_, SIGKILL);
     int status = 0;
-    while (waitpid(ray_status_pid_, &status, 0) < 0 && errno == EINTR) {
+    while (waitpid(status_pid_, &status, 0) < 0 && errno == EINTR) {
     }
-    ray_status_pid_ = -1;
+    status_pid_ = -1;
   }
-  if (ray_status_out_) {
-    epoll_del(ray_status_out_.get());
-    ray_status_out_.reset();
+  if (status_out_) {
+    supervisor_.unwatch(status_out_.get());
+    status_out_.reset();
   }
   itimerspec zero{};
-  if (ray_timer_fd_) timerfd_settime(ray_timer_fd_.get(), 0, &zero, nullptr);
-  ray_phase_ = RayPhase::kOff;
+  if (timer_fd_) timerfd_settime(timer_fd_.get(), 0, &zero, nullptr);
+  phase_ = Phase::kOff;
 }
 
-std::string Job::ray_node_names(const std::vector<int>& ranks) {
+std::string RayCluster::node_names(const std::vector<int>& ranks) {
   // Each node's host name (its agent's, from the store) and the address its Ray started on ("ray/node/<r>",
   // absent when it never started its Ray).
   std::vector<std::string> names;
@@ -384,18 +427,18 @@ std::string Job::ray_node_names(const std::vector<int>& ranks) {
   return str::join(names, ", ");
 }
 
-void Job::start_ray_driver() {
-  ray_phase_ = RayPhase::kDriverRunning;
+void RayCluster::start_driver() {
+  phase_ = Phase::kDriverRunning;
   if (plan_.ray.open_membership)
     say(fmt::format("the Ray head at {} is up ({:.1f} s); starting the driver on {} (the job does not say how many "
                     "nodes it has: the others join the head as they start, and Ray holds a task for Rank:<n> until "
                     "node n has joined)",
-                    ray_gcs_, std::chrono::duration<double>(Clock::now() - ray_since_).count(), plan_.node(0)->host));
+                    gcs_, std::chrono::duration<double>(Clock::now() - since_).count(), plan_.node(0)->host));
   else
-    say(fmt::format("the Ray cluster at {} has its {} node{} ({:.1f} s); starting the driver on {}", ray_gcs_,
+    say(fmt::format("the Ray cluster at {} has its {} node{} ({:.1f} s); starting the driver on {}", gcs_,
                     plan_.nnodes, plan_.nnodes == 1 ? "" : "s",
-                    std::chrono::duration<double>(Clock::now() - ray_since_).count(), plan_.node(0)->host));
-  spawn_worker(workers_[1], *plan_.node(0), ray_attempt_, {}, {});
+                    std::chrono::duration<double>(Clock::now() - since_).count(), plan_.node(0)->host));
+  start_process_(1, attempt_);
 }
 
 }  // namespace cohort::launch::job_detail

@@ -75,7 +75,7 @@ void Job::start_inspector(int attempt) {
     // the end of an attempt joins the thread, which must not sit in a call to a store cut off from
     // this node.
     try {
-      StoreClientOptions co = client_options_;
+      StoreClientOptions co = store_.client_options;
       co.timeout = kInspectorStoreTimeout;
       auto base = make_prefix_store(connect_tcp_store(co), "cohort/launch/" + plan_.job_id);
       sharing = {make_prefix_store(base, fmt::format("attempt/{}", attempt)), plan_.this_node, plan_.nnodes,
@@ -116,12 +116,13 @@ std::vector<trace::RankSnapshot> Job::final_snapshots() const {
 void Job::publish_final_trace() {
   // Several nodes: the head's diagnosis needs this node's rings. Published before this node counts
   // itself exited, so the head (which waits for that) finds it.
-  if (plan_.flight_recorder <= 0 || !distributed_ || plan_.nnodes <= 1 || !attempt_store_ || head_lost_) return;
+  if (plan_.flight_recorder <= 0 || !distributed_ || plan_.nnodes <= 1 || !store_.attempt || control_.head_lost())
+    return;
   if (end_ && (end_->kind == "lost" || end_->kind == "store")) return;  // the store is unreachable: a publish would only wait out its deadline
   auto snaps = final_snapshots();
   if (snaps.empty()) return;
   try {
-    attempt_store_->set(node_final_trace_key(plan_.this_node), publish_snapshots(snaps, 64));
+    store_.attempt->set(node_final_trace_key(plan_.this_node), publish_snapshots(snaps, 64));
   } catch (const std::exception& e) {
     log::warn("flight recorder: could not publish this node's rings to the store: {}", e.what());
   }
@@ -132,7 +133,7 @@ void Job::record_failure(int attempt) {
   if (plan_.flight_recorder <= 0) return;
   auto snaps = final_snapshots();
   bool whole_job = !distributed_ || plan_.nnodes <= 1;
-  if (!whole_job && plan_.host_store && attempt_store_) {
+  if (!whole_job && plan_.host_store && store_.attempt) {
     // The head gathers the other nodes' rings (published as they stopped; a node that never joined
     // or lost the store has none).
     // One deadline for the whole gather, not one per node: nodes that never publish must not add up.
@@ -142,20 +143,20 @@ void Job::record_failure(int attempt) {
     for (const auto& node : plan_.nodes) {
       if (node.node_rank == plan_.this_node) continue;
       // An elastic job's gone member never publishes: waiting for it would delay the next generation.
-      if (membership_ && member_gone(membership_->nodes[static_cast<size_t>(node.node_rank)])) {
+      if (elastic_ && elastic_->node_gone(node.node_rank)) {
         diagnosis_.push_back(fmt::format("node {} ({}) is gone: no flight recorder from it", node.node_rank, node.host));
         continue;
       }
       try {
         // A node that never joined this attempt has no rings to publish: waiting for them would hold
         // an interrupted or failed job's end for the whole gather.
-        if (!plan_.elastic && !attempt_store_->check({node_key(node.node_rank)})) {
+        if (!plan_.elastic && !store_.attempt->check({node_key(node.node_rank)})) {
           diagnosis_.push_back(fmt::format("node {} never joined: no flight recorder from it", node.node_rank));
           continue;
         }
         auto key = node_final_trace_key(node.node_rank);
-        attempt_store_->wait({key}, std::max(gather.remaining(), Millis(1)));
-        for (auto& s : adopt_snapshots(attempt_store_->get(key), now)) snaps.push_back(std::move(s));
+        store_.attempt->wait({key}, std::max(gather.remaining(), Millis(1)));
+        for (auto& s : adopt_snapshots(store_.attempt->get(key), now)) snaps.push_back(std::move(s));
         ++found;
       } catch (const std::exception&) {
         diagnosis_.push_back(fmt::format("node {} ({}) published no flight recorder", node.node_rank, node.host));

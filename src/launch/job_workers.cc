@@ -51,8 +51,8 @@ int log_file_streams(const Plan& plan, int process) {
 
 void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::vector<int>& cpus,
                        const GpuAssignment& gpu) {
-  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu, ray_gcs_};
-  auto vars = worker_env(plan_, slot, store_addr_, torch_port_, ctx_.token, attempt, ctx_.env);
+  WorkerSlot slot{w.rank, w.local_rank, node.nproc, node.node_rank, gpu, ray_ ? ray_->gcs() : std::string()};
+  auto vars = worker_env(plan_, slot, store_.addr, store_.torch_port, ctx_.token, attempt, ctx_.env);
   const ProcessRole role = plan_.role_of(w.rank);
   if (!role.server) prepare_trace(w, node, vars);  // a server runs no collectives to record
   int ring_fd = w.ring.valid() ? w.ring.fd() : -1;
@@ -198,7 +198,7 @@ std::pair<std::string, std::vector<std::string>> Job::process_command(const Work
     return {self, {"cohort", "ps", "serve"}};
   }
   if (plan_.ray.enabled && !plan_.is_ray_driver(w.rank))
-    return {plan_.ray.command_path, ray_node_argv(plan_, plan_.this_node, ray_node_ip_, ray_gcs_, ray_ports_)};
+    return {plan_.ray.command_path, ray_->node_argv()};
   return {plan_.program_path, worker_argv(plan_, w.rank)};
 }
 
@@ -225,7 +225,7 @@ void Job::spawn_workers(int attempt) {
     if (ec) throw ConfigError(fmt::format("--log-dir: cannot create {}: {}", dir, ec.message()));
   }
   stop_inspector();
-  exits_.open(attempt, distributed_, base_client_, server_.get(), ctx_.token, store_addr_);
+  exits_.open(attempt, distributed_, store_.base_client, store_.server.get(), ctx_.token, store_.addr);
   workers_.clear();
   workers_.resize(static_cast<size_t>(node->nproc));
   oom_at_start_ = read_oom_counter();  // a SIGKILLed worker is blamed on memory only if this count grows
@@ -235,7 +235,7 @@ void Job::spawn_workers(int attempt) {
   }
   if (plan_.ray.enabled) {
     // This node's Ray starts (the head at once, the others once it answers), the driver once all joined.
-    start_ray(attempt);
+    ray_->start(attempt, store_.attempt, store_.client_options, store_.addr, events_, watcher_stop_);
     return;
   }
   for (int l = 0; l < node->nproc; ++l) {
@@ -306,7 +306,7 @@ std::vector<Job::Adopted> Job::adopted_children() const {
     if (stat->ppid != self || state == 'Z') continue;  // a zombie is over: reap() collects it
     bool ours = false;
     for (const auto& w : workers_) ours = ours || (w.running && w.pid == pid);
-    for (const auto& a : agents_) ours = ours || (a.running && a.pid == pid);
+    ours = ours || agents_.is_child(pid);
     if (!ours) out.push_back({pid, stat->name, state == 'T' || state == 't'});
   }
   return out;
@@ -429,7 +429,7 @@ void Job::on_worker_exit(Worker& w, int status) {
   if (w.out) drain(w.out.get(), *w.sink, false, w.out);
   // First, before the job reacts: the ranks waiting for this one learn of its end from the store.
   // (Exits while the job stops are the stop's own doing.)
-  if (!stopping_ && !head_lost_) exits_.publish(w);
+  if (!stopping_ && !control_.head_lost()) exits_.publish(w);
   // In a Ray job only the driver ends by itself: a node's `ray start --block` that ends before the job does
   // has lost that node's Ray, whatever its exit code.
   const bool ray_node = plan_.ray.enabled && !plan_.is_ray_driver(w.rank);
@@ -454,7 +454,7 @@ void Job::on_worker_exit(Worker& w, int status) {
             claim_root_cause("first_failure", e);
           } catch (const Error& err) {
             // The store is unreachable: this node is cut off from the job and stops.
-            adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_addr_, err.what())});
+            adopt_end(EndInfo{"lost", 1, fmt::format("lost the job's store at {}: {}", store_.addr, err.what())});
           }
         }
       }
@@ -463,7 +463,7 @@ void Job::on_worker_exit(Worker& w, int status) {
   if (running_workers() == 0) {
     reporting_ = false;
     if (stopping_) {
-      if (running_agents() > 0 && plan_.host_store) arm_timer(plan_.kill_grace_s + 10);
+      if (agents_.running() > 0 && plan_.host_store) arm_timer(plan_.kill_grace_s + 10);
       else disarm_timer();
     }
     if (!done_reported_) {

@@ -607,6 +607,37 @@ TEST(Run, KilledHeadTakesRemoteAgentsAndWorkersWithIt) {
   expect_no_process_left(dir, 4);
 }
 
+// An agent cut off from the head's store (here: the head frozen with SIGSTOP, so its store stops
+// answering while the agents' control channels stay open) stops its workers on its own. It must say why
+// in one line, which the head quotes once it runs again: without it the head could only say that the
+// agent "exited with code 1". Neither host is this one: the head runs an agent for each.
+TEST(Run, AnAgentThatLosesTheHeadsStoreSaysSoInOneLine) {
+  TempDir dir;
+  std::string shim = write_shim(dir);
+  std::string d = dir.path();
+  // Every wait has a deadline (200 x 0.05 s): the frozen head is woken whatever happened.
+  std::string script = "'" + cohort_tool() + "' run -H hostA:1,hostB:1 --master-addr 127.0.0.1 --kill-grace 2 "
+                       "--ssh-command " + shim + " /bin/sh -c 'echo $$ > " + d + "/pid.$RANK; exec sleep 60' & "
+                       "head=$!; i=0; "
+                       "while [ $i -lt 200 ] && ! { [ -s " + d + "/pid.0 ] && [ -s " + d + "/pid.1 ]; }; do "
+                       "sleep 0.05; i=$((i+1)); done; kill -STOP $head; i=0; "
+                       // both agents stopped their workers: they gave up on the store
+                       "while [ $i -lt 200 ] && { kill -0 $(cat " + d + "/pid.0) || kill -0 $(cat " + d +
+                       "/pid.1); } 2>/dev/null; do sleep 0.05; i=$((i+1)); done; kill -CONT $head; wait $head";
+  auto r = run_process(sh(script), {}, 60);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_TRUE(std::regex_search(r.err, std::regex("the agent for host host[AB] \\(node [01], ranks [01]-[01]\\) "
+                                                  "exited with code 1 before the job ended; its last stderr lines:")))
+      << r.err;
+  // The agent's own line: which store, and how long it went without an answer.
+  EXPECT_TRUE(std::regex_search(r.err, std::regex("\\| cohort run: node [01] \\(" + net::hostname() +
+                                                  "\\): lost the job's store at 127\\.0\\.0\\.1:[0-9]+ \\(its host, "
+                                                  "the head launcher, is gone\\?\\): [0-9.]+ s without an answer")))
+      << r.err;
+  EXPECT_LT(r.seconds, 15.0) << r.err;
+  expect_no_process_left(dir, 2);
+}
+
 // A GPU job on a machine whose `nvidia-smi -L` is a fake on PATH (this machine has no GPU): the
 // plan takes one rank per GPU, each worker learns its device, and a rank too many is refused.
 TEST(Run, GpuJobWithFakeNvidiaSmi) {
