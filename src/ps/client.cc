@@ -3,8 +3,11 @@
 // the files client_impl.h lists; this file is where a reader starts.
 #include <fmt/core.h>
 
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "cohort/error.h"
 #include "common/env.h"
