@@ -44,8 +44,9 @@ if [[ ${CACHE_REUSE:-0} == 1 ]]; then cohort_flag="" mpi_flag=""; fi
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
 mpicc -O2 -o "$TMP/bench_mpi" bench/peers/bench_mpi.c -lm || exit 1
 
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh
 bytes_of() { numfmt --from=iec "$1"; }
-load() { cut -d' ' -f1-3 /proc/loadavg; }
 
 # One line per measurement: ROUND <round> <op> <bytes> <peer> <time us> <busbw GB/s>
 cohort_case() {  # round op size [staged|base]
@@ -68,20 +69,20 @@ mpi_case() {  # round op size
 }
 
 echo "# bench/coll_side_by_side.sh: $ROUNDS rounds, $N ranks, sizes $SIZES, ${cohort_flag:-one reused buffer}," \
-  "$(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null), load $(load)," \
+  "$(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null), load $(bench_load)," \
   "L3 $(lscpu | sed -n 's/^L3 cache: *//p'), $(nproc) CPUs"
-for ((r = 1; r <= ROUNDS; r++)); do
-  echo "# round $r start, load $(load)"
+one_round() {  # round: every case, each peer in turn
+  local size op
   for size in $SIZES; do
     for op in $OPS; do
-      cohort_case "$r" "$op" "$size"
-      [[ ${STAGED:-0} == 1 ]] && cohort_case "$r" "$op" "$size" staged
-      [[ -n ${BASE:-} ]] && cohort_case "$r" "$op" "$size" base
-      mpi_case "$r" "$op" "$size"
+      cohort_case "$1" "$op" "$size"
+      [[ ${STAGED:-0} == 1 ]] && cohort_case "$1" "$op" "$size" staged
+      [[ -n ${BASE:-} ]] && cohort_case "$1" "$op" "$size" base
+      mpi_case "$1" "$op" "$size"
     done
   done
-  echo "# round $r done, load $(load)"
-done | tee "$TMP/rounds"
+}
+interleaved_rounds "$ROUNDS" one_round --start-lines | tee "$TMP/rounds"
 
 python3 - "$TMP/rounds" <<'PY'
 import sys

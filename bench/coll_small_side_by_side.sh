@@ -38,7 +38,8 @@ COHORT=$TMP/cohort
 
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
 mpicc -O2 -o "$TMP/bench_mpi" bench/peers/bench_mpi.c -lm || exit 1
-load() { cut -d' ' -f1-3 /proc/loadavg; }
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh
 
 # One line per measurement: ROUND <round> <op> <bytes> <peer> <time us>
 cohort_case() {  # round op size inline(1/0)
@@ -56,18 +57,18 @@ mpi_case() {  # round op size
 }
 
 echo "# bench/coll_small_side_by_side.sh: $ROUNDS rounds, $N ranks, sizes $SIZES, $TRIALS trials of >= $MIN_TIME s," \
-  "$(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null), load $(load), $(nproc) CPUs"
-for ((r = 1; r <= ROUNDS; r++)); do
-  echo "# round $r start, load $(load)"
+  "$(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null), load $(bench_load), $(nproc) CPUs"
+one_round() {  # round: every case, each peer in turn
+  local size op
   for size in $SIZES; do
     for op in $OPS; do
-      cohort_case "$r" "$op" "$size" 1
-      [[ $SLOTS == 1 ]] && cohort_case "$r" "$op" "$size" 0
-      mpi_case "$r" "$op" "$size"
+      cohort_case "$1" "$op" "$size" 1
+      [[ $SLOTS == 1 ]] && cohort_case "$1" "$op" "$size" 0
+      mpi_case "$1" "$op" "$size"
     done
   done
-  echo "# round $r done, load $(load)"
-done | tee "$TMP/rounds"
+}
+interleaved_rounds "$ROUNDS" one_round --start-lines | tee "$TMP/rounds"
 
 python3 - "$TMP/rounds" <<'PY'
 import sys

@@ -34,6 +34,8 @@ MPI_TCP="--mca pml ob1 --mca btl tcp,self --mca btl_tcp_disable_family 6"
 export GLOO_SOCKET_IFNAME=lo
 mpicc -O2 -o "$TMP/bench_mpi" "$PEERS/bench_mpi.c" -lm
 cp "$PEERS/torchrun311.py" "$PEERS/bench_torch.py" "$TMP/"
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh
 
 # Each measurement prints one line "ROUND <round> <case> <peer> <busbw GB/s> <time us>".
 cohort_round() {  # round case transport bytes
@@ -64,21 +66,21 @@ for ((i = 0; i < LOAD; i++)); do
   LOADERS+=($!)
 done
 echo "# bench/rounds.sh: $ROUNDS rounds, LOAD=$LOAD busy loops, $(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null)," \
-  "load $(cut -d' ' -f1-3 /proc/loadavg), L3 $(lscpu | sed -n 's/^L3 cache: *//p')"
-for ((r = 1; r <= ROUNDS; r++)); do
-  cohort_round "$r" shm-64M auto 64M
-  mpi_round "$r" shm-64M 67108864
-  cohort_round "$r" shm-8B auto 8
-  mpi_round "$r" shm-8B 8
-  cohort_round "$r" tcp-64M tcp 64M
-  mpi_round "$r" tcp-64M 67108864 tcp
-  gloo_round "$r" tcp-64M 67108864
+  "load $(bench_load), L3 $(lscpu | sed -n 's/^L3 cache: *//p')"
+one_round() {  # round: every case, each peer in turn
+  cohort_round "$1" shm-64M auto 64M
+  mpi_round "$1" shm-64M 67108864
+  cohort_round "$1" shm-8B auto 8
+  mpi_round "$1" shm-8B 8
+  cohort_round "$1" tcp-64M tcp 64M
+  mpi_round "$1" tcp-64M 67108864 tcp
+  gloo_round "$1" tcp-64M 67108864
   if [[ $BIG == 1 ]]; then
-    cohort_round "$r" shm-1G auto 1G
-    mpi_round "$r" shm-1G 1073741824
+    cohort_round "$1" shm-1G auto 1G
+    mpi_round "$1" shm-1G 1073741824
   fi
-  echo "# round $r done, load $(cut -d' ' -f1-3 /proc/loadavg)"
-done | tee "$TMP/rounds"
+}
+interleaved_rounds "$ROUNDS" one_round | tee "$TMP/rounds"
 
 # Every round side by side, then the goals of issue 22 on the slowest and fastest rounds. 8 B compares
 # times (busbw at 8 B has too few digits); everything else busbw.

@@ -28,8 +28,10 @@ export GLOO_SOCKET_IFNAME=lo
 mpicc -O2 -o "$TMP/bench_mpi" "$PEERS/bench_mpi.c" -lm
 mpicc -O2 -o "$TMP/mpi_trivial" "$PEERS/mpi_trivial.c"
 cp "$PEERS/torchrun311.py" "$PEERS/bench_torch.py" "$PEERS/trivial_torch.py" "$TMP/"
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh
 
-say() { echo "## $* (load: $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M:%S) UTC)"; }
+say() { echo "## $* (load: $(bench_load), $(date -u +%H:%M:%S) UTC)"; }
 cohort_bench() {  # transport op [bench args...]
   local transport=$1 op=$2; shift 2
   COHORT_TRANSPORT=$transport "$COHORT" run -n 2 --no-tag-output "$COHORT" bench "$op" --trials 3 --min-time 0.3 "$@"

@@ -594,7 +594,7 @@ TEST(PsShared, AWorkerTakesOnlyTheServersConnectionToItsAttachSocket) {
         ::close(done[1]);
         char sent;
         EXPECT_EQ(::read(done[0], &sent, 1), 1) << "the other process did not connect";
-        // The server's side of the memfd handoff (common/handoff.h), as ps/server.cc does it.
+        // The server's side of the memfd handoff (common/handoff.h), as ps/server_tables.cc does it.
         const std::string socket = req.at("socket").get<std::string>();
         UniqueFd sock = handoff::connect(socket, ::getpid(), "worker 0", Deadline::after(kTimeout));
         handoff::send(sock.get(), handoff::make_hello(handoff::scope_of(socket), 0), shard.fds(),

@@ -29,6 +29,7 @@
 #include "collectives/shm/group.h"
 #include "common/half.h"
 #include "store/memory_store.h"
+#include "support/fork_ranks.h"
 #include "support/test_support.h"
 
 namespace cohort::shm {
@@ -675,46 +676,10 @@ std::vector<std::string> cohort_dev_shm_entries() {
   return names;
 }
 
-// Forks `world` children running body(rank); returns their pids. A child exits with body's return code
-// (or 99 on an exception), never returning into the test framework.
-std::vector<pid_t> fork_ranks(int world, const std::function<int(int)>& body) {
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      int code = 99;
-      try {
-        code = body(r);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      std::fflush(stderr);
-      ::_exit(code);
-    }
-    pids.push_back(pid);
-  }
-  return pids;
-}
-
-// Waits for pid up to `limit`; returns the raw status, or -1 if it did not end (then kills it).
-int wait_for_exit(pid_t pid, std::chrono::milliseconds limit) {
-  auto end = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) return status;
-    if (std::chrono::steady_clock::now() > end) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return -1;
-    }
-    ::usleep(2000);
-  }
-}
-
 TEST(ShmGroupProcesses, AllreduceAndAllgatherAcrossRealProcesses) {
   const int world = 4;
   const std::string address = random_address("test-procs");
-  auto pids = fork_ranks(world, [&](int r) {
+  auto pids = test::fork_ranks(world, [&](int r) {
     auto group = Group::create_at(address, r, world, milliseconds(20000), GroupOptions::from_env(world));
     for (size_t n : {size_t{2}, size_t{1000}, size_t{300001}}) {
       std::vector<double> buf(n, r + 1.0);
@@ -729,8 +694,9 @@ TEST(ShmGroupProcesses, AllreduceAndAllgatherAcrossRealProcesses) {
     group->barrier();
     return 0;
   });
+  const auto deadline = std::chrono::steady_clock::now() + milliseconds(60000);
   for (int r = 0; r < world; ++r) {
-    int status = wait_for_exit(pids[r], milliseconds(60000));
+    int status = test::wait_for_exit(pids[r], deadline);
     ASSERT_TRUE(status != -1 && WIFEXITED(status)) << "rank " << r << " did not exit normally";
     EXPECT_EQ(0, WEXITSTATUS(status)) << "rank " << r;
   }
@@ -750,7 +716,7 @@ TEST(ShmGroupProcesses, WaitsYieldOnlyWhereTheRanksCpuSetsOverlap) {
   for (bool own_cpus : {true, false}) {
     if (own_cpus && cpus.size() < 2) continue;  // one CPU: no two ranks can have their own
     const std::string address = random_address("test-yield");
-    auto pids = fork_ranks(2, [&](int r) {
+    auto pids = test::fork_ranks(2, [&](int r) {
       cpu_set_t one;
       CPU_ZERO(&one);
       CPU_SET(own_cpus ? cpus[size_t(r)] : cpus[0], &one);
@@ -763,8 +729,9 @@ TEST(ShmGroupProcesses, WaitsYieldOnlyWhereTheRanksCpuSetsOverlap) {
       group->allreduce(x.data(), x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum);
       return x[999] == 2.f ? 0 : 4;
     });
+    const auto deadline = std::chrono::steady_clock::now() + milliseconds(30000);
     for (int r = 0; r < 2; ++r) {
-      int status = wait_for_exit(pids[size_t(r)], milliseconds(30000));
+      int status = test::wait_for_exit(pids[size_t(r)], deadline);
       ASSERT_TRUE(status != -1 && WIFEXITED(status)) << "rank " << r;
       EXPECT_EQ(0, WEXITSTATUS(status)) << "rank " << r << (own_cpus ? " (a CPU each)" : " (one CPU for both)");
     }
@@ -778,7 +745,7 @@ TEST(ShmGroupProcesses, SigkillOfOneRankFailsTheOthersWithinTwoSecondsAndLeavesN
   const std::string address = random_address("test-kill");
   test::TempDir dir;
   const std::string ready = dir.file("ready");
-  auto pids = fork_ranks(world, [&](int r) {
+  auto pids = test::fork_ranks(world, [&](int r) {
     auto group = Group::create_at(address, r, world, milliseconds(30000), GroupOptions::from_env(world));
     std::vector<float> buf(4 << 20, 1.0f);  // 16 MiB: each allreduce takes a while
     for (int iter = 0;; ++iter) {
@@ -802,8 +769,9 @@ TEST(ShmGroupProcesses, SigkillOfOneRankFailsTheOthersWithinTwoSecondsAndLeavesN
   const auto killed_at = std::chrono::steady_clock::now();
   int status = 0;
   ::waitpid(pids[1], &status, 0);
+  const auto deadline = killed_at + milliseconds(10000);
   for (int r : {0, 2}) {
-    int st = wait_for_exit(pids[r], milliseconds(10000));
+    int st = test::wait_for_exit(pids[r], deadline);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
     ASSERT_NE(st, -1) << "rank " << r << " still running 10 s after its peer was killed";
     ASSERT_TRUE(WIFEXITED(st)) << "rank " << r;

@@ -9,13 +9,11 @@
 #include <spawn.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +27,7 @@
 #include "common/handoff.h"
 #include "common/socket.h"
 #include "store/tcp_store.h"
+#include "support/fork_ranks.h"
 #include "support/test_support.h"
 #include "transport/shm/segment.h"
 #include "transport/shm/shm_transport.h"
@@ -70,22 +69,6 @@ pid_t spawn(const std::vector<std::string>& args, const std::string& out, const 
   return rc == 0 ? pid : -1;
 }
 
-// The exit status of `pid`, waiting until `end` (then it is killed: -1).
-int wait_until(pid_t pid, Clock::time_point end) {
-  int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (Clock::now() > end) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return -1;
-    }
-    std::this_thread::sleep_for(5ms);
-  }
-  return status;
-}
-
-bool exited_zero(int status) { return status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0; }
-
 // Waits until `file` contains `text` (true), or `pid` ends or 10 s pass (false).
 bool wait_for_text(const std::string& file, const std::string& text, pid_t pid) {
   const auto end = Clock::now() + 10s;
@@ -125,9 +108,9 @@ std::vector<Intruder> start_intruders(const test::TempDir& dir, const std::vecto
 
 void expect_refused(const std::vector<Intruder>& intruders) {
   for (const auto& i : intruders) {
-    const int status = wait_until(i.pid, Clock::now() + 15s);
+    const int status = test::wait_for_exit(i.pid, Clock::now() + 15s);
     const std::string out = test::read_file(i.out);
-    EXPECT_TRUE(exited_zero(status)) << "intruder of " << i.who << ": " << out;
+    EXPECT_TRUE(test::exited_zero(status)) << "intruder of " << i.who << ": " << out;
     EXPECT_NE(out.find("refused"), std::string::npos) << "intruder of " << i.who << ": " << out;
   }
 }
@@ -158,9 +141,9 @@ TEST(ShmHandoff, IntrudersAtTheTransportsSocketsAreRefusedAndTheJobCompletes) {
 
   const auto end = Clock::now() + 60s;
   for (int r = 0; r < world; ++r) {
-    const int status = wait_until(ranks[r], end);
+    const int status = test::wait_for_exit(ranks[r], end);
     const std::string out = test::read_file(dir.file("rank" + std::to_string(r)));
-    EXPECT_TRUE(exited_zero(status)) << "rank " << r << ": " << out;
+    EXPECT_TRUE(test::exited_zero(status)) << "rank " << r << ": " << out;
     EXPECT_NE(out.find("ok"), std::string::npos) << "rank " << r << ": " << out;
   }
   expect_refused(intruders);
@@ -175,29 +158,6 @@ TEST(ShmHandoff, IntrudersAtTheTransportsSocketsAreRefusedAndTheJobCompletes) {
 
 // ------------------------------------------------------------------------------------ the segment
 
-// Forks `world` ranks running body(rank), each with its stderr in `dir`/err<rank>; returns their pids.
-std::vector<pid_t> fork_ranks(const test::TempDir& dir, int world, const std::function<int(int)>& body) {
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    const std::string err = dir.file("err" + std::to_string(r));
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      int code = 99;
-      if (std::freopen(err.c_str(), "w", stderr) != nullptr) {
-        try {
-          code = body(r);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-        }
-      }
-      std::fflush(stderr);
-      ::_exit(code);
-    }
-    pids.push_back(pid);
-  }
-  return pids;
-}
-
 // The shm collectives' group of 4 ranks (real processes, a file store, the pids from the store as
 // the communicator gives them). Local rank 0 offers the segment while the other ranks wait for "go";
 // two intruders claiming to be local rank 1 say hello first. Before the check, local rank 0 handed
@@ -207,7 +167,8 @@ TEST(ShmHandoff, IntrudersAtTheSegmentsSocketAreRefusedAndTheGroupSumsRight) {
   const std::string path = dir.file("store");
   const int world = 4;
   const size_t bytes = shm::Group::segment_bytes(world, shm::GroupOptions::from_env(world));
-  auto pids = fork_ranks(dir, world, [&](int r) {
+  auto err_file = [&](int r) { return dir.file("err" + std::to_string(r)); };  // each rank's stderr
+  auto pids = test::fork_ranks(world, [&](int r) {
     auto store = make_file_store(path);
     store->set("pid/" + std::to_string(r), std::to_string(::getpid()));
     if (r > 0) store->wait({"go"}, 30s);
@@ -225,7 +186,7 @@ TEST(ShmHandoff, IntrudersAtTheSegmentsSocketAreRefusedAndTheGroupSumsRight) {
     auto shared = group->allocate_shared(4096);
     group->barrier();
     return shared ? 0 : 2;
-  });
+  }, err_file);
   const std::vector<std::string> args = {"segment", std::to_string(pids[0]), std::to_string(world),
                                          std::to_string(bytes)};
   std::vector<Intruder> intruders = start_intruders(dir, args, args);
@@ -235,8 +196,8 @@ TEST(ShmHandoff, IntrudersAtTheSegmentsSocketAreRefusedAndTheGroupSumsRight) {
 
   const auto end = Clock::now() + 60s;
   for (int r = 0; r < world; ++r) {
-    const int status = wait_until(pids[r], end);
-    EXPECT_TRUE(exited_zero(status)) << "rank " << r << ": " << test::read_file(dir.file("err" + std::to_string(r)));
+    const int status = test::wait_for_exit(pids[r], end);
+    EXPECT_TRUE(test::exited_zero(status)) << "rank " << r << ": " << test::read_file(err_file(r));
   }
   expect_refused(intruders);
   const std::string log0 = test::read_file(dir.file("err0"));

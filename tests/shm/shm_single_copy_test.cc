@@ -7,8 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <sched.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +24,7 @@
 #include "collectives/shm/group.h"
 #include "comm/communicator_impl.h"
 #include "store/memory_store.h"
+#include "support/fork_ranks.h"
 #include "support/test_support.h"
 
 namespace cohort::shm {
@@ -312,76 +311,58 @@ TEST(ShmSingleCopy, AlltoallvCountsThatDisagreeAreAMismatchNamingTheSender) {
 TEST(ShmSingleCopyProcesses, ThreeProcessesCopyBetweenTheirOwnBuffersFromTheDefaultSizeOn) {
   const int world = 3;
   const std::string address = random_address("single-copy-procs");
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      int code = 99;
-      try {
-        GroupOptions o = GroupOptions::from_env(world);
-        o.single_copy = true;
-        o.single_copy_bytes = size_t{1} << 20;
-        auto g = Group::create_at(address, r, world, milliseconds(20000), o);
-        code = !g->single_copy() ? 10 : 0;
-        // 1 MiB + 7 bytes per rank (over the limit, not divisible by 3), and 1000 bytes (under it).
-        for (size_t bytes : {(size_t{1} << 20) + 7, size_t{1000}}) {
-          std::vector<uint8_t> mine(bytes), all(bytes * world);
-          for (size_t i = 0; i < bytes; ++i) mine[i] = byte_of(r, -1, i);
-          const uint64_t before = g->single_copies();
-          g->allgather(mine.data(), all.data(), bytes);
-          for (int q = 0; q < world && code == 0; ++q)
-            for (size_t i = 0; i < bytes; ++i)
-              if (all[q * bytes + i] != byte_of(q, -1, i)) code = 11;
-          if (code == 0 && (g->single_copies() - before == 1) != (bytes * world >= (size_t{1} << 20))) code = 12;
-          std::vector<size_t> counts(world, bytes), displs(world);
-          for (int q = 0; q < world; ++q) displs[q] = q * bytes;
-          std::vector<uint8_t> send(bytes * world), recv(bytes * world);
-          for (int q = 0; q < world; ++q)
-            for (size_t i = 0; i < bytes; ++i) send[q * bytes + i] = byte_of(r, q, i);
-          g->alltoallv(send.data(), counts.data(), displs.data(), recv.data(), counts.data(), displs.data(), 1);
-          for (int q = 0; q < world && code == 0; ++q)
-            for (size_t i = 0; i < bytes; ++i)
-              if (recv[q * bytes + i] != byte_of(q, r, i)) code = 13;
-          // broadcast of the whole size from every root: over the limit the root writes a share into
-          // each other process while they read the rest (push and pull across address spaces).
-          const size_t total = bytes * world;
-          for (int root = 0; root < world && code == 0; ++root) {
-            std::vector<uint8_t> buf(total, 0xEE);
-            if (r == root)
-              for (size_t i = 0; i < total; ++i) buf[i] = byte_of(root, world, i);
-            const Group::CopiedBytes was = g->single_copied();
-            g->broadcast(buf.data(), total, root);
-            for (size_t i = 0; i < total && code == 0; ++i)
-              if (buf[i] != byte_of(root, world, i)) code = 14;
-            const uint64_t share =
-                total >= (size_t{1} << 20) && g->broadcast_splits() ? Group::broadcast_root_share(total, world) : 0;
-            if (code == 0 && r == root && g->single_copied().pushed - was.pushed != (world - 1) * share) code = 15;
-          }
-        }
-        g->barrier();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+  // A rank's exit code names the check that failed (an exception: 99, its message on stderr).
+  const std::vector<pid_t> pids = test::fork_ranks(world, [&](int r) {
+    GroupOptions o = GroupOptions::from_env(world);
+    o.single_copy = true;
+    o.single_copy_bytes = size_t{1} << 20;
+    auto g = Group::create_at(address, r, world, milliseconds(20000), o);
+    int code = !g->single_copy() ? 10 : 0;
+    // 1 MiB + 7 bytes per rank (over the limit, not divisible by 3), and 1000 bytes (under it).
+    for (size_t bytes : {(size_t{1} << 20) + 7, size_t{1000}}) {
+      std::vector<uint8_t> mine(bytes), all(bytes * world);
+      for (size_t i = 0; i < bytes; ++i) mine[i] = byte_of(r, -1, i);
+      const uint64_t before = g->single_copies();
+      g->allgather(mine.data(), all.data(), bytes);
+      for (int q = 0; q < world && code == 0; ++q)
+        for (size_t i = 0; i < bytes; ++i)
+          if (all[q * bytes + i] != byte_of(q, -1, i)) code = 11;
+      if (code == 0 && (g->single_copies() - before == 1) != (bytes * world >= (size_t{1} << 20))) code = 12;
+      std::vector<size_t> counts(world, bytes), displs(world);
+      for (int q = 0; q < world; ++q) displs[q] = q * bytes;
+      std::vector<uint8_t> send(bytes * world), recv(bytes * world);
+      for (int q = 0; q < world; ++q)
+        for (size_t i = 0; i < bytes; ++i) send[q * bytes + i] = byte_of(r, q, i);
+      g->alltoallv(send.data(), counts.data(), displs.data(), recv.data(), counts.data(), displs.data(), 1);
+      for (int q = 0; q < world && code == 0; ++q)
+        for (size_t i = 0; i < bytes; ++i)
+          if (recv[q * bytes + i] != byte_of(q, r, i)) code = 13;
+      // broadcast of the whole size from every root: over the limit the root writes a share into
+      // each other process while they read the rest (push and pull across address spaces).
+      const size_t total = bytes * world;
+      for (int root = 0; root < world && code == 0; ++root) {
+        std::vector<uint8_t> buf(total, 0xEE);
+        if (r == root)
+          for (size_t i = 0; i < total; ++i) buf[i] = byte_of(root, world, i);
+        const Group::CopiedBytes was = g->single_copied();
+        g->broadcast(buf.data(), total, root);
+        for (size_t i = 0; i < total && code == 0; ++i)
+          if (buf[i] != byte_of(root, world, i)) code = 14;
+        const uint64_t share =
+            total >= (size_t{1} << 20) && g->broadcast_splits() ? Group::broadcast_root_share(total, world) : 0;
+        if (code == 0 && r == root && g->single_copied().pushed - was.pushed != (world - 1) * share) code = 15;
       }
-      std::fflush(stderr);
-      ::_exit(code);
     }
-    pids.push_back(pid);
-  }
+    g->barrier();
+    return code;
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   for (int r = 0; r < world; ++r) {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    int status = 0;
-    while (::waitpid(pids[r], &status, WNOHANG) != pids[r]) {
-      if (std::chrono::steady_clock::now() > end) {
-        ::kill(pids[r], SIGKILL);
-        ::waitpid(pids[r], &status, 0);
-        FAIL() << "rank " << r << " did not end within 60 s";
-      }
-      ::usleep(2000);
-    }
-    ASSERT_TRUE(WIFEXITED(status)) << "rank " << r;
-    EXPECT_EQ(WEXITSTATUS(status), 0) << "rank " << r << " (10: no single copy, 11: allgather wrong, "
-                                      << "12: wrong path for the size, 13: alltoall wrong, 14: broadcast wrong, "
-                                      << "15: the broadcast's root did not write its share)";
+    const int status = test::wait_for_exit(pids[r], deadline);
+    EXPECT_TRUE(test::exited_zero(status)) << "rank " << r << ": " << test::describe_exit(status)
+                                           << " (10: no single copy, 11: allgather wrong, "
+                                           << "12: wrong path for the size, 13: alltoall wrong, 14: broadcast wrong, "
+                                           << "15: the broadcast's root did not write its share)";
   }
 }
 

@@ -5,20 +5,18 @@
 // lines and the slots share the group's parity); mismatched calls found from the lines' signatures.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "cohort/error.h"
 #include "collectives/shm/group.h"
 #include "collectives/shm/small.h"
+#include "support/fork_ranks.h"
 #include "support/test_support.h"
 
 namespace cohort::shm {
@@ -29,31 +27,6 @@ using std::chrono::milliseconds;
 // Byte counts around each edge of the lines: 0, one byte, the first line's data (32), the second line's
 // (32 + 64), 512 (issue 51's largest small size), the capacity (992) and past it (1000, 8-byte elements).
 constexpr size_t kEdges[] = {0, 1, 8, 31, 32, 33, 64, 96, 97, 160, 161, 512, 984, 992, 1000, 1024};
-
-// Children run body(rank) and exit with its code (99 on an exception, printed); the parent waits.
-void run_processes(int world, const std::function<int(int)>& body) {
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      int code = 99;
-      try {
-        code = body(r);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      std::fflush(stderr);
-      ::_exit(code);
-    }
-    pids.push_back(pid);
-  }
-  for (int r = 0; r < world; ++r) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(pids[r], &status, 0), pids[r]);
-    ASSERT_TRUE(WIFEXITED(status)) << "rank " << r;
-    EXPECT_EQ(0, WEXITSTATUS(status)) << "rank " << r << " (see its line above)";
-  }
-}
 
 // A value no two (rank, index, call) share within a byte, so a block from the wrong rank, line or
 // round shows.
@@ -115,10 +88,10 @@ int check_sizes(Group& g, int world, int r) {
 TEST(ShmSmall, EveryEdgeOfTheLinesAcrossTwoAndThreeProcessesAndPastTheCapacityThroughTheSlots) {
   for (int world : {2, 3}) {
     const std::string address = random_address("test-small");
-    run_processes(world, [&](int r) {
+    test::run_forked_ranks(world, [&](int r) {
       auto g = Group::create_at(address, r, world, milliseconds(20000), GroupOptions::from_env(world));
       return check_sizes(*g, world, r);
-    });
+    }, milliseconds(60000));
   }
 }
 
@@ -127,7 +100,7 @@ TEST(ShmSmall, RoundsAlternatingWithTheSlotPathsReuseTheLinesOnlyAfterEveryPeerR
   // different: a rank that overwrote its lines before a peer had read them shows as a wrong sum.
   const int world = 2;
   const std::string address = random_address("test-small-rounds");
-  run_processes(world, [&](int r) {
+  test::run_forked_ranks(world, [&](int r) {
     GroupOptions o = GroupOptions::from_env(world);
     auto g = Group::create_at(address, r, world, milliseconds(20000), o);
     std::vector<int64_t> small(8), large(512);
@@ -139,7 +112,7 @@ TEST(ShmSmall, RoundsAlternatingWithTheSlotPathsReuseTheLinesOnlyAfterEveryPeerR
         if (buf[i] != 2 * (call * 1000 + static_cast<int64_t>(i)) + 1) return 1;
     }
     return g->inline_calls() == 2000 ? 0 : 2;
-  });
+  }, milliseconds(60000));
 }
 
 TEST(ShmSmall, MismatchedCallsAreFoundFromTheLinesAndAgainstTheSlotPath) {

@@ -1,0 +1,23 @@
+# shellcheck shell=bash
+# Sourced by the benchmarks that compare peers in interleaved rounds (bench/rounds.sh,
+# bench/coll_side_by_side.sh, bench/coll_small_side_by_side.sh; bench/side_by_side.sh for the load):
+# the one round loop they share, so that every one of them interleaves, and reports the load, alike.
+#
+#   bench_load                        the load averages as /proc/loadavg's first three fields ("3.10 2.85 2.40")
+#   interleaved_rounds ROUNDS CASES [--start-lines]
+#                                     runs `CASES r` for r = 1..ROUNDS. CASES is a function that runs
+#                                     every peer's measurements of round r one after another, in fresh
+#                                     processes, so that the host's load of that moment hits every peer
+#                                     alike (the rounds, not a median, show how much it moved). Each round
+#                                     ends with a line "# round r done, load L1 L2 L3", and with
+#                                     --start-lines begins with "# round r start, load L1 L2 L3".
+bench_load() { cut -d' ' -f1-3 /proc/loadavg; }
+
+interleaved_rounds() {
+  local rounds=$1 cases=$2 start_lines=${3:-} r
+  for ((r = 1; r <= rounds; r++)); do
+    [[ $start_lines == --start-lines ]] && echo "# round $r start, load $(bench_load)"
+    "$cases" "$r"
+    echo "# round $r done, load $(bench_load)"
+  done
+}
