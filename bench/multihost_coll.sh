@@ -56,8 +56,9 @@ IFACE=$("$CLUSTER" exec "$D" 0 ip -br -4 addr | awk '$3 ~ /^198\.18\./ {sub(/@.*
 hosts=$(seq 0 $((K - 1)) | sed "s/^/h/; s/\$/:$PER_HOST/" | paste -sd,)
 export OMP_NUM_THREADS=1
 
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh
 bytes_of() { numfmt --from=iec "$1"; }
-load() { cut -d' ' -f1-3 /proc/loadavg; }
 
 # One line per measurement: ROUND <round> <op> <bytes> <peer> <time us> <busbw GB/s>
 cohort_case() {  # round op size [peer name [binary]]
@@ -96,16 +97,16 @@ gloo_case() {  # round op size: one torchrun per host, node 0's output has rank 
 
 echo "# bench/multihost_coll.sh: $ROUNDS rounds, $K hosts x $PER_HOST ranks, links $RATE (tbf, no added delay)," \
   "sizes $SIZES, ops $OPS, $(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null)," \
-  "$(getconf _NPROCESSORS_ONLN) CPUs, load $(load)"
-for ((r = 1; r <= ROUNDS; r++)); do
-  echo "# round $r start, load $(load)"
+  "$(getconf _NPROCESSORS_ONLN) CPUs, load $(bench_load)"
+one_round() {  # r: every size, op and peer, the peers one after another
+  local size op peer
   for size in $SIZES; do
     for op in $OPS; do
-      for peer in $PEERS_LIST; do "${peer}_case" "$r" "$op" "$size"; done
+      for peer in $PEERS_LIST; do "${peer}_case" "$1" "$op" "$size"; done
     done
   done
-  echo "# round $r done, load $(load)"
-done | tee "$TMP/rounds"
+}
+interleaved_rounds "$ROUNDS" one_round --start-lines | tee "$TMP/rounds"
 
 python3 - "$TMP/rounds" "$PEERS_LIST" <<'PY'
 import sys
