@@ -1,3 +1,11 @@
+// The TCP transport (the design is in tcp_transport.h): one class, TcpTransport, and the wire and
+// connection records it works on. It is one file of about 950 lines on purpose: every part of it
+// (the authenticated set-up, the send queue's flush, the reader's staging and fragments, a peer's
+// failure notice and goodbye) advances the same per-connection state (Conn) inside one epoll loop,
+// and the invariants that keep a duplex stream from deadlocking (reading never stops while anything
+// is pending; a cut message poisons its connection) hold across all of them. The hello's message
+// formats and proof live apart (tcp_hello.h, tcp_hello_mac.cc), as does the matching of messages to
+// receives shared with the shared-memory transport (transport/matching.h).
 #include "transport/tcp/tcp_transport.h"
 
 #include <arpa/inet.h>
