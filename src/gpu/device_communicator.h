@@ -195,6 +195,13 @@ class DeviceCommunicator final : public Communicator, public std::enable_shared_
   // once, so normally none uses the handle while ncclCommAbort frees it), and aborts regardless when
   // one is still inside NCCL after that: that call is hung, and ncclCommAbort is what ends it.
   static constexpr Millis kAbortGrace{100};
+  // ncclCommAbort itself can block for as long as the GPU is busy: it frees the communicator's device
+  // memory, and freeing waits for the device. A collective stuck behind other work on the GPU (a hung
+  // kernel, a host function) holds it there: on an H200 with NCCL 2.28 the deadline passed at 3 s and
+  // the abort returned at 60 s, when the stream it waited for ran again. So the abort runs on a thread
+  // of its own, and the failing call waits for it at most kAbortWait before it throws its error; the
+  // communicator is unusable from the moment the handle is dropped, so nothing needs the abort done.
+  static constexpr Millis kAbortWait{500};
   // Runs f(handle) as one thread inside NCCL; false (f not run) once the communicator is aborted.
   template <typename F>
   bool with_comm(F&& f) {

@@ -3,6 +3,8 @@
 // any thread without waiting for a call that may hang. The locking rule is in device_communicator.h.
 #include <fmt/core.h>
 
+#include <future>
+#include <memory>
 #include <thread>
 
 #include "cohort/error.h"
@@ -22,7 +24,18 @@ void DeviceCommunicator::abort_nccl() {
   const bool alone = calls_mu_.try_lock_for(kAbortGrace);
   if (!alone) log::warn("rank {} (GPU {}): an NCCL call is still running after {} ms; aborting NCCL under it",
                         rank(), device_, kAbortGrace.count());
-  nccl_api().CommAbort(comm);
+  // On its own thread (kAbortWait, device_communicator.h): the thread owns nothing of this object, so
+  // it may outlive it; a process that exits meanwhile takes it along.
+  auto aborted = std::make_shared<std::promise<void>>();
+  std::future<void> done = aborted->get_future();
+  std::thread([comm, aborted] {
+    nccl_api().CommAbort(comm);
+    aborted->set_value();
+  }).detach();
+  if (done.wait_for(kAbortWait) != std::future_status::ready)
+    log::warn("rank {} (GPU {}): ncclCommAbort has not returned after {} ms (the GPU is still busy with work queued "
+              "before the collective); going on, the communicator is unusable already",
+              rank(), device_, kAbortWait.count());
   if (alone) calls_mu_.unlock();
 }
 

@@ -29,7 +29,7 @@
 //   says when), and any call but that query and the abort while one is in progress aborts the
 //   process. FAKE_NCCL_VERSION below 21400 stands for an NCCL without it;
 // - test hooks (extern "C", at the end): a call that hangs (fake_nccl_stall), a slow set-up
-//   (fake_nccl_delay_init), the number of live communicators, a peer's process exit;
+//   (fake_nccl_delay_init), a slow abort (fake_nccl_slow_abort), the number of live communicators, a peer's process exit;
 // - a communicator, stream or event used after it was aborted, destroyed or never made aborts the
 //   process with a message naming the call (a real use after free crashes, or worse, later).
 //
@@ -919,8 +919,13 @@ int ncclCommInitAll(void** comms, int ndev, const int* devices) {
 namespace {
 // Frees the handle: any later call with it aborts the test (see comm_of). Only this rank's work
 // ends: NCCL tells no peer (they end at their own deadline).
+std::atomic<int> g_abort_delay_ms{0};  // fake_nccl_slow_abort
+
 int abort_comm(void* comm_ptr, const char* what) {
   auto comm = comm_of(comm_ptr, what);
+  // A real ncclCommAbort frees device memory, which waits for the GPU: slow while it is busy.
+  if (int ms = g_abort_delay_ms.load(); ms > 0 && std::string(what) == "ncclCommAbort")
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   {
     std::lock_guard<std::mutex> lock(comm->clique->mu);
     comm->aborted = true;
@@ -1055,6 +1060,9 @@ void fake_nccl_stall(int device, const char* function, int count) {
   g_stalls[{device, function}] = count;
 }
 int fake_nccl_stalls_ended_by_abort() { return g_stalls_ended_by_abort.load(); }
+// ncclCommAbort calls from now on take `ms` before they act and return, as a real abort does while
+// the GPU is busy with work queued before the aborted collective (it frees device memory).
+void fake_nccl_slow_abort(int ms) { g_abort_delay_ms = ms; }
 // Communicators whose set-up ends from now on take `ms` longer after every rank has joined.
 void fake_nccl_delay_init(int ms) { g_init_delay_ms = ms; }
 // NCCL communicators alive (made, neither aborted nor destroyed): a leak shows here.

@@ -2,6 +2,7 @@
 // (tests/gpu/fake_cuda.cc), and cohort's answer to each:
 // - a hung NCCL call (a lazy connection to a peer that never answers) must not lock out the
 //   watchdog: it ends the job's stuck operation at its deadline, and the abort ends the hung call;
+// - an abort that is slow (ncclCommAbort waits for a busy GPU) does not hold up the error;
 // - a communicator whose set-up finishes after cohort gave up on it is aborted, not leaked;
 // - NCCL's sends wait for their receives: the exchanges cohort makes of several sends and receives
 //   (alltoall, gather, scatter) are grouped, where an ungrouped exchange deadlocks;
@@ -35,6 +36,7 @@ struct FakeHooks {
   void (*stall)(int device, const char* function, int count);
   int (*stalls_ended_by_abort)();
   void (*delay_init)(int ms);
+  void (*slow_abort)(int ms);
   int (*live_comms)();
   FakeHooks() {
     void* h = dlopen(COHORT_FAKE_CUDA, RTLD_NOW);
@@ -43,6 +45,7 @@ struct FakeHooks {
     stalls_ended_by_abort =
         reinterpret_cast<decltype(stalls_ended_by_abort)>(dlsym(h, "fake_nccl_stalls_ended_by_abort"));
     delay_init = reinterpret_cast<decltype(delay_init)>(dlsym(h, "fake_nccl_delay_init"));
+    slow_abort = reinterpret_cast<decltype(slow_abort)>(dlsym(h, "fake_nccl_slow_abort"));
     live_comms = reinterpret_cast<decltype(live_comms)>(dlsym(h, "fake_nccl_live_comms"));
   }
 };
@@ -105,6 +108,44 @@ TEST_P(NcclMode, TheWatchdogEndsAJobWhoseNcclCallHangs) {
     // The communicator is failed for good, and says why.
     EXPECT_THROW(comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum), AbortedError);
   });
+}
+
+// Rank 1 stops calling, and ncclCommAbort takes 3 s, as a real one does while the GPU is busy with
+// work queued before the collective (seen on an H200: the abort returned when that work did, 57 s
+// after the deadline). Rank 0's wait must still end at its deadline with the cause, not when the abort
+// returns; the abort finishes on its own and leaves no communicator behind.
+TEST(NcclFaults, ASlowAbortDoesNotHoldUpTheError) {
+  auto store = make_memory_store();
+  std::atomic<bool> rank0_done{false};
+  const int live_before = fake().live_comms();
+  fake().slow_abort(3000);
+  struct Restore {
+    ~Restore() { fake().slow_abort(0); }
+  } restore;
+  run_ranks(2, [&](int rank) {
+    auto comm = device_comm(store, rank, 2, 500ms);
+    auto buf = gpu::allocate_device(4 * sizeof(float), rank);
+    comm->barrier();
+    if (rank == 1) {
+      EXPECT_TRUE(becomes_true(rank0_done, 30s));
+      return;
+    }
+    const auto t0 = Clock::now();
+    EXPECT_THROW(
+        {
+          comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum);
+          gpu::synchronize(*comm);
+        },
+        TimeoutError);
+    const auto waited = Clock::now() - t0;
+    rank0_done = true;
+    EXPECT_LT(waited, 2000ms) << "the error waited for the slow abort";
+    EXPECT_THROW(comm->allreduce(buf.get(), buf.get(), 4, DataType::kFloat32, ReduceOp::kSum), AbortedError);
+  });
+  // The abort ends by itself, in the background.
+  const auto until = Clock::now() + 10s;
+  while (fake().live_comms() > live_before && Clock::now() < until) std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(fake().live_comms(), live_before) << "an aborted communicator was left alive";
 }
 
 // Every rank gives up on NCCL's set-up at the communicator's timeout (400 ms); the set-up itself
