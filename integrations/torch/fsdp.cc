@@ -41,10 +41,13 @@ void return_freed_memory() {
 void fix_mmap_threshold(size_t bytes) {
 #if defined(__GLIBC__)
   if (bytes == 0) return;
-  if (bytes > static_cast<size_t>(std::numeric_limits<int>::max()) || mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) != 1)
-    throw InvalidArgument(fmt::format("FSDP: mmap_threshold_bytes {} is not a threshold glibc accepts (at most 32 MiB "
-                                      "on 64 bits, HEAP_MAX_SIZE / 2)",
-                                      bytes));
+  constexpr size_t kMost = static_cast<size_t>(std::numeric_limits<int>::max());  // mallopt takes an int
+  if (bytes > kMost)
+    throw InvalidArgument(fmt::format("FSDP: mmap_threshold_bytes {} is above the {} bytes mallopt(M_MMAP_THRESHOLD) "
+                                      "takes",
+                                      bytes, kMost));
+  if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) != 1)
+    throw InvalidArgument(fmt::format("FSDP: glibc refused mmap_threshold_bytes {} (mallopt(M_MMAP_THRESHOLD))", bytes));
 #else
   (void)bytes;
 #endif
