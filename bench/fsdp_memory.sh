@@ -33,9 +33,10 @@
 # processes each. Record the load (printed first) beside the figures.
 # What is not in the formula, per rank, from the sample of the peak Pss (smaps_rollup's Pss_Anon,
 # Pss_File, Pss_Shmem) against the same split of B: file pages (libtorch's code and data that its
-# kernels touched after B was taken), shared memory (the communicator's segments), and anonymous memory
-# above B + M + A; and, from the --trace-memory lines, the most anonymous memory malloc held free at a
-# phase boundary (the heap's resident holes: anonymous minus malloc's bytes in use).
+# kernels touched after B was taken), and anonymous plus shared memory (the heap, the communicator's
+# segments, DDP's and stage 2's buckets) above B + M + A; and, from the --trace-memory lines, the most
+# anonymous memory malloc held free at a phase boundary (the heap's resident holes: anonymous minus
+# malloc's bytes in use).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=$(realpath "${1:-build}")
@@ -122,11 +123,12 @@ report() {
         p = pid[r + 1]; pred = B[r] + M / MB + act
         printf "  rank %d: peak Pss %.0f MB, peak Rss %.0f MB (sampled), %.0f MB (getrusage); B %.0f + M %.0f + A %.0f = %.0f MB; peak Pss / prediction %.3f\n",
                r, ppss[p], prss[p], hwm[r], B[r], M / MB, act, pred, ppss[p] / pred
-        # Not in the formula: the peak minus the prediction, split as smaps_rollup splits Pss.
-        Banon = B[r] - Bfile[r] - Bshm[r]
-        printf "    not in the formula %+.0f MB: files %+.0f (Pss %.0f at the peak, %.0f in B), shared memory %+.0f (%.0f, %.0f), anonymous %+.0f (%.0f against B %.0f + M + A); heap holes at a phase boundary, at most %.0f MB\n",
-               ppss[p] - pred, pfile[p] - Bfile[r], pfile[p], Bfile[r], pshm[p] - Bshm[r], pshm[p], Bshm[r],
-               panon[p] - (Banon + M / MB + act), panon[p], Banon, holes[r]
+        # Not in the formula: the peak minus the prediction, split as smaps_rollup splits Pss. M lives
+        # in anonymous memory and, for DDP's and stage 2's buckets, in shared memory: the two together.
+        Bmem = B[r] - Bfile[r]
+        printf "    not in the formula %+.0f MB: files %+.0f (Pss %.0f at the peak, %.0f in B); anonymous and shared memory %+.0f (%.0f + %.0f at the peak against B %.0f + M + A); heap holes at a phase boundary, at most %.0f MB\n",
+               ppss[p] - pred, pfile[p] - Bfile[r], pfile[p], Bfile[r], panon[p] + pshm[p] - (Bmem + M / MB + act),
+               panon[p], pshm[p], Bmem, holes[r]
       }
     }' "$out"
   grep -h "samples/s:" "$out" | sed 's/^/  /'
