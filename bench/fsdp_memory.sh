@@ -124,7 +124,7 @@ report() {
         printf "  rank %d: peak Pss %.0f MB, peak Rss %.0f MB (sampled), %.0f MB (getrusage); B %.0f + M %.0f + A %.0f = %.0f MB; peak Pss / prediction %.3f\n",
                r, ppss[p], prss[p], hwm[r], B[r], M / MB, act, pred, ppss[p] / pred
         # Not in the formula: the peak minus the prediction, split as smaps_rollup splits Pss. M lives
-        # in anonymous memory and, for DDP's and stage 2's buckets, in shared memory: the two together.
+        # in anonymous memory and, for the buckets of DDP and stage 2, in shared memory: the two together.
         Bmem = B[r] - Bfile[r]
         printf "    not in the formula %+.0f MB: files %+.0f (Pss %.0f at the peak, %.0f in B); anonymous and shared memory %+.0f (%.0f + %.0f at the peak against B %.0f + M + A); heap holes at a phase boundary, at most %.0f MB\n",
                ppss[p] - pred, pfile[p] - Bfile[r], pfile[p], Bfile[r], panon[p] + pshm[p] - (Bmem + M / MB + act),
