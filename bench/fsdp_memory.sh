@@ -4,6 +4,9 @@
 #
 #   bench/fsdp_memory.sh [build_dir]          RANKS="2 4" STEPS=3 BATCH=2 SIZE=base ARGS="..." (extra bert flags)
 #                                             MODES="ddp zero2 fsdp" (A, the activations, comes from ddp's run)
+#                                             ROUNDS=1 (every mode and world size once per round, interleaved)
+#   mode fsdp-glibc: FSDP with glibc's own rising mmap threshold (bert --fsdp-mmap-threshold 0), the
+#   allocator FSDP had before it fixed the threshold at 1 MiB (FSDPOptions::mmap_threshold_bytes)
 #
 # Per rank it prints the peak Rss and Pss sampled from /proc/<pid>/smaps_rollup every 0.1 s (Pss splits a
 # page shared by k processes k ways: the fair figure for the DDP buckets the peer maps), the exact peak
@@ -28,6 +31,12 @@
 #      (ACTIVATIONS_MB=... when MODES has no ddp)
 # and the ratio of the peak Pss to B + M + A. The modes run interleaved for each world size, fresh
 # processes each. Record the load (printed first) beside the figures.
+# What is not in the formula, per rank, from the sample of the peak Pss (smaps_rollup's Pss_Anon,
+# Pss_File, Pss_Shmem) against the same split of B: file pages (libtorch's code and data that its
+# kernels touched after B was taken), and anonymous plus shared memory (the heap, the communicator's
+# segments, DDP's and stage 2's buckets) above B + M + A; and, from the --trace-memory lines, the most
+# anonymous memory malloc held free at a phase boundary (the heap's resident holes: anonymous minus
+# malloc's bytes in use).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=$(realpath "${1:-build}")
@@ -51,23 +60,25 @@ source bench/descendants.sh
 workers() { descendants_matching "$1" "^$BERT "; }
 
 # Runs "$@" in the background, samples every worker's smaps_rollup every 0.1 s, and prints
-# "peak <pid> <peak Rss kB> <peak Pss kB>" lines into $out after the run's own output.
+# "peak <pid> <peak Rss kB> <peak Pss kB> <Pss_Anon kB> <Pss_File kB> <Pss_Shmem kB>" lines into $out
+# after the run's own output (the last three from the sample of the peak Pss).
 sample() {
-  local job pid rss pss
+  local job pid rss pss anon file shmem
   "$@" >"$out" 2>&1 &
   job=$!
-  declare -A peak_rss=() peak_pss=()
+  declare -A peak_rss=() peak_pss=() split=()
   while kill -0 "$job" 2>/dev/null; do
     for pid in $(workers "$job"); do
-      read -r rss pss < <(awk '/^Rss:/ {r = $2} /^Pss:/ {p = $2} END {print r + 0, p + 0}' \
+      read -r rss pss anon file shmem < <(awk '/^Rss:/ {r = $2} /^Pss:/ {p = $2} /^Pss_Anon:/ {a = $2}
+          /^Pss_File:/ {f = $2} /^Pss_Shmem:/ {s = $2} END {print r + 0, p + 0, a + 0, f + 0, s + 0}' \
         "/proc/$pid/smaps_rollup" 2>/dev/null) || continue
       ((rss > ${peak_rss[$pid]:-0})) && peak_rss[$pid]=$rss
-      ((pss > ${peak_pss[$pid]:-0})) && peak_pss[$pid]=$pss
+      ((pss > ${peak_pss[$pid]:-0})) && peak_pss[$pid]=$pss split[$pid]="$anon $file $shmem"
     done
     sleep 0.1
   done
   wait "$job" || { echo "fsdp_memory: the run failed:"; tail -n 5 "$out"; return 1; }
-  for pid in "${!peak_rss[@]}"; do echo "peak $pid ${peak_rss[$pid]} ${peak_pss[$pid]}"; done >>"$out"
+  for pid in "${!peak_rss[@]}"; do echo "peak $pid ${peak_rss[$pid]} ${peak_pss[$pid]} ${split[$pid]}"; done >>"$out"
 }
 
 # The activations A (MB), from the DDP run's trace: in use after forward minus after zero_grad, step 1, rank 0.
@@ -87,10 +98,19 @@ report() {
       }
     }
     /before the model:/ { match($0, /rank [0-9]+/); r = substr($0, RSTART + 5, RLENGTH - 5) + 0
-                          match($0, /Pss [0-9]+/); B[r] = substr($0, RSTART + 4, RLENGTH - 4) + 0 }
+                          match($0, /Pss [0-9]+/); B[r] = substr($0, RSTART + 4, RLENGTH - 4) + 0
+                          match($0, /Pss of files [0-9]+/); Bfile[r] = substr($0, RSTART + 13, RLENGTH - 13) + 0
+                          match($0, /of shared memory [0-9]+/); Bshm[r] = substr($0, RSTART + 17, RLENGTH - 17) + 0 }
+    # The resident holes of the heap at a phase boundary: anonymous memory minus what malloc has in use.
+    / step [0-9]+ .*anonymous [0-9]+ MB, in use by malloc/ {
+                          match($0, /rank [0-9]+/); r = substr($0, RSTART + 5, RLENGTH - 5) + 0
+                          match($0, /anonymous [0-9]+/); an = substr($0, RSTART + 10, RLENGTH - 10) + 0
+                          match($0, /in use by malloc [0-9]+/); iu = substr($0, RSTART + 17, RLENGTH - 17) + 0
+                          if (an - iu > holes[r]) holes[r] = an - iu }
     /: optimizer state .* peak RSS/ { match($0, /rank [0-9]+/); r = substr($0, RSTART + 5, RLENGTH - 5) + 0
                           match($0, /peak RSS [0-9.]+/); hwm[r] = substr($0, RSTART + 9, RLENGTH - 9) + 0 }
-    /^peak / { npk++; pid[npk] = $2; prss[$2] = $3 / 1024; ppss[$2] = $4 / 1024 }
+    /^peak / { npk++; pid[npk] = $2; prss[$2] = $3 / 1024; ppss[$2] = $4 / 1024
+               panon[$2] = $5 / 1024; pfile[$2] = $6 / 1024; pshm[$2] = $7 / 1024 }
     END {
       MB = 1024 * 1024; U = 12 * H * H + 13 * H; R = P - L * U
       if (mode == "ddp") { M = 16 * P; what = "16 Psi" }
@@ -103,22 +123,32 @@ report() {
         p = pid[r + 1]; pred = B[r] + M / MB + act
         printf "  rank %d: peak Pss %.0f MB, peak Rss %.0f MB (sampled), %.0f MB (getrusage); B %.0f + M %.0f + A %.0f = %.0f MB; peak Pss / prediction %.3f\n",
                r, ppss[p], prss[p], hwm[r], B[r], M / MB, act, pred, ppss[p] / pred
+        # Not in the formula: the peak minus the prediction, split as smaps_rollup splits Pss. M lives
+        # in anonymous memory and, for the buckets of DDP and stage 2, in shared memory: the two together.
+        Bmem = B[r] - Bfile[r]
+        printf "    not in the formula %+.0f MB: files %+.0f (Pss %.0f at the peak, %.0f in B); anonymous and shared memory %+.0f (%.0f + %.0f at the peak against B %.0f + M + A); heap holes at a phase boundary, at most %.0f MB\n",
+               ppss[p] - pred, pfile[p] - Bfile[r], pfile[p], Bfile[r], panon[p] + pshm[p] - (Bmem + M / MB + act),
+               panon[p], pshm[p], Bmem, holes[r]
       }
     }' "$out"
   grep -h "samples/s:" "$out" | sed 's/^/  /'
 }
 
-for n in $RANKS; do
-  act=
-  for mode in ${MODES:-ddp zero2 fsdp}; do
-    case $mode in
-      ddp) flags=() ;;
-      zero2) flags=(--zero 2) ;;
-      fsdp) flags=(--fsdp) ;;
-    esac
-    echo "== $n ranks, $mode (load $(cut -d' ' -f1 /proc/loadavg))"
-    sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
-    [[ $mode == ddp ]] && act=$(activations)
-    report "$mode" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
+for round in $(seq "${ROUNDS:-1}"); do
+  for n in $RANKS; do
+    act=
+    for mode in ${MODES:-ddp zero2 fsdp}; do
+      case $mode in
+        ddp) flags=() ;;
+        zero2) flags=(--zero 2) ;;
+        fsdp) flags=(--fsdp) ;;
+        fsdp-glibc) flags=(--fsdp --fsdp-mmap-threshold 0) ;;
+        *) echo "fsdp_memory: unknown mode $mode (ddp, zero2, fsdp, fsdp-glibc)" >&2; exit 1 ;;
+      esac
+      echo "== round $round, $n ranks, $mode (load $(cut -d' ' -f1-3 /proc/loadavg))"
+      sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
+      [[ $mode == ddp ]] && act=$(activations)
+      report "${mode%-glibc}" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
+    done
   done
 done

@@ -178,9 +178,9 @@ Batch make_batch(const std::vector<std::vector<int64_t>>& data, const std::vecto
           torch::tensor(labels, torch::kLong)};
 }
 
-uint64_t weights_digest(nn::Module& m) {
+uint64_t weights_digest(const std::vector<torch::Tensor>& parameters) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes of every parameter
-  for (auto& p : m.parameters()) {
+  for (auto& p : parameters) {
     auto c = p.detach().to(torch::kCPU).contiguous();
     auto* b = static_cast<const unsigned char*>(c.data_ptr());
     for (size_t i = 0; i < static_cast<size_t>(c.numel()) * c.element_size(); ++i) h = (h ^ b[i]) * 1099511628211ull;
@@ -220,11 +220,15 @@ double peak_rss_mb() {
 std::string memory_now() {
   std::ifstream in("/proc/self/smaps_rollup");
   std::string line;
-  double rss = 0, pss = 0, anon = 0;
+  double rss = 0, pss = 0, pss_file = 0, pss_shmem = 0, anon = 0;
   auto field = [&](const char* key, double& mb) {  // "Rss:   123456 kB"
     if (line.rfind(key, 0) == 0) mb = std::strtod(line.c_str() + std::strlen(key), nullptr) / 1024.0;
   };
-  while (std::getline(in, line)) field("Rss:", rss), field("Pss:", pss), field("Anonymous:", anon);
+  // Pss_File: libtorch's code and data pages (shared with every process that maps them); Pss_Shmem:
+  // the communicator's segments.
+  while (std::getline(in, line))
+    field("Rss:", rss), field("Pss:", pss), field("Pss_File:", pss_file), field("Pss_Shmem:", pss_shmem),
+        field("Anonymous:", anon);
   // What malloc holds for live blocks (heap and mmap'ed: the program's memory without the heap's free
   // holes) and what it keeps free in the heap.
   double heap_free = 0, in_use = 0;
@@ -233,9 +237,9 @@ std::string memory_now() {
   heap_free = static_cast<double>(info.fordblks) / (1024.0 * 1024.0);
   in_use = static_cast<double>(info.uordblks + info.hblkhd) / (1024.0 * 1024.0);
 #endif
-  return fmt::format("Rss {:.0f} MB (peak so far {:.0f}), Pss {:.0f} MB, anonymous {:.0f} MB, in use by malloc {:.0f} MB, "
-                     "free in the heap {:.0f} MB",
-                     rss, peak_rss_mb(), pss, anon, in_use, heap_free);
+  return fmt::format("Rss {:.0f} MB (peak so far {:.0f}), Pss {:.0f} MB (Pss of files {:.0f}, of shared memory {:.0f}), "
+                     "anonymous {:.0f} MB, in use by malloc {:.0f} MB, free in the heap {:.0f} MB",
+                     rss, peak_rss_mb(), pss, pss_file, pss_shmem, anon, in_use, heap_free);
 }
 
 struct Args {
@@ -248,6 +252,7 @@ struct Args {
   std::string optimizer = "adamw";
   int zero = 0;
   bool fsdp = false;
+  size_t fsdp_mmap_threshold = cohort::torch::FSDPOptions{}.mmap_threshold_bytes;
   int64_t epochs = 1;
   int64_t max_steps = 0;
   int64_t train_samples = 0;
@@ -271,9 +276,9 @@ int run(const Args& a) {
   auto compression = cohort::train::parse_compression(a.compression);
   if (!compression) throw ConfigError(fmt::format("--compression must be none, fp16 or bf16, not '{}'", a.compression));
   if (a.resume && a.checkpoint_dir.empty()) throw ConfigError("--resume needs --checkpoint-dir");
-  if (a.fsdp && (a.zero || !a.checkpoint_dir.empty() || a.print_digest || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
-    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU, without checkpoints "
-                      "yet: it takes none of --zero, --checkpoint-dir, --print-digest, --device cuda, --compression");
+  if (a.fsdp && (a.zero || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
+    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU: it takes none of "
+                      "--zero, --device cuda, --compression");
   Size s = size_named(a.size);
   if (a.layers) s.layers = a.layers;
   if (a.hidden) s.hidden = a.hidden;
@@ -287,6 +292,12 @@ int run(const Args& a) {
 
   // Data first: a missing corpus fails before any rank waits for another.
   const Corpus corpus = load_corpus(a.data_dir, s, a.train_samples);
+#if defined(__GLIBC__)
+  // Parsing WordNet leaves about 85 MB of freed heap behind (BERT-base's corpus), which glibc keeps
+  // resident: every mode would carry it, and the memory before the model (bench/fsdp_memory.sh's B)
+  // would count holes that FSDP's and the sharded optimizer's first malloc_trim hand back.
+  malloc_trim(0);
+#endif
   const int64_t vocab = corpus.vocab.size();  // the corpus may have fewer words than asked for
   s.vocab = vocab;
 
@@ -320,7 +331,9 @@ int run(const Args& a) {
   std::unique_ptr<cohort::torch::FullyShardedDataParallel> fsdp;
   if (a.fsdp) {
     std::vector<std::shared_ptr<nn::Module>> units(model->layers->begin(), model->layers->end());
-    fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model, comm, cohort::torch::FSDPOptions{}, units);
+    cohort::torch::FSDPOptions fsdp_options;
+    fsdp_options.mmap_threshold_bytes = a.fsdp_mmap_threshold;
+    fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model, comm, fsdp_options, units);
     model->around_layer = [&fsdp](nn::Module& layer, const std::function<torch::Tensor()>& run_layer) {
       return fsdp->unit_forward(layer, run_layer);
     };
@@ -355,8 +368,11 @@ int run(const Args& a) {
   cohort::train::TrainingPosition pos{0, 0, 0, world, 0, world};
   const int restart = cohort::torch::restart_count();
   if (a.resume || (restart > 0 && !a.checkpoint_dir.empty())) {
+    // FSDP's and the sharded optimizer's loads are collective: each rank reads what overlaps its shard.
     std::optional<cohort::train::TrainingPosition> loaded =
-        sharded ? sharded->load(a.checkpoint_dir) : cohort::torch::load_checkpoint(a.checkpoint_dir, *model, *optimizer);
+        fsdp      ? fsdp->load(a.checkpoint_dir, *optimizer)
+        : sharded ? sharded->load(a.checkpoint_dir)
+                  : cohort::torch::load_checkpoint(a.checkpoint_dir, *model, *optimizer);
     if (!loaded && a.resume) throw ConfigError(fmt::format("--resume: no checkpoint in {}", a.checkpoint_dir));
     if (loaded) {
       pos = *loaded;
@@ -367,14 +383,28 @@ int run(const Args& a) {
   }
   auto save = [&](const cohort::train::TrainingPosition& p) {
     if (a.checkpoint_dir.empty()) return;
-    if (sharded) sharded->save(a.checkpoint_dir, p);  // collective: every rank writes its shard
+    if (fsdp) fsdp->save(a.checkpoint_dir, *optimizer, p);  // collective: every rank writes its shard
+    else if (sharded) sharded->save(a.checkpoint_dir, p);   // the same
     else if (lead) cohort::torch::save_checkpoint(a.checkpoint_dir, *model, *optimizer, p);
   };
 
   int64_t nparams = 0;
   for (auto& p : model->parameters()) nparams += p.numel();
+  // The model's weights in Module::parameters() order. Under --fsdp they exist only gathered:
+  // full_state_dict() is collective (every rank calls this) and lists the parameters first.
+  auto digest = [&] {
+    if (!fsdp) return weights_digest(model->parameters());
+    std::vector<torch::Tensor> gathered;
+    for (auto& [name, t] : fsdp->full_state_dict())
+      if (gathered.size() < model->parameters().size()) gathered.push_back(t);
+    return weights_digest(gathered);
+  };
   // The same seed gives the twin (bench/bert_twin.py) the same weights: the twin prints this line too.
-  if (lead && a.print_digest && pos.global_step == 0) fmt::print("initial weights digest: {:016x}\n", weights_digest(*model));
+  // Resumed, the weights as loaded: equal to the saving run's final digest, at any world size.
+  if (a.print_digest) {
+    const uint64_t d = digest();
+    if (lead) fmt::print("{} weights digest: {:016x}\n", pos.global_step == 0 ? "initial" : "resumed", d);
+  }
   // --test-samples N evaluates the first N held-out glosses: the banner counts those, not the corpus's.
   const int64_t held_out = a.test_samples > 0 ? std::min<int64_t>(a.test_samples, static_cast<int64_t>(corpus.test.size()))
                                               : static_cast<int64_t>(corpus.test.size());
@@ -488,6 +518,7 @@ int run(const Args& a) {
   double memory[3] = {static_cast<double>(state) / 1e6, peak_rss_mb(), 0};
   std::vector<double> all(3 * static_cast<size_t>(world));
   comm->allgather(memory, all.data(), 3, cohort::DataType::kFloat64);
+  const uint64_t final_digest = a.print_digest ? digest() : 0;  // collective under --fsdp
   if (lead) {
     fmt::print("masked-token accuracy (held-out): {:.4f} ({} of {})\n",
                counts[1] ? static_cast<double>(counts[0]) / static_cast<double>(counts[1]) : 0.0, counts[0], counts[1]);
@@ -498,7 +529,7 @@ int run(const Args& a) {
                seconds > 0 ? 100.0 * wait / seconds : 0.0, wait);
     for (int r = 0; r < world; ++r)
       fmt::print("rank {}: optimizer state {:.1f} MB, peak RSS {:.1f} MB\n", r, all[3 * size_t(r)], all[3 * size_t(r) + 1]);
-    if (a.print_digest) fmt::print("final weights digest: {:016x}\n", weights_digest(*model));
+    if (a.print_digest) fmt::print("final weights digest: {:016x}\n", final_digest);
   }
   return 0;
 }
@@ -543,6 +574,9 @@ int main(int argc, char** argv) {
   app.add_flag("--verbose", a.verbose, "print more of the setup");
   app.add_option("--kill-after-steps", a.kill_after_steps, "testing: SIGKILL every rank after N steps of this run");
   app.add_flag("--print-digest", a.print_digest, "print a digest of the final weights (resume tests)");
+  app.add_option("--fsdp-mmap-threshold", a.fsdp_mmap_threshold,
+                 "--fsdp: glibc's mmap threshold in bytes, fixed at construction (FSDPOptions::mmap_threshold_bytes); 0 "
+                 "leaves glibc's own, which rises to the largest block freed (bench/fsdp_memory.sh's fsdp-glibc)");
   app.add_option("--trace-memory", a.trace_memory, "print every rank's resident memory after each phase of the first N steps")
       ->check(kNotNegative);
   return cohort::examples::parse_and_run("bert", app, argc, argv, [&] { return run(a); });

@@ -203,9 +203,9 @@ int run(const Args& a) {
   auto compression = cohort::train::parse_compression(a.compression);
   if (!compression) throw ConfigError(fmt::format("--compression must be none, fp16 or bf16, not '{}'", a.compression));
   if (a.resume && a.checkpoint_dir.empty()) throw ConfigError("--resume needs --checkpoint-dir");
-  if (a.fsdp && (a.zero || !a.checkpoint_dir.empty() || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
-    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU, without checkpoints "
-                      "yet: it takes none of --zero, --checkpoint-dir, --device cuda, --compression");
+  if (a.fsdp && (a.zero || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
+    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU: it takes none of "
+                      "--zero, --device cuda, --compression");
   const double lr = a.lr > 0 ? a.lr : a.optimizer == "sgd" ? 0.01 : 0.001;
 
   // Data first: a missing data set fails before any rank waits for another.
@@ -305,7 +305,9 @@ int run(const Args& a) {
   const int restart = cohort::torch::restart_count();
   if (a.resume || (restart > 0 && !a.checkpoint_dir.empty())) {
     std::optional<cohort::train::TrainingPosition> loaded;
-    if (sharded)
+    if (fsdp)  // collective, as the sharded optimizer's: the shards, the buffers and the optimizer's state
+      loaded = fsdp->load(a.checkpoint_dir, *optimizer);
+    else if (sharded)
       loaded = a.resume ? sharded->load(a.checkpoint_dir) : cohort::torch::resume_after_restart(a.checkpoint_dir, *sharded);
     else
       loaded = a.resume ? cohort::torch::load_checkpoint(a.checkpoint_dir, *model, *optimizer)
@@ -346,11 +348,12 @@ int run(const Args& a) {
                                                        a.momentum, distributed_sgd->why_not_fused())));
   }
 
-  // Every rank takes part in the sharded optimizer's save (each writes its shard); otherwise rank 0
-  // writes the whole checkpoint.
+  // Every rank takes part in FSDP's and the sharded optimizer's save (each writes its shard); otherwise
+  // rank 0 writes the whole checkpoint.
   auto save = [&](const cohort::train::TrainingPosition& p) {
     if (a.checkpoint_dir.empty()) return;
-    if (sharded) sharded->save(a.checkpoint_dir, p);
+    if (fsdp) fsdp->save(a.checkpoint_dir, *optimizer, p);
+    else if (sharded) sharded->save(a.checkpoint_dir, p);
     else if (lead) cohort::torch::save_checkpoint(a.checkpoint_dir, *model, *optimizer, p);
   };
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <typeinfo>
 #include <unordered_set>
@@ -33,6 +34,22 @@ namespace {
 void return_freed_memory() {
 #if defined(__GLIBC__)
   if (mallinfo2().fordblks >= (size_t{64} << 20)) malloc_trim(0);
+#endif
+}
+
+// FSDPOptions::mmap_threshold_bytes: a fixed threshold also stops glibc's own rise of it.
+void fix_mmap_threshold(size_t bytes) {
+#if defined(__GLIBC__)
+  if (bytes == 0) return;
+  constexpr size_t kMost = static_cast<size_t>(std::numeric_limits<int>::max());  // mallopt takes an int
+  if (bytes > kMost)
+    throw InvalidArgument(fmt::format("FSDP: mmap_threshold_bytes {} is above the {} bytes mallopt(M_MMAP_THRESHOLD) "
+                                      "takes",
+                                      bytes, kMost));
+  if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) != 1)
+    throw InvalidArgument(fmt::format("FSDP: glibc refused mmap_threshold_bytes {} (mallopt(M_MMAP_THRESHOLD))", bytes));
+#else
+  (void)bytes;
 #endif
 }
 
@@ -138,6 +155,7 @@ void FullyShardedDataParallel::init(std::vector<std::shared_ptr<::torch::nn::Mod
   if (!comm_) throw InvalidArgument("FSDP: communicator is null");
   if (!module_) throw InvalidArgument("FSDP: module is null");
   wire_type(options_.compute_dtype);  // one the communicator moves
+  fix_mmap_threshold(options_.mmap_threshold_bytes);
   const int world = comm_->size(), rank = comm_->rank();
   std::unordered_map<const c10::TensorImpl*, std::string> names;
   for (auto& p : module_->named_parameters(true)) {

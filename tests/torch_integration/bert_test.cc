@@ -117,6 +117,32 @@ TEST(Bert, FsdpAcrossProcessesTrainsLikeDdpWithHalfTheOptimizerStatePerRank) {
   EXPECT_NEAR(half, whole / 2, 0.05) << fsdp[0].out;
 }
 
+TEST(Bert, FsdpCheckpointWrittenByThreeRanksResumesOnTwoWithTheSameWeights) {
+  // bert --fsdp --checkpoint-dir: every rank writes its shard of the weights and of AdamW's moments; a
+  // job at another world size re-cuts them (FullyShardedDataParallel::save/load). The weights digest
+  // is taken over the gathered model (full_state_dict), so it is the same bytes at any world size.
+  if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
+  cohort::test::TempDir tmp;
+  auto saved = run_ranks(3, small_job({"--fsdp", "--checkpoint-dir", tmp.path(), "--max-steps", "4", "--print-digest",
+                                       "--test-samples", "16"}));
+  for (const auto& r : saved) ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (int r = 0; r < 3; ++r)
+    EXPECT_TRUE(std::filesystem::exists(tmp.path() + "/zero/step-4/shard-" + std::to_string(r) + "-of-3.bin")) << r;
+  const std::string at_save = first_match(saved[0].out, "final weights digest: ([0-9a-f]+)");
+  ASSERT_FALSE(at_save.empty()) << saved[0].out;
+
+  auto resumed = run_ranks(2, small_job({"--fsdp", "--checkpoint-dir", tmp.path(), "--resume", "--max-steps", "3",
+                                         "--print-digest", "--test-samples", "16"}));
+  for (const auto& r : resumed) ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(resumed[0].out.find("at epoch 0, step 4 (written by 3 ranks, 2 now)"), std::string::npos) << resumed[0].out;
+  EXPECT_EQ(first_match(resumed[0].out, "resumed weights digest: ([0-9a-f]+)"), at_save) << resumed[0].out;
+  // It trains on from there (3 steps: losses of steps 4 to 6, none printed) and saves at 2 ranks.
+  const std::string at_end = first_match(resumed[0].out, "final weights digest: ([0-9a-f]+)");
+  EXPECT_FALSE(at_end.empty()) << resumed[0].out;
+  EXPECT_NE(at_end, at_save);
+  EXPECT_TRUE(std::filesystem::exists(tmp.path() + "/zero/step-7/shard-1-of-2.bin"));
+}
+
 TEST(Bert, ShardedStageTwoAcrossProcessesTrainsLikeDdpAndResumesAtAnotherWorldSize) {
   if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
   auto ddp = run_ranks(2, small_job({"--max-steps", "11"}));

@@ -155,4 +155,34 @@ TEST(Resnet, ZeroStageTwoKilledAndRestartedEndsLikeTheUninterruptedJob) {
   EXPECT_EQ(digests(restarted), want) << restarted.out;
 }
 
+// resnet --fsdp's checkpoints are FSDP's sharded ones (FullyShardedDataParallel::save/load): AdamW's
+// moments and the weights by shard, rank 0's batch norm statistics. Killed after step 14 (the newest
+// checkpoint is step 12), `cohort run` restarts the job and it ends with the uninterrupted job's digest.
+TEST(Resnet, FsdpKilledAndRestartedEndsLikeTheUninterruptedJob) {
+  if (!kHaveData) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  cohort::test::TempDir tmp;
+  const std::vector<std::string> common{"--train-samples", "160", "--epochs", "2", "--optimizer",
+                                        "adamw",           "--fsdp", "--checkpoint-every", "3"};
+  auto args = common;
+  args.insert(args.end(), {"--checkpoint-dir", tmp.file("a")});
+  auto full = run_process(job(args), {}, 90);
+  ASSERT_EQ(full.exit_code, 0) << full.out << full.err;
+  const auto want = digests(full);
+  ASSERT_EQ(want.size(), 2u) << full.out;
+  EXPECT_EQ(want.at(0), want.at(1)) << full.out;
+  EXPECT_TRUE(std::filesystem::exists(tmp.file("a") + "/zero/step-20/shard-0-of-2.bin"));
+  EXPECT_TRUE(std::filesystem::exists(tmp.file("a") + "/zero/step-20/shard-1-of-2.bin"));
+
+  args = common;
+  args.insert(args.end(), {"--checkpoint-dir", tmp.file("b"), "--kill-after-steps", "14", "cohort:--max-restarts",
+                           "cohort:1"});
+  auto restarted = run_process(job(args), {}, 90);
+  ASSERT_EQ(restarted.exit_code, 0) << restarted.out << restarted.err;
+  EXPECT_NE(restarted.out.find("resuming from " + tmp.file("b") + " at epoch 1, step 2 (sample 32 of the epoch's "
+                                                                 "160; written by 2 ranks, 2 now; restart 1)"),
+            std::string::npos)
+      << restarted.out;
+  EXPECT_EQ(digests(restarted), want) << restarted.out;
+}
+
 }  // namespace
