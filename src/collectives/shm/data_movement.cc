@@ -146,6 +146,8 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
       const unsigned p = next_parity();
       if (rank_ == root) write_slot(slot(root, p), data + off, c);
       sync_.post();
+      // The root's last chunk: no need to wait for the receivers to read it (see broadcast_inline).
+      if (rank_ == root && options_.early_root && off + c == bytes) return leave_unconfirmed();
       // Everyone waits for everyone (not only for the root): a rank that writes its slot in the next
       // round relies on all peers having posted this one, i.e. having finished reading the round before.
       wait_all("broadcast");

@@ -30,6 +30,10 @@
 //  * reduce_scatter: the first half of the large allreduce, with slice r = output block r.
 //  * allgather: each rank copies its chunk into its slot; after one wait everyone copies the peers'.
 //  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
+//    The root of a broadcast that ends within one round (inline, or its last chunk) returns without
+//    waiting for the receivers: its slot or lines are next written two rounds later, and before it
+//    writes anything in its next call it waits for every peer to have arrived at that round (which a
+//    receiver does only after reading the round before), comparing their signatures then (small.cc).
 //  * barrier: post, wait for all.
 //  * single copy (allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from
 //    single_copy_bytes, when the check at creation found that every rank may read every peer's memory with
@@ -94,10 +98,14 @@ struct GroupOptions {
   // COHORT_SHM_COPY.
   // Small messages inline with their flag (small.h). COHORT_SHM_INLINE.
   bool inline_small = true;
+  // A broadcast's root returns without waiting for its receivers when the call takes one round (or at
+  // its last chunk); it confirms their arrival at the start of its next call. COHORT_SHM_EARLY_ROOT.
+  bool early_root = true;
   static GroupOptions from_env(int local_size);
 };
-// COHORT_SHM_INLINE (small.cc).
+// COHORT_SHM_INLINE, COHORT_SHM_EARLY_ROOT (small.cc).
 bool inline_small_from_env();
+bool early_root_from_env();
 
 // What Group::probe measured on one local rank (docs/perf-shm.md, "The link probe").
 struct LinkProbe {
@@ -177,6 +185,8 @@ class Group {
   // the buffer) goes inline with the flags (small.h), and how many calls did so far (tests, logs).
   bool inline_for(size_t bytes_per_rank) const;
   uint64_t inline_calls() const { return inline_calls_; }
+  // Broadcasts whose root returned without waiting for the receivers (tests, logs).
+  uint64_t early_roots() const { return early_roots_; }
   // Bytes this rank moved on the single-copy path so far: read from peers (process_vm_readv), written
   // into peers (process_vm_writev). Says which rank did which part of the copy (tests, benchmarks).
   struct CopiedBytes {
@@ -304,6 +314,20 @@ class Group {
   // sync_.wait_all, then (once per call) the signature comparison.
   void wait_all(const char* what);
   void check_calls();
+  // check_calls for the call whose signature this rank published in control-line entry `entry` as `ours`.
+  void compare_calls(unsigned entry, const CallSignature& ours);
+  // A broadcast's root that returned without waiting (see early_root): the round it posted and not
+  // waited for, with what it published. guarded() settles it before the next call writes anything.
+  struct Unconfirmed {
+    bool pending = false;
+    CallSignature call{};
+    unsigned entry = 0;
+  } unconfirmed_;
+  // Waits for every peer to have posted the unconfirmed round (its deadline and dead-peer checks are the
+  // waits'), then compares the signatures the peers published for that call (MismatchError).
+  void confirm_arrivals();
+  // Ends this call's round without waiting, to be confirmed at the next call (broadcast's root).
+  void leave_unconfirmed();
   // One round at creation: every rank publishes its CPU affinity; waits spin without yielding when the
   // ranks' CPU sets are pairwise disjoint (each has cores of its own: nobody waits for this core).
   void choose_wait_policy();
@@ -382,6 +406,7 @@ class Group {
   uint64_t single_copies_ = 0;
   InlineLines inline_;         // this group's lines for small messages, after the slots
   uint64_t inline_calls_ = 0;
+  uint64_t early_roots_ = 0;
   CopiedBytes copied_;
   std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
   std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten

@@ -44,6 +44,9 @@ template <typename Body>
 void Group::guarded(const char* what, Body&& body, uint32_t shared_tag, bool tally, uint8_t group_flags) {
   if (!failure_.empty()) throw AbortedError("shm group failed earlier: " + failure_);
   try {
+    // A broadcast root that did not wait for its receivers waits for their arrival now, before this
+    // call publishes its signature (into the entry of the call before that one) or writes anything.
+    if (unconfirmed_.pending) confirm_arrivals();
     // Publish this call's signature before its first post (the peers read it after seeing that post).
     active_ = call_;
     active_.reserved = shared_tag;

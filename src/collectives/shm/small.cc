@@ -19,6 +19,10 @@ const env::BoolSetting kInlineSmall("COHORT_SHM_INLINE", true,
                                     "intra-host allreduce, broadcast and allgather of up to 992 bytes per rank "
                                     "travel in the cache lines their ranks poll (off: through the staging slots)");
 
+const env::BoolSetting kEarlyRoot("COHORT_SHM_EARLY_ROOT", true,
+                                  "the root of an intra-host broadcast that fits one round returns without "
+                                  "waiting for the receivers; its next call waits for their arrival first");
+
 // How long a wait polls the peers' lines before it falls back to the group's wait on their step (which
 // spins on, then yields and sleeps, with the deadline and dead-peer checks). Short: under load the
 // fallback's yield is what lets a descheduled peer run.
@@ -27,6 +31,7 @@ constexpr auto kLinePoll = std::chrono::nanoseconds(500);
 }  // namespace
 
 bool inline_small_from_env() { return kInlineSmall.get(); }
+bool early_root_from_env() { return kEarlyRoot.get(); }
 
 bool Group::inline_for(size_t bytes_per_rank) const {
   return options_.inline_small && size_ > 1 && bytes_per_rank <= InlineLines::kCapacity;
@@ -95,6 +100,18 @@ void Group::allgather_inline(const void* in, void* out_v, size_t bytes) {
 }
 
 void Group::broadcast_inline(void* data, size_t bytes, int root) {
+  if (rank_ == root && options_.early_root) {
+    // The root's lines of this parity are written again two rounds on, and its next call first waits
+    // for every peer to have arrived here (confirm_arrivals), i.e. to have read the round before: the
+    // receivers may read this round's lines at their own pace. They compare the signatures at once;
+    // this rank compares theirs then.
+    next_parity();
+    inline_.write(round_, active_, data, bytes);
+    sync_.post();
+    leave_unconfirmed();
+    ++inline_calls_;
+    return;
+  }
   const uint64_t t = inline_round("broadcast", data, bytes, root);
   if (rank_ != root && bytes) std::memcpy(data, inline_.data(root, t), bytes);
 }
