@@ -6,6 +6,7 @@
 //   BM_QueuedCountLoad         the atomic load that replaces that queue lock on the blocking path
 //   BM_SteadyClockNow          one clock read (the operation's start: its deadline, slow warnings and
 //                              the flight recorder's start time)
+//   BM_CoarseClockNow          CLOCK_MONOTONIC_COARSE (the last timer tick: no counter read)
 //   BM_ClearEmptyIndexes       clearing the two per-operation index maps and the request list, empty
 //   BM_SkipEmptyIndexes        the same guarded by empty(): what execute_locked does now
 //   BM_FlightRecorderOp        op_begin + op_end of the process's recorder (the default: on)
@@ -16,6 +17,8 @@
 // Run: build/bench/comm_call_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 // (COHORT_FLIGHT_RECORDER=0 shows the layer without the recorder).
 #include <benchmark/benchmark.h>
+
+#include <time.h>
 
 #include <atomic>
 #include <chrono>
@@ -53,6 +56,15 @@ void BM_SteadyClockNow(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(std::chrono::steady_clock::now());
 }
 BENCHMARK(BM_SteadyClockNow);
+
+void BM_CoarseClockNow(benchmark::State& state) {
+  for (auto _ : state) {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    benchmark::DoNotOptimize(ts);
+  }
+}
+BENCHMARK(BM_CoarseClockNow);
 
 struct Indexes {
   std::unordered_map<uint64_t, uint32_t> send, recv;
