@@ -116,6 +116,9 @@ size_t Group::broadcast_root_share(size_t bytes, int ranks) {
 void Group::broadcast(void* data_v, size_t bytes, int root) {
   if (root < 0 || root >= size_)
     throw InvalidArgument(fmt::format("broadcast: root {} is not a local rank in [0, {})", root, size_));
+  // An inline broadcast's root need not wait for its receivers (broadcast_inline); guarded() then
+  // confirms only the rounds whose lines this call reuses.
+  next_call_early_root_ = root == rank_ && early_root_for(bytes);
   guarded("broadcast", [&] {
     char* data = static_cast<char*>(data_v);
     if (size_ == 1) return;
@@ -146,8 +149,6 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
       const unsigned p = next_parity();
       if (rank_ == root) write_slot(slot(root, p), data + off, c);
       sync_.post();
-      // The root's last chunk: no need to wait for the receivers to read it (see broadcast_inline).
-      if (rank_ == root && options_.early_root && off + c == bytes) return leave_unconfirmed();
       // Everyone waits for everyone (not only for the root): a rank that writes its slot in the next
       // round relies on all peers having posted this one, i.e. having finished reading the round before.
       wait_all("broadcast");

@@ -299,20 +299,10 @@ void Group::check_calls() {
 }
 
 void Group::leave_unconfirmed() {
-  unconfirmed_ = Unconfirmed{true, active_, static_cast<unsigned>((calls_ - 1) & 1u)};
+  unconfirmed_[(unconfirmed_first_ + unconfirmed_count_) % InlineLines::kDepth] = Unconfirmed{round_, active_};
+  ++unconfirmed_count_;
   compare_pending_ = false;  // compared in confirm_arrivals
   ++early_roots_;
-}
-
-void Group::confirm_arrivals() {
-  // The peers' posts of that round: each posted it on arrival, after finishing the call before it
-  // (so this rank may write the slots and lines of the round before), and its signature entry for that
-  // call stays until its next call but one, which needs this rank's next post first.
-  const Unconfirmed u = unconfirmed_;
-  unconfirmed_.pending = false;
-  for (int q = 0; q < size_; ++q)
-    if (q != rank_) sync_.wait_for(q, "broadcast");
-  compare_calls(u.entry, u.call);
 }
 
 void Group::compare_calls(unsigned entry, const CallSignature& active) {

@@ -30,10 +30,9 @@
 //  * reduce_scatter: the first half of the large allreduce, with slice r = output block r.
 //  * allgather: each rank copies its chunk into its slot; after one wait everyone copies the peers'.
 //  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
-//    The root of a broadcast that ends within one round (inline, or its last chunk) returns without
-//    waiting for the receivers: its slot or lines are next written two rounds later, and before it
-//    writes anything in its next call it waits for every peer to have arrived at that round (which a
-//    receiver does only after reading the round before), comparing their signatures then (small.cc).
+//    The root of an inline broadcast returns without waiting for the receivers: it has InlineLines::kDepth
+//    sets of lines, used in turn, and confirms the receivers' arrival (and compares their signatures, from
+//    their lines) only before it reuses a set, or before any other call (small.cc).
 //  * barrier: post, wait for all.
 //  * single copy (allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from
 //    single_copy_bytes, when the check at creation found that every rank may read every peer's memory with
@@ -98,8 +97,8 @@ struct GroupOptions {
   // COHORT_SHM_COPY.
   // Small messages inline with their flag (small.h). COHORT_SHM_INLINE.
   bool inline_small = true;
-  // A broadcast's root returns without waiting for its receivers when the call takes one round (or at
-  // its last chunk); it confirms their arrival at the start of its next call. COHORT_SHM_EARLY_ROOT.
+  // An inline broadcast's root returns without waiting for its receivers; it confirms their arrival
+  // before it reuses those lines, or at its next call of another kind. COHORT_SHM_EARLY_ROOT.
   bool early_root = true;
   static GroupOptions from_env(int local_size);
 };
@@ -184,6 +183,8 @@ class Group {
   // Whether a call of `bytes_per_rank` (allreduce: its buffer; allgather: one rank's block; broadcast:
   // the buffer) goes inline with the flags (small.h), and how many calls did so far (tests, logs).
   bool inline_for(size_t bytes_per_rank) const;
+  // Whether a broadcast of `bytes` returns on its root without waiting for the receivers.
+  bool early_root_for(size_t bytes) const;
   uint64_t inline_calls() const { return inline_calls_; }
   // Broadcasts whose root returned without waiting for the receivers (tests, logs).
   uint64_t early_roots() const { return early_roots_; }
@@ -316,17 +317,24 @@ class Group {
   void check_calls();
   // check_calls for the call whose signature this rank published in control-line entry `entry` as `ours`.
   void compare_calls(unsigned entry, const CallSignature& ours);
-  // A broadcast's root that returned without waiting (see early_root): the round it posted and not
-  // waited for, with what it published. guarded() settles it before the next call writes anything.
+  // The rounds of inline broadcasts whose root (this rank) returned without waiting (see early_root),
+  // oldest first, with what it published; at most kDepth - 1 of them.
   struct Unconfirmed {
-    bool pending = false;
+    uint64_t round = 0;
     CallSignature call{};
-    unsigned entry = 0;
-  } unconfirmed_;
-  // Waits for every peer to have posted the unconfirmed round (its deadline and dead-peer checks are the
-  // waits'), then compares the signatures the peers published for that call (MismatchError).
-  void confirm_arrivals();
-  // Ends this call's round without waiting, to be confirmed at the next call (broadcast's root).
+  };
+  Unconfirmed unconfirmed_[InlineLines::kDepth];
+  unsigned unconfirmed_first_ = 0, unconfirmed_count_ = 0;
+  // The next call is an inline broadcast of which this rank is the root: guarded() confirms only the
+  // rounds whose lines it is about to reuse.
+  bool next_call_early_root_ = false;
+  // Confirms the unconfirmed rounds up to `through` (all: UINT64_MAX), oldest first: waits for every
+  // peer's lines of that round (then for its step, with the deadline and dead-peer checks of every wait)
+  // and compares the signature in them with this rank's (MismatchError).
+  void confirm_arrivals(uint64_t through);
+  // Polls rank q's lines for `round` for a short while (as inline_round does); whether they showed it.
+  bool poll_lines(int q, uint64_t round) const;
+  // Ends this inline broadcast's round without waiting, to be confirmed later (its root).
   void leave_unconfirmed();
   // One round at creation: every rank publishes its CPU affinity; waits spin without yielding when the
   // ranks' CPU sets are pairwise disjoint (each has cores of its own: nobody waits for this core).

@@ -44,9 +44,12 @@ template <typename Body>
 void Group::guarded(const char* what, Body&& body, uint32_t shared_tag, bool tally, uint8_t group_flags) {
   if (!failure_.empty()) throw AbortedError("shm group failed earlier: " + failure_);
   try {
-    // A broadcast root that did not wait for its receivers waits for their arrival now, before this
-    // call publishes its signature (into the entry of the call before that one) or writes anything.
-    if (unconfirmed_.pending) confirm_arrivals();
+    // A broadcast root that did not wait for its receivers confirms their arrival before this call
+    // writes anything: every round, unless this is another such broadcast, which reuses only the lines
+    // of round round_ + 1 - kDepth (its own round is round_ + 1) and needs the arrival at the round after.
+    if (unconfirmed_count_ > 0)
+      confirm_arrivals(next_call_early_root_ ? round_ + 2 - InlineLines::kDepth : UINT64_MAX);
+    next_call_early_root_ = false;
     // Publish this call's signature before its first post (the peers read it after seeing that post).
     active_ = call_;
     active_.reserved = shared_tag;

@@ -33,6 +33,10 @@ constexpr auto kLinePoll = std::chrono::nanoseconds(500);
 bool inline_small_from_env() { return kInlineSmall.get(); }
 bool early_root_from_env() { return kEarlyRoot.get(); }
 
+bool Group::early_root_for(size_t bytes) const {
+  return options_.early_root && inline_for(bytes) && !single_copy_for(bytes);
+}
+
 bool Group::inline_for(size_t bytes_per_rank) const {
   return options_.inline_small && size_ > 1 && bytes_per_rank <= InlineLines::kCapacity;
 }
@@ -85,6 +89,52 @@ uint64_t Group::inline_round(const char* what, const void* data, size_t bytes, i
   return t;
 }
 
+bool Group::poll_lines(int q, uint64_t round) const {
+  std::chrono::steady_clock::time_point start;
+  for (unsigned i = 1;; ++i) {
+    if (inline_.ready(q, round)) return true;
+    _mm_pause();
+    if ((i & 7) == 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (i == 8) start = now;
+      else if (now - start >= kLinePoll) return false;
+    }
+  }
+}
+
+void Group::confirm_arrivals(uint64_t through) {
+  // A peer's lines of round r show r from its arrival there until it writes round r + kDepth, which
+  // it does only after this rank's lines of that round, which come after this confirmation.
+  while (unconfirmed_count_ > 0 && unconfirmed_[unconfirmed_first_].round <= through) {
+    const Unconfirmed u = unconfirmed_[unconfirmed_first_];
+    unconfirmed_first_ = (unconfirmed_first_ + 1) % InlineLines::kDepth;
+    --unconfirmed_count_;
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      if (!poll_lines(q, u.round)) {
+        // Not there yet: the group's wait (spin, yield, sleep, deadline, dead peer) for its step, which
+        // it posts after its lines; then the lines are there unless it called something else.
+        sync_.wait_for(q, "broadcast");
+        if (!inline_.ready(q, u.round)) {
+          const CallSignature theirs = last_call_of(q);
+          throw MismatchError(mismatch_formatter_ ? mismatch_formatter_(q, theirs, u.call)
+                                                  : fmt::format("mismatched calls: local rank {} called op {} (count "
+                                                                "{}, seq {}) where local rank {} broadcast (seq {})",
+                                                                q, theirs.kind, theirs.count, theirs.seq, rank_,
+                                                                u.call.seq));
+        }
+      }
+      const CallSignature theirs = inline_.signature(q, u.round);
+      if (!(theirs == u.call))
+        throw MismatchError(mismatch_formatter_ ? mismatch_formatter_(q, theirs, u.call)
+                                                : fmt::format("mismatched calls: local rank {} called op {} (count {}, "
+                                                              "seq {}) but local rank {} called op {} (count {}, seq {})",
+                                                              q, theirs.kind, theirs.count, theirs.seq, rank_,
+                                                              u.call.kind, u.call.count, u.call.seq));
+    }
+  }
+}
+
 void Group::allreduce_inline(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) {
   const size_t bytes = count * dtype_size(dtype);
   const uint64_t t = inline_round("allreduce", in, bytes, -1);
@@ -107,11 +157,11 @@ void Group::allgather_inline(const void* in, void* out_v, size_t bytes) {
 }
 
 void Group::broadcast_inline(void* data, size_t bytes, int root) {
-  if (rank_ == root && options_.early_root) {
-    // The root's lines of this parity are written again two rounds on, and its next call first waits
-    // for every peer to have arrived here (confirm_arrivals), i.e. to have read the round before: the
-    // receivers may read this round's lines at their own pace. They compare the signatures at once;
-    // this rank compares theirs then.
+  if (rank_ == root && early_root_for(bytes)) {
+    // These lines are written again kDepth rounds on, after this rank has seen every peer arrive at the
+    // round after this one (confirm_arrivals), i.e. finish reading this one: the receivers may read them
+    // at their own pace. They compare the signatures at once; this rank compares theirs then, or at its
+    // next call of another kind.
     next_parity();
     inline_.write(round_, active_, data, bytes);
     sync_.post();
