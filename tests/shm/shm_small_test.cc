@@ -225,6 +225,23 @@ TEST(ShmSmall, ABroadcastRootReturnsBeforeItsReceiversArriveAndTheyStillGetEvery
           }
         }
       }
+      // (3) One root for a while: a broadcast through the slots (the root waits; its receivers compare the
+      // root's call in its control line after their wait), then inline ones whose root runs ahead: it must
+      // not overwrite that signature before they read it (a MismatchError naming a later call otherwise).
+      for (int call = 0; call < 3000; ++call) {
+        const size_t bytes = call % 8 == 0 ? 4096 : 8;
+        for (size_t i = 0; i < bytes; ++i) buf[i] = r == 0 ? value(0, i, call) : 0;
+        CallSignature sig;
+        sig.seq = static_cast<uint32_t>(call + 1);
+        sig.count = bytes;
+        sig.kind = 2;
+        g->set_call(sig);
+        g->broadcast(buf.data(), bytes, 0);
+        rooted += r == 0 && bytes <= InlineLines::kCapacity;
+        for (size_t i = 0; i < bytes; ++i)
+          if (buf[i] != value(0, i, call)) return 6;
+      }
+      g->set_call(CallSignature{});
       g->barrier();  // confirms the last broadcast
       // Every inline broadcast this rank was the root of returned early; the staged ones waited.
       return g->early_roots() == rooted + (r == 0) ? 0 : 5;

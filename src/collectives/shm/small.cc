@@ -82,9 +82,25 @@ uint64_t Group::inline_round(const char* what, const void* data, size_t bytes, i
     same = same && inline_.signature(q, t) == active_;
   }
   // The signatures in line 0 are the ones in the control lines: compared here, the control lines need
-  // not travel. A difference (or a shareable call, whose tally check_calls computes) takes the full check.
-  if (same) compare_pending_ = false;
-  else check_calls();
+  // not travel. A shareable call, whose tally check_calls computes, takes the full check; a difference is
+  // named from the lines (a broadcast's root that does not wait publishes its call there only).
+  if (same) {
+    compare_pending_ = false;
+  } else if (tally_.enabled) {
+    check_calls();
+  } else {
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      const CallSignature theirs = inline_.signature(q, t);
+      if (theirs == active_) continue;
+      throw MismatchError(mismatch_formatter_ ? mismatch_formatter_(q, theirs, active_)
+                                              : fmt::format("mismatched calls: local rank {} called op {} (count {}, "
+                                                            "seq {}) but local rank {} called op {} (count {}, seq {})",
+                                                            q, theirs.kind, theirs.count, theirs.seq, rank_,
+                                                            active_.kind, active_.count, active_.seq));
+    }
+    compare_pending_ = false;
+  }
   ++inline_calls_;
   return t;
 }
