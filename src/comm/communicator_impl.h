@@ -308,6 +308,10 @@ class CommunicatorImpl final : public Communicator,
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
   std::deque<std::pair<std::shared_ptr<WorkImpl>, std::pair<OpDesc, Body>>> queue_;
+  // queue_.size(), readable without queue_mutex_: a blocking call finds the queue empty (the usual case)
+  // with one load instead of a lock. An operation queued by this thread before the call is counted
+  // (program order); one queued by another thread at the same instant has no order against it anyway.
+  std::atomic<uint32_t> queued_{0};
   bool stop_ = false;
   std::thread progress_;
 };

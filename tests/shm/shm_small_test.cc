@@ -2,9 +2,11 @@
 // InlineLines::kCapacity bytes per rank travel in the lines their ranks poll. Sizes around every edge of
 // the layout (the first line's 32 data bytes, each further line's 64, the capacity, one element over it,
 // which must take the slots), ranks as forked processes; rounds alternating with the slot paths (the
-// lines and the slots share the group's parity); mismatched calls found from the lines' signatures.
+// lines and the slots share the group's parity); mismatched calls found from the lines' signatures; a
+// broadcast's root that returns before its receivers read (GroupOptions::early_root).
 #include <gtest/gtest.h>
 
+#include <poll.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -138,6 +140,129 @@ TEST(ShmSmall, MismatchedCallsAreFoundFromTheLinesAndAgainstTheSlotPath) {
         EXPECT_NE(std::string(e.what()).find("count " + std::to_string(r == 0 ? other : 2)), std::string::npos)
             << e.what();
       }
+    });
+  }
+}
+
+// Waits until `fd` is readable, at most `ms` milliseconds, and reads one byte; false when it did not come.
+bool read_byte_within(int fd, int ms) {
+  pollfd p{fd, POLLIN, 0};
+  char c;
+  return ::poll(&p, 1, ms) == 1 && ::read(fd, &c, 1) == 1;
+}
+
+TEST(ShmSmall, ABroadcastRootReturnsBeforeItsReceiversArriveAndTheyStillGetEveryRoundInOrder) {
+  // (1) The root's broadcast returns while no receiver has called broadcast yet: the receivers call it
+  // only once the root says, through a pipe, that its call returned (waiting for the receivers, as a
+  // root did before, the pipe stays silent and the receivers give up after 5 s).
+  // (2) Thousands of back-to-back broadcasts, the root rotating, inline (8 B, 512 B: the root returns at
+  // once) and through the slots (4 KiB: one round; 64 KiB + 8: two chunks; the root waits), each round's
+  // data different, a receiver now and then busy for a while so that the root runs ahead by up to
+  // InlineLines::kDepth - 1 rounds: a root that wrote its lines or slot again before a receiver had read
+  // them shows as wrong data, a logic_error or a timeout.
+  for (int world : {2, 3}) {
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const std::string address = random_address("test-small-early-root");
+    test::run_forked_ranks(world, [&](int r) {
+      GroupOptions o = GroupOptions::from_env(world);
+      o.early_root = true;
+      o.chunk_bytes = 64 << 10;
+      auto g = Group::create_at(address, r, world, milliseconds(5000), o);
+      uint64_t first = 0x0123456789abcdefull;
+      if (r == 0) {
+        g->broadcast(&first, sizeof first, 0);
+        for (int q = 1; q < world; ++q)
+          if (::write(ready[1], "x", 1) != 1) return 1;
+      } else {
+        if (!read_byte_within(ready[0], 5000)) return 2;  // the root's call did not return on its own
+        uint64_t got = 0;
+        g->broadcast(&got, sizeof got, 0);
+        if (got != first) return 3;
+      }
+      const size_t kSizes[] = {8, 512, 4096, (64 << 10) + 8};
+      std::vector<uint8_t> buf((64 << 10) + 8);
+      uint64_t rooted = 0;
+      for (int call = 0; call < 3000; ++call) {
+        const int root = call % world;
+        const size_t bytes = kSizes[call % 7 == 6 ? 3 : call % 3];
+        if (call % 7 == 6 && call % 5 != 0) continue;  // the two-chunk size in a few calls only
+        for (size_t i = 0; i < bytes; ++i) buf[i] = r == root ? value(root, i, call) : 0;
+        g->broadcast(buf.data(), bytes, root);
+        rooted += r == root && bytes <= InlineLines::kCapacity;
+        for (size_t i = 0; i < bytes; ++i)
+          if (buf[i] != value(root, i, call)) return 4;
+        if (r != root && call % 61 == 0) {  // busy for about 50 us: the root goes on meanwhile
+          const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+          while (std::chrono::steady_clock::now() < until) {
+          }
+        }
+      }
+      // (3) One root for a while: a broadcast through the slots (the root waits; its receivers compare the
+      // root's call in its control line after their wait), then inline ones whose root runs ahead: it must
+      // not overwrite that signature before they read it (a MismatchError naming a later call otherwise).
+      for (int call = 0; call < 3000; ++call) {
+        const size_t bytes = call % 8 == 0 ? 4096 : 8;
+        for (size_t i = 0; i < bytes; ++i) buf[i] = r == 0 ? value(0, i, call) : 0;
+        CallSignature sig;
+        sig.seq = static_cast<uint32_t>(call + 1);
+        sig.count = bytes;
+        sig.kind = 2;
+        g->set_call(sig);
+        g->broadcast(buf.data(), bytes, 0);
+        rooted += r == 0 && bytes <= InlineLines::kCapacity;
+        for (size_t i = 0; i < bytes; ++i)
+          if (buf[i] != value(0, i, call)) return 6;
+      }
+      g->set_call(CallSignature{});
+      g->barrier();  // confirms the last broadcast
+      // Every inline broadcast this rank was the root of returned early; the staged ones waited.
+      return g->early_roots() == rooted + (r == 0) ? 0 : 5;
+    }, milliseconds(60000));
+    ::close(ready[0]);
+    ::close(ready[1]);
+  }
+}
+
+TEST(ShmSmall, AMismatchWithABroadcastWhoseRootReturnedIsNamedByEveryRank) {
+  // A receiver that called something else names it at once; the root, whose broadcast returned, names it
+  // at its next call. Two ranks that both think they are the root (a different root each) both return,
+  // and both name the mismatch at their next call.
+  struct Case {
+    size_t count1;
+    int root1;
+  };
+  for (Case c : {Case{3, 0}, Case{2, 1}}) {
+    std::vector<std::unique_ptr<Group>> groups(2);
+    const std::string address = random_address("test-small-early-mismatch");
+    GroupOptions o = GroupOptions::from_env(2);
+    o.early_root = true;
+    test::run_ranks(2, [&](int r) { groups[r] = Group::create_at(address, r, 2, milliseconds(20000), o); });
+    test::run_ranks(2, [&](int r) {
+      const size_t count = r == 0 ? 2 : c.count1;
+      const int root = r == 0 ? 0 : c.root1;
+      CallSignature call;
+      call.count = count;
+      call.root = root;
+      call.seq = 7;
+      call.kind = 2;
+      groups[r]->set_call(call);
+      std::vector<double> buf(count, 1.0);
+      std::string error;
+      try {
+        groups[r]->broadcast(buf.data(), count * sizeof(double), root);
+        if (r != root) ADD_FAILURE() << "rank " << r << ": a receiver's mismatched broadcast returned";
+        call.seq = 8;
+        call.kind = 9;
+        groups[r]->set_call(call);
+        groups[r]->barrier();
+        ADD_FAILURE() << "rank " << r << ": the call after a mismatched broadcast returned";
+      } catch (const MismatchError& e) {
+        error = e.what();
+      }
+      // The peer's call, as it published it: its count, and its seq (the broadcast's, 7).
+      const size_t theirs = r == 0 ? c.count1 : 2;
+      EXPECT_NE(error.find("count " + std::to_string(theirs) + ", seq 7"), std::string::npos) << r << ": " << error;
     });
   }
 }

@@ -116,6 +116,9 @@ size_t Group::broadcast_root_share(size_t bytes, int ranks) {
 void Group::broadcast(void* data_v, size_t bytes, int root) {
   if (root < 0 || root >= size_)
     throw InvalidArgument(fmt::format("broadcast: root {} is not a local rank in [0, {})", root, size_));
+  // An inline broadcast's root need not wait for its receivers (broadcast_inline); guarded() then
+  // confirms only the rounds whose lines this call reuses.
+  next_call_early_root_ = root == rank_ && early_root_for(bytes);
   guarded("broadcast", [&] {
     char* data = static_cast<char*>(data_v);
     if (size_ == 1) return;

@@ -60,6 +60,7 @@ GroupOptions GroupOptions::from_env(int local_size) {
   o.slot_copy = kCopy.get();
   o.single_copy = kSingleCopy.get();
   o.inline_small = inline_small_from_env();
+  o.early_root = early_root_from_env();
   o.single_copy_bytes = kSingleCopyBytes.get();
   if (o.slot_copy != "auto" && o.slot_copy != "cached" && o.slot_copy != "streaming")
     throw ConfigError(fmt::format("COHORT_SHM_COPY={}: expected auto, cached or streaming", o.slot_copy));
@@ -294,7 +295,17 @@ void Group::wait_all(const char* what) {
 
 void Group::check_calls() {
   compare_pending_ = false;
-  const unsigned entry = static_cast<unsigned>((calls_ - 1) & 1u);
+  compare_calls(static_cast<unsigned>((calls_ - 1) & 1u), active_);
+}
+
+void Group::leave_unconfirmed() {
+  unconfirmed_[(unconfirmed_first_ + unconfirmed_count_) % InlineLines::kDepth] = Unconfirmed{round_, active_};
+  ++unconfirmed_count_;
+  compare_pending_ = false;  // compared in confirm_arrivals
+  ++early_roots_;
+}
+
+void Group::compare_calls(unsigned entry, const CallSignature& active) {
   // A shareable call's ranks may pass different memory and ask differently: its tag and request bit
   // are tallied, and the rest of the signature is compared.
   auto compared = [this](CallSignature c) {
@@ -304,15 +315,15 @@ void Group::check_calls() {
     }
     return c;
   };
-  const CallSignature ours = compared(active_);
-  tally_.same_shared_range = active_.reserved != 0;
-  tally_.all_want_shared = (active_.flags & kCallWantsShared) != 0;
+  const CallSignature ours = compared(active);
+  tally_.same_shared_range = active.reserved != 0;
+  tally_.all_want_shared = (active.flags & kCallWantsShared) != 0;
   // Every peer has posted at least the step after which it published this entry, and cannot publish
   // into it again before this rank posts once more (it would need this rank's next post first).
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     const CallSignature published = sync_.control(q).call[entry];
-    tally_.same_shared_range = tally_.same_shared_range && published.reserved == active_.reserved;
+    tally_.same_shared_range = tally_.same_shared_range && published.reserved == active.reserved;
     tally_.all_want_shared = tally_.all_want_shared && (published.flags & kCallWantsShared) != 0;
     const CallSignature theirs = compared(published);
     if (!(theirs == ours)) {

@@ -30,6 +30,9 @@
 //  * reduce_scatter: the first half of the large allreduce, with slice r = output block r.
 //  * allgather: each rank copies its chunk into its slot; after one wait everyone copies the peers'.
 //  * broadcast: the root copies a chunk into its slot; the others copy it out after waiting for it.
+//    The root of an inline broadcast returns without waiting for the receivers: it has InlineLines::kDepth
+//    sets of lines, used in turn, and confirms the receivers' arrival (and compares their signatures, from
+//    their lines) only before it reuses a set, or before any other call (small.cc).
 //  * barrier: post, wait for all.
 //  * single copy (allgather(v), alltoall(v), gather, scatter, broadcast and reduce_scatter from
 //    single_copy_bytes, when the check at creation found that every rank may read every peer's memory with
@@ -94,10 +97,14 @@ struct GroupOptions {
   // COHORT_SHM_COPY.
   // Small messages inline with their flag (small.h). COHORT_SHM_INLINE.
   bool inline_small = true;
+  // An inline broadcast's root returns without waiting for its receivers; it confirms their arrival
+  // before it reuses those lines, or at its next call of another kind. COHORT_SHM_EARLY_ROOT.
+  bool early_root = true;
   static GroupOptions from_env(int local_size);
 };
-// COHORT_SHM_INLINE (small.cc).
+// COHORT_SHM_INLINE, COHORT_SHM_EARLY_ROOT (small.cc).
 bool inline_small_from_env();
+bool early_root_from_env();
 
 // What Group::probe measured on one local rank (docs/perf-shm.md, "The link probe").
 struct LinkProbe {
@@ -176,7 +183,11 @@ class Group {
   // Whether a call of `bytes_per_rank` (allreduce: its buffer; allgather: one rank's block; broadcast:
   // the buffer) goes inline with the flags (small.h), and how many calls did so far (tests, logs).
   bool inline_for(size_t bytes_per_rank) const;
+  // Whether a broadcast of `bytes` returns on its root without waiting for the receivers.
+  bool early_root_for(size_t bytes) const;
   uint64_t inline_calls() const { return inline_calls_; }
+  // Broadcasts whose root returned without waiting for the receivers (tests, logs).
+  uint64_t early_roots() const { return early_roots_; }
   // Bytes this rank moved on the single-copy path so far: read from peers (process_vm_readv), written
   // into peers (process_vm_writev). Says which rank did which part of the copy (tests, benchmarks).
   struct CopiedBytes {
@@ -304,6 +315,27 @@ class Group {
   // sync_.wait_all, then (once per call) the signature comparison.
   void wait_all(const char* what);
   void check_calls();
+  // check_calls for the call whose signature this rank published in control-line entry `entry` as `ours`.
+  void compare_calls(unsigned entry, const CallSignature& ours);
+  // The rounds of inline broadcasts whose root (this rank) returned without waiting (see early_root),
+  // oldest first, with what it published; at most kDepth - 1 of them.
+  struct Unconfirmed {
+    uint64_t round = 0;
+    CallSignature call{};
+  };
+  Unconfirmed unconfirmed_[InlineLines::kDepth];
+  unsigned unconfirmed_first_ = 0, unconfirmed_count_ = 0;
+  // The next call is an inline broadcast of which this rank is the root: guarded() confirms only the
+  // rounds whose lines it is about to reuse.
+  bool next_call_early_root_ = false;
+  // Confirms the unconfirmed rounds up to `through` (all: UINT64_MAX), oldest first: waits for every
+  // peer's lines of that round (then for its step, with the deadline and dead-peer checks of every wait)
+  // and compares the signature in them with this rank's (MismatchError).
+  void confirm_arrivals(uint64_t through);
+  // Polls rank q's lines for `round` for a short while (as inline_round does); whether they showed it.
+  bool poll_lines(int q, uint64_t round) const;
+  // Ends this inline broadcast's round without waiting, to be confirmed later (its root).
+  void leave_unconfirmed();
   // One round at creation: every rank publishes its CPU affinity; waits spin without yielding when the
   // ranks' CPU sets are pairwise disjoint (each has cores of its own: nobody waits for this core).
   void choose_wait_policy();
@@ -382,6 +414,7 @@ class Group {
   uint64_t single_copies_ = 0;
   InlineLines inline_;         // this group's lines for small messages, after the slots
   uint64_t inline_calls_ = 0;
+  uint64_t early_roots_ = 0;
   CopiedBytes copied_;
   std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
   std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten

@@ -44,13 +44,22 @@ template <typename Body>
 void Group::guarded(const char* what, Body&& body, uint32_t shared_tag, bool tally, uint8_t group_flags) {
   if (!failure_.empty()) throw AbortedError("shm group failed earlier: " + failure_);
   try {
+    // A broadcast root that did not wait for its receivers confirms their arrival before this call
+    // writes anything: every round, unless this is another such broadcast, which reuses only the lines
+    // of round round_ + 1 - kDepth (its own round is round_ + 1) and needs the arrival at the round after.
+    if (unconfirmed_count_ > 0)
+      confirm_arrivals(next_call_early_root_ ? round_ + 2 - InlineLines::kDepth : UINT64_MAX);
     // Publish this call's signature before its first post (the peers read it after seeing that post).
     active_ = call_;
     active_.reserved = shared_tag;
     active_.flags = static_cast<uint8_t>(active_.flags | group_flags);
     tally_ = Tally{tally, false, false};
-    sync_.control(rank_).call[calls_ & 1u] = active_;
+    // An inline broadcast's root that does not wait leaves its control line alone: it may run several
+    // calls ahead, and that entry may still hold a call a peer has yet to compare (its receivers compare
+    // the signature in its lines). calls_ still counts it, so that every rank uses the same entries.
+    if (!next_call_early_root_) sync_.control(rank_).call[calls_ & 1u] = active_;
     ++calls_;
+    next_call_early_root_ = false;
     compare_pending_ = size_ > 1;
     body();
     if (compare_pending_) {

@@ -14,9 +14,11 @@
 //
 // The group still posts its step after writing the lines: a waiter that spun past its short budget falls
 // back to PeerSync's wait (yield, futex, deadline, dead-peer and failure checks) on that step, and every
-// other path of the group keeps its invariant that all ranks post the same steps. Lines are reused every
-// second round, like the slots: a rank writes parity p in round t only after every peer posted round t-1,
-// i.e. finished reading round t-2.
+// other path of the group keeps its invariant that all ranks post the same steps. A rank has kDepth sets
+// of lines, used in turn by round (round % kDepth): a rank writes set t % kDepth in round t only after every
+// peer arrived at round t - kDepth + 1, i.e. finished reading round t - kDepth. Where every rank waits for
+// every rank each round that holds at once; the depth is for a broadcast's root, which does not wait
+// (Group::broadcast_inline) and may so run up to kDepth - 1 rounds ahead of its receivers.
 
 #include <algorithm>
 #include <atomic>
@@ -31,14 +33,15 @@ namespace cohort::shm {
 class InlineLines {
  public:
   static constexpr size_t kLine = 64;
-  static constexpr size_t kLines = 16;      // per rank and parity
+  static constexpr size_t kLines = 16;      // per rank and round
+  static constexpr unsigned kDepth = 8;     // sets of lines per rank, used in turn by round
   static constexpr size_t kHeader = 32;     // line 0: round (8), signature (24), then the data
   // Data bytes per rank and round: from byte 32 of line 0 on, contiguous through the following lines.
   static constexpr size_t kCapacity = kLines * kLine - kHeader;  // 992
   static_assert(sizeof(CallSignature) + 8 == kHeader);
 
   // The segment bytes the lines of `size` ranks take (a multiple of the line).
-  static size_t area_bytes(int size) { return static_cast<size_t>(size) * 2 * kLines * kLine; }
+  static size_t area_bytes(int size) { return static_cast<size_t>(size) * kDepth * kLines * kLine; }
 
   InlineLines() = default;
   // `area`: area_bytes(size) of the shared segment, 64-byte aligned, zeroed by its creator.
@@ -64,7 +67,7 @@ class InlineLines {
 
  private:
   char* lines(int q, uint64_t round) const {
-    return area_ + (static_cast<size_t>(q) * 2 + (round & 1u)) * kLines * kLine;
+    return area_ + (static_cast<size_t>(q) * kDepth + round % kDepth) * kLines * kLine;
   }
   static std::atomic_ref<uint64_t> seq(const char* line) {
     return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(const_cast<char*>(line)));
