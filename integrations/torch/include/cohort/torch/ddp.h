@@ -120,11 +120,12 @@ class DistributedDataParallel {
   void finish_gradient_sync();
 
   // Clears the gradients before the next backward, as torch 2.x's optimizer.zero_grad() (set_to_none)
-  // does, with one exception. A gradient that is a view of its bucket slot (gradient_as_bucket_view,
-  // the fused update) is zeroed in place, so that backward accumulates straight into the bucket.
-  // Every other .grad is released, so that backward hands over its fresh gradient instead of adding
-  // it to zeros. Right before the bucket rebuild (after the first iteration) every .grad is released,
-  // so that the old buckets are freed before the new ones are allocated (GradientSync::rebuild_pending).
+  // does: every .grad is released, so that backward hands over its fresh gradient instead of adding
+  // it to zeros. A gradient that was a view of its bucket slot (gradient_as_bucket_view, the fused
+  // update) becomes one again in backward: its hook copies the fresh gradient into the slot (one read
+  // and one write, where zeroing the view in place cost a memset and backward's add: issue 51). Right
+  // before the bucket rebuild (after the first iteration) this frees the old buckets before the new
+  // ones are allocated (GradientSync::rebuild_pending).
   // libtorch 1.13's optimizer.zero_grad() zeroes every gradient: one memset and one add
   // over the whole model each step that Python's loop does not pay (on one process that was 8-20 %
   // of the MLP example's step).
