@@ -95,8 +95,9 @@ void check_matches_torch_sgd(const Case& c) {
       ::torch::nn::functional::cross_entropy(ddp->forward(x), y).backward();
       // This rank's own gradient, in its bucket slot, waiting for the fused step (the first iteration's
       // buckets are rebuilt in ready order after it, so the views are checked from the second).
-      if (c.ddp_zero_grad && c.expect_fused && it > 0)
+      if (c.ddp_zero_grad && c.expect_fused && it > 0) {
         for (size_t i = 0; i < ps.size(); ++i) ASSERT_TRUE(ddp.gradient_is_bucket_view(i)) << "param " << i;
+      }
       if (c.average_before_step) ddp.finish_gradient_sync();
       opt.step();
       if (c.replace_a_parameter && it == 1) {
