@@ -59,9 +59,9 @@ struct DDPOptions {
   bool find_unused_parameters = false;
   bool rebuild_buckets = true;
   // torch's gradient_as_bucket_view: each parameter's .grad becomes a view of its slot in the
-  // communication bucket (from its first synchronised backward on, and again after the bucket
-  // rebuild), so backward accumulates straight into the bucket and neither the copy into the bucket
-  // nor the copy of the average back into .grad happens (2 x the model size per step). The .grad
+  // communication bucket (from its first synchronised backward on, again after the bucket rebuild and
+  // after each zero_grad() that released it), so the average is never copied back into .grad, and a
+  // gradient accumulated into the view (no_sync, torch's zero_grad) is not copied into it either. The .grad
   // tensor object changes when it is rebound: code holding an old .grad reference must re-read it.
   // Off: .grad keeps its own memory and is copied both ways.
   bool gradient_as_bucket_view = true;
