@@ -151,8 +151,8 @@ void ShardedOptimizer::check_same_configuration() {
 }
 
 void ShardedOptimizer::zero_grad() {
-  // Stage 1: .grad are views of the buckets, zeroed in place; stage 2: released (the gradients live in
-  // the buckets, then in the chunks). DDP's zero_grad() tells the two apart.
+  // The model's .grad are released (stage 1: backward copies the fresh ones into the buckets and makes
+  // .grad their views again; stage 2: the gradients live in the buckets, then in the chunks).
   ddp_.zero_grad();
   ::torch::NoGradGuard no_grad;
   for (auto& c : chunks_) c.mutable_grad().zero_();

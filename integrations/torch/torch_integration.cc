@@ -331,18 +331,18 @@ bool DistributedDataParallel::gradient_is_bucket_view(size_t index) const {
 
 void DistributedDataParallel::zero_grad() {
   ::torch::NoGradGuard no_grad;
-  // Views of buckets about to be replaced (the rebuild after the first iteration) are released too:
-  // then the old buckets' memory returns before the new buckets take theirs.
+  // Every .grad is released, bucket views too. Backward then hands its fresh gradient over, the hook
+  // copies it into the bucket slot (mark_ready: one read, one write) and makes .grad the slot's view
+  // again. A view zeroed in place would cost a memset and then backward's add into it (two reads, two
+  // writes over the model): on 2 ranks that was what the one-process loop no longer paid (issue 51).
+  // Before the rebuild after the first iteration this also frees the old buckets' memory before the
+  // new buckets take theirs.
   const bool rebuilding = sync_->rebuild_pending();
   for (size_t i = 0; i < params_.size(); ++i) {
     ::torch::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) continue;
-    if (!rebuilding && gradient_is_bucket_view(i)) {
-      grad.zero_();
-    } else {
-      grad.reset();
-      contiguous_grads_[i] = ::torch::Tensor();
-    }
+    grad.reset();
+    contiguous_grads_[i] = ::torch::Tensor();
   }
   // Once, after the first iteration: the optimizer's first step has just created its state tensor by
   // tensor between its temporaries, and left the heap in holes that glibc keeps (355 MB free per rank

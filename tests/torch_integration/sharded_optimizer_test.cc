@@ -143,12 +143,12 @@ TEST_P(ShardedTest, WeightsEqualTheUnshardedOptimizerOnTheGlobalBatchAfterEveryS
     for (int it = 0; it < steps; ++it) {
       auto b = share(global_batch(it), rank, world);
       opt->zero_grad();
+      ::torch::nn::functional::cross_entropy(ddp->forward(b.x), b.y).backward();
       if (stage == 1 && it > 0) {
-        // Stage 1 keeps .grad as views of the buckets: zeroed in place, not released (backward would
-        // then make fresh gradients and copy them in).
+        // Stage 1 keeps .grad as views of the buckets: released by zero_grad like every gradient,
+        // backward's fresh gradient is copied into the slot and .grad made its view again.
         for (size_t i = 0; i < model->parameters().size(); ++i) EXPECT_TRUE(ddp.gradient_is_bucket_view(i)) << i;
       }
-      ::torch::nn::functional::cross_entropy(ddp->forward(b.x), b.y).backward();
       if (stage == 2) {
         for (auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined()) << "stage 2 keeps no whole gradient";
       }

@@ -59,9 +59,9 @@ struct DDPOptions {
   bool find_unused_parameters = false;
   bool rebuild_buckets = true;
   // torch's gradient_as_bucket_view: each parameter's .grad becomes a view of its slot in the
-  // communication bucket (from its first synchronised backward on, and again after the bucket
-  // rebuild), so backward accumulates straight into the bucket and neither the copy into the bucket
-  // nor the copy of the average back into .grad happens (2 x the model size per step). The .grad
+  // communication bucket (from its first synchronised backward on, again after the bucket rebuild and
+  // after each zero_grad() that released it), so the average is never copied back into .grad, and a
+  // gradient accumulated into the view (no_sync, torch's zero_grad) is not copied into it either. The .grad
   // tensor object changes when it is rebound: code holding an old .grad reference must re-read it.
   // Off: .grad keeps its own memory and is copied both ways.
   bool gradient_as_bucket_view = true;
@@ -120,11 +120,12 @@ class DistributedDataParallel {
   void finish_gradient_sync();
 
   // Clears the gradients before the next backward, as torch 2.x's optimizer.zero_grad() (set_to_none)
-  // does, with one exception. A gradient that is a view of its bucket slot (gradient_as_bucket_view,
-  // the fused update) is zeroed in place, so that backward accumulates straight into the bucket.
-  // Every other .grad is released, so that backward hands over its fresh gradient instead of adding
-  // it to zeros. Right before the bucket rebuild (after the first iteration) every .grad is released,
-  // so that the old buckets are freed before the new ones are allocated (GradientSync::rebuild_pending).
+  // does: every .grad is released, so that backward hands over its fresh gradient instead of adding
+  // it to zeros. A gradient that was a view of its bucket slot (gradient_as_bucket_view, the fused
+  // update) becomes one again in backward: its hook copies the fresh gradient into the slot (one read
+  // and one write, where zeroing the view in place cost a memset and backward's add: issue 51). Right
+  // before the bucket rebuild (after the first iteration) this frees the old buckets before the new
+  // ones are allocated (GradientSync::rebuild_pending).
   // libtorch 1.13's optimizer.zero_grad() zeroes every gradient: one memset and one add
   // over the whole model each step that Python's loop does not pay (on one process that was 8-20 %
   // of the MLP example's step).
