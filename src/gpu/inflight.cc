@@ -50,7 +50,13 @@ bool DeviceCommunicator::poll(const Inflight& op, const Deadline& deadline, Mill
   // NCCL's asynchronous error is checked even when the event fired: a failed operation may still
   // let its kernel finish, with garbage in the buffer.
   check_async_error(op.what);
-  if (rc == kCudaSuccess) return true;
+  if (rc == kCudaSuccess) {
+    // The communicator may have been aborted (the watchdog, another thread) between the check above
+    // and the query: an aborted communicator's kernels end early, so the event firing is then no proof
+    // that the operation ran. (Seen as an ungrouped, deadlocked exchange that "completed" under load.)
+    rethrow_failure();
+    return true;
+  }
   if (deadline.expired()) fail<TimeoutError>(timeout_message(op.what, limit));
   return false;
 }
