@@ -38,7 +38,6 @@ void bruck_allgather(Context& ctx, const void* own, void* recv, size_t block_byt
 
 thread_local std::vector<size_t> t_displs;
 
-
 // Pairwise exchange, overlapped: every receive is posted first, then the sends go out in pairwise order
 // (to r+1, r+2, ...: at any moment the ranks send to different partners), with at most
 // kExchangeWindow of them unfinished at a time. One partner pair per step, each step waiting for its
