@@ -49,17 +49,9 @@ TMP=$(mktemp -d)
 [[ -n $LOGS ]] || LOGS=$TMP
 mkdir -p "$LOGS"
 
-# This script owns the cluster (COHORT_CLUSTER_OWNER): with the `up` process as its owner, which exits at
-# once, any `cluster.sh gc` (run_test.sh calls it before every multi-host test) deletes it mid-run.
-D=$(COHORT_CLUSTER_OWNER=$$ COHORT_CLUSTER_QUIET=1 "$CLUSTER" up -k $K) || { echo "bench_bert_multihost: cluster.sh up failed" >&2; exit 1; }
-# The cluster goes down whatever happens (failure, Ctrl-C): nothing outlives the run.
-trap '"$CLUSTER" down "$D" >/dev/null 2>&1; rm -rf "$TMP"' EXIT
-trap 'exit 130' INT TERM
-"$CLUSTER" shape "$D" all 0 "$RATE" || exit 1
-# shellcheck disable=SC1091
-source "$D/env"
-IFACE=$("$CLUSTER" exec "$D" 0 ip -br -4 addr | awk '$3 ~ /^198\.18\./ {sub(/@.*/, "", $1); print $1; exit}')
-[[ -n $IFACE ]] || { echo "bench_bert_multihost: no 198.18.0.x interface in host 0" >&2; exit 1; }
+# shellcheck source=bench/namespace_cluster.sh
+source bench/namespace_cluster.sh
+bench_cluster_up bench_bert_multihost "$K" "$RATE" "$TMP"
 
 read -r -a model <<<"$MODEL"
 common=("${model[@]}" --max-steps "$STEPS" --threads 1)

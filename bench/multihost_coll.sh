@@ -44,15 +44,9 @@ if [[ -n ${BASE:-} ]]; then
 fi
 mpicc -O2 -o "$TMP/bench_mpi" "$PEERS/bench_mpi.c" -lm || exit 1
 
-# This script owns the cluster (see bench_bert_multihost.sh): it goes down whatever happens.
-D=$(COHORT_CLUSTER_OWNER=$$ COHORT_CLUSTER_QUIET=1 "$CLUSTER" up -k $K) || { echo "multihost_coll: cluster.sh up failed" >&2; exit 1; }
-trap '"$CLUSTER" down "$D" >/dev/null 2>&1; rm -rf "$TMP"' EXIT
-trap 'exit 130' INT TERM
-"$CLUSTER" shape "$D" all 0 "$RATE" || exit 1
-# shellcheck disable=SC1091
-source "$D/env"
-IFACE=$("$CLUSTER" exec "$D" 0 ip -br -4 addr | awk '$3 ~ /^198\.18\./ {sub(/@.*/, "", $1); print $1; exit}')
-[[ -n $IFACE ]] || { echo "multihost_coll: no 198.18.0.x interface in host 0" >&2; exit 1; }
+# shellcheck source=bench/namespace_cluster.sh
+source bench/namespace_cluster.sh
+bench_cluster_up multihost_coll "$K" "$RATE" "$TMP"
 hosts=$(seq 0 $((K - 1)) | sed "s/^/h/; s/\$/:$PER_HOST/" | paste -sd,)
 export OMP_NUM_THREADS=1
 
