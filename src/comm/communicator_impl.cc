@@ -87,6 +87,17 @@ CommunicatorImpl::~CommunicatorImpl() {
   }
   queue_cv_.notify_all();
   if (progress_.joinable()) progress_.join();
+  if (shm_group_) {
+    // A rank whose last calls were broadcasts it rooted without waiting has not yet seen its receivers
+    // arrive (docs/algorithms-shm.md, "Small messages"): what its next call would have checked is checked
+    // here, so a mismatched last broadcast is named even when nothing follows it. A destructor cannot
+    // throw: the line is the report.
+    try {
+      shm_group_->confirm_early_broadcasts();
+    } catch (const std::exception& e) {
+      log::error("communicator '{}' ending: {}", prefix_, e.what());
+    }
+  }
   recorder_.close_run(timeline_run_);
 }
 

@@ -5,6 +5,8 @@
 //     once      one allreduce, prints the sum
 //     loop      allreduce `bytes` (default 4096) forever; prints "ready" after the first one
 //     mismatch  rank 1 calls allreduce with a different count than the others
+//     two-roots every rank broadcasts 4 floats as the root (each its own rank), then returns from main:
+//               a small broadcast's root does not wait, so only the communicator's end can name it
 //     skip      10 allreduces, but rank 1 skips the 5th: it finishes one early and exits 0 while the
 //               others wait in their 10th (the flight recorder names rank 1)
 //     timed     allreduces for 3 s, then exits 0 (live stats)
@@ -156,6 +158,12 @@ int main(int argc, char** argv) {
       comm->allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
       std::printf("no error\n");
       return 0;
+    }
+    if (mode == "two-roots") {
+      comm->broadcast(buf.data(), 4, DataType::kFloat32, rank);
+      std::printf("rank %d: broadcast returned\n", rank);
+      std::fflush(stdout);
+      return 0;  // `comm` ends here
     }
     if (mode == "skip") {
       for (int i = 1; i <= 10; ++i)

@@ -190,6 +190,19 @@ TEST(Faults, MismatchedCountsAreReportedNotCorrupted) {
   }
 }
 
+// A mismatched last call that returned on every rank (a small broadcast's root does not wait for its
+// receivers) is still named: when the communicator ends, by every rank.
+TEST(Faults, TwoRanksThatBothBroadcastAsTheRootAndEndNameTheMismatch) {
+  Job job("two-roots", 2, 64);
+  ASSERT_TRUE(job.wait_exit(-1, 30));
+  for (int r : {0, 1}) {
+    std::string e = job.err(r);
+    EXPECT_NE(test::read_file(job.out_path(r)).find("broadcast returned"), std::string::npos) << e;
+    EXPECT_NE(e.find("ending: "), std::string::npos) << e;
+    EXPECT_NE(e.find("broadcast(count=4, float, root=" + std::to_string(1 - r) + ")"), std::string::npos) << e;
+  }
+}
+
 TEST(FromEnv, TorchrunVariablesRankZeroHostsTheStore) {
   const int n = 3;
   int port = test::free_port();

@@ -267,5 +267,45 @@ TEST(ShmSmall, AMismatchWithABroadcastWhoseRootReturnedIsNamedByEveryRank) {
   }
 }
 
+// What the root's next call would check, checked when the group's owner ends: a matched last broadcast
+// confirms (the receivers got it), and two ranks that both took themselves for the root of their last
+// call (nothing after it) both name the mismatch there instead of returning as if it had happened.
+TEST(ShmSmall, TheLastEarlyBroadcastsAreConfirmedWhenTheGroupsOwnerEnds) {
+  for (bool two_roots : {false, true}) {
+    std::vector<std::unique_ptr<Group>> groups(2);
+    const std::string address = random_address("test-small-early-end");
+    GroupOptions o = GroupOptions::from_env(2);
+    o.early_root = true;
+    test::run_ranks(2, [&](int r) { groups[r] = Group::create_at(address, r, 2, milliseconds(20000), o); });
+    test::run_ranks(2, [&](int r) {
+      CallSignature call;
+      call.count = 4;
+      call.kind = 2;
+      std::string error;
+      try {
+        for (int i = 0; i < 3; ++i) {
+          const int root = two_roots && i == 2 ? r : 0;  // the last: each its own root
+          call.root = root;
+          call.seq = 10 + i;
+          groups[r]->set_call(call);
+          std::vector<double> buf(4, r == root ? 100.0 + i : -1.0);
+          groups[r]->broadcast(buf.data(), sizeof(double) * buf.size(), root);
+          if (!two_roots && buf[3] != 100.0 + i) ADD_FAILURE() << "rank " << r << " round " << i << ": " << buf[3];
+        }
+        groups[r]->confirm_early_broadcasts();
+      } catch (const MismatchError& e) {
+        error = e.what();
+      }
+      if (!two_roots) {
+        EXPECT_EQ(error, "") << "rank " << r;
+        if (r == 0) EXPECT_EQ(groups[r]->early_roots(), 3u);
+      } else {
+        // Each names the peer's call as the peer published it (its root, in the seq of the last call).
+        EXPECT_NE(error.find("seq 12"), std::string::npos) << "rank " << r << ": '" << error << "'";
+      }
+    });
+  }
+}
+
 }  // namespace
 }  // namespace cohort::shm

@@ -188,6 +188,12 @@ class Group {
   uint64_t inline_calls() const { return inline_calls_; }
   // Broadcasts whose root returned without waiting for the receivers (tests, logs).
   uint64_t early_roots() const { return early_roots_; }
+  // The check an early broadcast root makes at its next call (its receivers arrived, and called the same
+  // broadcast), made now for every such broadcast not yet confirmed: for the group's owner when it ends,
+  // since a rank whose last calls were those broadcasts has no next call to find a mismatch at (two ranks
+  // that both took themselves for the root would otherwise both return and neither name it). Waits as a
+  // call does (deadline, dead peers); throws MismatchError, TimeoutError or PeerLostError as a call does.
+  void confirm_early_broadcasts();
   // Bytes this rank moved on the single-copy path so far: read from peers (process_vm_readv), written
   // into peers (process_vm_writev). Says which rank did which part of the copy (tests, benchmarks).
   struct CopiedBytes {

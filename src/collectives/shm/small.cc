@@ -118,6 +118,11 @@ bool Group::poll_lines(int q, uint64_t round) const {
   }
 }
 
+void Group::confirm_early_broadcasts() {
+  if (!failure_.empty() || unconfirmed_count_ == 0) return;
+  confirm_arrivals(UINT64_MAX);
+}
+
 void Group::confirm_arrivals(uint64_t through) {
   // A peer's lines of round r show r from its arrival there until it writes round r + kDepth, which
   // it does only after this rank's lines of that round, which come after this confirmation.
