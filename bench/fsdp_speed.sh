@@ -28,7 +28,8 @@ done
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo
 torch_fsdp=0
 [[ -n ${TRIXIE_ROOT:-} && $(id -u) -eq 0 ]] && torch_fsdp=1
-rate() { grep -o "samples/s: [0-9.]*" | awk '{print $2}'; }
+# samples/s from the line's sample count and seconds, not its rounded figure (BERT-base runs below 1/s).
+rate() { grep -o "samples/s: [0-9.]* ([0-9]* samples on [0-9]* ranks in [0-9.]* s" | awk '$9 > 0 {printf "%.3f\n", substr($3, 2) / $9}'; }
 load() { cut -d' ' -f1 /proc/loadavg; }
 
 # The program's command line for MODEL (without the mode's flag).
@@ -76,7 +77,7 @@ for m in "${models[@]}"; do
         if (!n) exit
         for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t }
         med = n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
-        printf "%-10s %-10s %7.1f  (%.1f-%.1f)\n", m, mode, med, v[1], v[n]
+        printf "%-10s %-10s %8.2f  (%.2f-%.2f)\n", m, mode, med, v[1], v[n]
       }' "$all"
   done
 done
