@@ -4,6 +4,7 @@
 # the one round loop they share, so that every one of them interleaves, and reports the load, alike.
 #
 #   bench_load                        the load averages as /proc/loadavg's first three fields ("3.10 2.85 2.40")
+#   bench_summary VALUES...           "min A median B max C" of the values
 #   interleaved_rounds ROUNDS CASES [--start-lines]
 #                                     runs `CASES r` for r = 1..ROUNDS. CASES is a function that runs
 #                                     every peer's measurements of round r one after another, in fresh
@@ -12,6 +13,14 @@
 #                                     ends with a line "# round r done, load L1 L2 L3", and with
 #                                     --start-lines begins with "# round r start, load L1 L2 L3".
 bench_load() { cut -d' ' -f1-3 /proc/loadavg; }
+
+# bench_summary VALUES...: "min A median B max C" of the values (3 decimals; the median of an even
+# count is the mean of the middle two), for the scripts that summarise their rounds per case.
+bench_summary() {
+  printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1}
+    END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+          printf "min %.3f median %.3f max %.3f", v[1], m, v[NR] }'
+}
 
 interleaved_rounds() {
   local rounds=$1 cases=$2 start_lines=${3:-} r

@@ -35,6 +35,10 @@ expect "without" "$(interleaved_rounds 2 cases)" \
   "case A round 1" "case B round 1" "# round 1 done, load $load" \
   "case A round 2" "case B round 2" "# round 2 done, load $load"
 [[ $(interleaved_rounds 0 cases) == "" ]] || fail "0 rounds printed something"
+# The per-case summary the A/B scripts print (bench/launch/*_cost.sh).
+[[ $(bench_summary 3 1 2) == "min 1.000 median 2.000 max 3.000" ]] || fail "bench_summary 3 1 2: $(bench_summary 3 1 2)"
+[[ $(bench_summary 0.4 0.1 0.2 0.3) == "min 0.100 median 0.250 max 0.400" ]] ||
+  fail "bench_summary 0.4 0.1 0.2 0.3: $(bench_summary 0.4 0.1 0.2 0.3)"
 
 # One loop: a script that frames its own rounds has a loop beside the shared one.
 while IFS= read -r f; do
