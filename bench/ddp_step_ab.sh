@@ -12,10 +12,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/rounds_loop.sh
-source bench/rounds_loop.sh  # bench_ab_header
-[ $# -ge 2 ] || { echo "usage: $0 BEFORE_BUILD AFTER_BUILD [out_file]" >&2; exit 2; }
-BEFORE=$(realpath "$1") || exit 2
-AFTER=$(realpath "$2") || exit 2
+source bench/rounds_loop.sh  # bench_ab_builds, bench_ab_header
+bench_ab_builds "$@"
 ROUNDS=${ROUNDS:-3} SAMPLES=${SAMPLES:-12800} MODEL=${MODEL:-mlp}
 [ -n "${3:-}" ] && exec > >(tee -a "$3") 2>&1
 for b in "$BEFORE" "$AFTER"; do

@@ -10,10 +10,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/rounds_loop.sh
-source bench/rounds_loop.sh  # bench_ab_header
-[ $# -ge 2 ] || { echo "usage: $0 BEFORE_BUILD AFTER_BUILD [out_file]" >&2; exit 2; }
-BEFORE=$(realpath "$1") || exit 2
-AFTER=$(realpath "$2") || exit 2
+source bench/rounds_loop.sh  # bench_ab_builds, bench_ab_header
+bench_ab_builds "$@"
 OUT=${3:-/dev/stdout}
 ROUNDS=${ROUNDS:-3}
 SIZES=${SIZES:-4KiB,1MiB}
