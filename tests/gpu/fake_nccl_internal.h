@@ -34,6 +34,7 @@ struct Message {
   bool taken = false;  // under the clique's mu
 };
 
+// One rank's part in a collective: what it sends and where its result goes.
 struct Contribution {
   int kind;  // 0 allreduce, 1 broadcast, 2 reduce, 3 allgather, 4 reduce_scatter
   const void* send;  // the fake's views (device memory's readable alias)
@@ -42,6 +43,7 @@ struct Contribution {
   int dtype, op, root;
 };
 
+// The ranks of one unique id: their collectives meet in `slots` by number, their messages in `mailbox`.
 struct Clique {
   std::string id;  // the unique id it was made from (its g_cliques key until everyone joined)
   int n = 0;
@@ -55,6 +57,7 @@ struct Clique {
   std::string last_error;
 };
 
+// One rank's communicator (the handle NCCL hands out).
 struct Comm {
   std::shared_ptr<Clique> clique;
   int rank = 0;
