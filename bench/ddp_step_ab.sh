@@ -11,24 +11,20 @@
 # SAMPLES: training images per run (--train-samples; 0 = the whole epoch of 60,000).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { echo "usage: $0 BEFORE_BUILD AFTER_BUILD [out_file]" >&2; exit 2; }
-BEFORE=$(realpath "$1") || exit 2
-AFTER=$(realpath "$2") || exit 2
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh  # bench_ab_builds, bench_ab_header
+bench_ab_builds "$@"
 ROUNDS=${ROUNDS:-3} SAMPLES=${SAMPLES:-12800} MODEL=${MODEL:-mlp}
 [ -n "${3:-}" ] && exec > >(tee -a "$3") 2>&1
 for b in "$BEFORE" "$AFTER"; do
   [ -x "$b/tools/cohort" ] && [ -x "$b/examples/fashion_mnist/fashion_mnist" ] ||
     { echo "$b: no tools/cohort or examples/fashion_mnist/fashion_mnist (ninja -C $b cohort fashion_mnist)" >&2; exit 2; }
 done
-cpus=$(nproc)  # before OMP_NUM_THREADS is set: GNU nproc prints that instead
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 out=$(mktemp)
 trap 'rm -f "$out" "$out".solo*' EXIT
 {
-echo "# $(date -u +%FT%TZ) $(uname -n), $cpus CPUs, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-# The builds as given (a full path would name this machine's folders in a results file).
-echo "# before: $1 ($(git -C "$BEFORE/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
-echo "# after:  $2 ($(git -C "$AFTER/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
+bench_ab_header "$1" "$BEFORE" "$2" "$AFTER"
 echo "# model $MODEL, $SAMPLES samples per run (0: the epoch), 1 intra-op thread per rank"
 ceiling() {
   local bin=$AFTER/examples/fashion_mnist/fashion_mnist c

@@ -11,19 +11,16 @@
 # Lines are ps_bench's RESULT lines, tagged with the build's name.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { echo "usage: $0 BEFORE_BUILD AFTER_BUILD [out_file]" >&2; exit 2; }
-BEFORE=$(realpath "$1") || exit 2
-AFTER=$(realpath "$2") || exit 2
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh  # bench_ab_builds, bench_ab_header
+bench_ab_builds "$@"
 ROUNDS=${ROUNDS:-3}
 [ -n "${3:-}" ] && exec > >(tee -a "$3") 2>&1
 for b in "$BEFORE" "$AFTER"; do
   [ -x "$b/tools/cohort" ] && [ -x "$b/bench/ps_bench" ] ||
     { echo "$b: no tools/cohort or bench/ps_bench (ninja -C $b cohort ps_bench)" >&2; exit 2; }
 done
-echo "# $(date -u +%FT%TZ) $(uname -n), $(nproc) CPUs, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-# The builds as given (a full path would name this machine's folders in a results file).
-echo "# before: $1 ($(git -C "$BEFORE/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
-echo "# after:  $2 ($(git -C "$AFTER/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
+bench_ab_header "$1" "$BEFORE" "$2" "$AFTER"
 run() {  # $1 = build dir, $2 = tag
   local line
   line=$(timeout 300 "$1/tools/cohort" run --ps 1 --nproc-per-node 2 --no-tag-output "$1/bench/ps_bench" \

@@ -9,9 +9,9 @@
 # gloo and cohort alternate per size (see that script). Lines are tagged with the build's name.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { echo "usage: $0 BEFORE_BUILD AFTER_BUILD [out_file]" >&2; exit 2; }
-BEFORE=$(realpath "$1") || exit 2
-AFTER=$(realpath "$2") || exit 2
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh  # bench_ab_builds, bench_ab_header
+bench_ab_builds "$@"
 OUT=${3:-/dev/stdout}
 ROUNDS=${ROUNDS:-3}
 SIZES=${SIZES:-4KiB,1MiB}
@@ -20,10 +20,7 @@ for b in "$BEFORE" "$AFTER"; do
   [ -x "$b/tools/cohort" ] && ls "$b"/integrations/python/cohort_torch*.so >/dev/null 2>&1 ||
     { echo "$b: no tools/cohort or cohort_torch module (ninja -C $b cohort cohort_torch)" >&2; exit 2; }
 done
-echo "# $(date -u +%FT%TZ) $(uname -n), $(nproc) CPUs, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-# The builds as given (a full path would name this machine's folders in a results file).
-echo "# before: $1 ($(git -C "$BEFORE/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
-echo "# after:  $2 ($(git -C "$AFTER/.." rev-parse --short HEAD 2>/dev/null || echo 'commit unknown'))"
+bench_ab_header "$1" "$BEFORE" "$2" "$AFTER"
 run() {  # $1 = build dir, $2 = tag
   env -u MASTER_ADDR -u MASTER_PORT -u RANK -u WORLD_SIZE PYTHONPATH="$1/integrations/python" \
     GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout 300 "$1/tools/cohort" run --nproc-per-node 2 --no-tag-output \

@@ -10,6 +10,8 @@
 set -euo pipefail
 here=$(dirname "$(readlink -f "$0")")
 source "$here/../../tests/multihost/lib.sh"
+# shellcheck source=bench/rounds_loop.sh
+source "$here/../rounds_loop.sh"  # bench_summary
 rounds=${1:-8} build=$(readlink -f "${2:-$here/../../build}")
 n=$COHORT_CLUSTER_K
 cohort=$build/tools/cohort barrier=$build/examples/barrier/barrier
@@ -55,11 +57,6 @@ for ((r = 1; r <= rounds; r++)); do
   O+=("$x"); T+=("$y")
   echo "$r $x $y"
 done
-stats() {  # min, median, max of the arguments
-  printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1}
-    END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
-          printf "min %.3f median %.3f max %.3f", v[1], m, v[NR] }'
-}
-echo "open:  $(stats "${O[@]}")"
-echo "token: $(stats "${T[@]}")"
+echo "open:  $(bench_summary "${O[@]}")"
+echo "token: $(bench_summary "${T[@]}")"
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"

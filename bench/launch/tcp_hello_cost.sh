@@ -7,6 +7,8 @@
 #   bench/launch/tcp_hello_cost.sh BUILD_A BUILD_B [N=8] [ROUNDS=10]
 # Each build's own `cohort` launches its own `examples/barrier/barrier`.
 set -euo pipefail
+# shellcheck source=bench/rounds_loop.sh
+source "$(dirname "$(readlink -f "$0")")/../rounds_loop.sh"  # bench_summary
 a=${1:?usage: tcp_hello_cost.sh BUILD_A BUILD_B [N] [ROUNDS]} b=${2:?usage}
 n=${3:-8} rounds=${4:-10}
 for d in "$a" "$b"; do
@@ -30,11 +32,6 @@ for ((r = 1; r <= rounds; r++)); do
   A+=("$x"); B+=("$y")
   echo "$r $x $y"
 done
-stats() {  # min, median, max of the arguments
-  printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1}
-    END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
-          printf "min %.3f median %.3f max %.3f", v[1], m, v[NR] }'
-}
-echo "A: $(stats "${A[@]}")"
-echo "B: $(stats "${B[@]}")"
+echo "A: $(bench_summary "${A[@]}")"
+echo "B: $(bench_summary "${B[@]}")"
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "comm/pmix.h"
+#include "common/abi_same_arity.h"
 
 namespace cohort::comm::pmix::abi {
 
@@ -34,19 +35,13 @@ static_assert(sizeof(pmix_info_t) == sizeof(Info) && offsetof(pmix_info_t, key) 
               offsetof(pmix_info_t, value) == offsetof(Info, value));
 
 // The same parameter lists as the real prototypes (sizes of each parameter and of the result).
-template <typename Real, typename Ours>
-constexpr bool same_arity = false;
-template <typename R1, typename... A1, typename R2, typename... A2>
-constexpr bool same_arity<R1 (*)(A1...), R2 (*)(A2...)> =
-    sizeof...(A1) == sizeof...(A2) && ((sizeof(A1) == sizeof(A2)) && ...) && sizeof(R1) == sizeof(R2);
-#define COHORT_SAME(real, ours) static_assert(same_arity<decltype(&real), decltype(ours)>, #real)
-COHORT_SAME(PMIx_Init, Api{}.Init);
-COHORT_SAME(PMIx_Finalize, Api{}.Finalize);
-COHORT_SAME(PMIx_Put, Api{}.Put);
-COHORT_SAME(PMIx_Commit, Api{}.Commit);
-COHORT_SAME(PMIx_Fence, Api{}.Fence);
-COHORT_SAME(PMIx_Get, Api{}.Get);
-COHORT_SAME(PMIx_Error_string, Api{}.Error_string);
-COHORT_SAME(PMIx_Get_version, Api{}.Get_version);
+COHORT_SAME_ARITY(PMIx_Init, Api{}.Init);
+COHORT_SAME_ARITY(PMIx_Finalize, Api{}.Finalize);
+COHORT_SAME_ARITY(PMIx_Put, Api{}.Put);
+COHORT_SAME_ARITY(PMIx_Commit, Api{}.Commit);
+COHORT_SAME_ARITY(PMIx_Fence, Api{}.Fence);
+COHORT_SAME_ARITY(PMIx_Get, Api{}.Get);
+COHORT_SAME_ARITY(PMIx_Error_string, Api{}.Error_string);
+COHORT_SAME_ARITY(PMIx_Get_version, Api{}.Get_version);
 
 }  // namespace cohort::comm::pmix::abi

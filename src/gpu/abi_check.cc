@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "common/abi_same_arity.h"
 #include "gpu/runtime.h"
 
 // The real enums are compared with ours as integers.
@@ -55,56 +56,49 @@ constexpr ncclConfig_t kNcclDefaultConfig = NCCL_CONFIG_INITIALIZER;
 static_assert(kNcclDefaultConfig.magic == NcclConfig{}.magic && kNcclDefaultConfig.blocking == NcclConfig{}.blocking);
 
 // The same parameter lists (handles as void*, enums as int) as the real prototypes.
-template <typename Real, typename Ours>
-constexpr bool same_arity = false;
-template <typename R1, typename... A1, typename R2, typename... A2>
-constexpr bool same_arity<R1 (*)(A1...), R2 (*)(A2...)> =
-    sizeof...(A1) == sizeof...(A2) && ((sizeof(A1) == sizeof(A2)) && ...) && sizeof(R1) == sizeof(R2);
-#define COHORT_SAME(real, ours) static_assert(same_arity<decltype(&real), decltype(ours)>, #real)
-COHORT_SAME(cudaGetDeviceCount, CudaApi{}.GetDeviceCount);
-COHORT_SAME(cudaSetDevice, CudaApi{}.SetDevice);
-COHORT_SAME(cudaGetDevice, CudaApi{}.GetDevice);
-COHORT_SAME(cudaFree, CudaApi{}.Free);
-COHORT_SAME(cudaFreeHost, CudaApi{}.FreeHost);
-COHORT_SAME(cudaMemcpy, CudaApi{}.Memcpy);
-COHORT_SAME(cudaMemcpyAsync, CudaApi{}.MemcpyAsync);
-COHORT_SAME(cudaMemsetAsync, CudaApi{}.MemsetAsync);
-COHORT_SAME(cudaStreamCreateWithFlags, CudaApi{}.StreamCreateWithFlags);
-COHORT_SAME(cudaStreamDestroy, CudaApi{}.StreamDestroy);
-COHORT_SAME(cudaStreamSynchronize, CudaApi{}.StreamSynchronize);
-COHORT_SAME(cudaStreamQuery, CudaApi{}.StreamQuery);
-COHORT_SAME(cudaStreamWaitEvent, CudaApi{}.StreamWaitEvent);
-COHORT_SAME(cudaEventCreateWithFlags, CudaApi{}.EventCreateWithFlags);
-COHORT_SAME(cudaEventRecord, CudaApi{}.EventRecord);
-COHORT_SAME(cudaEventQuery, CudaApi{}.EventQuery);
-COHORT_SAME(cudaEventElapsedTime, CudaApi{}.EventElapsedTime);
-COHORT_SAME(cudaEventDestroy, CudaApi{}.EventDestroy);
-COHORT_SAME(cudaPointerGetAttributes, CudaApi{}.PointerGetAttributes);
-COHORT_SAME(cudaDeviceGetPCIBusId, CudaApi{}.DeviceGetPCIBusId);
-COHORT_SAME(cudaDriverGetVersion, CudaApi{}.DriverGetVersion);
-COHORT_SAME(cudaRuntimeGetVersion, CudaApi{}.RuntimeGetVersion);
-COHORT_SAME(cudaGetLastError, CudaApi{}.GetLastError);
-COHORT_SAME(cudaGetErrorName, CudaApi{}.GetErrorName);
-COHORT_SAME(cudaGetErrorString, CudaApi{}.GetErrorString);
-COHORT_SAME(ncclGetVersion, NcclApi{}.GetVersion);
-COHORT_SAME(ncclGetUniqueId, NcclApi{}.GetUniqueId);
-COHORT_SAME(ncclCommInitRank, NcclApi{}.CommInitRank);
-COHORT_SAME(ncclCommInitRankConfig, NcclApi{}.CommInitRankConfig);
-COHORT_SAME(ncclCommInitAll, NcclApi{}.CommInitAll);
-COHORT_SAME(ncclCommDestroy, NcclApi{}.CommDestroy);
-COHORT_SAME(ncclCommAbort, NcclApi{}.CommAbort);
-COHORT_SAME(ncclCommGetAsyncError, NcclApi{}.CommGetAsyncError);
-COHORT_SAME(ncclGetErrorString, NcclApi{}.GetErrorString);
-COHORT_SAME(ncclGetLastError, NcclApi{}.GetLastError);
-COHORT_SAME(ncclAllReduce, NcclApi{}.AllReduce);
-COHORT_SAME(ncclBroadcast, NcclApi{}.Broadcast);
-COHORT_SAME(ncclReduce, NcclApi{}.Reduce);
-COHORT_SAME(ncclAllGather, NcclApi{}.AllGather);
-COHORT_SAME(ncclReduceScatter, NcclApi{}.ReduceScatter);
-COHORT_SAME(ncclSend, NcclApi{}.Send);
-COHORT_SAME(ncclRecv, NcclApi{}.Recv);
-COHORT_SAME(ncclGroupStart, NcclApi{}.GroupStart);
-COHORT_SAME(ncclGroupEnd, NcclApi{}.GroupEnd);
-#undef COHORT_SAME
+COHORT_SAME_ARITY(cudaGetDeviceCount, CudaApi{}.GetDeviceCount);
+COHORT_SAME_ARITY(cudaSetDevice, CudaApi{}.SetDevice);
+COHORT_SAME_ARITY(cudaGetDevice, CudaApi{}.GetDevice);
+COHORT_SAME_ARITY(cudaFree, CudaApi{}.Free);
+COHORT_SAME_ARITY(cudaFreeHost, CudaApi{}.FreeHost);
+COHORT_SAME_ARITY(cudaMemcpy, CudaApi{}.Memcpy);
+COHORT_SAME_ARITY(cudaMemcpyAsync, CudaApi{}.MemcpyAsync);
+COHORT_SAME_ARITY(cudaMemsetAsync, CudaApi{}.MemsetAsync);
+COHORT_SAME_ARITY(cudaStreamCreateWithFlags, CudaApi{}.StreamCreateWithFlags);
+COHORT_SAME_ARITY(cudaStreamDestroy, CudaApi{}.StreamDestroy);
+COHORT_SAME_ARITY(cudaStreamSynchronize, CudaApi{}.StreamSynchronize);
+COHORT_SAME_ARITY(cudaStreamQuery, CudaApi{}.StreamQuery);
+COHORT_SAME_ARITY(cudaStreamWaitEvent, CudaApi{}.StreamWaitEvent);
+COHORT_SAME_ARITY(cudaEventCreateWithFlags, CudaApi{}.EventCreateWithFlags);
+COHORT_SAME_ARITY(cudaEventRecord, CudaApi{}.EventRecord);
+COHORT_SAME_ARITY(cudaEventQuery, CudaApi{}.EventQuery);
+COHORT_SAME_ARITY(cudaEventElapsedTime, CudaApi{}.EventElapsedTime);
+COHORT_SAME_ARITY(cudaEventDestroy, CudaApi{}.EventDestroy);
+COHORT_SAME_ARITY(cudaPointerGetAttributes, CudaApi{}.PointerGetAttributes);
+COHORT_SAME_ARITY(cudaDeviceGetPCIBusId, CudaApi{}.DeviceGetPCIBusId);
+COHORT_SAME_ARITY(cudaDriverGetVersion, CudaApi{}.DriverGetVersion);
+COHORT_SAME_ARITY(cudaRuntimeGetVersion, CudaApi{}.RuntimeGetVersion);
+COHORT_SAME_ARITY(cudaGetLastError, CudaApi{}.GetLastError);
+COHORT_SAME_ARITY(cudaGetErrorName, CudaApi{}.GetErrorName);
+COHORT_SAME_ARITY(cudaGetErrorString, CudaApi{}.GetErrorString);
+COHORT_SAME_ARITY(ncclGetVersion, NcclApi{}.GetVersion);
+COHORT_SAME_ARITY(ncclGetUniqueId, NcclApi{}.GetUniqueId);
+COHORT_SAME_ARITY(ncclCommInitRank, NcclApi{}.CommInitRank);
+COHORT_SAME_ARITY(ncclCommInitRankConfig, NcclApi{}.CommInitRankConfig);
+COHORT_SAME_ARITY(ncclCommInitAll, NcclApi{}.CommInitAll);
+COHORT_SAME_ARITY(ncclCommDestroy, NcclApi{}.CommDestroy);
+COHORT_SAME_ARITY(ncclCommAbort, NcclApi{}.CommAbort);
+COHORT_SAME_ARITY(ncclCommGetAsyncError, NcclApi{}.CommGetAsyncError);
+COHORT_SAME_ARITY(ncclGetErrorString, NcclApi{}.GetErrorString);
+COHORT_SAME_ARITY(ncclGetLastError, NcclApi{}.GetLastError);
+COHORT_SAME_ARITY(ncclAllReduce, NcclApi{}.AllReduce);
+COHORT_SAME_ARITY(ncclBroadcast, NcclApi{}.Broadcast);
+COHORT_SAME_ARITY(ncclReduce, NcclApi{}.Reduce);
+COHORT_SAME_ARITY(ncclAllGather, NcclApi{}.AllGather);
+COHORT_SAME_ARITY(ncclReduceScatter, NcclApi{}.ReduceScatter);
+COHORT_SAME_ARITY(ncclSend, NcclApi{}.Send);
+COHORT_SAME_ARITY(ncclRecv, NcclApi{}.Recv);
+COHORT_SAME_ARITY(ncclGroupStart, NcclApi{}.GroupStart);
+COHORT_SAME_ARITY(ncclGroupEnd, NcclApi{}.GroupEnd);
 
 }  // namespace cohort::gpu

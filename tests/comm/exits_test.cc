@@ -13,18 +13,11 @@
 #include <gtest/gtest.h>
 
 #include "comm/peer_exits.h"
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 
 namespace cohort::test {
 namespace {
-
-std::vector<std::string> run_workers(int n, const std::string& mode, std::vector<std::string> flags = {}) {
-  std::vector<std::string> argv{cohort_tool(), "run", "-n", std::to_string(n)};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  for (std::string a : {std::string(COHORT_COMM_WORKER), mode, std::string("env"), std::string("0"), std::string("0")})
-    argv.push_back(a);
-  return argv;
-}
 
 // Runs a 2-rank job in `mode`; the communicators' deadline is far beyond what the test waits for.
 ProcessResult run_two(const std::string& mode, std::vector<std::string> env = {}) {

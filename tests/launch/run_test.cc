@@ -29,6 +29,24 @@ std::vector<std::string> concat(std::vector<std::string> a, const std::vector<st
   return a;
 }
 
+// Both nodes of a job of 2 nodes x 2 ranks on loopback (node 0 hosts the store at 127.0.0.1:port), each
+// node's `cohort run` running `script` under /bin/sh. Node 1 starts on a thread of its own: the joining
+// node may start first. Returns {node 0's result, node 1's}.
+std::pair<ProcessResult, ProcessResult> two_nodes_on_loopback(int port, const std::string& script) {
+  auto node = [&](int rank) {
+    return run_process(concat(cohort_run({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr",
+                                          "127.0.0.1", "--master-port", std::to_string(port), "--nproc-per-node", "2",
+                                          "--join-timeout", "20"}),
+                              sh(script)),
+                       {}, 60);
+  };
+  ProcessResult second;
+  std::thread t([&] { second = node(1); });
+  ProcessResult first = node(0);
+  t.join();
+  return {first, second};
+}
+
 // Reads the pids the workers wrote to dir/pid.N and checks, with a short grace for the kernel to
 // deliver the last signals, that none of them is still running.
 void expect_no_process_left(const TempDir& dir, int n) {
@@ -155,17 +173,7 @@ TEST(Run, WorkerEnvironmentOfEveryWorker) {
 
 // The OMP_NUM_THREADS note is said once per job: by node 0's launcher, not by every node's.
 TEST(Run, TheOmpNoteIsPrintedOncePerJob) {
-  const std::string port = std::to_string(free_port());
-  auto node = [&](int rank) {
-    return run_process(cohort_run({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr", "127.0.0.1",
-                                   "--master-port", port, "--nproc-per-node", "2", "--join-timeout", "20",
-                                   "/bin/sh", "-c", "[ \"$OMP_NUM_THREADS\" = 1 ]"}),
-                       {}, 60);
-  };
-  ProcessResult second;
-  std::thread t([&] { second = node(1); });
-  auto first = node(0);
-  t.join();
+  const auto [first, second] = two_nodes_on_loopback(free_port(), "[ \"$OMP_NUM_THREADS\" = 1 ]");
   ASSERT_EQ(first.exit_code, 0) << first.err;  // every worker of both nodes had OMP_NUM_THREADS=1
   ASSERT_EQ(second.exit_code, 0) << second.err;
   auto notes = [](const std::string& err) {
@@ -453,20 +461,10 @@ TEST(Run, AShellsLeftoverRankVariablesDoNotMakeALocalJobWaitForNodes) {
 
 TEST(Run, TwoNodesPerNodeModeOnLoopback) {
   TempDir dir;
-  int port = free_port();
-  auto node = [&](int rank) {
-    return run_process(concat(cohort_run({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr",
-                                          "127.0.0.1", "--master-port", std::to_string(port), "--nproc-per-node", "2",
-                                          "--join-timeout", "20"}),
-                              sh("echo $$ > " + dir.path() + "/pid.$RANK; echo \"$NODE_RANK $WORLD_SIZE "
-                                 "$COHORT_STORE_ADDR $MASTER_PORT\" > " +
-                                 dir.path() + "/env.$RANK")),
-                       {}, 60);
-  };
-  ProcessResult second;
-  std::thread t([&] { second = node(1); });  // the joining node may start first
-  auto first = node(0);
-  t.join();
+  const int port = free_port();
+  const auto [first, second] =
+      two_nodes_on_loopback(port, "echo $$ > " + dir.path() + "/pid.$RANK; echo \"$NODE_RANK $WORLD_SIZE "
+                                  "$COHORT_STORE_ADDR $MASTER_PORT\" > " + dir.path() + "/env.$RANK");
   EXPECT_EQ(first.exit_code, 0) << first.err;
   EXPECT_EQ(second.exit_code, 0) << second.err;
   std::set<std::string> torch_ports;
@@ -485,19 +483,8 @@ TEST(Run, TwoNodesPerNodeModeOnLoopback) {
 
 TEST(Run, TwoNodesFailFastAcrossNodes) {
   TempDir dir;
-  int port = free_port();
-  auto node = [&](int rank) {
-    return run_process(concat(cohort_run({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-addr",
-                                          "127.0.0.1", "--master-port", std::to_string(port), "--nproc-per-node", "2",
-                                          "--join-timeout", "20"}),
-                              sh("echo $$ > " + dir.path() + "/pid.$RANK; if [ $RANK = 3 ]; then exit 6; fi; "
-                                 "exec sleep 60")),
-                       {}, 60);
-  };
-  ProcessResult second;
-  std::thread t([&] { second = node(1); });
-  auto first = node(0);
-  t.join();
+  const auto [first, second] = two_nodes_on_loopback(
+      free_port(), "echo $$ > " + dir.path() + "/pid.$RANK; if [ $RANK = 3 ]; then exit 6; fi; exec sleep 60");
   EXPECT_EQ(first.exit_code, 6) << first.err;
   EXPECT_EQ(second.exit_code, 6) << second.err;
   EXPECT_LT(first.seconds, 5.0);

@@ -35,6 +35,18 @@ expect "without" "$(interleaved_rounds 2 cases)" \
   "case A round 1" "case B round 1" "# round 1 done, load $load" \
   "case A round 2" "case B round 2" "# round 2 done, load $load"
 [[ $(interleaved_rounds 0 cases) == "" ]] || fail "0 rounds printed something"
+# The header of the two-builds comparisons (bench/*_ab.sh): this checkout's commit for a build folder
+# in it, "commit unknown" for one outside any checkout.
+mapfile -t header < <(bench_ab_header build-a "$src/bench" elsewhere /)
+[[ ${#header[@]} == 3 && ${header[0]} =~ ^#\ [0-9T:-]+Z\ .*,\ [0-9]+\ CPUs,\ load:\ $load$ ]] ||
+  fail "bench_ab_header's first line: ${header[0]:-}"
+[[ ${header[1]:-} == "# before: build-a ($(git -C "$src" rev-parse --short HEAD))" ]] ||
+  fail "bench_ab_header's before line: ${header[1]:-}"
+[[ ${header[2]:-} == "# after:  elsewhere (commit unknown)" ]] || fail "bench_ab_header's after line: ${header[2]:-}"
+# The per-case summary the A/B scripts print (bench/launch/*_cost.sh).
+[[ $(bench_summary 3 1 2) == "min 1.000 median 2.000 max 3.000" ]] || fail "bench_summary 3 1 2: $(bench_summary 3 1 2)"
+[[ $(bench_summary 0.4 0.1 0.2 0.3) == "min 0.100 median 0.250 max 0.400" ]] ||
+  fail "bench_summary 0.4 0.1 0.2 0.3: $(bench_summary 0.4 0.1 0.2 0.3)"
 
 # One loop: a script that frames its own rounds has a loop beside the shared one.
 while IFS= read -r f; do

@@ -38,13 +38,18 @@ std::unique_ptr<StoreServer> start_server(const std::string& token = "", Millis 
   return StoreServer::start(o);
 }
 
-std::shared_ptr<Store> connect(const StoreServer& server, const std::string& token = "", Millis timeout = 5s) {
+// How a client (a store connection, a lease) reaches `server`.
+StoreClientOptions client_options(const StoreServer& server, const std::string& token = "", Millis timeout = 5s) {
   StoreClientOptions o;
   o.host = "127.0.0.1";
   o.port = server.port();
   o.token = token;
   o.timeout = timeout;
-  return connect_tcp_store(o);
+  return o;
+}
+
+std::shared_ptr<Store> connect(const StoreServer& server, const std::string& token = "", Millis timeout = 5s) {
+  return connect_tcp_store(client_options(server, token, timeout));
 }
 
 template <typename E, typename F>
@@ -396,10 +401,7 @@ TEST(TcpStore, NoticesAreServedBeforeAuthenticationAndOpenNothingElse) {
   auto server = StoreServer::start(so);
   auto ok = connect(*server, "s3cret-token");
   ok->set("k", "v");
-  StoreClientOptions co;
-  co.host = "127.0.0.1";
-  co.port = server->port();
-  co.timeout = 5s;  // no token
+  const StoreClientOptions co = client_options(*server);  // no token
   EXPECT_EQ(fetch_store_notice(co, "cohort/munge-credential/node/1"), "MUNGE:credential-of-node-1:");
   EXPECT_EQ(fetch_store_notice(co, "cohort/munge-credential/node/2"), std::nullopt);
   // A notice then a request on the same connection: the request is still before the handshake.
@@ -511,10 +513,7 @@ TEST(TcpStoreLease, ASilentHolderLosesItsLeaseAndItsWillsFire) {
 TEST(TcpStoreLease, AHeldLeaseStaysAndAReleasedOneAnnouncesNothing) {
   auto server = start_server();
   auto s = connect(*server);
-  StoreClientOptions o;
-  o.host = "127.0.0.1";
-  o.port = server->port();
-  o.timeout = 5s;
+  const StoreClientOptions o = client_options(*server);
   std::atomic<int> lost_calls{0};
   {
     auto lease = StoreLease::open(o, Millis(200), [&](const std::string&) { ++lost_calls; });
@@ -530,10 +529,7 @@ TEST(TcpStoreLease, AHeldLeaseStaysAndAReleasedOneAnnouncesNothing) {
 TEST(TcpStoreLease, ADroppedLeaseEndsItsConnectionAndItsWillsFire) {
   auto server = start_server();
   auto s = connect(*server);
-  StoreClientOptions o;
-  o.host = "127.0.0.1";
-  o.port = server->port();
-  o.timeout = 5s;
+  const StoreClientOptions o = client_options(*server);
   std::atomic<int> lost_calls{0};
   auto lease = StoreLease::open(o, Millis(5000), [&](const std::string&) { ++lost_calls; });
   lease->set_wills({{"gone/h", "h"}});
@@ -548,10 +544,7 @@ TEST(TcpStoreLease, ADroppedLeaseEndsItsConnectionAndItsWillsFire) {
 
 TEST(TcpStoreLease, TheHolderHearsWhenTheStoreGoes) {
   auto server = start_server();
-  StoreClientOptions o;
-  o.host = "127.0.0.1";
-  o.port = server->port();
-  o.timeout = 5s;
+  const StoreClientOptions o = client_options(*server);
   std::mutex m;
   std::condition_variable cv;
   std::string why;
@@ -572,10 +565,7 @@ TEST(TcpStoreLease, TheHolderHearsWhenTheStoreGoes) {
 // ---- epochs: fenced connections ---------------------------------------------------------------
 
 StoreClientOptions fenced(const StoreServer& server, int64_t epoch) {
-  StoreClientOptions o;
-  o.host = "127.0.0.1";
-  o.port = server.port();
-  o.timeout = 5s;
+  StoreClientOptions o = client_options(server);
   o.fence_key = "job/epoch";
   o.fence_epoch = epoch;
   return o;

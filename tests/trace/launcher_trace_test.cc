@@ -11,19 +11,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "support/cohort_run.h"
 #include "support/test_support.h"
 #include "trace/dump.h"
 
 namespace cohort::test {
 namespace {
-
-std::vector<std::string> run_workers(int n, const std::string& mode, std::vector<std::string> flags = {}) {
-  std::vector<std::string> argv{cohort_tool(), "run", "-n", std::to_string(n)};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  for (std::string a : {std::string(COHORT_COMM_WORKER), mode, std::string("env"), std::string("0"), std::string("0")})
-    argv.push_back(a);
-  return argv;
-}
 
 TEST(LauncherTrace, ASkippedAllreduceNamesTheRankAndTheSequenceNumber) {
   TempDir dir;

@@ -28,18 +28,7 @@ import torch
 import torch.distributed as dist
 
 import cohort.horovod.torch as hvd
-
-
-def parse_size(s):
-    s = s.strip().upper()
-    for suffix, mult in (("KIB", 1 << 10), ("MIB", 1 << 20), ("B", 1)):
-        if s.endswith(suffix):
-            return int(s[: -len(suffix)]) * mult
-    return int(s)
-
-
-def label(nbytes):
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 else f"{nbytes} B"
+from sizes import label, parse_size  # beside this script (integrations/python/bench/sizes.py)
 
 
 def main():

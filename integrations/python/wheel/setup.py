@@ -52,7 +52,8 @@ setup(
     python_requires=">=3.9",
     # `python3 -m cohort.launch`: torch.distributed.launch's line, handed to the tool (cohort/launch.py).
     # cohort.horovod.torch: Horovod's PyTorch API over cohort (docs/horovod.md).
-    packages=["cohort", "cohort.horovod", "cohort.horovod.torch", "cohort.horovod.torch.elastic",
+    packages=["cohort", "cohort.horovod", "cohort.horovod.torch", "cohort.horovod.torch.ops",
+              "cohort.horovod.torch.elastic",
               # `import horovod.torch` where Horovod is not installed (cohort-horovod.pth, docs/horovod.md).
               "cohort.horovod_shim.horovod", "cohort.horovod_shim.horovod.torch"],
     # The tool is an ELF program, not a script setuptools could rewrite: data, into the environment's bin/.
