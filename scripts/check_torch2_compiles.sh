@@ -2,7 +2,8 @@
 # Compiles cohort's torch code against torch 2.x headers, on a machine that only has Debian 12's torch
 # 1.13: the PyTorch backend (integrations/python/cohort_torch_*.cc, its torch 2.x branch: c10d::Backend
 # and the CUDA routing; one unity file, or each file where COHORT_UNITY_BUILD is off), the libtorch integration (integrations/torch/*.cc: DDP, the sharded
-# optimizer) and the examples built on it (every examples/ file compiled against libtorch).
+# optimizer, FSDP; and, where the build has cohort_libtorch_cuda_check, the same sources' COHORT_TORCH_CUDA
+# code against torch 2.x's c10/cuda) and the examples built on it (every examples/ file compiled against libtorch).
 #
 #   scripts/check_torch2_compiles.sh [build dir (default build)] [cache dir (default /tmp/cohort-torch2)]
 #

@@ -14,8 +14,8 @@
 #   GPU_CHECK_ROUNDS=2                   interleaved rounds of the C++ / PyTorch figures
 #   GPU_CHECK_RESNET_SAMPLES=24576, GPU_CHECK_BERT_STEPS=1500: the length of each timed run
 #
-# Order: build, the GPU tests (C++ and the Python CUDA tests), the examples on the GPU with a
-# checkpoint and --resume, the C++ / PyTorch DDP + NCCL figures, then the facts, the fake-library
+# Order: build, the GPU tests (C++ with FSDP's libtorch ones, and the Python CUDA tests), the examples
+# on the GPU with a checkpoint and --resume (bert --fsdp among them), the C++ / PyTorch DDP + NCCL figures, then the facts, the fake-library
 # unit tests and the allreduce benchmark: what matters most runs first when the budget is short.
 #
 # The CPU-only machines of this project's CI build the same code; there every GPU test is skipped with
@@ -117,6 +117,7 @@ step "build" "$out/build.log" cmake --build "$build" -j "$(nproc)" "${targets[@]
 tool=$root/$build/tools/cohort
 
 # ---- tests: the GPU tests first (C++ on the real CUDA runtime and NCCL, and the Python CUDA tests) ----
+# (FSDP with the model on the GPU among them: fsdp_cuda_tests, built against this torch.)
 step "GPU tests (C++ and Python, real CUDA/NCCL)" "$out/gpu.log" ctest --test-dir "$build" -L gpu --output-on-failure
 # Gpu.WithoutAGpuTheRequestIsOneClearLine checks the error of a machine without a GPU: it skips here by
 # design; Gpu.OneRankPerGpu... needs two GPUs and skips on a machine with one.
@@ -166,6 +167,20 @@ fi
 if have bert "$bt" /usr/share/wordnet; then
   ckpt_resume bert-zero1 "$bt" --zero 1 --max-steps 20 --test-samples 64
   ckpt_resume bert-zero2 "$bt" --zero 2 --max-steps 20 --test-samples 64
+  # FSDP: the encoder layers' shards, gathers and reduce-scatters in GPU memory, on 2 ranks at least (one
+  # rank would send nothing): one GPU each through NCCL, or sharing one GPU, staged through the host.
+  # The resumed run prints the weights it loaded: the saving run's final ones.
+  one_rank_per_gpu=("${run_on_gpus[@]}")
+  ((gpus >= 2)) || run_on_gpus=("$tool" run -n 2 --gpus-per-node 1 --gpu-share)
+  fsdp_done=0
+  ckpt_resume bert-fsdp "$bt" --fsdp --max-steps 20 --test-samples 64 && fsdp_done=1
+  run_on_gpus=("${one_rank_per_gpu[@]}")
+  if ((fsdp_done)); then
+    saved=$(grep -oE 'final weights digest: [0-9a-f]+' "$out/bert-fsdp-ckpt.txt" | head -n 1 | awk '{print $4}')
+    resumed=$(grep -oE 'resumed weights digest: [0-9a-f]+' "$out/bert-fsdp-resume.txt" | head -n 1 | awk '{print $4}')
+    if [[ -n $saved && $saved == "$resumed" ]]; then row "  bert-fsdp resumed the saved weights" PASS "digest $saved"
+    else row "  bert-fsdp resumed the saved weights" FAIL "saved run's final digest '$saved', resumed run's '$resumed'"; fi
+  fi
 fi
 
 # ---- C++ DDP on the GPU against PyTorch DDP with NCCL: the same model, batch and samples, 1 rank per

@@ -6,6 +6,7 @@
 //   cohort run --nproc-per-node 2 build/examples/bert/bert --zero 2        the optimizer state sharded
 //   cohort run --nproc-per-node 2 build/examples/bert/bert --fsdp          the parameters too (FSDP)
 //   build/examples/bert/bert --size base --device cuda                     BERT-base (12 x 768) on a GPU
+//   cohort run --gpus-per-node auto build/examples/bert/bert --fsdp --device cuda   FSDP, one GPU a rank (NCCL)
 //
 // The model is BERT's (Devlin et al. 2019): token and position embeddings, layer norm, N post-norm
 // encoder layers (multi-head self-attention, then a GELU MLP of 4x the width), and the masked-LM head
@@ -276,9 +277,9 @@ int run(const Args& a) {
   auto compression = cohort::train::parse_compression(a.compression);
   if (!compression) throw ConfigError(fmt::format("--compression must be none, fp16 or bf16, not '{}'", a.compression));
   if (a.resume && a.checkpoint_dir.empty()) throw ConfigError("--resume needs --checkpoint-dir");
-  if (a.fsdp && (a.zero || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
-    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU: it takes none of "
-                      "--zero, --device cuda, --compression");
+  if (a.fsdp && (a.zero || *compression != cohort::train::WireCompression::kNone))
+    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself: it takes neither --zero nor "
+                      "--compression");
   Size s = size_named(a.size);
   if (a.layers) s.layers = a.layers;
   if (a.hidden) s.hidden = a.hidden;

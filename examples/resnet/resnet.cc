@@ -203,9 +203,9 @@ int run(const Args& a) {
   auto compression = cohort::train::parse_compression(a.compression);
   if (!compression) throw ConfigError(fmt::format("--compression must be none, fp16 or bf16, not '{}'", a.compression));
   if (a.resume && a.checkpoint_dir.empty()) throw ConfigError("--resume needs --checkpoint-dir");
-  if (a.fsdp && (a.zero || a.device != "cpu" || *compression != cohort::train::WireCompression::kNone))
-    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself, on the CPU: it takes none of "
-                      "--zero, --device cuda, --compression");
+  if (a.fsdp && (a.zero || *compression != cohort::train::WireCompression::kNone))
+    throw ConfigError("--fsdp shards the parameters, gradients and optimizer state itself: it takes neither --zero nor "
+                      "--compression");
   const double lr = a.lr > 0 ? a.lr : a.optimizer == "sgd" ? 0.01 : 0.001;
 
   // Data first: a missing data set fails before any rank waits for another.

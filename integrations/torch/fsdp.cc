@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <typeinfo>
 #include <unordered_set>
@@ -64,6 +65,9 @@ void free_storage(const ::torch::Tensor& full) {
 }
 
 void allocate_storage(const ::torch::Tensor& full) {
+  // A GPU's caching allocator takes the calling thread's current device (and stream): make it the
+  // unit's device, which need not be the thread's (a backward thread, a model on cuda:1).
+  const c10::OptionalDeviceGuard on(at::device_of(full));
   c10::StorageImpl* storage = full.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(full.numel()) * full.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
@@ -156,16 +160,28 @@ void FullyShardedDataParallel::init(std::vector<std::shared_ptr<::torch::nn::Mod
   if (!module_) throw InvalidArgument("FSDP: module is null");
   wire_type(options_.compute_dtype);  // one the communicator moves
   fix_mmap_threshold(options_.mmap_threshold_bytes);
-  const int world = comm_->size(), rank = comm_->rank();
   std::unordered_map<const c10::TensorImpl*, std::string> names;
+  std::optional<::torch::Device> device;
+  std::string first_name;
   for (auto& p : module_->named_parameters(true)) {
     const ::torch::Tensor& t = p.value();
-    if (!t.requires_grad() || t.scalar_type() != ::torch::kFloat32 || !t.device().is_cpu())
-      throw InvalidArgument(fmt::format("FSDP: parameter {} must be a trainable float32 tensor on the CPU, not {}{} on {}",
+    const ::torch::Device d = t.device();
+    if (!t.requires_grad() || t.scalar_type() != ::torch::kFloat32 || !(d.is_cpu() || d.is_cuda()))
+      throw InvalidArgument(fmt::format("FSDP: parameter {} must be a trainable float32 tensor on the CPU or a GPU, not "
+                                        "{}{} on {}",
                                         p.key(), t.requires_grad() ? "" : "a frozen ",
-                                        std::string(c10::toString(t.scalar_type())), t.device().str()));
+                                        std::string(c10::toString(t.scalar_type())), d.str()));
+    if (device && *device != d)
+      throw InvalidArgument(fmt::format("FSDP: parameter {} is on {} but {} is on {}: one device per model replica",
+                                        p.key(), d.str(), first_name, device->str()));
+    if (!device) device = d, first_name = p.key();
     names.emplace(t.unsafeGetTensorImpl(), p.key());
   }
+  // On a GPU every buffer FSDP makes (the shards, the gathered units, the flattened gradients) is in
+  // its memory and moves through the device communicator (NCCL), in torch's current stream order.
+  device_ = device.value_or(::torch::Device(::torch::kCPU));
+  comm_ = communicator_for_device(comm_, device_, "FSDP");
+  const int world = comm_->size(), rank = comm_->rank();
   // Every rank starts from rank 0's weights, as under DDP.
   broadcast_module(*module_, *comm_);
 
@@ -224,11 +240,13 @@ void FullyShardedDataParallel::init(std::vector<std::shared_ptr<::torch::nn::Mod
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
     unit.shard_numel = (unit.numel + world - 1) / world;
-    ::torch::Tensor flat = ::torch::zeros({unit.shard_numel * world}, ::torch::kFloat32);  // the padding stays zero
+    ::torch::Tensor flat = ::torch::zeros({unit.shard_numel * world}, float32());  // the padding stays zero
     for (size_t i = 0; i < unit.params.size(); ++i)
       flat.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(unit.params[i].detach().reshape({-1}));
     unit.shard = flat.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone().set_requires_grad(true);
-    unit.full = options_.compute_dtype == ::torch::kFloat32 ? flat : ::torch::empty({flat.numel()}, options_.compute_dtype);
+    unit.full = options_.compute_dtype == ::torch::kFloat32
+                    ? flat
+                    : ::torch::empty({flat.numel()}, float32().dtype(options_.compute_dtype));
     for (size_t i = 0; i < unit.params.size(); ++i) {
       ::torch::Tensor& p = unit.params[i];
       // Another dtype (mixed precision) gives the parameter a new gradient accumulator: the hooks
@@ -426,7 +444,9 @@ void FullyShardedDataParallel::on_gradient_ready(size_t u, size_t i) {
   // The unit's backward is over: flatten its gradients (the padding stays zero), start their
   // reduce-scatter without waiting, and free both the whole gradients and the gathered parameters.
   const int world = comm_->size();
-  ::torch::Tensor flat = ::torch::zeros({unit.shard_numel * world}, ::torch::kFloat32);
+  // On a GPU all of this is queued on torch's current stream, after the backward kernels that produced
+  // the gradients; the reduce-scatter waits for what that stream had queued when it was called.
+  ::torch::Tensor flat = ::torch::zeros({unit.shard_numel * world}, float32());
   for (size_t k = 0; k < unit.params.size(); ++k) {
     flat.narrow(0, unit.offsets[k], unit.params[k].numel()).copy_(unit.params[k].grad().reshape({-1}));
     unit.params[k].mutable_grad().reset();
@@ -439,7 +459,7 @@ void FullyShardedDataParallel::on_gradient_ready(size_t u, size_t i) {
     unit.grad_slice = flat;
     land_reduce(unit);
   } else if (options_.compression == train::WireCompression::kNone) {
-    unit.grad_slice = ::torch::empty({unit.shard_numel}, ::torch::kFloat32);
+    unit.grad_slice = ::torch::empty({unit.shard_numel}, float32());
     unit.reducing = comm_->reduce_scatter_async(flat.data_ptr<float>(), unit.grad_slice.data_ptr<float>(),
                                                 static_cast<size_t>(unit.shard_numel), DataType::kFloat32, ReduceOp::kSum);
   } else {
@@ -447,7 +467,7 @@ void FullyShardedDataParallel::on_gradient_ready(size_t u, size_t i) {
     // overflow float16 where the mean does not), widened into the shard's float32 gradient on landing.
     const ::torch::Dtype wire = gradient_wire_dtype(options_.compression);
     unit.grad_flat = flat.to(wire);
-    unit.grad_slice = ::torch::empty({unit.shard_numel}, wire);
+    unit.grad_slice = ::torch::empty({unit.shard_numel}, float32().dtype(wire));
     unit.reducing = comm_->reduce_scatter_async(unit.grad_flat.data_ptr(), unit.grad_slice.data_ptr(),
                                                 static_cast<size_t>(unit.shard_numel), wire_type(wire), ReduceOp::kAvg);
   }
@@ -531,9 +551,11 @@ void FullyShardedDataParallel::finish_gradient_sync() {
 double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
   finish_gradient_sync();
   ::torch::NoGradGuard no_grad;
-  double sum = 0;
+  // Summed on the shards' device: on a GPU, one wait for the GPU for the whole model, not one per unit.
+  ::torch::Tensor squares = ::torch::zeros({}, float32().dtype(::torch::kFloat64));
   for (auto& unit : units_)
-    if (unit->shard.grad().defined()) sum += unit->shard.grad().to(::torch::kFloat64).pow(2).sum().item<double>();
+    if (unit->shard.grad().defined()) squares += unit->shard.grad().to(::torch::kFloat64).pow(2).sum();
+  double sum = squares.item<double>();
   if (comm_->size() > 1) comm_->allreduce(&sum, &sum, 1, DataType::kFloat64, ReduceOp::kSum);
   const double norm = std::sqrt(sum);
   const double coef = max_norm / (norm + 1e-6);  // torch::nn::utils::clip_grad_norm_'s rule
@@ -551,17 +573,20 @@ std::vector<std::pair<std::string, ::torch::Tensor>> FullyShardedDataParallel::f
   std::unordered_map<std::string, ::torch::Tensor> by_name;
   for (auto& unit : units_) {
     wait_gather(*unit);  // the communicator runs operations in call order: nothing may be in flight
-    ::torch::Tensor all = ::torch::empty({unit->shard_numel * world}, ::torch::kFloat32);
+    // Gathered where the shards are (a GPU's through NCCL), then one copy to the CPU per unit.
+    ::torch::Tensor all = ::torch::empty({unit->shard_numel * world}, float32());
     if (world == 1) all.copy_(unit->shard);
     else
       comm_->allgather(unit->shard.data_ptr<float>(), all.data_ptr<float>(), static_cast<size_t>(unit->shard_numel),
                        DataType::kFloat32);
+    all = all.to(::torch::kCPU);
     for (size_t i = 0; i < unit->params.size(); ++i)
       by_name[unit->param_names[i]] = all.narrow(0, unit->offsets[i], unit->params[i].numel()).view(unit->params[i].sizes()).clone();
   }
   std::vector<std::pair<std::string, ::torch::Tensor>> out;
   for (const auto& p : module_->named_parameters(true)) out.emplace_back(p.key(), by_name.at(p.key()));
-  for (const auto& b : module_->named_buffers(true)) out.emplace_back(b.key(), b.value().clone());
+  for (const auto& b : module_->named_buffers(true))
+    out.emplace_back(b.key(), b.value().is_cpu() ? b.value().clone() : b.value().to(::torch::kCPU));
   return out;
 }
 
@@ -641,7 +666,8 @@ void FullyShardedDataParallel::save(const std::string& dir, ::torch::optim::Opti
   header["step"] = units_.empty() ? 0 : zero::state_step(optimizer, kind, units_.front()->shard);
   const std::string bytes = zero::encode_shard(header, layout.params, layout.pieces, states, [&](size_t k, size_t u) {
     const ::torch::Tensor& shard = units_[u]->shard;
-    return (k == 0 ? shard : zero::state_tensor(optimizer, kind, shard, states[k])).detach().contiguous();
+    const ::torch::Tensor values = k == 0 ? shard : zero::state_tensor(optimizer, kind, shard, states[k]);
+    return values.detach().to(::torch::kCPU).contiguous();
   });
   train::write_file_atomically(zero::shard_path(dir, position.global_step, rank, world), bytes);
   // Every shard on disk before the checkpoint that names them.
@@ -653,7 +679,7 @@ void FullyShardedDataParallel::save(const std::string& dir, ::torch::optim::Opti
     nlohmann::json buffer_names = nlohmann::json::array();
     for (const auto& b : module_->named_buffers(true)) {
       buffer_names.push_back(b.key());
-      buffers.push_back(b.value().detach());
+      buffers.push_back(b.value().detach().to(::torch::kCPU));  // loadable without this model's GPU
     }
     record["buffers"] = buffer_names;
     archive.write(kCheckpointRecord, c10::IValue(record.dump()));
@@ -749,7 +775,7 @@ std::optional<train::TrainingPosition> FullyShardedDataParallel::load(const std:
   if (any_state) {
     for (size_t u = 0; u < units_.size(); ++u) {
       std::vector<::torch::Tensor> tensors;
-      for (size_t n = 1; n < names.size(); ++n) tensors.push_back(values[n][u]);
+      for (size_t n = 1; n < names.size(); ++n) tensors.push_back(values[n][u].to(device_));  // beside its shard
       zero::set_state(optimizer, kind, units_[u]->shard, tensors, shards.back().step);
     }
   } else {

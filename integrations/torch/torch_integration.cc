@@ -81,6 +81,18 @@ void broadcast_tensor(::torch::Tensor t, const std::string& name, Communicator& 
 
 }  // namespace
 
+std::shared_ptr<Communicator> communicator_for_device(std::shared_ptr<Communicator> comm, const ::torch::Device& device,
+                                                      const char* who) {
+  if (!device.is_cuda()) return comm;
+  const int index = device.has_index() ? device.index() : 0;
+  use_torch_streams();
+  if (gpu::device_of(*comm) < 0) return gpu::make_device_communicator(std::move(comm), {index, gpu::DevicePath::kAuto});
+  if (gpu::device_of(*comm) != index)
+    throw InvalidArgument(fmt::format("{}: the model is on cuda:{} but the communicator uses GPU {}", who, index,
+                                      gpu::device_of(*comm)));
+  return comm;
+}
+
 void broadcast_module(::torch::nn::Module& module, Communicator& comm) {
   if (comm.size() == 1) return;
   ::torch::NoGradGuard no_grad;
@@ -121,17 +133,10 @@ void DistributedDataParallel::init() {
   device_ = device.value_or(::torch::Device(::torch::kCPU));
   train::GradSyncOptions o;
   if (device_.is_cuda()) {
-    // A model on a GPU: buckets in its memory, reduced by NCCL. A host communicator (what
-    // Communicator::from_env gives) is wrapped here, so the four-step conversion stays the same.
-    const int index = device_.has_index() ? device_.index() : 0;
-    use_torch_streams();
-    if (gpu::device_of(*comm_) < 0) {
-      comm_ = gpu::make_device_communicator(comm_, {index, gpu::DevicePath::kAuto});
-    } else if (gpu::device_of(*comm_) != index) {
-      throw InvalidArgument(fmt::format("DDP: the model is on cuda:{} but the communicator uses GPU {}", index,
-                                        gpu::device_of(*comm_)));
-    }
-    o.memory = train::gpu_bucket_memory(index);
+    // A model on a GPU: buckets in its memory, reduced by NCCL. A host communicator is wrapped here, so
+    // the four-step conversion stays the same.
+    comm_ = communicator_for_device(comm_, device_, "DDP");
+    o.memory = train::gpu_bucket_memory(gpu::device_of(*comm_));
   }
   o.bucket_cap_bytes = options_.bucket_cap_bytes;
   o.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;

@@ -38,8 +38,16 @@
 //
 // Rules, as DDP's: every rank builds the same model (rank 0's weights are broadcast); every unit whose
 // forward ran must give every parameter a gradient in each backward (an error names the unit at the
-// next forward otherwise); trainable float32 parameters on the CPU. One backward at a time. The wrapper
-// must outlive the autograd graphs of its forwards.
+// next forward otherwise); trainable float32 parameters, all on the CPU or all on one GPU. One backward
+// at a time. The wrapper must outlive the autograd graphs of its forwards.
+//
+// On a GPU (the model on cuda:N before it is wrapped): the shards, the gathered units and the flattened
+// gradients are in GPU memory, and the all-gathers and reduce-scatters go through the device
+// communicator (NCCL; a host communicator is wrapped on GPU N, as DDP does) in torch's current stream
+// order, as ProcessGroupNCCL's: each waits for what that stream had queued when it was called (a
+// gradient's reduce-scatter comes after the backward kernels that wrote it), and waiting for one orders
+// the stream after it without blocking the host, so a prefetched gather overlaps the unit computing
+// before it. Checkpoints and full_state_dict() are copied to the CPU.
 
 #include <torch/torch.h>
 
@@ -143,6 +151,8 @@ class FullyShardedDataParallel {
   // The shards, one per unit: what an optimizer steps (their .grad: the averaged gradient's slice).
   std::vector<::torch::Tensor> parameters() const;
   std::shared_ptr<::torch::nn::Module> module() const { return module_; }
+  // Where the model, its shards and FSDP's buffers are: the CPU or one GPU.
+  ::torch::Device device() const { return device_; }
   void train(bool on = true) { module_->train(on); }
   void eval() { module_->eval(); }
 
@@ -154,7 +164,8 @@ class FullyShardedDataParallel {
   void finish_gradient_sync();
 
   // Collective: the whole model's parameters and buffers by name (Module::named_parameters order, then
-  // the buffers), gathered into fresh float32 tensors (the master weights) on every rank.
+  // the buffers), gathered into fresh float32 CPU tensors (the master weights) on every rank, also for
+  // a model on a GPU.
   std::vector<std::pair<std::string, ::torch::Tensor>> full_state_dict();
   // Collective: rank 0 writes full_state_dict() as Module::save would write the unwrapped module, so
   // that a plain libtorch program loads it with torch::load(model, path).
@@ -199,6 +210,8 @@ class FullyShardedDataParallel {
   // "sgd", "adam" or "adamw" for an optimizer over exactly parameters(); throws otherwise.
   std::string checkpoint_optimizer_kind(const ::torch::optim::Optimizer& optimizer) const;
   void init(std::vector<std::shared_ptr<::torch::nn::Module>> explicit_units);
+  // float32 on the model's device: what the shards, the flattened units and gradients are made with.
+  ::torch::TensorOptions float32() const { return ::torch::TensorOptions().dtype(::torch::kFloat32).device(device_); }
   void before_forward();
   void after_forward(const ::torch::Tensor& out);
   void forward_failed();
@@ -218,6 +231,7 @@ class FullyShardedDataParallel {
   std::shared_ptr<::torch::nn::Module> module_;
   std::shared_ptr<Communicator> comm_;
   FSDPOptions options_;
+  ::torch::Device device_{::torch::kCPU};
   // shared_ptr, not unique_ptr: its deleter is fixed where a unit is made, so that the template
   // constructor compiles where Unit is incomplete.
   std::vector<std::shared_ptr<Unit>> units_;  // the root unit (if it has parameters) is the last
