@@ -6,8 +6,9 @@ set -euo pipefail
 src=$1
 tool=$2
 cd "$src"
-# Every "COHORT_..." string literal in the code that ships (tests and examples set their own).
-used=$(grep -rhoE '"COHORT_[A-Z0-9_]+"' src tools integrations include | tr -d '"' | sort -u)
+# Every "COHORT_..." string literal in the code that ships (tests and examples set their own; CMake files
+# name compile definitions, not variables).
+used=$(grep -rhoE --exclude=CMakeLists.txt --exclude='*.cmake' '"COHORT_[A-Z0-9_]+"' src tools integrations include | tr -d '"' | sort -u)
 listed=$("$tool" env --names | sort -u)
 missing=$(comm -23 <(printf '%s\n' "$used") <(printf '%s\n' "$listed"))
 if [[ -n $missing ]]; then
