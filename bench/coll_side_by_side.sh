@@ -12,6 +12,9 @@
 #     as on main before issue 51), in the same interleaved rounds
 #     BASE=path/to/another/cohort: also that build (peer cohort-base, e.g. main's before a change), in the
 #     same interleaved rounds, so that a change is measured against its base under the same load
+#     MPI_BASE=<git revision>: also Open MPI with bench/peers/bench_mpi.c as of that revision (peer
+#     mpi-base), in the same rounds (e.g. 04a3de8, before its rotated input sets were written: they read
+#     the kernel's zero page there, docs/algorithms-shm.md, "The copy limit")
 #   About 2 minutes per round at 2 ranks on an idle 2-core host, several times that under load.
 #
 # Method (bench/peers/README.md, "Method", same on both sides): fp32, sum, root 0; the size is the whole
@@ -43,6 +46,10 @@ mpi_flag=no-cache-reuse
 if [[ ${CACHE_REUSE:-0} == 1 ]]; then cohort_flag="" mpi_flag=""; fi
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
 mpicc -O2 -o "$TMP/bench_mpi" bench/peers/bench_mpi.c -lm || exit 1
+if [[ -n ${MPI_BASE:-} ]]; then
+  git show "$MPI_BASE:bench/peers/bench_mpi.c" >"$TMP/bench_mpi_base.c" &&
+    mpicc -O2 -o "$TMP/bench_mpi_base" "$TMP/bench_mpi_base.c" -lm || exit 1
+fi
 
 # shellcheck source=bench/rounds_loop.sh
 source bench/rounds_loop.sh
@@ -62,10 +69,12 @@ cohort_case() {  # round op size [staged|base]
   awk -v r="$1" -v op="$2" -v p="$peer" '!/^#/ && NF >= 9 && $1 ~ /^[0-9]+$/ { print "ROUND", r, op, $1, p, $6, $8 }' <<<"$out"
   grep -q "^# Out of bounds" <<<"$out" || { echo "cohort bench $2 $3 failed:"; tail -5 <<<"$out"; }
 }
-mpi_case() {  # round op size
-  "${MPIRUN[@]}" -n "$N" "$TMP/bench_mpi" "$2" "$(bytes_of "$3")" 3 0.3 "" $mpi_flag 2>&1 | grep RESULT |
+mpi_case() {  # round op size [base]
+  local peer=mpi bin=$TMP/bench_mpi
+  [[ ${4:-} == base ]] && { peer=mpi-base; bin=$TMP/bench_mpi_base; }
+  "${MPIRUN[@]}" -n "$N" "$bin" "$2" "$(bytes_of "$3")" 3 0.3 "" $mpi_flag 2>&1 | grep RESULT |
     sed -E 's/.*bytes=([0-9]+).*time_us_median=([0-9.]+).*busbw_GBps=([0-9.]+).*/\1 \2 \3/' |
-    awk -v r="$1" -v op="$2" '{ print "ROUND", r, op, $1, "mpi", $2, $3 }'
+    awk -v r="$1" -v op="$2" -v p="$peer" '{ print "ROUND", r, op, $1, p, $2, $3 }'
 }
 
 echo "# bench/coll_side_by_side.sh: $ROUNDS rounds, $N ranks, sizes $SIZES, ${cohort_flag:-one reused buffer}," \
@@ -79,6 +88,7 @@ one_round() {  # round: every case, each peer in turn
       [[ ${STAGED:-0} == 1 ]] && cohort_case "$1" "$op" "$size" staged
       [[ -n ${BASE:-} ]] && cohort_case "$1" "$op" "$size" base
       mpi_case "$1" "$op" "$size"
+      [[ -n ${MPI_BASE:-} ]] && mpi_case "$1" "$op" "$size" base
     done
   done
 }
@@ -100,7 +110,7 @@ for line in open(sys.argv[1]):
 def mib(b):
     return f"{b / 2**20:g} MiB"
 print("\n## Every round: time per op in ms (busbw GB/s); ratio = cohort busbw / Open MPI busbw, same round\n")
-extra = [p for p in ("cohort-staged", "cohort-base") if any(p in t[k] for k in order)]
+extra = [p for p in ("cohort-staged", "cohort-base", "mpi-base") if any(p in t[k] for k in order)]
 print("| op | size | round | cohort | " + "".join(p.replace("-", " ") + " | " for p in extra) + "Open MPI | ratio |")
 print("|---|---|---:|---:|" + "---:|" * len(extra) + "---:|---:|")
 def cell(key, peer, r):

@@ -11,7 +11,8 @@
 //       scatter      MPI_Scatter(bytes on root 0, bytes/N out)
 //   TAG is appended to the peer name (e.g. "-tcp" gives peer=mpi-tcp; "" for none).
 //   no-cache-reuse: as `cohort bench --no-cache-reuse`, the iterations rotate through buffer sets that
-//   together exceed twice the L3 cache, so that no iteration finds its data in the cache.
+//   together exceed twice the L3 cache, so that no iteration finds its data in the cache; every page of
+//   them is written before the timing (a line "# B B: K buffer sets, ... MiB of them in memory" says so).
 // Method (shared with bench_torch.py, bench_gloo.cc and `cohort bench`), per size:
 //   1. one correctness check with rank-dependent values, then the buffers are zeroed;
 //   2. warm-up: 5 ops, then about 0.2 s more;
@@ -58,6 +59,31 @@ static size_t l3_bytes(void) {
   }
   long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
   return l3 > 0 ? (size_t)l3 : (size_t)32 << 20;
+}
+
+// `bytes` of zeros, every page of them written, so that each is a page of memory of its own. Not
+// malloc + memset: the compiler turns that pair into calloc, whose fresh pages all stay mapped to the
+// kernel's one shared zero page until something writes them. The rotated input sets, which the timed
+// calls only read, then never were in memory: every read of them (the local copy, and the peer's
+// process_vm_readv through Open MPI's CMA) mapped one 4 KiB page, in the cache, and Open MPI's
+// allgather and alltoall at 64 MiB (five of every six calls on such sets) copied from there, not from
+// memory (docs/algorithms-shm.md, "The copy limit"). explicit_bzero is a write the compiler keeps.
+static float *zeros_in_memory(size_t bytes) {
+  float *p = malloc(bytes);
+  if (p) explicit_bzero(p, bytes);
+  return p;
+}
+
+// This process's resident memory in bytes (/proc/self/statm), 0 if unknown. A page mapped to the zero
+// page is not counted: so the growth across allocating the rotated sets says how much of them is memory.
+static size_t resident_bytes(void) {
+  FILE *f = fopen("/proc/self/statm", "r");
+  unsigned long size = 0, resident = 0;
+  if (f) {
+    if (fscanf(f, "%lu %lu", &size, &resident) != 2) resident = 0;
+    fclose(f);
+  }
+  return (size_t)resident * (size_t)sysconf(_SC_PAGESIZE);
 }
 
 static double max_over_ranks(double x) {
@@ -146,13 +172,18 @@ static struct bufs prepare(enum op op, size_t nbytes, int no_cache_reuse) {
     if (b.nsets < 2) b.nsets = 2;
     b.ins = calloc(b.nsets, sizeof(float *));
     b.outs = calloc(b.nsets, sizeof(float *));
-    for (int k = 1; k < b.nsets; k++) {  // calloc'd pages are touched here, not in a timed call
-      b.ins[k] = malloc(in_count * 4);
-      b.outs[k] = out_count ? malloc(out_count * 4) : NULL;
+    const size_t before = resident_bytes();
+    for (int k = 1; k < b.nsets; k++) {  // every page is in memory before the first timed call
+      b.ins[k] = zeros_in_memory(in_count * 4);
+      b.outs[k] = out_count ? zeros_in_memory(out_count * 4) : NULL;
       if (!b.ins[k] || (out_count && !b.outs[k])) fail("allocation");
-      memset(b.ins[k], 0, in_count * 4);
-      if (out_count) memset(b.outs[k], 0, out_count * 4);
     }
+    // As `cohort bench` says it, and how much of the sets added here the kernel holds in memory (all
+    // of them, or the timed calls read the zero page: see zeros_in_memory).
+    const size_t grown = resident_bytes() - before;
+    if (rank == 0)
+      printf("# %zu B: %d buffer sets, %zu MiB per rank; sets 1-%d: %zu MiB, %zu MiB of them in memory\n", b.bytes,
+             b.nsets, ((size_t)b.nsets * set) >> 20, b.nsets - 1, ((size_t)(b.nsets - 1) * set) >> 20, grown >> 20);
   }
   return b;
 }

@@ -4,8 +4,15 @@
 // other process and by memcpy from our own mapping. The shm group's single-copy paths pay the first
 // (docs/algorithms-shm.md, "The copy limit"); the staged paths pay the second twice.
 //
+// With "untouched" the sources are never written, as calloc hands out fresh pages: every read of them
+// maps the kernel's one zero page, so both copies read a cached 4 KiB page instead of memory. That is
+// what a benchmark measures whose input buffers were only calloc'd (or malloc'd and memset to zero,
+// which the compiler turns into calloc): bench/peers/bench_mpi.c's rotated sets before they were
+// written (docs/algorithms-shm.md, "The copy limit").
+//
 //   gcc -O2 -o /tmp/cma_cpu_cost bench/peers/cma_cpu_cost.c
 //   for kib in 128 1024 32768; do /tmp/cma_cpu_cost $kib; done     # piece sizes in KiB
+//   /tmp/cma_cpu_cost 32768 untouched
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +34,7 @@ static double cpu_seconds(void) {
 
 int main(int argc, char** argv) {
   const size_t piece = (argc > 1 ? (size_t)atol(argv[1]) : 128) << 10;
+  const int untouched = argc > 2 && strcmp(argv[2], "untouched") == 0;
   if (piece == 0 || kSetBytes % piece != 0) {
     fprintf(stderr, "cma_cpu_cost: the piece (KiB) must divide 32768\n");
     return 2;
@@ -35,7 +43,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < kSets; i++) {
     src[i] = mmap(NULL, kSetBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (src[i] == MAP_FAILED) { perror("cma_cpu_cost: mmap"); return 1; }
-    memset(src[i], i + 1, kSetBytes);
+    if (!untouched) memset(src[i], i + 1, kSetBytes);
   }
   int hold[2];
   if (pipe(hold) != 0) { perror("cma_cpu_cost: pipe"); return 1; }
@@ -68,8 +76,9 @@ int main(int argc, char** argv) {
       if (per_mib < best) best = per_mib;
     }
     if (!failed)
-      printf("piece %zu KiB, %s: %.3f ms CPU per MiB (%.1f GB/s of one core), best of 5\n", piece >> 10,
-             kernel ? "process_vm_readv" : "memcpy", best * 1e3, 1.048576e-3 / best);
+      printf("piece %zu KiB, %s%s: %.3f ms CPU per MiB (%.1f GB/s of one core), best of 5\n", piece >> 10,
+             kernel ? "process_vm_readv" : "memcpy", untouched ? " from untouched pages" : "", best * 1e3,
+             1.048576e-3 / best);
   }
   (void)!write(hold[1], "x", 1);
   waitpid(peer, NULL, 0);
