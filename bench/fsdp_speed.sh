@@ -6,7 +6,7 @@
 # every round is printed, then per model and mode the median and the spread (slowest/fastest).
 # With TRIXIE_ROOT (the Debian 13 root of scripts/test_in_trixie.sh) and root, PyTorch 2.6's FSDP on the
 # CPU over gloo runs BERT-mini in each round too (bench/peers/run_torch_fsdp.sh: bench/bert_twin.py --fsdp,
-# the same model, data, batch and seed).
+# the same model, data, batch and seed), and its DDP (torch-ddp) beside it as the bar to divide it by.
 #
 #   bench/fsdp_speed.sh [build_dir]     ROUNDS=3 BERT_STEPS=40 RESNET_STEPS=10 MODELS="bert-mini resnet18"
 #
@@ -45,22 +45,26 @@ command_for() {
 echo "fsdp_speed: $(git rev-parse --short HEAD 2>/dev/null), $ROUNDS rounds, models ${models[*]}, $(getconf _NPROCESSORS_ONLN) CPUs, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
 for m in "${models[@]}"; do c=$(command_for "$m"); echo "# $m: ${c//$PWD\//} [--zero 2 | --fsdp], 2 ranks"; done
 ((torch_fsdp)) && echo "# bert-mini torch-fsdp: bench/peers/run_torch_fsdp.sh 2 --size mini --max-steps $BERT_STEPS --optimizer adamw --test-samples 64 --fsdp"
+# torch 2.6's DDP on the same model: the bar PyTorch's FSDP is divided by (torch 2.6's kernels are not
+# Debian 12 libtorch 1.13's, so cohort's modes and PyTorch's are each compared with their own DDP).
+((torch_fsdp)) && echo "# bert-mini torch-ddp: the same without --fsdp"
 all=$(mktemp)
 trap 'rm -f "$all"' EXIT
 for round in $(seq 1 "$ROUNDS"); do
   for m in "${models[@]}"; do
     read -r -a cmd <<<"$(command_for "$m")"
-    for mode in ddp zero2 fsdp torch-fsdp; do
+    for mode in ddp zero2 fsdp torch-ddp torch-fsdp; do
       case $mode in
         ddp) flags=() ;;
         zero2) flags=(--zero 2) ;;
         fsdp) flags=(--fsdp) ;;
-        torch-fsdp) [[ $m == bert-mini && $torch_fsdp == 1 ]] || continue ;;
+        torch-ddp) [[ $m == bert-mini && $torch_fsdp == 1 ]] || continue; flags=() ;;
+        torch-fsdp) [[ $m == bert-mini && $torch_fsdp == 1 ]] || continue; flags=(--fsdp) ;;
       esac
       before=$(load)
-      if [[ $mode == torch-fsdp ]]; then
+      if [[ $mode == torch-* ]]; then
         r=$(timeout 600 bench/peers/run_torch_fsdp.sh 2 --size mini --max-steps "$BERT_STEPS" --optimizer adamw \
-          --test-samples 64 --fsdp 2>&1 | rate)
+          --test-samples 64 "${flags[@]}" 2>&1 | rate)
       else
         r=$(timeout 600 "$COHORT" run --nproc-per-node 2 "${cmd[@]}" "${flags[@]}" 2>&1 | rate)
       fi
@@ -71,7 +75,7 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 echo "== median (slowest-fastest) samples/s over $ROUNDS rounds"
 for m in "${models[@]}"; do
-  for mode in ddp zero2 fsdp torch-fsdp; do
+  for mode in ddp zero2 fsdp torch-ddp torch-fsdp; do
     awk -v m="$m" -v mode="$mode" '$1 == m && $2 == mode {v[++n] = $3}
       END {
         if (!n) exit
