@@ -138,7 +138,15 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
   if (pid < 0) throw Error(net::errno_string("fork", errno));
   if (pid == 0) {
     // Child: only async-signal-safe calls until exec (and no destructors: it execs or _exits).
-    setpgid(0, 0);
+    // A session of its own, which is also a process group of its own (the group the launcher signals).
+    // Why a session: where the scheduler groups tasks by session (autogroup, sched_autogroup_enabled=1,
+    // the default of Debian's and most distributions' kernels) all the workers of one session share
+    // one session's weight, split over the CPUs they run on: next to any other busy session, each of
+    // 2 bound ranks got half the CPU an independent process gets, and the job ran 1.5-4x slower than
+    // with a session per rank (docs/performance.md, "Data-parallel training"). The parent does not
+    // setpgid() it as well: that would make the child a group leader, which setsid() refuses; no
+    // signal can miss the group meanwhile, since the launcher knows the pid only once exec succeeded.
+    setsid();
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(1);  // the launcher died before prctl took effect
     sigset_t none;
@@ -158,7 +166,6 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     [[maybe_unused]] auto r = ::write(exec_err_w, &e, sizeof e);
     _exit(127);
   }
-  setpgid(pid, pid);  // also from the parent: no window where a signal to the group misses it
   w.ring.close_fd();  // the worker has it; the launcher keeps its mapping
   out.write_end.reset();
   err.write_end.reset();

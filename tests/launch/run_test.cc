@@ -202,6 +202,33 @@ TEST(Run, BindToCoreAndDevicePerRank) {
   EXPECT_NE(r.out.find("1 1 " + m1[1].str() + "\n"), std::string::npos) << r.out;
 }
 
+// Every worker leads a session of its own (and so a process group of its own). Where the scheduler
+// groups tasks by session (autogroup), that is what lets each rank compete for its CPU as an
+// independent process does, instead of the ranks splitting one session's weight between them
+// (docs/launcher.md, "Supervision"). Checked on the kernel's own record: /proc/PID/stat's session
+// field, and /proc/PID/autogroup where the kernel has autogroups.
+TEST(Run, EveryWorkerLeadsASessionOfItsOwn) {
+  auto r = run_process(concat(cohort_run({"-n", "2", "--no-tag-output"}),
+                              sh("echo \"rank $RANK pid $$ session $(cut -d' ' -f6 /proc/$$/stat) autogroup "
+                                 "$(cut -d' ' -f1 /proc/$$/autogroup 2>/dev/null || echo none)\"")),
+                       {}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::regex line(R"(rank (\d) pid (\d+) session (\d+) autogroup (\S+)\n)");
+  std::set<std::string> autogroups;
+  int workers = 0;
+  for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), line); it != std::sregex_iterator(); ++it) {
+    const std::smatch& m = *it;
+    EXPECT_EQ(m[2].str(), m[3].str()) << "rank " << m[1] << " is not its session's leader: " << r.out;
+    EXPECT_NE(std::stol(m[3].str()), static_cast<long>(getsid(0))) << "rank " << m[1] << " is in the test's session";
+    autogroups.insert(m[4].str());
+    ++workers;
+  }
+  ASSERT_EQ(workers, 2) << r.out;
+  if (!autogroups.count("none")) {
+    EXPECT_EQ(autogroups.size(), 2u) << "the ranks share an autogroup: " << r.out;
+  }
+}
+
 TEST(Run, OutputIsTaggedAndFilteredByRank) {
   auto r = run_process(concat(cohort_run({"-n", "3", "--ranks-to-console", "1-2"}),
                               sh("echo out$RANK; echo err$RANK >&2")),
