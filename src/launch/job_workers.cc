@@ -140,10 +140,10 @@ void Job::spawn_worker(Worker& w, const NodePlan& node, int attempt, const std::
     // Child: only async-signal-safe calls until exec (and no destructors: it execs or _exits).
     // A session of its own, which is also a process group of its own (the group the launcher signals).
     // Why a session: where the scheduler groups tasks by session (autogroup, sched_autogroup_enabled=1,
-    // the default of Debian's and most distributions' kernels) all the workers of one session share
-    // one session's weight, split over the CPUs they run on: next to any other busy session, each of
-    // 2 bound ranks got half the CPU an independent process gets, and the job ran 1.5-4x slower than
-    // with a session per rank (docs/performance.md, "Data-parallel training"). The parent does not
+    // as Debian's kernels ship) all the workers of one session share one session's weight, split over
+    // the CPUs they run on: next to any other busy session each of 2 bound ranks got about half the
+    // CPU an independent process gets, and a data-parallel job goes at its slowest rank's pace
+    // (docs/performance.md, "Data-parallel training", issue 51). The parent does not
     // setpgid() it as well: that would make the child a group leader, which setsid() refuses; no
     // signal can miss the group meanwhile, since the launcher knows the pid only once exec succeeded.
     setsid();
