@@ -12,8 +12,11 @@
 #   torch   2 ranks   torchrun311.py --nproc_per_node 2 bert_twin.py  (PyTorch DDP over gloo, AdamW)
 #   cohort  1 proc    bert                                            (no communication)
 #   torch   1 proc    bert_twin.py
-#   ceiling           two cohort 1-process runs at once, one per CPU (taskset): the most any 2-rank job can
-#                     reach on this machine, with no communication at all
+#   ceiling           two cohort 1-process runs at once, one per CPU (taskset), each in a session of its
+#                     own (setsid) as two independent jobs are: the most any 2-rank job can reach on this
+#                     machine, with no communication at all. (In one session they would split one
+#                     session's CPU share under the kernel's autogroups while anything else runs, and
+#                     cohort's ranks, each in a session of its own, could pass it: docs/launcher.md.)
 # samples/s counts the timed steps only (after a barrier, to the barrier after the last step); the
 # data loading and the held-out evaluation are outside it, in both programs.
 set -uo pipefail
@@ -91,7 +94,7 @@ for round in $(seq 1 "$ROUNDS"); do
   r[t1]=$(/usr/bin/python3 "$TWIN" "${common[@]}" 2>&1 | rate)
   echo "round $round: torch  1 proc  ${r[t1]} samples/s"
   tmp=$(mktemp -d)
-  for c in 0 1; do taskset -c "$c" "$BERT" "${common[@]}" >"$tmp/$c" 2>&1 & done
+  for c in 0 1; do setsid -w taskset -c "$c" "$BERT" "${common[@]}" >"$tmp/$c" 2>&1 & done
   wait
   r[ceil]=$(cat "$tmp/0" "$tmp/1" | rate | awk '{s += $1} END {print s}')
   rm -rf "$tmp"

@@ -38,12 +38,13 @@ job() {  # label build
   echo "ROUND $r $1 $line"
 }
 ceiling() {
-  local c
+  local c pids=()
   for c in 0 1; do
-    OMP_NUM_THREADS=1 "${probe[@]}" setsid taskset -c "$c" "$AFTER/examples/bert/bert" "${args[@]}" --threads 1 \
+    OMP_NUM_THREADS=1 "${probe[@]}" setsid -w taskset -c "$c" "$AFTER/examples/bert/bert" "${args[@]}" --threads 1 \
       >"$TMP/ceiling$c" &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"  # these two only: a bare wait would also wait for the tee of the out_file, forever
   for c in 0 1; do echo "ROUND $r ceiling$c $(cat "$TMP/ceiling$c")"; done
 }
 one_round() {
