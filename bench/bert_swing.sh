@@ -15,8 +15,9 @@
 # The summary line of a round divides each job by the ceiling of that round, and after by before.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-[[ $# -ge 2 ]] || { echo "usage: $0 BEFORE_BUILD AFTER_BUILD [out_file]" >&2; exit 2; }
-BEFORE=$(realpath "$1") AFTER=$(realpath "$2")
+# shellcheck source=bench/rounds_loop.sh
+source bench/rounds_loop.sh  # bench_ab_builds, bench_ab_header, interleaved_rounds
+bench_ab_builds "$@"
 ROUNDS=${ROUNDS:-6}
 STEPS=${STEPS:-40}
 ((STEPS > 30)) || { echo "STEPS must be above 30 (the window is steps 10 to 30)" >&2; exit 2; }
@@ -24,8 +25,6 @@ for b in "$BEFORE" "$AFTER"; do
   [[ -x $b/tools/cohort && -x $b/examples/bert/bert ]] || { echo "$b: no tools/cohort or examples/bert/bert" >&2; exit 2; }
 done
 [[ -n ${3:-} ]] && exec > >(tee -a "$3") 2>&1
-# shellcheck source=bench/rounds_loop.sh
-source bench/rounds_loop.sh
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 args=(--max-steps "$STEPS" --test-samples 64)
@@ -60,8 +59,7 @@ one_round() {
              r, v["before"], v["after"], ceil, ceil ? v["before"] / ceil : 0, ceil ? v["after"] / ceil : 0,
              v["before"] ? v["after"] / v["before"] : 0 }' dir="$TMP" "$TMP/before" "$TMP/after" "$TMP/ceiling0" "$TMP/ceiling1"
 }
-echo "# bench/bert_swing.sh: BERT-mini, 2 ranks, $STEPS steps, $ROUNDS rounds, $(date -u +%FT%TZ)," \
-  "before $(git -C "$BEFORE/.." rev-parse --short HEAD 2>/dev/null || echo '?'), after" \
-  "$(git -C "$AFTER/.." rev-parse --short HEAD 2>/dev/null || echo '?'), autogroup" \
-  "$(cat /proc/sys/kernel/sched_autogroup_enabled 2>/dev/null || echo '?'), load $(bench_load)"
+echo "# bench/bert_swing.sh: BERT-mini, 2 ranks, $STEPS steps, $ROUNDS rounds, the kernel's autogroups" \
+  "$(cat /proc/sys/kernel/sched_autogroup_enabled 2>/dev/null || echo '(unknown)')"
+bench_ab_header "$1" "$BEFORE" "$2" "$AFTER"
 interleaved_rounds "$ROUNDS" one_round --start-lines
