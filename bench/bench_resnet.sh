@@ -37,8 +37,8 @@ for round in $(seq 1 "$rounds"); do
   echo "== round $round: PyTorch 1 process"
   timeout "$limit" /usr/bin/python3 bench/resnet_twin.py "${common[@]}" 2>&1 | grep -E "samples/s|accuracy"
   echo "== round $round: ceiling: cohort 2 independent 1-process runs at once"
-  for c in 0 1; do
-    timeout "$limit" taskset -c $c "$bin" "${common[@]}" > "$out.solo$c" 2>&1 &
+  for c in 0 1; do  # each in a session of its own, as independent jobs (docs/launcher.md, "Supervision")
+    timeout "$limit" setsid -w taskset -c $c "$bin" "${common[@]}" > "$out.solo$c" 2>&1 &
   done
   wait
   grep -h "samples/s" "$out.solo0" "$out.solo1"

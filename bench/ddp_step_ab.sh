@@ -28,8 +28,8 @@ bench_ab_header "$1" "$BEFORE" "$2" "$AFTER"
 echo "# model $MODEL, $SAMPLES samples per run (0: the epoch), 1 intra-op thread per rank"
 ceiling() {
   local bin=$AFTER/examples/fashion_mnist/fashion_mnist c
-  for c in 0 1; do
-    timeout 600 taskset -c $c "$bin" --model "$MODEL" --threads 1 --train-samples "$SAMPLES" > "$out.solo$c" 2>&1 &
+  for c in 0 1; do  # each in a session of its own, as independent jobs (docs/launcher.md, "Supervision")
+    timeout 600 setsid -w taskset -c $c "$bin" --model "$MODEL" --threads 1 --train-samples "$SAMPLES" > "$out.solo$c" 2>&1 &
   done
   wait
   echo "ceiling load=$(cut -d' ' -f1 /proc/loadavg) $(grep -h 'samples/s:' "$out".solo? | awk '{s += $2} END {print "samples/s=" s}')"

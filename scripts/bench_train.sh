@@ -19,8 +19,8 @@ port=$((29800 + RANDOM % 1000))
 models=("$@"); ((${#models[@]})) || models=(seed mlp)
 ceiling() {  # rep model label
   echo "== rep $1 model $2: cohort 2 independent 1-process runs at once ($3)"
-  for c in 0 1; do
-    taskset -c $c "$bin" --model "$2" --threads 1 > /tmp/bench_train_solo$c.$$ 2>&1 &
+  for c in 0 1; do  # each in a session of its own, as independent jobs (docs/launcher.md, "Supervision")
+    setsid -w taskset -c $c "$bin" --model "$2" --threads 1 > /tmp/bench_train_solo$c.$$ 2>&1 &
   done
   wait
   grep -h "samples/s" /tmp/bench_train_solo?.$$; rm -f /tmp/bench_train_solo?.$$
