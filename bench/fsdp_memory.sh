@@ -7,6 +7,8 @@
 #                                             ROUNDS=1 (every mode and world size once per round, interleaved)
 #   mode fsdp-glibc: FSDP with glibc's own rising mmap threshold (bert --fsdp-mmap-threshold 0), the
 #   allocator FSDP had before it fixed the threshold at 1 MiB (FSDPOptions::mmap_threshold_bytes)
+#   BEFORE=other_build_dir: every mode runs with that build's bert and cohort first, then with this
+#   one's, in each round (a change against the code before it, side by side)
 #
 # Per rank it prints the peak Rss and Pss sampled from /proc/<pid>/smaps_rollup every 0.1 s (Pss splits a
 # page shared by k processes k ways: the fair figure for the DDP buckets the peer maps), the exact peak
@@ -48,14 +50,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=$(realpath "${1:-build}")
-BERT=$BUILD/examples/bert/bert
-COHORT=$BUILD/tools/cohort
+builds=("$BUILD")
+[[ -n ${BEFORE:-} ]] && builds=("$(realpath "$BEFORE")" "$BUILD")
 RANKS=${RANKS:-2 4}
 read -r -a extra <<<"${ARGS:-}"
 args=(--size "${SIZE:-base}" --max-steps "${STEPS:-3}" --batch "${BATCH:-2}" --threads 1 --optimizer adamw
   --test-samples 16 --trace-memory "${STEPS:-3}" "${extra[@]}")
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-for f in "$BERT" "$COHORT"; do [[ -x $f ]] || { echo "fsdp_memory: $f is not built (ninja -C $BUILD tools/cohort examples/bert/bert)" >&2; exit 1; }; done
+for b in "${builds[@]}"; do
+  for f in "$b/examples/bert/bert" "$b/tools/cohort"; do
+    [[ -x $f ]] || { echo "fsdp_memory: $f is not built (ninja -C $b tools/cohort examples/bert/bert)" >&2; exit 1; }
+  done
+done
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
@@ -155,7 +161,9 @@ report() {
   grep -h "samples/s:" "$out" | sed 's/^/  /'
 }
 
-for round in $(seq "${ROUNDS:-1}"); do
+# Every world size, mode and build of round $1, fresh processes each.
+cases() {
+  local round=$1 n mode b act
   for n in $RANKS; do
     act=
     for mode in ${MODES:-ddp zero2 fsdp}; do
@@ -166,12 +174,17 @@ for round in $(seq "${ROUNDS:-1}"); do
         fsdp-glibc) flags=(--fsdp --fsdp-mmap-threshold 0) ;;
         *) echo "fsdp_memory: unknown mode $mode (ddp, zero2, fsdp, fsdp-glibc)" >&2; exit 1 ;;
       esac
-      echo "== round $round, $n ranks, $mode (load $(cut -d' ' -f1-3 /proc/loadavg))"
-      sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
-      [[ $mode == ddp ]] && act=$(activations ddp)
-      # No ddp run to take A from: FSDP's own (the first FSDP mode of this world size).
-      [[ -z $act && -z ${ACTIVATIONS_MB:-} && $mode == fsdp* ]] && act=$(activations fsdp)
-      report "${mode%-glibc}" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
+      for b in "${builds[@]}"; do
+        BERT=$b/examples/bert/bert COHORT=$b/tools/cohort
+        echo "== round $round, $n ranks, $mode${BEFORE:+, build $b} (load $(bench_load))"
+        sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
+        [[ $mode == ddp ]] && act=$(activations ddp)
+        # No ddp run to take A from: FSDP's own (the first FSDP mode of this world size).
+        [[ -z $act && -z ${ACTIVATIONS_MB:-} && $mode == fsdp* ]] && act=$(activations fsdp)
+        report "${mode%-glibc}" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
+      done
     done
   done
-done
+}
+source bench/rounds_loop.sh
+interleaved_rounds "${ROUNDS:-1}" cases
