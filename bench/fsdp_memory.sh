@@ -52,6 +52,7 @@ cd "$(dirname "$0")/.."
 BUILD=$(realpath "${1:-build}")
 builds=("$BUILD")
 [[ -n ${BEFORE:-} ]] && builds=("$(realpath "$BEFORE")" "$BUILD")
+source bench/rounds_loop.sh
 RANKS=${RANKS:-2 4}
 read -r -a extra <<<"${ARGS:-}"
 args=(--size "${SIZE:-base}" --max-steps "${STEPS:-3}" --batch "${BATCH:-2}" --threads 1 --optimizer adamw
@@ -66,6 +67,8 @@ out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
 echo "fsdp_memory: $(git rev-parse --short HEAD 2>/dev/null), $(getconf _NPROCESSORS_ONLN) CPUs, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
+# The two builds as given (a full path would name this machine's folders in a results file).
+[[ -n ${BEFORE:-} ]] && bench_ab_header "$BEFORE" "${builds[0]}" "${1:-build}" "$BUILD"
 echo "# bert ${args[*]}"
 
 # The bert processes among PID's descendants: this run's workers only (another job's bert on the
@@ -176,7 +179,9 @@ cases() {
       esac
       for b in "${builds[@]}"; do
         BERT=$b/examples/bert/bert COHORT=$b/tools/cohort
-        echo "== round $round, $n ranks, $mode${BEFORE:+, build $b} (load $(bench_load))"
+        which=
+        [[ -n ${BEFORE:-} ]] && which=$([[ $b == "${builds[0]}" ]] && echo ", before" || echo ", after")
+        echo "== round $round, $n ranks, $mode$which (load $(bench_load))"
         sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
         [[ $mode == ddp ]] && act=$(activations ddp)
         # No ddp run to take A from: FSDP's own (the first FSDP mode of this world size).
@@ -186,5 +191,4 @@ cases() {
     done
   done
 }
-source bench/rounds_loop.sh
 interleaved_rounds "${ROUNDS:-1}" cases
