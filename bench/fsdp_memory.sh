@@ -7,6 +7,8 @@
 #                                             ROUNDS=1 (every mode and world size once per round, interleaved)
 #   mode fsdp-glibc: FSDP with glibc's own rising mmap threshold (bert --fsdp-mmap-threshold 0), the
 #   allocator FSDP had before it fixed the threshold at 1 MiB (FSDPOptions::mmap_threshold_bytes)
+#   BEFORE=other_build_dir: every mode runs with that build's bert and cohort first, then with this
+#   one's, in each round (a change against the code before it, side by side)
 #
 # Per rank it prints the peak Rss and Pss sampled from /proc/<pid>/smaps_rollup every 0.1 s (Pss splits a
 # page shared by k processes k ways: the fair figure for the DDP buckets the peer maps), the exact peak
@@ -27,9 +29,17 @@
 #                     embedding's (the last); the layer computing and the one prefetched (U elements
 #                     each, 12 H^2 + 13 H); that layer's gradients as autograd makes them; its flattened
 #                     gradient and the two reduce-scatters still in flight (kMaxReducesInFlight)
-#   A  the activations: malloc's bytes in use after forward minus after zero_grad, DDP's second step
-#      (ACTIVATIONS_MB=... when MODES has no ddp)
-# and the ratio of the peak Pss to B + M + A. The modes run interleaved for each world size, fresh
+#   A  the activations: malloc's bytes in use after forward minus after zero_grad, step 1 of DDP, or of
+#      FSDP less its root unit (4 R, gathered through forward) when MODES has no ddp (ACTIVATIONS_MB=...
+#      sets it)
+# and the ratio of the peak Pss to B + M + A. For FSDP, G + A is the start of backward; the end of
+# backward can hold more (docs/training.md, "Fully sharded data parallel"): the embedding's backward,
+# the last, with the root gathered (4 R), its other gradients (4 R - 4 V), the tied word embedding's
+# three gradients (3 x 4 V, V = vocabulary x H: the decoder's, held since the start of backward, the
+# embedding's, and their sum, which libtorch makes out of place because the decoder's is a transposed
+# view) and the last two layers' reduce-scatters in flight (2 x (4 U + 4 U/N)), activations gone:
+#                 E = 8 R + 8 V + 8 U + 8 U/N
+# so FSDP's M + A is 16 Psi/N + max(G + A, E). The modes run interleaved for each world size, fresh
 # processes each. Record the load (printed first) beside the figures.
 # What is not in the formula, per rank, from the sample of the peak Pss (smaps_rollup's Pss_Anon,
 # Pss_File, Pss_Shmem) against the same split of B: file pages (libtorch's code and data that its
@@ -40,18 +50,25 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=$(realpath "${1:-build}")
-BERT=$BUILD/examples/bert/bert
-COHORT=$BUILD/tools/cohort
+builds=("$BUILD")
+[[ -n ${BEFORE:-} ]] && builds=("$(realpath "$BEFORE")" "$BUILD")
+source bench/rounds_loop.sh
 RANKS=${RANKS:-2 4}
 read -r -a extra <<<"${ARGS:-}"
 args=(--size "${SIZE:-base}" --max-steps "${STEPS:-3}" --batch "${BATCH:-2}" --threads 1 --optimizer adamw
   --test-samples 16 --trace-memory "${STEPS:-3}" "${extra[@]}")
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-for f in "$BERT" "$COHORT"; do [[ -x $f ]] || { echo "fsdp_memory: $f is not built (ninja -C $BUILD tools/cohort examples/bert/bert)" >&2; exit 1; }; done
+for b in "${builds[@]}"; do
+  for f in "$b/examples/bert/bert" "$b/tools/cohort"; do
+    [[ -x $f ]] || { echo "fsdp_memory: $f is not built (ninja -C $b tools/cohort examples/bert/bert)" >&2; exit 1; }
+  done
+done
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
 echo "fsdp_memory: $(git rev-parse --short HEAD 2>/dev/null), $(getconf _NPROCESSORS_ONLN) CPUs, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
+# The two builds as given (a full path would name this machine's folders in a results file).
+[[ -n ${BEFORE:-} ]] && bench_ab_header "$BEFORE" "${builds[0]}" "${1:-build}" "$BUILD"
 echo "# bert ${args[*]}"
 
 # The bert processes among PID's descendants: this run's workers only (another job's bert on the
@@ -81,11 +98,18 @@ sample() {
   for pid in "${!peak_rss[@]}"; do echo "peak $pid ${peak_rss[$pid]} ${peak_pss[$pid]} ${split[$pid]}"; done >>"$out"
 }
 
-# The activations A (MB), from the DDP run's trace: in use after forward minus after zero_grad, step 1, rank 0.
+# The activations A (MB), from the run's trace: in use after forward minus after zero_grad, step 1, rank 0;
+# $1 = fsdp: less the root unit, gathered from the start of forward to its backward.
 activations() {
-  awk '/rank 0 step 1 after zero_grad:/ {match($0, /in use by malloc [0-9]+/); z = substr($0, RSTART + 17, RLENGTH - 17)}
+  awk -v mode="$1" '
+       /^\[.*\] bert: / || /^bert: / {
+         for (i = 1; i <= NF; i++) {
+           if ($i == "layers,") L = $(i - 1); if ($i == "hidden") H = $(i + 1) + 0; if ($i == "parameters;") P = $(i - 1)
+         }
+       }
+       /rank 0 step 1 after zero_grad:/ {match($0, /in use by malloc [0-9]+/); z = substr($0, RSTART + 17, RLENGTH - 17)}
        /rank 0 step 1 after forward:/ {match($0, /in use by malloc [0-9]+/); f = substr($0, RSTART + 17, RLENGTH - 17)}
-       END {print f - z}' "$out"
+       END {root = mode == "fsdp" ? 4 * (P - L * (12 * H * H + 13 * H)) / (1024 * 1024) : 0; printf "%.0f\n", f - z - root}' "$out"
 }
 
 # Prints each rank's figures and the prediction. $1: mode, $2: N, $3: A (MB).
@@ -95,6 +119,7 @@ report() {
     /^\[.*\] bert: / || /^bert: / {
       for (i = 1; i <= NF; i++) {
         if ($i == "layers,") L = $(i - 1); if ($i == "hidden") H = $(i + 1) + 0; if ($i == "parameters;") P = $(i - 1)
+        if ($i == "vocabulary") V = $(i + 1) + 0
       }
     }
     /before the model:/ { match($0, /rank [0-9]+/); r = substr($0, RSTART + 5, RLENGTH - 5) + 0
@@ -115,7 +140,12 @@ report() {
       MB = 1024 * 1024; U = 12 * H * H + 13 * H; R = P - L * U
       if (mode == "ddp") { M = 16 * P; what = "16 Psi" }
       else if (mode == "zero2") { M = 4 * P + 12 * P / n + 2 * 25 * MB; what = "4 Psi + 12 Psi/N + 2 buckets" }
-      else { M = 16 * P / n + 8 * R + 24 * U; what = "16 Psi/N + G" }
+      else {
+        # FSDP: the start of backward (G + A) or its end (E, activations gone), whichever holds more.
+        G = 8 * R + 24 * U; E = 8 * R + 8 * V * H + 8 * U + 8 * U / n
+        if (E > G + act * MB) { M = 16 * P / n + E - act * MB; what = "16 Psi/N + E - A" } else { M = 16 * P / n + G; what = "16 Psi/N + G" }
+        printf "  FSDP: G + A = %.0f MB (start of backward), E = %.0f MB (end of backward; the tied word embedding V = %d elements)\n", G / MB + act, E / MB, V * H
+      }
       printf "  Psi %d, layer unit U %d, root unit R %d; M = %s = %.0f MB (G = %.0f MB), A = %.0f MB\n", P, U, R, what, M / MB, (8 * R + 24 * U) / MB, act
       # pids in increasing order are ranks 0..N-1 (the launcher forks them in rank order)
       for (i = 1; i <= npk; i++) for (j = i + 1; j <= npk; j++) if (pid[j] + 0 < pid[i] + 0) { t = pid[i]; pid[i] = pid[j]; pid[j] = t }
@@ -134,7 +164,9 @@ report() {
   grep -h "samples/s:" "$out" | sed 's/^/  /'
 }
 
-for round in $(seq "${ROUNDS:-1}"); do
+# Every world size, mode and build of round $1, fresh processes each.
+cases() {
+  local round=$1 n mode b act
   for n in $RANKS; do
     act=
     for mode in ${MODES:-ddp zero2 fsdp}; do
@@ -145,10 +177,18 @@ for round in $(seq "${ROUNDS:-1}"); do
         fsdp-glibc) flags=(--fsdp --fsdp-mmap-threshold 0) ;;
         *) echo "fsdp_memory: unknown mode $mode (ddp, zero2, fsdp, fsdp-glibc)" >&2; exit 1 ;;
       esac
-      echo "== round $round, $n ranks, $mode (load $(cut -d' ' -f1-3 /proc/loadavg))"
-      sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
-      [[ $mode == ddp ]] && act=$(activations)
-      report "${mode%-glibc}" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
+      for b in "${builds[@]}"; do
+        BERT=$b/examples/bert/bert COHORT=$b/tools/cohort
+        which=
+        [[ -n ${BEFORE:-} ]] && which=$([[ $b == "${builds[0]}" ]] && echo ", before" || echo ", after")
+        echo "== round $round, $n ranks, $mode$which (load $(bench_load))"
+        sample "$COHORT" run --nproc-per-node "$n" "$BERT" "${args[@]}" "${flags[@]}" || continue
+        [[ $mode == ddp ]] && act=$(activations ddp)
+        # No ddp run to take A from: FSDP's own (the first FSDP mode of this world size).
+        [[ -z $act && -z ${ACTIVATIONS_MB:-} && $mode == fsdp* ]] && act=$(activations fsdp)
+        report "${mode%-glibc}" "$n" "${act:-${ACTIVATIONS_MB:-0}}"
+      done
     done
   done
-done
+}
+interleaved_rounds "${ROUNDS:-1}" cases

@@ -482,6 +482,13 @@ void FullyShardedDataParallel::on_gradient_ready(size_t u, size_t i) {
     peak_in_flight_ = std::max(peak_in_flight_, in_flight_.size());
   }
   reshard(unit);
+  // The activations this unit's backward freed are small blocks in the heap, and the gradients made
+  // after them sit above them: they stay resident as holes until something trims the heap. Hand them
+  // back now rather than after backward, or the end of backward (the tied embedding's gradients of
+  // BERT, the last thing it computes) peaks with every layer's freed activations still resident.
+  // (mallinfo2 still counts the pages a trim handed back as free: once the heap has 64 MiB free, every
+  // unit's end trims, a walk of the heap's free blocks, small beside a unit's backward.)
+  return_freed_memory();
   // The last unit to finish its backward waits for every reduce-scatter, so that the shards hold the
   // averaged gradients when backward() returns (libtorch 1.13 has no final autograd callback).
   const bool all = std::all_of(units_.begin(), units_.end(), [](const auto& x) { return !x->expect_grad || x->reduced; });

@@ -11,9 +11,6 @@
 
 #include <filesystem>
 
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 
 #include "cohort/error.h"
 #include "cohort/torch/ddp.h"
@@ -419,49 +416,6 @@ TEST_F(FsdpUnitsTest, AnExplicitUnitOutsideTheModelIsNamed) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("is not a submodule"), std::string::npos) << e.what();
   }
-}
-
-// Each unit's gathered parameters are allocated before its forward and freed after its backward, between
-// the activations. With glibc's rising mmap threshold (a freed block of 24 MiB lifts it to 24 MiB) they
-// come from the heap, whose holes stay resident after free: BERT-base peaked 550 MB above its live
-// memory per rank. FSDP fixes the threshold (FSDPOptions::mmap_threshold_bytes, 1 MiB by default): a
-// gathered unit is a mapping of its own while gathered, and gone from the process after its backward.
-TEST_F(FsdpUnitsTest, AGatheredUnitIsMappedOnItsOwnAndUnmappedAfterItsBackward) {
-#if !defined(__GLIBC__)
-  GTEST_SKIP() << "glibc's malloc only";
-#else
-  void* big = std::malloc(size_t{24} << 20);  // raises glibc's dynamic threshold when it is not fixed
-  static_cast<volatile char*>(big)[0] = 1;
-  std::free(big);
-  auto comms = ThreadCommunicator::make_world(1);
-  // A 4 MiB unit (1024 x 1024 weights and the bias); the head is the root unit.
-  nn::Sequential model(nn::Linear(1024, 1024), nn::ReLU(), nn::Linear(1024, 4));
-  FSDPOptions options;
-  options.auto_wrap_min_params = 1'000'000;
-  options.reshard_after_forward = false;  // gathered from its forward to its backward
-  FullyShardedDataParallel fsdp(model, comms[0], options);
-  ASSERT_EQ(fsdp.units().size(), 2u);
-  const size_t unit_bytes = static_cast<size_t>(fsdp.units()[0].numel) * sizeof(float);
-  auto x = ::torch::randn({12, 1024});
-  auto y = ::torch::randint(0, 4, {12});
-  const size_t mapped_before = mallinfo2().hblkhd;  // bytes in blocks malloc mapped on their own
-  auto loss = ::torch::nn::functional::cross_entropy(fsdp.forward(x), y);
-  ASSERT_TRUE(fsdp.gathered(0));
-  EXPECT_GE(mallinfo2().hblkhd, mapped_before + unit_bytes) << "the gathered unit came from the heap";
-  loss.backward();
-  ASSERT_FALSE(fsdp.gathered(0));
-  // Its .grad (4 MiB, a mapping too) is freed when flattened; the shard's 4 MiB .grad stays (1 rank).
-  EXPECT_LT(mallinfo2().hblkhd, mapped_before + unit_bytes + unit_bytes / 2) << "the gathered unit is still mapped";
-
-  FSDPOptions too_high;
-  too_high.mmap_threshold_bytes = size_t{4} << 30;  // mallopt takes an int
-  try {
-    FullyShardedDataParallel refused(nn::Sequential(nn::Linear(4, 4)), comms[0], too_high);
-    FAIL() << "no error";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("mmap_threshold_bytes 4294967296 is above"), std::string::npos) << e.what();
-  }
-#endif
 }
 
 // ---- sharded checkpoints ----
