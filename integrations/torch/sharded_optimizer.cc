@@ -175,9 +175,9 @@ void ShardedOptimizer::step() {
   // step) that glibc keeps: the memory stage 2 is there to save. It is given back when it grew by more
   // than a few buckets' worth since the last time, not after every step: most of a step's free heap
   // is taken again by the next one, and given back it was faulted in again page by page (BERT-mini,
-  // 2 ranks: 9000 more page faults per step than DDP, the trim every step since its free heap is
-  // never under 64 MB). (Given back before the step instead, the peak was 100 MB higher: measured,
-  // not explained.)
+  // 2 ranks: about 11,000 more page faults per step and rank than DDP, the trim every step since its
+  // free heap after a step, 64-110 MB, is never under the threshold). (Given back before the step
+  // instead, the peak was 100 MB higher: measured, not explained.)
   // Stage 1: once, after the first step. That step created the optimizer's state tensor by tensor
   // between its temporaries, which left the heap in holes (460 MB free per rank on BERT-base, Adam);
   // later steps allocate nothing lasting, so the holes only ever serve the next forward's activations.
