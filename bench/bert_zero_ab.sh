@@ -16,15 +16,20 @@ done
 [[ -n ${3:-} ]] && exec > >(tee -a "$3") 2>&1
 # shellcheck source=bench/rounds_loop.sh
 source bench/rounds_loop.sh
+cpu_file=$(mktemp)
+trap 'rm -f "$cpu_file"' EXIT
 one_round() {  # r: each build, DDP then stage 2
   local label dir z sps
   for label in before after; do
     dir=$BEFORE
     [[ $label == after ]] && dir=$AFTER
     for z in 0 2; do
-      sps=$("$dir/tools/cohort" run -n 2 --no-tag-output "$dir/examples/bert/bert" --zero "$z" --max-steps "$STEPS" \
-        --test-samples 64 2>&1 | grep -o "samples/s: [0-9.]*" | awk '{print $2}')
-      echo "ROUND $1 $label zero$z ${sps:-failed}"
+      # CPU time and minor page faults of the launcher and both ranks (GNU time): steadier than samples/s
+      # under load, and what a change to the step's memory traffic moves.
+      sps=$(/usr/bin/time -o "$cpu_file" -f "cpu %U+%S s, minor faults %R" "$dir/tools/cohort" run -n 2 --no-tag-output \
+        "$dir/examples/bert/bert" --zero "$z" --max-steps "$STEPS" --test-samples 64 2>&1 |
+        grep -o "samples/s: [0-9.]*" | awk '{print $2}')
+      echo "ROUND $1 $label zero$z ${sps:-failed} ($(tail -1 "$cpu_file"))"
     done
   done
 }

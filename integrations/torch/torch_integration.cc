@@ -269,6 +269,19 @@ void DistributedDataParallel::return_freed_memory(size_t at_least_bytes) {
 #endif
 }
 
+void DistributedDataParallel::return_heap_growth(size_t grown_by) {
+#if defined(__GLIBC__)
+  if (!device_.is_cpu()) return;
+  // fordblks counts the free chunks, resident or not: malloc_trim releases their pages, not them.
+  const size_t free_now = mallinfo2().fordblks;
+  if (free_now < free_heap_at_trim_ + grown_by) return;
+  malloc_trim(0);
+  free_heap_at_trim_ = free_now;
+#else
+  (void)grown_by;
+#endif
+}
+
 void DistributedDataParallel::enable_fused_update() {
   if (!device_.is_cpu()) throw InvalidArgument("DDP: the fused SGD step is for models on the CPU");
   if (sync_->fused_update()) return;
