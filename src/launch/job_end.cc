@@ -189,7 +189,10 @@ void Job::start_store() {
   co.host = plan_.master_addr;
   co.port = static_cast<uint16_t>(plan_.master_port);
   co.token = ctx_.token;
-  co.reply_grace = kStoreReplyGrace;
+  // Our own server runs in this process, so no answer from it means this process was paused (SIGSTOP, a
+  // debugger, a descheduled guest), not a lost store: with the short grace, the watcher woken first
+  // after a pause called the job's own store lost before the server thread could answer.
+  co.reply_grace = plan_.host_store ? kOwnStoreReplyGrace : kStoreReplyGrace;
   if (plan_.host_store) co.host = "127.0.0.1";  // our own server listens on every interface
   // Joining nodes may start long before node 0: keep trying for the join timeout, saying so every few
   // seconds of real time. Each try is short (kConnectSlice) so that a Ctrl-C between tries ends the

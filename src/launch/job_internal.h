@@ -62,6 +62,9 @@ inline constexpr Millis kStoreCallTimeout{2000};
 // answers in milliseconds (and within about a second while thousands of clients join), so no answer
 // this long after the deadline means a cut link or a dead host.
 inline constexpr Millis kStoreReplyGrace{1000};
+// The same for the clients of a store this launcher hosts in-process (job_end.cc): longer, since the
+// only way its answer is late is this process not running; still a deadline.
+inline constexpr Millis kOwnStoreReplyGrace{10000};
 // One munge or unmunge run (a local daemon's answer: milliseconds when it is up).
 inline constexpr Millis kMungeTimeout{10000};
 
