@@ -91,8 +91,12 @@ std::string CommunicatorImpl::copy_report() const {
   const uint64_t calls = shm_group_->single_copies();
   const shm::Group::CopiedBytes c = shm_group_->single_copied();
   const double per = calls ? 1.0 / double(calls) : 0.0;
-  return fmt::format("{} single-copy calls; per call read from peers {:.2f} MiB, written into peers {:.2f} MiB",
-                     calls, double(c.pulled) * per / (1 << 20), double(c.pushed) * per / (1 << 20));
+  // "mapped": the share of those bytes copied through the mapping of allocate_shared buffers (plain loads
+  // and stores) rather than by the kernel (process_vm_readv/writev): says which path ran.
+  return fmt::format(
+      "{} single-copy calls; per call read from peers {:.2f} MiB, written into peers {:.2f} MiB ({:.2f} MiB of "
+      "them mapped shared memory)",
+      calls, double(c.pulled) * per / (1 << 20), double(c.pushed) * per / (1 << 20), double(c.mapped) * per / (1 << 20));
 }
 
 std::string CommunicatorImpl::link_report() const {

@@ -83,13 +83,14 @@ void Group::allgather(const void* in_v, void* out_v, size_t bytes) {
       // The peers read my contribution where it is (my input, or my block of the output in place), and I
       // copy it into my block after the first round: no copy stands between a rank's arrival and the
       // round, where on a loaded host the other rank's time slices would add up with it.
-      const uint64_t header[1] = {reinterpret_cast<uint64_t>(copy_own ? in : own)};
-      single_copy_call("allgather", header, 1, [&](unsigned p) {
+      uint64_t header[kBufferWords];
+      publish(header, copy_own ? in : own, bytes);
+      single_copy_call("allgather", header, kBufferWords, [&](unsigned p) {
         for (int k = 1; k < size_; ++k) {  // staggered, so that the ranks do not all read rank 0 first
           const int q = (rank_ + k) % size_;
-          pull(q, out + static_cast<size_t>(q) * bytes, header_of(q, p)[0], bytes, "allgather");
+          pull(q, out + static_cast<size_t>(q) * bytes, peer_buffer(header_of(q, p)), 0, bytes, "allgather");
         }
-        if (copy_own) std::memmove(own, in, bytes);
+        if (copy_own) copy_block(own, in, bytes);
       });
       return;
     }
@@ -131,15 +132,16 @@ void Group::broadcast(void* data_v, size_t bytes, int root) {
       // into one buffer never touch the same bytes, and the second round ends both. Where the ranks
       // share cores there is no idle root core, and the receivers copy it all (broadcast_splits).
       const size_t share = broadcast_splits() ? broadcast_root_share(bytes, size_) : 0;
-      const uint64_t header[1] = {reinterpret_cast<uint64_t>(data)};
-      single_copy_call("broadcast", header, 1, [&](unsigned p) {
+      uint64_t header[kBufferWords];
+      publish(header, data, bytes);
+      single_copy_call("broadcast", header, kBufferWords, [&](unsigned p) {
         if (rank_ != root) {
-          pull(root, data, header_of(root, p)[0], bytes - share, "broadcast");
+          pull(root, data, peer_buffer(header_of(root, p)), 0, bytes - share, "broadcast");
           return;
         }
         for (int k = 1; k < size_ && share > 0; ++k) {  // staggered, as allgather's reads
           const int q = (rank_ + k) % size_;
-          push(q, header_of(q, p)[0] + (bytes - share), data + (bytes - share), share, "broadcast");
+          push(q, peer_buffer(header_of(q, p)), bytes - share, data + (bytes - share), share, "broadcast");
         }
       });
       return;

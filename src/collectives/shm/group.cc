@@ -49,6 +49,9 @@ static const env::BoolSetting kSingleCopy("COHORT_SHM_SINGLE_COPY", true,
                                           "allows it");
 static const env::BytesSetting kSingleCopyBytes("COHORT_SHM_SINGLE_COPY_BYTES", 1 << 20,
                                                 "single copy from this many bytes per call (a rank's whole result)");
+static const env::BytesSetting kStreamingBytes("COHORT_SHM_STREAMING_BYTES", 4 << 20,
+                                               "single-copy collectives copy this many bytes or more with "
+                                               "non-temporal stores (0: never)");
 
 }  // namespace
 GroupOptions GroupOptions::from_env(int local_size) {
@@ -62,6 +65,7 @@ GroupOptions GroupOptions::from_env(int local_size) {
   o.inline_small = inline_small_from_env();
   o.early_root = early_root_from_env();
   o.single_copy_bytes = kSingleCopyBytes.get();
+  o.streaming_bytes = kStreamingBytes.get();
   if (o.slot_copy != "auto" && o.slot_copy != "cached" && o.slot_copy != "streaming")
     throw ConfigError(fmt::format("COHORT_SHM_COPY={}: expected auto, cached or streaming", o.slot_copy));
   return o;

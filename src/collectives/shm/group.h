@@ -92,6 +92,11 @@ struct GroupOptions {
   // COHORT_SHM_SINGLE_COPY (on/off), COHORT_SHM_SINGLE_COPY_BYTES.
   bool single_copy = true;
   size_t single_copy_bytes = size_t{1} << 20;
+  // The copies this rank makes itself on the single-copy path (its own block, and peers' allocate_shared
+  // buffers through its mapping) use non-temporal stores from this many bytes on: a destination that
+  // size would not stay in this core's caches anyway, and streaming stores skip reading each line before
+  // writing it (a third of the memory traffic of the copy). 0: never. COHORT_SHM_STREAMING_BYTES.
+  size_t streaming_bytes = size_t{4} << 20;
   // From COHORT_SHM_SLOT_BYTES, COHORT_SHM_SMALL_BYTES, COHORT_SHM_SPIN (the spin yields the core
   // after its first microseconds, so an oversubscribed host still makes progress), COHORT_SHM_CHUNK_BYTES,
   // COHORT_SHM_COPY.
@@ -194,10 +199,12 @@ class Group {
   // that both took themselves for the root would otherwise both return and neither name it). Waits as a
   // call does (deadline, dead peers); throws MismatchError, TimeoutError or PeerLostError as a call does.
   void confirm_early_broadcasts();
-  // Bytes this rank moved on the single-copy path so far: read from peers (process_vm_readv), written
-  // into peers (process_vm_writev). Says which rank did which part of the copy (tests, benchmarks).
+  // Bytes this rank moved on the single-copy path so far: read from peers, written into peers (tests,
+  // benchmarks: which rank did which part of the copy), and how many of them went through the mapping of
+  // an allocate_shared buffer (plain loads and stores) rather than process_vm_readv/writev.
   struct CopiedBytes {
     uint64_t pulled = 0, pushed = 0;
+    uint64_t mapped = 0;
   };
   CopiedBytes single_copied() const { return copied_; }
   // A single-copy broadcast of `bytes` among `ranks`: the bytes at the end of every receiver's buffer
@@ -358,10 +365,35 @@ class Group {
   const uint64_t* header_of(int q, unsigned parity) const { return reinterpret_cast<const uint64_t*>(slot(q, parity)); }
   // process_vm_readv / process_vm_writev of `bytes` between this rank's `local` and local rank q's
   // address `remote`; a failure names the peer and the cause.
-  void pull(int q, void* local, uint64_t remote, size_t bytes, const char* what);
-  void push(int q, uint64_t remote, const void* local, size_t bytes, const char* what);
+  void kernel_pull(int q, void* local, uint64_t remote, size_t bytes, const char* what);
+  void kernel_push(int q, uint64_t remote, const void* local, size_t bytes, const char* what);
+  // A buffer as a single-copy call publishes it in its header: two words, its address in the publisher's
+  // memory and its shared locator (nonzero when it lies in allocate_shared memory: which allocation, at
+  // which offset of the publisher's part). A peer that maps the same allocation copies it with its own
+  // loads and stores; otherwise, or for ordinary memory, the kernel copies (process_vm_readv/writev).
+  struct PeerBuffer {
+    uint64_t address = 0, locator = 0;
+  };
+  static constexpr size_t kBufferWords = 2;
+  void publish(uint64_t* words, const void* data, size_t bytes);
+  static PeerBuffer peer_buffer(const uint64_t* words) { return {words[0], words[1]}; }
+  // Where this rank maps bytes [offset, offset + bytes) of local rank q's buffer `remote`, with `hold`
+  // keeping that mapping alive; null when `remote` is not allocate_shared memory or this rank no longer
+  // holds that allocation. A locator that names a range beyond its allocation's part throws, naming q.
+  const char* mapped(int q, PeerBuffer remote, uint64_t offset, size_t bytes,
+                     std::shared_ptr<SharedRegion>* hold, const char* what);
+  // The live allocation numbered `id`, or null.
+  std::shared_ptr<SharedRegion> shared_by_id(uint32_t id);
+  // Copies `bytes` between this rank's memory and bytes [offset, offset + bytes) of local rank q's
+  // buffer: through the mapping when there is one, else with process_vm_readv / process_vm_writev.
+  void pull(int q, void* local, PeerBuffer remote, uint64_t offset, size_t bytes, const char* what);
+  // A copy this rank makes on the single-copy path: memmove, or streaming stores from streaming_bytes on
+  // (when the two ranges do not overlap).
+  void copy_block(void* dst, const void* src, size_t bytes) const;
+  void push(int q, PeerBuffer remote, uint64_t offset, const void* local, size_t bytes, const char* what);
   // reduce_scatter's single-copy path: each rank reduces its block a cache-sized piece at a time,
-  // reading the peers' pieces of it from their inputs (process_vm_readv) and its own in place.
+  // reading the peers' pieces of it from their inputs (through the mapping of an allocate_shared input,
+  // else copied in with process_vm_readv) and its own in place.
   void reduce_scatter_single(const char* in, char* out, size_t count, DataType dtype, ReduceOp op);
 
   // The probe's rounds and the choice, inside a guarded call (probe(), or a recheck within an allreduce).

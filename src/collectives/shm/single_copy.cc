@@ -39,8 +39,8 @@ void Group::choose_single_copy() {
     single_copy_why_ = "one local rank";
     return;
   }
-  // The largest header a single-copy call publishes (alltoallv's: an address, P counts, P offsets).
-  const size_t header_bytes = (1 + 2 * static_cast<size_t>(size_)) * sizeof(uint64_t);
+  // The largest header a single-copy call publishes (alltoallv's: a buffer, P counts, P offsets).
+  const size_t header_bytes = (kBufferWords + 2 * static_cast<size_t>(size_)) * sizeof(uint64_t);
   uint64_t verdict = !options_.single_copy                   ? kSingleCopyOff
                      : header_bytes > options_.slot_bytes ? kSingleCopySlotTooSmall
                                                              : kSingleCopyOk;
@@ -91,12 +91,15 @@ void Group::choose_single_copy() {
   }
   if (single_copy_)
     single_copy_why_ = fmt::format(
-        "single copy (process_vm_readv between every pair of local ranks, checked at start) for allgather(v), "
-        "alltoall(v), gather, scatter, broadcast and reduce_scatter from {} KiB",
+        "single copy (process_vm_readv between every pair of local ranks, checked at start; loads and stores "
+        "where a peer's buffer is allocate_shared memory; {}) for allgather(v), alltoall(v), gather, scatter, "
+        "broadcast and reduce_scatter from {} KiB",
+        options_.streaming_bytes ? fmt::format("streaming stores from {} KiB", options_.streaming_bytes >> 10)
+                                 : std::string("no streaming stores"),
         options_.single_copy_bytes >> 10);
 }
 
-void Group::pull(int q, void* local, uint64_t remote, size_t bytes, const char* what) {
+void Group::kernel_pull(int q, void* local, uint64_t remote, size_t bytes, const char* what) {
   char* to = static_cast<char*>(local);
   while (bytes > 0) {
     iovec l{to, bytes}, r{reinterpret_cast<void*>(remote), bytes};
@@ -115,7 +118,7 @@ void Group::pull(int q, void* local, uint64_t remote, size_t bytes, const char* 
   }
 }
 
-void Group::push(int q, uint64_t remote, const void* local, size_t bytes, const char* what) {
+void Group::kernel_push(int q, uint64_t remote, const void* local, size_t bytes, const char* what) {
   const char* from = static_cast<const char*>(local);
   while (bytes > 0) {
     iovec l{const_cast<char*>(from), bytes}, r{reinterpret_cast<void*>(remote), bytes};
@@ -134,6 +137,75 @@ void Group::push(int q, uint64_t remote, const void* local, size_t bytes, const 
   }
 }
 
+namespace {
+// A shared locator: (allocation id + 1) in the top 24 bits, the offset in the publisher's part below.
+constexpr unsigned kLocatorOffsetBits = 40;
+constexpr uint64_t kLocatorOffsetMask = (uint64_t{1} << kLocatorOffsetBits) - 1;
+}  // namespace
+
+void Group::publish(uint64_t* words, const void* data, size_t bytes) {
+  words[0] = reinterpret_cast<uint64_t>(data);
+  words[1] = 0;
+  size_t offset = 0;
+  if (!data || bytes == 0) return;
+  if (auto region = find_shared(data, bytes, &offset);
+      region && offset <= kLocatorOffsetMask && region->id + uint64_t{1} < (uint64_t{1} << (64 - kLocatorOffsetBits)))
+    words[1] = ((uint64_t{region->id} + 1) << kLocatorOffsetBits) | offset;
+}
+
+std::shared_ptr<Group::SharedRegion> Group::shared_by_id(uint32_t id) {
+  std::lock_guard<std::mutex> lock(shared_mutex_);
+  for (const auto& w : shared_)
+    if (auto region = w.lock(); region && region->id == id) return region;
+  return nullptr;
+}
+
+const char* Group::mapped(int q, PeerBuffer remote, uint64_t offset, size_t bytes, std::shared_ptr<SharedRegion>* hold,
+                          const char* what) {
+  if (remote.locator == 0) return nullptr;
+  const auto id = static_cast<uint32_t>((remote.locator >> kLocatorOffsetBits) - 1);
+  const uint64_t at = remote.locator & kLocatorOffsetMask;
+  auto region = shared_by_id(id);
+  if (!region) return nullptr;  // this rank has dropped that allocation: the kernel copies instead
+  // The peer's word is not trusted to stay inside its part: a range past it would read or write
+  // another rank's part, or past the segment.
+  if (at > region->per_rank || offset > region->per_rank - at || bytes > region->per_rank - at - offset)
+    throw Error(fmt::format("shm {}: {} published a buffer at offset {} of shared allocation {} whose {} bytes "
+                            "from offset {} lie beyond that allocation's {} bytes per rank",
+                            what, sync_.peer_name(q), at, id, bytes, offset, region->per_rank));
+  const char* p = region->part(q) + at + offset;
+  *hold = std::move(region);
+  return p;
+}
+
+void Group::copy_block(void* dst, const void* src, size_t bytes) const {
+  if (bytes == 0 || dst == src) return;
+  if (options_.streaming_bytes && bytes >= options_.streaming_bytes && !overlaps(dst, bytes, src, bytes))
+    copy::copy_streaming(dst, src, bytes);
+  else
+    std::memmove(dst, src, bytes);
+}
+
+void Group::pull(int q, void* local, PeerBuffer remote, uint64_t offset, size_t bytes, const char* what) {
+  std::shared_ptr<SharedRegion> hold;
+  if (const char* from = mapped(q, remote, offset, bytes, &hold, what)) {
+    copy_block(local, from, bytes);
+    copied_.pulled += bytes, copied_.mapped += bytes;
+    return;
+  }
+  kernel_pull(q, local, remote.address + offset, bytes, what);
+}
+
+void Group::push(int q, PeerBuffer remote, uint64_t offset, const void* local, size_t bytes, const char* what) {
+  std::shared_ptr<SharedRegion> hold;
+  if (const char* to = mapped(q, remote, offset, bytes, &hold, what)) {
+    copy_block(const_cast<char*>(to), local, bytes);
+    copied_.pushed += bytes, copied_.mapped += bytes;
+    return;
+  }
+  kernel_push(q, remote.address + offset, local, bytes, what);
+}
+
 void Group::reduce_scatter_single(const char* in, char* out, size_t count, DataType dtype, ReduceOp op) {
   const size_t es = dtype_size(dtype), block = count * es, me = static_cast<size_t>(rank_);
   const char* own = in + me * block;
@@ -148,19 +220,32 @@ void Group::reduce_scatter_single(const char* in, char* out, size_t count, DataT
   if (reduce_pieces_.size() < (peers + 1) * piece * es) reduce_pieces_.resize((peers + 1) * piece * es);
   if (deferred && alltoall_aside_.size() < block) alltoall_aside_.resize(block);
   char* result = deferred ? alltoall_aside_.data() : out;
-  const uint64_t header[1] = {reinterpret_cast<uint64_t>(in)};
-  single_copy_call("reduce_scatter", header, 1, [&](unsigned p) {
+  uint64_t header[kBufferWords];
+  publish(header, in, block * static_cast<size_t>(size_));
+  single_copy_call("reduce_scatter", header, kBufferWords, [&](unsigned p) {
     char* theirs = reduce_pieces_.data();              // peer q's piece at slot q (q < me) or q - 1
     char* acc_piece = theirs + peers * piece * es;     // the accumulator when it must not be `out`
+    // A peer's input in allocate_shared memory this rank maps is read where it lies: no piece copied in.
+    std::vector<std::shared_ptr<SharedRegion>> holds(static_cast<size_t>(size_));
+    std::vector<const char*> direct(static_cast<size_t>(size_), nullptr);
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_)
+        direct[static_cast<size_t>(q)] = mapped(q, peer_buffer(header_of(q, p)), me * block, block,
+                                                &holds[static_cast<size_t>(q)], "reduce_scatter");
     for (size_t off = 0; off < count; off += piece) {
       const size_t c = std::min(piece, count - off);
       for (int q = 0; q < size_; ++q) {
         if (q == rank_) continue;
+        if (direct[static_cast<size_t>(q)]) {
+          copied_.pulled += c * es, copied_.mapped += c * es;
+          continue;
+        }
         const size_t at = static_cast<size_t>(q < rank_ ? q : q - 1) * piece * es;
-        pull(q, theirs + at, header_of(q, p)[0] + me * block + off * es, c * es, "reduce_scatter");
+        kernel_pull(q, theirs + at, header_of(q, p)[0] + me * block + off * es, c * es, "reduce_scatter");
       }
       auto source = [&](int q) -> const char* {
         if (q == rank_) return own + off * es;
+        if (const char* d = direct[static_cast<size_t>(q)]) return d + off * es;
         return theirs + static_cast<size_t>(q < rank_ ? q : q - 1) * piece * es;
       };
       // Rank order, as every other path (the same bits on every rank and path). reduce_to may write
@@ -192,23 +277,26 @@ void Group::alltoallv(const void* send_v, const size_t* send_counts, const size_
       send = alltoall_aside_.data();
     }
     auto own_block = [&] {
-      if (recv_counts[me])
-        std::memcpy(recv + recv_displs[me] * elem, send + send_displs[me] * elem, recv_counts[me] * elem);
+      if (recv_counts[me]) copy_block(recv + recv_displs[me] * elem, send + send_displs[me] * elem, recv_counts[me] * elem);
     };
     if (size_ == 1) return own_block();
     // Header: my input's address, then what I send to each rank (counts, then offsets, in elements).
-    std::vector<uint64_t> header(1 + 2 * P);
-    header[0] = reinterpret_cast<uint64_t>(send);
-    for (size_t q = 0; q < P; ++q) header[1 + q] = send_counts[q], header[1 + P + q] = send_displs[q];
+    std::vector<uint64_t> header(kBufferWords + 2 * P);
+    size_t extent = 0;
+    for (size_t q = 0; q < P; ++q)
+      if (send_counts[q]) extent = std::max(extent, (send_displs[q] + send_counts[q]) * elem);
+    publish(header.data(), send, extent);
+    uint64_t* counts = header.data() + kBufferWords;
+    for (size_t q = 0; q < P; ++q) counts[q] = send_counts[q], counts[P + q] = send_displs[q];
     single_copy_call("alltoallv", header.data(), header.size(), [&](unsigned p) {
       for (int k = 1; k < size_; ++k) {
         const int q = (rank_ + k) % size_;
         const uint64_t* theirs = header_of(q, p);
-        const uint64_t count = theirs[1 + me], offset = theirs[1 + P + me];
+        const uint64_t count = theirs[kBufferWords + me], offset = theirs[kBufferWords + P + me];
         if (count != recv_counts[q])
           throw MismatchError(fmt::format("alltoallv: {} sends {} elements to {}, which expects {} from it",
                                           sync_.peer_name(q), count, sync_.peer_name(rank_), recv_counts[q]));
-        if (count) pull(q, recv + recv_displs[q] * elem, theirs[0] + offset * elem, count * elem, "alltoallv");
+        if (count) pull(q, recv + recv_displs[q] * elem, peer_buffer(theirs), offset * elem, count * elem, "alltoallv");
       }
       own_block();  // after the first round, as allgather's
     });
@@ -229,17 +317,20 @@ void Group::allgatherv(const void* send_v, size_t send_count, void* recv_v, cons
       return;
     }
     // As allgather: the peers read my contribution where it is; I copy it into place after round 1.
-    const uint64_t header[2] = {reinterpret_cast<uint64_t>(copy_own ? send : own), send_count};
-    single_copy_call("allgatherv", header, 2, [&](unsigned p) {
+    uint64_t header[kBufferWords + 1];
+    publish(header, copy_own ? send : own, send_count * elem);
+    header[kBufferWords] = send_count;
+    single_copy_call("allgatherv", header, kBufferWords + 1, [&](unsigned p) {
       for (int k = 1; k < size_; ++k) {
         const int q = (rank_ + k) % size_;
         const uint64_t* theirs = header_of(q, p);
-        if (theirs[1] != recv_counts[q])
+        const uint64_t count = theirs[kBufferWords];
+        if (count != recv_counts[q])
           throw MismatchError(fmt::format("allgatherv: {} contributes {} elements, but {} expects {} from it",
-                                          sync_.peer_name(q), theirs[1], sync_.peer_name(rank_), recv_counts[q]));
-        if (theirs[1]) pull(q, recv + displs[static_cast<size_t>(q)] * elem, theirs[0], theirs[1] * elem, "allgatherv");
+                                          sync_.peer_name(q), count, sync_.peer_name(rank_), recv_counts[q]));
+        if (count) pull(q, recv + displs[static_cast<size_t>(q)] * elem, peer_buffer(theirs), 0, count * elem, "allgatherv");
       }
-      if (copy_own) std::memmove(own, send, send_count * elem);
+      if (copy_own) copy_block(own, send, send_count * elem);
     });
   });
 }
@@ -258,10 +349,11 @@ void Group::gather(const void* send_v, void* recv_v, size_t bytes, int root) {
     }
     // The root publishes its output; every other rank writes its block there itself (the writes run on
     // all ranks at once instead of one after the other on the root).
-    const uint64_t header[1] = {reinterpret_cast<uint64_t>(rank_ == root ? recv : nullptr)};
-    single_copy_call("gather", header, 1, [&](unsigned p) {
-      if (rank_ != root && bytes) push(root, header_of(root, p)[0] + mine, send, bytes, "gather");
-      if (copy_own) std::memcpy(recv + mine, send, bytes);  // the root's, while the others write theirs
+    uint64_t header[kBufferWords];
+    publish(header, rank_ == root ? recv : nullptr, bytes * static_cast<size_t>(size_));
+    single_copy_call("gather", header, kBufferWords, [&](unsigned p) {
+      if (rank_ != root && bytes) push(root, peer_buffer(header_of(root, p)), mine, send, bytes, "gather");
+      if (copy_own) copy_block(recv + mine, send, bytes);  // the root's, while the others write theirs
     });
   });
 }
@@ -278,10 +370,11 @@ void Group::scatter(const void* send_v, void* recv_v, size_t bytes, int root) {
       if (copy_own) std::memcpy(recv, send + mine, bytes);
       return;
     }
-    const uint64_t header[1] = {reinterpret_cast<uint64_t>(rank_ == root ? send : nullptr)};
-    single_copy_call("scatter", header, 1, [&](unsigned p) {
-      if (rank_ != root && bytes) pull(root, recv, header_of(root, p)[0] + mine, bytes, "scatter");
-      if (copy_own) std::memcpy(recv, send + mine, bytes);
+    uint64_t header[kBufferWords];
+    publish(header, rank_ == root ? send : nullptr, bytes * static_cast<size_t>(size_));
+    single_copy_call("scatter", header, kBufferWords, [&](unsigned p) {
+      if (rank_ != root && bytes) pull(root, recv, peer_buffer(header_of(root, p)), mine, bytes, "scatter");
+      if (copy_own) copy_block(recv, send + mine, bytes);
     });
   });
 }
