@@ -10,6 +10,9 @@
 #     over twice the L3, rotated per iteration, on both sides)
 #     STAGED=1: also cohort with COHORT_SHM_SINGLE_COPY=0 (peer cohort-staged: the paths before single copy,
 #     as on main before issue 51), in the same interleaved rounds
+#     SHARED=1: also cohort with every buffer from allocate_shared (`--buffers shared`, peer cohort-shared:
+#     the peers copy each other's buffers through their own mappings, no process_vm_readv; docs/algorithms-shm.md,
+#     "From shared buffers"), in the same interleaved rounds; its goals are checked too
 #     BASE=path/to/another/cohort: also that build (peer cohort-base, e.g. main's before a change), in the
 #     same interleaved rounds, so that a change is measured against its base under the same load
 #     MPI_BASE=<git revision>: also Open MPI with bench/peers/bench_mpi.c as of that revision (peer
@@ -56,13 +59,14 @@ source bench/rounds_loop.sh
 bytes_of() { numfmt --from=iec "$1"; }
 
 # One line per measurement: ROUND <round> <op> <bytes> <peer> <time us> <busbw GB/s>
-cohort_case() {  # round op size [staged|base]
-  local out peer=cohort single=1 bin=$COHORT
+cohort_case() {  # round op size [staged|base|shared]
+  local out peer=cohort single=1 bin=$COHORT buffers=()  # none: the default (private), which older builds know
   [[ ${4:-} == staged ]] && { peer=cohort-staged; single=0; }
+  [[ ${4:-} == shared ]] && { peer=cohort-shared; buffers=(--buffers shared); }
   [[ ${4:-} == base ]] && { peer=cohort-base; bin=$TMP/cohort-base; }
   # shellcheck disable=SC2086
   out=$(COHORT_SHM_SINGLE_COPY=$single "$bin" run -n "$N" --no-tag-output "$bin" bench "$2" -b "$3" -e "$3" --trials 3 --min-time 0.3 \
-    $cohort_flag 2>&1)
+    "${buffers[@]}" $cohort_flag 2>&1)
   if [[ $peer == cohort && ($1 == 1 || $2 == allgather) ]]; then grep "^# link:" <<<"$out" | sed "s/^# link:/LINK round $1 $2:/"; fi
   # Which rank copied what on the single-copy path (cohort bench's last lines, one per rank).
   grep "^# copies, rank" <<<"$out" | sed "s/^# copies,/COPIES round $1 $2 $peer:/"
@@ -86,6 +90,7 @@ one_round() {  # round: every case, each peer in turn
     for op in $OPS; do
       cohort_case "$1" "$op" "$size"
       [[ ${STAGED:-0} == 1 ]] && cohort_case "$1" "$op" "$size" staged
+      [[ ${SHARED:-0} == 1 ]] && cohort_case "$1" "$op" "$size" shared
       [[ -n ${BASE:-} ]] && cohort_case "$1" "$op" "$size" base
       mpi_case "$1" "$op" "$size"
       [[ -n ${MPI_BASE:-} ]] && mpi_case "$1" "$op" "$size" base
@@ -110,7 +115,8 @@ for line in open(sys.argv[1]):
 def mib(b):
     return f"{b / 2**20:g} MiB"
 print("\n## Every round: time per op in ms (busbw GB/s); ratio = cohort busbw / Open MPI busbw, same round\n")
-extra = [p for p in ("cohort-staged", "cohort-base", "mpi-base") if any(p in t[k] for k in order)]
+extra = [p for p in ("cohort-shared", "cohort-staged", "cohort-base", "mpi-base") if any(p in t[k] for k in order)]
+judged = [p for p in ("cohort", "cohort-shared") if any(p in t[k] for k in order)]
 print("| op | size | round | cohort | " + "".join(p.replace("-", " ") + " | " for p in extra) + "Open MPI | ratio |")
 print("|---|---|---:|---:|" + "---:|" * len(extra) + "---:|---:|")
 def cell(key, peer, r):
@@ -121,26 +127,27 @@ for key in order:
         ratio = f"{m[r] / c[r]:.2f}x" if r in c and r in m else "-"
         print(f"| {key[0]} | {mib(key[1])} | {r} | {cell(key, 'cohort', r)} | "
               + "".join(f"{cell(key, p, r)} | " for p in extra) + f"{cell(key, 'mpi', r)} | {ratio} |")
-print("\n## Goal: cohort's slowest round >= 1.5x Open MPI's fastest (busbw)\n")
-for key in order:
-    c, m = bw[key].get("cohort", {}), bw[key].get("mpi", {})
-    if not c or not m:
-        print(f"{key[0]} {mib(key[1])}: missing a side (cohort {len(c)} rounds, Open MPI {len(m)})")
-        continue
-    v = min(c.values()) / max(m.values())
-    print(f"{key[0]} {mib(key[1])}: cohort slowest {min(c.values()):.2f} GB/s, Open MPI fastest "
-          f"{max(m.values()):.2f} GB/s: {v:.2f}x ({'met' if v >= 1.5 else 'NOT met'})")
-print("\n## Goal: allgather and reduce_scatter <= 0.6 of cohort's allreduce time, same size, same round\n")
-for op in ("allgather", "reduce_scatter"):
-    for (o, size) in order:
-        if o != op or ("allreduce", size) not in t:
+for peer in judged:
+    print(f"\n## Goal: {peer}'s slowest round >= 1.5x Open MPI's fastest (busbw)\n")
+    for key in order:
+        c, m = bw[key].get(peer, {}), bw[key].get("mpi", {})
+        if not c or not m:
+            print(f"{key[0]} {mib(key[1])}: missing a side ({peer} {len(c)} rounds, Open MPI {len(m)})")
             continue
-        a, ar = t[op, size].get("cohort", {}), t["allreduce", size].get("cohort", {})
-        rounds = sorted(set(a) & set(ar))
-        if not rounds:
-            continue
-        ratios = [a[r] / ar[r] for r in rounds]
-        status = "met" if max(ratios) <= 0.6 else "NOT met"
-        print(f"{op} {mib(size)} / allreduce {mib(size)}: "
-              + ", ".join(f"round {r} {x:.2f}" for r, x in zip(rounds, ratios)) + f" ({status} in every round)")
+        v = min(c.values()) / max(m.values())
+        print(f"{key[0]} {mib(key[1])}: {peer} slowest {min(c.values()):.2f} GB/s, Open MPI fastest "
+              f"{max(m.values()):.2f} GB/s: {v:.2f}x ({'met' if v >= 1.5 else 'NOT met'})")
+    print(f"\n## Goal: allgather and reduce_scatter <= 0.6 of {peer}'s allreduce time, same size, same round\n")
+    for op in ("allgather", "reduce_scatter"):
+        for (o, size) in order:
+            if o != op or ("allreduce", size) not in t:
+                continue
+            a, ar = t[op, size].get(peer, {}), t["allreduce", size].get(peer, {})
+            rounds = sorted(set(a) & set(ar))
+            if not rounds:
+                continue
+            ratios = [a[r] / ar[r] for r in rounds]
+            status = "met" if max(ratios) <= 0.6 else "NOT met"
+            print(f"{op} {mib(size)} / allreduce {mib(size)}: "
+                  + ", ".join(f"round {r} {x:.2f}" for r, x in zip(rounds, ratios)) + f" ({status} in every round)")
 PY

@@ -15,6 +15,11 @@
 // the last-level cache, so that no iteration finds its inputs in the cache the previous one left them
 // in (an application moves fresh data each step; a benchmark that reuses one buffer measures the cache).
 //
+// --buffers shared: every host buffer comes from Communicator::allocate_shared (memory the ranks of one host
+// all map, as DDP's buckets are), so the collectives copy between the ranks' buffers with plain loads and
+// stores instead of process_vm_readv/writev, and the in-place allreduce reduces the peers' buffers where
+// they lie (docs/algorithms-shm.md). "# copies" says how many bytes went which way.
+//
 // Timing (the peers' method, bench/peers/README.md, "Method"): values zero during timing after one
 // checked run with rank-dependent values (with --check); warm-up of -w ops and then about 0.2 s;
 // iterations per trial = the smallest count estimated to take >= --min-time (0.5 s), at least 2,
@@ -72,6 +77,31 @@ struct BenchOptions {
   std::string gpu_path = "auto";  // with cuda: auto | nccl | staged
   bool no_cache_reuse = false;
   uint64_t cache_bytes = 0;  // the cache --no-cache-reuse outgrows; 0: the L3 the system reports
+  bool shared_buffers = false;  // --buffers shared
+};
+
+// One host buffer of a case: ordinary memory, or (--buffers shared) allocate_shared memory, which is a
+// collective call: every rank makes the same buffers in the same order. Every page is written here, so
+// that no timed call reads a page the kernel has not yet given it (an untouched page reads as the shared
+// zero page, from the cache: "Why Open MPI looked twice as fast", docs/algorithms-shm.md).
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(Communicator& comm, size_t bytes, bool shared) : bytes_(bytes) {
+    if (bytes == 0) return;
+    if (shared) memory_ = std::static_pointer_cast<char>(comm.allocate_shared(bytes));
+    else memory_ = std::shared_ptr<char>(new char[bytes], std::default_delete<char[]>());
+    explicit_bzero(memory_.get(), bytes);
+  }
+  char* data() const { return memory_.get(); }
+  size_t size() const { return bytes_; }
+  bool empty() const { return bytes_ == 0; }
+  char* begin() const { return data(); }
+  char* end() const { return data() + bytes_; }
+
+ private:
+  std::shared_ptr<char> memory_;
+  size_t bytes_ = 0;
 };
 
 // The last-level (L3) cache of the CPU this thread runs on, from sysfs (else sysconf); 0 if unknown.
@@ -124,22 +154,26 @@ class Case {
     } else {
       per_rank_ = count_;
     }
+    size_t send_bytes = count_ * esize_, recv_bytes = count_ * esize_;
     switch (kind) {
       case Kind::kAllreduce:
-      case Kind::kBroadcast: send_.assign(count_ * esize_, 0); break;
-      case Kind::kAllgather: send_.assign(per_rank_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
-      case Kind::kReduceScatter: send_.assign(count_ * esize_, 0), recv_.assign(per_rank_ * esize_, 0); break;
-      case Kind::kAlltoall: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
-      case Kind::kGather: send_.assign(per_rank_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
-      case Kind::kScatter: send_.assign(count_ * esize_, 0), recv_.assign(per_rank_ * esize_, 0); break;
-      case Kind::kSendrecv: send_.assign(count_ * esize_, 0), recv_.assign(count_ * esize_, 0); break;
+      case Kind::kBroadcast: recv_bytes = 0; break;
+      case Kind::kAllgather:
+      case Kind::kGather: send_bytes = per_rank_ * esize_; break;
+      case Kind::kReduceScatter:
+      case Kind::kScatter: recv_bytes = per_rank_ * esize_; break;
+      case Kind::kAlltoall:
+      case Kind::kSendrecv: break;
     }
+    const bool shared = o.shared_buffers && device_ < 0;
+    send_ = HostBuffer(comm, send_bytes, shared);
+    recv_ = HostBuffer(comm, recv_bytes, shared);
     if (o.no_cache_reuse && device_ < 0) {
       // Sets 1.. besides send_/recv_ (set 0), each page touched so that no timed iteration faults.
       sets_ = rotation_sets(send_.size() + recv_.size(), o.cache_bytes);
       for (size_t k = 1; k < sets_; ++k) {
-        extra_send_.emplace_back(send_.size(), 0);
-        extra_recv_.emplace_back(recv_.size(), 0);
+        extra_send_.emplace_back(comm, send_bytes, shared);
+        extra_recv_.emplace_back(comm, recv_bytes, shared);
       }
     }
     if (device_ >= 0) {
@@ -276,8 +310,8 @@ class Case {
   int n_, r_;
   size_t esize_;
   size_t count_ = 0, per_rank_ = 0;
-  std::vector<char> send_, recv_;
-  std::vector<std::vector<char>> extra_send_, extra_recv_;  // --no-cache-reuse: sets 1..sets_-1
+  HostBuffer send_, recv_;
+  std::vector<HostBuffer> extra_send_, extra_recv_;  // --no-cache-reuse: sets 1..sets_-1
   size_t sets_ = 1, set_ = 0;                               // the set the next run() uses
   int device_ = -1;
   std::shared_ptr<void> dsend_, drecv_;  // GPU copies (--device cuda)
@@ -339,6 +373,11 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
   app.add_option("--cache-bytes", cache_s,
                  "with --no-cache-reuse: the cache to outgrow (K/M/G; 0: the L3 this CPU reports, 32M if none)")
       ->capture_default_str();
+  std::string buffers = "private";
+  app.add_option("--buffers", buffers,
+                 "host buffers: private (ordinary memory) or shared (Communicator::allocate_shared: the ranks of a "
+                 "host map each other's, and the collectives copy between them directly)")
+      ->capture_default_str();
   app.add_option("--trials", o.trials, "timed trials per size; the median is reported")->capture_default_str();
   app.add_option("--min-time", o.min_time, "seconds each trial should last when -n is 0")->capture_default_str();
   app.add_option("--csv", o.csv, "also write the table as CSV to this file (rank 0)");
@@ -367,6 +406,10 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
 
   if (o.device != "cpu" && o.device != "cuda")
     throw InvalidArgument(fmt::format("--device {}: expected cpu or cuda", o.device));
+  if (buffers != "private" && buffers != "shared")
+    throw InvalidArgument(fmt::format("--buffers {}: expected private or shared", buffers));
+  o.shared_buffers = buffers == "shared";
+  if (o.shared_buffers && o.device != "cpu") throw InvalidArgument("--buffers shared is for host memory (--device cpu)");
   if (o.no_cache_reuse && o.device != "cpu")
     throw InvalidArgument("--no-cache-reuse is for host memory (--device cpu)");
   if (o.gpu_path != "auto" && o.gpu_path != "nccl" && o.gpu_path != "staged")
@@ -400,7 +443,7 @@ int run_bench(Kind kind, const std::string& name, std::vector<std::string> args)
                o.iters ? fmt::format("{} iterations per trial", o.iters)
                        : fmt::format("iterations per trial: smallest count taking >= {} s", o.min_time),
                o.trials);
-    fmt::print("# buffers: {}{}\n", device_line,
+    fmt::print("# buffers: {}{}{}\n", device_line, o.shared_buffers ? " (allocate_shared: the peers map them)" : "",
                o.no_cache_reuse
                    ? fmt::format("; --no-cache-reuse: each size rotates through buffer sets > 2 x the cache ({} MiB)",
                                  o.cache_bytes >> 20)

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -89,6 +90,45 @@ TEST(BenchTool, EveryRankSaysWhatItCopiedOnTheSingleCopyPath) {
   EXPECT_NE(r.rank1.out.find("# copies, rank 1: 4 single-copy calls; per call read from peers " + receiver),
             std::string::npos)
       << r.rank1.out;
+}
+
+// --buffers shared: the bench's buffers come from allocate_shared, so every byte a rank copies from or into
+// its peer on the single-copy path goes through its mapping of the peer's buffer (docs/algorithms-shm.md,
+// "From shared buffers"), and the results check clean; without it the kernel copies them all.
+TEST(BenchTool, SharedBuffersAreCopiedThroughTheMappingAndCheckClean) {
+  for (std::string op : {"allgather", "alltoall", "reduce_scatter", "gather", "scatter", "broadcast", "allreduce"}) {
+    for (std::string buffers : {"shared", "private"}) {
+      auto r = run_two({"bench", op, "-b", "2M", "-e", "2M", "-n", "2", "-w", "1", "--trials", "1", "-c", "--buffers",
+                        buffers},
+                       {"COHORT_TRANSPORT=auto"});
+      ASSERT_EQ(r.rank0.exit_code, 0) << op << "\n" << r.rank0.out << r.rank0.err;
+      ASSERT_EQ(r.rank1.exit_code, 0) << op << "\n" << r.rank1.out << r.rank1.err;
+      EXPECT_NE(r.rank0.out.find("# Out of bounds values : 0 OK"), std::string::npos) << op << " " << buffers
+                                                                                   << "\n" << r.rank0.out;
+      if (op == "allreduce") continue;  // not a single-copy collective (in place on shared memory: no copy)
+      // "per call read from peers X MiB, written into peers Y MiB (Z MiB of them mapped shared memory)":
+      // Z = X + Y when shared (and some rank copies something), 0 when private.
+      double mapped_sum = 0, moved_sum = 0;
+      for (const std::string* out : {&r.rank0.out, &r.rank1.out}) {
+        double read = 0, written = 0, mapped = 0;
+        const size_t at = out->find("per call read from peers ");
+        ASSERT_NE(at, std::string::npos) << op << " " << buffers << "\n" << *out;
+        ASSERT_EQ(std::sscanf(out->c_str() + at, "per call read from peers %lf MiB, written into peers %lf MiB (%lf MiB",
+                              &read, &written, &mapped),
+                  3)
+            << out->substr(at, 120);
+        EXPECT_DOUBLE_EQ(mapped, buffers == "shared" ? read + written : 0.0) << op << " " << buffers << "\n" << *out;
+        mapped_sum += mapped, moved_sum += read + written;
+      }
+      EXPECT_GT(moved_sum, 0) << op << " " << buffers;
+      if (buffers == "shared") {
+        EXPECT_GT(mapped_sum, 0) << op;
+      }
+    }
+  }
+  auto bad = test::run_process({test::cohort_tool(), "bench", "allgather", "--buffers", "pinned"}, {}, 30);
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--buffers pinned: expected private or shared"), std::string::npos) << bad.err;
 }
 
 TEST(BenchTool, NcclTestsSpellingsAndBadFlags) {
