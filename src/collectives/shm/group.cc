@@ -61,6 +61,7 @@ GroupOptions GroupOptions::from_env(int local_size) {
   o.single_copy = kSingleCopy.get();
   o.inline_small = inline_small_from_env();
   o.early_root = early_root_from_env();
+  o.claim_lines = claim_lines_from_env();
   o.single_copy_bytes = kSingleCopyBytes.get();
   if (o.slot_copy != "auto" && o.slot_copy != "cached" && o.slot_copy != "streaming")
     throw ConfigError(fmt::format("COHORT_SHM_COPY={}: expected auto, cached or streaming", o.slot_copy));
