@@ -4,7 +4,9 @@
 // ranks), `trials` timed trials after a barrier, time/op = max over ranks, median/min/max printed as
 //   RESULT peer=cohort-shm op=allreduce n=2 bytes=... time_us_median=... busbw_GBps=...
 // The ranks are forked processes (COHORT_BENCH_RANKS, default 2) meeting at a pre-agreed address;
-// COHORT_BENCH_BIND=1 pins rank r to core r (what mpirun does by default for small jobs).
+// COHORT_BENCH_BIND=1 pins rank r to core r (what mpirun does by default for small jobs);
+// COHORT_BENCH_COMM=1 calls the collectives through a Communicator (peer=cohort-shm-comm), whose group
+// is the same shm::Group: the difference between the two runs is the communicator layer's cost per call.
 // Usage: shm_collectives [allreduce|broadcast|allgather] [sizes,comma,separated] [trials=5] [min_time=0.5] [tag]
 #include <sched.h>
 #include <sys/wait.h>
@@ -16,13 +18,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "collectives/reduce_kernels.h"
+#include "cohort/communicator.h"
 #include "collectives/shm/group.h"
 #include "common/strings.h"
+#include "store/tcp_store.h"
 
 using cohort::DataType;
 using cohort::ReduceOp;
@@ -31,12 +36,35 @@ namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-int run_rank(cohort::shm::Group& g, const std::string& op, const std::vector<size_t>& sizes, int trials,
+// The three collectives and the barrier, on the group itself or through a Communicator over it
+// (COHORT_BENCH_COMM=1: the layer a program calls, with its validation, locks, flight recorder and
+// signature checks; the difference between the two is what the layer costs per call).
+struct GroupCalls {
+  cohort::shm::Group& g;
+  int rank() const { return g.rank(); }
+  int size() const { return g.size(); }
+  void allreduce(void* buf, size_t count, DataType dt, ReduceOp op) { g.allreduce(buf, buf, count, dt, op); }
+  void broadcast(float* buf, size_t count, int root) { g.broadcast(buf, count * 4, root); }
+  void allgather(const float* in, float* out, size_t per) { g.allgather(in, out, per * 4); }
+  void barrier() { g.barrier(); }
+};
+struct CommCalls {
+  cohort::Communicator& c;
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  void allreduce(void* buf, size_t count, DataType dt, ReduceOp op) { c.allreduce(buf, buf, count, dt, op); }
+  void broadcast(float* buf, size_t count, int root) { c.broadcast(buf, count, DataType::kFloat32, root); }
+  void allgather(const float* in, float* out, size_t per) { c.allgather(in, out, per, DataType::kFloat32); }
+  void barrier() { c.barrier(); }
+};
+
+template <typename Calls>
+int run_rank(Calls& g, const std::string& op, const std::vector<size_t>& sizes, int trials,
              double min_time, const std::string& tag) {
   const int n = g.size(), rank = g.rank();
   const int kind = op == "allreduce" ? 0 : op == "broadcast" ? 1 : 2;
   auto maxall = [&](double x) {
-    g.allreduce(&x, &x, 1, DataType::kFloat64, ReduceOp::kMax);
+    g.allreduce(&x, 1, DataType::kFloat64, ReduceOp::kMax);
     return x;
   };
   for (size_t nbytes : sizes) {
@@ -48,7 +76,7 @@ int run_rank(cohort::shm::Group& g, const std::string& op, const std::vector<siz
       recv.assign(per * n, 0.0f);
       count = per;
       total_bytes = per * 4 * n;
-      g.allgather(buf.data(), recv.data(), per * 4);
+      g.allgather(buf.data(), recv.data(), per);
       for (int r = 0; r < n; ++r)
         for (size_t i = 0; i < per; ++i)
           if (recv[r * per + i] != r + 1) { std::fprintf(stderr, "allgather wrong\n"); return 1; }
@@ -59,20 +87,20 @@ int run_rank(cohort::shm::Group& g, const std::string& op, const std::vector<siz
       total_bytes = count * 4;
       buf.assign(count, kind == 0 ? rank + 1.0f : rank + 7.0f);
       if (kind == 0) {
-        g.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+        g.allreduce(buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
         for (float v : buf)
           if (v != n * (n + 1) / 2) { std::fprintf(stderr, "allreduce wrong\n"); return 1; }
       } else {
-        g.broadcast(buf.data(), count * 4, 0);
+        g.broadcast(buf.data(), count, 0);
         for (float v : buf)
           if (v != 7) { std::fprintf(stderr, "broadcast wrong\n"); return 1; }
       }
       std::fill(buf.begin(), buf.end(), 0.0f);
     }
     auto do_op = [&] {
-      if (kind == 0) g.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
-      else if (kind == 1) g.broadcast(buf.data(), count * 4, 0);
-      else g.allgather(buf.data(), recv.data(), per * 4);
+      if (kind == 0) g.allreduce(buf.data(), count, DataType::kFloat32, ReduceOp::kSum);
+      else if (kind == 1) g.broadcast(buf.data(), count, 0);
+      else g.allgather(buf.data(), recv.data(), per);
     };
     g.barrier();
     double t0 = now();
@@ -125,6 +153,11 @@ int main(int argc, char** argv) {
   const char* bind_env = std::getenv("COHORT_BENCH_BIND");
   const bool bind = bind_env != nullptr && std::string(bind_env) == "1";
   const std::string address = cohort::shm::random_address("bench");
+  const char* comm_env = std::getenv("COHORT_BENCH_COMM");
+  const bool comm = comm_env != nullptr && std::string(comm_env) == "1";
+  // The ranks' store for COHORT_BENCH_COMM=1: a file of their own, removed at the end.
+  const std::string store_path =
+      (std::filesystem::temp_directory_path() / (address.substr(address.find_last_of('/') + 1) + ".store")).string();
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     pid_t pid = ::fork();
@@ -137,9 +170,18 @@ int main(int argc, char** argv) {
       }
       int code = 1;
       try {
-        auto g = cohort::shm::Group::create_at(address, r, world, std::chrono::seconds(120),
-                                               cohort::shm::GroupOptions::from_env(world));
-        code = run_rank(*g, op, sizes, trials, min_time, tag);
+        if (comm) {
+          cohort::CommOptions o;
+          o.timeout = std::chrono::seconds(120);
+          auto c = cohort::Communicator::create(cohort::make_file_store(store_path), r, world, o);
+          CommCalls calls{*c};
+          code = run_rank(calls, op, sizes, trials, min_time, tag + "-comm");
+        } else {
+          auto g = cohort::shm::Group::create_at(address, r, world, std::chrono::seconds(120),
+                                                 cohort::shm::GroupOptions::from_env(world));
+          GroupCalls calls{*g};
+          code = run_rank(calls, op, sizes, trials, min_time, tag);
+        }
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", r, e.what());
       }
@@ -154,5 +196,6 @@ int main(int argc, char** argv) {
     ::waitpid(pid, &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
   }
+  if (comm) ::unlink(store_path.c_str());
   return rc;
 }

@@ -117,6 +117,60 @@ TEST(ShmSmall, RoundsAlternatingWithTheSlotPathsReuseTheLinesOnlyAfterEveryPeerR
   }, milliseconds(60000));
 }
 
+TEST(ShmSmall, ClaimingTheNextRoundsLinesAheadChangesNoDataWhateverTheNextCallsSize) {
+  // A rank takes its next round's lines for writing while it waits in this one (GroupOptions::claim_lines,
+  // InlineLines::claim), sized by this call, so the next call may write more lines or fewer than were
+  // taken; an early broadcast root takes lines a receiver kDepth - 1 rounds behind may still be reading.
+  // Thousands of calls, every op and size changing from call to call (one line, two, all 16, none),
+  // the root rotating, a receiver now and then busy: each round's data differ, so a claim that wrote
+  // anything, or a line taken from a reader that still needed it and not given back, shows as wrong data.
+  // The same calls with the claim off are the control.
+  const size_t kSizes[] = {8, 992, 64, 0, 512, 96, 33, 1, 160};
+  for (bool claim : {true, false}) {
+    const int world = 2;
+    const std::string address = random_address("test-small-claim");
+    test::run_forked_ranks(world, [&](int r) {
+      GroupOptions o = GroupOptions::from_env(world);
+      o.claim_lines = claim;
+      o.early_root = true;
+      auto g = Group::create_at(address, r, world, milliseconds(20000), o);
+      std::vector<uint8_t> buf(InlineLines::kCapacity * world), mine(InlineLines::kCapacity);
+      uint64_t nonempty = 0;
+      for (int call = 0; call < 3000; ++call) {
+        const size_t bytes = kSizes[call % 9];
+        const int kind = (call / 9) % 3;
+        nonempty += bytes > 0;  // each op meets every size, in a different order of sizes
+        if (kind == 0) {
+          std::vector<int8_t> v(bytes);
+          for (size_t i = 0; i < bytes; ++i) v[i] = static_cast<int8_t>(value(r, i, call) & 0x0f);
+          g->allreduce(v.data(), v.data(), bytes, DataType::kInt8, ReduceOp::kSum);
+          for (size_t i = 0; i < bytes; ++i)
+            if (v[i] != static_cast<int8_t>((value(0, i, call) & 0x0f) + (value(1, i, call) & 0x0f))) return 1;
+        } else if (kind == 1) {
+          const int root = call % world;
+          for (size_t i = 0; i < bytes; ++i) buf[i] = r == root ? value(root, i, call) : 0;
+          g->broadcast(buf.data(), bytes, root);
+          for (size_t i = 0; i < bytes; ++i)
+            if (buf[i] != value(root, i, call)) return 2;
+          if (r != root && call % 37 == 1) {  // busy for about 50 us: the root runs ahead meanwhile
+            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+            while (std::chrono::steady_clock::now() < until) {
+            }
+          }
+        } else {
+          for (size_t i = 0; i < bytes; ++i) mine[i] = value(r, i, call);
+          g->allgather(mine.data(), buf.data(), bytes);
+          for (int q = 0; q < world; ++q)
+            for (size_t i = 0; i < bytes; ++i)
+              if (buf[q * bytes + i] != value(q, i, call)) return 3;
+        }
+      }
+      g->barrier();
+      return g->inline_calls() >= nonempty ? 0 : 4;  // every call with data went inline
+    }, milliseconds(60000));
+  }
+}
+
 TEST(ShmSmall, MismatchedCallsAreFoundFromTheLinesAndAgainstTheSlotPath) {
   // Counts that differ (both inline), and an inline call against one that takes the slots (the peer
   // posts its step without lines): every rank gets a MismatchError naming the other's call.

@@ -64,6 +64,7 @@ GroupOptions GroupOptions::from_env(int local_size) {
   o.single_copy = kSingleCopy.get();
   o.inline_small = inline_small_from_env();
   o.early_root = early_root_from_env();
+  o.claim_lines = claim_lines_from_env();
   o.single_copy_bytes = kSingleCopyBytes.get();
   o.streaming_bytes = kStreamingBytes.get();
   if (o.slot_copy != "auto" && o.slot_copy != "cached" && o.slot_copy != "streaming")

@@ -105,11 +105,15 @@ struct GroupOptions {
   // An inline broadcast's root returns without waiting for its receivers; it confirms their arrival
   // before it reuses those lines, or at its next call of another kind. COHORT_SHM_EARLY_ROOT.
   bool early_root = true;
+  // A rank takes its lines of the next small round for writing while it waits in this one
+  // (InlineLines::claim). COHORT_SHM_CLAIM_LINES.
+  bool claim_lines = true;
   static GroupOptions from_env(int local_size);
 };
-// COHORT_SHM_INLINE, COHORT_SHM_EARLY_ROOT (small.cc).
+// COHORT_SHM_INLINE, COHORT_SHM_EARLY_ROOT, COHORT_SHM_CLAIM_LINES (small.cc).
 bool inline_small_from_env();
 bool early_root_from_env();
+bool claim_lines_from_env();
 
 // What Group::probe measured on one local rank (docs/perf-shm.md, "The link probe").
 struct LinkProbe {

@@ -28,9 +28,14 @@ const env::BoolSetting kEarlyRoot("COHORT_SHM_EARLY_ROOT", true,
 // fallback's yield is what lets a descheduled peer run.
 constexpr auto kLinePoll = std::chrono::nanoseconds(500);
 
+const env::BoolSetting kClaimLines("COHORT_SHM_CLAIM_LINES", true,
+                                   "a rank takes its next round's small-message cache lines for writing "
+                                   "(PREFETCHW) while it waits in this round, not when it writes them");
+
 }  // namespace
 
 bool inline_small_from_env() { return kInlineSmall.get(); }
+bool claim_lines_from_env() { return kClaimLines.get(); }
 bool early_root_from_env() { return kEarlyRoot.get(); }
 
 bool Group::early_root_for(size_t bytes) const {
@@ -45,8 +50,12 @@ uint64_t Group::inline_round(const char* what, const void* data, size_t bytes, i
   next_parity();
   const uint64_t t = round_;  // the round just begun; equal on every rank, never 0
   // A broadcast's root sends the data; the others only arrive (line 0: the round and their signature).
-  inline_.write(t, active_, data, root < 0 || root == rank_ ? bytes : 0);
+  const size_t written = root < 0 || root == rank_ ? bytes : 0;
+  inline_.write(t, active_, data, written);
   sync_.post();
+  // The next round's lines, taken for writing while this one waits (small.h, InlineLines::claim); a loop
+  // of calls mostly repeats its size.
+  if (options_.claim_lines) inline_.claim(t + 1, written);
   bool spun_out = false;
   // The poll's budget is timed from its 8th look on: a call whose peers are there by then (the usual
   // case in a loop) reads no clock at all (24 ns, bench/comm_call_bench.cc).
@@ -186,6 +195,7 @@ void Group::broadcast_inline(void* data, size_t bytes, int root) {
     next_parity();
     inline_.write(round_, active_, data, bytes);
     sync_.post();
+    if (options_.claim_lines) inline_.claim(round_ + 1, bytes);
     leave_unconfirmed();
     ++inline_calls_;
     return;

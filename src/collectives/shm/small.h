@@ -55,6 +55,16 @@ class InlineLines {
     std::memcpy(base + 8, &call, sizeof call);
     seq(base).store(round, std::memory_order_release);
   }
+  // Takes this rank's lines for `round` (the header and the first `bytes` of data) into this core's cache
+  // for writing, ahead of write(): a peer read them kDepth rounds earlier and still holds a copy, and a
+  // store to a line another core holds waits for that copy's invalidation, a cross-core transfer, which
+  // the post's fence after write() then waits for too. Done right after posting the round before, the
+  // invalidation overlaps that round's wait for the peers instead of delaying the next round's lines.
+  // A hint only (PREFETCHW): it changes no data; on a CPU without it the instruction does nothing.
+  void claim(uint64_t round, size_t bytes) const {
+    const char* base = lines(rank_, round);
+    for (size_t off = 0; off < kHeader + bytes; off += kLine) prefetch_for_write(base + off);
+  }
   // Whether rank q's lines for `round` are written (its round in line 0).
   bool ready(int q, uint64_t round) const { return seq(lines(q, round)).load(std::memory_order_acquire) == round; }
   // After ready(q, round): rank q's data (contiguous, kCapacity bytes at most) and signature.
@@ -68,6 +78,13 @@ class InlineLines {
  private:
   char* lines(int q, uint64_t round) const {
     return area_ + (static_cast<size_t>(q) * kDepth + round % kDepth) * kLines * kLine;
+  }
+  static void prefetch_for_write(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetchw %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 1, 3);
+#endif
   }
   static std::atomic_ref<uint64_t> seq(const char* line) {
     return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(const_cast<char*>(line)));
