@@ -387,16 +387,19 @@ void GradientSync::launch(Bucket& b) {
   if (recorder_.timeline_on()) recorder_.instant("bucket ready", int(&b - buckets_.data()), trace::monotonic_ns());
   if (alone_) return;  // the average of one rank is its own gradient
   if (stage_ > 0) {
-    // In place: every rank passes the whole bucket and gets its averaged chunk in the first
-    // chunk-sized part (complete_reduce_scatter moves it to where shard_chunks() says). The rest of
-    // the bucket is the collective's scratch afterwards, the padding included: zero it again, or the
-    // last chunk's padding would average whatever the previous step left there.
+    // Stage 1, and compressed: in place, every rank's averaged chunk in the bucket's (or wire buffer's)
+    // first chunk-sized part, which complete_reduce_scatter moves to where it is kept (reduced_chunk).
+    // Stage 2 uncompressed: straight into the shard of the gradients, a buffer of its own, so nothing is
+    // copied after (in place, the shm group reduces aside and copies into the first chunk, and then
+    // complete_reduce_scatter copied it once more). The padding is zeroed again every time, or the last
+    // chunk's padding would average whatever the previous step left there.
     const size_t chunk = chunk_of(b);
     if (b.padded > b.numel) options_.memory->zero(b.data.get() + b.numel, (b.padded - b.numel) * sizeof(float));
     switch (options_.compression) {
       case WireCompression::kNone:
         stats_.bytes_on_wire += static_cast<int64_t>(b.padded * sizeof(float));
-        b.work = comm_->reduce_scatter_async(b.data.get(), b.data.get(), chunk, DataType::kFloat32, ReduceOp::kAvg);
+        b.work = comm_->reduce_scatter_async(b.data.get(), stage_ == 2 ? reduced_chunk(b) : b.data.get(), chunk,
+                                             DataType::kFloat32, ReduceOp::kAvg);
         break;
       case WireCompression::kFloat16:
         floats_to_half(b.data.get(), b.wire.get(), b.padded);
@@ -642,6 +645,11 @@ size_t GradientSync::padded_numel(size_t bucket) const {
   return buckets_[bucket].padded;
 }
 
+float* GradientSync::reduced_chunk(const Bucket& b) const {
+  const size_t r = static_cast<size_t>(comm_->rank());
+  return stage_ == 1 ? b.data.get() + r * chunk_of(b) : shard_gradients_.get() + b.shard_offset;
+}
+
 std::vector<GradientSync::ShardChunk> GradientSync::shard_chunks() const {
   std::vector<ShardChunk> out;
   if (stage_ == 0) return out;
@@ -649,8 +657,7 @@ std::vector<GradientSync::ShardChunk> GradientSync::shard_chunks() const {
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const Bucket& b = buckets_[i];
     const size_t chunk = chunk_of(b);
-    float* grads = stage_ == 1 ? b.data.get() + r * chunk : shard_gradients_.get() + b.shard_offset;
-    out.push_back({i, r * chunk, chunk, b.parameters.get() + r * chunk, grads});
+    out.push_back({i, r * chunk, chunk, b.parameters.get() + r * chunk, reduced_chunk(b)});
   }
   return out;
 }
@@ -701,11 +708,12 @@ void GradientSync::complete_reduce_scatter(Bucket& b) {
   const size_t index = static_cast<size_t>(&b - buckets_.data());
   in_flight_.erase(std::remove(in_flight_.begin(), in_flight_.end(), index), in_flight_.end());
   const size_t chunk = chunk_of(b);
-  const size_t r = static_cast<size_t>(comm_->rank());
-  float* dst = stage_ == 1 ? b.data.get() + r * chunk : shard_gradients_.get() + b.shard_offset;
-  if (comm_->size() == 1 || options_.compression == WireCompression::kNone) {
-    // The averaged chunk is the first chunk of the bucket (on one rank: the bucket itself). For
-    // rank r > 0 the two ranges do not overlap.
+  float* dst = reduced_chunk(b);
+  if (comm_->size() > 1 && stage_ == 2 && options_.compression == WireCompression::kNone) {
+    // The collective wrote the averaged chunk there itself (launch).
+  } else if (comm_->size() == 1 || options_.compression == WireCompression::kNone) {
+    // The averaged chunk is the first chunk of the bucket (on one rank, where no collective ran: the
+    // bucket itself). For rank r > 0 the two ranges do not overlap.
     if (dst != b.data.get()) options_.memory->copy(dst, b.data.get(), chunk * sizeof(float));
   } else if (options_.compression == WireCompression::kFloat16) {
     half_to_floats(b.wire.get(), dst, chunk);

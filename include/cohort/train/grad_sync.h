@@ -272,6 +272,9 @@ class GradientSync {
   void complete_reduce_scatter(Bucket& b);
   void release_bucket_memory(Bucket& b);
   size_t chunk_of(const Bucket& b) const { return b.padded / static_cast<size_t>(comm_->size()); }
+  // Where this rank keeps bucket b's averaged chunk once reduce-scattered (stages 1 and 2): stage 1 its
+  // own chunk of the bucket, stage 2 its place in the shard of the gradients.
+  float* reduced_chunk(const Bucket& b) const;
 
   std::shared_ptr<Communicator> comm_;
   std::vector<ParameterSpec> params_;
