@@ -230,6 +230,23 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
   Bucket current;
   const size_t world = static_cast<size_t>(comm_->size());
   size_t shard_floats = 0;
+  const auto groups = group_into_buckets(order);
+  // The fused update reduces nothing during backward, so its buckets need not be separate buffers:
+  // every bucket is a slice of one gradient buffer and one parameter buffer, and finish_update()
+  // reduces and updates the whole model with one allreduce_update, two rounds of synchronisation
+  // per step instead of two per bucket (every round is a point where a rank waits for the slower
+  // one; issue 51).
+  std::shared_ptr<float[]> fused_grads, fused_params;
+  size_t fused_at = 0;
+  if (fused_) {
+    size_t total = 0;
+    for (const auto& group : groups)
+      for (size_t index : group) total += params_[index].numel();
+    std::shared_ptr<void> g = options_.memory->allocate(*comm_, std::max<size_t>(total, 1) * sizeof(float));
+    std::shared_ptr<void> p = options_.memory->allocate(*comm_, std::max<size_t>(total, 1) * sizeof(float));
+    fused_grads = std::shared_ptr<float[]>(g, static_cast<float*>(g.get()));
+    fused_params = std::shared_ptr<float[]>(p, static_cast<float*>(p.get()));
+  }
   auto close = [&] {
     if (current.params.empty()) return;
     // Sharded: a whole number of equal chunks, one per rank.
@@ -237,7 +254,12 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     // From the communicator: on one host, memory the peers map, so the bucket's allreduce reads their
     // gradients in place instead of staging copies (every rank builds the same buckets in the same order).
     // Stage 2 takes gradient memory only while a bucket is in use (acquire_bucket_memory).
-    if (stage_ != 2) {
+    if (fused_) {
+      // Aliasing pointers: each bucket keeps the whole buffer alive, as a .grad view of it does.
+      current.data = std::shared_ptr<float[]>(fused_grads, fused_grads.get() + fused_at);
+      current.parameters = std::shared_ptr<float[]>(fused_params, fused_params.get() + fused_at);
+      fused_at += current.numel;
+    } else if (stage_ != 2) {
       std::shared_ptr<void> memory = options_.memory->allocate(*comm_, current.padded * sizeof(float));
       current.data = std::shared_ptr<float[]>(memory, static_cast<float*>(memory.get()));
       if (options_.compression != WireCompression::kNone) {
@@ -245,7 +267,7 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
         current.wire = std::shared_ptr<uint16_t[]>(wire, static_cast<uint16_t*>(wire.get()));
       }
     }
-    if (fused_ || stage_ > 0) {
+    if (stage_ > 0) {
       std::shared_ptr<void> params = options_.memory->allocate(*comm_, current.padded * sizeof(float));
       current.parameters = std::shared_ptr<float[]>(params, static_cast<float*>(params.get()));
     }
@@ -254,7 +276,7 @@ void GradientSync::build_buckets(const std::vector<size_t>& order) {
     buckets_.push_back(std::move(current));
     current = Bucket{};
   };
-  for (const auto& group : group_into_buckets(order)) {
+  for (const auto& group : groups) {
     for (size_t index : group) {
       param_bucket_[index] = buckets_.size();
       param_offset_[index] = current.numel;
@@ -590,10 +612,15 @@ bool GradientSync::finish_update(const Communicator::ParameterUpdate& update) {
   if (!begin_finish()) return false;
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    for (auto& b : buckets_) {
+    // The buckets lie back to back in one gradient and one parameter buffer (build_buckets): one call
+    // for all of them.
+    size_t numel = 0;
+    for (const auto& b : buckets_) numel += b.numel;
+    if (numel > 0) {
       ++stats_.allreduces;
-      stats_.bytes_on_wire += static_cast<int64_t>(b.numel * sizeof(float));
-      comm_->allreduce_update(b.data.get(), b.parameters.get(), b.numel, ReduceOp::kAvg, update);
+      stats_.bytes_on_wire += static_cast<int64_t>(numel * sizeof(float));
+      comm_->allreduce_update(buckets_.front().data.get(), buckets_.front().parameters.get(), numel, ReduceOp::kAvg,
+                              update);
     }
   } catch (...) {
     reset_iteration();

@@ -305,6 +305,10 @@ TEST(GradientSync, FusedUpdateAppliesSgdToTheAveragedGradientsInEveryRanksParame
         EXPECT_EQ(sync.buckets_rebuilt(), true);
       }
       EXPECT_EQ(sync.stats().synced_iterations, 3);
+      // Several buckets, but one allreduce_update per step: the buckets lie back to back in one
+      // gradient and one parameter buffer.
+      EXPECT_GT(sync.bucket_layout().size(), 1u);
+      EXPECT_EQ(sync.stats().allreduces, 3) << "world " << world;
     });
   }
 }

@@ -15,8 +15,9 @@
 // * Optional compression: the bucket travels as float16 or bfloat16, the model stays float32.
 // * set_sync_enabled(false) (NoSyncGuard) skips communication: the framework accumulates locally.
 // * Fused update (enable_fused_update): the parameters live in buckets too, and instead of averaging
-//   the gradients during backward, finish_update() reduces each bucket and applies the optimizer's
-//   step in one pass (Communicator::allreduce_update): on one host each rank reduces and updates a
+//   the gradients during backward, finish_update() reduces the buckets and applies the optimizer's
+//   step in one pass (Communicator::allreduce_update; the buckets lie back to back in one gradient and
+//   one parameter buffer, so one call covers them all): on one host each rank reduces and updates a
 //   slice and writes it into every rank's parameters, so neither the averaged gradients nor a
 //   separate optimizer pass over them exist (docs/training.md, "The fused SGD step").
 // * Sharded mode (enable_sharding, ZeRO stages 1 and 2): each bucket is split into one chunk per
@@ -145,8 +146,9 @@ class GradientSync {
   // of it; after a bucket rebuild the slot moves (compare pointers, copy again).
   std::shared_ptr<float> parameter_slot(size_t index) const;
   // Like finish() (false when nothing was marked, the same error for a parameter without gradient),
-  // but reduces every bucket fused with `update` (offsets are within the bucket) into the parameter
-  // slots, one blocking allreduce_update per bucket; the gradients are left as this rank's own.
+  // but reduces every bucket fused with `update` (offsets count from the first bucket's start) into
+  // the parameter slots, with one blocking allreduce_update over all buckets (they lie back to back:
+  // two rounds of synchronisation per step, not two per bucket); the gradients are left as this rank's own.
   // Only with fused_update().
   bool finish_update(const Communicator::ParameterUpdate& update);
 
