@@ -550,9 +550,11 @@ TEST(ShardedOptimizer, AStage2StepLeavesTheHeapTheNextStepReusesResident) {
   const long faults = thread_page_faults() - before;
   RecordProperty("page_faults", std::to_string(faults));
   const long activation_pages = 2 * kLayers * kRows * kCols * int64_t{sizeof(float)} / 4096;
-  // Measured in 4 steps: 90114 faults trimmed every step, 16287 kept (glibc itself still shrinks the
-  // top of the heap when a free leaves it above its trim threshold, as it does under DDP).
-  EXPECT_LT(faults, kSteps * activation_pages / 2) << "page faults in " << kSteps << " steady stage-2 steps";
+  // Measured in 4 steps: 90114 faults trimmed every step; kept, 16287-21375, and 34787 with the same
+  // binary started with one more argument (under ctest): glibc itself still shrinks the top of the heap
+  // when a free leaves it above its trim threshold, as it does under DDP, and where the heap's top lies
+  // depends on the process's first allocations. Three quarters of the activation pages separates both.
+  EXPECT_LT(faults, kSteps * activation_pages * 3 / 4) << "page faults in " << kSteps << " steady stage-2 steps";
 }
 
 }  // namespace
