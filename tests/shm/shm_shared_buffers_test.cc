@@ -17,6 +17,7 @@
 
 #include "collectives/shm/group.h"
 #include "support/fork_ranks.h"
+#include "single_copy_support.h"
 #include "support/test_support.h"
 
 namespace cohort::shm {
@@ -24,14 +25,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// Single copy from the first byte, so that every call of these tests takes it.
-GroupOptions single_copy_options() {
-  GroupOptions o{4096, 256, std::chrono::microseconds(20)};
-  o.single_copy_bytes = 1;
-  return o;
-}
-
-uint8_t byte_of(int from, int to, size_t i) { return static_cast<uint8_t>(from * 53 + (to + 1) * 17 + i * 7 + 1); }
+using test_single_copy::byte_of;
 
 // A rank's buffers for one round of collectives: from allocate_shared (a collective call: every rank makes
 // them in the same order) or ordinary memory, as `shared` says for this rank.
@@ -137,12 +131,7 @@ uint64_t exercise(Group& g, int r, int world, size_t bytes, SharedOf shared_of) 
 }
 
 std::vector<std::unique_ptr<Group>> make_groups(int world) {
-  std::vector<std::unique_ptr<Group>> groups(static_cast<size_t>(world));
-  const std::string address = random_address("shared-buffers");
-  test::run_ranks(world, [&](int r) {
-    groups[r] = Group::create_at(address, r, world, milliseconds(20000), single_copy_options());
-  });
-  return groups;
+  return test_single_copy::make_groups(world, test_single_copy::single_copy_options(), "shared-buffers");
 }
 
 class ShmSharedBuffersWorld : public ::testing::TestWithParam<int> {};

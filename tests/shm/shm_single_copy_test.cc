@@ -25,6 +25,7 @@
 #include "comm/communicator_impl.h"
 #include "store/memory_store.h"
 #include "support/fork_ranks.h"
+#include "single_copy_support.h"
 #include "support/test_support.h"
 
 namespace cohort::shm {
@@ -32,24 +33,12 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// Tiny slots (many chunks on the staged paths) and single copy from the first byte, so that every call
-// of these tests takes it.
-GroupOptions single_copy_options() {
-  GroupOptions o{4096, 256, std::chrono::microseconds(20)};
-  o.single_copy_bytes = 1;
-  return o;
-}
+using test_single_copy::byte_of;
+using test_single_copy::single_copy_options;
 
 std::vector<std::unique_ptr<Group>> make_groups(int world, const GroupOptions& opt) {
-  std::vector<std::unique_ptr<Group>> groups(static_cast<size_t>(world));
-  const std::string address = random_address("single-copy");
-  test::run_ranks(world, [&](int r) { groups[r] = Group::create_at(address, r, world, milliseconds(20000), opt); });
-  return groups;
+  return test_single_copy::make_groups(world, opt, "single-copy");
 }
-
-// The byte that rank `from` contributes at position i of what it sends to rank `to` (alltoall), or of
-// its contribution (to = -1).
-uint8_t byte_of(int from, int to, size_t i) { return static_cast<uint8_t>(from * 53 + (to + 1) * 17 + i * 7 + 1); }
 
 // alltoallv's counts: from rank `from` to rank `to`, elements; some pairs send nothing.
 size_t pair_count(int from, int to, size_t n) {
