@@ -14,15 +14,16 @@
 #include <malloc.h>
 #include <fstream>
 #include <sstream>
+#include <atomic>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <unordered_set>
 
 #include "cohort/error.h"
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
 #include "common/log.h"
+#include "heap_policy.h"
 #include "module_sync.h"
 
 namespace cohort::torch {
@@ -37,23 +38,37 @@ void* torch_current_stream(int device) {
 }
 #endif
 
-// DDPOptions::keep_heap_resident, once per process: a training step's free heap stays resident for the
-// next step. M_TRIM_THRESHOLD alone would also freeze glibc's mmap threshold wherever its rise had got
-// to (128 KiB in a fresh process: every activation mapped and unmapped, faulted in at every use), so
-// the threshold is fixed at the top of that rise, 32 MiB (glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit).
-// A later FSDP wrapper still fixes its own (FSDPOptions::mmap_threshold_bytes).
-void keep_heap_resident() {
+// Whether keep_resident turned glibc's trimming off in this process.
+std::atomic<bool> g_trimming_off{false};
+
+}  // namespace
+
+namespace heap_policy {
+
+// M_TRIM_THRESHOLD alone would also freeze glibc's mmap threshold wherever its rise had got to (128 KiB
+// in a fresh process: every activation mapped and unmapped, faulted in at every use), so the threshold
+// is fixed at the top of that rise, 32 MiB (glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit). At every
+// construction: a wrapper of another kind constructed since may have changed them.
+void keep_resident() {
 #if defined(__GLIBC__)
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) != 1)
-      log::warn("DDP: glibc refused to keep the heap resident (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD); every "
-                "step will fault its activations in again");
-  });
+  if (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) != 1) {
+    log::warn("DDP: glibc refused to keep the heap resident (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD); every "
+              "step will fault its activations in again");
+    return;
+  }
+  g_trimming_off.store(true);
 #endif
 }
 
-}  // namespace
+void trim_again() {
+#if defined(__GLIBC__)
+  if (!g_trimming_off.exchange(false)) return;
+  mallopt(M_TRIM_THRESHOLD, 128 << 10);  // glibc's DEFAULT_TRIM_THRESHOLD
+  malloc_trim(0);
+#endif
+}
+
+}  // namespace heap_policy
 
 void use_torch_streams() {
 #ifdef COHORT_TORCH_CUDA
@@ -149,7 +164,7 @@ void DistributedDataParallel::init() {
     params_.push_back(p.value());
   }
   device_ = device.value_or(::torch::Device(::torch::kCPU));
-  if (options_.keep_heap_resident && device_.is_cpu()) keep_heap_resident();
+  if (options_.keep_heap_resident && device_.is_cpu()) heap_policy::keep_resident();
   train::GradSyncOptions o;
   if (device_.is_cuda()) {
     // A model on a GPU: buckets in its memory, reduced by NCCL. A host communicator is wrapped here, so
@@ -191,8 +206,6 @@ void DistributedDataParallel::before_forward() {
   }
   // The previous backward left buckets unreduced: some parameter got no gradient.
   if (sync_->sync_enabled() && sync_->in_iteration()) finish_gradient_sync();
-  // With glibc's own trimming off, the heap is handed back here, once a step at most, when it grew.
-  if (options_.keep_heap_resident && ::torch::GradMode::is_enabled()) return_heap_growth(size_t{64} << 20);
   if (options_.broadcast_buffers && sync_->sync_enabled() && ::torch::GradMode::is_enabled() && comm_->size() > 1)
     broadcast_buffers();
 }

@@ -76,10 +76,12 @@ struct DDPOptions {
   // backward frees, at the top since forward allocated them last, went back to the system at the end of
   // every step and the next forward faulted each page in again (BERT-mini: 3,066 faults a step, about
   // 1.6 us each on a KVM guest, 4-9 % of the step's CPU; docs/performance.md, "Data-parallel training").
-  // On: at the first construction in the process glibc's own trimming is turned off (M_TRIM_THRESHOLD)
-  // and its mmap threshold fixed at 32 MiB, the most glibc's rise gives it (fixing either stops the rise
-  // of both); the wrapper trims instead, at a forward, and only once the free heap has grown by 64 MiB
-  // since it last did (return_heap_growth), so a fragmenting heap is still handed back.
+  // On: at construction glibc's own trimming is turned off (M_TRIM_THRESHOLD) and its mmap threshold
+  // fixed at 32 MiB, the most glibc's rise gives it (fixing either stops the rise of both). The heap is
+  // then handed back only where the wrapper does it itself (return_freed_memory: the parameters' storage
+  // moved into buckets, the holes before the bucket rebuild; stage 2's return_heap_growth), and the
+  // process otherwise keeps its largest step's heap resident. These are the process's settings:
+  // an FSDP wrapper constructed later turns the trimming back on (it needs the top of the heap trimmed).
   bool keep_heap_resident = true;
 };
 
