@@ -6,9 +6,9 @@
 // |ddp - ref| <= 1e-6 + 1e-4 * |ref| element-wise (torch::allclose(rtol=1e-4, atol=1e-6)).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <sys/resource.h>
 
 #include "cohort/torch/ddp.h"
+#include "heap_model.h"
 #include "support/test_support.h"
 #include "train/thread_communicator.h"
 
@@ -190,15 +190,8 @@ TEST_F(TorchTest, AStepLeavesTheHeapItsActivationsFreedResidentForTheNextStep) {
   // threshold, which the 2 MB blocks lift to 2 MB).
   constexpr int64_t kRows = 256, kCols = 2048, kLayers = 8;
   ::torch::manual_seed(0);
-  auto model = nn::Sequential();
-  struct Scale : nn::Module {
-    ::torch::Tensor w;
-    Scale() { w = register_parameter("w", ::torch::full({kCols}, 0.9)); }
-    ::torch::Tensor forward(const ::torch::Tensor& x) { return ::torch::tanh(x * w); }
-  };
-  for (int i = 0; i < kLayers; ++i) model->push_back(std::make_shared<Scale>());
   auto comms = ThreadCommunicator::make_world(1);
-  DistributedDataParallel ddp(model, comms[0]);
+  DistributedDataParallel ddp(test::activations_model(kCols, kLayers), comms[0]);
   ::torch::optim::SGD opt(ddp->parameters(), ::torch::optim::SGDOptions(0.01));
   const auto x = ::torch::randn({kRows, kCols});
   auto step = [&] {
@@ -206,16 +199,11 @@ TEST_F(TorchTest, AStepLeavesTheHeapItsActivationsFreedResidentForTheNextStep) {
     ddp->forward(x).mean().backward();
     opt.step();
   };
-  auto faults = [] {
-    rusage r{};
-    getrusage(RUSAGE_THREAD, &r);
-    return r.ru_minflt;
-  };
   for (int i = 0; i < 8; ++i) step();  // the heap reaches its working size
-  const long before = faults();
+  const long before = test::thread_page_faults();
   constexpr int kSteps = 4;
   for (int i = 0; i < kSteps; ++i) step();
-  const long taken = faults() - before;
+  const long taken = test::thread_page_faults() - before;
   RecordProperty("page_faults", std::to_string(taken));
   const long activation_pages = 2 * kLayers * kRows * kCols * int64_t{sizeof(float)} / 4096;
   // Measured in 4 steps: 3,584 faults with glibc trimming the top by itself, 0 kept.
