@@ -36,6 +36,7 @@
 #include "cohort/torch/sharded_optimizer.h"
 #include "common/gpu_report.h"
 #include "common/launch.h"
+#include "common/phase_times.h"
 #include "dataset/wordnet_glosses.h"
 #include "store/memory_store.h"
 
@@ -271,6 +272,7 @@ struct Args {
   int64_t kill_after_steps = 0;
   bool print_digest = false;
   int64_t trace_memory = 0;
+  int64_t trace_phases = 0;
 };
 
 int run(const Args& a) {
@@ -417,6 +419,19 @@ int run(const Args& a) {
                a.zero ? fmt::format(" sharded (ZeRO stage {})", a.zero) : a.fsdp ? " fully sharded (FSDP)" : "");
   std::fflush(stdout);
 
+  // --trace-phases N: time per phase of every step after the first N (examples/common/phase_times.h).
+  std::optional<cohort::examples::PhaseTimes> phases;
+  if (a.trace_phases > 0) phases.emplace(std::vector<std::string>{"zero_grad", "forward", "backward", "optimizer"}, a.trace_phases);
+  // The communication wait the wrapper counted since the last phase ended (DDP's and the sharded
+  // optimizer's gradient waits; FSDP's are inside its own phases and not counted here).
+  double waited = 0;
+  auto wait_since = [&] {
+    const double now = ddp ? ddp->stats().wait_seconds : 0.0;
+    const double d = now - waited;
+    waited = now;
+    return d;
+  };
+
   comm->barrier();
   const auto t0 = std::chrono::steady_clock::now();
   int64_t samples = 0, steps_run = 0;
@@ -439,19 +454,24 @@ int run(const Args& a) {
         if (trace) fmt::print("rank {} step {} {}: {}\n", rank, steps_run, what, memory_now());
       };
       phase("start");
+      if (phases) phases->begin_step(), wait_since();
       if (sharded) sharded->zero_grad();
       else if (fsdp) optimizer->zero_grad();
       else ddp->zero_grad();  // as torch 2.x's zero_grad(): released, or zeroed in place where a bucket view
       phase("after zero_grad");
+      if (phases) phases->end_phase(0, wait_since());
       auto logits = forward(ids, masked);
       // An empty batch still takes part in the step (every rank's gradients are averaged): zero loss.
       auto loss = len > 0 ? torch::nn::functional::cross_entropy(logits, labels) : logits.sum() * 0.0;
       phase("after forward");
+      if (phases) phases->end_phase(1, wait_since());
       loss.backward();
       phase("after backward");
+      if (phases) phases->end_phase(2, wait_since());
       if (sharded) sharded->step();
       else optimizer->step();
       phase("after step");
+      if (phases) phases->end_phase(3, wait_since()), phases->end_step(rank);
       samples += len;
       ++steps_run;
       ++pos.global_step;
@@ -532,6 +552,7 @@ int run(const Args& a) {
       fmt::print("rank {}: optimizer state {:.1f} MB, peak RSS {:.1f} MB\n", r, all[3 * size_t(r)], all[3 * size_t(r) + 1]);
     if (a.print_digest) fmt::print("final weights digest: {:016x}\n", final_digest);
   }
+  if (phases) fmt::print("{}\n", phases->summary(rank));  // every rank its own line
   return 0;
 }
 
@@ -579,6 +600,11 @@ int main(int argc, char** argv) {
                  "--fsdp: glibc's mmap threshold in bytes, fixed at construction (FSDPOptions::mmap_threshold_bytes); 0 "
                  "leaves glibc's own, which rises to the largest block freed (bench/fsdp_memory.sh's fsdp-glibc)");
   app.add_option("--trace-memory", a.trace_memory, "print every rank's resident memory after each phase of the first N steps")
+      ->check(kNotNegative);
+  app.add_option("--trace-phases", a.trace_phases,
+                 "print every rank's wall and CPU time per phase (zero_grad, forward, backward, the optimizer), page faults, "
+                 "switches and two probes of its core, for each step after the first N and averaged at the end "
+                 "(0: off)")
       ->check(kNotNegative);
   return cohort::examples::parse_and_run("bert", app, argc, argv, [&] { return run(a); });
 }

@@ -20,6 +20,7 @@
 #include <unordered_set>
 
 #include "cohort/torch/ddp.h"  // broadcast_module
+#include "heap_policy.h"
 #include "module_sync.h"     // broadcast_buffers
 #include "zero_shards.h"
 
@@ -159,6 +160,9 @@ void FullyShardedDataParallel::init(std::vector<std::shared_ptr<::torch::nn::Mod
   if (!comm_) throw InvalidArgument("FSDP: communicator is null");
   if (!module_) throw InvalidArgument("FSDP: module is null");
   wire_type(options_.compute_dtype);  // one the communicator moves
+  // A DDP wrapper constructed earlier in this process turned glibc's trimming off: with the top of the
+  // heap resident, a gathered unit would come out of it however low the mmap threshold.
+  if (options_.mmap_threshold_bytes > 0) heap_policy::trim_again();
   fix_mmap_threshold(options_.mmap_threshold_bytes);
   std::unordered_map<const c10::TensorImpl*, std::string> names;
   std::optional<::torch::Device> device;

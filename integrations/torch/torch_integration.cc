@@ -14,6 +14,8 @@
 #include <malloc.h>
 #include <fstream>
 #include <sstream>
+#include <atomic>
+#include <limits>
 #include <map>
 #include <unordered_set>
 
@@ -21,6 +23,7 @@
 #include "cohort/gpu.h"
 #include "cohort/torch/ddp.h"
 #include "common/log.h"
+#include "heap_policy.h"
 #include "module_sync.h"
 
 namespace cohort::torch {
@@ -35,7 +38,37 @@ void* torch_current_stream(int device) {
 }
 #endif
 
+// Whether keep_resident turned glibc's trimming off in this process.
+std::atomic<bool> g_trimming_off{false};
+
 }  // namespace
+
+namespace heap_policy {
+
+// M_TRIM_THRESHOLD alone would also freeze glibc's mmap threshold wherever its rise had got to (128 KiB
+// in a fresh process: every activation mapped and unmapped, faulted in at every use), so the threshold
+// is fixed at the top of that rise, 32 MiB (glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit). At every
+// construction: a wrapper of another kind constructed since may have changed them.
+void keep_resident() {
+#if defined(__GLIBC__)
+  if (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) != 1) {
+    log::warn("DDP: glibc refused to keep the heap resident (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD); every "
+              "step will fault its activations in again");
+    return;
+  }
+  g_trimming_off.store(true);
+#endif
+}
+
+void trim_again() {
+#if defined(__GLIBC__)
+  if (!g_trimming_off.exchange(false)) return;
+  mallopt(M_TRIM_THRESHOLD, 128 << 10);  // glibc's DEFAULT_TRIM_THRESHOLD
+  malloc_trim(0);
+#endif
+}
+
+}  // namespace heap_policy
 
 void use_torch_streams() {
 #ifdef COHORT_TORCH_CUDA
@@ -131,6 +164,7 @@ void DistributedDataParallel::init() {
     params_.push_back(p.value());
   }
   device_ = device.value_or(::torch::Device(::torch::kCPU));
+  if (options_.keep_heap_resident && device_.is_cpu()) heap_policy::keep_resident();
   train::GradSyncOptions o;
   if (device_.is_cuda()) {
     // A model on a GPU: buckets in its memory, reduced by NCCL. A host communicator is wrapped here, so

@@ -143,6 +143,45 @@ TEST(Bert, FsdpCheckpointWrittenByThreeRanksResumesOnTwoWithTheSameWeights) {
   EXPECT_TRUE(std::filesystem::exists(tmp.path() + "/zero/step-7/shard-1-of-2.bin"));
 }
 
+TEST(Bert, TracePhasesSplitsEveryRanksStepIntoItsPhasesAndProbesTheCore) {
+  // bert --trace-phases N (examples/common/phase_times.h): per rank, a line per step after the first N
+  // and a summary of the phases' wall, thread CPU and process CPU, which must add up as time does.
+  if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
+  auto ranks = run_ranks(2, small_job({"--max-steps", "4", "--trace-phases", "1", "--test-samples", "16"}));
+  for (int r = 0; r < 2; ++r) {
+    const ProcessResult& p = ranks[size_t(r)];
+    ASSERT_EQ(p.exit_code, 0) << p.err;
+    const std::string rank = "rank " + std::to_string(r);
+    // Steps 1 to 3: one line each, every phase's thread CPU and the two probes.
+    for (int step = 1; step <= 3; ++step)
+      EXPECT_FALSE(first_match(p.out, rank + " phases step " + std::to_string(step) +
+                                          " on cpu [0-9]+: thread cpu ms zero_grad [0-9.]+ forward [0-9.]+ backward "
+                                          "[0-9.]+ optimizer [0-9.]+ \\| probes fma ([0-9.]+) ms, 16 MiB read [0-9.]+ ms")
+                       .empty())
+          << "step " << step << ":\n" << p.out;
+    EXPECT_TRUE(first_match(p.out, rank + " phases step (0) ").empty()) << "step 0 is warm-up:\n" << p.out;
+    std::smatch m;
+    const std::string number = "([0-9.]+)";
+    const std::string triple = number + " / " + number + " / " + number;
+    const std::regex summary(rank + " phases, ms per step over steps 1-3 \\(wall / thread cpu / process cpu\\): zero_grad " +
+                             triple + ", forward " + triple + ", backward " + triple +
+                             "(?: \\(of which waiting for peers " + number + "\\))?, optimizer " + triple + ", step " + triple +
+                             "; per step [0-9]+ minor faults, [0-9.]+ involuntary switches, [0-9.]+ CPU changes; probes fma " +
+                             number + " ms, 16 MiB read " + number + " ms");
+    ASSERT_TRUE(std::regex_search(p.out, m, summary)) << p.out;
+    auto at = [&](int i) { return std::stod(m[size_t(i)]); };
+    // The phases make up the step: wall, thread CPU and process CPU each (to the print's rounding).
+    for (int k = 0; k < 3; ++k)
+      EXPECT_NEAR(at(1 + k) + at(4 + k) + at(7 + k) + at(11 + k), at(14 + k), 0.25) << "column " << k << ": " << m[0];
+    // One thread's CPU time cannot pass the wall time, nor the whole process's.
+    EXPECT_LE(at(15), at(14) + 0.1) << m[0];
+    EXPECT_LE(at(15), at(16) + 0.1) << m[0];
+    EXPECT_GT(at(15), 0) << m[0];
+    EXPECT_GT(at(17), 0) << "the fma probe took no time: " << m[0];
+    EXPECT_GT(at(18), 0) << "the read probe took no time: " << m[0];
+  }
+}
+
 TEST(Bert, ShardedStageTwoAcrossProcessesTrainsLikeDdpAndResumesAtAnotherWorldSize) {
   if (!kHaveData) GTEST_SKIP() << "wordnet-base is not installed";
   auto ddp = run_ranks(2, small_job({"--max-steps", "11"}));

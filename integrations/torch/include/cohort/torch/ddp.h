@@ -70,6 +70,19 @@ struct DDPOptions {
   // normalises with the same statistics and a checkpoint of rank 0 holds them. One broadcast per
   // buffer dtype (the buffers are packed), not one per buffer.
   bool broadcast_buffers = true;
+  // A model on the CPU with glibc: keep the heap's free memory resident from one step to the next.
+  // By itself glibc hands the top of its heap back whenever a free leaves more than its trim threshold
+  // there (twice its mmap threshold, which rises with the largest block freed): the activations that
+  // backward frees, at the top since forward allocated them last, went back to the system at the end of
+  // every step and the next forward faulted each page in again (BERT-mini: 3,066 faults a step, about
+  // 1.6 us each on a KVM guest, 4-9 % of the step's CPU; docs/performance.md, "Data-parallel training").
+  // On: at construction glibc's own trimming is turned off (M_TRIM_THRESHOLD) and its mmap threshold
+  // fixed at 32 MiB, the most glibc's rise gives it (fixing either stops the rise of both). The heap is
+  // then handed back only where the wrapper does it itself (return_freed_memory: the parameters' storage
+  // moved into buckets, the holes before the bucket rebuild; stage 2's return_heap_growth), and the
+  // process otherwise keeps its largest step's heap resident. These are the process's settings:
+  // an FSDP wrapper constructed later turns the trimming back on (it needs the top of the heap trimmed).
+  bool keep_heap_resident = true;
 };
 
 class DistributedDataParallel {
