@@ -352,7 +352,9 @@ TEST(ShmSmall, TheLastEarlyBroadcastsAreConfirmedWhenTheGroupsOwnerEnds) {
       }
       if (!two_roots) {
         EXPECT_EQ(error, "") << "rank " << r;
-        if (r == 0) EXPECT_EQ(groups[r]->early_roots(), 3u);
+        if (r == 0) {
+          EXPECT_EQ(groups[r]->early_roots(), 3u);
+        }
       } else {
         // Each names the peer's call as the peer published it (its root, in the seq of the last call).
         EXPECT_NE(error.find("seq 12"), std::string::npos) << "rank " << r << ": '" << error << "'";

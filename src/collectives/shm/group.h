@@ -459,6 +459,10 @@ class Group {
   uint64_t early_roots_ = 0;
   CopiedBytes copied_;
   std::vector<char> reduce_pieces_;  // reduce_scatter_single: the peers' pieces and an accumulator
+  // reduce_scatter_single: each peer's input where this rank maps it (null: copied in by the kernel), and
+  // the allocations those mappings belong to, held for the call's length.
+  std::vector<const char*> reduce_direct_;
+  std::vector<std::shared_ptr<SharedRegion>> reduce_holds_;
   std::vector<char> alltoall_aside_;  // an in-place alltoallv's input, which peers read while it is overwritten
   std::vector<char> aside_;  // allreduce_shared's accumulator for local ranks >= 2; allreduce_update's
   ChunkChoice chunk_;  // alike on every rank (the slices of a chunk depend on it)

@@ -226,8 +226,15 @@ void Group::reduce_scatter_single(const char* in, char* out, size_t count, DataT
     char* theirs = reduce_pieces_.data();              // peer q's piece at slot q (q < me) or q - 1
     char* acc_piece = theirs + peers * piece * es;     // the accumulator when it must not be `out`
     // A peer's input in allocate_shared memory this rank maps is read where it lies: no piece copied in.
-    std::vector<std::shared_ptr<SharedRegion>> holds(static_cast<size_t>(size_));
-    std::vector<const char*> direct(static_cast<size_t>(size_), nullptr);
+    // (Members, sized once: no allocation per call; the holds are dropped when the call ends.)
+    std::vector<std::shared_ptr<SharedRegion>>& holds = reduce_holds_;
+    std::vector<const char*>& direct = reduce_direct_;
+    holds.assign(static_cast<size_t>(size_), nullptr);
+    direct.assign(static_cast<size_t>(size_), nullptr);
+    struct DropHolds {
+      std::vector<std::shared_ptr<SharedRegion>>& holds;
+      ~DropHolds() { holds.assign(holds.size(), nullptr); }
+    } drop{holds};
     for (int q = 0; q < size_; ++q)
       if (q != rank_)
         direct[static_cast<size_t>(q)] = mapped(q, peer_buffer(header_of(q, p)), me * block, block,
